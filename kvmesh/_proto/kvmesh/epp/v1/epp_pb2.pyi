@@ -1,0 +1,79 @@
+from kvmesh._proto.kvmesh.common.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PickRequest(_message.Message):
+    __slots__ = ("request_id", "model", "prompt_token_ids", "prompt", "messages", "exclude_endpoint_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_ENDPOINT_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt: str
+    messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
+    exclude_endpoint_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., exclude_endpoint_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ScoreBreakdown(_message.Message):
+    __slots__ = ("endpoint_id", "scores", "total")
+    class ScoresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    ENDPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    endpoint_id: str
+    scores: _containers.ScalarMap[str, float]
+    total: float
+    def __init__(self, endpoint_id: _Optional[str] = ..., scores: _Optional[_Mapping[str, float]] = ..., total: _Optional[float] = ...) -> None: ...
+
+class PickResponse(_message.Message):
+    __slots__ = ("target", "fallbacks", "breakdown", "profile", "prompt_tokens")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    BREAKDOWN_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    target: _common_pb2.Endpoint
+    fallbacks: _containers.RepeatedCompositeFieldContainer[_common_pb2.Endpoint]
+    breakdown: _containers.RepeatedCompositeFieldContainer[ScoreBreakdown]
+    profile: str
+    prompt_tokens: int
+    def __init__(self, target: _Optional[_Union[_common_pb2.Endpoint, _Mapping]] = ..., fallbacks: _Optional[_Iterable[_Union[_common_pb2.Endpoint, _Mapping]]] = ..., breakdown: _Optional[_Iterable[_Union[ScoreBreakdown, _Mapping]]] = ..., profile: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class ListEndpointsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EndpointState(_message.Message):
+    __slots__ = ("endpoint", "num_requests_waiting", "num_requests_running", "kv_cache_usage_perc", "metrics_age_seconds")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_PERC_FIELD_NUMBER: _ClassVar[int]
+    METRICS_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    endpoint: _common_pb2.Endpoint
+    num_requests_waiting: float
+    num_requests_running: float
+    kv_cache_usage_perc: float
+    metrics_age_seconds: float
+    def __init__(self, endpoint: _Optional[_Union[_common_pb2.Endpoint, _Mapping]] = ..., num_requests_waiting: _Optional[float] = ..., num_requests_running: _Optional[float] = ..., kv_cache_usage_perc: _Optional[float] = ..., metrics_age_seconds: _Optional[float] = ...) -> None: ...
+
+class ListEndpointsResponse(_message.Message):
+    __slots__ = ("endpoints",)
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    endpoints: _containers.RepeatedCompositeFieldContainer[EndpointState]
+    def __init__(self, endpoints: _Optional[_Iterable[_Union[EndpointState, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,107 @@
+from kvmesh._proto.kvmesh.common.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("model", "token_ids", "endpoint_ids")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_IDS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    endpoint_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., endpoint_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class EndpointScore(_message.Message):
+    __slots__ = ("endpoint_id", "matched_blocks", "matched_tokens", "matched_blocks_by_medium")
+    class MatchedBlocksByMediumEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    ENDPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_BLOCKS_BY_MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    endpoint_id: str
+    matched_blocks: int
+    matched_tokens: int
+    matched_blocks_by_medium: _containers.ScalarMap[str, int]
+    def __init__(self, endpoint_id: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., matched_blocks_by_medium: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("scores", "total_blocks", "block_size_tokens")
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    scores: _containers.RepeatedCompositeFieldContainer[EndpointScore]
+    total_blocks: int
+    block_size_tokens: int
+    def __init__(self, scores: _Optional[_Iterable[_Union[EndpointScore, _Mapping]]] = ..., total_blocks: _Optional[int] = ..., block_size_tokens: _Optional[int] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("model", "token_ids")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BlockHolder(_message.Message):
+    __slots__ = ("endpoint_id", "medium")
+    ENDPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    endpoint_id: str
+    medium: _common_pb2.Medium
+    def __init__(self, endpoint_id: _Optional[str] = ..., medium: _Optional[_Union[_common_pb2.Medium, str]] = ...) -> None: ...
+
+class BlockLocation(_message.Message):
+    __slots__ = ("block_key", "holders")
+    BLOCK_KEY_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    block_key: int
+    holders: _containers.RepeatedCompositeFieldContainer[BlockHolder]
+    def __init__(self, block_key: _Optional[int] = ..., holders: _Optional[_Iterable[_Union[BlockHolder, _Mapping]]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockLocation]
+    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EndpointIndexStats(_message.Message):
+    __slots__ = ("endpoint_id", "blocks", "events_applied", "last_seq")
+    ENDPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    endpoint_id: str
+    blocks: int
+    events_applied: int
+    last_seq: int
+    def __init__(self, endpoint_id: _Optional[str] = ..., blocks: _Optional[int] = ..., events_applied: _Optional[int] = ..., last_seq: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("blocks", "endpoints", "events_applied", "batches_dropped", "per_endpoint")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    PER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    endpoints: int
+    events_applied: int
+    batches_dropped: int
+    per_endpoint: _containers.RepeatedCompositeFieldContainer[EndpointIndexStats]
+    def __init__(self, blocks: _Optional[int] = ..., endpoints: _Optional[int] = ..., events_applied: _Optional[int] = ..., batches_dropped: _Optional[int] = ..., per_endpoint: _Optional[_Iterable[_Union[EndpointIndexStats, _Mapping]]] = ...) -> None: ...

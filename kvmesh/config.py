@@ -1,0 +1,151 @@
+"""Typed service configuration: defaults < YAML file < environment < command-line flags.
+
+Every service declares one ``<Svc>Config(ServiceConfig)`` whose fields carry their unit
+in their name, a bound and an attribute docstring (which becomes the flag's help).
+:func:`load_config` builds the command line from the fields, so a field ``grpc_port``
+is set by ``--grpc-port``, by ``KVMESH_<SVC>_GRPC_PORT`` or by ``grpc_port:`` in the
+file named by ``--config``. Lists take comma-separated values on the command line;
+mappings and nested models take YAML/JSON. This is the only module that reads the
+environment (the standard ``OTEL_EXPORTER_OTLP_ENDPOINT`` included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextvars
+import sys
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import AliasChoices, Field
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+
+_config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar("kvmesh_config_file", default=None)
+
+
+class ServiceConfig(BaseSettings):
+    """Fields every kvmesh service shares. Subclasses set ``env_prefix="KVMESH_<SVC>_"``."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KVMESH_",
+        extra="forbid",
+        use_attribute_docstrings=True,
+        populate_by_name=True,
+    )
+
+    host: str = "127.0.0.1"
+    """Interface the gRPC and metrics servers bind (kvmesh binds loopback unless told otherwise)."""
+    grpc_port: int = Field(0, ge=0, le=65535)
+    """gRPC port; 0 picks a free one (logged at start)."""
+    metrics_port: int = Field(0, ge=0, le=65535)
+    """Port of the Prometheus /metrics HTTP endpoint; 0 picks a free one."""
+    etcd_endpoints: list[str] = Field(default_factory=lambda: ["127.0.0.1:2379"])
+    """etcd client endpoints as host:port (the first reachable one is used); empty disables membership."""
+    lease_ttl_seconds: int = Field(10, ge=2, le=3600)
+    """TTL of this instance's etcd lease; a crashed instance disappears after at most this long."""
+    shutdown_grace_seconds: float = Field(5.0, ge=0, le=300)
+    """On SIGTERM, how long running RPCs may finish before they are cancelled."""
+    instance_id: str = ""
+    """Name of this instance in etcd; empty means host:grpc_port."""
+    log_level: LogLevel = "INFO"
+    """Root log level."""
+    otlp_endpoint: str | None = Field(
+        None,
+        validation_alias=AliasChoices("otlp_endpoint", "OTEL_EXPORTER_OTLP_ENDPOINT"),
+    )
+    """OTLP/gRPC collector URL (standard env var OTEL_EXPORTER_OTLP_ENDPOINT); unset disables export."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = _config_file.get()
+        if path is not None:
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
+        return tuple(sources)
+
+    def dump_yaml(self) -> str:
+        """The fully defaulted configuration as YAML (what ``--print-config`` prints)."""
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+C = TypeVar("C", bound=ServiceConfig)
+
+
+def _flag_parser(annotation: Any) -> typing.Callable[[str], Any]:
+    origin = typing.get_origin(annotation)
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        if len(args) == 1:
+            return _flag_parser(args[0])
+    if origin in (list, tuple, set):
+        inner = args[0] if args else str
+        if inner in (str, int, float):
+            return lambda raw: [item.strip() for item in raw.split(",") if item.strip()]
+        return yaml.safe_load
+    if origin is dict or (isinstance(annotation, type) and issubclass(annotation, (dict,))):
+        return yaml.safe_load
+    if isinstance(annotation, type) and hasattr(annotation, "model_fields"):
+        return yaml.safe_load
+    return str  # scalars: pydantic converts "5", "true", "0.5" in lax mode
+
+
+def load_config(cls: type[C], argv: list[str] | None = None, prog: str | None = None) -> C:
+    """Parse flags, environment and ``--config FILE`` into ``cls``.
+
+    ``--print-config`` prints the resulting configuration as YAML and exits 0.
+
+    Raises:
+        SystemExit: on an unknown flag or a value that fails validation (the message names it).
+    """
+    parser = argparse.ArgumentParser(prog=prog, description=(cls.__doc__ or "").strip().splitlines()[0])
+    parser.add_argument("--config", type=Path, help="YAML file with any of the fields below")
+    parser.add_argument("--print-config", action="store_true", help="print the effective config and exit")
+    converters: dict[str, typing.Callable[[str], Any]] = {}
+    for name, info in cls.model_fields.items():
+        converters[name] = _flag_parser(info.annotation)
+        default = info.default if info.default_factory is None else info.default_factory()  # type: ignore[call-arg]
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            default=argparse.SUPPRESS,
+            metavar=name.upper(),
+            help=f"{info.description or ''} (default: {default!r})",
+        )
+    ns = vars(parser.parse_args(argv))
+    config_path = ns.pop("config")
+    print_config = ns.pop("print_config")
+    if config_path is not None and not config_path.is_file():
+        parser.error(f"--config {config_path}: no such file")
+    flags: dict[str, Any] = {}
+    for name, raw in ns.items():
+        try:
+            flags[name] = converters[name](raw)
+        except yaml.YAMLError as exc:
+            parser.error(f"--{name.replace('_', '-')}: not valid YAML/JSON: {exc}")
+    token = _config_file.set(config_path)
+    try:
+        config = cls(**flags)
+    except ValueError as exc:
+        parser.error(str(exc))
+    finally:
+        _config_file.reset(token)
+    if print_config:
+        sys.stdout.write(config.dump_yaml())
+        raise SystemExit(0)
+    return config

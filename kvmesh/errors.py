@@ -1,0 +1,102 @@
+"""Domain errors and the one table that maps them to gRPC status codes and HTTP statuses.
+
+Cores raise these and nothing else on purpose; the shared gRPC interceptor
+(:mod:`kvmesh.interceptors`) and the router's HTTP layer translate them with
+:data:`ERROR_TABLE`. This module imports no grpc so cores stay free of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class KvmeshError(Exception):
+    """Base of every domain error; ``str(err)`` is the client-facing message."""
+
+
+class InvalidRequest(KvmeshError):
+    """The caller sent something malformed or out of range."""
+
+
+class UnknownModel(KvmeshError):
+    """No endpoint serves the requested model."""
+
+
+class UnknownEndpoint(KvmeshError):
+    """An endpoint id that is not (or no longer) registered."""
+
+
+class NoEndpointsAvailable(KvmeshError):
+    """No live endpoint can take the request."""
+
+
+class NotReady(KvmeshError):
+    """The service has not finished starting (or is draining)."""
+
+
+class Saturated(KvmeshError):
+    """The pool is saturated; retry later."""
+
+
+class QueueFull(KvmeshError):
+    """The admission queue is at its capacity."""
+
+
+class Shed(KvmeshError):
+    """The request was shed to protect more important traffic."""
+
+
+class QueueTTLExpired(KvmeshError):
+    """The request waited longer than its queue TTL."""
+
+
+class LeaseLost(KvmeshError):
+    """The etcd lease backing a registration expired."""
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorMapping:
+    """How one error class is reported: gRPC status name, HTTP status, OpenAI error type."""
+
+    grpc_status: str
+    http_status: int
+    openai_type: str
+
+
+ERROR_TABLE: dict[type[KvmeshError], ErrorMapping] = {
+    InvalidRequest: ErrorMapping("INVALID_ARGUMENT", 400, "invalid_request_error"),
+    UnknownModel: ErrorMapping("NOT_FOUND", 404, "not_found_error"),
+    UnknownEndpoint: ErrorMapping("NOT_FOUND", 404, "not_found_error"),
+    NoEndpointsAvailable: ErrorMapping("UNAVAILABLE", 503, "service_unavailable"),
+    NotReady: ErrorMapping("UNAVAILABLE", 503, "service_unavailable"),
+    Saturated: ErrorMapping("RESOURCE_EXHAUSTED", 429, "rate_limit_exceeded"),
+    QueueFull: ErrorMapping("RESOURCE_EXHAUSTED", 429, "rate_limit_exceeded"),
+    Shed: ErrorMapping("RESOURCE_EXHAUSTED", 429, "rate_limit_exceeded"),
+    QueueTTLExpired: ErrorMapping("DEADLINE_EXCEEDED", 504, "timeout"),
+    LeaseLost: ErrorMapping("FAILED_PRECONDITION", 500, "internal_error"),
+}
+INTERNAL = ErrorMapping("INTERNAL", 500, "internal_error")
+
+
+def mapping_for(exc: BaseException) -> ErrorMapping:
+    """The table row for ``exc`` (walking its MRO), or :data:`INTERNAL` for anything else."""
+    for cls in type(exc).__mro__:
+        row = ERROR_TABLE.get(cls)  # type: ignore[arg-type]
+        if row is not None:
+            return row
+    return INTERNAL
+
+
+# gRPC status name -> domain error, for clients turning a remote status back into a domain error.
+_FROM_GRPC: dict[str, type[KvmeshError]] = {
+    "INVALID_ARGUMENT": InvalidRequest,
+    "NOT_FOUND": UnknownModel,
+    "UNAVAILABLE": NoEndpointsAvailable,
+    "RESOURCE_EXHAUSTED": Saturated,
+    "DEADLINE_EXCEEDED": QueueTTLExpired,
+}
+
+
+def from_grpc_status(status_name: str, message: str) -> KvmeshError:
+    """Rebuild a domain error from a remote gRPC status (``KvmeshError`` when unmapped)."""
+    return _FROM_GRPC.get(status_name, KvmeshError)(message)

@@ -1,0 +1,191 @@
+"""Start and stop the processes of a mesh: etcd, kvmesh services, engines.
+
+Shared by ``kvmesh up``/``kvmesh compare`` and the integration-test fixtures, so tests boot
+the mesh exactly as users do. Every process listens on 127.0.0.1; each one's output goes to
+``<run_dir>/<name>.log``. ``stop()`` sends SIGTERM, waits, then SIGKILLs the process group,
+so no orphan survives a crash of the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A currently free TCP port on 127.0.0.1 (the OS may reuse it later; bind promptly)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_grpc_healthy(address: str, timeout_seconds: float = 30.0, service: str = "") -> None:
+    """Poll ``grpc.health.v1.Health/Check`` on ``address`` until SERVING.
+
+    Raises:
+        TimeoutError: when not SERVING within ``timeout_seconds``.
+    """
+    deadline = time.monotonic() + timeout_seconds
+    last: Exception | None = None
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError as exc:
+                last = exc
+            time.sleep(0.05)
+    raise TimeoutError(f"{address} not SERVING after {timeout_seconds}s (last error: {last})")
+
+
+def wait_http_ok(url: str, timeout_seconds: float = 30.0) -> None:
+    """Poll ``url`` until it answers 200.
+
+    Raises:
+        TimeoutError: when it does not within ``timeout_seconds``.
+    """
+    deadline = time.monotonic() + timeout_seconds
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            reply = httpx.get(url, timeout=1.0)
+            if reply.status_code == 200:
+                return
+            last = reply.status_code
+        except httpx.HTTPError as exc:
+            last = exc
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not ready after {timeout_seconds}s (last: {last})")
+
+
+@dataclass
+class ManagedProcess:
+    """One child process in its own process group, logging to ``log_path``."""
+
+    name: str
+    argv: Sequence[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: Path | None = None
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ManagedProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+        self.proc = subprocess.Popen(
+            list(self.argv),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **self.env},
+            cwd=self.cwd,
+            start_new_session=True,
+        )
+        log.close()
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def check_alive(self) -> None:
+        """Raise RuntimeError with the log's tail if the process has exited."""
+        if not self.alive():
+            raise RuntimeError(f"{self.name} exited (rc={self.proc and self.proc.returncode}):\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_seconds: float = 10.0) -> None:
+        """SIGTERM the process group, wait, then SIGKILL it."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_seconds)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+
+    def kill(self) -> None:
+        """SIGKILL at once (a crash, for fault tests)."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+
+
+def etcd_binary() -> str:
+    """Path of the ``etcd`` server binary.
+
+    Raises:
+        FileNotFoundError: with the install command when it is missing.
+    """
+    path = shutil.which("etcd")
+    if path is None:
+        raise FileNotFoundError("etcd is not installed; run: sudo apt-get install -y etcd-server")
+    return path
+
+
+def start_etcd(run_dir: Path, client_port: int | None = None, peer_port: int | None = None) -> tuple[ManagedProcess, str]:
+    """Start a single-member etcd with its data under ``run_dir/etcd``; returns it and ``host:port``.
+
+    Raises:
+        TimeoutError: when it is not healthy within 20 s.
+    """
+    client_port = client_port or free_port()
+    peer_port = peer_port or free_port()
+    client_url = f"http://{LOOPBACK}:{client_port}"
+    peer_url = f"http://{LOOPBACK}:{peer_port}"
+    proc = ManagedProcess(
+        "etcd",
+        [
+            etcd_binary(),
+            "--name", "kvmesh",
+            "--data-dir", str(run_dir / "etcd"),
+            "--listen-client-urls", client_url,
+            "--advertise-client-urls", client_url,
+            "--listen-peer-urls", peer_url,
+            "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"kvmesh={peer_url}",
+            "--log-level", "warn",
+        ],
+        run_dir / "etcd.log",
+    ).start()
+    try:
+        wait_http_ok(f"{client_url}/health", 20.0)
+    except TimeoutError:
+        proc.stop()
+        raise
+    return proc, f"{LOOPBACK}:{client_port}"
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    """argv running ``python -m module args`` with this interpreter."""
+    return [sys.executable, "-m", module, *args]

@@ -1,0 +1,254 @@
+"""etcd membership: lease-backed registrations and prefix watches.
+
+Layout (all values JSON):
+
+| key | value |
+| --- | --- |
+| ``/kvmesh/v1/endpoints/<model>/<endpoint id>`` | :class:`kvmesh.types.Endpoint` |
+| ``/kvmesh/v1/services/<service>/<instance id>`` | :class:`kvmesh.types.ServiceInstance` |
+
+A :class:`LeaseRegistration` grants a lease (TTL default 10 s), puts its key with it and
+refreshes it every TTL/3; if the lease is lost (etcd restarted, a long pause) it grants a
+new one and puts the key again. ``stop()`` revokes the lease so watchers see the leave at
+once. A :class:`EndpointWatcher` loads the prefix, then follows its watch stream; when etcd
+is unreachable it keeps the last known view, logs it, and resynchronises on reconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+import aetcd
+
+from kvmesh.types import Endpoint, EndpointId
+
+logger = logging.getLogger(__name__)
+
+ENDPOINTS_PREFIX = "/kvmesh/v1/endpoints/"
+SERVICES_PREFIX = "/kvmesh/v1/services/"
+_RETRY_SECONDS = 1.0
+
+
+def endpoint_key(endpoint: Endpoint) -> str:
+    return f"{ENDPOINTS_PREFIX}{endpoint.model}/{endpoint.id}"
+
+
+def service_key(service: str, instance_id: str) -> str:
+    return f"{SERVICES_PREFIX}{service}/{instance_id}"
+
+
+def _client(etcd_endpoints: list[str], timeout_seconds: float = 3.0) -> aetcd.Client:
+    if not etcd_endpoints:
+        raise ValueError("no etcd endpoints configured")
+    host, _, port = etcd_endpoints[0].rpartition(":")
+    return aetcd.Client(host=host or "127.0.0.1", port=int(port), timeout=timeout_seconds)
+
+
+class LeaseRegistration:
+    """Keeps ``key = value`` alive in etcd under a lease while the owner runs.
+
+    ``start()`` returns after the first successful put, or after ``first_attempt_timeout_seconds``
+    with the retries continuing in the background (a service must not hang on etcd).
+    """
+
+    def __init__(
+        self,
+        etcd_endpoints: list[str],
+        key: str,
+        value: str,
+        ttl_seconds: int = 10,
+        first_attempt_timeout_seconds: float = 5.0,
+    ) -> None:
+        self._etcd_endpoints = etcd_endpoints
+        self.key = key
+        self._value = value
+        self.ttl_seconds = ttl_seconds
+        self._first_timeout = first_attempt_timeout_seconds
+        self._client: aetcd.Client | None = None
+        self._lease: aetcd.Lease | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._registered = asyncio.Event()
+
+    @property
+    def registered(self) -> bool:
+        return self._registered.is_set()
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"lease:{self.key}")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._registered.wait(), self._first_timeout)
+        if not self._registered.is_set():
+            logger.warning("etcd registration pending key=%s (etcd unreachable, retrying)", self.key)
+
+    async def update(self, value: str) -> None:
+        """Change the registered value (kept under the same lease)."""
+        self._value = value
+        if self._client is not None and self._lease is not None:
+            await self._client.put(self.key.encode(), value.encode(), lease=self._lease)
+
+    async def _register(self) -> None:
+        if self._client is None:
+            self._client = _client(self._etcd_endpoints)
+            await self._client.connect()
+        self._lease = await self._client.lease(self.ttl_seconds)
+        await self._client.put(self.key.encode(), self._value.encode(), lease=self._lease)
+        self._registered.set()
+        logger.info("registered key=%s lease=%x ttl=%ds", self.key, self._lease.id, self.ttl_seconds)
+
+    async def _run(self) -> None:
+        interval = max(0.5, self.ttl_seconds / 3)
+        while True:
+            try:
+                if self._lease is None:
+                    await self._register()
+                await asyncio.sleep(interval)
+                remaining = await self._lease.remaining_ttl()  # type: ignore[union-attr]
+                if remaining <= 0:
+                    logger.warning("lease lost key=%s; registering again", self.key)
+                    self._lease = None
+                    continue
+                await self._lease.refresh()  # type: ignore[union-attr]
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - etcd unreachable: keep trying
+                logger.warning("etcd keepalive failed key=%s error=%s", self.key, exc)
+                self._lease = None
+                await self._close_client()
+                await asyncio.sleep(_RETRY_SECONDS)
+
+    async def _close_client(self) -> None:
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                await self._client.close()
+            self._client = None
+
+    async def stop(self) -> None:
+        """Stop refreshing and revoke the lease (the key disappears at once)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._lease is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._lease.revoke(), 2.0)
+            logger.info("deregistered key=%s", self.key)
+        self._lease = None
+        await self._close_client()
+
+
+MembershipListener = Callable[[dict[EndpointId, Endpoint], dict[EndpointId, Endpoint]], None]
+"""Called with ``(joined, left)`` after every change of the view (never with both empty)."""
+
+
+class EndpointWatcher:
+    """The live endpoint set under ``/kvmesh/v1/endpoints/`` (optionally one model).
+
+    ``snapshot()`` is the current view; listeners hear joins and leaves (a changed
+    registration counts as a leave then a join only when its identity fields change).
+    """
+
+    def __init__(self, etcd_endpoints: list[str], model: str | None = None) -> None:
+        self._etcd_endpoints = etcd_endpoints
+        self.prefix = ENDPOINTS_PREFIX + (f"{model}/" if model else "")
+        self._view: dict[str, Endpoint] = {}  # etcd key -> endpoint
+        self._listeners: list[MembershipListener] = []
+        self._task: asyncio.Task[None] | None = None
+        self._synced = asyncio.Event()
+        self._changed = asyncio.Condition()
+
+    def add_listener(self, listener: MembershipListener) -> None:
+        self._listeners.append(listener)
+
+    def snapshot(self) -> dict[EndpointId, Endpoint]:
+        return {ep.id: ep for ep in self._view.values()}
+
+    async def start(self, first_sync_timeout_seconds: float = 5.0) -> None:
+        """Start watching; returns after the first full load or the timeout (retries continue)."""
+        self._task = asyncio.create_task(self._run(), name=f"watch:{self.prefix}")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._synced.wait(), first_sync_timeout_seconds)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def wait_for(self, predicate: Callable[[dict[EndpointId, Endpoint]], bool], timeout: float) -> bool:
+        """Wait until ``predicate(snapshot())`` holds; False on timeout."""
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: predicate(self.snapshot())), timeout)
+            except TimeoutError:
+                return False
+        return True
+
+    def _parse(self, key: str, value: bytes) -> Endpoint | None:
+        try:
+            return Endpoint.from_json(value)
+        except ValueError as exc:
+            logger.warning("ignoring bad registration key=%s error=%s", key, exc)
+            return None
+
+    async def _replace(self, new_view: dict[str, Endpoint]) -> None:
+        old = self.snapshot()
+        self._view = new_view
+        new = self.snapshot()
+        joined = {i: e for i, e in new.items() if i not in old or old[i] != e}
+        left = {i: e for i, e in old.items() if i not in new or new[i] != e}
+        if joined or left:
+            for endpoint_id in left:
+                logger.info("endpoint left id=%s", endpoint_id)
+            for endpoint_id, ep in joined.items():
+                logger.info("endpoint joined id=%s model=%s url=%s", endpoint_id, ep.model, ep.url)
+            for listener in self._listeners:
+                try:
+                    listener(joined, left)
+                except Exception:  # noqa: BLE001 - a listener bug must not stop the watch
+                    logger.exception("membership listener failed")
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _run(self) -> None:
+        while True:
+            client = _client(self._etcd_endpoints)
+            try:
+                await client.connect()
+                result = await client.get_prefix(self.prefix.encode())
+                view: dict[str, Endpoint] = {}
+                for kv in result:
+                    ep = self._parse(kv.key.decode(), kv.value)
+                    if ep is not None:
+                        view[kv.key.decode()] = ep
+                revision = result.header.revision if result.header is not None else None
+                await self._replace(view)
+                self._synced.set()
+                watch = await client.watch_prefix(
+                    self.prefix.encode(), start_revision=(revision + 1) if revision else None
+                )
+                async for event in watch:
+                    key = event.kv.key.decode()
+                    updated = dict(self._view)
+                    if event.kind == "PUT":
+                        ep = self._parse(key, event.kv.value)
+                        if ep is None:
+                            continue
+                        updated[key] = ep
+                    else:
+                        updated.pop(key, None)
+                    await self._replace(updated)
+                raise ConnectionError("watch stream ended")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - keep the last known view
+                logger.warning(
+                    "etcd watch failed prefix=%s error=%s; keeping last view of %d endpoints",
+                    self.prefix, exc, len(self._view),
+                )
+                await asyncio.sleep(_RETRY_SECONDS)
+            finally:
+                with contextlib.suppress(Exception):
+                    await client.close()

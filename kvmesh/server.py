@@ -1,0 +1,162 @@
+"""GrpcService: the one gRPC server lifecycle every kvmesh service uses.
+
+``start()`` never blocks: it builds a grpc.aio server with the standard interceptors
+(:func:`kvmesh.interceptors.server_interceptors`), the ``grpc.health.v1`` service, server
+reflection (names taken from the generated descriptors), binds ``host:grpc_port``, starts
+the Prometheus endpoint and the service's background tasks, registers the instance in
+etcd and only then marks health SERVING. ``run()`` is ``start()`` plus waiting for
+SIGTERM/SIGINT, then the drain in ``stop()``: health NOT_SERVING, lease revoked,
+``server.stop(grace)``, background tasks cancelled and awaited, hooks run, traces flushed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvmesh.config import ServiceConfig
+from kvmesh.interceptors import server_interceptors
+from kvmesh.membership import LeaseRegistration, service_key
+from kvmesh.metrics import MetricsServer, start_metrics_server
+from kvmesh.tracing import setup_tracing, shutdown_tracing
+from kvmesh.types import ServiceInstance
+
+logger = logging.getLogger(__name__)
+
+Hook = Callable[[], Awaitable[None]]
+
+
+@dataclass
+class ServiceSpec:
+    """What a service plugs into the lifecycle.
+
+    Attributes:
+        name: short service name (``"epp"``); also the OpenTelemetry ``service.name`` suffix.
+        service_names: full gRPC service names (``descriptor.services_by_name[...].full_name``),
+            for reflection and per-service health.
+        add_servicers: registers the servicers on the server.
+        on_start: awaited before the port opens (connect clients, start watchers).
+        background: long-running coroutines, cancelled on stop.
+        on_stop: awaited after the server stopped (close clients), in order.
+    """
+
+    name: str
+    service_names: Sequence[str]
+    add_servicers: Callable[[grpc.aio.Server], None]
+    on_start: Sequence[Hook] = ()
+    background: Sequence[Callable[[], Awaitable[None]]] = ()
+    on_stop: Sequence[Hook] = ()
+    register_in_etcd: bool = True
+
+
+@dataclass
+class GrpcService:
+    """A running (or runnable) service: ``await start()``, ``await stop()``, or ``await run()``."""
+
+    config: ServiceConfig
+    spec: ServiceSpec
+    grpc_port: int = 0
+    metrics_port: int = 0
+    _server: grpc.aio.Server | None = None
+    _health: health.aio.HealthServicer | None = None
+    _metrics: MetricsServer | None = None
+    _registration: LeaseRegistration | None = None
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _stopped: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.grpc_port}"
+
+    async def start(self) -> None:
+        setup_tracing(f"kvmesh-{self.spec.name}", self.config.otlp_endpoint)
+        for hook in self.spec.on_start:
+            await hook()
+        server = grpc.aio.server(interceptors=server_interceptors())
+        self.spec.add_servicers(server)
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            [*self.spec.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+        )
+        self.grpc_port = server.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
+        if self.grpc_port == 0:
+            raise OSError(f"cannot bind {self.config.host}:{self.config.grpc_port}")
+        await server.start()
+        self._server = server
+        self._metrics = start_metrics_server(self.config.host, self.config.metrics_port)
+        self.metrics_port = self._metrics.port
+        for coro_fn in self.spec.background:
+            self._tasks.append(asyncio.create_task(coro_fn(), name=getattr(coro_fn, "__name__", "background")))
+        if self.spec.register_in_etcd and self.config.etcd_endpoints:
+            instance_id = self.config.instance_id or self.address
+            instance = ServiceInstance(
+                service=self.spec.name,
+                id=instance_id,
+                grpc_address=self.address,
+                metrics_address=f"{self.config.host}:{self.metrics_port}",
+            )
+            self._registration = LeaseRegistration(
+                self.config.etcd_endpoints,
+                service_key(self.spec.name, instance_id),
+                instance.to_json(),
+                ttl_seconds=self.config.lease_ttl_seconds,
+            )
+            await self._registration.start()
+        for name in ("", *self.spec.service_names):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        logger.info(
+            "%s serving grpc=%s metrics=%s:%d", self.spec.name, self.address, self.config.host, self.metrics_port
+        )
+
+    async def stop(self) -> None:
+        """Drain and stop; safe to call twice."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        logger.info("%s draining", self.spec.name)
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self._registration is not None:
+            await self._registration.stop()
+        if self._server is not None:
+            await self._server.stop(self.config.shutdown_grace_seconds)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for hook in self.spec.on_stop:
+            try:
+                await hook()
+            except Exception:  # noqa: BLE001 - keep stopping the rest
+                logger.exception("%s on_stop hook failed", self.spec.name)
+        if self._metrics is not None:
+            self._metrics.stop()
+        shutdown_tracing()
+        logger.info("%s stopped", self.spec.name)
+
+    async def run(self) -> None:
+        """Start, wait for SIGTERM/SIGINT (or a background task to crash), then stop."""
+        loop = asyncio.get_running_loop()
+        stop_requested = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop_requested.set)
+        try:
+            await self.start()
+            waiter = asyncio.create_task(stop_requested.wait())
+            await asyncio.wait([waiter, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
+            for task in self._tasks:
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    logger.error("%s background task failed: %r", self.spec.name, task.exception())
+            waiter.cancel()
+        finally:
+            await self.stop()

@@ -1,0 +1,57 @@
+"""OpenTelemetry set-up: a tracer provider per process, OTLP/gRPC export when configured.
+
+W3C trace context (``traceparent``) travels in gRPC metadata through the interceptors in
+:mod:`kvmesh.interceptors` / :mod:`kvmesh.channels`, and in HTTP headers via
+:func:`inject_http_headers` (router -> engine).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, MutableMapping
+
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+logger = logging.getLogger(__name__)
+
+
+def setup_tracing(service_name: str, otlp_endpoint: str | None) -> TracerProvider:
+    """Install a global tracer provider named ``service_name``.
+
+    Spans are exported over OTLP/gRPC to ``otlp_endpoint`` (e.g. ``http://127.0.0.1:4317``) in
+    batches; without an endpoint spans are still created (so trace ids propagate) but not exported.
+    """
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    if otlp_endpoint:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)))
+        logger.info("tracing export=otlp endpoint=%s", otlp_endpoint)
+    trace.set_tracer_provider(provider)
+    return provider
+
+
+def shutdown_tracing() -> None:
+    """Flush and stop the global provider (no-op when none was installed)."""
+    provider = trace.get_tracer_provider()
+    if isinstance(provider, TracerProvider):
+        provider.force_flush(timeout_millis=2000)
+        provider.shutdown()
+
+
+def inject_http_headers(headers: MutableMapping[str, str]) -> MutableMapping[str, str]:
+    """Add the current span's W3C ``traceparent``/``tracestate`` to outgoing HTTP headers."""
+    propagate.inject(headers)
+    return headers
+
+
+def extract_http_context(headers: Mapping[str, str]):  # -> opentelemetry.context.Context
+    """The trace context carried by incoming HTTP headers (for a server span's parent)."""
+    return propagate.extract(headers)
+
+
+def tracer(name: str) -> trace.Tracer:
+    return trace.get_tracer(name)
