@@ -1,0 +1,73 @@
+"""Fixtures shared by the whole test run: a real etcd, a run directory, process starters.
+
+Services start as processes exactly as users start them (``python -m services.<svc>``),
+on free 127.0.0.1 ports, and tests wait on their gRPC health, never on a bare sleep.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvmesh.launcher import ManagedProcess, free_port, python_module, start_etcd, wait_grpc_healthy
+
+RECORDINGS_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "vllm-0.32-cpu"
+"""Real vLLM 0.32 (CPU build) wire recordings, when the workplace's shared data is present."""
+
+
+@pytest.fixture(scope="session")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("kvmesh-run")
+
+
+@pytest.fixture(scope="session")
+def etcd(run_dir: Path) -> Iterator[str]:
+    """A real single-member etcd for the whole session; yields ``host:port``."""
+    if shutil.which("etcd") is None:
+        pytest.fail("etcd is not installed: sudo apt-get install -y etcd-server (make test does it)")
+    proc, address = start_etcd(run_dir)
+    yield address
+    proc.stop()
+
+
+ServiceStarter = Callable[..., tuple[ManagedProcess, str]]
+
+
+@pytest.fixture
+def start_service(run_dir: Path, etcd: str) -> Iterator[ServiceStarter]:
+    """``start_service("kv_indexer", "--events-bind-endpoint", ...)`` -> (process, grpc address).
+
+    Starts ``python -m services.<name>`` with a free gRPC and metrics port and this session's
+    etcd, waits until its gRPC health is SERVING, and stops it after the test.
+    """
+    started: list[ManagedProcess] = []
+
+    def start(name: str, *args: str, env: dict[str, str] | None = None) -> tuple[ManagedProcess, str]:
+        port = free_port()
+        proc = ManagedProcess(
+            name,
+            python_module(
+                f"services.{name}",
+                "--grpc-port", str(port),
+                "--metrics-port", str(free_port()),
+                "--etcd-endpoints", etcd,
+                "--lease-ttl-seconds", "3",
+                *args,
+            ),
+            run_dir / f"{name}-{port}.log",
+            env=env or {},
+        ).start()
+        started.append(proc)
+        address = f"127.0.0.1:{port}"
+        try:
+            wait_grpc_healthy(address, 30.0)
+        except TimeoutError as exc:
+            raise RuntimeError(f"{name} did not become healthy:\n{proc.log_tail()}") from exc
+        return proc, address
+
+    yield start
+    for proc in reversed(started):
+        proc.stop()
