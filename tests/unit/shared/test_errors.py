@@ -1,0 +1,39 @@
+"""The one error table: every domain error maps to the documented gRPC and HTTP status."""
+
+import pytest
+
+from kvmesh import errors
+
+
+@pytest.mark.parametrize(
+    ("exc", "grpc_status", "http_status"),
+    [
+        (errors.InvalidRequest("x"), "INVALID_ARGUMENT", 400),
+        (errors.UnknownModel("x"), "NOT_FOUND", 404),
+        (errors.UnknownEndpoint("x"), "NOT_FOUND", 404),
+        (errors.NoEndpointsAvailable("x"), "UNAVAILABLE", 503),
+        (errors.NotReady("x"), "UNAVAILABLE", 503),
+        (errors.Saturated("x"), "RESOURCE_EXHAUSTED", 429),
+        (errors.QueueFull("x"), "RESOURCE_EXHAUSTED", 429),
+        (errors.Shed("x"), "RESOURCE_EXHAUSTED", 429),
+        (errors.QueueTTLExpired("x"), "DEADLINE_EXCEEDED", 504),
+        (errors.LeaseLost("x"), "FAILED_PRECONDITION", 500),
+        (RuntimeError("boom"), "INTERNAL", 500),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, Exception) else str(v),
+)
+def test_mapping(exc: Exception, grpc_status: str, http_status: int) -> None:
+    row = errors.mapping_for(exc)
+    assert (row.grpc_status, row.http_status) == (grpc_status, http_status)
+
+
+def test_subclass_inherits_mapping() -> None:
+    class KeyMissing(errors.UnknownEndpoint):
+        pass
+
+    assert errors.mapping_for(KeyMissing("k")).grpc_status == "NOT_FOUND"
+
+
+def test_round_trip_from_grpc() -> None:
+    err = errors.from_grpc_status("RESOURCE_EXHAUSTED", "queue full")
+    assert isinstance(err, errors.Saturated) and str(err) == "queue full"
