@@ -8,6 +8,7 @@ message while the traceback is logged.
 from __future__ import annotations
 
 import contextvars
+import inspect
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -67,7 +68,10 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
 
             return behaviour
 
-        def wrap_stream(inner: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+        def wrap_stream(inner: Callable[..., Any]) -> Callable[..., Any]:
+            if not inspect.isasyncgenfunction(inner):
+                return wrap_unary(inner)  # a coroutine that streams with context.write()
+
             async def behaviour(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 _set_request_id(context)
                 try:
@@ -93,6 +97,28 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
         return grpc.stream_stream_rpc_method_handler(wrap_stream(handler.stream_stream), **kwargs)
 
 
+class _SkipInfrastructure(grpc.aio.ServerInterceptor):
+    """Applies ``inner`` except to health and reflection RPCs.
+
+    OpenTelemetry's aio interceptor assumes streaming handlers are async generators, while
+    grpcio's health ``Watch`` streams with ``context.write``; infrastructure RPCs need no spans.
+    """
+
+    _SKIP = ("/grpc.health.", "/grpc.reflection.")
+
+    def __init__(self, inner: grpc.aio.ServerInterceptor) -> None:
+        self._inner = inner
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        if handler_call_details.method.startswith(self._SKIP):
+            return await continuation(handler_call_details)
+        return await self._inner.intercept_service(continuation, handler_call_details)
+
+
 def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
     """The standard chain: OpenTelemetry span per RPC (outermost), then the error table."""
-    return [aio_server_interceptor(), DomainErrorInterceptor()]
+    return [_SkipInfrastructure(aio_server_interceptor()), DomainErrorInterceptor()]

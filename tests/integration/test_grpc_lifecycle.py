@@ -1,0 +1,117 @@
+"""The shared GrpcService over a real grpc.aio server: error table, request ids, health, drain."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvmesh import errors
+from kvmesh.config import ServiceConfig
+from kvmesh.interceptors import current_request_id
+from kvmesh.server import GrpcService, ServiceSpec
+
+SERVICE = "kvmesh.test.v1.Probe"
+seen_request_ids: list[str] = []
+
+
+async def _fail(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    seen_request_ids.append(current_request_id())
+    kind = request.decode()
+    if kind == "ok":
+        return b"fine"
+    if kind == "invalid":
+        raise errors.InvalidRequest("max_tokens must be > 0")
+    if kind == "saturated":
+        raise errors.Saturated("pool saturated")
+    if kind == "missing":
+        raise errors.UnknownModel("model 'x' is not served")
+    raise RuntimeError("secret internal detail")
+
+
+async def _stream(request: bytes, context: grpc.aio.ServicerContext):
+    yield b"one"
+    raise errors.QueueTTLExpired("waited too long")
+
+
+def _add(server: grpc.aio.Server) -> None:
+    identity = lambda b: b  # noqa: E731 - raw bytes in and out
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                SERVICE,
+                {
+                    "Fail": grpc.unary_unary_rpc_method_handler(_fail, identity, identity),
+                    "Stream": grpc.unary_stream_rpc_method_handler(_stream, identity, identity),
+                },
+            )
+        ]
+    )
+
+
+@pytest.fixture
+async def service() -> GrpcService:
+    config = ServiceConfig(etcd_endpoints=[], shutdown_grace_seconds=0.5)
+    svc = GrpcService(config, ServiceSpec("probe", [SERVICE], _add, register_in_etcd=False))
+    await svc.start()
+    yield svc
+    await svc.stop()
+
+
+@pytest.mark.parametrize(
+    ("kind", "code", "detail"),
+    [
+        ("invalid", grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be > 0"),
+        ("saturated", grpc.StatusCode.RESOURCE_EXHAUSTED, "pool saturated"),
+        ("missing", grpc.StatusCode.NOT_FOUND, "model 'x' is not served"),
+        ("crash", grpc.StatusCode.INTERNAL, "internal error"),
+    ],
+    ids=["invalid", "saturated", "unknown-model", "unhandled"],
+)
+async def test_domain_errors_map_to_status(service: GrpcService, kind: str, code: grpc.StatusCode, detail: str) -> None:
+    async with grpc.aio.insecure_channel(service.address) as channel:
+        call = channel.unary_unary(f"/{SERVICE}/Fail")
+        with pytest.raises(grpc.aio.AioRpcError) as exc_info:
+            await call(kind.encode())
+        assert exc_info.value.code() == code
+        assert exc_info.value.details() == detail
+        # The service stays up after every error.
+        assert await call(b"ok") == b"fine"
+
+
+async def test_stream_error_after_first_item(service: GrpcService) -> None:
+    async with grpc.aio.insecure_channel(service.address) as channel:
+        call = channel.unary_stream(f"/{SERVICE}/Stream")(b"")
+        received = []
+        with pytest.raises(grpc.aio.AioRpcError) as exc_info:
+            async for item in call:
+                received.append(item)
+        assert received == [b"one"]
+        assert exc_info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+async def test_request_id_from_metadata(service: GrpcService) -> None:
+    seen_request_ids.clear()
+    async with grpc.aio.insecure_channel(service.address) as channel:
+        call = channel.unary_unary(f"/{SERVICE}/Fail")
+        await call(b"ok", metadata=(("x-request-id", "req-42"),))
+        await call(b"ok")
+    assert seen_request_ids[0] == "req-42"
+    assert len(seen_request_ids[1]) == 16  # generated when absent
+
+
+async def test_health_goes_not_serving_on_drain() -> None:
+    config = ServiceConfig(etcd_endpoints=[], shutdown_grace_seconds=0.5)
+    svc = GrpcService(config, ServiceSpec("probe", [SERVICE], _add, register_in_etcd=False))
+    await svc.start()
+    async with grpc.aio.insecure_channel(svc.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=SERVICE))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        watch = stub.Watch(health_pb2.HealthCheckRequest(service=SERVICE))
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+        stopping = asyncio.create_task(svc.stop())
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        await stopping
