@@ -1,0 +1,325 @@
+"""In-memory :class:`~services.kv_indexer.index.base.KVBlockIndex`: hash maps, no I/O, one thread.
+
+Layout (``E`` = endpoint id, ``M`` = medium):
+
+* ``tables[(model, block_size)]``: ``block key -> {E: {M: refcount}}``. One key space per model
+  and block size, since a key chains the tokens of fixed-size blocks. The refcount counts engine
+  hashes of ``E`` mapping to that key on ``M`` (normally 1; >1 only when an engine stores the same
+  tokens under two hashes, e.g. two LoRA adapters).
+* per registered endpoint: ``blocks: engine hash -> [key, media]`` (what ``BlockRemoved`` needs),
+  and ``recent``: a bounded LRU of removed ``engine hash -> key`` pairs, so a chain stored after
+  its parent was evicted can still be placed.
+
+Costs: ``BlockStored`` of ``b`` blocks is O(b) hashing + O(b) dict writes; ``BlockRemoved`` O(b);
+``AllBlocksCleared`` and ``remove_endpoint`` O(blocks of that endpoint); ``score`` see
+:mod:`services.kv_indexer.scoring`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvmesh.hashing import block_keys, external_hash_to_int
+from kvmesh.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvmesh.types import Endpoint, EndpointId, Medium
+from services.kv_indexer.index.base import (
+    ApplyOutcome,
+    BlockKey,
+    BlockLocation,
+    EndpointIndexStats,
+    EndpointScore,
+    EngineBlockHash,
+    IndexEvent,
+    IndexStats,
+    KeyedBlockStored,
+    ScoreResult,
+)
+from services.kv_indexer.scoring import longest_prefix_matches
+
+logger = logging.getLogger(__name__)
+
+Table = dict[BlockKey, dict[EndpointId, dict[Medium, int]]]
+
+
+class _Held:
+    """One engine block held by an endpoint: its kvmesh key and the media holding it."""
+
+    __slots__ = ("key", "media")
+
+    def __init__(self, key: BlockKey, medium: Medium) -> None:
+        self.key = key
+        self.media = {medium}
+
+
+@dataclass
+class _EndpointState:
+    endpoint: Endpoint
+    block_size: int
+    table: Table
+    blocks: dict[EngineBlockHash, _Held] = field(default_factory=dict)
+    recent: OrderedDict[EngineBlockHash, BlockKey] = field(default_factory=OrderedDict)
+    events_applied: int = 0
+
+
+class InMemoryIndex:
+    """The default index backend (see the module docstring for layout and costs).
+
+    Args:
+        recent_removed_blocks: per endpoint, how many removed ``engine hash -> key`` pairs to keep
+            for placing later chains whose parent was evicted (0 disables).
+    """
+
+    def __init__(self, recent_removed_blocks: int = 4096) -> None:
+        self._recent_limit = recent_removed_blocks
+        self._tables: dict[tuple[str, int], Table] = {}
+        self._endpoints: dict[EndpointId, _EndpointState] = {}
+        self._outcomes: Counter[ApplyOutcome] = Counter()
+
+    # -- membership -------------------------------------------------------------------------
+
+    def register_endpoint(self, endpoint: Endpoint) -> None:
+        state = self._endpoints.get(endpoint.id)
+        if state is not None:
+            if state.endpoint.model == endpoint.model and state.block_size == endpoint.block_size_tokens:
+                state.endpoint = endpoint
+                return
+            self.remove_endpoint(endpoint.id)
+        self._endpoints[endpoint.id] = _EndpointState(
+            endpoint, endpoint.block_size_tokens, self._table(endpoint.model, endpoint.block_size_tokens)
+        )
+
+    def remove_endpoint(self, endpoint_id: EndpointId) -> bool:
+        state = self._endpoints.pop(endpoint_id, None)
+        if state is None:
+            return False
+        self._clear(state)
+        return True
+
+    def registered(self) -> Mapping[EndpointId, Endpoint]:
+        return {eid: st.endpoint for eid, st in self._endpoints.items()}
+
+    # -- events -----------------------------------------------------------------------------
+
+    def apply(self, endpoint_id: EndpointId, event: IndexEvent) -> ApplyOutcome:
+        state = self._endpoints.get(endpoint_id)
+        if state is None:
+            outcome = ApplyOutcome.UNREGISTERED
+        elif isinstance(event, BlockStored):
+            outcome = self._apply_stored(state, event)
+        elif isinstance(event, BlockRemoved):
+            outcome = self._apply_removed(state, event)
+        elif isinstance(event, AllBlocksCleared):
+            self._clear(state)
+            outcome = ApplyOutcome.APPLIED
+        elif isinstance(event, KeyedBlockStored):
+            outcome = self._apply_keyed(state, event)
+        else:
+            outcome = ApplyOutcome.INVALID
+        self._outcomes[outcome] += 1
+        if outcome is ApplyOutcome.APPLIED and state is not None:
+            state.events_applied += 1
+        return outcome
+
+    def _apply_stored(self, state: _EndpointState, event: BlockStored) -> ApplyOutcome:
+        try:
+            medium = Medium.parse(event.medium)
+        except ValueError:
+            return ApplyOutcome.INVALID
+        if not self._adopt_block_size(state, event.block_size):
+            return ApplyOutcome.INVALID
+        parent_key = 0
+        if event.parent_block_hash is not None:
+            parent_hash = external_hash_to_int(event.parent_block_hash)
+            held = state.blocks.get(parent_hash)
+            if held is not None:
+                parent_key = held.key
+            else:
+                recent = state.recent.get(parent_hash)
+                if recent is None:
+                    return ApplyOutcome.UNKNOWN_PARENT
+                parent_key = recent
+        hashes = [external_hash_to_int(h) for h in event.block_hashes]
+        if len(event.token_ids) != len(hashes) * state.block_size:
+            return ApplyOutcome.INVALID
+        try:
+            keys = block_keys(event.token_ids, state.block_size, parent_key)
+        except (OverflowError, ValueError, TypeError):  # token ids outside uint32
+            return ApplyOutcome.INVALID
+        self._store(state, hashes, keys, medium)
+        return ApplyOutcome.APPLIED
+
+    def _apply_keyed(self, state: _EndpointState, event: KeyedBlockStored) -> ApplyOutcome:
+        if len(event.block_keys) != len(event.block_hashes) or not self._adopt_block_size(state, event.block_size):
+            return ApplyOutcome.INVALID
+        self._store(state, list(event.block_hashes), list(event.block_keys), event.medium)
+        return ApplyOutcome.APPLIED
+
+    def _apply_removed(self, state: _EndpointState, event: BlockRemoved) -> ApplyOutcome:
+        try:
+            medium = Medium.parse(event.medium)
+        except ValueError:
+            return ApplyOutcome.INVALID
+        for raw in event.block_hashes:
+            block_hash = external_hash_to_int(raw)
+            held = state.blocks.get(block_hash)
+            if held is not None and medium in held.media:
+                self._drop(state, block_hash, held, medium)
+        return ApplyOutcome.APPLIED
+
+    def _adopt_block_size(self, state: _EndpointState, block_size: int) -> bool:
+        """The event's block size wins over the registration's while the endpoint holds nothing."""
+        if block_size == state.block_size:
+            return True
+        if block_size <= 0 or state.blocks:
+            logger.warning(
+                "block size mismatch endpoint=%s registered=%d event=%d; event skipped",
+                state.endpoint.id, state.block_size, block_size,
+            )
+            return False
+        logger.warning(
+            "endpoint=%s registered block_size_tokens=%d but its events use %d; using %d",
+            state.endpoint.id, state.block_size, block_size, block_size,
+        )
+        state.block_size = block_size
+        state.table = self._table(state.endpoint.model, block_size)
+        return True
+
+    # -- state changes ----------------------------------------------------------------------
+
+    def _table(self, model: str, block_size: int) -> Table:
+        return self._tables.setdefault((model, block_size), {})
+
+    def _store(self, state: _EndpointState, hashes: list[int], keys: list[int], medium: Medium) -> None:
+        endpoint_id = state.endpoint.id
+        table = state.table
+        blocks = state.blocks
+        for block_hash, key in zip(hashes, keys, strict=True):
+            held = blocks.get(block_hash)
+            if held is not None:
+                if held.key == key:
+                    if medium in held.media:
+                        continue  # a repeat: idempotent
+                    held.media.add(medium)
+                else:  # the engine reused a hash for other content: replace
+                    for old_medium in list(held.media):
+                        self._drop(state, block_hash, held, old_medium)
+                    blocks[block_hash] = _Held(key, medium)
+            else:
+                blocks[block_hash] = _Held(key, medium)
+            holders = table.get(key)
+            if holders is None:
+                table[key] = {endpoint_id: {medium: 1}}
+                continue
+            media = holders.get(endpoint_id)
+            if media is None:
+                holders[endpoint_id] = {medium: 1}
+            else:
+                media[medium] = media.get(medium, 0) + 1
+
+    def _drop(self, state: _EndpointState, block_hash: EngineBlockHash, held: _Held, medium: Medium) -> None:
+        held.media.discard(medium)
+        if not held.media:
+            del state.blocks[block_hash]
+            if self._recent_limit:
+                state.recent[block_hash] = held.key
+                state.recent.move_to_end(block_hash)
+                if len(state.recent) > self._recent_limit:
+                    state.recent.popitem(last=False)
+        self._unlink(state.table, held.key, state.endpoint.id, medium)
+
+    @staticmethod
+    def _unlink(table: Table, key: BlockKey, endpoint_id: EndpointId, medium: Medium) -> None:
+        holders = table.get(key)
+        if holders is None:
+            return
+        media = holders.get(endpoint_id)
+        if media is None:
+            return
+        count = media.get(medium, 0) - 1
+        if count > 0:
+            media[medium] = count
+            return
+        media.pop(medium, None)
+        if not media:
+            del holders[endpoint_id]
+            if not holders:
+                del table[key]
+
+    def _clear(self, state: _EndpointState) -> None:
+        for held in state.blocks.values():
+            for medium in held.media:
+                self._unlink(state.table, held.key, state.endpoint.id, medium)
+        state.blocks.clear()
+        state.recent.clear()
+
+    # -- queries ----------------------------------------------------------------------------
+
+    def _block_sizes(self, model: str) -> list[int]:
+        """Block sizes of ``model``'s registered endpoints, most common first (ties: smallest)."""
+        sizes = Counter(st.block_size for st in self._endpoints.values() if st.endpoint.model == model)
+        return [size for size, _ in sorted(sizes.items(), key=lambda item: (-item[1], item[0]))]
+
+    def score(
+        self, model: str, token_ids: Sequence[int], endpoint_ids: Sequence[EndpointId] | None = None
+    ) -> ScoreResult:
+        sizes = self._block_sizes(model)
+        if not sizes:
+            return ScoreResult([], 0, 0)
+        wanted = set(endpoint_ids) if endpoint_ids else None
+        scores: list[EndpointScore] = []
+        primary_blocks = 0
+        for size in sizes:
+            keys = block_keys(token_ids, size)
+            if size == sizes[0]:
+                primary_blocks = len(keys)
+            table = self._tables.get((model, size), {})
+            for endpoint_id, (blocks, by_medium) in longest_prefix_matches(keys, table, wanted).items():
+                scores.append(EndpointScore(endpoint_id, blocks, blocks * size, by_medium))
+        scores.sort(key=lambda s: (-s.matched_blocks, s.endpoint_id))
+        return ScoreResult(scores, primary_blocks, sizes[0])
+
+    def lookup(self, model: str, token_ids: Sequence[int]) -> list[BlockLocation]:
+        sizes = self._block_sizes(model)
+        if not sizes:
+            return []
+        table = self._tables.get((model, sizes[0]), {})
+        locations = []
+        for key in block_keys(token_ids, sizes[0]):
+            holders = table.get(key, {})
+            locations.append(BlockLocation(key, {eid: frozenset(media) for eid, media in holders.items()}))
+        return locations
+
+    def block_count(self) -> int:
+        """Distinct block keys held by any endpoint (O(tables))."""
+        return sum(len(table) for table in self._tables.values())
+
+    def stats(self) -> IndexStats:
+        per_endpoint = [
+            EndpointIndexStats(eid, st.endpoint.model, st.block_size, len(st.blocks), st.events_applied)
+            for eid, st in sorted(self._endpoints.items())
+        ]
+        return IndexStats(
+            blocks=self.block_count(),
+            endpoints=len(self._endpoints),
+            events_applied=self._outcomes[ApplyOutcome.APPLIED],
+            outcomes=dict(self._outcomes),
+            per_endpoint=per_endpoint,
+        )
+
+    def dump(self) -> list[tuple[EndpointId, IndexEvent]]:
+        events: list[tuple[EndpointId, IndexEvent]] = []
+        for endpoint_id, state in sorted(self._endpoints.items()):
+            by_medium: dict[Medium, tuple[list[int], list[int]]] = {}
+            for block_hash, held in state.blocks.items():
+                for medium in held.media:
+                    hashes, keys = by_medium.setdefault(medium, ([], []))
+                    hashes.append(block_hash)
+                    keys.append(held.key)
+            for medium, (hashes, keys) in sorted(by_medium.items()):
+                events.append(
+                    (endpoint_id, KeyedBlockStored(tuple(hashes), tuple(keys), state.block_size, medium))
+                )
+        return events

@@ -1,0 +1,70 @@
+"""Metrics as a decorator around any :class:`KVBlockIndex` (llm-d's ``instrumented_index.go``).
+
+Every call is forwarded unchanged; around it the decorator records events applied or skipped
+(by type and :class:`ApplyOutcome`), Score time and matched blocks per medium, and exposes the
+index's size as gauges read at scrape time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+from kvmesh.types import Endpoint, EndpointId
+from services.kv_indexer import metrics
+from services.kv_indexer.index.base import (
+    ApplyOutcome,
+    BlockLocation,
+    IndexEvent,
+    IndexStats,
+    KVBlockIndex,
+    ScoreResult,
+)
+
+
+class InstrumentedIndex:
+    """A :class:`KVBlockIndex` that records :mod:`services.kv_indexer.metrics` around ``inner``."""
+
+    def __init__(self, inner: KVBlockIndex) -> None:
+        self.inner = inner
+        block_count = getattr(inner, "block_count", None)
+        metrics.track_index_size(
+            block_count if callable(block_count) else (lambda: inner.stats().blocks),
+            lambda: len(inner.registered()),
+        )
+
+    def register_endpoint(self, endpoint: Endpoint) -> None:
+        self.inner.register_endpoint(endpoint)
+
+    def remove_endpoint(self, endpoint_id: EndpointId) -> bool:
+        return self.inner.remove_endpoint(endpoint_id)
+
+    def registered(self) -> Mapping[EndpointId, Endpoint]:
+        return self.inner.registered()
+
+    def apply(self, endpoint_id: EndpointId, event: IndexEvent) -> ApplyOutcome:
+        outcome = self.inner.apply(endpoint_id, event)
+        metrics.record_event(type(event).__name__, outcome.value)
+        return outcome
+
+    def score(
+        self, model: str, token_ids: Sequence[int], endpoint_ids: Sequence[EndpointId] | None = None
+    ) -> ScoreResult:
+        start = time.perf_counter()
+        result = self.inner.score(model, token_ids, endpoint_ids)
+        hits: Counter[str] = Counter()
+        for score in result.scores:
+            for medium, count in score.matched_blocks_by_medium.items():
+                hits[str(medium)] += count
+        metrics.record_score(time.perf_counter() - start, hits)
+        return result
+
+    def lookup(self, model: str, token_ids: Sequence[int]) -> list[BlockLocation]:
+        return self.inner.lookup(model, token_ids)
+
+    def stats(self) -> IndexStats:
+        return self.inner.stats()
+
+    def dump(self) -> list[tuple[EndpointId, IndexEvent]]:
+        return self.inner.dump()
