@@ -1,0 +1,1 @@
+"""flow_control: admission control for inference requests (one gRPC stream per request)."""

@@ -1,0 +1,132 @@
+"""flow_control as a process: the limit, FCFS queueing, release on close and on cancel, TTL, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+import pytest
+
+from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2 as pb
+from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.integration
+
+
+async def poll(predicate: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not met before the deadline")
+
+
+def enqueue(request_id: str, **kw: object) -> pb.AdmitRequest:
+    return pb.AdmitRequest(enqueue=pb.Enqueue(request_id=request_id, model="m", prompt_tokens=10, **kw))
+
+
+async def admit(stub: pb_grpc.FlowControlStub, request_id: str) -> grpc.aio.StreamStreamCall:
+    call = stub.Admit()
+    await call.write(enqueue(request_id))
+    return call
+
+
+async def stats_are(stub: pb_grpc.FlowControlStub, *, in_flight: int, queued: int) -> bool:
+    s = await stub.Stats(pb.StatsRequest())
+    return (s.in_flight, s.queued) == (in_flight, queued)
+
+
+async def test_limit_queue_release_and_cancel(start_service) -> None:
+    _, address = start_service("flow_control", "--max-in-flight", "2", "--queue-ttl-seconds", "30")
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.FlowControlStub(channel)
+        a, b = await admit(stub, "a"), await admit(stub, "b")
+        assert (await a.read()).outcome == pb.QUEUE_OUTCOME_DISPATCHED
+        assert (await b.read()).outcome == pb.QUEUE_OUTCOME_DISPATCHED
+        c = await admit(stub, "c")
+        await poll(lambda: stats_are(stub, in_flight=2, queued=1))
+
+        # Normal close of a: send Complete, half-close, the server ends the stream and releases.
+        await a.write(pb.AdmitRequest(complete=pb.Complete(success=True, completion_tokens=5)))
+        await a.done_writing()
+        assert await a.read() == grpc.aio.EOF
+        assert await a.code() == grpc.StatusCode.OK
+        reply = await c.read()
+        assert reply.outcome == pb.QUEUE_OUTCOME_DISPATCHED
+        assert reply.queue_seconds > 0
+        await poll(lambda: stats_are(stub, in_flight=2, queued=0))
+
+        # A queued client that cancels leaves the queue.
+        d = await admit(stub, "d")
+        await poll(lambda: stats_are(stub, in_flight=2, queued=1))
+        d.cancel()
+        await poll(lambda: stats_are(stub, in_flight=2, queued=0))
+
+        # Dispatched clients that cancel mid-way give their slots back.
+        b.cancel()
+        c.cancel()
+        await poll(lambda: stats_are(stub, in_flight=0, queued=0))
+        final = await stub.Stats(pb.StatsRequest())
+        assert (final.dispatched_total, final.rejected_total, final.max_in_flight) == (3, 0, 2)
+
+
+async def test_queue_ttl_rejects_with_reason(start_service) -> None:
+    _, address = start_service("flow_control", "--max-in-flight", "1", "--queue-ttl-seconds", "0.3")
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.FlowControlStub(channel)
+        holder = await admit(stub, "holder")
+        assert (await holder.read()).outcome == pb.QUEUE_OUTCOME_DISPATCHED
+        late = await admit(stub, "late")
+        reply = await late.read()
+        assert reply.outcome == pb.QUEUE_OUTCOME_EVICTED_TTL
+        assert "queue_ttl_seconds=0.3" in reply.reason
+        assert reply.queue_seconds >= 0.3
+        assert await late.read() == grpc.aio.EOF  # the server ends a rejected stream
+        holder.cancel()
+        await poll(lambda: stats_are(stub, in_flight=0, queued=0))
+        assert (await stub.Stats(pb.StatsRequest())).rejected_total == 1
+
+
+async def test_queue_full_rejects(start_service) -> None:
+    _, address = start_service("flow_control", "--max-in-flight", "1", "--max-queue-size", "0")
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.FlowControlStub(channel)
+        holder = await admit(stub, "holder")
+        assert (await holder.read()).outcome == pb.QUEUE_OUTCOME_DISPATCHED
+        rejected = await admit(stub, "rejected")
+        reply = await rejected.read()
+        assert reply.outcome == pb.QUEUE_OUTCOME_REJECTED_CAPACITY
+        assert "max_queue_size=0" in reply.reason
+        await holder.done_writing()
+        assert await holder.read() == grpc.aio.EOF
+        await poll(lambda: stats_are(stub, in_flight=0, queued=0))
+
+
+BAD_FIRST_MESSAGES = {
+    "complete-first": pb.AdmitRequest(complete=pb.Complete()),
+    "empty-message": pb.AdmitRequest(),
+    "no-message": None,
+}
+
+
+async def test_bad_first_message_is_invalid_argument(start_service) -> None:
+    _, address = start_service("flow_control", "--max-in-flight", "1")
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.FlowControlStub(channel)
+        for name, first in BAD_FIRST_MESSAGES.items():
+            call = stub.Admit()
+            if first is not None:
+                await call.write(first)
+            await call.done_writing()
+            with pytest.raises(grpc.aio.AioRpcError) as exc_info:
+                await call.read()
+            assert exc_info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+            # The service keeps serving, and the bad stream held no slot.
+            ok = await admit(stub, "ok")
+            assert (await ok.read()).outcome == pb.QUEUE_OUTCOME_DISPATCHED, name
+            await ok.done_writing()
+            assert await ok.read() == grpc.aio.EOF
+            await poll(lambda: stats_are(stub, in_flight=0, queued=0))
