@@ -1,0 +1,58 @@
+"""RouterConfig: every knob of the router, typed, bounded and documented.
+
+Precedence (from :func:`kvmesh.config.load_config`): flags > env ``KVMESH_ROUTER_*`` > ``--config`` file > defaults.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from kvmesh.config import ServiceConfig
+
+
+def _default_objective_priorities() -> dict[str, int]:
+    # GIE's historical criticality names (Critical / Standard / Sheddable) as priority bands.
+    return {"critical": 10, "standard": 0, "sheddable": -10}
+
+
+class RouterConfig(ServiceConfig):
+    """The router: OpenAI HTTP + gRPC Inference in front of flow_control, epp and the engines."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KVMESH_ROUTER_",
+        extra="forbid",
+        use_attribute_docstrings=True,
+        populate_by_name=True,
+    )
+
+    http_port: int = Field(0, ge=0, le=65535)
+    """Port of the OpenAI-compatible HTTP API on ``host``; 0 picks a free one (logged at start)."""
+    flow_control_address: str = "127.0.0.1:50060"
+    """host:port of the flow_control gRPC service (the admission stream)."""
+    epp_address: str = "127.0.0.1:50070"
+    """host:port of the epp gRPC service (Pick)."""
+    request_timeout_seconds: float = Field(600.0, gt=0, le=86400)
+    """Upper bound on one proxied engine request (read/write/pool timeouts of the HTTP client)."""
+    connect_timeout_seconds: float = Field(2.0, gt=0, le=120)
+    """TCP connect timeout to an engine; a failed connect moves on to the next fallback."""
+    admission_timeout_seconds: float = Field(120.0, gt=0, le=86400)
+    """Longest wait for flow_control's dispatch decision (flow_control's own queue TTL normally fires first)."""
+    pick_timeout_seconds: float = Field(5.0, gt=0, le=120)
+    """Deadline of one epp Pick call."""
+    admission_close_timeout_seconds: float = Field(2.0, gt=0, le=60)
+    """How long closing the admission stream may wait for flow_control to end it before it is cancelled."""
+    max_fallback_attempts: int = Field(3, ge=1, le=32)
+    """Endpoints tried per request (target plus fallbacks, re-picking with exclusions when the list runs out)."""
+    max_connections: int = Field(1024, ge=1, le=65536)
+    """Size of the pooled HTTP client's connection pool to the engines."""
+    retry_after_seconds: int = Field(1, ge=0, le=3600)
+    """Value of the ``retry-after`` header on 429 answers."""
+    max_tokens_limit: int = Field(1_048_576, ge=1)
+    """Absolute cap on ``max_tokens`` regardless of the model's context (rejects absurd values)."""
+    default_flow_id: str = "default"
+    """Flow (fairness id) of requests without ``x-llm-d-inference-fairness-id``."""
+    objective_priorities: dict[str, int] = Field(default_factory=_default_objective_priorities)
+    """``x-llm-d-inference-objective`` name -> priority band (a numeric objective is used as the priority)."""
+    shutdown_http_grace_seconds: float = Field(5.0, ge=0, le=300)
+    """On stop, how long open HTTP requests may finish before uvicorn force-closes them."""

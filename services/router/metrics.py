@@ -1,0 +1,77 @@
+"""The router's Prometheus metrics (default registry, served by GrpcService's /metrics) and record_* helpers.
+
+| metric | type | labels |
+| --- | --- | --- |
+| ``kvmesh_router_request_ttft_seconds`` | histogram (TTFT_BUCKETS_SECONDS) | model_name |
+| ``kvmesh_router_request_e2e_duration_seconds`` | histogram (LATENCY_BUCKETS_SECONDS) | model_name |
+| ``kvmesh_router_requests_total`` | counter | outcome |
+| ``kvmesh_router_requests_in_flight`` | gauge | — |
+| ``kvmesh_router_upstream_retries_total`` | counter | — |
+
+``outcome`` is one of :class:`Outcome` (a closed set); ``model_name`` is the served model
+(closed: the models registered in etcd), "unknown" when empty.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from kvmesh.metrics import LATENCY_BUCKETS_SECONDS, TTFT_BUCKETS_SECONDS
+
+
+class Outcome(enum.StrEnum):
+    """How a request ended (a low-cardinality metric label)."""
+
+    SUCCESS = "success"
+    INVALID = "invalid"
+    NOT_FOUND = "not_found"
+    REJECTED = "rejected"
+    TIMEOUT = "timeout"
+    UNAVAILABLE = "unavailable"
+    UPSTREAM_ERROR = "upstream_error"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+_STATUS_OUTCOME = {400: Outcome.INVALID, 404: Outcome.NOT_FOUND, 429: Outcome.REJECTED, 503: Outcome.UNAVAILABLE, 504: Outcome.TIMEOUT}
+
+REQUEST_TTFT = Histogram(
+    "kvmesh_router_request_ttft_seconds",
+    "Time from the router receiving a request to the first response byte from the engine.",
+    ["model_name"],
+    buckets=TTFT_BUCKETS_SECONDS,
+)
+REQUEST_E2E = Histogram(
+    "kvmesh_router_request_e2e_duration_seconds",
+    "Time from the router receiving a request to its last response byte.",
+    ["model_name"],
+    buckets=LATENCY_BUCKETS_SECONDS,
+)
+REQUESTS = Counter("kvmesh_router_requests", "Requests by outcome.", ["outcome"])
+IN_FLIGHT = Gauge("kvmesh_router_requests_in_flight", "Requests admitted and not yet finished.")
+RETRIES = Counter("kvmesh_router_upstream_retries", "Engine attempts that failed before the first byte and moved on.")
+
+
+def outcome_for_status(status: int) -> Outcome:
+    """The outcome label of a request answered with HTTP ``status``."""
+    if status < 400:
+        return Outcome.SUCCESS
+    return _STATUS_OUTCOME.get(status, Outcome.ERROR)
+
+
+def record_outcome(outcome: Outcome) -> None:
+    REQUESTS.labels(outcome=outcome.value).inc()
+
+
+def record_ttft(model: str, seconds: float) -> None:
+    REQUEST_TTFT.labels(model_name=model or "unknown").observe(seconds)
+
+
+def record_e2e(model: str, seconds: float) -> None:
+    REQUEST_E2E.labels(model_name=model or "unknown").observe(seconds)
+
+
+def record_retry() -> None:
+    RETRIES.inc()

@@ -1,0 +1,151 @@
+"""The gRPC ``kvmesh.router.v1.Inference`` servicer: protobuf in, the shared request flow, protobuf out.
+
+A ``CompletionRequest`` becomes the equivalent OpenAI body (``prompt`` text or token ids for
+``/v1/completions``, ``messages`` for ``/v1/chat/completions``) and goes through the same
+validation and :class:`~services.router.request_flow.RequestFlow` as HTTP. Domain errors propagate
+to the shared interceptor (one table). An engine error answer becomes the matching domain error.
+A cancelled RPC closes the engine request and releases the flow-control slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from opentelemetry import context as otel_context
+
+from kvmesh import errors
+from kvmesh._proto.kvmesh.router.v1 import router_pb2, router_pb2_grpc
+from kvmesh.interceptors import current_request_id
+
+from services.router.catalog import ModelCatalog
+from services.router.config import RouterConfig
+from services.router.http_errors import error_from_engine
+from services.router.request_flow import RequestFlow, RequestMeta
+from services.router.sse import SseParser, Usage, parse_completion, parse_event
+from services.router.validation import RequestKind, RouterRequest, validate_request
+
+
+def openai_body(request: router_pb2.CompletionRequest, stream: bool) -> tuple[RequestKind, dict[str, Any]]:
+    """The OpenAI body equivalent to ``request``.
+
+    Raises:
+        InvalidRequest: unless exactly one of prompt, prompt_token_ids, messages is set.
+    """
+    forms = sum((bool(request.prompt), bool(request.prompt_token_ids), bool(request.messages)))
+    if forms != 1:
+        raise errors.InvalidRequest("exactly one of 'prompt', 'prompt_token_ids', 'messages' must be set")
+    body: dict[str, Any] = {"model": request.model, "stream": stream}
+    if request.messages:
+        kind = RequestKind.CHAT
+        body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+    else:
+        kind = RequestKind.COMPLETION
+        body["prompt"] = request.prompt or list(request.prompt_token_ids)
+    if request.max_tokens:
+        body["max_tokens"] = request.max_tokens
+    if request.HasField("temperature"):
+        body["temperature"] = request.temperature
+    if request.stop:
+        body["stop"] = list(request.stop)
+    if request.ignore_eos:
+        body["ignore_eos"] = True
+    return kind, body
+
+
+def _usage_pb(usage: Usage | None, fallback_completion: int = 0) -> router_pb2.Usage:
+    usage = usage or Usage(completion_tokens=fallback_completion)
+    return router_pb2.Usage(
+        prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, cached_tokens=usage.cached_tokens
+    )
+
+
+class InferenceServicer(router_pb2_grpc.InferenceServicer):
+    """Thin adapter over :class:`RequestFlow`."""
+
+    def __init__(self, config: RouterConfig, flow: RequestFlow, catalog: Callable[[], ModelCatalog]) -> None:
+        self._config = config
+        self._flow = flow
+        self._catalog = catalog
+
+    def _prepare(self, request: router_pb2.CompletionRequest, stream: bool) -> tuple[RouterRequest, RequestMeta]:
+        kind, body = openai_body(request, stream)
+        routed = validate_request(kind, body, self._catalog(), self._config.max_tokens_limit)
+        meta = RequestMeta(
+            request_id=current_request_id() or "grpc",
+            flow_id=request.flow_id or self._config.default_flow_id,
+            priority=request.priority,
+            trace_context=otel_context.get_current(),
+        )
+        return routed, meta
+
+    async def Complete(self, request: router_pb2.CompletionRequest, context: grpc.aio.ServicerContext) -> router_pb2.CompletionResponse:
+        routed, meta = self._prepare(request, stream=False)
+        session = await self._flow.start(routed, meta)
+        client_gone, error = True, None
+        try:
+            body = await session.read_all()
+            client_gone = False
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported to flow_control, then re-raised
+            client_gone, error = False, exc
+            raise errors.NoEndpointsAvailable(f"engine {session.endpoint.id} failed mid-response") from exc
+        finally:
+            await session.close(client_gone=client_gone, error=error)
+        if session.status_code >= 400:
+            raise error_from_engine(session.status_code, body)
+        text, finish, usage, response_id = parse_completion(body)
+        return router_pb2.CompletionResponse(
+            id=response_id or meta.request_id,
+            model=routed.model,
+            text=text,
+            finish_reason=finish or "",
+            usage=_usage_pb(usage),
+            endpoint_id=session.endpoint.id,
+        )
+
+    async def CompleteStream(
+        self, request: router_pb2.CompletionRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.CompletionChunk]:
+        routed, meta = self._prepare(request, stream=True)
+        session = await self._flow.start(routed, meta)
+        client_gone, error = True, None
+        try:
+            if session.status_code >= 400:
+                body = await session.read_all()
+                client_gone = False
+                raise error_from_engine(session.status_code, body)
+            parser = SseParser()
+            pieces = 0
+            async for chunk in session.iter_bytes():
+                for payload in parser.feed(chunk):
+                    piece = parse_event(payload)
+                    if piece is None:
+                        continue
+                    if piece.text or piece.finish_reason:
+                        pieces += 1
+                    if not (piece.text or piece.finish_reason or piece.usage):
+                        continue
+                    out = router_pb2.CompletionChunk(
+                        id=piece.id or meta.request_id,
+                        text=piece.text,
+                        finish_reason=piece.finish_reason or "",
+                        endpoint_id=session.endpoint.id,
+                    )
+                    if piece.finish_reason or piece.usage:
+                        out.usage.CopyFrom(_usage_pb(piece.usage or session.usage, pieces))
+                    yield out
+            client_gone = False
+        except (errors.KvmeshError, asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as exc:  # noqa: BLE001
+            client_gone, error = False, exc
+            raise errors.NoEndpointsAvailable(f"engine {session.endpoint.id} failed mid-response") from exc
+        finally:
+            await session.close(client_gone=client_gone, error=error)
+
+    async def ListModels(self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> router_pb2.ListModelsResponse:
+        return router_pb2.ListModelsResponse(models=self._catalog().names())

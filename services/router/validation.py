@@ -1,0 +1,253 @@
+"""Request validation for the OpenAI-compatible API (pure: bytes/dicts in, RouterRequest or a domain error out).
+
+Both front doors end here: the HTTP layer passes the raw body, the gRPC servicer the equivalent
+OpenAI body built from its protobuf. Checks, in order (the first failure wins):
+
+| check | error (HTTP) |
+| --- | --- |
+| body is a JSON object | InvalidRequest (400) |
+| ``model`` present, a non-empty string | InvalidRequest (400) |
+| no live endpoint at all | NoEndpointsAvailable (503) |
+| ``model`` served by a live endpoint | UnknownModel (404) |
+| completions: ``prompt`` is a string or a non-empty list of token ids; no ``messages`` | InvalidRequest (400) |
+| chat: ``messages`` a non-empty list of ``{role, content}``; no ``prompt`` | InvalidRequest (400) |
+| ``max_tokens`` / ``max_completion_tokens``: an integer in [1, min(max_model_len, max_tokens_limit)] | InvalidRequest (400) |
+| ``temperature`` a number in [0, 2]; ``top_p`` in (0, 1]; ``n`` == 1 | InvalidRequest (400) |
+| ``stream`` a boolean | InvalidRequest (400) |
+| prompt (+ max_tokens) over the model's context | InvalidRequest (400) |
+
+Prompt length. Token ids are counted exactly (vLLM's rule: ``prompt_tokens + max_tokens <=
+max_model_len``). Text is not tokenized here: the router rejects text only when a *lower bound*
+of its token count already exceeds the context, ``ceil(utf8_bytes / 16) + 1`` (BOS), so it never
+rejects a prompt the engine would accept with any byte-level BPE whose average token on the
+prompt is under 16 bytes. The exact check happens after Pick when epp reports the tokenized
+length (``PickResponse.prompt_tokens``), and otherwise at the engine, whose 400 passes through.
+Admission sizing uses the usual estimate of ``ceil(utf8_bytes / 4) + 1`` tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmesh.errors import InvalidRequest, NoEndpointsAvailable, UnknownModel
+
+from services.router.catalog import ModelCatalog
+
+BYTES_PER_TOKEN_ESTIMATE = 4
+"""Typical English text with a byte-level BPE: about 4 bytes per token (admission sizing only)."""
+BYTES_PER_TOKEN_LOWER_BOUND = 16
+"""Bytes per token assumed when rejecting text as over-context (a deliberate over-estimate)."""
+CHAT_TOKENS_PER_MESSAGE = 4
+"""Chat-template overhead per message (role markers), added to the estimate."""
+
+
+class RequestKind(enum.StrEnum):
+    """Which OpenAI endpoint a request targets; the value is its path."""
+
+    COMPLETION = "/v1/completions"
+    CHAT = "/v1/chat/completions"
+
+
+@dataclass(frozen=True, slots=True)
+class RouterRequest:
+    """A validated request, ready to admit, pick and forward.
+
+    Attributes:
+        kind: completions or chat.
+        model: served model name.
+        body: the client's JSON body, unchanged (forwarded as is).
+        stream: whether the answer is SSE.
+        prompt_text: completions text prompt ("" otherwise).
+        prompt_token_ids: completions token-id prompt (empty otherwise).
+        messages: chat messages as ``(role, text content)`` (empty otherwise).
+        max_tokens: requested max new tokens, None for the engine default.
+        prompt_tokens_estimate: prompt length in tokens (exact for token ids).
+    """
+
+    kind: RequestKind
+    model: str
+    body: dict[str, Any]
+    stream: bool
+    prompt_text: str = ""
+    prompt_token_ids: tuple[int, ...] = ()
+    messages: tuple[tuple[str, str], ...] = field(default=())
+    max_tokens: int | None = None
+    prompt_tokens_estimate: int = 0
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """Decode a request body.
+
+    Raises:
+        InvalidRequest: when it is not UTF-8 JSON or not an object.
+    """
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return data
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def estimate_text_tokens(text: str) -> int:
+    """Admission-sizing estimate of a text's token count (BOS included)."""
+    return math.ceil(len(text.encode("utf-8")) / BYTES_PER_TOKEN_ESTIMATE) + 1
+
+
+def text_tokens_lower_bound(text: str) -> int:
+    """A deliberately low count of a text's tokens, used to reject over-context prompts."""
+    return math.ceil(len(text.encode("utf-8")) / BYTES_PER_TOKEN_LOWER_BOUND) + 1
+
+
+def _content_text(content: Any, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts: list[str] = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequest(f"messages[{index}].content: only text parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    if content is None:
+        return ""
+    raise InvalidRequest(f"messages[{index}].content must be a string or a list of text parts")
+
+
+def _validate_prompt(kind: RequestKind, body: dict[str, Any]) -> tuple[str, tuple[int, ...], tuple[tuple[str, str], ...]]:
+    if kind is RequestKind.COMPLETION:
+        if "messages" in body:
+            raise InvalidRequest("'messages' belongs to /v1/chat/completions; send 'prompt' here")
+        if "prompt" not in body or body["prompt"] is None:
+            raise InvalidRequest("'prompt' is required")
+        prompt = body["prompt"]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("'prompt' must not be empty")
+            return prompt, (), ()
+        if isinstance(prompt, list):
+            if not prompt:
+                raise InvalidRequest("'prompt' must not be empty")
+            if all(_is_int(t) for t in prompt):
+                if any(t < 0 or t >= 2**32 for t in prompt):
+                    raise InvalidRequest("'prompt' token ids must be in [0, 2^32)")
+                return "", tuple(prompt), ()
+            raise InvalidRequest("'prompt' must be a string or a list of token ids (batched prompts are not supported)")
+        raise InvalidRequest("'prompt' must be a string or a list of token ids")
+    if "prompt" in body:
+        raise InvalidRequest("'prompt' belongs to /v1/completions; send 'messages' here")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' must be a non-empty list")
+    out: list[tuple[str, str]] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidRequest(f"messages[{i}] must be an object")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise InvalidRequest(f"messages[{i}].role must be a non-empty string")
+        out.append((role, _content_text(message.get("content"), i)))
+    return "", (), tuple(out)
+
+
+def validate_request(kind: RequestKind, body: dict[str, Any], catalog: ModelCatalog, max_tokens_limit: int) -> RouterRequest:
+    """Check ``body`` against the OpenAI schema subset kvmesh forwards and the served models.
+
+    Raises:
+        InvalidRequest: malformed or out-of-range fields, or a prompt over the model's context.
+        UnknownModel: the model is not served by any live endpoint.
+        NoEndpointsAvailable: no endpoint is live at all.
+    """
+    model = body.get("model")
+    if model is None:
+        raise InvalidRequest("'model' is required")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' must be a non-empty string")
+    if not catalog.models:
+        raise NoEndpointsAvailable("no model endpoints are live")
+    info = catalog.get(model)
+    if info is None:
+        raise UnknownModel(f"The model '{model}' does not exist (served: {', '.join(catalog.names())})")
+
+    prompt_text, token_ids, messages = _validate_prompt(kind, body)
+
+    max_tokens: int | None = None
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if not _is_int(value):
+            raise InvalidRequest(f"'{name}' must be an integer")
+        if value < 1:
+            raise InvalidRequest(f"'{name}' must be at least 1, got {value}")
+        cap = min(max_tokens_limit, info.max_model_len or max_tokens_limit)
+        if value > cap:
+            raise InvalidRequest(f"'{name}' = {value} exceeds the limit of {cap} tokens for model '{model}'")
+        max_tokens = value if max_tokens is None else min(max_tokens, value)
+
+    temperature = body.get("temperature")
+    if temperature is not None and (not _is_number(temperature) or not 0 <= temperature <= 2):
+        raise InvalidRequest("'temperature' must be a number in [0, 2]")
+    top_p = body.get("top_p")
+    if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
+        raise InvalidRequest("'top_p' must be a number in (0, 1]")
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or n != 1):
+        raise InvalidRequest("'n' must be 1 (kvmesh forwards one choice per request)")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise InvalidRequest("'stream' must be a boolean")
+
+    if token_ids:
+        estimate = lower = len(token_ids)
+    elif messages:
+        text = "".join(content for _, content in messages)
+        estimate = estimate_text_tokens(text) + CHAT_TOKENS_PER_MESSAGE * len(messages)
+        lower = text_tokens_lower_bound(text)
+    else:
+        estimate = estimate_text_tokens(prompt_text)
+        lower = text_tokens_lower_bound(prompt_text)
+    check_context(model, info.max_model_len, lower, max_tokens)
+
+    return RouterRequest(
+        kind=kind,
+        model=model,
+        body=body,
+        stream=stream,
+        prompt_text=prompt_text,
+        prompt_token_ids=token_ids,
+        messages=messages,
+        max_tokens=max_tokens,
+        prompt_tokens_estimate=estimate,
+    )
+
+
+def check_context(model: str, max_model_len: int | None, prompt_tokens: int, max_tokens: int | None) -> None:
+    """vLLM's rule: ``prompt_tokens + max_tokens <= max_model_len`` (prompt alone when max_tokens is unset).
+
+    Raises:
+        InvalidRequest: naming both numbers, when the request does not fit.
+    """
+    if max_model_len is None:
+        return
+    if prompt_tokens > max_model_len or prompt_tokens + (max_tokens or 0) > max_model_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens; the request has "
+            f"{prompt_tokens} prompt tokens and asks for {max_tokens or 0} completion tokens "
+            f"(model '{model}')"
+        )
