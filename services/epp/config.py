@@ -1,0 +1,37 @@
+"""EppConfig: every epp setting, typed, bounded and documented (flags > env KVMESH_EPP_* > --config file > defaults)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from kvmesh.config import ServiceConfig
+
+
+class EppConfig(ServiceConfig):
+    """The endpoint picker: filters, weighted scorers and a picker choose an endpoint per request."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KVMESH_EPP_", extra="forbid", use_attribute_docstrings=True, populate_by_name=True
+    )
+
+    scheduling_config: str = "load-only"
+    """A named scheduling config (round-robin, load-only, precise-prefix) or the path of a YAML/JSON file."""
+    kv_indexer_address: str = ""
+    """kv_indexer gRPC host:port, needed by precise-prefix-cache-scorer ("" = none)."""
+    kv_indexer_timeout_seconds: float = Field(0.25, gt=0, le=30)
+    """Deadline of one kv_indexer Score call; past it the prefix scores are 0 for that pick."""
+    metrics_scrape_interval_seconds: float = Field(0.1, gt=0, le=60)
+    """How often each engine's /metrics is scraped."""
+    metrics_scrape_timeout_seconds: float = Field(0.5, gt=0, le=60)
+    """Timeout of one /metrics scrape."""
+    max_metrics_age_seconds: float = Field(2.0, gt=0, le=3600)
+    """An endpoint whose last good scrape is older than this is not a candidate."""
+    max_consecutive_scrape_failures: int = Field(3, ge=1, le=1000)
+    """An endpoint whose scrape failed this many times in a row is not a candidate."""
+    tokenize_timeout_seconds: float = Field(2.0, gt=0, le=60)
+    """Timeout of one engine POST /tokenize call."""
+    tokenize_cache_entries: int = Field(4096, ge=0, le=10_000_000)
+    """Prompts whose token ids are kept (LRU); 0 disables the cache."""
+    random_seed: int | None = None
+    """Seed of the pickers' tie-breaking random source (None: from the OS)."""

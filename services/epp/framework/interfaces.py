@@ -1,0 +1,228 @@
+"""Contracts of the scheduling framework: the request, candidates, and the three plugin kinds.
+
+Follows GIE's ``pkg/epp/scheduling/framework/plugins.go`` (v1.2.0): a base that only names the
+plugin, and one verb per extension point.
+
+- :class:`Filter` ``.filter(state, request, candidates) -> list[Candidate]`` (sync, pure).
+- :class:`Scorer` ``.score(state, request, candidates) -> dict[EndpointId, float]`` with every score
+  in [0, 1] and one score per candidate. A score outside [0, 1], a missing or an extra key is a plugin
+  bug: :class:`~services.epp.framework.profile.SchedulerProfile` logs it and fails the pick with
+  :class:`PluginError` (never clamps). ``score`` is async because some scorers need I/O
+  (the precise prefix scorer asks kv_indexer); pure scorers simply do not await.
+- :class:`Picker` ``.pick(state, scored) -> PickerResult``: the target first, then the rest in the
+  order the picker would try them; ties are broken at random (the picker's own ``random.Random``).
+
+Per-request inputs travel in one :class:`SchedulingRequest` (SGLang's lesson: new inputs never change
+a signature). Plugins get their collaborators (kv_indexer client, tokenizer, random source) through
+the :class:`PluginHandle` given to their factory.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
+
+from kvmesh.errors import KvmeshError
+from kvmesh.types import Endpoint, EndpointId
+from services.epp.framework.cycle_state import CycleState
+
+
+class PluginError(KvmeshError):
+    """A plugin broke its contract (e.g. a score outside [0, 1]); reported as INTERNAL."""
+
+
+class ConfigError(ValueError):
+    """A scheduling config or plugin parameter is invalid; the message says exactly what and where."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulingRequest:
+    """Everything one pick may look at.
+
+    Attributes:
+        request_id: the caller's id (for logs).
+        model: served model name (non-empty).
+        token_ids: the prompt as token ids when the caller has them (empty otherwise).
+        prompt: completion prompt text ("" when absent).
+        messages: chat messages (empty when absent).
+        exclude_endpoint_ids: endpoints not to pick (e.g. one that just failed).
+    """
+
+    model: str
+    request_id: str = ""
+    token_ids: tuple[int, ...] = ()
+    prompt: str = ""
+    messages: tuple[ChatMessage, ...] = ()
+    exclude_endpoint_ids: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointMetrics:
+    """An engine's last scraped vLLM metrics.
+
+    Attributes:
+        num_requests_waiting: ``vllm:num_requests_waiting`` (requests).
+        num_requests_running: ``vllm:num_requests_running`` (requests).
+        kv_cache_usage_perc: ``vllm:kv_cache_usage_perc``, a fraction in [0, 1] despite the name.
+        block_size_tokens: ``block_size`` label of ``vllm:cache_config_info`` (None when absent).
+        age_seconds: seconds since the last successful scrape when this snapshot was taken
+            (None when never scraped).
+        pending_picks: picks sent to this endpoint since that scrape (not yet visible in its metrics).
+        consecutive_failures: scrapes failed in a row since the last success.
+    """
+
+    num_requests_waiting: float = 0.0
+    num_requests_running: float = 0.0
+    kv_cache_usage_perc: float = 0.0
+    block_size_tokens: int | None = None
+    age_seconds: float | None = None
+    pending_picks: int = 0
+    consecutive_failures: int = 0
+
+    @property
+    def queue_depth(self) -> float:
+        """Waiting + running + pending picks: the load the queue scorer ranks by."""
+        return self.num_requests_waiting + self.num_requests_running + self.pending_picks
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """An endpoint with its last scraped metrics, as plugins see it."""
+
+    endpoint: Endpoint
+    metrics: EndpointMetrics = field(default_factory=EndpointMetrics)
+
+    @property
+    def id(self) -> EndpointId:
+        return self.endpoint.id
+
+
+class ScorerCategory(enum.StrEnum):
+    """What a scorer optimises (GIE/llm-d): cache affinity, load distribution, or balance."""
+
+    AFFINITY = "affinity"
+    DISTRIBUTION = "distribution"
+    BALANCE = "balance"
+
+
+class ExtensionPoint(enum.StrEnum):
+    """Where a plugin runs; a label of ``kvmesh_epp_plugin_duration_seconds``."""
+
+    FILTER = "filter"
+    SCORER = "scorer"
+    PICKER = "picker"
+
+
+class Plugin(abc.ABC):
+    """Base of every plugin: ``type_name`` (kebab-case registry key) and ``name`` (this instance)."""
+
+    type_name: ClassVar[str]
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+class Filter(Plugin):
+    extension_point: ClassVar[ExtensionPoint] = ExtensionPoint.FILTER
+
+    @abc.abstractmethod
+    def filter(
+        self, state: CycleState, request: SchedulingRequest, candidates: Sequence[Candidate]
+    ) -> list[Candidate]:
+        """Return the candidates that may serve ``request`` (a subset, order kept)."""
+
+
+class Scorer(Plugin):
+    extension_point: ClassVar[ExtensionPoint] = ExtensionPoint.SCORER
+    category: ClassVar[ScorerCategory]
+
+    @abc.abstractmethod
+    async def score(
+        self, state: CycleState, request: SchedulingRequest, candidates: Sequence[Candidate]
+    ) -> dict[EndpointId, float]:
+        """One score in [0, 1] per candidate id (higher is better). Called with >= 1 candidate."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScoredCandidate:
+    """A candidate with its per-scorer raw scores (by scorer name) and weighted total."""
+
+    candidate: Candidate
+    scores: dict[str, float]
+    total: float
+
+    @property
+    def id(self) -> EndpointId:
+        return self.candidate.id
+
+
+@dataclass(frozen=True, slots=True)
+class PickerResult:
+    """``ranked[0]`` is the target; the rest are fallbacks in the order to try them."""
+
+    ranked: list[ScoredCandidate]
+
+    @property
+    def target(self) -> ScoredCandidate:
+        return self.ranked[0]
+
+
+class Picker(Plugin):
+    extension_point: ClassVar[ExtensionPoint] = ExtensionPoint.PICKER
+
+    @abc.abstractmethod
+    def pick(self, state: CycleState, scored: Sequence[ScoredCandidate]) -> PickerResult:
+        """Rank ``scored`` (>= 1 entry); ties broken at random."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """kv_indexer's answer: full blocks in the prompt and, per endpoint, the matched prefix in blocks."""
+
+    total_blocks: int
+    matched_blocks: dict[str, int]
+
+
+class PrefixIndex(Protocol):
+    """The global KV-block index (kv_indexer's ``Score``), as the precise prefix scorer needs it."""
+
+    async def score(self, model: str, token_ids: Sequence[int], endpoint_ids: Sequence[str]) -> PrefixMatch:
+        """Raises any exception on failure (timeout, unreachable); the scorer degrades to zeros."""
+        ...
+
+
+class Tokenizer(Protocol):
+    """Turns a request's text or messages into token ids exactly as the engine will."""
+
+    async def tokenize(self, request: SchedulingRequest, candidates: Sequence[Candidate]) -> list[int]:
+        """Raises any exception on failure; the caller degrades."""
+        ...
+
+
+@dataclass
+class PluginHandle:
+    """Collaborators a plugin factory may use; absent ones are None (the factory then refuses)."""
+
+    rng: random.Random = field(default_factory=random.Random)
+    prefix_index: PrefixIndex | None = None
+    tokenizer: Tokenizer | None = None
+
+
+__all__ = [
+    "Candidate", "ChatMessage", "ConfigError", "CycleState", "EndpointMetrics", "ExtensionPoint", "Filter",
+    "Picker", "PickerResult", "Plugin", "PluginError", "PluginHandle", "PrefixIndex", "PrefixMatch",
+    "ScoredCandidate", "Scorer", "ScorerCategory", "SchedulingRequest", "Tokenizer",
+]

@@ -1,0 +1,56 @@
+"""epp's Prometheus metrics, declared once and written only through the ``record_*`` helpers.
+
+| metric | type | labels |
+| --- | --- | --- |
+| ``kvmesh_epp_scheduler_e2e_duration_seconds`` | histogram | none |
+| ``kvmesh_epp_plugin_duration_seconds`` | histogram | ``extension_point`` (filter, scorer, picker), ``plugin_type`` |
+| ``kvmesh_epp_pick_total`` | counter | ``outcome`` (:class:`PickOutcome`) |
+| ``kvmesh_epp_metrics_scrape_total`` | counter | ``result`` (ok, error) |
+"""
+
+from __future__ import annotations
+
+import enum
+
+from prometheus_client import Counter, Histogram
+
+from kvmesh.metrics import FAST_BUCKETS_SECONDS
+from services.epp.framework.interfaces import ExtensionPoint
+
+
+class PickOutcome(enum.StrEnum):
+    """How a Pick ended; a closed set, used as a metric label (detail goes to the error message)."""
+
+    PICKED = "picked"
+    INVALID_REQUEST = "invalid_request"
+    UNKNOWN_MODEL = "unknown_model"
+    NO_ENDPOINTS = "no_endpoints"
+    ERROR = "error"
+
+
+SCHEDULER_E2E = Histogram(
+    "kvmesh_epp_scheduler_e2e_duration_seconds",
+    "Time of one Pick inside epp, from request to decision (seconds).",
+    buckets=FAST_BUCKETS_SECONDS,
+)
+PLUGIN_DURATION = Histogram(
+    "kvmesh_epp_plugin_duration_seconds",
+    "Time of one plugin call (seconds).",
+    ["extension_point", "plugin_type"],
+    buckets=FAST_BUCKETS_SECONDS,
+)
+PICK_TOTAL = Counter("kvmesh_epp_pick_total", "Picks by outcome.", ["outcome"])
+SCRAPE_TOTAL = Counter("kvmesh_epp_metrics_scrape_total", "Engine /metrics scrapes by result.", ["result"])
+
+
+def record_plugin(extension_point: ExtensionPoint, plugin_type: str, seconds: float) -> None:
+    PLUGIN_DURATION.labels(str(extension_point), plugin_type or "unknown").observe(seconds)
+
+
+def record_pick(outcome: PickOutcome, seconds: float) -> None:
+    PICK_TOTAL.labels(str(outcome)).inc()
+    SCHEDULER_E2E.observe(seconds)
+
+
+def record_scrape(result: str) -> None:
+    SCRAPE_TOTAL.labels(result).inc()

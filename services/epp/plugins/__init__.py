@@ -1,0 +1,18 @@
+"""Every shipped plugin, one file each, and :func:`default_registry` that registers them all."""
+
+from __future__ import annotations
+
+from services.epp.framework.registry import PluginRegistry
+from services.epp.plugins.filters import live_endpoint
+from services.epp.plugins.pickers import max_score, random_picker, round_robin
+from services.epp.plugins.scorers import kv_cache_utilization, precise_prefix_cache, queue
+
+_MODULES = (live_endpoint, queue, kv_cache_utilization, precise_prefix_cache, max_score, random_picker, round_robin)
+
+
+def default_registry() -> PluginRegistry:
+    """A fresh registry holding every shipped plugin type."""
+    registry = PluginRegistry()
+    for module in _MODULES:
+        registry.register(module.TYPE, module.factory)
+    return registry

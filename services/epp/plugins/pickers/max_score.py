@@ -1,0 +1,53 @@
+"""``max-score-picker``: the highest weighted total wins; ties broken at random.
+
+Intent:
+    The standard picker (GIE's and llm-d's ``max-score-picker``); also the default when a profile
+    names no picker.
+Inputs consumed:
+    Each candidate's weighted total.
+Math:
+    Shuffle, then stable-sort by total descending: equal totals come out in random order, so the target
+    is a uniformly random one among the best, and fallbacks follow by total.
+Parameters:
+    none.
+Example YAML::
+
+    - type: max-score-picker
+Failure modes:
+    With no scorers every total is 0 and it behaves like ``random-picker``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from services.epp.framework.interfaces import CycleState, Picker, PickerResult, PluginHandle, ScoredCandidate
+from services.epp.framework.registry import NoParams, parse_params
+
+TYPE = "max-score-picker"
+
+
+def factory(name: str, params: Mapping[str, Any], handle: PluginHandle) -> MaxScorePicker:
+    parse_params(NoParams, TYPE, name, params)
+    return MaxScorePicker(name, handle.rng)
+
+
+def rank_by_total(scored: Sequence[ScoredCandidate], rng: random.Random) -> list[ScoredCandidate]:
+    """Best total first; equal totals in random order."""
+    ranked = list(scored)
+    rng.shuffle(ranked)
+    ranked.sort(key=lambda s: s.total, reverse=True)
+    return ranked
+
+
+class MaxScorePicker(Picker):
+    type_name = TYPE
+
+    def __init__(self, name: str, rng: random.Random | None = None) -> None:
+        super().__init__(name)
+        self._rng = rng or random.Random()
+
+    def pick(self, state: CycleState, scored: Sequence[ScoredCandidate]) -> PickerResult:
+        return PickerResult(rank_by_total(scored, self._rng))

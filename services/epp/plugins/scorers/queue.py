@@ -1,0 +1,57 @@
+"""``queue-scorer``: prefer endpoints with fewer queued and running requests.
+
+Intent:
+    Spread load. Mirrors llm-d's queue scorer (``scorer/queuedepth``): min-max normalisation of the queue
+    across the candidates, so the least loaded scores 1 and the most loaded 0.
+Inputs consumed:
+    Per candidate ``metrics.queue_depth`` = ``vllm:num_requests_waiting`` + ``vllm:num_requests_running``
+    + picks sent since the last scrape (so a burst between scrapes does not all land on one endpoint).
+Math:
+    ``score(e) = (max_q - q(e)) / (max_q - min_q)``; when every candidate has the same queue, all score 1.
+Parameters:
+    none.
+Example YAML::
+
+    - type: queue-scorer
+      name: queue
+Failure modes:
+    Relative only: two idle endpoints and two saturated ones look the same. Metrics are up to one scrape
+    interval old, softened by the pending-pick count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvmesh.types import EndpointId
+from services.epp.framework.interfaces import (
+    Candidate,
+    CycleState,
+    PluginHandle,
+    SchedulingRequest,
+    Scorer,
+    ScorerCategory,
+)
+from services.epp.framework.registry import NoParams, parse_params
+
+TYPE = "queue-scorer"
+
+
+def factory(name: str, params: Mapping[str, Any], handle: PluginHandle) -> QueueScorer:
+    parse_params(NoParams, TYPE, name, params)
+    return QueueScorer(name)
+
+
+class QueueScorer(Scorer):
+    type_name = TYPE
+    category = ScorerCategory.DISTRIBUTION
+
+    async def score(
+        self, state: CycleState, request: SchedulingRequest, candidates: Sequence[Candidate]
+    ) -> dict[EndpointId, float]:
+        queues = {c.id: c.metrics.queue_depth for c in candidates}
+        low, high = min(queues.values()), max(queues.values())
+        if high == low:
+            return {i: 1.0 for i in queues}
+        return {i: (high - q) / (high - low) for i, q in queues.items()}

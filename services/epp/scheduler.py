@@ -1,0 +1,114 @@
+"""The scheduler: one Pick = validate, find candidates, always filter liveness, run the profile, record.
+
+Algorithm (one call of :meth:`Scheduler.pick`)::
+
+    model empty                          -> InvalidRequest
+    no registered endpoint serves model  -> UnknownModel
+    candidates = live-endpoint-filter(datastore.candidates(model))   # model, exclusions, fresh metrics
+    candidates empty                     -> NoEndpointsAvailable
+    ranked = profile.run(candidates)     # profile filters, weighted scorers, picker
+    target = ranked[0]; fallbacks = ranked[1:]; datastore.note_pick(target)
+
+One DEBUG line per decision carries the per-scorer breakdown; every outcome is counted in
+``kvmesh_epp_pick_total{outcome}`` and timed in ``kvmesh_epp_scheduler_e2e_duration_seconds``.
+No grpc here: the servicer converts protobuf to :class:`SchedulingRequest` and back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from kvmesh.errors import InvalidRequest, KvmeshError, NoEndpointsAvailable, UnknownModel
+from kvmesh.types import Endpoint
+from services.epp.datastore import Datastore
+from services.epp.framework.cycle_state import TOKEN_IDS, CycleState
+from services.epp.framework.interfaces import ScoredCandidate, SchedulingRequest
+from services.epp.framework.profile import SchedulerProfile
+from services.epp.metrics import PickOutcome, record_pick, record_plugin
+from services.epp.plugins.filters.live_endpoint import LiveEndpointFilter
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PickDecision:
+    """The target, fallbacks best first, every candidate's breakdown (ranked order), the profile run."""
+
+    target: Endpoint
+    fallbacks: list[Endpoint]
+    breakdown: list[ScoredCandidate]
+    profile: str
+    prompt_tokens: int = 0
+
+
+_OUTCOMES: dict[type[KvmeshError], PickOutcome] = {
+    InvalidRequest: PickOutcome.INVALID_REQUEST,
+    UnknownModel: PickOutcome.UNKNOWN_MODEL,
+    NoEndpointsAvailable: PickOutcome.NO_ENDPOINTS,
+}
+
+
+class Scheduler:
+    def __init__(self, datastore: Datastore, profile: SchedulerProfile, live_filter: LiveEndpointFilter) -> None:
+        self.datastore = datastore
+        self.profile = profile
+        self._live_filter = live_filter
+
+    async def pick(self, request: SchedulingRequest) -> PickDecision:
+        """Choose an endpoint for ``request``.
+
+        Raises:
+            InvalidRequest: empty model.
+            UnknownModel: no registered endpoint serves the model.
+            NoEndpointsAvailable: endpoints exist but none is live and not excluded.
+            PluginError: a plugin broke its contract.
+        """
+        started = time.perf_counter()
+        try:
+            decision = await self._pick(request)
+        except Exception as exc:
+            outcome = next((o for cls, o in _OUTCOMES.items() if isinstance(exc, cls)), PickOutcome.ERROR)
+            record_pick(outcome, time.perf_counter() - started)
+            logger.debug("pick failed request_id=%s model=%s outcome=%s error=%s", request.request_id,
+                         request.model, outcome, exc)
+            raise
+        elapsed = time.perf_counter() - started
+        record_pick(PickOutcome.PICKED, elapsed)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "pick request_id=%s model=%s profile=%s target=%s took_ms=%.3f breakdown=%s",
+                request.request_id, request.model, decision.profile, decision.target.id, elapsed * 1e3,
+                "; ".join(
+                    f"{s.id} total={s.total:.3f} " + " ".join(f"{k}={v:.3f}" for k, v in s.scores.items())
+                    for s in decision.breakdown
+                ),
+            )
+        return decision
+
+    async def _pick(self, request: SchedulingRequest) -> PickDecision:
+        if not request.model.strip():
+            raise InvalidRequest("model is required")
+        all_of_model = self.datastore.candidates(request.model)
+        if not all_of_model:
+            raise UnknownModel(f"no endpoint serves model {request.model!r}")
+        state = CycleState()
+        candidates = self._live_filter.filter(state, request, all_of_model)
+        if not candidates:
+            excluded = sum(1 for c in all_of_model if c.id in request.exclude_endpoint_ids)
+            raise NoEndpointsAvailable(
+                f"no live endpoint for model {request.model!r}: {len(all_of_model)} registered, "
+                f"{excluded} excluded, {len(all_of_model) - excluded} without fresh metrics"
+            )
+        result = await self.profile.run(state, request, candidates, observer=record_plugin)
+        target = result.ranked[0]
+        self.datastore.note_pick(target.id)
+        tokens = state.get(TOKEN_IDS)
+        return PickDecision(
+            target=target.candidate.endpoint,
+            fallbacks=[s.candidate.endpoint for s in result.ranked[1:]],
+            breakdown=result.ranked,
+            profile=result.profile,
+            prompt_tokens=len(tokens) if tokens and not request.token_ids else 0,
+        )

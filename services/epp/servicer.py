@@ -1,0 +1,71 @@
+"""gRPC EndpointPicker servicer: protobuf in, :class:`Scheduler` call, protobuf out. Nothing clever.
+
+Domain errors propagate to the shared interceptor, which maps them (InvalidRequest -> INVALID_ARGUMENT,
+UnknownModel -> NOT_FOUND, NoEndpointsAvailable -> UNAVAILABLE, anything else -> INTERNAL).
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from kvmesh._proto.kvmesh.common.v1 import common_pb2
+from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
+from kvmesh.types import Endpoint
+from services.epp.framework.interfaces import ChatMessage, SchedulingRequest
+from services.epp.scheduler import Scheduler
+
+
+def endpoint_to_proto(endpoint: Endpoint) -> common_pb2.Endpoint:
+    return common_pb2.Endpoint(
+        id=endpoint.id,
+        url=endpoint.url,
+        model=endpoint.model,
+        block_size_tokens=endpoint.block_size_tokens,
+        events_endpoint=endpoint.events_endpoint,
+        role=str(endpoint.role),
+        labels=endpoint.labels,
+    )
+
+
+def request_from_proto(request: epp_pb2.PickRequest) -> SchedulingRequest:
+    return SchedulingRequest(
+        model=request.model,
+        request_id=request.request_id,
+        token_ids=tuple(request.prompt_token_ids),
+        prompt=request.prompt,
+        messages=tuple(ChatMessage(m.role, m.content) for m in request.messages),
+        exclude_endpoint_ids=frozenset(request.exclude_endpoint_ids),
+    )
+
+
+class EndpointPickerServicer(epp_pb2_grpc.EndpointPickerServicer):
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+
+    async def Pick(self, request: epp_pb2.PickRequest, context: grpc.aio.ServicerContext) -> epp_pb2.PickResponse:
+        decision = await self._scheduler.pick(request_from_proto(request))
+        return epp_pb2.PickResponse(
+            target=endpoint_to_proto(decision.target),
+            fallbacks=[endpoint_to_proto(e) for e in decision.fallbacks],
+            breakdown=[
+                epp_pb2.ScoreBreakdown(endpoint_id=s.id, scores=s.scores, total=s.total) for s in decision.breakdown
+            ],
+            profile=decision.profile,
+            prompt_tokens=decision.prompt_tokens,
+        )
+
+    async def ListEndpoints(
+        self, request: epp_pb2.ListEndpointsRequest, context: grpc.aio.ServicerContext
+    ) -> epp_pb2.ListEndpointsResponse:
+        return epp_pb2.ListEndpointsResponse(
+            endpoints=[
+                epp_pb2.EndpointState(
+                    endpoint=endpoint_to_proto(c.endpoint),
+                    num_requests_waiting=c.metrics.num_requests_waiting,
+                    num_requests_running=c.metrics.num_requests_running,
+                    kv_cache_usage_perc=c.metrics.kv_cache_usage_perc,
+                    metrics_age_seconds=-1.0 if c.metrics.age_seconds is None else c.metrics.age_seconds,
+                )
+                for c in self._scheduler.datastore.candidates()
+            ]
+        )
