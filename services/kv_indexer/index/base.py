@@ -153,6 +153,10 @@ class KVBlockIndex(Protocol):
         """Endpoints whose events are currently applied."""
         ...
 
+    def is_registered(self, endpoint_id: EndpointId) -> bool:
+        """Whether ``endpoint_id``'s events are currently applied (O(1))."""
+        ...
+
     def apply(self, endpoint_id: EndpointId, event: IndexEvent) -> ApplyOutcome:
         """Apply one event of ``endpoint_id``.
 

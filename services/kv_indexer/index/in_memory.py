@@ -101,6 +101,9 @@ class InMemoryIndex:
     def registered(self) -> Mapping[EndpointId, Endpoint]:
         return {eid: st.endpoint for eid, st in self._endpoints.items()}
 
+    def is_registered(self, endpoint_id: EndpointId) -> bool:
+        return endpoint_id in self._endpoints
+
     # -- events -----------------------------------------------------------------------------
 
     def apply(self, endpoint_id: EndpointId, event: IndexEvent) -> ApplyOutcome:

@@ -43,6 +43,9 @@ class InstrumentedIndex:
     def registered(self) -> Mapping[EndpointId, Endpoint]:
         return self.inner.registered()
 
+    def is_registered(self, endpoint_id: EndpointId) -> bool:
+        return self.inner.is_registered(endpoint_id)
+
     def apply(self, endpoint_id: EndpointId, event: IndexEvent) -> ApplyOutcome:
         outcome = self.inner.apply(endpoint_id, event)
         metrics.record_event(type(event).__name__, outcome.value)

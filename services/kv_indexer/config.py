@@ -1,0 +1,31 @@
+"""kv_indexer configuration: flags ``--events-bind-endpoint ...``, env ``KVMESH_KV_INDEXER_*``, or a YAML file."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from kvmesh.config import ServiceConfig
+
+
+class KvIndexerConfig(ServiceConfig):
+    """kv_indexer: the global KV-block index, fed by the engines' ZMQ KV events."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KVMESH_KV_INDEXER_", extra="forbid", use_attribute_docstrings=True, populate_by_name=True
+    )
+
+    events_bind_endpoint: str = "tcp://127.0.0.1:5557"
+    """ZMQ endpoint the KV-event SUB socket binds (engines with a plain tcp://host:port connect to it); "" binds nothing."""
+    event_workers: int = Field(4, ge=1, le=64)
+    """Event pool shards; one endpoint's events always go to the same one, in order."""
+    event_queue_size_messages: int = Field(10000, ge=1, le=10_000_000)
+    """Messages each event worker may queue before new ones are dropped (counted as queue_full)."""
+    zmq_rcvhwm_messages: int = Field(100000, ge=0)
+    """ZMQ receive high-water mark of the SUB socket (0: unlimited)."""
+    pending_batches_per_endpoint: int = Field(256, ge=0, le=100000)
+    """Messages held for an endpoint not yet seen in etcd, applied when it joins (0: drop them)."""
+    pending_ttl_seconds: float = Field(10.0, gt=0, le=3600)
+    """How long such held messages stay applicable."""
+    recent_removed_blocks: int = Field(4096, ge=0, le=10_000_000)
+    """Per endpoint, removed block hashes remembered to place later chains whose parent was evicted."""

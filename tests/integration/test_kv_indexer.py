@@ -1,0 +1,200 @@
+"""kv_indexer as a process: real etcd, real ZMQ frames, real gRPC.
+
+Each test starts ``python -m services.kv_indexer`` bound on a free ZMQ port, registers a fake
+endpoint in etcd (``LeaseRegistration``), publishes KV events from a PUB socket connected to the
+bind endpoint (as vLLM does for a plain ``tcp://host:port``), and checks Score/Lookup/Stats.
+PUB sockets drop messages until the connection is up, so idempotent events are re-sent until
+their effect shows, always polling with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+import pytest
+import zmq
+
+from kvmesh._proto.kvmesh.common.v1 import common_pb2
+from kvmesh._proto.kvmesh.kv_indexer.v1 import kv_indexer_pb2 as pb
+from kvmesh._proto.kvmesh.kv_indexer.v1 import kv_indexer_pb2_grpc
+from kvmesh.hashing import block_keys
+from kvmesh.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, encode_batch, encode_seq, make_topic
+from kvmesh.launcher import free_port
+from kvmesh.membership import LeaseRegistration, endpoint_key
+from kvmesh.types import Endpoint, EndpointId
+
+MODEL = "tiny"
+BLOCK = 4
+PROMPT = list(range(100, 116))  # 4 full blocks
+
+
+class Publisher:
+    """A vLLM-style PUB socket connected to the indexer's bound SUB."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, endpoint_id: str, model: str = MODEL) -> None:
+        self.sock = ctx.socket(zmq.PUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.topic = make_topic(endpoint_id, model).encode()
+        self.seq = itertools.count()
+
+    def send(self, *events: object) -> None:
+        batch = EventBatch(ts=time.time(), events=list(events), data_parallel_rank=0)
+        self.sock.send_multipart([self.topic, encode_seq(next(self.seq)), encode_batch(batch)])
+
+    def send_raw(self, frames: list[bytes]) -> None:
+        self.sock.send_multipart(frames)
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 10.0, resend: Callable[[], None] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if resend is not None:
+            resend()
+        if await check():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not met before the deadline")
+
+
+def stored(hashes: list[int], tokens: list[int], parent: int | None = None, medium: str = "GPU") -> BlockStored:
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BLOCK, medium=medium)
+
+
+@pytest.fixture
+async def mesh(start_service, etcd: str) -> AsyncIterator[dict]:  # noqa: ANN001
+    bind = f"tcp://127.0.0.1:{free_port()}"
+    proc, address = start_service("kv_indexer", "--events-bind-endpoint", bind, "--event-workers", "2")
+    channel = grpc.aio.insecure_channel(address)
+    ctx = zmq.Context()
+    yield {"bind": bind, "stub": kv_indexer_pb2_grpc.KVIndexerStub(channel), "ctx": ctx, "etcd": etcd, "proc": proc}
+    await channel.close()
+    ctx.destroy(linger=0)
+
+
+async def register(etcd: str, port: int, ttl: int = 3) -> tuple[Endpoint, LeaseRegistration]:
+    ep = Endpoint(id=EndpointId(f"127.0.0.1:{port}"), url=f"http://127.0.0.1:{port}", model=MODEL, block_size_tokens=BLOCK)
+    reg = LeaseRegistration([etcd], endpoint_key(ep), ep.to_json(), ttl_seconds=ttl)
+    await reg.start()
+    return ep, reg
+
+
+async def score(stub: kv_indexer_pb2_grpc.KVIndexerStub, tokens: list[int] = PROMPT, **kw: object) -> dict[str, int]:
+    reply = await stub.Score(pb.ScoreRequest(model=MODEL, token_ids=tokens, **kw), timeout=5)
+    return {s.endpoint_id: s.matched_blocks for s in reply.scores}
+
+
+async def registered(stub: kv_indexer_pb2_grpc.KVIndexerStub) -> set[str]:
+    reply = await stub.Stats(pb.StatsRequest(), timeout=5)
+    return {e.endpoint_id for e in reply.per_endpoint}
+
+
+async def test_score_lookup_and_all_blocks_cleared(mesh: dict) -> None:
+    stub = mesh["stub"]
+    ep, reg = await register(mesh["etcd"], free_port())
+    other, reg2 = await register(mesh["etcd"], free_port())
+    try:
+        await eventually(lambda: _has(stub, {ep.id, other.id}))
+        pub = Publisher(mesh["ctx"], mesh["bind"], ep.id)
+        pub2 = Publisher(mesh["ctx"], mesh["bind"], other.id)
+        first = stored([11, 12], PROMPT[:8])
+        await eventually(lambda: _score_is(stub, {ep.id: 2}), resend=lambda: pub.send(first))
+        pub.send(stored([13], PROMPT[8:12], parent=12))
+        await eventually(lambda: _score_is(stub, {ep.id: 3, other.id: 1}), resend=lambda: pub2.send(stored([21], PROMPT[:4])))
+
+        reply = await stub.Score(pb.ScoreRequest(model=MODEL, token_ids=PROMPT + [1, 2]), timeout=5)
+        assert reply.total_blocks == 4 and reply.block_size_tokens == BLOCK
+        assert [(s.endpoint_id, s.matched_blocks, s.matched_tokens) for s in reply.scores] == [(ep.id, 3, 12), (other.id, 1, 4)]
+        assert dict(reply.scores[0].matched_blocks_by_medium) == {"GPU": 3}
+        assert await score(stub, endpoint_ids=[other.id]) == {other.id: 1}
+        assert await score(stub, tokens=[7] + PROMPT[1:]) == {}
+
+        lookup = await stub.Lookup(pb.LookupRequest(model=MODEL, token_ids=PROMPT), timeout=5)
+        assert [b.block_key for b in lookup.blocks] == block_keys(PROMPT, BLOCK)
+        assert [{(h.endpoint_id, h.medium) for h in b.holders} for b in lookup.blocks] == [
+            {(ep.id, common_pb2.MEDIUM_GPU), (other.id, common_pb2.MEDIUM_GPU)},
+            {(ep.id, common_pb2.MEDIUM_GPU)},
+            {(ep.id, common_pb2.MEDIUM_GPU)},
+            set(),
+        ]
+
+        pub.send(BlockRemoved(block_hashes=[12]))
+        await eventually(lambda: _score_is(stub, {ep.id: 1, other.id: 1}))
+        pub.send(AllBlocksCleared())
+        await eventually(lambda: _score_is(stub, {other.id: 1}))
+        stats = await stub.Stats(pb.StatsRequest(), timeout=5)
+        per = {e.endpoint_id: e for e in stats.per_endpoint}
+        assert per[ep.id].blocks == 0 and per[ep.id].events_applied >= 4 and per[ep.id].last_seq >= 3
+    finally:
+        await reg.stop()
+        await reg2.stop()
+
+
+async def test_endpoint_leaving_etcd_is_purged_and_fenced(mesh: dict) -> None:
+    stub = mesh["stub"]
+    ep, reg = await register(mesh["etcd"], free_port(), ttl=2)
+    await eventually(lambda: _has(stub, {ep.id}))
+    pub = Publisher(mesh["ctx"], mesh["bind"], ep.id)
+    await eventually(lambda: _score_is(stub, {ep.id: 4}), resend=lambda: pub.send(stored([1, 2, 3, 4], PROMPT)))
+
+    # A crash: keepalives stop, nobody revokes; etcd expires the lease within its TTL.
+    assert reg._task is not None
+    reg._task.cancel()
+    started = time.monotonic()
+    await eventually(lambda: _score_is(stub, {}), timeout=2 + 3)
+    assert time.monotonic() - started < 2 + 3
+    assert ep.id not in await registered(stub)
+
+    # Late events for it are ignored ...
+    for _ in range(5):
+        pub.send(stored([1, 2, 3, 4], PROMPT))
+    await asyncio.sleep(0.3)  # negative check: nothing may appear (bounded wait, not a sync point)
+    assert await score(stub) == {}
+    # ... and a rejoin starts from an empty state.
+    reg_again = LeaseRegistration([mesh["etcd"]], endpoint_key(ep), ep.to_json(), ttl_seconds=3)
+    await reg_again.start()
+    try:
+        await eventually(lambda: _has(stub, {ep.id}))
+        assert await score(stub) == {}
+        await eventually(lambda: _score_is(stub, {ep.id: 1}), resend=lambda: pub.send(stored([9], PROMPT[:4])))
+        await reg_again.stop()  # a clean leave (lease revoked) purges at once
+        await eventually(lambda: _score_is(stub, {}), timeout=3)
+    finally:
+        await reg_again.stop()
+
+
+async def test_malformed_batches_are_dropped_and_service_keeps_answering(mesh: dict) -> None:
+    stub = mesh["stub"]
+    ep, reg = await register(mesh["etcd"], free_port())
+    try:
+        await eventually(lambda: _has(stub, {ep.id}))
+        pub = Publisher(mesh["ctx"], mesh["bind"], ep.id)
+        await eventually(lambda: _score_is(stub, {ep.id: 1}), resend=lambda: pub.send(stored([1], PROMPT[:4])))
+        before = (await stub.Stats(pb.StatsRequest(), timeout=5)).batches_dropped
+        pub.send_raw([pub.topic, encode_seq(100)])  # two frames
+        pub.send_raw([b"kv@tiny", encode_seq(101), b"\x93"])  # vLLM's bare topic: no endpoint
+        pub.send_raw([pub.topic, b"\x00\x01", b"\x90"])  # bad sequence frame
+        pub.send_raw([pub.topic, encode_seq(102), b"\xc1not msgpack"])  # bad payload
+        pub.send_raw([pub.topic, encode_seq(103), b"\x93\xcb" + b"\x00" * 8 + b"\x91\x81\xa4type\xa4Nope\x00"])  # unknown event
+        await eventually(lambda: _dropped_at_least(stub, before + 5))
+        pub.send(stored([2], PROMPT[4:8], parent=1))
+        await eventually(lambda: _score_is(stub, {ep.id: 2}))
+        assert mesh["proc"].alive
+    finally:
+        await reg.stop()
+
+
+async def _has(stub: kv_indexer_pb2_grpc.KVIndexerStub, ids: set[str]) -> bool:
+    return ids <= await registered(stub)
+
+
+async def _score_is(stub: kv_indexer_pb2_grpc.KVIndexerStub, expected: dict[str, int]) -> bool:
+    return await score(stub) == expected
+
+
+async def _dropped_at_least(stub: kv_indexer_pb2_grpc.KVIndexerStub, n: int) -> bool:
+    return (await stub.Stats(pb.StatsRequest(), timeout=5)).batches_dropped >= n
