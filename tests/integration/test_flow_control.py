@@ -8,6 +8,8 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 import pytest
+from google.protobuf.descriptor_pool import DescriptorPool
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2 as pb
 from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2_grpc as pb_grpc
@@ -130,3 +132,11 @@ async def test_bad_first_message_is_invalid_argument(start_service) -> None:
             await ok.done_writing()
             assert await ok.read() == grpc.aio.EOF
             await poll(lambda: stats_are(stub, in_flight=0, queued=0))
+
+
+def test_reflection_lists_methods(start_service) -> None:
+    _, address = start_service("flow_control")
+    with grpc.insecure_channel(address) as channel:
+        database = ProtoReflectionDescriptorDatabase(channel)
+        service = DescriptorPool(database).FindServiceByName("kvmesh.flow_control.v1.FlowControl")
+        assert {m.name for m in service.methods} == {"Admit", "Stats"}

@@ -1,0 +1,89 @@
+"""The in-memory (CPU RAM) tier: a byte budget with least-recently-used eviction.
+
+An ``OrderedDict`` keeps keys from least to most recently used: ``get`` and ``put`` move a key
+to the end, eviction pops from the front until the new value fits (O(1) per key). Sizes are
+``len(value)``; Python object overhead is not counted against the budget. The same structure
+backs vLLM's CPU offloading LRU (``vllm/v1/kv_offload/lru_manager.py``) and LMCache's
+``LocalCPUBackend``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvmesh.types import Medium
+from services.kv_store.errors import ValueTooLarge
+from services.kv_store.tiers.base import PutResult, TierStats
+
+TYPE_NAME = "cpu"
+
+
+class CpuTier:
+    """:class:`~services.kv_store.tiers.base.StoreTier` in process memory with LRU eviction."""
+
+    medium = Medium.CPU
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self._values: OrderedDict[str, bytes] = OrderedDict()
+        self._used_bytes = 0
+        self._hits = 0
+        self._misses = 0
+        self._evictions = 0
+
+    async def put(self, key: str, value: bytes) -> PutResult:
+        size = len(value)
+        if size > self.capacity_bytes:
+            raise ValueTooLarge(
+                f"value of {size} bytes for key {key!r} exceeds the {self.medium.value} tier's"
+                f" capacity_bytes={self.capacity_bytes}"
+            )
+        old = self._values.pop(key, None)
+        if old is not None:
+            self._used_bytes -= len(old)
+        evicted: list[str] = []
+        while self._used_bytes + size > self.capacity_bytes:
+            victim, victim_value = self._values.popitem(last=False)
+            self._used_bytes -= len(victim_value)
+            evicted.append(victim)
+        self._evictions += len(evicted)
+        self._values[key] = value
+        self._used_bytes += size
+        return PutResult(tuple(evicted))
+
+    async def get(self, key: str) -> bytes | None:
+        value = self._values.get(key)
+        if value is None:
+            self._misses += 1
+            return None
+        self._hits += 1
+        self._values.move_to_end(key)
+        return value
+
+    async def contains(self, keys: Sequence[str]) -> list[bool]:
+        return [key in self._values for key in keys]
+
+    async def evict(self, key: str) -> bool:
+        value = self._values.pop(key, None)
+        if value is None:
+            return False
+        self._used_bytes -= len(value)
+        return True
+
+    def stats(self) -> TierStats:
+        return TierStats(
+            medium=self.medium,
+            capacity_bytes=self.capacity_bytes,
+            used_bytes=self._used_bytes,
+            keys=len(self._values),
+            hits=self._hits,
+            misses=self._misses,
+            evictions=self._evictions,
+        )
+
+    def lru_order(self) -> list[str]:
+        """Keys from least to most recently used (for tests and debugging)."""
+        return list(self._values)
