@@ -7,6 +7,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import grpc
+import httpx
 import pytest
 from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
@@ -24,6 +25,11 @@ async def poll(predicate: Callable[[], Awaitable[bool]], timeout: float = 10.0) 
             return
         await asyncio.sleep(0.02)
     raise AssertionError("condition not met before the deadline")
+
+
+def metrics_url(proc) -> str:
+    argv = list(proc.argv)
+    return f"http://127.0.0.1:{argv[argv.index('--metrics-port') + 1]}/metrics"
 
 
 def enqueue(request_id: str, **kw: object) -> pb.AdmitRequest:
@@ -76,7 +82,7 @@ async def test_limit_queue_release_and_cancel(start_service) -> None:
 
 
 async def test_queue_ttl_rejects_with_reason(start_service) -> None:
-    _, address = start_service("flow_control", "--max-in-flight", "1", "--queue-ttl-seconds", "0.3")
+    proc, address = start_service("flow_control", "--max-in-flight", "1", "--queue-ttl-seconds", "0.3")
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.FlowControlStub(channel)
         holder = await admit(stub, "holder")
@@ -90,6 +96,12 @@ async def test_queue_ttl_rejects_with_reason(start_service) -> None:
         holder.cancel()
         await poll(lambda: stats_are(stub, in_flight=0, queued=0))
         assert (await stub.Stats(pb.StatsRequest())).rejected_total == 1
+    text = httpx.get(metrics_url(proc), timeout=5).text
+    assert 'kvmesh_flow_control_outcome_total{outcome="evicted_ttl"} 1.0' in text
+    assert 'kvmesh_flow_control_outcome_total{outcome="dispatched"} 1.0' in text
+    assert "kvmesh_flow_control_in_flight 0.0" in text
+    assert "kvmesh_flow_control_queue_size 0.0" in text
+    assert 'kvmesh_flow_control_queue_duration_seconds_count{outcome="evicted_ttl"} 1.0' in text
 
 
 async def test_queue_full_rejects(start_service) -> None:
@@ -132,6 +144,14 @@ async def test_bad_first_message_is_invalid_argument(start_service) -> None:
             await ok.done_writing()
             assert await ok.read() == grpc.aio.EOF
             await poll(lambda: stats_are(stub, in_flight=0, queued=0))
+        # A second enqueue after dispatch is a protocol error; the slot is still released.
+        twice = await admit(stub, "twice")
+        assert (await twice.read()).outcome == pb.QUEUE_OUTCOME_DISPATCHED
+        await twice.write(enqueue("twice"))
+        with pytest.raises(grpc.aio.AioRpcError) as exc_info:
+            await twice.read()
+        assert exc_info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        await poll(lambda: stats_are(stub, in_flight=0, queued=0))
 
 
 def test_reflection_lists_methods(start_service) -> None:
