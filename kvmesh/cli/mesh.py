@@ -1,0 +1,417 @@
+"""A whole mesh on one machine: etcd, the five kvmesh services and N simulated engines.
+
+``Mesh(MeshSpec(...))`` is what ``kvmesh up``, ``kvmesh replay`` (without ``--router``),
+``kvmesh compare`` and the integration tests use::
+
+    with Mesh(MeshSpec(engines=2, policy="precise-prefix", run_dir=tmp)) as mesh:
+        httpx.post(f"{mesh.router_url}/v1/completions", json={...})
+
+Start order (each process on free 127.0.0.1 ports, output in ``<run_dir>/<name>.log``):
+etcd (unless ``spec.etcd`` names one) -> kv_indexer (binds the ZMQ SUB socket the engines connect
+to) -> kv_store, flow_control, epp, router and the engines, all spawned at once and then awaited in
+parallel: gRPC health for services, ``GET /health`` for engines, then until epp's ``ListEndpoints``
+shows all N engines and the router's ``/v1/models`` lists the model. A process that exits while
+being awaited fails the start at once with its log tail.
+
+Stop order is the reverse (router, engines, epp, flow_control and kv_store, kv_indexer, etcd):
+SIGTERM to each process group, SIGKILL after a grace period. Orphans are prevented three ways:
+``stop()`` from ``__exit__``; an ``atexit`` hook for meshes still running when the interpreter
+exits (the CLI turns SIGTERM/SIGHUP into a normal exit, see :func:`exit_on_signals`); and on Linux
+every child gets ``PR_SET_PDEATHSIG=SIGKILL``, so even a SIGKILLed caller leaves nothing behind.
+Because PDEATHSIG fires when the *thread* that spawned a child exits, processes are spawned only
+from the thread calling :meth:`Mesh.start` (use the main thread).
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+import grpc
+import httpx
+
+from kvmesh.launcher import (
+    LOOPBACK,
+    ManagedProcess,
+    free_port,
+    python_module,
+    start_etcd,
+    wait_grpc_healthy,
+    wait_http_ok,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "sim-llama-3.1-8b"
+"""Served model name of the simulated engines."""
+
+
+@dataclass
+class MeshSpec:
+    """What to start. Times in wall seconds unless named ``model``."""
+
+    run_dir: Path
+    """Logs, etcd data and the tokenizer's default location live here."""
+    engines: int = 4
+    policy: str = "precise-prefix"
+    """epp ``--scheduling-config``: ``round-robin``, ``load-only``, ``precise-prefix`` or a YAML path."""
+    time_scale: float = 1.0
+    """Engine ``--time-scale``: simulated time runs this many times faster than wall time."""
+    model: str = DEFAULT_MODEL
+    block_size_tokens: int = 64
+    num_gpu_blocks: int = 512
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 131072
+    etcd: str | None = None
+    """``host:port`` of an external etcd; None starts a local one under ``run_dir/etcd``."""
+    router_http_port: int | None = None
+    router_grpc_port: int | None = None
+    lease_ttl_seconds: int = 10
+    log_level: str = "INFO"
+    start_timeout_seconds: float = 120.0
+    stop_timeout_seconds: float = 10.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Member:
+    """One started process and where it listens (``None`` for what it does not serve)."""
+
+    name: str
+    process: ManagedProcess
+    grpc: str | None = None
+    http: str | None = None
+    metrics: str | None = None
+
+    @property
+    def log_path(self) -> Path:
+        return self.process.log_path
+
+
+def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class _ChildProcess(ManagedProcess):
+    """A ManagedProcess that dies with its parent (Linux ``PR_SET_PDEATHSIG``)."""
+
+    def start(self) -> _ChildProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                list(self.argv),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env},
+                cwd=self.cwd,
+                start_new_session=True,
+                preexec_fn=_set_pdeathsig if sys.platform.startswith("linux") else None,
+            )
+        return self
+
+
+_RUNNING: weakref.WeakSet[Mesh] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for mesh in list(_RUNNING):
+        with contextlib.suppress(Exception):
+            mesh.stop()
+
+
+@contextlib.contextmanager
+def exit_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)) -> Iterator[None]:
+    """Within the block, the given signals raise KeyboardInterrupt (so ``with Mesh`` unwinds).
+
+    Only effective in the main thread; elsewhere a no-op.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = {s: signal.signal(s, handler) for s in signals}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+class MeshStartError(RuntimeError):
+    """A member did not come up; the message carries its log tail."""
+
+
+class Mesh:
+    """Start/stop a mesh described by a :class:`MeshSpec`; a context manager."""
+
+    def __init__(self, spec: MeshSpec) -> None:
+        self.spec = spec
+        self.members: list[Member] = []
+        self.etcd_address: str = spec.etcd or ""
+        self.router_url = ""
+        self.epp_address = ""
+        self.kv_indexer_address = ""
+        self.engine_urls: list[str] = []
+        self._stopped = False
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def __enter__(self) -> Mesh:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> Mesh:
+        """Start everything and wait until the mesh serves; stops what started on failure.
+
+        Raises:
+            MeshStartError: when a member exits or is not ready within ``start_timeout_seconds``.
+            FileNotFoundError: when no etcd is given and the ``etcd`` binary is missing.
+        """
+        spec = self.spec
+        spec.run_dir.mkdir(parents=True, exist_ok=True)
+        _RUNNING.add(self)
+        t0 = time.monotonic()
+        try:
+            self._start(spec)
+        except BaseException:
+            self.stop()
+            raise
+        logger.info("mesh up in %.1fs: engines=%d policy=%s router=%s", time.monotonic() - t0,
+                    spec.engines, spec.policy, self.router_url)
+        return self
+
+    def _start(self, spec: MeshSpec) -> None:
+        deadline = time.monotonic() + spec.start_timeout_seconds
+        if spec.etcd is None:
+            proc, self.etcd_address = start_etcd(spec.run_dir)
+            self.members.append(Member("etcd", proc, grpc=self.etcd_address, http=f"http://{self.etcd_address}"))
+        from engine_simulator.tokenizer import ensure_tokenizer  # the simulator package, not the mesh
+
+        tokenizer_path = ensure_tokenizer(None)
+
+        events_port = free_port()
+        events_bind = f"tcp://{LOOPBACK}:{events_port}"
+        kv_indexer = self._service("kv_indexer", "--events-bind-endpoint", events_bind)
+        self.kv_indexer_address = kv_indexer.grpc or ""
+        # kv_indexer binds the SUB socket before engines connect and publish.
+        self._await([kv_indexer], deadline, lambda m: self._grpc_ready(m))
+
+        others = [
+            self._service("kv_store", "--cpu-capacity-bytes", str(1 << 30)),
+            self._service("flow_control", "--max-in-flight", "256", "--queue-ttl-seconds", "30",
+                          "--max-queue-size", "10000"),
+        ]
+        epp = self._service("epp", "--kv-indexer-address", self.kv_indexer_address,
+                            "--scheduling-config", spec.policy, "--metrics-scrape-interval-seconds", "0.1")
+        self.epp_address = epp.grpc or ""
+        http_port = spec.router_http_port or free_port()
+        router = self._service("router", "--http-port", str(http_port),
+                               "--flow-control-address", others[1].grpc or "",
+                               "--epp-address", self.epp_address, grpc_port=spec.router_grpc_port)
+        router.http = f"http://{LOOPBACK}:{http_port}"
+        self.router_url = router.http
+        engines = [self._engine(i, events_bind, tokenizer_path) for i in range(spec.engines)]
+        self.engine_urls = [e.http or "" for e in engines]
+        self._await([*others, epp, router], deadline, self._grpc_ready)
+        self._await(engines, deadline, self._http_ready)
+        self._wait_until(deadline, "epp to list all engines", [epp], self._epp_sees_all_engines)
+        self._wait_until(deadline, "router to list the model", [router], self._router_lists_model)
+
+    def stop(self) -> None:
+        """Stop every member in reverse start order (idempotent)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        _RUNNING.discard(self)
+        order = ["router", "engine", "epp", "flow_control|kv_store", "kv_indexer", "etcd"]
+        groups: list[list[Member]] = []
+        for names in order:
+            group = [m for m in self.members if any(m.name.startswith(n) for n in names.split("|"))]
+            if group:
+                groups.append(group)
+        rest = [m for m in self.members if not any(m in g for g in groups)]
+        if rest:
+            groups.insert(0, rest)
+        timeout = self.spec.stop_timeout_seconds
+        for group in groups:
+            if len(group) == 1:
+                group[0].process.stop(timeout)
+                continue
+            # SIGTERM the whole group first so they drain in parallel.
+            threads = [threading.Thread(target=m.process.stop, args=(timeout,)) for m in group]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        for m in self.members:  # belt and braces
+            m.process.kill()
+
+    def pids(self) -> list[int]:
+        return [m.process.pid for m in self.members if m.process.proc is not None]
+
+    # -- spawning --------------------------------------------------------------------------
+
+    def _common_flags(self, grpc_port: int, metrics_port: int) -> list[str]:
+        return [
+            "--host", LOOPBACK,
+            "--grpc-port", str(grpc_port),
+            "--metrics-port", str(metrics_port),
+            "--etcd-endpoints", self.etcd_address,
+            "--lease-ttl-seconds", str(self.spec.lease_ttl_seconds),
+            "--shutdown-grace-seconds", "1",
+            "--log-level", self.spec.log_level,
+        ]
+
+    def _service(self, name: str, *flags: str, grpc_port: int | None = None) -> Member:
+        port = grpc_port or free_port()
+        metrics = free_port()
+        proc = _ChildProcess(
+            name,
+            python_module(f"services.{name}", *self._common_flags(port, metrics), *flags),
+            self.spec.run_dir / f"{name}.log",
+            env=dict(self.spec.extra_env),
+        ).start()
+        member = Member(name, proc, grpc=f"{LOOPBACK}:{port}", metrics=f"http://{LOOPBACK}:{metrics}/metrics")
+        self.members.append(member)
+        return member
+
+    def _engine(self, i: int, events_endpoint: str, tokenizer_path: Path) -> Member:
+        spec = self.spec
+        port = free_port()
+        name = f"engine-{i}"
+        proc = _ChildProcess(
+            name,
+            python_module(
+                "engine_simulator",
+                "--host", LOOPBACK,
+                "--port", str(port),
+                "--model", spec.model,
+                "--block-size-tokens", str(spec.block_size_tokens),
+                "--num-gpu-blocks", str(spec.num_gpu_blocks),
+                "--max-num-seqs", str(spec.max_num_seqs),
+                "--max-num-batched-tokens", str(spec.max_num_batched_tokens),
+                "--max-model-len", str(spec.max_model_len),
+                "--events-endpoint", events_endpoint,
+                "--etcd-endpoints", self.etcd_address,
+                "--lease-ttl-seconds", str(spec.lease_ttl_seconds),
+                "--time-scale", repr(float(spec.time_scale)),
+                "--tokenizer-path", str(tokenizer_path),
+                "--role", "both",
+            ),
+            spec.run_dir / f"{name}.log",
+            env=dict(spec.extra_env),
+        ).start()
+        url = f"http://{LOOPBACK}:{port}"
+        member = Member(name, proc, http=url, metrics=f"{url}/metrics")
+        self.members.append(member)
+        return member
+
+    # -- readiness -------------------------------------------------------------------------
+
+    @staticmethod
+    def _grpc_ready(member: Member) -> bool:
+        try:
+            wait_grpc_healthy(member.grpc or "", 1.0)
+            return True
+        except TimeoutError:
+            return False
+
+    @staticmethod
+    def _http_ready(member: Member) -> bool:
+        try:
+            wait_http_ok(f"{member.http}/health", 1.0)
+            return True
+        except TimeoutError:
+            return False
+
+    def _epp_sees_all_engines(self, _member: Member) -> bool:
+        from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
+
+        with grpc.insecure_channel(self.epp_address) as channel:
+            try:
+                reply = epp_pb2_grpc.EndpointPickerStub(channel).ListEndpoints(
+                    epp_pb2.ListEndpointsRequest(), timeout=2.0)
+            except grpc.RpcError:
+                return False
+        urls = {state.endpoint.url for state in reply.endpoints}
+        return all(u in urls for u in self.engine_urls)
+
+    def _router_lists_model(self, _member: Member) -> bool:
+        try:
+            reply = httpx.get(f"{self.router_url}/v1/models", timeout=2.0)
+        except httpx.HTTPError:
+            return False
+        if reply.status_code != 200:
+            return False
+        return any(m.get("id") == self.spec.model for m in reply.json().get("data", []))
+
+    def _wait_until(self, deadline: float, what: str, members: list[Member], probe: Callable[[Member], bool]) -> None:
+        while True:
+            for m in members:
+                if not m.process.alive():
+                    raise MeshStartError(f"{m.name} exited while waiting for {what}:\n{m.process.log_tail()}")
+            if probe(members[0]):
+                return
+            if time.monotonic() > deadline:
+                raise MeshStartError(f"timed out waiting for {what}; see logs in {self.spec.run_dir}")
+            time.sleep(0.1)
+
+    def _await(self, members: list[Member], deadline: float, probe: Callable[[Member], bool]) -> None:
+        """Wait for every member's probe in parallel; fail fast when one exits."""
+
+        def one(m: Member) -> None:
+            while True:
+                if not m.process.alive():
+                    raise MeshStartError(f"{m.name} exited during start-up:\n{m.process.log_tail()}")
+                if probe(m):
+                    return
+                if time.monotonic() > deadline:
+                    raise MeshStartError(f"{m.name} not ready in time:\n{m.process.log_tail()}")
+                time.sleep(0.1)
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(members))) as pool:
+            for fut in [pool.submit(one, m) for m in members]:
+                fut.result()
+
+    # -- reporting -------------------------------------------------------------------------
+
+    def describe(self) -> list[dict[str, str]]:
+        """One row per member: service, pid, gRPC, HTTP, metrics, log."""
+        return [
+            {
+                "service": m.name,
+                "pid": str(m.process.pid) if m.process.proc else "-",
+                "grpc": m.grpc or "-",
+                "http": m.http or "-",
+                "metrics": m.metrics or "-",
+                "log": str(m.log_path),
+            }
+            for m in self.members
+        ]

@@ -1,0 +1,208 @@
+"""Send a workload through the router and measure it (the I/O half of ``kvmesh replay``).
+
+Each request is a streaming ``POST /v1/completions`` with the prompt as token ids,
+``max_tokens`` from the workload, ``ignore_eos: true`` and ``stream_options.include_usage``.
+Request ``i`` is sent at ``arrival_s / time_scale`` wall seconds after the start, but never
+before the request it depends on (``after``, the previous turn) has completed, and never with
+more than ``concurrency_limit`` requests in flight. TTFT is the time to the first SSE chunk that
+carries text; end-to-end the time to ``data: [DONE]`` (or the stream's end). Output tokens come
+from the final ``usage`` (falling back to the number of text chunks).
+
+Engine prefix-cache counters are scraped from each engine's ``/metrics`` before and after; the
+engines come from the caller (a mesh it started), epp's ``ListEndpoints`` or etcd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import httpx
+
+from kvmesh.cli.report import HITS_METRIC, QUERIES_METRIC, RequestResult, parse_prometheus_counter
+from kvmesh.cli.workloads import Workload, WorkloadRequest, prompt_tokens
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ReplayOutcome:
+    results: list[RequestResult]
+    wall_duration_s: float
+    """First send to last completion, wall seconds."""
+    counters_before: dict[str, tuple[float, float]]
+    counters_after: dict[str, tuple[float, float]]
+
+
+async def scrape_counters(client: httpx.AsyncClient, engine_urls: Sequence[str]) -> dict[str, tuple[float, float]]:
+    """``{engine url: (prefix_cache_hits_total, prefix_cache_queries_total)}``; unreachable engines omitted."""
+
+    async def one(url: str) -> tuple[str, tuple[float, float]] | None:
+        try:
+            reply = await client.get(f"{url}/metrics", timeout=5.0)
+            reply.raise_for_status()
+        except httpx.HTTPError as exc:
+            logger.warning("cannot scrape %s/metrics: %s", url, exc)
+            return None
+        text = reply.text
+        return url, (parse_prometheus_counter(text, HITS_METRIC), parse_prometheus_counter(text, QUERIES_METRIC))
+
+    pairs = await asyncio.gather(*(one(u) for u in engine_urls))
+    return dict(p for p in pairs if p is not None)
+
+
+async def discover_model(client: httpx.AsyncClient, router_url: str) -> str:
+    """The first model the router serves.
+
+    Raises:
+        RuntimeError: when the router lists none.
+    """
+    reply = await client.get(f"{router_url}/v1/models", timeout=10.0)
+    reply.raise_for_status()
+    data = reply.json().get("data", [])
+    if not data:
+        raise RuntimeError(f"{router_url}/v1/models lists no model")
+    return str(data[0]["id"])
+
+
+def engines_from_epp(epp_address: str) -> list[str]:
+    """Engine base URLs from epp's ``ListEndpoints``."""
+    import grpc
+
+    from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
+
+    with grpc.insecure_channel(epp_address) as channel:
+        reply = epp_pb2_grpc.EndpointPickerStub(channel).ListEndpoints(epp_pb2.ListEndpointsRequest(), timeout=5.0)
+    return sorted({s.endpoint.url for s in reply.endpoints})
+
+
+async def engines_from_etcd(etcd_address: str) -> list[str]:
+    """Engine base URLs registered under ``/kvmesh/v1/endpoints/`` in etcd."""
+    from kvmesh.membership import EndpointWatcher
+
+    watcher = EndpointWatcher([etcd_address])
+    await watcher.start()
+    try:
+        return sorted({ep.url for ep in watcher.snapshot().values()})
+    finally:
+        await watcher.stop()
+
+
+async def send_one(
+    client: httpx.AsyncClient, router_url: str, model: str, request: WorkloadRequest, seed: int
+) -> RequestResult:
+    """One streaming completion; never raises (errors become a failed result)."""
+    body = {
+        "model": model,
+        "prompt": prompt_tokens(request, seed),
+        "max_tokens": request.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
+    result = RequestResult(index=request.index, ok=False)
+    t0 = time.monotonic()
+    chunks_with_text = 0
+    try:
+        async with client.stream("POST", f"{router_url}/v1/completions", json=body) as reply:
+            result.status = reply.status_code
+            if reply.status_code != 200:
+                text = (await reply.aread()).decode(errors="replace")
+                result.error = f"HTTP {reply.status_code}: {text[:200]}"
+                result.e2e_s = time.monotonic() - t0
+                return result
+            async for line in reply.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                try:
+                    chunk = json.loads(data)
+                except json.JSONDecodeError:
+                    continue
+                if "error" in chunk:
+                    result.error = str(chunk["error"])[:200]
+                    result.e2e_s = time.monotonic() - t0
+                    return result
+                choices = chunk.get("choices") or []
+                if any(c.get("text") for c in choices):
+                    chunks_with_text += 1
+                    if result.ttft_s is None:
+                        result.ttft_s = time.monotonic() - t0
+                usage = chunk.get("usage")
+                if usage:
+                    result.output_tokens = int(usage.get("completion_tokens") or 0)
+                    result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    details = usage.get("prompt_tokens_details") or {}
+                    result.cached_tokens = int(details.get("cached_tokens") or 0)
+        result.e2e_s = time.monotonic() - t0
+        if result.output_tokens == 0:
+            result.output_tokens = chunks_with_text
+        result.ok = True
+    except httpx.HTTPError as exc:
+        result.e2e_s = time.monotonic() - t0
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+async def replay(
+    workload: Workload,
+    *,
+    router_url: str,
+    engine_urls: Sequence[str],
+    time_scale: float = 1.0,
+    concurrency_limit: int = 64,
+    model: str | None = None,
+    on_done: Callable[[RequestResult], None] | None = None,
+    request_timeout_s: float = 600.0,
+) -> ReplayOutcome:
+    """Replay ``workload`` open-loop (with per-conversation ordering) and collect results.
+
+    Raises:
+        ValueError: when ``time_scale`` <= 0 or ``concurrency_limit`` < 1.
+    """
+    if time_scale <= 0:
+        raise ValueError(f"time_scale must be > 0, got {time_scale}")
+    if concurrency_limit < 1:
+        raise ValueError(f"concurrency_limit must be >= 1, got {concurrency_limit}")
+    limits = httpx.Limits(max_connections=concurrency_limit + 8, max_keepalive_connections=concurrency_limit + 8)
+    timeout = httpx.Timeout(request_timeout_s, connect=10.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        model = model or await discover_model(client, router_url)
+        before = await scrape_counters(client, engine_urls)
+        sem = asyncio.Semaphore(concurrency_limit)
+        done: dict[int, asyncio.Event] = {r.index: asyncio.Event() for r in workload.requests}
+        results: list[RequestResult] = []
+        start = time.monotonic()
+        first_send: list[float] = []
+        last_end = start
+
+        async def run(req: WorkloadRequest) -> None:
+            nonlocal last_end
+            try:
+                delay = start + req.arrival_s / time_scale - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if req.after is not None and req.after in done:
+                    await done[req.after].wait()
+                async with sem:
+                    first_send.append(time.monotonic())
+                    res = await send_one(client, router_url, model, req, workload.seed)
+                last_end = max(last_end, time.monotonic())
+                results.append(res)
+                if on_done is not None:
+                    on_done(res)
+            finally:
+                done[req.index].set()
+
+        await asyncio.gather(*(run(r) for r in workload.requests))
+        after = await scrape_counters(client, engine_urls)
+    wall = last_end - (min(first_send) if first_send else start)
+    results.sort(key=lambda r: r.index)
+    return ReplayOutcome(results, wall, before, after)
