@@ -1,0 +1,33 @@
+"""longest_prefix_matches: the prefix walk over a key -> holders table."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.types import Medium
+from services.kv_indexer.scoring import longest_prefix_matches
+
+G, C = Medium.GPU, Medium.CPU
+TABLE = {
+    1: {"a": {G: 1}, "b": {G: 1}, "c": {C: 1}},
+    2: {"a": {G: 1, C: 1}, "b": {G: 1}},
+    3: {"a": {G: 1}},
+    5: {"b": {G: 1}},  # after a hole: never reached for b
+}
+
+
+@pytest.mark.parametrize(
+    ("keys", "candidates", "expected"),
+    [
+        ([], None, {}),
+        ([9, 1], None, {}),
+        ([1], None, {"a": (1, {G: 1}), "b": (1, {G: 1}), "c": (1, {C: 1})}),
+        ([1, 2, 3], None, {"a": (3, {G: 3, C: 1}), "b": (2, {G: 2}), "c": (1, {C: 1})}),
+        ([1, 2, 3, 4, 5], None, {"a": (3, {G: 3, C: 1}), "b": (2, {G: 2}), "c": (1, {C: 1})}),
+        ([1, 2, 3], {"b", "c"}, {"b": (2, {G: 2}), "c": (1, {C: 1})}),
+        ([1, 2, 3], {"zzz"}, {}),
+    ],
+    ids=["empty", "first-miss", "one-block", "walk", "stops-at-hole", "candidates", "unknown-candidate"],
+)
+def test_longest_prefix_matches(keys: list[int], candidates: set[str] | None, expected: dict) -> None:
+    assert longest_prefix_matches(keys, TABLE, candidates) == expected
