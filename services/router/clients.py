@@ -102,8 +102,9 @@ class AdmissionClient:
     """Opens one ``FlowControl.Admit`` stream per request."""
 
     def __init__(self, address: str, admission_timeout_seconds: float, close_timeout_seconds: float) -> None:
-        self._channel = insecure_channel(address)
-        self._stub = fc_pb2_grpc.FlowControlStub(self._channel)
+        self._address = address
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: fc_pb2_grpc.FlowControlStub | None = None
         self._timeout = admission_timeout_seconds
         self._close_timeout = close_timeout_seconds
 
@@ -115,6 +116,8 @@ class AdmissionClient:
             QueueTTLExpired: it waited past the queue TTL or the admission timeout (-> 504).
             NotReady: flow_control is unreachable (-> 503).
         """
+        if self._stub is None:
+            raise errors.NotReady("admission client not connected")
         call = self._stub.Admit()
         admitted = False
         try:
@@ -149,8 +152,15 @@ class AdmissionClient:
             if not admitted:
                 call.cancel()
 
+    async def connect(self) -> None:
+        """Create the channel (inside the running event loop: grpc.aio channels are bound to it)."""
+        self._channel = insecure_channel(self._address)
+        self._stub = fc_pb2_grpc.FlowControlStub(self._channel)
+
     async def close(self) -> None:
-        await self._channel.close()
+        if self._channel is not None:
+            with contextlib.suppress(Exception):
+                await self._channel.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,9 +204,15 @@ class PickerClient:
     """Calls ``EndpointPicker.Pick``."""
 
     def __init__(self, address: str, timeout_seconds: float) -> None:
-        self._channel = insecure_channel(address)
-        self._stub = epp_pb2_grpc.EndpointPickerStub(self._channel)
+        self._address = address
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: epp_pb2_grpc.EndpointPickerStub | None = None
         self._timeout = timeout_seconds
+
+    async def connect(self) -> None:
+        """Create the channel (inside the running event loop)."""
+        self._channel = insecure_channel(self._address)
+        self._stub = epp_pb2_grpc.EndpointPickerStub(self._channel)
 
     async def pick(self, query: PickQuery) -> PickResult:
         """Ask epp where to send the request.
@@ -213,6 +229,8 @@ class PickerClient:
             messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in query.messages],
             exclude_endpoint_ids=query.exclude_endpoint_ids,
         )
+        if self._stub is None:
+            raise errors.NotReady("picker client not connected")
         try:
             reply = await self._stub.Pick(request, timeout=self._timeout)
         except grpc.aio.AioRpcError as exc:
@@ -226,5 +244,6 @@ class PickerClient:
         return PickResult(tuple(candidates), reply.prompt_tokens, reply.profile)
 
     async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await self._channel.close()
+        if self._channel is not None:
+            with contextlib.suppress(Exception):
+                await self._channel.close()

@@ -25,8 +25,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -42,9 +42,11 @@ from services.router.catalog import ModelCatalog
 from services.router.config import RouterConfig
 from services.router.http_errors import http_error
 from services.router.request_flow import ENDPOINT_HEADER, REQUEST_ID_HEADER, FlowSession, RequestFlow, RequestMeta
-from services.router.validation import RequestKind, parse_json_body, validate_request
+from services.router.validation import RequestKind, RouterRequest, parse_json_body, validate_request
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 FAIRNESS_HEADER = "x-llm-d-inference-fairness-id"
 OBJECTIVE_HEADER = "x-llm-d-inference-objective"
@@ -83,6 +85,25 @@ async def _wait_disconnect(receive: Receive) -> None:
         message = await receive()
         if message["type"] == "http.disconnect":
             return
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected before the answer started."""
+
+
+async def _unless_disconnected(work: Awaitable[T], receive: Receive) -> T:
+    """Await ``work`` unless the client disconnects first; then cancel it (it cleans up) and raise _ClientGone."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        task.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)
+    if task.cancelled():
+        raise _ClientGone()
+    return task.result()
 
 
 def _response_headers(session: FlowSession) -> dict[str, str]:
@@ -170,34 +191,31 @@ class RouterHttpApi:
             request_id = meta.request_id
             body = parse_json_body(await request.body())
             routed = validate_request(kind, body, self._catalog(), self._config.max_tokens_limit)
-            session = await self._flow.start(routed, meta)
+            if routed.stream:
+                session = await _unless_disconnected(self._flow.start(routed, meta), request.receive)
+                return ProxiedStream(session)
+            session, payload = await _unless_disconnected(self._complete(routed, meta), request.receive)
+        except _ClientGone:
+            logger.info("client disconnected request_id=%s", request_id)
+            return Response(status_code=499)
         except Exception as exc:  # noqa: BLE001 - mapped by the one table
             return self._error(exc, request_id)
-        if routed.stream:
-            return ProxiedStream(session)
-        client_gone = False
-        error: BaseException | None = None
-        read = asyncio.ensure_future(session.read_all())
-        gone = asyncio.ensure_future(_wait_disconnect(request.receive))
+        return Response(payload, status_code=session.status_code, headers=_response_headers(session), media_type=session.content_type)
+
+    async def _complete(self, routed: RouterRequest, meta: RequestMeta) -> tuple[FlowSession, bytes]:
+        """A non-streamed request start to end; the session is closed on every path."""
+        session = await self._flow.start(routed, meta)
         try:
-            done, _ = await asyncio.wait({read, gone}, return_when=asyncio.FIRST_COMPLETED)
-            client_gone = read not in done
-            if not client_gone:
-                error = read.exception()
+            payload = await session.read_all()
         except asyncio.CancelledError:
-            client_gone = True
+            await session.close(client_gone=True)
             raise
-        finally:
-            for task in (read, gone):
-                task.cancel()
-            await asyncio.gather(read, gone, return_exceptions=True)
-            await session.close(client_gone=client_gone, error=error)
-        if error is not None:
-            logger.warning("engine read failed request_id=%s endpoint=%s error=%r", meta.request_id, session.endpoint.id, error)
-            return self._error(errors.NoEndpointsAvailable(f"engine {session.endpoint.id} failed mid-response"), meta.request_id)
-        if client_gone:
-            return Response(status_code=499)
-        return Response(read.result(), status_code=session.status_code, headers=_response_headers(session), media_type=session.content_type)
+        except Exception as exc:
+            await session.close(error=exc)
+            logger.warning("engine read failed request_id=%s endpoint=%s error=%r", meta.request_id, session.endpoint.id, exc)
+            raise errors.NoEndpointsAvailable(f"engine {session.endpoint.id} failed mid-response") from exc
+        await session.close()
+        return session, payload
 
     async def models(self, request: Request) -> Response:
         created = int(time.time())

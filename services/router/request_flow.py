@@ -24,6 +24,7 @@ the HTTP layer streams the body from another task than the one that started the 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -234,6 +235,8 @@ class RequestFlow:
                     raise
         except BaseException as exc:
             metrics.IN_FLIGHT.dec()
+            if isinstance(exc, asyncio.CancelledError):
+                metrics.record_outcome(Outcome.CANCELLED)  # other errors are counted where they are answered
             span.record_exception(exc)
             span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
             span.end()

@@ -101,6 +101,10 @@ def build_service(config: RouterConfig) -> GrpcService:
     def add_servicers(server: grpc.aio.Server) -> None:
         router_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
 
+    async def start_clients() -> None:
+        await admission.connect()
+        await picker.connect()
+
     async def start_watcher() -> None:
         if watcher is not None:
             watcher.add_listener(refresh)
@@ -128,7 +132,7 @@ def build_service(config: RouterConfig) -> GrpcService:
             name="router",
             service_names=[INFERENCE_SERVICE],
             add_servicers=add_servicers,
-            on_start=[start_watcher, start_http],
+            on_start=[start_clients, start_watcher, start_http],
             on_stop=[stop_http, close_clients],
         ),
     )

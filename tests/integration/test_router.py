@@ -1,0 +1,347 @@
+"""The router as a real process against a real etcd and a real flow_control process.
+
+epp and the engines are small real servers inside the test (a grpc.aio ``EndpointPicker`` whose
+choice the test sets, and Starlette engines speaking the OpenAI wire format), so each scenario
+controls exactly where a request goes: a killed engine first in the list, a slow stream to
+disconnect from, no endpoint at all. The whole mesh with the real epp and simulator is
+``tests/integration/test_mesh.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvmesh._proto.kvmesh.common.v1 import common_pb2
+from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
+from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2, flow_control_pb2_grpc
+from kvmesh._proto.kvmesh.router.v1 import router_pb2, router_pb2_grpc
+from kvmesh.launcher import ManagedProcess, free_port, python_module, wait_grpc_healthy, wait_http_ok
+from kvmesh.membership import LeaseRegistration, endpoint_key
+from kvmesh.types import Endpoint, EndpointId
+from services.router.service import HttpServer
+
+MODEL = "tiny"
+MAX_MODEL_LEN = 256
+
+
+async def _until(predicate: Callable[[], object], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = predicate()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@dataclass
+class FakeEngine:
+    """An OpenAI-wire engine: ``n`` tokens ``tok0 tok1 ...``, one every ``token_delay`` seconds."""
+
+    token_delay: float = 0.0
+    server: HttpServer | None = None
+    registration: LeaseRegistration | None = None
+    endpoint: Endpoint | None = None
+    requests: list[dict] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    cancelled: int = 0
+    finished: int = 0
+
+    async def _handle(self, request: Request) -> Response:
+        body = await request.json()
+        self.requests.append(body)
+        self.headers.append(dict(request.headers))
+        n = int(body.get("max_tokens") or 16)
+        chat = request.url.path.endswith("chat/completions")
+        usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n, "prompt_tokens_details": {"cached_tokens": 0}}
+        if not body.get("stream"):
+            await asyncio.sleep(self.token_delay * n)
+            text = " ".join(f"tok{i}" for i in range(n))
+            choice = {"index": 0, "finish_reason": "length", **({"message": {"role": "assistant", "content": text}} if chat else {"text": text})}
+            self.finished += 1
+            return JSONResponse({"id": "cmpl-1", "object": "text_completion", "model": MODEL, "choices": [choice], "usage": usage})
+
+        async def events() -> AsyncIterator[bytes]:
+            done = False
+            try:
+                for i in range(n):
+                    await asyncio.sleep(self.token_delay)
+                    piece = f"tok{i} "
+                    choice = {"index": 0, "finish_reason": "length" if i == n - 1 else None,
+                              **({"delta": {"content": piece}} if chat else {"text": piece})}
+                    chunk = {"id": "cmpl-1", "model": MODEL, "choices": [choice]}
+                    if i == n - 1:
+                        chunk["usage"] = usage
+                    yield f"data: {json.dumps(chunk)}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+                done = True
+                self.finished += 1
+            finally:
+                if not done:
+                    self.cancelled += 1
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def start(self, etcd: str) -> FakeEngine:
+        app = Starlette(routes=[Route("/v1/completions", self._handle, methods=["POST"]),
+                                Route("/v1/chat/completions", self._handle, methods=["POST"])])
+        self.server = HttpServer(app, "127.0.0.1", 0, grace_seconds=0.2)
+        await self.server.start()
+        port = self.server.port
+        self.endpoint = Endpoint(id=EndpointId(f"127.0.0.1:{port}"), url=f"http://127.0.0.1:{port}", model=MODEL,
+                                 labels={"engine": "test", "max_model_len": str(MAX_MODEL_LEN)})
+        self.registration = LeaseRegistration([etcd], endpoint_key(self.endpoint), self.endpoint.to_json(), ttl_seconds=3)
+        await self.registration.start()
+        return self
+
+    async def stop(self) -> None:
+        if self.registration is not None:
+            await self.registration.stop()
+        if self.server is not None:
+            await self.server.stop()
+            self.server = None
+
+
+def _ep_pb(ep: Endpoint) -> common_pb2.Endpoint:
+    return common_pb2.Endpoint(id=ep.id, url=ep.url, model=ep.model, block_size_tokens=ep.block_size_tokens, role="both")
+
+
+class FakeEpp(epp_pb2_grpc.EndpointPickerServicer):
+    """Picks ``order`` (minus excluded ids): the first is the target, the rest fallbacks."""
+
+    def __init__(self) -> None:
+        self.order: list[Endpoint] = []
+        self.picks: list[epp_pb2.PickRequest] = []
+
+    async def Pick(self, request: epp_pb2.PickRequest, context: grpc.aio.ServicerContext) -> epp_pb2.PickResponse:
+        self.picks.append(request)
+        candidates = [ep for ep in self.order if ep.id not in set(request.exclude_endpoint_ids)]
+        if not candidates:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"no endpoint for model {request.model}")
+        return epp_pb2.PickResponse(target=_ep_pb(candidates[0]), fallbacks=[_ep_pb(e) for e in candidates[1:]], profile="test")
+
+
+@dataclass
+class Mesh:
+    http: str
+    grpc_address: str
+    flow_control: str
+    epp: FakeEpp
+    engines: list[FakeEngine]
+    router: ManagedProcess
+
+    async def in_flight(self) -> int:
+        async with grpc.aio.insecure_channel(self.flow_control) as channel:
+            stats = await flow_control_pb2_grpc.FlowControlStub(channel).Stats(flow_control_pb2.StatsRequest(), timeout=2)
+        return stats.in_flight
+
+
+def _start(name: str, run_dir: Path, etcd: str, *args: str) -> tuple[ManagedProcess, str]:
+    port = free_port()
+    proc = ManagedProcess(
+        name,
+        python_module(f"services.{name}", "--grpc-port", str(port), "--metrics-port", str(free_port()),
+                      "--etcd-endpoints", etcd, "--lease-ttl-seconds", "3", *args),
+        run_dir / f"router-test-{name}-{port}.log",
+    ).start()
+    try:
+        wait_grpc_healthy(f"127.0.0.1:{port}", 30.0)
+    except TimeoutError as exc:
+        proc.stop()
+        raise RuntimeError(f"{name} did not become healthy:\n{proc.log_tail()}") from exc
+    return proc, f"127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+async def mesh(etcd: str, run_dir: Path) -> AsyncIterator[Mesh]:
+    epp = FakeEpp()
+    epp_server = grpc.aio.server()
+    epp_pb2_grpc.add_EndpointPickerServicer_to_server(epp, epp_server)
+    epp_port = epp_server.add_insecure_port("127.0.0.1:0")
+    await epp_server.start()
+    engines = [await FakeEngine().start(etcd), await FakeEngine().start(etcd)]
+    procs: list[ManagedProcess] = []
+    try:
+        fc_proc, fc_addr = _start("flow_control", run_dir, etcd, "--max-in-flight", "8", "--max-queue-size", "100")
+        procs.append(fc_proc)
+        http_port = free_port()
+        router, router_addr = _start("router", run_dir, etcd, "--http-port", str(http_port), "--flow-control-address",
+                                     fc_addr, "--epp-address", f"127.0.0.1:{epp_port}", "--connect-timeout-seconds", "1")
+        procs.append(router)
+        http = f"http://127.0.0.1:{http_port}"
+        wait_http_ok(f"{http}/health", 10)
+        mesh = Mesh(http, router_addr, fc_addr, epp, engines, router)
+        async with httpx.AsyncClient() as client:
+            await _until(lambda: _models(client, http), 15, "router to see the engines")
+        yield mesh
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        for engine in engines:
+            await engine.stop()
+        await epp_server.stop(0)
+
+
+async def _models(client: httpx.AsyncClient, http: str) -> bool:
+    data = (await client.get(f"{http}/v1/models")).json()["data"]
+    return any(m["id"] == MODEL for m in data)
+
+
+@pytest.fixture
+def client() -> Iterator[httpx.AsyncClient]:
+    yield httpx.AsyncClient(timeout=20)
+
+
+@pytest.fixture(autouse=True)
+def _reset(mesh: Mesh) -> None:
+    mesh.epp.order = [e.endpoint for e in mesh.engines]  # type: ignore[misc]
+    for engine in mesh.engines:
+        engine.token_delay = 0.0
+
+
+async def test_models_and_health(mesh: Mesh, client: httpx.AsyncClient) -> None:
+    models = (await client.get(f"{mesh.http}/v1/models")).json()
+    assert models["object"] == "list"
+    (tiny,) = [m for m in models["data"] if m["id"] == MODEL]
+    assert tiny["max_model_len"] == MAX_MODEL_LEN
+    health = (await client.get(f"{mesh.http}/health")).json()
+    assert health["status"] == "ok" and health["endpoints"] >= 2
+
+
+BAD = [
+    ("malformed-json", "/v1/completions", b"{not json", 400, "invalid_request_error"),
+    ("missing-model", "/v1/completions", {"prompt": "hi"}, 400, "invalid_request_error"),
+    ("unknown-model", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 404, "not_found_error"),
+    ("both-prompt-forms", "/v1/chat/completions", {"model": MODEL, "prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400, "invalid_request_error"),
+    ("negative-max-tokens", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -1}, 400, "invalid_request_error"),
+    ("absurd-max-tokens", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 10**12}, 400, "invalid_request_error"),
+    ("over-context", "/v1/completions", {"model": MODEL, "prompt": list(range(300)), "max_tokens": 4}, 400, "invalid_request_error"),
+    ("bad-temperature", "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "invalid_request_error"),
+    ("non-bool-stream", "/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "invalid_request_error"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "etype"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+async def test_malformed_requests_get_the_right_status(mesh: Mesh, client: httpx.AsyncClient, path: str, body: object, status: int, etype: str) -> None:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    reply = await client.post(f"{mesh.http}{path}", content=content, headers={"content-type": "application/json"})
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert error["type"] == etype and error["code"] == status and error["message"]
+    assert (await client.get(f"{mesh.http}/health")).status_code == 200
+    mesh.router.check_alive()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"], ids=["completions", "chat"])
+async def test_non_streaming_and_streaming(mesh: Mesh, client: httpx.AsyncClient, path: str) -> None:
+    prompt = {"messages": [{"role": "user", "content": "hello"}]} if "chat" in path else {"prompt": "hello"}
+    reply = await client.post(f"{mesh.http}{path}", json={"model": MODEL, **prompt, "max_tokens": 4},
+                              headers={"x-request-id": "req-nonstream", "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["usage"]["completion_tokens"] == 4
+    target = mesh.engines[0]
+    assert reply.headers["x-kvmesh-endpoint"] == target.endpoint.id  # type: ignore[union-attr]
+    assert reply.headers["x-request-id"] == "req-nonstream"
+    sent = target.headers[-1]
+    assert sent["x-request-id"] == "req-nonstream"
+    assert sent["traceparent"].split("-")[1] == "0af7651916cd43dd8448eb211c80319c"  # same trace, router's span as parent
+
+    async with client.stream("POST", f"{mesh.http}{path}", json={"model": MODEL, **prompt, "max_tokens": 5, "stream": True}) as stream:
+        assert stream.status_code == 200
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        raw = b"".join([chunk async for chunk in stream.aiter_bytes()])
+    events = [line[6:] for line in raw.decode().split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) == 6
+    await _until(lambda: _zero(mesh), 5, "slots released")
+
+
+async def _zero(mesh: Mesh) -> bool:
+    return await mesh.in_flight() == 0
+
+
+async def test_engine_killed_before_first_byte_falls_back(mesh: Mesh, client: httpx.AsyncClient, etcd: str) -> None:
+    doomed = await FakeEngine().start(etcd)
+    await doomed.stop()  # killed: its port refuses connections, its registration may still linger
+    live = mesh.engines[1]
+    mesh.epp.order = [doomed.endpoint, live.endpoint]  # type: ignore[list-item]
+    before = len(live.requests)
+    reply = await client.post(f"{mesh.http}/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2})
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["x-kvmesh-endpoint"] == live.endpoint.id  # type: ignore[union-attr]
+    assert len(live.requests) == before + 1
+
+    mesh.epp.order = [doomed.endpoint]  # type: ignore[list-item]  # nothing left to fall back to
+    reply = await client.post(f"{mesh.http}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+    assert reply.status_code == 503
+    assert reply.json()["error"]["type"] == "service_unavailable"
+    await _until(lambda: _zero(mesh), 5, "slots released")
+
+
+async def test_no_endpoint_from_epp_is_503(mesh: Mesh, client: httpx.AsyncClient) -> None:
+    mesh.epp.order = []
+    reply = await client.post(f"{mesh.http}/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert reply.status_code == 503
+    await _until(lambda: _zero(mesh), 5, "slot released")
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
+async def test_client_disconnect_releases_slot_and_cancels_engine(mesh: Mesh, stream: bool) -> None:
+    engine = mesh.engines[0]
+    engine.token_delay = 0.05  # 200 tokens: 10 s unless cancelled
+    cancelled_before, requests_before = engine.cancelled, len(engine.requests)
+    body = {"model": MODEL, "prompt": "slow", "max_tokens": 200, "stream": stream}
+    async with httpx.AsyncClient(timeout=20) as client:
+        if stream:
+            async with client.stream("POST", f"{mesh.http}/v1/completions", json=body) as reply:
+                assert reply.status_code == 200
+                async for _ in reply.aiter_bytes():
+                    break  # first token arrived: hang up
+        else:
+            task = asyncio.create_task(client.post(f"{mesh.http}/v1/completions", json=body))
+            await _until(lambda: len(engine.requests) > requests_before, 5, "engine to receive the request")
+            assert await mesh.in_flight() == 1
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+    await _until(lambda: _zero(mesh), 5, "flow-control slot released")
+    if stream:
+        await _until(lambda: engine.cancelled > cancelled_before, 5, "engine request cancelled")
+
+
+async def test_grpc_complete_stream_and_models(mesh: Mesh) -> None:
+    async with grpc.aio.insecure_channel(mesh.grpc_address) as channel:
+        stub = router_pb2_grpc.InferenceStub(channel)
+        models = await stub.ListModels(router_pb2.ListModelsRequest(), timeout=5)
+        assert MODEL in models.models
+        reply = await stub.Complete(router_pb2.CompletionRequest(model=MODEL, prompt="hi", max_tokens=3, flow_id="t1"), timeout=10)
+        assert reply.text == "tok0 tok1 tok2" and reply.usage.completion_tokens == 3
+        assert reply.endpoint_id == mesh.engines[0].endpoint.id  # type: ignore[union-attr]
+        chat = await stub.Complete(router_pb2.CompletionRequest(
+            model=MODEL, messages=[common_pb2.ChatMessage(role="user", content="hi")], max_tokens=2), timeout=10)
+        assert chat.text == "tok0 tok1"
+        chunks = [c async for c in stub.CompleteStream(router_pb2.CompletionRequest(model=MODEL, prompt_token_ids=[1, 2], max_tokens=4), timeout=10)]
+        assert "".join(c.text for c in chunks) == "tok0 tok1 tok2 tok3 "
+        assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 4
+        with pytest.raises(grpc.aio.AioRpcError) as exc_info:
+            await stub.Complete(router_pb2.CompletionRequest(model=MODEL, prompt="x", prompt_token_ids=[1]), timeout=5)
+        assert exc_info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError) as exc_info:
+            await stub.Complete(router_pb2.CompletionRequest(model="nope", prompt="x"), timeout=5)
+        assert exc_info.value.code() == grpc.StatusCode.NOT_FOUND
+    await _until(lambda: _zero(mesh), 5, "slots released")
