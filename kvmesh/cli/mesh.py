@@ -242,7 +242,8 @@ class Mesh:
         self._await([*others, epp, router], deadline, self._grpc_ready)
         self._await(engines, deadline, self._http_ready)
         self._wait_until(deadline, "epp to list all engines", [epp], self._epp_sees_all_engines)
-        self._wait_until(deadline, "router to list the model", [router], self._router_lists_model)
+        if spec.engines:
+            self._wait_until(deadline, "router to list the model", [router], self._router_lists_model)
 
     def stop(self) -> None:
         """Stop every member in reverse start order (idempotent)."""

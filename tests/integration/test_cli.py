@@ -1,0 +1,191 @@
+"""The ``kvmesh`` CLI as users run it: ``compare`` and ``up`` as subprocesses, no orphans left.
+
+Every process the CLI starts is a child of it (in its own session). While the CLI runs, a sampler
+records its children from ``/proc`` (pid plus start time, so a reused pid is not mistaken for a
+survivor); after the CLI exits, none of them may still be alive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvmesh.cli.report import SUMMARY_KEYS
+
+pytestmark = pytest.mark.integration
+
+ProcId = tuple[int, str]  # pid, start time (field 22 of /proc/<pid>/stat)
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # comm (field 2) may contain spaces; it is wrapped in parentheses
+    return [str(pid), raw[raw.index("(") : raw.rindex(")") + 1], *raw[raw.rindex(")") + 2 :].split()]
+
+
+def children_of(pid: int) -> set[ProcId]:
+    out: set[ProcId] = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        st = _stat(int(entry))
+        if st is not None and st[3] == str(pid):
+            out.add((int(entry), st[21]))
+    return out
+
+
+def survivors(seen: set[ProcId]) -> list[str]:
+    """Processes of ``seen`` still alive (zombies count as gone), with their command lines."""
+    alive = []
+    for pid, start in seen:
+        st = _stat(pid)
+        if st is None or st[21] != start or st[2] == "Z":
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        alive.append(f"{pid}: {cmd}")
+    return alive
+
+
+class ChildSampler:
+    """Samples a process's children every 50 ms until stopped."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.seen: set[ProcId] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.seen |= children_of(self.pid)
+            self._stop.wait(0.05)
+
+    def stop(self) -> set[ProcId]:
+        self._stop.set()
+        self._thread.join()
+        return self.seen
+
+
+def kvmesh(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvmesh.cli.main", *args]
+
+
+ENV = {**os.environ, "COLUMNS": "240", "PYTHONUNBUFFERED": "1"}
+
+
+def test_compare_tiny_writes_json_and_leaves_no_process(tmp_path: Path) -> None:
+    out = tmp_path / "compare.json"
+    proc = subprocess.Popen(
+        kvmesh("compare", "--engines", "2", "--requests", "20", "--num-gpu-blocks", "256",
+               "--time-scale", "2", "--json-out", str(out), "--run-dir", str(tmp_path / "run")),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV,
+    )
+    sampler = ChildSampler(proc.pid)
+    try:
+        output, _ = proc.communicate(timeout=240)
+    finally:
+        seen = sampler.stop()
+        if proc.poll() is None:
+            proc.kill()
+    text = output.decode(errors="replace")
+    assert proc.returncode == 0, text[-4000:]
+    assert len(seen) >= 2 * (1 + 5 + 2), f"expected etcd, 5 services, 2 engines per policy; saw {len(seen)}"
+    assert survivors(seen) == []
+
+    doc = json.loads(out.read_text())
+    assert doc["workload"] == "multi-turn" and doc["engines"] == 2 and doc["requests"] == 20
+    assert list(doc["policies"]) == ["round-robin", "precise-prefix"]
+    for name, entry in doc["policies"].items():
+        assert set(entry) == set(SUMMARY_KEYS), name
+        assert entry["requests"] == 20 and entry["errors"] == 0, (name, text[-3000:])
+        assert 0 < entry["ttft_p50_s"] <= entry["ttft_p90_s"] <= entry["ttft_p99_s"]
+        assert entry["e2e_p50_s"] >= entry["ttft_p50_s"]
+        assert entry["output_tokens_per_s"] > 0
+        assert 0.0 < entry["prefix_hit_rate"] <= 1.0  # shared system prompts hit under any policy
+    assert "prefix-cache hit rate" in text
+
+
+@pytest.fixture
+def up_process(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], queue.Queue[str]]]:
+    proc = subprocess.Popen(
+        kvmesh("up", "--engines", "1", "--run-dir", str(tmp_path / "run")),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    yield proc, lines
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_up_serves_then_stops_on_sigterm_without_orphans(
+    up_process: tuple[subprocess.Popen[str], queue.Queue[str]],
+) -> None:
+    proc, lines = up_process
+    sampler = ChildSampler(proc.pid)
+    router = None
+    transcript: list[str] = []
+    deadline = time.monotonic() + 120
+    while router is None and time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=1.0)
+        except queue.Empty:
+            assert proc.poll() is None, "".join(transcript)
+            continue
+        transcript.append(line)
+        if line.startswith("kvmesh ready: router "):
+            router = line.split()[3]
+    assert router, "".join(transcript)
+    text = "".join(transcript)
+    for service in ("etcd", "kv_indexer", "kv_store", "flow_control", "epp", "router", "engine-0"):
+        assert service in text, text
+
+    models = httpx.get(f"{router}/v1/models", timeout=10).json()
+    model = models["data"][0]["id"]
+    reply = httpx.post(
+        f"{router}/v1/completions",
+        json={"model": model, "prompt": "hello mesh", "max_tokens": 4, "ignore_eos": True},
+        timeout=30,
+    )
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 4
+
+    seen = sampler.stop() | {(pid, st) for pid, st in children_of(proc.pid)}
+    assert len(seen) >= 7
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+    assert proc.returncode == 0
+    rest: list[str] = []
+    drain_deadline = time.monotonic() + 10
+    while "kvmesh stopped" not in "".join(rest) and time.monotonic() < drain_deadline:
+        try:
+            rest.append(lines.get(timeout=0.5))
+        except queue.Empty:
+            continue
+    assert "kvmesh stopped" in "".join(rest), "".join(rest)
+    assert survivors(seen) == [], "".join(rest)
