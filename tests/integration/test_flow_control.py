@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 
@@ -160,3 +161,42 @@ def test_reflection_lists_methods(start_service) -> None:
         database = ProtoReflectionDescriptorDatabase(channel)
         service = DescriptorPool(database).FindServiceByName("kvmesh.flow_control.v1.FlowControl")
         assert {m.name for m in service.methods} == {"Admit", "Stats"}
+
+
+async def test_many_streams_with_random_cancels_release_every_slot(start_service) -> None:
+    """Concurrent clients that finish, cancel while dispatched or cancel while queued."""
+    _, address = start_service("flow_control", "--max-in-flight", "3")
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.FlowControlStub(channel)
+
+        async def client(i: int) -> None:
+            call = await admit(stub, f"r{i}")
+            if i % 5 == 4:
+                await asyncio.sleep(0.01 * (i % 3))
+                call.cancel()  # may be queued or dispatched by now
+                return
+            reply = await call.read()
+            assert reply.outcome == pb.QUEUE_OUTCOME_DISPATCHED
+            if i % 3 == 0:
+                call.cancel()
+            else:
+                await call.done_writing()
+                assert await call.read() == grpc.aio.EOF
+
+        peak = 0
+
+        async def watch() -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, (await stub.Stats(pb.StatsRequest())).in_flight)
+                await asyncio.sleep(0.005)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await asyncio.wait_for(asyncio.gather(*(client(i) for i in range(40))), 30)
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        await poll(lambda: stats_are(stub, in_flight=0, queued=0))
+        assert 1 <= peak <= 3
