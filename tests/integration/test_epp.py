@@ -221,3 +221,36 @@ async def test_round_robin_cycles(start_service, engines) -> None:  # type: igno
         first = ids.index(targets[0])
         assert targets == [ids[(first + i) % 3] for i in range(9)]
         assert (await _pick(stub, model)).profile == "default"
+
+
+@pytest.mark.parametrize("indexer", ["running", "unreachable"])
+async def test_precise_prefix_tokenizes_through_engine(start_service, engines, indexer: str) -> None:  # type: ignore[no-untyped-def]
+    """Text prompts are tokenized by the engine's /tokenize (once, then cached); a missing kv_indexer
+    only zeroes the prefix scores, the pick still succeeds on load."""
+    if indexer == "running":
+        _, indexer_address = start_service("kv_indexer", "--events-bind-endpoint", f"tcp://127.0.0.1:{free_port()}")
+    else:
+        indexer_address = f"127.0.0.1:{free_port()}"
+    epp, address = start_service(
+        "epp", "--scheduling-config", "precise-prefix", "--kv-indexer-address", indexer_address, *SCRAPE
+    )
+    model = _model()
+    busy, _ = await engines(model, waiting=4, usage=0.5)
+    idle, _ = await engines(model)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = epp_pb2_grpc.EndpointPickerStub(channel)
+        await _wait_scraped(stub, {busy.endpoint.id, idle.endpoint.id})
+        prompt = "hello " * 40
+        reply = await _pick(stub, model, prompt=prompt)
+        assert reply.target.id == idle.endpoint.id
+        assert reply.prompt_tokens == 1 + len(prompt)
+        assert {b.endpoint_id: b.scores["prefix"] for b in reply.breakdown} == {
+            busy.endpoint.id: 0.0, idle.endpoint.id: 0.0
+        }
+        await _pick(stub, model, prompt=prompt)
+        assert busy.tokenize_calls + idle.tokenize_calls == 1
+        chat = await _pick(stub, model, messages=[{"role": "user", "content": "hi"}])
+        assert chat.prompt_tokens == 3
+        ids = await _pick(stub, model, prompt_token_ids=list(range(300)))
+        assert ids.prompt_tokens == 0 and ids.target.id == idle.endpoint.id
+    assert ("kv_indexer score failed" in epp.log_tail(200)) == (indexer == "unreachable")
