@@ -7,9 +7,12 @@ order keeping the set of endpoints that matched every block so far. An endpoint 
 the first block it does not hold; its match is the number of blocks before it. The walk stops when
 the set is empty or a key has no holder at all.
 
-Cost: O(matched blocks x active endpoints) dict look-ups, after O(n) to compute the keys (done once
-per request and block size). Same walk as llm-d's ``kvblock`` longest-prefix scorer and Dynamo's
-``find_matches`` over its radix tree, on a flat hash map since the keys are already chained.
+Cost: O(matched blocks) set operations over the active endpoints (a subset test per block, done in
+C; the survivors are recomputed only at blocks where someone drops out), after O(n) to compute the
+keys (once per request and block size). Per-medium counts cost another O(matched blocks) per
+endpoint, and only for endpoints holding blocks on more than one medium (the index knows). Same
+walk as llm-d's longest-prefix scorer and Dynamo's ``find_matches``, on a flat hash map since the
+keys are already chained.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ def longest_prefix_matches(
     keys: Sequence[int],
     table: Mapping[int, Holders],
     candidates: Collection[EndpointId] | None = None,
-) -> dict[EndpointId, tuple[int, dict[Medium, int]]]:
-    """Per endpoint with at least one matched block: ``(matched_blocks, blocks_by_medium)``.
+) -> dict[EndpointId, int]:
+    """Per endpoint with at least one matched block, the longest consecutive prefix of ``keys`` it holds.
 
     Args:
         keys: the prompt's chained block keys, block 0 first.
@@ -35,38 +38,40 @@ def longest_prefix_matches(
         candidates: restrict to these endpoints (None: every holder).
 
     Returns:
-        ``{endpoint: (n, {medium: count})}`` where ``n >= 1`` is the longest consecutive prefix of
-        ``keys`` the endpoint holds and ``count <= n`` the blocks of that prefix held on ``medium``.
+        ``{endpoint: n}`` with ``1 <= n <= len(keys)``.
     """
     if not keys:
         return {}
     first = table.get(keys[0])
     if not first:
         return {}
-    active: dict[EndpointId, dict[Medium, int]] = {}
-    for endpoint_id in first:
-        if candidates is None or endpoint_id in candidates:
-            active[endpoint_id] = {}
-    result: dict[EndpointId, tuple[int, dict[Medium, int]]] = {}
-    for i, key in enumerate(keys):
-        holders = table.get(key) if i else first
-        if not holders:
-            break
-        for endpoint_id in list(active):
-            media = holders.get(endpoint_id)
-            if media is None:
-                counts = active.pop(endpoint_id)
-                if i:
-                    result[endpoint_id] = (i, counts)
-                continue
-            counts = active[endpoint_id]
-            for medium in media:
-                counts[medium] = counts.get(medium, 0) + 1
+    active = set(first.keys()) if candidates is None else set(first.keys()).intersection(candidates)
+    result: dict[EndpointId, int] = {}
+    i = 1
+    for i in range(1, len(keys)):  # noqa: B007 - i is the match length after the loop
         if not active:
             return result
+        holders = table.get(keys[i])
+        if not holders:
+            break
+        present = holders.keys()
+        if present >= active:
+            continue
+        survivors = active.intersection(present)
+        for endpoint_id in active.difference(survivors):
+            result[endpoint_id] = i
+        active = survivors
     else:
         i = len(keys)
-    for endpoint_id, counts in active.items():
-        if i:
-            result[endpoint_id] = (i, counts)
+    for endpoint_id in active:
+        result[endpoint_id] = i
     return result
+
+
+def media_counts(keys: Sequence[int], table: Mapping[int, Holders], endpoint_id: EndpointId) -> dict[Medium, int]:
+    """How many of ``keys`` (all held by ``endpoint_id``) it holds on each medium."""
+    counts: dict[Medium, int] = {}
+    for key in keys:
+        for medium in table[key][endpoint_id]:
+            counts[medium] = counts.get(medium, 0) + 1
+    return counts

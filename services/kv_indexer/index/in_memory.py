@@ -37,7 +37,7 @@ from services.kv_indexer.index.base import (
     KeyedBlockStored,
     ScoreResult,
 )
-from services.kv_indexer.scoring import longest_prefix_matches
+from services.kv_indexer.scoring import longest_prefix_matches, media_counts
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,8 @@ class _EndpointState:
     table: Table
     blocks: dict[EngineBlockHash, _Held] = field(default_factory=dict)
     recent: OrderedDict[EngineBlockHash, BlockKey] = field(default_factory=OrderedDict)
+    medium_blocks: Counter[Medium] = field(default_factory=Counter)
+    """Blocks held per medium: with one medium in use, Score needs no per-medium walk."""
     events_applied: int = 0
 
 
@@ -212,6 +214,7 @@ class InMemoryIndex:
                     blocks[block_hash] = _Held(key, medium)
             else:
                 blocks[block_hash] = _Held(key, medium)
+            state.medium_blocks[medium] += 1
             holders = table.get(key)
             if holders is None:
                 table[key] = {endpoint_id: {medium: 1}}
@@ -224,6 +227,9 @@ class InMemoryIndex:
 
     def _drop(self, state: _EndpointState, block_hash: EngineBlockHash, held: _Held, medium: Medium) -> None:
         held.media.discard(medium)
+        state.medium_blocks[medium] -= 1
+        if state.medium_blocks[medium] <= 0:
+            del state.medium_blocks[medium]
         if not held.media:
             del state.blocks[block_hash]
             if self._recent_limit:
@@ -257,6 +263,7 @@ class InMemoryIndex:
                 self._unlink(state.table, held.key, state.endpoint.id, medium)
         state.blocks.clear()
         state.recent.clear()
+        state.medium_blocks.clear()
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -279,7 +286,12 @@ class InMemoryIndex:
             if size == sizes[0]:
                 primary_blocks = len(keys)
             table = self._tables.get((model, size), {})
-            for endpoint_id, (blocks, by_medium) in longest_prefix_matches(keys, table, wanted).items():
+            for endpoint_id, blocks in longest_prefix_matches(keys, table, wanted).items():
+                media = self._endpoints[endpoint_id].medium_blocks
+                if len(media) == 1:
+                    by_medium = {next(iter(media)): blocks}
+                else:
+                    by_medium = media_counts(keys[:blocks], table, endpoint_id)
                 scores.append(EndpointScore(endpoint_id, blocks, blocks * size, by_medium))
         scores.sort(key=lambda s: (-s.matched_blocks, s.endpoint_id))
         return ScoreResult(scores, primary_blocks, sizes[0])

@@ -1,11 +1,11 @@
-"""longest_prefix_matches: the prefix walk over a key -> holders table."""
+"""longest_prefix_matches and media_counts: the prefix walk over a key -> holders table."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvmesh.types import Medium
-from services.kv_indexer.scoring import longest_prefix_matches
+from services.kv_indexer.scoring import longest_prefix_matches, media_counts
 
 G, C = Medium.GPU, Medium.CPU
 TABLE = {
@@ -21,13 +21,19 @@ TABLE = {
     [
         ([], None, {}),
         ([9, 1], None, {}),
-        ([1], None, {"a": (1, {G: 1}), "b": (1, {G: 1}), "c": (1, {C: 1})}),
-        ([1, 2, 3], None, {"a": (3, {G: 3, C: 1}), "b": (2, {G: 2}), "c": (1, {C: 1})}),
-        ([1, 2, 3, 4, 5], None, {"a": (3, {G: 3, C: 1}), "b": (2, {G: 2}), "c": (1, {C: 1})}),
-        ([1, 2, 3], {"b", "c"}, {"b": (2, {G: 2}), "c": (1, {C: 1})}),
+        ([1], None, {"a": 1, "b": 1, "c": 1}),
+        ([1, 2, 3], None, {"a": 3, "b": 2, "c": 1}),
+        ([1, 2, 3, 4, 5], None, {"a": 3, "b": 2, "c": 1}),
+        ([1, 2, 3], {"b", "c"}, {"b": 2, "c": 1}),
         ([1, 2, 3], {"zzz"}, {}),
+        ([1, 2], None, {"a": 2, "b": 2, "c": 1}),
     ],
-    ids=["empty", "first-miss", "one-block", "walk", "stops-at-hole", "candidates", "unknown-candidate"],
+    ids=["empty", "first-miss", "one-block", "walk", "stops-at-hole", "candidates", "unknown-candidate", "all-to-the-end"],
 )
 def test_longest_prefix_matches(keys: list[int], candidates: set[str] | None, expected: dict) -> None:
     assert longest_prefix_matches(keys, TABLE, candidates) == expected
+
+
+def test_media_counts() -> None:
+    assert media_counts([1, 2, 3], TABLE, "a") == {G: 3, C: 1}
+    assert media_counts([1], TABLE, "c") == {C: 1}
