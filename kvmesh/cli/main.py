@@ -56,10 +56,12 @@ from kvmesh.cli.workloads import (
 )
 
 DEFAULT_ENGINES = 4
-DEFAULT_NUM_GPU_BLOCKS = 256
-"""Per engine, 64-token blocks: 16k tokens, about a quarter of the multi-turn workload's live set."""
+DEFAULT_NUM_GPU_BLOCKS = 384
+"""Per engine, 64-token blocks (24.6k tokens): too few for every live conversation, enough for a quarter."""
+DEFAULT_TRACE_NUM_GPU_BLOCKS = 2048
+"""Per engine with --trace: 131k tokens, about ten capped Mooncake prompts."""
 DEFAULT_REQUESTS = 240
-DEFAULT_TIME_SCALE = 2.0
+DEFAULT_TIME_SCALE = 1.0
 DEFAULT_CONCURRENCY = 64
 DEFAULT_MAX_INPUT_TOKENS = 16384
 """Mooncake prompts are capped to this (prefixes kept): 2 cores cannot move 100k-token prompts fast."""
@@ -98,6 +100,12 @@ TimeScaleOpt = Annotated[
 ]
 RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="Logs and etcd data; default .run/<cmd>-<time>.")]
 BlocksOpt = Annotated[int, typer.Option("--num-gpu-blocks", min=1, help="KV-cache blocks per engine.")]
+AutoBlocksOpt = Annotated[
+    int | None,
+    typer.Option("--num-gpu-blocks", min=2,
+                 help=f"KV-cache blocks per engine (default {DEFAULT_NUM_GPU_BLOCKS} for built-in workloads, "
+                      f"{DEFAULT_TRACE_NUM_GPU_BLOCKS} with --trace)."),
+]
 BlockSizeOpt = Annotated[int, typer.Option("--block-size-tokens", min=1, help="Tokens per KV block.")]
 MaxSeqsOpt = Annotated[int, typer.Option("--max-num-seqs", min=1, help="Concurrent sequences per engine.")]
 ModelOpt = Annotated[str, typer.Option("--model", help="Served model name of the engines.")]
@@ -143,6 +151,10 @@ def build_workload(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--workload") from exc
     return cap_workload(wl, max_input_tokens, max_output_tokens)
+
+
+def _default_blocks(trace: Path | None) -> int:
+    return DEFAULT_TRACE_NUM_GPU_BLOCKS if trace is not None else DEFAULT_NUM_GPU_BLOCKS
 
 
 def _workload_line(wl: Workload, label: str) -> str:
@@ -264,7 +276,7 @@ def replay_cmd(
     engines: EnginesOpt = DEFAULT_ENGINES,
     policy: Annotated[str, typer.Option("--policy", help="Policy of the mesh started without --router.")] =
         "precise-prefix",
-    num_gpu_blocks: BlocksOpt = DEFAULT_NUM_GPU_BLOCKS,
+    num_gpu_blocks: AutoBlocksOpt = None,
     run_dir: RunDirOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -277,6 +289,7 @@ def replay_cmd(
     _setup_logging(verbose)
     wl = build_workload(trace, workload, requests, seed, max_input_tokens, max_output_tokens)
     label = trace.name if trace else workload
+    num_gpu_blocks = num_gpu_blocks or _default_blocks(trace)
     console.print(_workload_line(wl, label), soft_wrap=True)
     if router is not None:
         if epp:
@@ -347,7 +360,7 @@ def compare(
     requests: RequestsOpt = DEFAULT_REQUESTS,
     seed: SeedOpt = 0,
     engines: EnginesOpt = DEFAULT_ENGINES,
-    num_gpu_blocks: BlocksOpt = DEFAULT_NUM_GPU_BLOCKS,
+    num_gpu_blocks: AutoBlocksOpt = None,
     block_size_tokens: BlockSizeOpt = 64,
     max_num_seqs: MaxSeqsOpt = 64,
     time_scale: TimeScaleOpt = DEFAULT_TIME_SCALE,
@@ -367,6 +380,7 @@ def compare(
         raise typer.BadParameter("no policy given", param_hint="--policies")
     wl = build_workload(trace, workload, requests, seed, max_input_tokens, max_output_tokens)
     label = trace.name if trace else workload
+    num_gpu_blocks = num_gpu_blocks or _default_blocks(trace)
     base = (run_dir or _default_run_dir("compare")).resolve()
     console.print(_workload_line(wl, label), soft_wrap=True)
     console.print(f"{engines} engines x {num_gpu_blocks} blocks of {block_size_tokens} tokens, time scale "
