@@ -142,6 +142,7 @@ class Mesh:
     grpc_address: str
     flow_control: str
     epp: FakeEpp
+    epp_address: str
     engines: list[FakeEngine]
     router: ManagedProcess
 
@@ -185,7 +186,7 @@ async def mesh(etcd: str, run_dir: Path) -> AsyncIterator[Mesh]:
         procs.append(router)
         http = f"http://127.0.0.1:{http_port}"
         wait_http_ok(f"{http}/health", 10)
-        mesh = Mesh(http, router_addr, fc_addr, epp, engines, router)
+        mesh = Mesh(http, router_addr, fc_addr, epp, f"127.0.0.1:{epp_port}", engines, router)
         async with httpx.AsyncClient() as client:
             await _until(lambda: _models(client, http), 15, "router to see the engines")
         yield mesh
@@ -345,3 +346,35 @@ async def test_grpc_complete_stream_and_models(mesh: Mesh) -> None:
             await stub.Complete(router_pb2.CompletionRequest(model="nope", prompt="x"), timeout=5)
         assert exc_info.value.code() == grpc.StatusCode.NOT_FOUND
     await _until(lambda: _zero(mesh), 5, "slots released")
+
+
+async def test_admission_rejection_is_429_and_queue_ttl_is_504(mesh: Mesh, start_service) -> None:  # noqa: ANN001
+    """One slot, a queue of one: a held slot makes the next request queue (-> 504 at its TTL), the one after 429."""
+    _, flow = start_service("flow_control", "--shutdown-grace-seconds", "0.5", "--max-in-flight", "1", "--max-queue-size", "1", "--queue-ttl-seconds", "1")
+    http_port = free_port()
+    router, _ = start_service("router", "--shutdown-grace-seconds", "0.5", "--shutdown-http-grace-seconds", "0.5", "--http-port", str(http_port), "--flow-control-address", flow,
+                              "--epp-address", mesh.epp_address, "--retry-after-seconds", "3")
+    http = f"http://127.0.0.1:{http_port}"
+    small = Mesh(http, "", flow, mesh.epp, mesh.epp_address, mesh.engines, router)
+    mesh.engines[0].token_delay = 0.05
+    async with httpx.AsyncClient(timeout=20) as client:
+        await _until(lambda: _models(client, http), 15, "router to see the engines")
+        async with client.stream("POST", f"{http}/v1/completions", json={"model": MODEL, "prompt": "hold", "max_tokens": 100, "stream": True}) as held:
+            assert held.status_code == 200
+            queued = asyncio.create_task(client.post(f"{http}/v1/completions", json={"model": MODEL, "prompt": "q"}))
+
+            async def one_queued() -> bool:
+                async with grpc.aio.insecure_channel(flow) as channel:
+                    stats = await flow_control_pb2_grpc.FlowControlStub(channel).Stats(flow_control_pb2.StatsRequest())
+                return stats.queued == 1
+
+            await _until(one_queued, 5, "a request to queue")
+            rejected = await client.post(f"{http}/v1/completions", json={"model": MODEL, "prompt": "r"})
+            assert rejected.status_code == 429, rejected.text
+            assert rejected.headers["retry-after"] == "3"
+            assert rejected.json()["error"]["type"] == "rate_limit_exceeded"
+            assert "rejected by admission" in rejected.json()["error"]["message"]
+            expired = await queued
+            assert expired.status_code == 504, expired.text
+            assert expired.json()["error"]["type"] == "timeout"
+    await _until(lambda: _zero(small), 5, "slots released")
