@@ -1,0 +1,62 @@
+"""The simulator's one typed config (flags, ``KVMESH_ENGINE_SIMULATOR_*`` env, ``--config`` YAML).
+
+The flags pinned in the team brief (``--host --port --model --block-size-tokens --num-gpu-blocks
+--max-num-seqs --max-num-batched-tokens --max-model-len --events-endpoint --etcd-endpoints
+--lease-ttl-seconds --time-scale --tokenizer-path --role``) are fields here; the inherited
+``--grpc-port``/``--metrics-port`` are unused (HTTP, ``/metrics`` included, is on ``--port``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from kvmesh.config import ServiceConfig
+
+Role = Literal["both", "prefill", "decode"]
+
+
+class SimulatorConfig(ServiceConfig):
+    """A simulated vLLM 0.32 engine: OpenAI HTTP, prefix cache, KV events, etcd registration."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KVMESH_ENGINE_SIMULATOR_", extra="forbid", use_attribute_docstrings=True, populate_by_name=True
+    )
+
+    port: int = Field(8000, ge=0, le=65535)
+    """HTTP port of the OpenAI API, /health, /metrics and the render endpoints."""
+    model: str = "tiny"
+    """Served model name (vLLM's --served-model-name)."""
+    block_size_tokens: int = Field(64, ge=1, le=4096)
+    """KV-cache block size in tokens (vLLM's --block-size)."""
+    num_gpu_blocks: int = Field(4096, ge=2)
+    """KV-cache blocks, the null block included (vLLM's --num-gpu-blocks-override)."""
+    max_num_seqs: int = Field(64, ge=1)
+    """Most requests running at once."""
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    """Token budget of one engine step (prefill chunks plus one per decoding sequence)."""
+    max_model_len: int = Field(131072, ge=2)
+    """Longest sequence (prompt + output) in tokens."""
+    enable_prefix_caching: bool = True
+    """Reuse cached blocks across requests (and publish KV events)."""
+    events_endpoint: str = ""
+    """ZMQ endpoint of the KV-event PUB socket: tcp://host:port connects, one with '*' binds; empty disables."""
+    time_scale: float = Field(1.0, gt=0, le=10000)
+    """Model time runs this many times faster than wall time."""
+    tokenizer_path: str = ""
+    """Directory with tokenizer.json (built there if missing); empty means ~/.cache/kvmesh/tokenizer-v1."""
+    role: Role = "both"
+    """Role registered in etcd (prefill/decode disaggregation)."""
+    latency_profile: str = "llama-3.1-8b-h100"
+    """Named latency-model coefficients (see engine_simulator/latency_model.py)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> SimulatorConfig:
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs})"
+            )
+        return self

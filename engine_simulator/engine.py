@@ -1,0 +1,171 @@
+"""The async engine loop: drives :class:`EngineCore` in model time and fans out results.
+
+One task runs the loop: schedule a step, wait its modelled duration on the injected
+:class:`kvmesh.clock.Clock` (``ScaledClock`` for ``--time-scale``, ``ManualClock`` offline),
+apply it, publish the step's KV events (one ZMQ message per step, like vLLM's engine core), record
+metrics and hand each request its new tokens through an ``asyncio.Queue``. The loop sleeps until
+the step's *target* time, so Python overhead inside a step does not stretch model time. With no
+work it waits on an event; a ``reset_prefix_cache`` therefore publishes ``AllBlocksCleared``
+only at the next step, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from engine_simulator.latency_model import LatencyModel
+from engine_simulator.metrics import EngineMetrics
+from engine_simulator.publisher import EventPublisher
+from engine_simulator.scheduler import EngineCore, Request, RequestOutput
+from kvmesh.clock import Clock
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    """Async front of the engine core.
+
+    Args:
+        core: the pure engine core.
+        latency: step-time model.
+        clock: model-time clock.
+        publisher: KV-event publisher (the null one when disabled).
+        metrics: the engine's metric families (None in pure tests).
+    """
+
+    def __init__(self, core: EngineCore, latency: LatencyModel, clock: Clock, publisher: EventPublisher,
+                 metrics: EngineMetrics | None = None) -> None:
+        self.core = core
+        self.latency = latency
+        self.clock = clock
+        self.publisher = publisher
+        self.metrics = metrics
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.num_steps = 0
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="engine-loop")
+
+    async def stop(self) -> None:
+        """Abort everything and stop the loop."""
+        for rid in list(self._queues):
+            self.abort(rid)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    # -- requests ----------------------------------------------------------------------
+    def submit(self, request: Request) -> asyncio.Queue[RequestOutput]:
+        """Queue a request; its outputs arrive on the returned queue (the last has ``finished``).
+
+        Raises:
+            ValueError: from :meth:`EngineCore.add_request` (bad request).
+        """
+        request.arrival_time = self.clock.now()
+        self.core.add_request(request)
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queues[request.request_id] = queue
+        self._wake.set()
+        return queue
+
+    def abort(self, request_id: str) -> None:
+        """Client gone: free the request's slot and blocks (no-op when already finished)."""
+        self._queues.pop(request_id, None)
+        req = self.core.abort_request(request_id)
+        if req is not None:
+            logger.debug("aborted request_id=%s", request_id)
+            self._record_finished(req, self.clock.now())
+            self._wake.set()
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self.core.reset_prefix_cache()
+        if not ok:
+            logger.warning("reset_prefix_cache refused: blocks are still in use")
+        return ok
+
+    # -- the loop ----------------------------------------------------------------------
+    async def _run(self) -> None:
+        core, clock, latency = self.core, self.clock, self.latency
+        while True:
+            if not core.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            t0 = clock.now()
+            q0, h0, p0 = core.prefix_queries_tokens, core.prefix_hits_tokens, core.num_preemptions
+            step = core.schedule(t0)
+            if self.metrics is not None and core.prefix_queries_tokens != q0:
+                self.metrics.record_scheduled(prompt_tokens=core.prefix_queries_tokens - q0,
+                                              cached_tokens=core.prefix_hits_tokens - h0)
+            if step.empty:
+                # nothing fits (e.g. every block is held by preempted work); wait for a change
+                self._publish()
+                self._record_step(0, core.num_preemptions - p0, 0)
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            dt = latency.step_seconds(step.prefill_tokens, step.decode_seqs, step.decode_context_tokens)
+            remaining = t0 + dt - clock.now()
+            if remaining > 0:
+                await clock.sleep(remaining)
+            else:
+                await asyncio.sleep(0)
+            now = clock.now()
+            outputs = core.update(step)
+            self.num_steps += 1
+            self._publish()
+            for out in outputs:
+                self._deliver(out, now)
+            self._record_step(step.prefill_tokens + step.decode_seqs, core.num_preemptions - p0, len(outputs))
+
+    def _publish(self) -> None:
+        events = self.core.cache.take_events()
+        if events:
+            self.publisher.publish(events)
+
+    def _deliver(self, out: RequestOutput, now: float) -> None:
+        req = out.request
+        metrics = self.metrics
+        if req.first_token_time is None:
+            req.first_token_time = now
+            if metrics is not None:
+                metrics.record_first_token(ttft_seconds=now - req.arrival_time)
+        elif metrics is not None and req.last_token_time is not None:
+            metrics.record_token(itl_seconds=now - req.last_token_time)
+        req.last_token_time = now
+        if out.finished:
+            self._record_finished(req, now)
+        queue = self._queues.get(req.request_id)
+        if queue is not None:
+            queue.put_nowait(out)
+            if out.finished:
+                del self._queues[req.request_id]
+
+    def _record_step(self, step_tokens: int, preemptions: int, generated: int) -> None:
+        if self.metrics is not None:
+            core = self.core
+            self.metrics.record_step(running=core.num_running, waiting=core.num_waiting, usage=core.cache.usage,
+                                     step_tokens=step_tokens, new_preemptions=preemptions,
+                                     new_generation_tokens=generated)
+
+    def _record_finished(self, req: Request, now: float) -> None:
+        if self.metrics is None or req.finish_reason is None:
+            return
+        scheduled = req.first_scheduled_time if req.first_scheduled_time is not None else now
+        first = req.first_token_time if req.first_token_time is not None else now
+        self.metrics.record_finished(
+            finish_reason=str(req.finish_reason),
+            prompt_tokens=req.num_prompt_tokens,
+            cached_tokens=req.num_cached_tokens,
+            generation_tokens=len(req.output_token_ids),
+            e2e_seconds=now - req.arrival_time,
+            queue_seconds=scheduled - req.arrival_time,
+            prefill_seconds=first - scheduled,
+            decode_seconds=now - first,
+        )

@@ -1,0 +1,364 @@
+"""The engine core: requests, continuous-batching scheduler, token generation. Pure: no I/O.
+
+Follows vLLM 0.32's v1 scheduler (``vllm/v1/core/sched/scheduler.py``) closely enough that the
+outside cannot tell (KV events, cached-token counts, queueing):
+
+* Each step has a token budget of ``max_num_batched_tokens``. Running requests go first, in
+  admission order: a decoding one takes 1 token, one still in (chunked) prefill takes
+  ``min(remaining, budget)``. Then waiting requests in FCFS order while budget is left and fewer
+  than ``max_num_seqs`` run. A request that cannot get blocks stops the waiting queue.
+* A running request that cannot get a block preempts the last admitted running request
+  (vLLM's RECOMPUTE preemption: its blocks are freed, it goes back to the front of the waiting
+  queue and recomputes later, usually from its own cached blocks).
+* Prefix hits (vLLM ``get_computed_blocks``): the longest run of cached full blocks, but never the
+  whole sequence: vLLM caps the hit at ``num_tokens - 1`` so the last token is always computed.
+  A block-aligned prompt that is fully cached therefore reports ``(n_blocks - 1) * block_size``
+  cached tokens and recomputes (and re-stores) its last block.
+* Blocks are cached when they become full at scheduling time (``allocate_slots``), prompt and
+  generated tokens alike; the events of a step are published after the step.
+* Generated tokens are pseudo-random, fixed by the prompt (like greedy decoding: an identical
+  prompt produces identical tokens, so its generated blocks hash identically). A token equal to
+  EOS (id 2, probability ~1/2046 per token) ends the request unless ``ignore_eos``.
+
+Block hashes of a request are computed once per block and kept on the request (incremental over
+generated tokens), so long prompts are hashed once even when rescheduled.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import random
+from array import array
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine_simulator.prefix_cache import PrefixCache
+from engine_simulator.tokenizer import EOS_ID
+from kvmesh.hashing import external_hash_to_int, sha256_cbor_block_hashes
+
+
+class FinishReason(enum.StrEnum):
+    """vLLM's finish reasons (``vllm:request_success_total{finished_reason}``)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Engine limits (vLLM's ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--max-model-len``)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 131072
+    vocab_size: int = 2048
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request and its progress.
+
+    Attributes:
+        request_id: unique id.
+        prompt_token_ids: the prompt exactly as the engine sees it (BOS included for text).
+        max_tokens: output tokens to generate at most (>= 1).
+        ignore_eos: keep generating after EOS.
+        arrival_time: model seconds when it was added.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    ignore_eos: bool = False
+    arrival_time: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1
+    """Prompt tokens served from the prefix cache at first scheduling (-1 before)."""
+    blocks: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    """How many of ``blocks`` are registered in the cache (hashed and announced)."""
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    _digests: list[bytes] = field(default_factory=list, repr=False)
+    _hashes: list[int] = field(default_factory=list, repr=False)
+    _rng: random.Random | None = field(default=None, repr=False)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_range(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` of prompt + output."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    def block_hashes(self, n_blocks: int, block_size: int) -> list[int]:
+        """uint64 ``sha256_cbor`` hashes of the first ``n_blocks`` full blocks (computed once)."""
+        have = len(self._hashes)
+        if n_blocks > have:
+            parent = self._digests[-1] if self._digests else None
+            new = sha256_cbor_block_hashes(self.token_range(have * block_size, n_blocks * block_size),
+                                           block_size, parent=parent)
+            self._digests.extend(new)
+            self._hashes.extend(external_hash_to_int(d) for d in new)
+        return self._hashes[:n_blocks]
+
+    def next_token(self, vocab_size: int) -> int:
+        """The next generated token: pseudo-random in ``[EOS_ID, vocab_size)``, seeded by the prompt."""
+        if self._rng is None:
+            seed = hashlib.blake2b(array("q", self.prompt_token_ids).tobytes(), digest_size=8).digest()
+            self._rng = random.Random(int.from_bytes(seed, "little"))
+            # a preempted request regenerates nothing: skip what it already produced
+            for _ in self.output_token_ids:
+                self._rng.randrange(EOS_ID, vocab_size)
+        tok = self._rng.randrange(EOS_ID, vocab_size)
+        if tok == EOS_ID and self.ignore_eos:
+            tok = EOS_ID + 1
+        return tok
+
+
+@dataclass(slots=True)
+class ScheduledStep:
+    """What one step computes: ``(request, num_new_tokens)`` pairs and the latency inputs."""
+
+    scheduled: list[tuple[Request, int]]
+    prefill_tokens: int = 0
+    decode_seqs: int = 0
+    decode_context_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A step's result for one request: tokens produced in this step, and whether it finished."""
+
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
+
+
+class EngineCore:
+    """Requests in, steps out. The async loop (``engine.py``) calls :meth:`schedule`, waits
+    the step's model time, then calls :meth:`update`.
+
+    Args:
+        config: scheduler limits.
+        cache: the block pool (its block size is the engine's).
+    """
+
+    def __init__(self, config: SchedulerConfig, cache: PrefixCache) -> None:
+        self.config = config
+        self.cache = cache
+        self.block_size = cache.block_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._by_id: dict[str, Request] = {}
+        self.prefix_queries_tokens = 0
+        self.prefix_hits_tokens = 0
+        self.num_preemptions = 0
+
+    # -- requests ----------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request (FCFS).
+
+        Raises:
+            ValueError: duplicate id, empty prompt, ``max_tokens < 1``, or a sequence longer than
+                ``max_model_len``.
+        """
+        if request.request_id in self._by_id:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if not request.prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        if request.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
+        total = request.num_prompt_tokens + request.max_tokens
+        if total > self.config.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.config.max_model_len} tokens. However, you "
+                f"requested {total} tokens ({request.num_prompt_tokens} in the messages, "
+                f"{request.max_tokens} in the completion). Please reduce the length of the messages or completion."
+            )
+        if -(-total // self.block_size) > self.cache.num_gpu_blocks - 1:
+            raise ValueError(
+                f"request needs {-(-total // self.block_size)} KV blocks of {self.block_size} tokens but the "
+                f"engine has only {self.cache.num_gpu_blocks - 1}"
+            )
+        self._by_id[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Drop a request wherever it is, freeing its blocks; None if unknown or finished."""
+        req = self._by_id.pop(request_id, None)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self._free(req)
+        req.finish_reason = FinishReason.ABORT
+        return req
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (only when nothing runs, as vLLM)."""
+        return self.cache.reset()
+
+    # -- blocks -------------------------------------------------------------------------
+    def _free(self, req: Request) -> None:
+        if req.blocks:
+            self.cache.free(req.blocks)
+        req.blocks = []
+        req.num_cached_blocks = 0
+
+    def _computed_blocks(self, req: Request) -> list[int]:
+        """Prefix-hit blocks, capped so the last token is always computed (vLLM)."""
+        if not self.cache.enable_caching:
+            return []
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        if max_blocks <= 0:
+            return []
+        return self.cache.lookup(req.block_hashes(max_blocks, self.block_size))
+
+    def _allocate(self, req: Request, num_new_tokens: int, hit_blocks: Sequence[int] = ()) -> bool:
+        """vLLM ``allocate_slots``: reference hits, allocate blocks for the new tokens, cache full ones."""
+        bs = self.block_size
+        total = req.num_computed_tokens + len(hit_blocks) * bs + num_new_tokens
+        need = -(-total // bs) - len(req.blocks) - len(hit_blocks)
+        if need > 0 and need + self.cache.num_evictable(hit_blocks) > self.cache.num_free_blocks:
+            return False
+        if hit_blocks:
+            self.cache.touch(hit_blocks)
+            req.blocks.extend(hit_blocks)
+            req.num_cached_blocks = len(req.blocks)
+        if need > 0:
+            new = self.cache.allocate(need)
+            assert new is not None
+            req.blocks.extend(new)
+        # cache blocks that are full once this step's tokens are in (known tokens only)
+        num_full = min(total, req.num_tokens) // bs
+        if num_full > req.num_cached_blocks:
+            start = req.num_cached_blocks
+            hashes = req.block_hashes(num_full, bs)
+            self.cache.cache_full_blocks(
+                req.blocks[start:num_full],
+                hashes[start:num_full],
+                hashes[start - 1] if start > 0 else None,
+                req.token_range(start * bs, num_full * bs),
+            )
+            req.num_cached_blocks = num_full
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self._free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # -- the step ----------------------------------------------------------------------
+    def schedule(self, now: float) -> ScheduledStep:
+        """Pick this step's work within the token budget and ``max_num_seqs``."""
+        budget = self.config.max_num_batched_tokens
+        step = ScheduledStep([])
+        scheduled_ids: set[int] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self._allocate(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                step.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                step.scheduled.append((req, n))
+                scheduled_ids.add(id(req))
+                budget -= n
+                i += 1
+                continue
+            break  # req itself was preempted
+        if not step.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = self.waiting[0]
+                hits = self._computed_blocks(req)
+                hit_tokens = len(hits) * self.block_size
+                n = min(req.num_tokens - hit_tokens, budget)
+                if not self._allocate(req, n, hits):
+                    break
+                self.waiting.popleft()
+                req.num_computed_tokens = hit_tokens
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = hit_tokens
+                    req.first_scheduled_time = now
+                    self.prefix_queries_tokens += req.num_tokens
+                    self.prefix_hits_tokens += hit_tokens
+                self.running.append(req)
+                step.scheduled.append((req, n))
+                budget -= n
+        for req, n in step.scheduled:
+            if n == 1 and req.output_token_ids and req.num_computed_tokens == req.num_tokens - 1:
+                step.decode_seqs += 1
+                step.decode_context_tokens += req.num_tokens
+            else:
+                step.prefill_tokens += n
+        return step
+
+    def update(self, step: ScheduledStep) -> list[RequestOutput]:
+        """Apply a finished step: advance computed tokens, sample, finish requests."""
+        outputs: list[RequestOutput] = []
+        finished: list[Request] = []
+        cfg = self.config
+        for req, n in step.scheduled:
+            if req.finish_reason is not None:  # aborted during the step
+                continue
+            req.num_computed_tokens += n
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a prefill chunk: nothing sampled yet
+            tok = req.next_token(cfg.vocab_size)
+            req.output_token_ids.append(tok)
+            done = None
+            if tok == EOS_ID and not req.ignore_eos:
+                done = FinishReason.STOP
+            elif len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= cfg.max_model_len:
+                done = FinishReason.LENGTH
+            if done is not None:
+                req.finish_reason = done
+                finished.append(req)
+            outputs.append(RequestOutput(req, [tok], done is not None))
+        for req in finished:
+            self.running.remove(req)
+            self._by_id.pop(req.request_id, None)
+            self._free(req)
+        return outputs

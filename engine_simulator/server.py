@@ -1,0 +1,311 @@
+"""The simulator's HTTP surface: vLLM 0.32's OpenAI server, the parts the mesh uses.
+
+| route | what |
+| --- | --- |
+| ``POST /v1/completions`` | ``prompt`` text or token ids; ``stream`` (SSE, ``data: [DONE]``) or not |
+| ``POST /v1/chat/completions`` | ``messages`` through the documented template (``rendering.py``) |
+| ``POST /tokenize`` | ``{"model","prompt"}`` or ``{"model","messages","add_generation_prompt"}`` -> ``{"count","max_model_len","tokens","token_strs"}`` |
+| ``POST /v1/completions/render``, ``POST /v1/chat/completions/render`` | token ids the engine would run, without running |
+| ``GET /v1/models``, ``GET /health``, ``GET /metrics`` | as vLLM (``vllm:*`` families) |
+| ``POST /reset_prefix_cache`` | vLLM's dev-mode route; ``AllBlocksCleared`` goes out at the next step |
+
+Bodies are OpenAI-shaped; errors are vLLM's ``{"error": {"message","type","param","code"}}`` with 400
+(bad input) or 404 (unknown model). ``usage`` always carries ``prompt_tokens_details.cached_tokens``
+(vLLM needs ``--enable-prompt-tokens-details`` for it). Streams carry usage only with
+``stream_options.include_usage`` (vLLM's rule). A client that disconnects aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from engine_simulator.engine import AsyncEngine
+from engine_simulator.rendering import Renderer, apply_chat_template
+from engine_simulator.scheduler import Request
+from kvmesh.errors import InvalidRequest, UnknownModel
+
+logger = logging.getLogger(__name__)
+
+_SSE_HEADERS = {"Cache-Control": "no-cache"}
+
+
+def _dumps(obj: Any) -> str:
+    """Compact JSON, as vLLM's pydantic ``model_dump_json`` writes SSE chunks."""
+    return json.dumps(obj, separators=(",", ":"))
+
+
+@dataclass
+class ServerState:
+    """What the routes need."""
+
+    engine: AsyncEngine
+    renderer: Renderer
+    model: str
+    max_model_len: int
+    root: str
+    created: int
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                        status_code=status)
+
+
+async def _json_body(request: HttpRequest) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return body
+
+
+def _check_model(state: ServerState, body: dict[str, Any]) -> None:
+    model = body.get("model")
+    if model is not None and model != state.model:
+        raise UnknownModel(f"The model `{model}` does not exist.")
+
+
+def _int_field(body: dict[str, Any], name: str, default: int | None) -> int | None:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidRequest(f"'{name}' must be an integer")
+    return value
+
+
+def _max_tokens(state: ServerState, body: dict[str, Any], n_prompt: int, chat: bool) -> int:
+    if n_prompt >= state.max_model_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {state.max_model_len} tokens. However, your request has "
+            f"{n_prompt} input tokens. Please reduce the length of the input messages.")
+    if chat:
+        value = _int_field(body, "max_completion_tokens", None)
+        if value is None:
+            value = _int_field(body, "max_tokens", None)
+        if value is None:
+            value = state.max_model_len - n_prompt
+    else:
+        value = _int_field(body, "max_tokens", 16)
+        assert value is not None
+    if value < 1:
+        raise InvalidRequest(f"max_tokens must be at least 1, got {value}.")
+    return value
+
+
+def _usage(req: Request) -> dict[str, Any]:
+    n_out = len(req.output_token_ids)
+    return {
+        "prompt_tokens": req.num_prompt_tokens,
+        "total_tokens": req.num_prompt_tokens + n_out,
+        "completion_tokens": n_out,
+        "prompt_tokens_details": {"cached_tokens": max(req.num_cached_tokens, 0)},
+    }
+
+
+def _handle_errors(handler):  # type: ignore[no-untyped-def]
+    async def wrapped(request: HttpRequest) -> Response:
+        try:
+            return await handler(request)
+        except InvalidRequest as exc:
+            return _error(400, str(exc))
+        except UnknownModel as exc:
+            return _error(404, str(exc), "model")
+    return wrapped
+
+
+async def _wait_disconnect(request: HttpRequest) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def build_app(state: ServerState) -> Starlette:
+    """The Starlette app over ``state``."""
+    engine, renderer = state.engine, state.renderer
+
+    def prepare(body: dict[str, Any], chat: bool) -> tuple[list[int], int]:
+        _check_model(state, body)
+        if chat:
+            ids = renderer.chat_ids(body.get("messages"), bool(body.get("add_generation_prompt", True)))
+        else:
+            if "prompt" not in body:
+                raise InvalidRequest("'prompt' is required")
+            ids = renderer.prompt_ids(body["prompt"], bool(body.get("add_special_tokens", True)))
+        n = body.get("n", 1)
+        if n != 1:
+            raise InvalidRequest("only n=1 is supported")
+        return ids, _max_tokens(state, body, len(ids), chat)
+
+    async def generate(request: HttpRequest, chat: bool) -> Response:
+        body = await _json_body(request)
+        ids, max_tokens = prepare(body, chat)
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        rid = prefix + uuid.uuid4().hex
+        req = Request(rid, ids, max_tokens, ignore_eos=bool(body.get("ignore_eos", False)))
+        try:
+            queue = engine.submit(req)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        created = int(time.time())
+        if body.get("stream"):
+            opts = body.get("stream_options") or {}
+            include_usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
+            return StreamingResponse(_stream(req, queue, chat, created, include_usage),
+                                     media_type="text/event-stream", headers=_SSE_HEADERS)
+        waiter = asyncio.create_task(_collect(queue))
+        disconnect = asyncio.create_task(_wait_disconnect(request))
+        try:
+            await asyncio.wait({waiter, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            disconnect.cancel()
+            if not waiter.done():
+                waiter.cancel()
+                engine.abort(rid)
+        if not waiter.done() or waiter.cancelled():
+            return Response(status_code=499)
+        text = renderer.detokenize(req.output_token_ids)
+        finish = str(req.finish_reason)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None,
+                                              "annotations": None, "audio": None, "function_call": None,
+                                              "tool_calls": [], "reasoning_content": None},
+                      "logprobs": None, "finish_reason": finish, "stop_reason": None}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None,
+                      "prompt_logprobs": None}
+            obj = "text_completion"
+        return JSONResponse({"id": rid, "object": obj, "created": created, "model": state.model,
+                             "choices": [choice], "usage": _usage(req), "kv_transfer_params": None})
+
+    async def _collect(queue: asyncio.Queue) -> None:  # type: ignore[type-arg]
+        while True:
+            out = await queue.get()
+            if out.finished:
+                return
+
+    async def _stream(req: Request, queue: asyncio.Queue, chat: bool, created: int,  # type: ignore[type-arg]
+                      include_usage: bool) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": req.request_id, "object": obj, "created": created, "model": state.model}
+        finished = False
+        try:
+            if chat:
+                first = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None}]}
+                yield f"data: {_dumps(first)}\n\n"
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                text = renderer.detokenize(out.new_token_ids)
+                reason = str(req.finish_reason) if finished else None
+                if chat:
+                    choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": reason}
+                    if finished:
+                        choice["stop_reason"] = None
+                else:
+                    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason,
+                              "stop_reason": None}
+                yield f"data: {_dumps({**head, 'choices': [choice]})}\n\n"
+            if include_usage:
+                yield f"data: {_dumps({**head, 'choices': [], 'usage': _usage(req)})}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:
+                engine.abort(req.request_id)
+
+    @_handle_errors
+    async def completions(request: HttpRequest) -> Response:
+        return await generate(request, chat=False)
+
+    @_handle_errors
+    async def chat_completions(request: HttpRequest) -> Response:
+        return await generate(request, chat=True)
+
+    def _render_body(body: dict[str, Any], ids: list[int], max_tokens: int) -> dict[str, Any]:
+        return {"request_id": uuid.uuid4().hex, "model": state.model, "token_ids": ids, "prompt_token_ids": ids,
+                "count": len(ids), "sampling_params": {"max_tokens": max_tokens,
+                                                       "ignore_eos": bool(body.get("ignore_eos", False))},
+                "stream": bool(body.get("stream", False))}
+
+    @_handle_errors
+    async def completions_render(request: HttpRequest) -> Response:
+        body = await _json_body(request)
+        ids, max_tokens = prepare(body, chat=False)
+        return JSONResponse([_render_body(body, ids, max_tokens)])
+
+    @_handle_errors
+    async def chat_render(request: HttpRequest) -> Response:
+        body = await _json_body(request)
+        ids, max_tokens = prepare(body, chat=True)
+        return JSONResponse(_render_body(body, ids, max_tokens))
+
+    @_handle_errors
+    async def tokenize(request: HttpRequest) -> Response:
+        body = await _json_body(request)
+        _check_model(state, body)
+        if "messages" in body:
+            ids = renderer.encode_text(
+                apply_chat_template(body["messages"], bool(body.get("add_generation_prompt", True))),
+                add_special_tokens=bool(body.get("add_special_tokens", False)))
+        elif "prompt" in body:
+            if not isinstance(body["prompt"], str):
+                raise InvalidRequest("'prompt' must be a string")
+            ids = renderer.encode_text(body["prompt"], bool(body.get("add_special_tokens", True)))
+        else:
+            raise InvalidRequest("either 'prompt' or 'messages' is required")
+        strs = renderer.token_strs(ids) if body.get("return_token_strs") else None
+        return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
+                             "token_strs": strs})
+
+    async def models(request: HttpRequest) -> Response:
+        card = {"id": state.model, "object": "model", "created": state.created, "owned_by": "vllm",
+                "root": state.root, "parent": None, "max_model_len": state.max_model_len,
+                "permission": [{"id": "modelperm-" + uuid.uuid4().hex, "object": "model_permission",
+                                "created": state.created, "allow_create_engine": False, "allow_sampling": True,
+                                "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                                "allow_fine_tuning": False, "organization": "*", "group": None,
+                                "is_blocking": False}]}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(request: HttpRequest) -> Response:
+        return Response(status_code=200)
+
+    async def metrics(request: HttpRequest) -> Response:
+        assert engine.metrics is not None
+        return Response(engine.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def reset_prefix_cache(request: HttpRequest) -> Response:
+        engine.reset_prefix_cache()
+        return Response(status_code=200)
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions/render", completions_render, methods=["POST"]),
+        Route("/v1/chat/completions/render", chat_render, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+    ]
+    return Starlette(routes=routes)
