@@ -110,6 +110,20 @@ def _response_headers(session: FlowSession) -> dict[str, str]:
     return {REQUEST_ID_HEADER: session.meta.request_id, ENDPOINT_HEADER: session.endpoint.id}
 
 
+class _ClosingResponse(Response):
+    """A fully read engine answer; the session (admission slot) is closed once it is sent, or failed to send."""
+
+    def __init__(self, session: FlowSession, payload: bytes) -> None:
+        super().__init__(payload, status_code=session.status_code, headers=_response_headers(session), media_type=session.content_type)
+        self.session = session
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.session.close()
+
+
 class ProxiedStream(Response):
     """Streams a FlowSession's bytes, closing the session (and the engine request) on client disconnect."""
 
@@ -200,10 +214,12 @@ class RouterHttpApi:
             return Response(status_code=499)
         except Exception as exc:  # noqa: BLE001 - mapped by the one table
             return self._error(exc, request_id)
-        return Response(payload, status_code=session.status_code, headers=_response_headers(session), media_type=session.content_type)
+        return _ClosingResponse(session, payload)
 
     async def _complete(self, routed: RouterRequest, meta: RequestMeta) -> tuple[FlowSession, bytes]:
-        """A non-streamed request start to end; the session is closed on every path."""
+        """A non-streamed request up to its full body; on failure the session is closed here, on
+        success by :class:`_ClosingResponse` after the answer is sent (the flow_control round trip
+        stays off the client's critical path)."""
         session = await self._flow.start(routed, meta)
         try:
             payload = await session.read_all()
@@ -214,7 +230,6 @@ class RouterHttpApi:
             await session.close(error=exc)
             logger.warning("engine read failed request_id=%s endpoint=%s error=%r", meta.request_id, session.endpoint.id, exc)
             raise errors.NoEndpointsAvailable(f"engine {session.endpoint.id} failed mid-response") from exc
-        await session.close()
         return session, payload
 
     async def models(self, request: Request) -> Response:
