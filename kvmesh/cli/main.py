@@ -39,7 +39,9 @@ from kvmesh.cli.mesh import DEFAULT_MODEL, Mesh, MeshSpec, exit_on_signals
 from kvmesh.cli.report import (
     RequestResult,
     compare_document,
+    fmt,
     hit_rate,
+    per_engine,
     summarize,
     summary_table,
     usage_cached_fraction,
@@ -193,6 +195,13 @@ def _summary(outcome: ReplayOutcome, time_scale: float) -> dict[str, object]:
     )
 
 
+def _engine_line(outcome: ReplayOutcome) -> None:
+    parts = [f"{url.rsplit(':', 1)[-1]}: {n} req, {fmt(rate, 'pct')} hits"
+             for url, (n, rate) in sorted(per_engine(outcome.counters_before, outcome.counters_after).items())]
+    if parts:
+        console.print("engines (port): " + "; ".join(parts), soft_wrap=True)
+
+
 def _first_errors(outcome: ReplayOutcome, n: int = 3) -> None:
     bad = [r for r in outcome.results if not r.ok]
     for r in bad[:n]:
@@ -309,6 +318,7 @@ def replay_cmd(
         column = policy
     summary = _summary(outcome, time_scale)
     _first_errors(outcome)
+    _engine_line(outcome)
     console.print(summary_table({column: summary}, f"replay of {label}"))
     cached = usage_cached_fraction(outcome.results)
     if cached is not None:
@@ -399,6 +409,7 @@ def compare(
                 outcome = _run_replay(wl, mesh.router_url, mesh.engine_urls, time_scale, concurrency_limit, None,
                                       name)
             _first_errors(outcome)
+            _engine_line(outcome)
             summaries[name] = _summary(outcome, time_scale)
     doc = compare_document(label, engines, len(wl.requests), summaries)
     console.print(summary_table(doc["policies"], f"{label}: {len(wl.requests)} requests, {engines} engines"))  # type: ignore[arg-type]

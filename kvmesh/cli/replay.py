@@ -23,7 +23,13 @@ from dataclasses import dataclass
 
 import httpx
 
-from kvmesh.cli.report import HITS_METRIC, QUERIES_METRIC, RequestResult, parse_prometheus_counter
+from kvmesh.cli.report import (
+    HITS_METRIC,
+    QUERIES_METRIC,
+    REQUESTS_METRIC,
+    RequestResult,
+    parse_prometheus_counter,
+)
 from kvmesh.cli.workloads import Workload, WorkloadRequest, prompt_tokens
 
 logger = logging.getLogger(__name__)
@@ -34,14 +40,19 @@ class ReplayOutcome:
     results: list[RequestResult]
     wall_duration_s: float
     """First send to last completion, wall seconds."""
-    counters_before: dict[str, tuple[float, float]]
-    counters_after: dict[str, tuple[float, float]]
+    counters_before: dict[str, tuple[float, float, float]]
+    counters_after: dict[str, tuple[float, float, float]]
 
 
-async def scrape_counters(client: httpx.AsyncClient, engine_urls: Sequence[str]) -> dict[str, tuple[float, float]]:
-    """``{engine url: (prefix_cache_hits_total, prefix_cache_queries_total)}``; unreachable engines omitted."""
+async def scrape_counters(
+    client: httpx.AsyncClient, engine_urls: Sequence[str]
+) -> dict[str, tuple[float, float, float]]:
+    """``{engine url: (prefix_cache_hits_total, prefix_cache_queries_total, request_success_total)}``.
 
-    async def one(url: str) -> tuple[str, tuple[float, float]] | None:
+    Unreachable engines are omitted (and logged).
+    """
+
+    async def one(url: str) -> tuple[str, tuple[float, float, float]] | None:
         try:
             reply = await client.get(f"{url}/metrics", timeout=5.0)
             reply.raise_for_status()
@@ -49,7 +60,8 @@ async def scrape_counters(client: httpx.AsyncClient, engine_urls: Sequence[str])
             logger.warning("cannot scrape %s/metrics: %s", url, exc)
             return None
         text = reply.text
-        return url, (parse_prometheus_counter(text, HITS_METRIC), parse_prometheus_counter(text, QUERIES_METRIC))
+        return url, (parse_prometheus_counter(text, HITS_METRIC), parse_prometheus_counter(text, QUERIES_METRIC),
+                     parse_prometheus_counter(text, REQUESTS_METRIC))
 
     pairs = await asyncio.gather(*(one(u) for u in engine_urls))
     return dict(p for p in pairs if p is not None)

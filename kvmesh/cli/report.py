@@ -82,19 +82,33 @@ def parse_prometheus_counter(text: str, name: str) -> float:
 
 HITS_METRIC = "vllm:prefix_cache_hits_total"
 QUERIES_METRIC = "vllm:prefix_cache_queries_total"
+REQUESTS_METRIC = "vllm:request_success_total"
 
 
-def hit_rate(before: Mapping[str, tuple[float, float]], after: Mapping[str, tuple[float, float]]) -> float | None:
-    """Engine-measured prefix hit rate from per-engine ``(hits, queries)`` counters; None if no queries.
+def hit_rate(
+    before: Mapping[str, Sequence[float]], after: Mapping[str, Sequence[float]]
+) -> float | None:
+    """Engine-measured prefix hit rate from per-engine ``(hits, queries, ...)`` counters; None if no queries.
 
     Engines missing from ``before`` count from 0 (they joined during the replay).
     """
     hits = queries = 0.0
-    for engine, (h1, q1) in after.items():
-        h0, q0 = before.get(engine, (0.0, 0.0))
+    for engine, (h1, q1, *_) in after.items():
+        h0, q0, *_ = before.get(engine, (0.0, 0.0))
         hits += max(0.0, h1 - h0)
         queries += max(0.0, q1 - q0)
     return hits / queries if queries > 0 else None
+
+
+def per_engine(
+    before: Mapping[str, Sequence[float]], after: Mapping[str, Sequence[float]]
+) -> dict[str, tuple[int, float | None]]:
+    """``{engine: (requests finished, hit rate)}`` over the replay, from ``(hits, queries, requests)``."""
+    out: dict[str, tuple[int, float | None]] = {}
+    for engine, (h1, q1, r1) in after.items():
+        h0, q0, r0 = before.get(engine, (0.0, 0.0, 0.0))
+        out[engine] = (int(r1 - r0), (h1 - h0) / (q1 - q0) if q1 > q0 else None)
+    return out
 
 
 def summarize(
