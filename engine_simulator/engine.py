@@ -81,6 +81,7 @@ class AsyncEngine:
         if req is not None:
             logger.debug("aborted request_id=%s", request_id)
             self._record_finished(req, self.clock.now())
+            self._record_step(0, 0, 0)
             self._wake.set()
 
     def reset_prefix_cache(self) -> bool:
