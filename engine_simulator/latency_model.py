@@ -34,9 +34,10 @@ from public numbers with a roofline and stated efficiencies:
   =============================== ======================================= ==============
 
   So a lone decode at 1k context takes ~6.1 ms per token (TPOT) and a 2048-token prefill chunk
-  ~72 ms (~28k prompt tokens/s), in line with published vLLM measurements of Llama-3.1-8B on one
-  H100 (Lambda Labs, "vLLM benchmark" (github.com/LambdaLabsML/vllm-benchmark, 2024); Microsoft
-  Azure HPC blog, "Performance of Llama 3.1 8B AI Inference using vLLM on ND-H100-v5", 2025).
+  ~72 ms (~28k prompt tokens/s). These are derived, not fitted; published vLLM measurements of
+  Llama-3.1-8B on H100 to check them against: github.com/LambdaLabsML/vllm-benchmark (2024) and
+  the Microsoft Azure HPC blog "Performance of Llama 3.1 8B AI Inference using vLLM on
+  ND-H100-v5" (2025).
 """
 
 from __future__ import annotations
