@@ -22,7 +22,10 @@ class SimulatorConfig(ServiceConfig):
     """A simulated vLLM 0.32 engine: OpenAI HTTP, prefix cache, KV events, etcd registration."""
 
     model_config = SettingsConfigDict(
-        env_prefix="KVMESH_ENGINE_SIMULATOR_", extra="forbid", use_attribute_docstrings=True, populate_by_name=True
+        env_prefix="KVMESH_ENGINE_SIMULATOR_",
+        extra="forbid",
+        use_attribute_docstrings=True,
+        populate_by_name=True,
     )
 
     port: int = Field(8000, ge=0, le=65535)

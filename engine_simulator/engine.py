@@ -35,8 +35,14 @@ class AsyncEngine:
         metrics: the engine's metric families (None in pure tests).
     """
 
-    def __init__(self, core: EngineCore, latency: LatencyModel, clock: Clock, publisher: EventPublisher,
-                 metrics: EngineMetrics | None = None) -> None:
+    def __init__(
+        self,
+        core: EngineCore,
+        latency: LatencyModel,
+        clock: Clock,
+        publisher: EventPublisher,
+        metrics: EngineMetrics | None = None,
+    ) -> None:
         self.core = core
         self.latency = latency
         self.clock = clock
@@ -102,8 +108,9 @@ class AsyncEngine:
             q0, h0, p0 = core.prefix_queries_tokens, core.prefix_hits_tokens, core.num_preemptions
             step = core.schedule(t0)
             if self.metrics is not None and core.prefix_queries_tokens != q0:
-                self.metrics.record_scheduled(prompt_tokens=core.prefix_queries_tokens - q0,
-                                              cached_tokens=core.prefix_hits_tokens - h0)
+                self.metrics.record_scheduled(
+                    prompt_tokens=core.prefix_queries_tokens - q0, cached_tokens=core.prefix_hits_tokens - h0
+                )
             if step.empty:
                 # nothing fits (e.g. every block is held by preempted work); wait for a change
                 self._publish()
@@ -151,9 +158,14 @@ class AsyncEngine:
     def _record_step(self, step_tokens: int, preemptions: int, generated: int) -> None:
         if self.metrics is not None:
             core = self.core
-            self.metrics.record_step(running=core.num_running, waiting=core.num_waiting, usage=core.cache.usage,
-                                     step_tokens=step_tokens, new_preemptions=preemptions,
-                                     new_generation_tokens=generated)
+            self.metrics.record_step(
+                running=core.num_running,
+                waiting=core.num_waiting,
+                usage=core.cache.usage,
+                step_tokens=step_tokens,
+                new_preemptions=preemptions,
+                new_generation_tokens=generated,
+            )
 
     def _record_finished(self, req: Request, now: float) -> None:
         if self.metrics is None or req.finish_reason is None:

@@ -55,8 +55,12 @@ class LatencyModel:
     decode_seconds_per_context_token: float = 4.9e-8
 
     def __post_init__(self) -> None:
-        for name in ("base_seconds", "prefill_seconds_per_token", "decode_seconds_per_seq",
-                     "decode_seconds_per_context_token"):
+        for name in (
+            "base_seconds",
+            "prefill_seconds_per_token",
+            "decode_seconds_per_seq",
+            "decode_seconds_per_context_token",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 

@@ -11,12 +11,74 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
 
@@ -49,78 +111,161 @@ class EngineMetrics:
         labels = ["engine", "model_name"]
         self._lv = {"engine": "0", "model_name": model_name}
         self.num_requests_running = Gauge(
-            "vllm:num_requests_running", "Number of requests in model execution batches.", labels, registry=r)
+            "vllm:num_requests_running", "Number of requests in model execution batches.", labels, registry=r
+        )
         self.num_requests_waiting = Gauge(
-            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels, registry=r)
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels, registry=r
+        )
         self.num_requests_waiting_by_reason = Gauge(
             "vllm:num_requests_waiting_by_reason",
             "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling capacity; "
             "'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked status). "
             "Sum of all reasons equals vllm:num_requests_waiting.",
-            [*labels, "reason"], registry=r)
+            [*labels, "reason"],
+            registry=r,
+        )
         self.kv_cache_usage_perc = Gauge(
-            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels, registry=r)
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels, registry=r
+        )
         self.prefix_cache_queries = Counter(
-            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-            labels, registry=r)
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            labels,
+            registry=r,
+        )
         self.prefix_cache_hits = Counter(
-            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", labels, registry=r)
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            labels,
+            registry=r,
+        )
         self.num_preemptions = Counter(
-            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels, registry=r)
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels, registry=r
+        )
         self.prompt_tokens = Counter(
-            "vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=r)
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=r
+        )
         self.prompt_tokens_cached = Counter(
-            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).", labels, registry=r)
+            "vllm:prompt_tokens_cached",
+            "Number of cached prompt tokens (local + external).",
+            labels,
+            registry=r,
+        )
         self.generation_tokens = Counter(
-            "vllm:generation_tokens", "Number of generation tokens processed.", labels, registry=r)
+            "vllm:generation_tokens", "Number of generation tokens processed.", labels, registry=r
+        )
         self.request_success = Counter(
-            "vllm:request_success", "Count of successfully processed requests.",
-            [*labels, "finished_reason"], registry=r)
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*labels, "finished_reason"],
+            registry=r,
+        )
         token_buckets = build_1_2_5_buckets(max_model_len)
         self.request_prompt_tokens = Histogram(
-            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", labels,
-            buckets=token_buckets, registry=r)
+            "vllm:request_prompt_tokens",
+            "Number of prefill tokens processed.",
+            labels,
+            buckets=token_buckets,
+            registry=r,
+        )
         self.request_generation_tokens = Histogram(
-            "vllm:request_generation_tokens", "Number of generation tokens processed.", labels,
-            buckets=token_buckets, registry=r)
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            labels,
+            buckets=token_buckets,
+            registry=r,
+        )
         self.iteration_tokens = Histogram(
-            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", labels,
-            buckets=ITERATION_TOKEN_BUCKETS, registry=r)
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            labels,
+            buckets=ITERATION_TOKEN_BUCKETS,
+            registry=r,
+        )
         self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", labels,
-            buckets=TTFT_BUCKETS, registry=r)
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         self.itl = Histogram(
-            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", labels,
-            buckets=ITL_BUCKETS, registry=r)
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
         self.tpot = Histogram(
             "vllm:request_time_per_output_token_seconds",
-            "Histogram of time_per_output_token_seconds per request.", labels, buckets=ITL_BUCKETS, registry=r)
+            "Histogram of time_per_output_token_seconds per request.",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
         self.e2e = Histogram(
-            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", labels,
-            buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            labels,
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.queue_time = Histogram(
-            "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", labels,
-            buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            labels,
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.inference_time = Histogram(
-            "vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
-            labels, buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            labels,
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.prefill_time = Histogram(
-            "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
-            labels, buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            labels,
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.decode_time = Histogram(
-            "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
-            labels, buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            labels,
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=r,
+        )
         info_names = sorted({"engine", *cache_info})
         self.cache_config_info = Gauge(
-            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", info_names, registry=r)
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", info_names, registry=r
+        )
         self.cache_config_info.labels(**{**cache_info, "engine": "0"}).set(1)
         # create the labelled children so every family shows up at 0, as vLLM's do
-        for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc,
-                       self.prefix_cache_queries, self.prefix_cache_hits, self.num_preemptions,
-                       self.prompt_tokens, self.prompt_tokens_cached, self.generation_tokens,
-                       self.request_prompt_tokens, self.request_generation_tokens, self.iteration_tokens,
-                       self.ttft, self.itl, self.tpot, self.e2e, self.queue_time, self.inference_time,
-                       self.prefill_time, self.decode_time):
+        for metric in (
+            self.num_requests_running,
+            self.num_requests_waiting,
+            self.kv_cache_usage_perc,
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
+            self.num_preemptions,
+            self.prompt_tokens,
+            self.prompt_tokens_cached,
+            self.generation_tokens,
+            self.request_prompt_tokens,
+            self.request_generation_tokens,
+            self.iteration_tokens,
+            self.ttft,
+            self.itl,
+            self.tpot,
+            self.e2e,
+            self.queue_time,
+            self.inference_time,
+            self.prefill_time,
+            self.decode_time,
+        ):
             metric.labels(**self._lv)
         for reason in ("capacity", "deferred"):
             self.num_requests_waiting_by_reason.labels(**self._lv, reason=reason)
@@ -143,8 +288,16 @@ class EngineMetrics:
         self._itl = self.itl.labels(**lv)
 
     # -- record helpers ------------------------------------------------------------------
-    def record_step(self, *, running: int, waiting: int, usage: float, step_tokens: int,
-                    new_preemptions: int, new_generation_tokens: int) -> None:
+    def record_step(
+        self,
+        *,
+        running: int,
+        waiting: int,
+        usage: float,
+        step_tokens: int,
+        new_preemptions: int,
+        new_generation_tokens: int,
+    ) -> None:
         """After every engine step."""
         self._running.set(running)
         self._waiting.set(waiting)
@@ -168,9 +321,18 @@ class EngineMetrics:
     def record_token(self, *, itl_seconds: float) -> None:
         self._itl.observe(itl_seconds)
 
-    def record_finished(self, *, finish_reason: str, prompt_tokens: int, cached_tokens: int,
-                        generation_tokens: int, e2e_seconds: float, queue_seconds: float,
-                        prefill_seconds: float, decode_seconds: float) -> None:
+    def record_finished(
+        self,
+        *,
+        finish_reason: str,
+        prompt_tokens: int,
+        cached_tokens: int,
+        generation_tokens: int,
+        e2e_seconds: float,
+        queue_seconds: float,
+        prefill_seconds: float,
+        decode_seconds: float,
+    ) -> None:
         """When a request ends (also aborted ones, as vLLM counts them)."""
         lv = self._lv
         self.request_success.labels(**lv, finished_reason=finish_reason).inc()

@@ -61,7 +61,9 @@ class ZmqEventPublisher:
         zmq.ZMQError: when binding fails.
     """
 
-    def __init__(self, endpoint: str, topic: str, data_parallel_rank: int = 0, hwm: int = DEFAULT_HWM) -> None:
+    def __init__(
+        self, endpoint: str, topic: str, data_parallel_rank: int = 0, hwm: int = DEFAULT_HWM
+    ) -> None:
         self.endpoint = endpoint
         self.topic = topic.encode("utf-8")
         self.data_parallel_rank = data_parallel_rank
@@ -75,8 +77,12 @@ class ZmqEventPublisher:
             self._sock.connect(endpoint)
         self._seq = 0
         self.dropped = 0
-        logger.info("kv events publisher endpoint=%s mode=%s topic=%s", endpoint,
-                    "bind" if endpoint_binds(endpoint) else "connect", topic)
+        logger.info(
+            "kv events publisher endpoint=%s mode=%s topic=%s",
+            endpoint,
+            "bind" if endpoint_binds(endpoint) else "connect",
+            topic,
+        )
 
     @property
     def next_seq(self) -> int:
@@ -86,7 +92,9 @@ class ZmqEventPublisher:
         """Send one batch (nothing for an empty list)."""
         if not events:
             return
-        payload = encode_batch(EventBatch(ts=time.time(), events=events, data_parallel_rank=self.data_parallel_rank))
+        payload = encode_batch(
+            EventBatch(ts=time.time(), events=events, data_parallel_rank=self.data_parallel_rank)
+        )
         try:
             self._sock.send_multipart((self.topic, encode_seq(self._seq), payload), flags=zmq.NOBLOCK)
         except zmq.Again:

@@ -32,7 +32,11 @@ def _content_text(content: Any) -> str:
     if isinstance(content, list):  # OpenAI content parts: keep the text parts
         parts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
                 raise InvalidRequest("only text content parts are supported")
             parts.append(part["text"])
         return "".join(parts)
@@ -88,7 +92,9 @@ class Renderer:
                 if t < 0 or t >= self.vocab_size:
                     raise InvalidRequest(f"Token id {t} is out of vocabulary")
         elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-            raise InvalidRequest("batched prompts are not supported by the simulator; send one prompt per request")
+            raise InvalidRequest(
+                "batched prompts are not supported by the simulator; send one prompt per request"
+            )
         else:
             raise InvalidRequest("prompt must be a string or a list of token ids")
         if not ids:
@@ -101,7 +107,9 @@ class Renderer:
         Raises:
             InvalidRequest: for malformed messages.
         """
-        return self.encode_text(apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode_text(
+            apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
+        )
 
     def detokenize(self, ids: Sequence[int]) -> str:
         table = self._token_text

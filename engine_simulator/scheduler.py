@@ -110,8 +110,9 @@ class Request:
         have = len(self._hashes)
         if n_blocks > have:
             parent = self._digests[-1] if self._digests else None
-            new = sha256_cbor_block_hashes(self.token_range(have * block_size, n_blocks * block_size),
-                                           block_size, parent=parent)
+            new = sha256_cbor_block_hashes(
+                self.token_range(have * block_size, n_blocks * block_size), block_size, parent=parent
+            )
             self._digests.extend(new)
             self._hashes.extend(external_hash_to_int(d) for d in new)
         return self._hashes[:n_blocks]

@@ -60,8 +60,9 @@ class ServerState:
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                        status_code=status)
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status
+    )
 
 
 async def _json_body(request: HttpRequest) -> dict[str, Any]:
@@ -94,7 +95,8 @@ def _max_tokens(state: ServerState, body: dict[str, Any], n_prompt: int, chat: b
     if n_prompt >= state.max_model_len:
         raise InvalidRequest(
             f"This model's maximum context length is {state.max_model_len} tokens. However, your request has "
-            f"{n_prompt} input tokens. Please reduce the length of the input messages.")
+            f"{n_prompt} input tokens. Please reduce the length of the input messages."
+        )
     if chat:
         value = _int_field(body, "max_completion_tokens", None)
         if value is None:
@@ -127,6 +129,7 @@ def _handle_errors(handler):  # type: ignore[no-untyped-def]
             return _error(400, str(exc))
         except UnknownModel as exc:
             return _error(404, str(exc), "model")
+
     return wrapped
 
 
@@ -168,8 +171,11 @@ def build_app(state: ServerState) -> Starlette:
         if body.get("stream"):
             opts = body.get("stream_options") or {}
             include_usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
-            return StreamingResponse(_stream(req, queue, chat, created, include_usage),
-                                     media_type="text/event-stream", headers=_SSE_HEADERS)
+            return StreamingResponse(
+                _stream(req, queue, chat, created, include_usage),
+                media_type="text/event-stream",
+                headers=_SSE_HEADERS,
+            )
         waiter = asyncio.create_task(_collect(queue))
         disconnect = asyncio.create_task(_wait_disconnect(request))
         try:
@@ -184,17 +190,44 @@ def build_app(state: ServerState) -> Starlette:
         text = renderer.detokenize(req.output_token_ids)
         finish = str(req.finish_reason)
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None,
-                                              "annotations": None, "audio": None, "function_call": None,
-                                              "tool_calls": [], "reasoning_content": None},
-                      "logprobs": None, "finish_reason": finish, "stop_reason": None}
+            choice = {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": text,
+                    "refusal": None,
+                    "annotations": None,
+                    "audio": None,
+                    "function_call": None,
+                    "tool_calls": [],
+                    "reasoning_content": None,
+                },
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": None,
+            }
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None,
-                      "prompt_logprobs": None}
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": None,
+                "prompt_logprobs": None,
+            }
             obj = "text_completion"
-        return JSONResponse({"id": rid, "object": obj, "created": created, "model": state.model,
-                             "choices": [choice], "usage": _usage(req), "kv_transfer_params": None})
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": state.model,
+                "choices": [choice],
+                "usage": _usage(req),
+                "kv_transfer_params": None,
+            }
+        )
 
     async def _collect(queue: asyncio.Queue) -> None:  # type: ignore[type-arg]
         while True:
@@ -202,15 +235,29 @@ def build_app(state: ServerState) -> Starlette:
             if out.finished:
                 return
 
-    async def _stream(req: Request, queue: asyncio.Queue, chat: bool, created: int,  # type: ignore[type-arg]
-                      include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(
+        req: Request,
+        queue: asyncio.Queue,
+        chat: bool,
+        created: int,  # type: ignore[type-arg]
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": req.request_id, "object": obj, "created": created, "model": state.model}
         finished = False
         try:
             if chat:
-                first = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                              "logprobs": None, "finish_reason": None}]}
+                first = {
+                    **head,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
                 yield f"data: {_dumps(first)}\n\n"
             while not finished:
                 out = await queue.get()
@@ -218,12 +265,22 @@ def build_app(state: ServerState) -> Starlette:
                 text = renderer.detokenize(out.new_token_ids)
                 reason = str(req.finish_reason) if finished else None
                 if chat:
-                    choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": reason}
+                    choice = {
+                        "index": 0,
+                        "delta": {"content": text},
+                        "logprobs": None,
+                        "finish_reason": reason,
+                    }
                     if finished:
                         choice["stop_reason"] = None
                 else:
-                    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason,
-                              "stop_reason": None}
+                    choice = {
+                        "index": 0,
+                        "text": text,
+                        "logprobs": None,
+                        "finish_reason": reason,
+                        "stop_reason": None,
+                    }
                 yield f"data: {_dumps({**head, 'choices': [choice]})}\n\n"
             if include_usage:
                 yield f"data: {_dumps({**head, 'choices': [], 'usage': _usage(req)})}\n\n"
@@ -241,10 +298,15 @@ def build_app(state: ServerState) -> Starlette:
         return await generate(request, chat=True)
 
     def _render_body(body: dict[str, Any], ids: list[int], max_tokens: int) -> dict[str, Any]:
-        return {"request_id": uuid.uuid4().hex, "model": state.model, "token_ids": ids, "prompt_token_ids": ids,
-                "count": len(ids), "sampling_params": {"max_tokens": max_tokens,
-                                                       "ignore_eos": bool(body.get("ignore_eos", False))},
-                "stream": bool(body.get("stream", False))}
+        return {
+            "request_id": uuid.uuid4().hex,
+            "model": state.model,
+            "token_ids": ids,
+            "prompt_token_ids": ids,
+            "count": len(ids),
+            "sampling_params": {"max_tokens": max_tokens, "ignore_eos": bool(body.get("ignore_eos", False))},
+            "stream": bool(body.get("stream", False)),
+        }
 
     @_handle_errors
     async def completions_render(request: HttpRequest) -> Response:
@@ -265,7 +327,8 @@ def build_app(state: ServerState) -> Starlette:
         if "messages" in body:
             ids = renderer.encode_text(
                 apply_chat_template(body["messages"], bool(body.get("add_generation_prompt", True))),
-                add_special_tokens=bool(body.get("add_special_tokens", False)))
+                add_special_tokens=bool(body.get("add_special_tokens", False)),
+            )
         elif "prompt" in body:
             if not isinstance(body["prompt"], str):
                 raise InvalidRequest("'prompt' must be a string")
@@ -273,17 +336,36 @@ def build_app(state: ServerState) -> Starlette:
         else:
             raise InvalidRequest("either 'prompt' or 'messages' is required")
         strs = renderer.token_strs(ids) if body.get("return_token_strs") else None
-        return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
-                             "token_strs": strs})
+        return JSONResponse(
+            {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs}
+        )
 
     async def models(request: HttpRequest) -> Response:
-        card = {"id": state.model, "object": "model", "created": state.created, "owned_by": "vllm",
-                "root": state.root, "parent": None, "max_model_len": state.max_model_len,
-                "permission": [{"id": "modelperm-" + uuid.uuid4().hex, "object": "model_permission",
-                                "created": state.created, "allow_create_engine": False, "allow_sampling": True,
-                                "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
-                                "allow_fine_tuning": False, "organization": "*", "group": None,
-                                "is_blocking": False}]}
+        card = {
+            "id": state.model,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "vllm",
+            "root": state.root,
+            "parent": None,
+            "max_model_len": state.max_model_len,
+            "permission": [
+                {
+                    "id": "modelperm-" + uuid.uuid4().hex,
+                    "object": "model_permission",
+                    "created": state.created,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
+        }
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request: HttpRequest) -> Response:

@@ -60,15 +60,46 @@ class Sim:
 def _start(run_dir: Path, etcd: str, tokenizer_dir: Path, *extra: str) -> tuple[ManagedProcess, int, str]:
     port = free_port()
     events_endpoint = f"tcp://127.0.0.1:{free_port()}"
-    return ManagedProcess(
-        f"engine-sim-{port}",
-        python_module("engine_simulator", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL,
-                      "--block-size-tokens", str(BLOCK), "--num-gpu-blocks", "256", "--max-num-seqs", "8",
-                      "--max-num-batched-tokens", "512", "--max-model-len", "2048",
-                      "--events-endpoint", events_endpoint, "--etcd-endpoints", etcd, "--lease-ttl-seconds", "10",
-                      "--time-scale", "1.0", "--tokenizer-path", str(tokenizer_dir), "--role", "both", *extra),
-        run_dir / f"engine-sim-{port}.log",
-    ), port, events_endpoint
+    return (
+        ManagedProcess(
+            f"engine-sim-{port}",
+            python_module(
+                "engine_simulator",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--model",
+                MODEL,
+                "--block-size-tokens",
+                str(BLOCK),
+                "--num-gpu-blocks",
+                "256",
+                "--max-num-seqs",
+                "8",
+                "--max-num-batched-tokens",
+                "512",
+                "--max-model-len",
+                "2048",
+                "--events-endpoint",
+                events_endpoint,
+                "--etcd-endpoints",
+                etcd,
+                "--lease-ttl-seconds",
+                "10",
+                "--time-scale",
+                "1.0",
+                "--tokenizer-path",
+                str(tokenizer_dir),
+                "--role",
+                "both",
+                *extra,
+            ),
+            run_dir / f"engine-sim-{port}.log",
+        ),
+        port,
+        events_endpoint,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +135,7 @@ async def _metric(client: httpx.AsyncClient, name: str) -> float:
 
 
 def _sse(text: str) -> list:
-    lines = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+    lines = [line[len("data: ") :] for line in text.split("\n\n") if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     return [json.loads(x) for x in lines[:-1]]
 
@@ -130,14 +161,23 @@ async def test_completions_cached_tokens_and_events(sim: Sim) -> None:
         body = {"model": MODEL, "prompt": ids, "max_tokens": 4}
         first = (await client.post("/v1/completions", json=body)).json()
         assert first["object"] == "text_completion" and first["choices"][0]["finish_reason"] == "length"
-        assert first["usage"] == {"prompt_tokens": 40, "total_tokens": 44, "completion_tokens": 4,
-                                  "prompt_tokens_details": {"cached_tokens": 0}}
+        assert first["usage"] == {
+            "prompt_tokens": 40,
+            "total_tokens": 44,
+            "completion_tokens": 4,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
         again = (await client.post("/v1/completions", json=body)).json()
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
-        assert again["choices"][0]["text"] == first["choices"][0]["text"]  # identical prompt, identical output
+        assert (
+            again["choices"][0]["text"] == first["choices"][0]["text"]
+        )  # identical prompt, identical output
         expected = [external_hash_to_int(d) for d in sha256_cbor_block_hashes(ids, BLOCK)]
-        events = await sim.wait_events(lambda evs: any(
-            e["type"] == "BlockStored" and e["block_hashes"][: len(expected)] == expected for e in evs))
+        events = await sim.wait_events(
+            lambda evs: any(
+                e["type"] == "BlockStored" and e["block_hashes"][: len(expected)] == expected for e in evs
+            )
+        )
         stored = next(e for e in events if e["type"] == "BlockStored" and e["block_hashes"][:2] == expected)
         assert stored["parent_block_hash"] is None and stored["token_ids"][:32] == ids[:32]
         assert stored["medium"] == "GPU" and stored["block_size"] == BLOCK
@@ -149,29 +189,55 @@ async def test_completions_cached_tokens_and_events(sim: Sim) -> None:
         # text prompt, streamed, with usage; BOS is prepended and counted
         tok = (await client.post("/tokenize", json={"model": MODEL, "prompt": "Hello there, engine."})).json()
         assert tok["tokens"][0] == 1 and tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 2048
-        reply = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello there, engine.",
-                                                           "max_tokens": 3, "stream": True,
-                                                           "stream_options": {"include_usage": True}})
+        reply = await client.post(
+            "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": "Hello there, engine.",
+                "max_tokens": 3,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
         assert reply.headers["content-type"].startswith("text/event-stream")
         chunks = _sse(reply.text)
         assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, None, "length"]
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] == tok["count"]
-        render = (await client.post("/v1/completions/render",
-                                    json={"model": MODEL, "prompt": "Hello there, engine."})).json()
+        render = (
+            await client.post(
+                "/v1/completions/render", json={"model": MODEL, "prompt": "Hello there, engine."}
+            )
+        ).json()
         assert render[0]["token_ids"] == tok["tokens"]
 
         # chat, both ways; render and tokenize agree with what ran
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
-        chat = (await client.post("/v1/chat/completions",
-                                  json={"model": MODEL, "messages": messages, "max_tokens": 2})).json()
+        chat = (
+            await client.post(
+                "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2}
+            )
+        ).json()
         assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["role"] == "assistant"
-        rendered = (await client.post("/v1/chat/completions/render",
-                                      json={"model": MODEL, "messages": messages})).json()
-        tokenized = (await client.post("/tokenize", json={"model": MODEL, "messages": messages,
-                                                          "add_generation_prompt": True})).json()
-        assert rendered["token_ids"] == tokenized["tokens"] and chat["usage"]["prompt_tokens"] == tokenized["count"]
-        streamed = _sse((await client.post("/v1/chat/completions", json={
-            "model": MODEL, "messages": messages, "max_tokens": 2, "stream": True})).text)
+        rendered = (
+            await client.post("/v1/chat/completions/render", json={"model": MODEL, "messages": messages})
+        ).json()
+        tokenized = (
+            await client.post(
+                "/tokenize", json={"model": MODEL, "messages": messages, "add_generation_prompt": True}
+            )
+        ).json()
+        assert (
+            rendered["token_ids"] == tokenized["tokens"]
+            and chat["usage"]["prompt_tokens"] == tokenized["count"]
+        )
+        streamed = _sse(
+            (
+                await client.post(
+                    "/v1/chat/completions",
+                    json={"model": MODEL, "messages": messages, "max_tokens": 2, "stream": True},
+                )
+            ).text
+        )
         assert streamed[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
         assert streamed[-1]["choices"][0]["finish_reason"] == "length"
 
@@ -183,12 +249,14 @@ async def test_completions_cached_tokens_and_events(sim: Sim) -> None:
 
 @pytest.mark.parametrize(
     ("path", "body", "status"),
-    [("/v1/completions", {"model": "nope", "prompt": "x"}, 404),
-     ("/v1/completions", {"model": MODEL}, 400),
-     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -1}, 400),
-     ("/v1/completions", {"model": MODEL, "prompt": [1, 5000]}, 400),
-     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 5000}, 400),
-     ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400)],
+    [
+        ("/v1/completions", {"model": "nope", "prompt": "x"}, 404),
+        ("/v1/completions", {"model": MODEL}, 400),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -1}, 400),
+        ("/v1/completions", {"model": MODEL, "prompt": [1, 5000]}, 400),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 5000}, 400),
+        ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400),
+    ],
     ids=["unknown-model", "no-prompt", "negative-max-tokens", "bad-token-id", "over-context", "bad-messages"],
 )
 async def test_bad_requests_get_openai_errors(sim: Sim, path: str, body: dict, status: int) -> None:
@@ -203,20 +271,33 @@ async def test_bad_requests_get_openai_errors(sim: Sim, path: str, body: dict, s
 async def test_disconnect_aborts_and_reset_clears(sim: Sim) -> None:
     async with httpx.AsyncClient(base_url=sim.url, timeout=10) as client:
         aborted = await _metric(client, 'vllm:request_success_total{engine="0",finished_reason="abort"')
-        async with client.stream("POST", "/v1/completions", json={
-                "model": MODEL, "prompt": "a long story", "max_tokens": 1500, "ignore_eos": True,
-                "stream": True}) as reply:
+        async with client.stream(
+            "POST",
+            "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": "a long story",
+                "max_tokens": 1500,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        ) as reply:
             async for line in reply.aiter_lines():
                 if line.startswith("data: "):
                     break
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
-            if (await _metric(client, "vllm:num_requests_running") == 0
-                    and await _metric(client, "vllm:kv_cache_usage_perc") == 0):
+            if (
+                await _metric(client, "vllm:num_requests_running") == 0
+                and await _metric(client, "vllm:kv_cache_usage_perc") == 0
+            ):
                 break
             await asyncio.sleep(0.05)
         assert await _metric(client, "vllm:num_requests_running") == 0
-        assert await _metric(client, 'vllm:request_success_total{engine="0",finished_reason="abort"') == aborted + 1
+        assert (
+            await _metric(client, 'vllm:request_success_total{engine="0",finished_reason="abort"')
+            == aborted + 1
+        )
 
         assert (await client.post("/reset_prefix_cache")).status_code == 200
         await client.post("/v1/completions", json={"model": MODEL, "prompt": "after reset", "max_tokens": 1})

@@ -6,8 +6,12 @@ from engine_simulator.latency_model import PROFILES, LatencyModel, get_profile
 
 
 def test_formula() -> None:
-    m = LatencyModel(base_seconds=0.01, prefill_seconds_per_token=0.001, decode_seconds_per_seq=0.002,
-                     decode_seconds_per_context_token=0.0001)
+    m = LatencyModel(
+        base_seconds=0.01,
+        prefill_seconds_per_token=0.001,
+        decode_seconds_per_seq=0.002,
+        decode_seconds_per_context_token=0.0001,
+    )
     assert m.step_seconds(0, 0) == 0.0
     assert m.step_seconds(100, 0) == pytest.approx(0.11)
     assert m.step_seconds(0, 3, 1000) == pytest.approx(0.01 + 0.006 + 0.1)

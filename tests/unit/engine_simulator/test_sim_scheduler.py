@@ -1,6 +1,7 @@
 """The engine core: cached-token accounting, events, batching limits, preemption, and the async loop."""
 
 import asyncio
+import itertools
 
 import pytest
 
@@ -17,8 +18,10 @@ B = 4
 
 
 def _core(blocks: int = 64, **limits: int) -> EngineCore:
-    return EngineCore(SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 512,
-                                         **limits}), PrefixCache(blocks, B))
+    return EngineCore(
+        SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 512, **limits}),
+        PrefixCache(blocks, B),
+    )
 
 
 def _run(core: EngineCore, *requests: Request) -> list[Request]:
@@ -43,14 +46,20 @@ def _ints(tokens: list[int]) -> list[int]:
 @pytest.mark.parametrize(
     ("prompt_len", "expected_cached"),
     [(16, 12), (18, 16), (3, 0), (4, 0), (5, 4)],
-    ids=["aligned-full-hit-recomputes-last-block", "unaligned-all-full-blocks", "short", "one-block", "one-plus"],
+    ids=[
+        "aligned-full-hit-recomputes-last-block",
+        "unaligned-all-full-blocks",
+        "short",
+        "one-block",
+        "one-plus",
+    ],
 )
 def test_cached_tokens_on_repeat_like_vllm(prompt_len: int, expected_cached: int) -> None:
     """vLLM caps the hit at len-1 tokens: an aligned, fully cached prompt reports (n_blocks-1)*B."""
     core = _core()
     prompt = list(range(10, 10 + prompt_len))
-    first, = _run(core, Request("a", prompt, max_tokens=1))
-    second, = _run(core, Request("b", prompt, max_tokens=1))
+    (first,) = _run(core, Request("a", prompt, max_tokens=1))
+    (second,) = _run(core, Request("b", prompt, max_tokens=1))
     assert first.num_cached_tokens == 0
     assert second.num_cached_tokens == expected_cached
     assert core.prefix_queries_tokens == 2 * prompt_len and core.prefix_hits_tokens == expected_cached
@@ -59,17 +68,17 @@ def test_cached_tokens_on_repeat_like_vllm(prompt_len: int, expected_cached: int
 def test_block_stored_hashes_are_sha256_cbor_and_generated_blocks_are_stored() -> None:
     core = _core()
     prompt = [1] + list(range(100, 109))  # 10 tokens: 2 full blocks + 2
-    req, = _run(core, Request("a", prompt, max_tokens=7, ignore_eos=True))
+    (req,) = _run(core, Request("a", prompt, max_tokens=7, ignore_eos=True))
     events = _stored(core)
     full = prompt + req.output_token_ids[:-1]  # the last sampled token is never computed
     expected = _ints(full)
     assert len(expected) == 4
     assert [h for e in events for h in e.block_hashes] == expected
     assert events[0].parent_block_hash is None and events[0].token_ids == prompt[:8]
-    for prev, ev in zip(events, events[1:]):
+    for prev, ev in itertools.pairwise(events):
         assert ev.parent_block_hash == prev.block_hashes[-1]
     # a repeat re-announces the generated blocks (identical prompt -> identical tokens)
-    again, = _run(core, Request("b", prompt, max_tokens=7, ignore_eos=True))
+    (again,) = _run(core, Request("b", prompt, max_tokens=7, ignore_eos=True))
     assert again.output_token_ids == req.output_token_ids
     assert [h for e in _stored(core) for h in e.block_hashes] == expected[2:]
 
@@ -105,7 +114,7 @@ def test_decode_steps_count_context() -> None:
 
 def test_preemption_frees_blocks_and_recomputes() -> None:
     core = _core(blocks=7, max_num_batched_tokens=64)  # 6 usable blocks of 4
-    a = Request("a", list(range(0, 8)), max_tokens=12, ignore_eos=True)
+    a = Request("a", list(range(8)), max_tokens=12, ignore_eos=True)
     b = Request("b", list(range(50, 58)), max_tokens=12, ignore_eos=True)
     _run(core, a, b)
     assert core.num_preemptions > 0
@@ -126,7 +135,7 @@ def test_abort_frees_everything() -> None:
 
 def test_eviction_events_under_pressure() -> None:
     core = _core(blocks=5)  # 4 usable blocks
-    _run(core, Request("a", list(range(0, 12)), max_tokens=1))  # 3 blocks cached
+    _run(core, Request("a", list(range(12)), max_tokens=1))  # 3 blocks cached
     core.cache.take_events()
     _run(core, Request("b", list(range(200, 212)), max_tokens=1))
     removed = [e for e in core.cache.take_events() if isinstance(e, BlockRemoved)]
@@ -145,8 +154,12 @@ def test_rejects_bad_requests(prompt: list[int], max_tokens: int, match: str) ->
 
 async def test_async_engine_on_manual_clock_matches_latency_model() -> None:
     """The loop spends exactly the modelled time per step (an offline simulator can reuse it)."""
-    latency = LatencyModel(base_seconds=0.01, prefill_seconds_per_token=0.001, decode_seconds_per_seq=0.0,
-                           decode_seconds_per_context_token=0.0)
+    latency = LatencyModel(
+        base_seconds=0.01,
+        prefill_seconds_per_token=0.001,
+        decode_seconds_per_seq=0.0,
+        decode_seconds_per_context_token=0.0,
+    )
     clock = ManualClock()
     engine = AsyncEngine(_core(), latency, clock, NullEventPublisher())
     engine.start()

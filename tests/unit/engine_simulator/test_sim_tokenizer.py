@@ -18,7 +18,9 @@ def _digest(path: Path) -> str:
 
 def test_parallel_builds_are_byte_identical(tmp_path: Path) -> None:
     """Separate processes (as on two machines) racing on one directory and on others agree byte for byte."""
-    code = "import sys; from engine_simulator.tokenizer import ensure_tokenizer; ensure_tokenizer(sys.argv[1])"
+    code = (
+        "import sys; from engine_simulator.tokenizer import ensure_tokenizer; ensure_tokenizer(sys.argv[1])"
+    )
     targets = [tmp_path / "shared", tmp_path / "shared", tmp_path / "other"]
     procs = [subprocess.Popen([sys.executable, "-c", code, str(t)]) for t in targets]
     assert [p.wait(60) for p in procs] == [0, 0, 0]

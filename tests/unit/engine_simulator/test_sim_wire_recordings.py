@@ -19,12 +19,25 @@ from engine_simulator.prefix_cache import PrefixCache
 from kvmesh.kv_events import EventBatch, encode_batch
 from tests.conftest import RECORDINGS_DIR
 
-pytestmark = pytest.mark.skipif(not RECORDINGS_DIR.is_dir(),
-                                reason=f"vLLM 0.32 recordings absent ({RECORDINGS_DIR}); shared data not mounted")
+pytestmark = pytest.mark.skipif(
+    not RECORDINGS_DIR.is_dir(),
+    reason=f"vLLM 0.32 recordings absent ({RECORDINGS_DIR}); shared data not mounted",
+)
 
 EXPECTED_KEYS = {
-    "BlockStored": ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-                    "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind"],
+    "BlockStored": [
+        "type",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+        "group_idx",
+        "kv_cache_spec_kind",
+    ],
     "BlockRemoved": ["type", "block_hashes", "medium", "group_idx"],
     "AllBlocksCleared": ["type"],
 }
@@ -85,10 +98,13 @@ def test_events_match_recordings(filename: str) -> None:
 
 
 def test_all_blocks_cleared_payload_is_byte_exact() -> None:
-    (rec,) = [r for r in _lines("kv_events_bytes_hashes.jsonl") if r["decoded"][1][0]["type"] == "AllBlocksCleared"]
+    (rec,) = [
+        r for r in _lines("kv_events_bytes_hashes.jsonl") if r["decoded"][1][0]["type"] == "AllBlocksCleared"
+    ]
     ts = rec["decoded"][0]
-    payload = encode_batch(EventBatch(ts=ts, events=[_replay({"type": "AllBlocksCleared"}, 32)],
-                                      data_parallel_rank=0))
+    payload = encode_batch(
+        EventBatch(ts=ts, events=[_replay({"type": "AllBlocksCleared"}, 32)], data_parallel_rank=0)
+    )
     assert payload.hex() == rec["raw_hex"]
 
 
@@ -119,15 +135,27 @@ def _label_names(text: str, sample: str) -> set[frozenset[str]]:
 
 
 def _buckets(text: str, family: str) -> list[str]:
-    return [re.search(r'le="([^"]+)"', line)[1] for line in text.splitlines()
-            if line.startswith(family + "_bucket{")]
+    return [
+        re.search(r'le="([^"]+)"', line)[1]
+        for line in text.splitlines()
+        if line.startswith(family + "_bucket{")
+    ]
 
 
-REQUIRED = ["vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
-            "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:cache_config_info",
-            "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
-            "vllm:inter_token_latency_seconds", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-            "vllm:request_success_total"]
+REQUIRED = [
+    "vllm:num_requests_waiting",
+    "vllm:num_requests_running",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:cache_config_info",
+    "vllm:time_to_first_token_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:request_success_total",
+]
 
 
 @pytest.fixture(scope="module")
@@ -154,15 +182,28 @@ def test_cache_config_info_label_names_match(exposition: tuple[str, str]) -> Non
     recorded, ours = exposition
     assert _label_names(ours, "vllm:cache_config_info") == _label_names(recorded, "vllm:cache_config_info")
     line = next(x for x in ours.splitlines() if x.startswith("vllm:cache_config_info{"))
-    for label in ('block_size="32"', 'num_gpu_blocks="16384"', 'enable_prefix_caching="True"',
-                  'prefix_caching_hash_algo="sha256_cbor"', 'engine="0"'):
+    for label in (
+        'block_size="32"',
+        'num_gpu_blocks="16384"',
+        'enable_prefix_caching="True"',
+        'prefix_caching_hash_algo="sha256_cbor"',
+        'engine="0"',
+    ):
         assert label in line
 
 
-@pytest.mark.parametrize("family", ["vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-                                    "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
-                                    "vllm:request_prompt_tokens", "vllm:iteration_tokens_total",
-                                    "vllm:request_time_per_output_token_seconds"])
+@pytest.mark.parametrize(
+    "family",
+    [
+        "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:request_queue_time_seconds",
+        "vllm:request_prompt_tokens",
+        "vllm:iteration_tokens_total",
+        "vllm:request_time_per_output_token_seconds",
+    ],
+)
 def test_histogram_buckets_match(exposition: tuple[str, str], family: str) -> None:
     recorded, ours = exposition
     assert _buckets(ours, family) == _buckets(recorded, family)
