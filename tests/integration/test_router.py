@@ -378,3 +378,67 @@ async def test_admission_rejection_is_429_and_queue_ttl_is_504(mesh: Mesh, start
             assert expired.status_code == 504, expired.text
             assert expired.json()["error"]["type"] == "timeout"
     await _until(lambda: _zero(small), 5, "slots released")
+
+
+async def test_grpc_stream_cancel_releases_slot_and_cancels_engine(mesh: Mesh) -> None:
+    engine = mesh.engines[0]
+    engine.token_delay = 0.05
+    cancelled_before = engine.cancelled
+    async with grpc.aio.insecure_channel(mesh.grpc_address) as channel:
+        call = router_pb2_grpc.InferenceStub(channel).CompleteStream(
+            router_pb2.CompletionRequest(model=MODEL, prompt="slow", max_tokens=200), timeout=20)
+        first = await call.read()
+        assert first.text == "tok0 "
+        call.cancel()
+    await _until(lambda: _zero(mesh), 5, "flow-control slot released")
+    await _until(lambda: engine.cancelled > cancelled_before, 5, "engine request cancelled")
+
+
+def _running(engine_url: str) -> float:
+    for line in httpx.get(f"{engine_url}/metrics", timeout=5).text.splitlines():
+        if line.startswith("vllm:num_requests_running"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("vllm:num_requests_running missing")
+
+
+async def test_real_epp_and_simulator(mesh: Mesh, start_service, etcd: str, run_dir: Path) -> None:  # noqa: ANN001
+    """The real epp (round-robin) and a real simulated engine behind the router: both answer shapes, a disconnect."""
+    port = free_port()
+    engine = ManagedProcess("engine", python_module(
+        "engine_simulator", "--host", "127.0.0.1", "--port", str(port), "--model", "sim", "--events-endpoint", "",
+        "--etcd-endpoints", etcd, "--lease-ttl-seconds", "3", "--max-model-len", "4096", "--time-scale", "1"),
+        run_dir / f"router-test-sim-{port}.log").start()
+    try:
+        engine_url = f"http://127.0.0.1:{port}"
+        wait_http_ok(f"{engine_url}/health", 60)
+        _, epp = start_service("epp", "--shutdown-grace-seconds", "0.5", "--scheduling-config", "round-robin", "--metrics-scrape-interval-seconds", "0.1")
+        http_port = free_port()
+        start_service("router", "--shutdown-grace-seconds", "0.5", "--shutdown-http-grace-seconds", "0.5",
+                      "--http-port", str(http_port), "--flow-control-address", mesh.flow_control, "--epp-address", epp)
+        http = f"http://127.0.0.1:{http_port}"
+        async with httpx.AsyncClient(timeout=30) as client:
+            async def sim_listed() -> bool:
+                data = (await client.get(f"{http}/v1/models")).json()["data"]
+                return any(m["id"] == "sim" and m["max_model_len"] == 4096 for m in data)
+
+            await _until(sim_listed, 15, "router to list the simulator's model")
+            reply = await client.post(f"{http}/v1/completions", json={"model": "sim", "prompt": [1, 2, 3, 4], "max_tokens": 3})
+            assert reply.status_code == 200, reply.text
+            assert reply.headers["x-kvmesh-endpoint"] == f"127.0.0.1:{port}"
+            assert reply.json()["usage"]["completion_tokens"] == 3
+            over = await client.post(f"{http}/v1/completions", json={"model": "sim", "prompt": list(range(4096)), "max_tokens": 1})
+            assert over.status_code == 400
+            async with client.stream("POST", f"{http}/v1/chat/completions", json={
+                    "model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}) as s:
+                raw = b"".join([c async for c in s.aiter_bytes()])
+            assert raw.endswith(b"data: [DONE]\n\n")
+            async with client.stream("POST", f"{http}/v1/completions",
+                                     json={"model": "sim", "prompt": "a long one", "max_tokens": 3000, "stream": True, "ignore_eos": True}) as s:
+                assert s.status_code == 200
+                async for _ in s.aiter_bytes():
+                    break
+                assert _running(engine_url) == 1
+        await _until(lambda: _zero(mesh), 5, "flow-control slot released")
+        await _until(lambda: _running(engine_url) == 0, 5, "the simulator to drop the cancelled request")
+    finally:
+        engine.stop()
