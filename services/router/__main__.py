@@ -7,7 +7,6 @@ import logging
 
 from kvmesh.config import load_config
 from kvmesh.logging import setup_logging
-
 from services.router.config import RouterConfig
 from services.router.service import build_service
 

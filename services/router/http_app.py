@@ -36,12 +36,17 @@ from starlette.types import Receive, Scope, Send
 
 from kvmesh import errors
 from kvmesh.tracing import extract_http_context
-
 from services.router import metrics
 from services.router.catalog import ModelCatalog
 from services.router.config import RouterConfig
 from services.router.http_errors import http_error
-from services.router.request_flow import ENDPOINT_HEADER, REQUEST_ID_HEADER, FlowSession, RequestFlow, RequestMeta
+from services.router.request_flow import (
+    ENDPOINT_HEADER,
+    REQUEST_ID_HEADER,
+    FlowSession,
+    RequestFlow,
+    RequestMeta,
+)
 from services.router.validation import RequestKind, RouterRequest, parse_json_body, validate_request
 
 logger = logging.getLogger(__name__)

@@ -40,7 +40,6 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from kvmesh import errors
 from kvmesh.tracing import inject_http_headers, tracer
 from kvmesh.types import Endpoint
-
 from services.router import metrics
 from services.router.catalog import ModelCatalog
 from services.router.clients import AdmissionRequest, AdmissionTicket, CompletionReport, PickQuery, PickResult
@@ -139,7 +138,7 @@ class FlowSession:
         self._closed = True
         try:
             await self._response.aclose()
-        except Exception:  # noqa: BLE001 - the engine may already be gone
+        except Exception:
             logger.debug("closing engine response failed request_id=%s", self.meta.request_id, exc_info=True)
         e2e = self._clock() - self._started
         success = self._finished and not client_gone and error is None and self.status_code < 400

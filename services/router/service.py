@@ -18,7 +18,6 @@ import uvicorn
 from kvmesh._proto.kvmesh.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.membership import EndpointWatcher
 from kvmesh.server import GrpcService, ServiceSpec
-
 from services.router.catalog import ModelCatalog
 from services.router.clients import AdmissionClient, PickerClient
 from services.router.config import RouterConfig

@@ -19,7 +19,6 @@ from opentelemetry import context as otel_context
 from kvmesh import errors
 from kvmesh._proto.kvmesh.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.interceptors import current_request_id
-
 from services.router.catalog import ModelCatalog
 from services.router.config import RouterConfig
 from services.router.http_errors import error_from_engine
@@ -90,7 +89,7 @@ class InferenceServicer(router_pb2_grpc.InferenceServicer):
             client_gone = False
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - reported to flow_control, then re-raised
+        except Exception as exc:
             client_gone, error = False, exc
             raise errors.NoEndpointsAvailable(f"engine {session.endpoint.id} failed mid-response") from exc
         finally:
@@ -141,7 +140,7 @@ class InferenceServicer(router_pb2_grpc.InferenceServicer):
             client_gone = False
         except (errors.KvmeshError, asyncio.CancelledError, GeneratorExit):
             raise
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             client_gone, error = False, exc
             raise errors.NoEndpointsAvailable(f"engine {session.endpoint.id} failed mid-response") from exc
         finally:

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.errors import InvalidRequest, NoEndpointsAvailable, UnknownModel
-
 from services.router.catalog import ModelCatalog
 
 BYTES_PER_TOKEN_ESTIMATE = 4

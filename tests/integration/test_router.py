@@ -348,7 +348,7 @@ async def test_grpc_complete_stream_and_models(mesh: Mesh) -> None:
     await _until(lambda: _zero(mesh), 5, "slots released")
 
 
-async def test_admission_rejection_is_429_and_queue_ttl_is_504(mesh: Mesh, start_service) -> None:  # noqa: ANN001
+async def test_admission_rejection_is_429_and_queue_ttl_is_504(mesh: Mesh, start_service) -> None:
     """One slot, a queue of one: a held slot makes the next request queue (-> 504 at its TTL), the one after 429."""
     _, flow = start_service("flow_control", "--shutdown-grace-seconds", "0.5", "--max-in-flight", "1", "--max-queue-size", "1", "--queue-ttl-seconds", "1")
     http_port = free_port()
@@ -401,7 +401,7 @@ def _running(engine_url: str) -> float:
     raise AssertionError("vllm:num_requests_running missing")
 
 
-async def test_real_epp_and_simulator(mesh: Mesh, start_service, etcd: str, run_dir: Path) -> None:  # noqa: ANN001
+async def test_real_epp_and_simulator(mesh: Mesh, start_service, etcd: str, run_dir: Path) -> None:
     """The real epp (round-robin) and a real simulated engine behind the router: both answer shapes, a disconnect."""
     port = free_port()
     engine = ManagedProcess("engine", python_module(
