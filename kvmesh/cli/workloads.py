@@ -204,22 +204,23 @@ class MultiTurnParams:
     """Shape of the built-in ``multi-turn`` workload (lengths in tokens, times in model seconds).
 
     The defaults make conversation history, not the shared system prompts, most of each prompt
-    (240 requests: prompts of ~1.9k tokens on average, up to ~5k, over ~29 model seconds), so a
+    (240 requests: prompts of ~3.6k tokens on average, up to ~9.4k, over ~44 model seconds), so a
     policy that keeps a conversation on one engine reuses far more than one that spreads it: an
-    offline LRU replay of 240 requests over 4 engines of 384 64-token blocks gives ~42 % hits for
-    round-robin and ~78 % for prefix affinity.
+    offline LRU replay of 240 requests over 4 engines of 384 64-token blocks gives ~29 % hits for
+    round-robin and ~69 % for prefix affinity. Long-ish prompts also make prefill (what a cache
+    hit saves) large against the Python mesh's own per-request overhead.
     """
 
     system_prompts: int = 4
     """Distinct shared system prompts; each conversation picks one uniformly."""
     system_prompt_tokens: int = 512
     turns_min: int = 4
-    turns_max: int = 10
-    user_tokens_min: int = 128
-    user_tokens_max: int = 512
+    turns_max: int = 8
+    user_tokens_min: int = 256
+    user_tokens_max: int = 1536
     answer_tokens_min: int = 32
     answer_tokens_max: int = 160
-    conversation_rate_per_s: float = 1.5
+    conversation_rate_per_s: float = 1.0
     """Poisson rate of new conversations."""
     think_time_mean_s: float = 3.0
     """Mean (exponential) gap between a turn's nominal arrival and the next turn's."""
