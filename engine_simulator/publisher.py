@@ -85,6 +85,14 @@ class ZmqEventPublisher:
         )
 
     @property
+    def bound_endpoint(self) -> str | None:
+        """The concrete endpoint when bound (e.g. ``tcp://127.0.0.1:*`` resolved to a port), else None."""
+        if not endpoint_binds(self.endpoint):
+            return None
+        value = self._sock.getsockopt(zmq.LAST_ENDPOINT)
+        return value.decode() if isinstance(value, bytes) else str(value)
+
+    @property
     def next_seq(self) -> int:
         return self._seq
 

@@ -7,6 +7,7 @@ then ``python -m engine_simulator`` starts on free ports against the session's r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -270,7 +271,8 @@ async def test_bad_requests_get_openai_errors(sim: Sim, path: str, body: dict, s
 
 async def test_disconnect_aborts_and_reset_clears(sim: Sim) -> None:
     async with httpx.AsyncClient(base_url=sim.url, timeout=10) as client:
-        aborted = await _metric(client, 'vllm:request_success_total{engine="0",finished_reason="abort"')
+        abort_metric = 'vllm:request_success_total{engine="0",finished_reason="abort"'
+        aborted = await _metric(client, abort_metric)
         async with client.stream(
             "POST",
             "/v1/completions",
@@ -298,6 +300,25 @@ async def test_disconnect_aborts_and_reset_clears(sim: Sim) -> None:
             await _metric(client, 'vllm:request_success_total{engine="0",finished_reason="abort"')
             == aborted + 1
         )
+
+        # a non-streaming request whose client goes away is aborted too
+        pending = asyncio.create_task(
+            client.post(
+                "/v1/completions",
+                json={"model": MODEL, "prompt": "another long story", "max_tokens": 1500, "ignore_eos": True},
+            )
+        )
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and await _metric(client, "vllm:num_requests_running") == 0:
+            await asyncio.sleep(0.02)
+        pending.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pending
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and await _metric(client, abort_metric) < aborted + 2:
+            await asyncio.sleep(0.05)
+        assert await _metric(client, abort_metric) == aborted + 2
+        assert await _metric(client, "vllm:num_requests_running") == 0
 
         assert (await client.post("/reset_prefix_cache")).status_code == 200
         await client.post("/v1/completions", json={"model": MODEL, "prompt": "after reset", "max_tokens": 1})
