@@ -38,6 +38,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvmesh.cli.mesh import DEFAULT_MODEL, Mesh, MeshSpec, exit_on_signals
+from kvmesh.cli.replay import ReplayOutcome, engines_from_epp, engines_from_etcd, replay
 from kvmesh.cli.report import (
     RequestResult,
     compare_document,
@@ -48,7 +49,6 @@ from kvmesh.cli.report import (
     summary_table,
     usage_cached_fraction,
 )
-from kvmesh.cli.replay import ReplayOutcome, engines_from_epp, engines_from_etcd, replay
 from kvmesh.cli.workloads import (
     BUILTIN_WORKLOADS,
     Workload,

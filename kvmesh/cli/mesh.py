@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import Self
 
 import grpc
 import httpx
@@ -125,7 +126,7 @@ class _ChildProcess(ManagedProcess):
                 env={**os.environ, **self.env},
                 cwd=self.cwd,
                 start_new_session=True,
-                preexec_fn=_set_pdeathsig if sys.platform.startswith("linux") else None,
+                preexec_fn=_set_pdeathsig if sys.platform.startswith("linux") else None,  # noqa: PLW1509
             )
         return self
 
@@ -180,7 +181,7 @@ class Mesh:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def __enter__(self) -> Mesh:
+    def __enter__(self) -> Self:
         self.start()
         return self
 
