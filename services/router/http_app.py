@@ -82,7 +82,9 @@ def request_meta(headers: dict[str, str] | Any, config: RouterConfig, trace_cont
                 known = ", ".join(sorted(config.objective_priorities))
                 raise errors.InvalidRequest(f"unknown inference objective {objective!r} (known: {known})") from None
             priority = config.objective_priorities[objective.lower()]
-    return RequestMeta(request_id=request_id[:128], flow_id=flow_id[:256], priority=priority, trace_context=trace_context)
+    return RequestMeta(
+        request_id=request_id[:128], flow_id=flow_id[:256], priority=priority, trace_context=trace_context, server_span=True
+    )
 
 
 async def _wait_disconnect(receive: Receive) -> None:

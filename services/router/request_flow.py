@@ -65,12 +65,17 @@ class Picker(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class RequestMeta:
-    """Who is asking: request id, flow (fairness id), priority band, and the caller's trace context."""
+    """Who is asking: request id, flow (fairness id), priority band, and the caller's trace context.
+
+    ``server_span`` makes the request span a SERVER span (HTTP); under gRPC the shared interceptor
+    already opened the server span, so the request span is INTERNAL.
+    """
 
     request_id: str
     flow_id: str
     priority: int
     trace_context: Context | None = None
+    server_span: bool = False
 
 
 @dataclass
@@ -212,6 +217,7 @@ class RequestFlow:
         span = _tracer.start_span(
             "router.request",
             context=meta.trace_context,
+            kind=SpanKind.SERVER if meta.server_span else SpanKind.INTERNAL,
             attributes={"kvmesh.request_id": meta.request_id, "kvmesh.model": request.model, "kvmesh.flow_id": meta.flow_id},
         )
         metrics.IN_FLIGHT.inc()
