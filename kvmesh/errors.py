@@ -18,11 +18,15 @@ class InvalidRequest(KvmeshError):
     """The caller sent something malformed or out of range."""
 
 
-class UnknownModel(KvmeshError):
+class NotFound(KvmeshError):
+    """The named thing does not exist (a key, a model, an endpoint)."""
+
+
+class UnknownModel(NotFound):
     """No endpoint serves the requested model."""
 
 
-class UnknownEndpoint(KvmeshError):
+class UnknownEndpoint(NotFound):
     """An endpoint id that is not (or no longer) registered."""
 
 
@@ -65,6 +69,7 @@ class ErrorMapping:
 
 ERROR_TABLE: dict[type[KvmeshError], ErrorMapping] = {
     InvalidRequest: ErrorMapping("INVALID_ARGUMENT", 400, "invalid_request_error"),
+    NotFound: ErrorMapping("NOT_FOUND", 404, "not_found_error"),
     UnknownModel: ErrorMapping("NOT_FOUND", 404, "not_found_error"),
     UnknownEndpoint: ErrorMapping("NOT_FOUND", 404, "not_found_error"),
     NoEndpointsAvailable: ErrorMapping("UNAVAILABLE", 503, "service_unavailable"),
@@ -90,7 +95,7 @@ def mapping_for(exc: BaseException) -> ErrorMapping:
 # gRPC status name -> domain error, for clients turning a remote status back into a domain error.
 _FROM_GRPC: dict[str, type[KvmeshError]] = {
     "INVALID_ARGUMENT": InvalidRequest,
-    "NOT_FOUND": UnknownModel,
+    "NOT_FOUND": NotFound,
     "UNAVAILABLE": NoEndpointsAvailable,
     "RESOURCE_EXHAUSTED": Saturated,
     "DEADLINE_EXCEEDED": QueueTTLExpired,

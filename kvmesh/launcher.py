@@ -9,6 +9,7 @@ so no orphan survives a crash of the caller.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
@@ -75,30 +76,41 @@ def wait_http_ok(url: str, timeout_seconds: float = 30.0) -> None:
     raise TimeoutError(f"{url} not ready after {timeout_seconds}s (last: {last})")
 
 
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 @dataclass
 class ManagedProcess:
-    """One child process in its own process group, logging to ``log_path``."""
+    """One child process in its own process group, logging to ``log_path``.
+
+    With ``die_with_parent`` the child gets Linux's ``PR_SET_PDEATHSIG=SIGKILL``: it is killed when
+    the *thread* that spawned it exits, so a SIGKILLed caller leaves no orphan. Spawn such children
+    from a thread that lives as long as they should (the main thread).
+    """
 
     name: str
     argv: Sequence[str]
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
     cwd: Path | None = None
+    die_with_parent: bool = False
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
-        self.proc = subprocess.Popen(
-            list(self.argv),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, **self.env},
-            cwd=self.cwd,
-            start_new_session=True,
-        )
-        log.close()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                list(self.argv),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env},
+                cwd=self.cwd,
+                start_new_session=True,
+                preexec_fn=_die_with_parent if self.die_with_parent and sys.platform.startswith("linux") else None,  # noqa: PLW1509
+            )
         return self
 
     @property
@@ -153,7 +165,12 @@ def etcd_binary() -> str:
     return path
 
 
-def start_etcd(run_dir: Path, client_port: int | None = None, peer_port: int | None = None) -> tuple[ManagedProcess, str]:
+def start_etcd(
+    run_dir: Path,
+    client_port: int | None = None,
+    peer_port: int | None = None,
+    die_with_parent: bool = False,
+) -> tuple[ManagedProcess, str]:
     """Start a single-member etcd with its data under ``run_dir/etcd``; returns it and ``host:port``.
 
     Raises:
@@ -177,6 +194,7 @@ def start_etcd(run_dir: Path, client_port: int | None = None, peer_port: int | N
             "--log-level", "warn",
         ],
         run_dir / "etcd.log",
+        die_with_parent=die_with_parent,
     ).start()
     try:
         wait_http_ok(f"{client_url}/health", 20.0)

@@ -27,12 +27,8 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import contextlib
-import ctypes
 import logging
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import weakref
@@ -102,33 +98,6 @@ class Member:
     @property
     def log_path(self) -> Path:
         return self.process.log_path
-
-
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-class _ChildProcess(ManagedProcess):
-    """A ManagedProcess that dies with its parent (Linux ``PR_SET_PDEATHSIG``)."""
-
-    def start(self) -> _ChildProcess:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                list(self.argv),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env={**os.environ, **self.env},
-                cwd=self.cwd,
-                start_new_session=True,
-                preexec_fn=_set_pdeathsig if sys.platform.startswith("linux") else None,  # noqa: PLW1509
-            )
-        return self
 
 
 _RUNNING: weakref.WeakSet[Mesh] = weakref.WeakSet()
@@ -211,7 +180,7 @@ class Mesh:
     def _start(self, spec: MeshSpec) -> None:
         deadline = time.monotonic() + spec.start_timeout_seconds
         if spec.etcd is None:
-            proc, self.etcd_address = start_etcd(spec.run_dir)
+            proc, self.etcd_address = start_etcd(spec.run_dir, die_with_parent=True)
             self.members.append(Member("etcd", proc, grpc=self.etcd_address, http=f"http://{self.etcd_address}"))
         from engine_simulator.tokenizer import ensure_tokenizer  # the simulator package, not the mesh
 
@@ -294,11 +263,12 @@ class Mesh:
     def _service(self, name: str, *flags: str, grpc_port: int | None = None) -> Member:
         port = grpc_port or free_port()
         metrics = free_port()
-        proc = _ChildProcess(
+        proc = ManagedProcess(
             name,
             python_module(f"services.{name}", *self._common_flags(port, metrics), *flags),
             self.spec.run_dir / f"{name}.log",
             env=dict(self.spec.extra_env),
+            die_with_parent=True,
         ).start()
         member = Member(name, proc, grpc=f"{LOOPBACK}:{port}", metrics=f"http://{LOOPBACK}:{metrics}/metrics")
         self.members.append(member)
@@ -308,7 +278,7 @@ class Mesh:
         spec = self.spec
         port = free_port()
         name = f"engine-{i}"
-        proc = _ChildProcess(
+        proc = ManagedProcess(
             name,
             python_module(
                 "engine_simulator",
@@ -329,6 +299,7 @@ class Mesh:
             ),
             spec.run_dir / f"{name}.log",
             env=dict(spec.extra_env),
+            die_with_parent=True,
         ).start()
         url = f"http://{LOOPBACK}:{port}"
         member = Member(name, proc, http=url, metrics=f"{url}/metrics")

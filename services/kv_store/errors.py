@@ -1,16 +1,11 @@
-"""kv_store's domain errors.
-
-``KeyNotFound`` is a stopgap: ``kvmesh.errors`` has no generic not-found error yet, and
-:func:`kvmesh.errors.mapping_for` walks the MRO, so subclassing ``UnknownEndpoint`` maps it to
-``NOT_FOUND`` (404). Replace the base with ``kvmesh.errors.NotFound`` once the lead adds it.
-"""
+"""kv_store's domain errors (mapped to gRPC status by the shared table in :mod:`kvmesh.errors`)."""
 
 from __future__ import annotations
 
-from kvmesh.errors import InvalidRequest, UnknownEndpoint
+from kvmesh.errors import InvalidRequest, NotFound
 
 
-class KeyNotFound(UnknownEndpoint):
+class KeyNotFound(NotFound):
     """No tier holds the requested key (gRPC ``NOT_FOUND``)."""
 
 

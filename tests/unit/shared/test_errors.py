@@ -9,6 +9,7 @@ from kvmesh import errors
     ("exc", "grpc_status", "http_status"),
     [
         (errors.InvalidRequest("x"), "INVALID_ARGUMENT", 400),
+        (errors.NotFound("x"), "NOT_FOUND", 404),
         (errors.UnknownModel("x"), "NOT_FOUND", 404),
         (errors.UnknownEndpoint("x"), "NOT_FOUND", 404),
         (errors.NoEndpointsAvailable("x"), "UNAVAILABLE", 503),
@@ -28,7 +29,7 @@ def test_mapping(exc: Exception, grpc_status: str, http_status: int) -> None:
 
 
 def test_subclass_inherits_mapping() -> None:
-    class KeyMissing(errors.UnknownEndpoint):
+    class KeyMissing(errors.NotFound):
         pass
 
     assert errors.mapping_for(KeyMissing("k")).grpc_status == "NOT_FOUND"
