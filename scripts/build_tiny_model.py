@@ -28,21 +28,21 @@ import tempfile
 import time
 from pathlib import Path
 
-MODEL_CONFIG = dict(
-    vocab_size=2048,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    head_dim=32,
-    max_position_embeddings=2048,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=None,
-    tie_word_embeddings=False,
-    torch_dtype="float32",
-)
+MODEL_CONFIG = {
+    "vocab_size": 2048,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 32,
+    "max_position_embeddings": 2048,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
 SEED = 0
 
 

@@ -231,19 +231,41 @@ def up(
     time_scale: TimeScaleOpt = 1.0,
     run_dir: RunDirOpt = None,
     num_gpu_blocks: BlocksOpt = 2048,
-    block_size_tokens: BlockSizeOpt = 64,
+    block_size_tokens: Annotated[int | None, typer.Option(
+        "--block-size-tokens", min=1, help="Tokens per KV block (default 64; 32 with --engine vllm, "
+        "whose CPU attention needs a multiple of 32).")] = None,
     max_num_seqs: MaxSeqsOpt = 64,
-    model: ModelOpt = DEFAULT_MODEL,
+    model: Annotated[str | None, typer.Option("--model", help=f"Served model name of the engines (default "
+                                              f"{DEFAULT_MODEL}; tiny with --engine vllm).")] = None,
     router_port: Annotated[int | None, typer.Option("--router-port", help="Router HTTP port (default: free).")] = None,
     router_grpc_port: Annotated[int | None, typer.Option("--router-grpc-port", help="Router gRPC port.")] = None,
+    engine: Annotated[str, typer.Option(
+        "--engine", help="simulator (default) or vllm: real vLLM CPU servers on the tiny model, each with a "
+        "registration sidecar (needs `make vllm-env model`; ~30-60 s to start, ~3 GB RAM and 2 cores each). "
+        "--time-scale and --num-gpu-blocks apply to the simulator only.")] = "simulator",
     verbose: VerboseOpt = False,
 ) -> None:
-    """Start etcd, the five services and N simulated engines in the foreground; Ctrl-C stops them all."""
+    """Start etcd, the five services and N engines (simulated, or real vLLM) in the foreground; Ctrl-C stops all."""
     _setup_logging(verbose)
+    extra: dict[str, object] = {}
+    if engine == "vllm":
+        from kvmesh.cli.vllm_engine import VLLM_BLOCK_SIZE_TOKENS, VLLM_MODEL, vllm_missing_reason
+
+        missing = vllm_missing_reason()
+        if missing:
+            raise typer.BadParameter(missing, param_hint="--engine")
+        block_size_tokens = block_size_tokens or VLLM_BLOCK_SIZE_TOKENS
+        if block_size_tokens % 32:
+            raise typer.BadParameter("vLLM's CPU attention needs a multiple of 32", param_hint="--block-size-tokens")
+        model = model or VLLM_MODEL
+        extra = {"engine": "vllm", "max_model_len": 2048, "start_timeout_seconds": 120.0 + 60.0 * engines}
+    elif engine != "simulator":
+        raise typer.BadParameter(f"{engine!r}: expected simulator or vllm", param_hint="--engine")
     spec = MeshSpec(
         run_dir=(run_dir or _default_run_dir("up")).resolve(), engines=engines, policy=policy,
-        time_scale=time_scale, model=model, num_gpu_blocks=num_gpu_blocks, block_size_tokens=block_size_tokens,
-        max_num_seqs=max_num_seqs, etcd=etcd, router_http_port=router_port, router_grpc_port=router_grpc_port,
+        time_scale=time_scale, model=model or DEFAULT_MODEL, num_gpu_blocks=num_gpu_blocks,
+        block_size_tokens=block_size_tokens or 64, max_num_seqs=max_num_seqs, etcd=etcd,
+        router_http_port=router_port, router_grpc_port=router_grpc_port, **extra,  # type: ignore[arg-type]
     )
     console.print(f"starting mesh in {spec.run_dir} ...", soft_wrap=True)
     with exit_on_signals():

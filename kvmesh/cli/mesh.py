@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import signal
 import threading
@@ -36,7 +37,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Self
+from typing import Literal, Self
 
 import grpc
 import httpx
@@ -83,6 +84,20 @@ class MeshSpec:
     start_timeout_seconds: float = 120.0
     stop_timeout_seconds: float = 10.0
     extra_env: dict[str, str] = field(default_factory=dict)
+    engine: Literal["simulator", "vllm"] = "simulator"
+    """``vllm``: real vLLM servers (``make vllm-env model``) on the tiny model, each with a
+    registration sidecar; ``model`` is then the served name and ``block_size_tokens`` a multiple of 32.
+    ``num_gpu_blocks`` does not apply (vLLM sizes its cache from ``VLLM_CPU_KVCACHE_SPACE``)."""
+    vllm_model_dir: Path | None = None
+    """The model vLLM serves; None: ``$KVMESH_TINY_MODEL`` or ``.run/models/tiny-llama``."""
+    vllm_num_gpu_blocks_override: int | None = None
+    """vLLM ``--num-gpu-blocks-override`` (a small cache forces eviction)."""
+    vllm_enforce_eager: bool = True
+    vllm_dev_mode: bool = False
+    """``VLLM_SERVER_DEV_MODE=1`` (``POST /reset_prefix_cache``)."""
+    vllm_extra_args: tuple[str, ...] = ()
+    engine_events_endpoint: str | None = None
+    """Where engines publish KV events; None: kv_indexer's bind endpoint (a test may put a tap between)."""
 
 
 @dataclass
@@ -207,7 +222,10 @@ class Mesh:
                                "--epp-address", self.epp_address, grpc_port=spec.router_grpc_port)
         router.http = f"http://{LOOPBACK}:{http_port}"
         self.router_url = router.http
-        engines = [self._engine(i, events_bind, tokenizer_path) for i in range(spec.engines)]
+        if spec.engine == "vllm":
+            engines = [self._vllm_engine(i, events_bind) for i in range(spec.engines)]
+        else:
+            engines = [self._engine(i, events_bind, tokenizer_path) for i in range(spec.engines)]
         self.engine_urls = [e.http or "" for e in engines]
         self._await([*others, epp, router], deadline, self._grpc_ready)
         self._await(engines, deadline, self._http_ready)
@@ -303,6 +321,44 @@ class Mesh:
         ).start()
         url = f"http://{LOOPBACK}:{port}"
         member = Member(name, proc, http=url, metrics=f"{url}/metrics")
+        self.members.append(member)
+        return member
+
+    def _vllm_engine(self, i: int, events_bind: str) -> Member:
+        """A real vLLM server plus its registration sidecar (named ``registration-<i>``)."""
+        from kvmesh.cli.vllm_engine import VllmEngineSpec, sidecar_args, tiny_model_dir, vllm_python
+
+        spec = self.spec
+        engine = VllmEngineSpec(
+            port=free_port(),
+            run_dir=spec.run_dir,
+            events_endpoint=spec.engine_events_endpoint or events_bind,
+            model=spec.model,
+            model_dir=spec.vllm_model_dir or tiny_model_dir(),
+            python=vllm_python(),
+            block_size_tokens=spec.block_size_tokens,
+            max_model_len=spec.max_model_len,
+            max_num_seqs=spec.max_num_seqs,
+            num_gpu_blocks_override=spec.vllm_num_gpu_blocks_override,
+            enforce_eager=spec.vllm_enforce_eager,
+            dev_mode=spec.vllm_dev_mode,
+            extra_args=spec.vllm_extra_args,
+        )
+        name = f"engine-{i}"
+        proc = ManagedProcess(name, engine.argv(), spec.run_dir / f"{name}.log",
+                              env={**engine.env(), **spec.extra_env}, die_with_parent=True).start()
+        # The registration names kv_indexer's bind endpoint (so it does not also connect elsewhere).
+        registered = dataclasses.replace(engine, events_endpoint=events_bind)
+        sidecar = ManagedProcess(
+            f"registration-{i}",
+            python_module("services.registration_sidecar", "--host", LOOPBACK, "--metrics-port", str(free_port()),
+                          *sidecar_args(registered, self.etcd_address, spec.lease_ttl_seconds, spec.log_level)),
+            spec.run_dir / f"registration-{i}.log",
+            env=dict(spec.extra_env),
+            die_with_parent=True,
+        ).start()
+        self.members.append(Member(f"registration-{i}", sidecar))
+        member = Member(name, proc, http=engine.url, metrics=f"{engine.url}/metrics")
         self.members.append(member)
         return member
 

