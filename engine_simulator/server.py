@@ -376,8 +376,7 @@ def build_app(state: ServerState) -> Starlette:
         return Response(engine.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def reset_prefix_cache(request: HttpRequest) -> Response:
-        engine.reset_prefix_cache()
-        return Response(status_code=200)
+        return JSONResponse({"success": engine.reset_prefix_cache()})
 
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
