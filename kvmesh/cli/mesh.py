@@ -161,6 +161,8 @@ class Mesh:
         self.epp_address = ""
         self.kv_indexer_address = ""
         self.engine_urls: list[str] = []
+        self.events_bind_endpoint = ""
+        """kv_indexer's bound ZMQ SUB endpoint (where engines publish unless told otherwise)."""
         self._stopped = False
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -203,6 +205,7 @@ class Mesh:
 
         events_port = free_port()
         events_bind = f"tcp://{LOOPBACK}:{events_port}"
+        self.events_bind_endpoint = events_bind
         kv_indexer = self._service("kv_indexer", "--events-bind-endpoint", events_bind)
         self.kv_indexer_address = kv_indexer.grpc or ""
         # kv_indexer binds the SUB socket before engines connect and publish.
