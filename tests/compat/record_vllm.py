@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         proc.stop()
         sink.close()
     version = subprocess.run([str(spec.python), "-c", "import vllm; print(vllm.__version__)"],
-                             capture_output=True, text=True, env={**spec.env()}).stdout.strip()
+                             capture_output=True, text=True, env={**spec.env()}, check=False).stdout.strip()
     args.out.mkdir(parents=True, exist_ok=True)
     script = [jsonable({"name": r.name, "request": r.request, "response": r.response,
                         "prompt_token_ids": r.prompt_token_ids, "tokenize": r.tokenize, "messages": r.messages})
