@@ -5,12 +5,15 @@ Follows vLLM 0.32's ``vllm/v1/core/block_pool.py`` and ``kv_cache_manager.py``:
 * ``num_gpu_blocks`` blocks of ``block_size`` tokens; block 0 is the reserved *null block*, so
   ``num_gpu_blocks - 1`` hold KV. ``usage`` is ``1 - free / (num_gpu_blocks - 1)``, where *free*
   counts every block nobody references (cached or not): vLLM's ``vllm:kv_cache_usage_perc``.
-* Every block has a reference count (running sequences using it). A block whose count drops to
-  0 goes to the tail of the *free queue* but keeps its hash, so a later request can hit it.
-  A request's blocks are freed in reverse order (its tail first), so tails are evicted first.
-* Allocation pops from the head of the free queue (least recently freed). Popping a block that
-  still has a hash evicts it from the prefix cache and emits ``BlockRemoved([hash])``, one event
-  per block, as vLLM does.
+* Every block has a reference count (running sequences using it). A request's blocks are freed
+  in reverse order (its tail first; ``single_type_kv_cache_manager.py`` ``free``). Of the blocks
+  whose count drops to 0 (``block_pool.py`` ``free_blocks``), those *without* a hash (a partly
+  filled tail block, or any block when caching is off) go to the **head** of the *free queue*,
+  in that order, so they are reused first at no cache cost (``prepend_n``); those *with* a hash
+  go to the **tail** (``append_n``) and keep it, so a later request can hit them.
+* Allocation pops from the head of the free queue. Popping a block that still has a hash evicts
+  it from the prefix cache and emits ``BlockRemoved([hash])``, one event per block, as vLLM does;
+  popping an unhashed block emits nothing.
 * When blocks become full they are cached under their hash (several physical blocks may share a
   hash: a repeated prompt's recomputed last block, or generated blocks) and one ``BlockStored``
   is emitted for the newly full run of blocks: ``parent_block_hash`` is the hash of the block
@@ -94,6 +97,10 @@ class PrefixCache:
             hits.append(next(iter(blocks)))
         return hits
 
+    def free_queue(self) -> list[int]:
+        """The free block ids in allocation order: ``allocate(n)`` takes the first ``n``."""
+        return list(self._free)
+
     def num_evictable(self, block_ids: Sequence[int]) -> int:
         """How many of ``block_ids`` sit in the free queue (touching them uses free capacity)."""
         return sum(1 for b in block_ids if self._ref[b] == 0)
@@ -107,7 +114,7 @@ class PrefixCache:
             self._ref[b] += 1
 
     def allocate(self, n: int) -> list[int] | None:
-        """``n`` fresh blocks (ref count 1), evicting cached ones from the LRU head; None if short."""
+        """``n`` blocks (ref count 1) from the free queue's head, evicting cached ones; None if short."""
         if n > len(self._free):
             return None
         out: list[int] = []
@@ -164,11 +171,23 @@ class PrefixCache:
         )
 
     def free(self, block_ids: Sequence[int]) -> None:
-        """Drop one reference from each block, tail first; unreferenced ones join the free queue."""
+        """Drop one reference from each of a sequence's blocks (given in sequence order).
+
+        The blocks are released tail first. Those left unreferenced join the free queue: unhashed
+        ones at its head (reused next, in release order), hashed ones at its tail (evicted last),
+        as vLLM 0.32's ``BlockPool.free_blocks``.
+        """
+        fresh: list[int] = []
         for b in reversed(block_ids):
             self._ref[b] -= 1
             if self._ref[b] == 0:
-                self._free[b] = None
+                if self._hash[b] is None:
+                    fresh.append(b)
+                else:
+                    self._free[b] = None
+        for b in reversed(fresh):  # the first released ends up at the very head
+            self._free[b] = None
+            self._free.move_to_end(b, last=False)
 
     def reset(self) -> bool:
         """Forget every hash (``AllBlocksCleared``). Refused (False) while any block is referenced."""

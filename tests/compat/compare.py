@@ -123,12 +123,3 @@ def epp_metric_problems(text: str) -> list[str]:
             problems.append(f"{name} labels {sorted(fams[name][1])} lack {sorted(needed - fams[name][1])}")
     return problems
 
-
-KNOWN_REMOVAL_DIFFERENCES: dict[str, tuple[int, int]] = {
-    "unrelated-2": (1, 2),
-    "text-a-after-eviction": (3, 4),
-}
-"""NOT deliberate (reported, to fix in ``engine_simulator/prefix_cache.py``): under eviction pressure the
-simulator evicts one more cached block than vLLM 0.32 in these steps of the script, (vLLM, simulator)
-``BlockRemoved`` block counts; stores, cached tokens and every other step agree. Pinned exactly so a fix
-(or a new drift) fails the test and this entry is revisited."""

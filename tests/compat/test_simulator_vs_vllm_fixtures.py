@@ -11,7 +11,6 @@ match a live vLLM.
 from __future__ import annotations
 
 import json
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -114,11 +113,9 @@ def test_event_shapes_and_counts(recorded: list[dict[str, Any]], simulated: Any)
     per_step = [(rec["name"], compare.event_counts([e for m in rec["messages"] for e in m["payload"][1]]),
                  compare.event_counts([e for m in sim.messages for e in m["payload"][1]]))
                 for rec, sim in zip(recorded, results, strict=True)]
+    # blocks stored, blocks removed (eviction order = vLLM's free-queue order) and clears, step by step
     differing = {name: (v, s) for name, v, s in per_step if v != s}
-    known = {name: (v["removed_blocks"], s["removed_blocks"]) for name, (v, s) in differing.items()
-             if +v - Counter(removed_blocks=v["removed_blocks"]) == +s - Counter(removed_blocks=s["removed_blocks"])}
-    assert set(differing) == set(known), differing  # only the removal counts may differ ...
-    assert known == compare.KNOWN_REMOVAL_DIFFERENCES  # ... and only where listed
+    assert differing == {}, f"(vllm, simulator) event counts: {differing}"
     # message framing: topic names the endpoint and model; payload is [ts, events, dp_rank]
     for m in (recorded[0]["messages"][0], results[0].messages[0]):
         assert m["topic"].startswith("kv@127.0.0.1:") and m["topic"].endswith(f"@{MODEL}")

@@ -1,4 +1,4 @@
-"""The block pool: LRU eviction of unreferenced blocks, ref counts, events, repeats, reset."""
+"""The block pool: vLLM's free-queue order and eviction, ref counts, events, repeats, reset."""
 
 import pytest
 
@@ -51,6 +51,49 @@ def test_lru_evicts_least_recently_freed_and_tail_first() -> None:
     assert removed == [BlockRemoved(block_hashes=[3]), BlockRemoved(block_hashes=[2])]
     assert cache.lookup([1, 2, 3]) == [a[0]]  # the head of the chain survives
     assert cache.lookup([4, 5, 6]) == b
+
+
+def test_free_order_matches_vllm_block_pool() -> None:
+    """Freed blocks: unhashed ones to the queue's head, hashed ones to its tail, each in release order.
+
+    vLLM 0.32 ``vllm/v1/core/single_type_kv_cache_manager.py`` ``free`` releases a request's blocks in
+    reverse (tail first); ``vllm/v1/core/block_pool.py`` ``BlockPool.free_blocks`` then puts the now
+    unreferenced blocks without a hash in front of the free queue (``FreeKVCacheBlockQueue.prepend_n``
+    in ``vllm/v1/core/kv_cache_utils.py``) and those with one at its back (``append_n``);
+    ``get_new_blocks`` pops from the front and publishes ``BlockRemoved`` only for hashed blocks. So a
+    request's partly filled tail block is reused before any cached block is evicted.
+    """
+    cache = PrefixCache(num_gpu_blocks=9, block_size=2)  # 8 usable: queue 1..8
+    a = cache.allocate(3)  # [1, 2, 3]: 2 full blocks and a partial tail
+    _store(cache, a[:2], [11, 12])
+    b = cache.allocate(2)  # [4, 5]: 1 full block and a partial tail
+    _store(cache, b[:1], [21])
+    cache.take_events()
+    cache.free(a)
+    assert cache.free_queue() == [3, 6, 7, 8, 2, 1]  # a's tail at the head; its hashed blocks tail first
+    cache.free(b)
+    assert cache.free_queue() == [5, 3, 6, 7, 8, 2, 1, 4]  # the latest freed unhashed block goes first
+    assert cache.allocate(5) == [5, 3, 6, 7, 8]
+    assert cache.take_events() == []  # reusing unhashed blocks evicts nothing
+    assert cache.allocate(2) == [2, 1]
+    assert cache.take_events() == [BlockRemoved(block_hashes=[12]), BlockRemoved(block_hashes=[11])]
+    assert cache.lookup([21]) == [4]
+
+
+def test_free_order_with_several_unhashed_blocks_and_refcounts() -> None:
+    """Release order is kept inside each end; still-referenced blocks stay out of the queue."""
+    cache = PrefixCache(num_gpu_blocks=8, block_size=2, enable_caching=False)  # nothing ever hashed
+    a = cache.allocate(3)  # [1, 2, 3]
+    cache.free(a)
+    assert cache.free_queue() == [3, 2, 1, 4, 5, 6, 7]
+    cache = PrefixCache(num_gpu_blocks=8, block_size=2)
+    a = cache.allocate(4)  # [1, 2, 3, 4]
+    _store(cache, a[:2], [11, 12])
+    cache.touch(cache.lookup([11]))  # a second sequence shares block 1
+    cache.free(a)
+    assert cache.free_queue() == [4, 3, 5, 6, 7, 2]
+    cache.free([1])
+    assert cache.free_queue() == [4, 3, 5, 6, 7, 2, 1]
 
 
 def test_referenced_blocks_are_never_evicted() -> None:
