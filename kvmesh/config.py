@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -63,6 +63,15 @@ class ServiceConfig(BaseSettings):
         validation_alias=AliasChoices("otlp_endpoint", "OTEL_EXPORTER_OTLP_ENDPOINT"),
     )
     """OTLP/gRPC collector URL (standard env var OTEL_EXPORTER_OTLP_ENDPOINT); unset disables export."""
+
+    @field_validator("etcd_endpoints")
+    @classmethod
+    def _check_etcd_endpoints(cls, endpoints: list[str]) -> list[str]:
+        for endpoint in endpoints:
+            host, sep, port = endpoint.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"etcd endpoint {endpoint!r} is not host:port (port 1-65535)")
+        return endpoints
 
     @classmethod
     def settings_customise_sources(
@@ -130,8 +139,17 @@ def load_config(cls: type[C], argv: list[str] | None = None, prog: str | None = 
     ns = vars(parser.parse_args(argv))
     config_path = ns.pop("config")
     print_config = ns.pop("print_config")
-    if config_path is not None and not config_path.is_file():
-        parser.error(f"--config {config_path}: no such file")
+    if config_path is not None:
+        if not config_path.exists():
+            parser.error(f"--config {config_path}: no such file")
+        if not config_path.is_file():
+            parser.error(f"--config {config_path}: not a regular file")
+        try:
+            loaded = yaml.safe_load(config_path.read_text())
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            parser.error(f"--config {config_path}: not valid YAML: {exc}")
+        if loaded is not None and not isinstance(loaded, dict):
+            parser.error(f"--config {config_path}: expected a mapping of field: value, got {type(loaded).__name__}")
     flags: dict[str, Any] = {}
     for name, raw in ns.items():
         try:

@@ -61,6 +61,8 @@ class FlowControlServicer(flow_control_pb2_grpc.FlowControlServicer):
             raise InvalidRequest(
                 f"the first Admit message must be an enqueue, got {first.WhichOneof('kind') or 'an empty message'}"
             )
+        if not first.enqueue.request_id:
+            raise InvalidRequest("enqueue.request_id is required")
         ticket = self._controller.enqueue(admission_request(first.enqueue))
         try:
             decision = await ticket.wait()

@@ -124,6 +124,7 @@ BAD_FIRST_MESSAGES = {
     "complete-first": pb.AdmitRequest(complete=pb.Complete()),
     "empty-message": pb.AdmitRequest(),
     "no-message": None,
+    "enqueue-without-request-id": pb.AdmitRequest(enqueue=pb.Enqueue(model="m")),
 }
 
 

@@ -48,8 +48,10 @@ def test_precedence_flags_over_env_over_file(tmp_path: Path, monkeypatch: pytest
         (["--log-level", "LOUD"], "log_level"),
         (["--no-such-flag", "1"], "unrecognized arguments"),
         (["--weights", "{bad"], "weights"),
+        (["--etcd-endpoints", "garbage"], "is not host:port"),
+        (["--etcd-endpoints", "127.0.0.1:0"], "is not host:port"),
     ],
-    ids=["bound", "port-range", "literal", "unknown-flag", "bad-yaml"],
+    ids=["bound", "port-range", "literal", "unknown-flag", "bad-yaml", "etcd-no-port", "etcd-port-0"],
 )
 def test_bad_values_exit_with_a_message(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc_info:
@@ -74,3 +76,27 @@ def test_print_config(capsys: pytest.CaptureFixture[str]) -> None:
         load_config(DemoConfig, ["--print-config", "--grpc-port", "1234"])
     assert exc_info.value.code == 0
     assert "grpc_port: 1234" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [
+        ("grpc_port: [unclosed", "not valid YAML"),
+        ("- a\n- b\n", "expected a mapping"),
+        ("grpc_port: 1\nno_such_field: 2\n", "no_such_field"),
+    ],
+    ids=["unparsable", "list", "unknown-field"],
+)
+def test_bad_config_file(tmp_path: Path, content: str, fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(content)
+    with pytest.raises(SystemExit) as exc_info:
+        load_config(DemoConfig, ["--config", str(path)])
+    assert exc_info.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_config_path_must_be_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        load_config(DemoConfig, ["--config", str(tmp_path)])
+    assert "not a regular file" in capsys.readouterr().err
