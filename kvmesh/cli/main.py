@@ -32,11 +32,15 @@ import time
 from pathlib import Path
 from typing import Annotated
 
+import grpc
+import httpx
 import typer
 from rich.console import Console
+from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvmesh.cli.checks import check_router_url, fail, mesh_errors, probe_router, resolve_policy
 from kvmesh.cli.mesh import DEFAULT_MODEL, Mesh, MeshSpec, exit_on_signals
 from kvmesh.cli.replay import ReplayOutcome, engines_from_epp, engines_from_etcd, replay
 from kvmesh.cli.report import (
@@ -143,13 +147,26 @@ JsonOutOpt = Annotated[Path | None, typer.Option("--json-out", help="Write the r
 def build_workload(
     trace: Path | None, workload: str, requests: int, seed: int, max_input_tokens: int | None, max_output_tokens: int
 ) -> Workload:
-    """The workload a replay/compare sends (see :mod:`kvmesh.cli.workloads`)."""
+    """The workload a replay/compare sends (see :mod:`kvmesh.cli.workloads`).
+
+    Raises:
+        typer.BadParameter: an unknown built-in workload, or a trace that is not a Mooncake trace
+            (the message names the file and line).
+    """
     if trace is not None:
-        rows = read_mooncake(trace, limit=requests)
-        return mooncake_workload(
-            rows, seed=seed, max_input_tokens=max_input_tokens or DEFAULT_MAX_INPUT_TOKENS,
-            max_output_tokens=max_output_tokens,
-        )
+        try:
+            rows = read_mooncake(trace, limit=requests)
+            if not rows:
+                raise ValueError(f"{trace}: no trace rows")
+            return mooncake_workload(
+                rows, seed=seed, max_input_tokens=max_input_tokens or DEFAULT_MAX_INPUT_TOKENS,
+                max_output_tokens=max_output_tokens,
+            )
+        except UnicodeDecodeError as exc:
+            raise typer.BadParameter(f"{trace}: not UTF-8 text ({exc.reason} at byte {exc.start})",
+                                     param_hint="--trace") from None
+        except (OSError, ValueError) as exc:
+            raise typer.BadParameter(str(exc), param_hint="--trace") from None
     try:
         wl = builtin_workload(workload, requests, seed)
     except ValueError as exc:
@@ -184,10 +201,17 @@ def _run_replay(
             errors += 0 if res.ok else 1
             progress.update(task, advance=1, errors=errors)
 
-        return asyncio.run(replay(
-            wl, router_url=router_url, engine_urls=engine_urls, time_scale=time_scale,
-            concurrency_limit=concurrency, model=model, on_done=on_done,
-        ))
+        try:
+            return asyncio.run(replay(
+                wl, router_url=router_url, engine_urls=engine_urls, time_scale=time_scale,
+                concurrency_limit=concurrency, model=model, on_done=on_done,
+            ))
+        except httpx.HTTPError as exc:  # discovering the model; requests themselves never raise
+            progress.stop()
+            fail(f"router {router_url}: {type(exc).__name__}: {exc}")
+        except RuntimeError as exc:  # the router lists no model
+            progress.stop()
+            fail(str(exc))
 
 
 def _summary(outcome: ReplayOutcome, time_scale: float) -> dict[str, object]:
@@ -214,12 +238,36 @@ def _first_errors(outcome: ReplayOutcome, n: int = 3) -> None:
 
 
 def mesh_table(mesh: Mesh) -> Table:
+    """Where each member listens; addresses never wrap (only the log path folds, on a narrow terminal)."""
     table = Table(title=f"kvmesh: {mesh.spec.engines} engines, policy {mesh.spec.policy}")
-    for col in ("service", "pid", "gRPC", "HTTP", "metrics", "log"):
-        table.add_column(col, overflow="fold")
+    for col in ("service", "pid", "gRPC", "HTTP", "metrics"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("log", overflow="fold")
     for row in mesh.describe():
         table.add_row(row["service"], row["pid"], row["grpc"], row["http"], row["metrics"], row["log"])
     return table
+
+
+def print_table(out: Console, table: Table) -> None:
+    """Print ``table`` whole: when ``out`` is not a terminal (piped, 80 columns by default) as wide as it needs."""
+    if out.is_terminal:
+        out.print(table)
+        return
+    width = out.width
+    out.width = max(width, Measurement.get(out, out.options.update(width=10_000), table).maximum)
+    try:
+        out.print(table, crop=False)
+    finally:
+        out.width = width
+
+
+def ready_lines(mesh: Mesh) -> list[str]:
+    """The ``kvmesh ready`` line (router URL is its 4th word) and how to replay against this mesh."""
+    return [
+        (f"kvmesh ready: router {mesh.router_url} model {mesh.spec.model} epp {mesh.epp_address} "
+         f"etcd {mesh.etcd_address} (Ctrl-C to stop)"),
+        f"replay against it: kvmesh replay --router {mesh.router_url} --epp {mesh.epp_address}",
+    ]
 
 
 @app.command()
@@ -261,6 +309,7 @@ def up(
         extra = {"engine": "vllm", "max_model_len": 2048, "start_timeout_seconds": 120.0 + 60.0 * engines}
     elif engine != "simulator":
         raise typer.BadParameter(f"{engine!r}: expected simulator or vllm", param_hint="--engine")
+    policy = resolve_policy(policy)
     spec = MeshSpec(
         run_dir=(run_dir or _default_run_dir("up")).resolve(), engines=engines, policy=policy,
         time_scale=time_scale, model=model or DEFAULT_MODEL, num_gpu_blocks=num_gpu_blocks,
@@ -268,12 +317,12 @@ def up(
         router_http_port=router_port, router_grpc_port=router_grpc_port, **extra,  # type: ignore[arg-type]
     )
     console.print(f"starting mesh in {spec.run_dir} ...", soft_wrap=True)
-    with exit_on_signals():
+    with exit_on_signals(), mesh_errors():
         try:
             with Mesh(spec) as mesh:
-                console.print(mesh_table(mesh))
-                console.print(
-                    f"kvmesh ready: router {mesh.router_url} model {spec.model} (Ctrl-C to stop)", soft_wrap=True)
+                print_table(console, mesh_table(mesh))
+                for line in ready_lines(mesh):
+                    console.print(line, soft_wrap=True, markup=False, highlight=False)
                 dead: set[str] = set()
                 while True:
                     time.sleep(0.5)
@@ -320,24 +369,35 @@ def replay_cmd(
     mesh with --engines/--policy/--num-gpu-blocks is started for the replay and stopped after.
     """
     _setup_logging(verbose)
+    if router is not None:
+        router = check_router_url(router)
+    else:
+        policy = resolve_policy(policy)
     wl = build_workload(trace, workload, requests, seed, max_input_tokens, max_output_tokens)
     label = trace.name if trace else workload
     num_gpu_blocks = num_gpu_blocks or _default_blocks(trace)
     console.print(_workload_line(wl, label), soft_wrap=True)
     if router is not None:
+        probe_router(router)
         if epp:
-            engine_urls = engines_from_epp(epp)
+            try:
+                engine_urls = engines_from_epp(epp)
+            except grpc.RpcError as exc:
+                fail(f"cannot list the engines from epp {epp}: {exc.code().name}: {exc.details()}")  # type: ignore[attr-defined]
         elif etcd:
             engine_urls = asyncio.run(engines_from_etcd(etcd))
+            if not engine_urls:
+                console.print(f"no engines registered in etcd {etcd}: the engine prefix-cache hit rate is not "
+                              "measured", soft_wrap=True)
         else:
             engine_urls = []
             console.print("no --epp/--etcd: the engine prefix-cache hit rate is not measured", soft_wrap=True)
-        outcome = _run_replay(wl, router.rstrip("/"), engine_urls, time_scale, concurrency_limit, model, label)
+        outcome = _run_replay(wl, router, engine_urls, time_scale, concurrency_limit, model, label)
         column = router
     else:
         spec = MeshSpec(run_dir=(run_dir or _default_run_dir("replay")).resolve(), engines=engines, policy=policy,
                         time_scale=time_scale, num_gpu_blocks=num_gpu_blocks, etcd=etcd)
-        with exit_on_signals(), Mesh(spec) as mesh:
+        with exit_on_signals(), mesh_errors(), Mesh(spec) as mesh:
             outcome = _run_replay(wl, mesh.router_url, mesh.engine_urls, time_scale, concurrency_limit, model, label)
         column = policy
     summary = _summary(outcome, time_scale)
@@ -412,6 +472,7 @@ def compare(
     names = [p.strip() for p in policies.split(",") if p.strip()]
     if not names:
         raise typer.BadParameter("no policy given", param_hint="--policies")
+    resolved = {name: resolve_policy(name, param_hint="--policies") for name in names}
     wl = build_workload(trace, workload, requests, seed, max_input_tokens, max_output_tokens)
     label = trace.name if trace else workload
     num_gpu_blocks = num_gpu_blocks or _default_blocks(trace)
@@ -420,10 +481,11 @@ def compare(
     console.print(f"{engines} engines x {num_gpu_blocks} blocks of {block_size_tokens} tokens, time scale "
                   f"{time_scale}, logs in {base}", soft_wrap=True)
     summaries: dict[str, dict[str, object]] = {}
-    with exit_on_signals():
+    with exit_on_signals(), mesh_errors():
         for i, name in enumerate(names):
             spec = MeshSpec(
-                run_dir=base / f"{i}-{Path(name).stem}", engines=engines, policy=name, time_scale=time_scale,
+                run_dir=base / f"{i}-{Path(name).stem}", engines=engines, policy=resolved[name],
+                time_scale=time_scale,
                 num_gpu_blocks=num_gpu_blocks, block_size_tokens=block_size_tokens, max_num_seqs=max_num_seqs,
                 etcd=etcd,
             )

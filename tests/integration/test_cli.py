@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -89,6 +90,8 @@ def kvmesh(*args: str) -> list[str]:
 
 
 ENV = {**os.environ, "COLUMNS": "240", "PYTHONUNBUFFERED": "1"}
+PIPED_ENV = {k: v for k, v in ENV.items() if k not in ("COLUMNS", "LINES")}
+"""As a user's ``kvmesh up | tee``: not a terminal and no COLUMNS, so rich defaults to 80 columns."""
 
 
 def test_compare_tiny_writes_json_and_leaves_no_process(tmp_path: Path) -> None:
@@ -127,7 +130,7 @@ def test_compare_tiny_writes_json_and_leaves_no_process(tmp_path: Path) -> None:
 def up_process(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], queue.Queue[str]]]:
     proc = subprocess.Popen(
         kvmesh("up", "--engines", "1", "--run-dir", str(tmp_path / "run")),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=PIPED_ENV,
     )
     lines: queue.Queue[str] = queue.Queue()
 
@@ -164,6 +167,14 @@ def test_up_serves_then_stops_on_sigterm_without_orphans(
     text = "".join(transcript)
     for service in ("etcd", "kv_indexer", "kv_store", "flow_control", "epp", "router", "engine-0"):
         assert service in text, text
+    # Piped at 80 columns, the table still keeps every address on one line.
+    assert len(re.findall(r"http://127\.0\.0\.1:\d+/metrics\b", text)) >= 6, text
+    ready = next(line for line in transcript if line.startswith("kvmesh ready: "))
+    epp = re.search(r" epp (127\.0\.0\.1:\d+) ", ready)
+    etcd = re.search(r" etcd (127\.0\.0\.1:\d+) ", ready)
+    assert epp and etcd, ready
+    epp_row = next(line for line in transcript if " epp " in line and "│" in line)
+    assert epp.group(1) in epp_row, text
 
     models = httpx.get(f"{router}/v1/models", timeout=10).json()
     model = models["data"][0]["id"]
@@ -189,3 +200,27 @@ def test_up_serves_then_stops_on_sigterm_without_orphans(
             continue
     assert "kvmesh stopped" in "".join(rest), "".join(rest)
     assert survivors(seen) == [], "".join(rest)
+
+
+def test_up_member_start_failure_is_one_clean_error_and_no_orphans(tmp_path: Path) -> None:
+    """epp rejects a scheduling config that exists but is invalid: exit 1, its log tail, no traceback."""
+    policy = tmp_path / "bad-policy.yaml"
+    policy.write_text("plugins: []\nprofiles: []\n")
+    proc = subprocess.Popen(
+        kvmesh("up", "--engines", "1", "--policy", str(policy), "--run-dir", str(tmp_path / "run")),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=PIPED_ENV,
+    )
+    sampler = ChildSampler(proc.pid)
+    try:
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        seen = sampler.stop()
+        if proc.poll() is None:
+            proc.kill()
+    text = output.decode(errors="replace")
+    assert proc.returncode == 1, text
+    assert "error: the mesh did not start: epp exited during start-up:" in text, text
+    assert "bad-policy.yaml: plugins: List should have at least 1 item" in text, text  # epp's log tail
+    assert "Traceback" not in text, text
+    assert len(seen) >= 2, "expected etcd and kv_indexer at least"
+    assert survivors(seen) == []
