@@ -19,6 +19,7 @@ import logging
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh import errors
 from kvmesh._proto.kvmesh.common.v1 import common_pb2
@@ -29,6 +30,25 @@ from kvmesh.channels import insecure_channel, to_domain_error
 from kvmesh.types import Endpoint, EndpointId, EndpointRole
 
 logger = logging.getLogger(__name__)
+
+
+SERVING = "SERVING"
+
+
+async def check_health(channel: grpc.aio.Channel | None, timeout_seconds: float) -> str:
+    """grpc.health.v1 ``Check`` of the whole server (service ``""``) behind ``channel``.
+
+    Returns ``"SERVING"``, another status name (``"NOT_SERVING"``), the gRPC code of a failed
+    check (``"UNAVAILABLE"``: down; ``"DEADLINE_EXCEEDED"``: no answer within ``timeout_seconds``,
+    e.g. a hung process; ``"UNIMPLEMENTED"``: no health service), or ``"NOT_CONNECTED"``; never raises.
+    """
+    if channel is None:
+        return "NOT_CONNECTED"
+    try:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_seconds)
+    except grpc.aio.AioRpcError as exc:
+        return exc.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +177,10 @@ class AdmissionClient:
         self._channel = insecure_channel(self._address)
         self._stub = fc_pb2_grpc.FlowControlStub(self._channel)
 
+    async def health(self, timeout_seconds: float) -> str:
+        """flow_control's grpc.health.v1 status name (see :func:`check_health`)."""
+        return await check_health(self._channel, timeout_seconds)
+
     async def close(self) -> None:
         if self._channel is not None:
             with contextlib.suppress(Exception):
@@ -213,6 +237,10 @@ class PickerClient:
         """Create the channel (inside the running event loop)."""
         self._channel = insecure_channel(self._address)
         self._stub = epp_pb2_grpc.EndpointPickerStub(self._channel)
+
+    async def health(self, timeout_seconds: float) -> str:
+        """epp's grpc.health.v1 status name (see :func:`check_health`)."""
+        return await check_health(self._channel, timeout_seconds)
 
     async def pick(self, query: PickQuery) -> PickResult:
         """Ask epp where to send the request.

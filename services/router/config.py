@@ -36,8 +36,9 @@ class RouterConfig(ServiceConfig):
     """Upper bound on one proxied engine request (read/write/pool timeouts of the HTTP client)."""
     connect_timeout_seconds: float = Field(2.0, gt=0, le=120)
     """TCP connect timeout to an engine; a failed connect moves on to the next fallback."""
-    admission_timeout_seconds: float = Field(120.0, gt=0, le=86400)
-    """Longest wait for flow_control's dispatch decision (flow_control's own queue TTL normally fires first)."""
+    admission_timeout_seconds: float = Field(35.0, gt=0, le=86400)
+    """Longest wait for flow_control's dispatch decision, then 504. A few seconds above flow_control's
+    default queue TTL (30 s), which normally fires first; this one bounds a hung flow_control."""
     pick_timeout_seconds: float = Field(5.0, gt=0, le=120)
     """Deadline of one epp Pick call."""
     admission_close_timeout_seconds: float = Field(2.0, gt=0, le=60)
@@ -48,6 +49,13 @@ class RouterConfig(ServiceConfig):
     """Size of the pooled HTTP client's connection pool to the engines."""
     retry_after_seconds: int = Field(1, ge=0, le=3600)
     """Value of the ``retry-after`` header on 429 answers."""
+    max_request_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, le=1024**3)
+    """Largest accepted request body (from ``content-length``, and counted while reading a chunked
+    body); larger ones get 413 with an OpenAI error body."""
+    health_check_timeout_seconds: float = Field(0.5, gt=0, le=30)
+    """Deadline of the grpc.health.v1 checks of flow_control and epp behind ``GET /health``."""
+    health_cache_seconds: float = Field(1.0, ge=0, le=60)
+    """How long a ``GET /health`` result is reused, so probes stay cheap (0 checks every time)."""
     max_tokens_limit: int = Field(1_048_576, ge=1)
     """Absolute cap on ``max_tokens`` regardless of the model's context (rejects absurd values)."""
     default_flow_id: str = "default"

@@ -5,8 +5,10 @@ Body shape, as OpenAI and vLLM send it::
     {"error": {"message": str, "type": str, "param": str | None, "code": int}}
 
 ``type`` comes from :data:`kvmesh.errors.ERROR_TABLE`; ``code`` is the HTTP status (vLLM's
-convention). Rate-limit answers (429) carry ``retry-after``. Anything outside the table is a
-500 with a generic message (the caller logs the traceback).
+convention). Rate-limit answers (429) carry ``retry-after``. :class:`RequestTooLarge` (an
+``InvalidRequest``, so INVALID_ARGUMENT over gRPC) is a 413. Anything outside the table is a
+500 with a generic message (the caller logs the traceback). Bodies are rendered with
+:func:`render_json` (ASCII-escaped, so a string from the request can never break the encoding).
 """
 
 from __future__ import annotations
@@ -27,6 +29,18 @@ from kvmesh.errors import (
 )
 
 _PARAM = re.compile(r"^'([a-z_]+)'")
+
+
+class RequestTooLarge(InvalidRequest):
+    """The request body exceeds ``max_request_body_bytes`` (HTTP 413)."""
+
+
+_STATUS_OVERRIDES: dict[type[KvmeshError], int] = {RequestTooLarge: 413}
+
+
+def render_json(body: object) -> bytes:
+    """JSON bytes for a response: ASCII-escaped (lone surrogates and any other text stay encodable)."""
+    return json.dumps(body, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +66,9 @@ def http_error(exc: BaseException, retry_after_seconds: int = 1) -> HttpError:
         return HttpError(INTERNAL.http_status, error_body("internal error", INTERNAL.openai_type, 500), {})
     message = str(exc) or type(exc).__name__
     match = _PARAM.match(message)
-    headers = {"retry-after": str(retry_after_seconds)} if row.http_status == 429 else {}
-    return HttpError(row.http_status, error_body(message, row.openai_type, row.http_status, match and match.group(1)), headers)
+    status = _STATUS_OVERRIDES.get(type(exc), row.http_status)
+    headers = {"retry-after": str(retry_after_seconds)} if status == 429 else {}
+    return HttpError(status, error_body(message, row.openai_type, status, match and match.group(1)), headers)
 
 
 _STATUS_ERRORS: dict[int, type[KvmeshError]] = {

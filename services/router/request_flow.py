@@ -55,6 +55,12 @@ REQUEST_ID_HEADER = "x-request-id"
 ENDPOINT_HEADER = "x-kvmesh-endpoint"
 
 
+def _event_boundary(data: bytes) -> int:
+    """Length of the prefix of ``data`` made of whole SSE events (ending in a blank line); 0 when none."""
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
 class Admission(Protocol):
     async def admit(self, request: AdmissionRequest) -> AdmissionTicket: ...
 
@@ -106,8 +112,17 @@ class FlowSession:
         return (self._first_byte_at - self._started) if self._first_byte_at is not None else 0.0
 
     async def iter_bytes(self) -> AsyncIterator[bytes]:
-        """The engine's response bytes, passed through unchanged (SSE when the request streams)."""
+        """The engine's response bytes, unchanged (SSE when the request streams).
+
+        A streamed answer is passed on in whole events only (up to the last blank line seen; the
+        rest follows with the next chunk, or at the end), so an in-stream error event sent after an
+        engine failure never lands inside a half-sent event.
+
+        Raises:
+            httpx.HTTPError: the engine connection failed mid-answer.
+        """
         parser = SseParser() if self.request.stream else None
+        held = b""
         async for chunk in self._response.aiter_bytes():
             if not chunk:
                 continue
@@ -123,9 +138,16 @@ class FlowSession:
                         self._chunks += 1
                     if piece.usage is not None:
                         self._usage = piece.usage
+                held += chunk
+                cut = _event_boundary(held)
+                if cut == 0:
+                    continue
+                chunk, held = held[:cut], held[cut:]
             else:
                 self._body += chunk
             yield chunk
+        if held:
+            yield held
         self._finished = True
         if parser is None:
             _, _, self._usage, _ = parse_completion(bytes(self._body))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Generator
 
 import grpc
@@ -22,6 +23,7 @@ from services.router.catalog import ModelCatalog
 from services.router.clients import AdmissionClient, PickerClient
 from services.router.config import RouterConfig
 from services.router.http_app import RouterHttpApi
+from services.router.readiness import ReadinessProbe
 from services.router.request_flow import RequestFlow, build_http_client
 from services.router.servicer import InferenceServicer
 
@@ -93,7 +95,18 @@ def build_service(config: RouterConfig) -> GrpcService:
     picker = PickerClient(config.epp_address, config.pick_timeout_seconds)
     http_client = build_http_client(config)
     flow = RequestFlow(config, catalog, admission, picker, http_client)
-    api = RouterHttpApi(config, flow, catalog)
+
+    def endpoint_count() -> int:
+        return sum(info.endpoints for info in catalog().models.values())
+
+    readiness = ReadinessProbe(
+        {"flow_control": admission.health, "epp": picker.health},
+        endpoint_count,
+        config.health_check_timeout_seconds,
+        config.health_cache_seconds,
+        time.monotonic,
+    )
+    api = RouterHttpApi(config, flow, catalog, readiness)
     http_server = HttpServer(api.app(), config.host, config.http_port, config.shutdown_http_grace_seconds)
     servicer = InferenceServicer(config, flow, catalog)
 

@@ -6,11 +6,12 @@ OpenAI body built from its protobuf. Checks, in order (the first failure wins):
 | check | error (HTTP) |
 | --- | --- |
 | body is a JSON object | InvalidRequest (400) |
+| every string is valid Unicode (no lone UTF-16 surrogate from a ``\\ud800`` escape) | InvalidRequest (400) |
 | ``model`` present, a non-empty string | InvalidRequest (400) |
 | no live endpoint at all | NoEndpointsAvailable (503) |
 | ``model`` served by a live endpoint | UnknownModel (404) |
 | completions: ``prompt`` is a string or a non-empty list of token ids; no ``messages`` | InvalidRequest (400) |
-| chat: ``messages`` a non-empty list of ``{role, content}``; no ``prompt`` | InvalidRequest (400) |
+| chat: ``messages`` a non-empty list of ``{role, content}``, ``role`` in :data:`CHAT_ROLES`; no ``prompt`` | InvalidRequest (400) |
 | ``max_tokens`` / ``max_completion_tokens``: an integer in [1, min(max_model_len, max_tokens_limit)] | InvalidRequest (400) |
 | ``temperature`` a number in [0, 2]; ``top_p`` in (0, 1]; ``n`` == 1 | InvalidRequest (400) |
 | ``stream`` a boolean | InvalidRequest (400) |
@@ -22,7 +23,9 @@ of its token count already exceeds the context, ``ceil(utf8_bytes / 16) + 1`` (B
 rejects a prompt the engine would accept with any byte-level BPE whose average token on the
 prompt is under 16 bytes. The exact check happens after Pick when epp reports the tokenized
 length (``PickResponse.prompt_tokens``), and otherwise at the engine, whose 400 passes through.
-Admission sizing uses the usual estimate of ``ceil(utf8_bytes / 4) + 1`` tokens.
+Admission sizing uses the usual estimate of ``ceil(utf8_bytes / 4) + 1`` tokens. The over-context
+message says which it is: "at least N tokens (estimated)" for text, the exact count for token ids
+(and for epp's tokenized count).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +46,11 @@ BYTES_PER_TOKEN_LOWER_BOUND = 16
 """Bytes per token assumed when rejecting text as over-context (a deliberate over-estimate)."""
 CHAT_TOKENS_PER_MESSAGE = 4
 """Chat-template overhead per message (role markers), added to the estimate."""
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+"""Chat roles accepted (OpenAI's current set; vLLM's chat templates know these)."""
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+"""A JSON escape of a UTF-16 surrogate; only bodies containing one need the full Unicode walk."""
 
 
 class RequestKind(enum.StrEnum):
@@ -90,7 +99,48 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):  # paired escapes (emoji) decode fine; lone ones cannot be re-encoded
+        where = find_lone_surrogate(data)
+        if where is not None:
+            raise InvalidRequest(f"'{where}' is not valid Unicode: it contains a lone UTF-16 surrogate escape")
     return data
+
+
+def find_lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The JSON path (``messages[0].content``) of the first string or key holding a lone surrogate, else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            sub = f"{path}.{key}" if path else str(key)
+            if find_lone_surrogate(key, sub) is not None:
+                return (path or "body") + " key"
+            found = find_lone_surrogate(item, sub)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = find_lone_surrogate(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+def _utf8_or_invalid(text: str, where: str) -> str:
+    """``text`` unchanged when it encodes as UTF-8.
+
+    Raises:
+        InvalidRequest: naming ``where`` when it holds a lone surrogate.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"'{where}' is not valid Unicode: it contains a lone UTF-16 surrogate") from None
+    return text
 
 
 def _is_int(value: Any) -> bool:
@@ -102,25 +152,25 @@ def _is_number(value: Any) -> bool:
 
 
 def estimate_text_tokens(text: str) -> int:
-    """Admission-sizing estimate of a text's token count (BOS included)."""
-    return math.ceil(len(text.encode("utf-8")) / BYTES_PER_TOKEN_ESTIMATE) + 1
+    """Admission-sizing estimate of a text's token count (BOS included); never raises."""
+    return math.ceil(len(text.encode("utf-8", "surrogatepass")) / BYTES_PER_TOKEN_ESTIMATE) + 1
 
 
 def text_tokens_lower_bound(text: str) -> int:
-    """A deliberately low count of a text's tokens, used to reject over-context prompts."""
-    return math.ceil(len(text.encode("utf-8")) / BYTES_PER_TOKEN_LOWER_BOUND) + 1
+    """A deliberately low count of a text's tokens, used to reject over-context prompts; never raises."""
+    return math.ceil(len(text.encode("utf-8", "surrogatepass")) / BYTES_PER_TOKEN_LOWER_BOUND) + 1
 
 
 def _content_text(content: Any, index: int) -> str:
     if isinstance(content, str):
-        return content
+        return _utf8_or_invalid(content, f"messages[{index}].content")
     if isinstance(content, list):
         parts: list[str] = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise InvalidRequest(f"messages[{index}].content: only text parts are supported")
             parts.append(part["text"])
-        return "".join(parts)
+        return _utf8_or_invalid("".join(parts), f"messages[{index}].content")
     if content is None:
         return ""
     raise InvalidRequest(f"messages[{index}].content must be a string or a list of text parts")
@@ -136,7 +186,7 @@ def _validate_prompt(kind: RequestKind, body: dict[str, Any]) -> tuple[str, tupl
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("'prompt' must not be empty")
-            return prompt, (), ()
+            return _utf8_or_invalid(prompt, "prompt"), (), ()
         if isinstance(prompt, list):
             if not prompt:
                 raise InvalidRequest("'prompt' must not be empty")
@@ -158,6 +208,8 @@ def _validate_prompt(kind: RequestKind, body: dict[str, Any]) -> tuple[str, tupl
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise InvalidRequest(f"messages[{i}].role must be a non-empty string")
+        if role not in CHAT_ROLES:
+            raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(sorted(CHAT_ROLES))}, got {role!r}")
         out.append((role, _content_text(message.get("content"), i)))
     return "", (), tuple(out)
 
@@ -175,6 +227,7 @@ def validate_request(kind: RequestKind, body: dict[str, Any], catalog: ModelCata
         raise InvalidRequest("'model' is required")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("'model' must be a non-empty string")
+    _utf8_or_invalid(model, "model")
     if not catalog.models:
         raise NoEndpointsAvailable("no model endpoints are live")
     info = catalog.get(model)
@@ -221,7 +274,7 @@ def validate_request(kind: RequestKind, body: dict[str, Any], catalog: ModelCata
     else:
         estimate = estimate_text_tokens(prompt_text)
         lower = text_tokens_lower_bound(prompt_text)
-    check_context(model, info.max_model_len, lower, max_tokens)
+    check_context(model, info.max_model_len, lower, max_tokens, exact=bool(token_ids))
 
     return RouterRequest(
         kind=kind,
@@ -236,8 +289,13 @@ def validate_request(kind: RequestKind, body: dict[str, Any], catalog: ModelCata
     )
 
 
-def check_context(model: str, max_model_len: int | None, prompt_tokens: int, max_tokens: int | None) -> None:
+def check_context(
+    model: str, max_model_len: int | None, prompt_tokens: int, max_tokens: int | None, exact: bool = True
+) -> None:
     """vLLM's rule: ``prompt_tokens + max_tokens <= max_model_len`` (prompt alone when max_tokens is unset).
+
+    ``exact`` is False when ``prompt_tokens`` is the text lower bound: the message then says
+    "at least N prompt tokens (estimated)" rather than stating the estimate as a count.
 
     Raises:
         InvalidRequest: naming both numbers, when the request does not fit.
@@ -245,8 +303,8 @@ def check_context(model: str, max_model_len: int | None, prompt_tokens: int, max
     if max_model_len is None:
         return
     if prompt_tokens > max_model_len or prompt_tokens + (max_tokens or 0) > max_model_len:
+        count = f"{prompt_tokens} prompt tokens" if exact else f"at least {prompt_tokens} prompt tokens (estimated)"
         raise InvalidRequest(
             f"This model's maximum context length is {max_model_len} tokens; the request has "
-            f"{prompt_tokens} prompt tokens and asks for {max_tokens or 0} completion tokens "
-            f"(model '{model}')"
+            f"{count} and asks for {max_tokens or 0} completion tokens (model '{model}')"
         )

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -19,6 +21,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -35,6 +38,7 @@ from services.router.service import HttpServer
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 256
+BODY_LIMIT = 65536
 
 
 async def _until(predicate: Callable[[], object], timeout: float, what: str) -> None:
@@ -145,6 +149,7 @@ class Mesh:
     epp_address: str
     engines: list[FakeEngine]
     router: ManagedProcess
+    metrics: str = ""
 
     async def in_flight(self) -> int:
         async with grpc.aio.insecure_channel(self.flow_control) as channel:
@@ -152,11 +157,11 @@ class Mesh:
         return stats.in_flight
 
 
-def _start(name: str, run_dir: Path, etcd: str, *args: str) -> tuple[ManagedProcess, str]:
+def _start(name: str, run_dir: Path, etcd: str, *args: str, metrics_port: int = 0) -> tuple[ManagedProcess, str]:
     port = free_port()
     proc = ManagedProcess(
         name,
-        python_module(f"services.{name}", "--grpc-port", str(port), "--metrics-port", str(free_port()),
+        python_module(f"services.{name}", "--grpc-port", str(port), "--metrics-port", str(metrics_port or free_port()),
                       "--etcd-endpoints", etcd, "--lease-ttl-seconds", "3", *args),
         run_dir / f"router-test-{name}-{port}.log",
     ).start()
@@ -173,6 +178,9 @@ async def mesh(etcd: str, run_dir: Path) -> AsyncIterator[Mesh]:
     epp = FakeEpp()
     epp_server = grpc.aio.server()
     epp_pb2_grpc.add_EndpointPickerServicer_to_server(epp, epp_server)
+    epp_health = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(epp_health, epp_server)
+    await epp_health.set("", health_pb2.HealthCheckResponse.SERVING)
     epp_port = epp_server.add_insecure_port("127.0.0.1:0")
     await epp_server.start()
     engines = [await FakeEngine().start(etcd), await FakeEngine().start(etcd)]
@@ -180,15 +188,16 @@ async def mesh(etcd: str, run_dir: Path) -> AsyncIterator[Mesh]:
     try:
         fc_proc, fc_addr = _start("flow_control", run_dir, etcd, "--max-in-flight", "8", "--max-queue-size", "100")
         procs.append(fc_proc)
-        http_port = free_port()
+        http_port, metrics_port = free_port(), free_port()
         router, router_addr = _start("router", run_dir, etcd, "--http-port", str(http_port), "--flow-control-address",
-                                     fc_addr, "--epp-address", f"127.0.0.1:{epp_port}", "--connect-timeout-seconds", "1")
+                                     fc_addr, "--epp-address", f"127.0.0.1:{epp_port}", "--connect-timeout-seconds", "1",
+                                     "--max-request-body-bytes", str(BODY_LIMIT), metrics_port=metrics_port)
         procs.append(router)
         http = f"http://127.0.0.1:{http_port}"
-        wait_http_ok(f"{http}/health", 10)
-        mesh = Mesh(http, router_addr, fc_addr, epp, f"127.0.0.1:{epp_port}", engines, router)
+        mesh = Mesh(http, router_addr, fc_addr, epp, f"127.0.0.1:{epp_port}", engines, router, f"http://127.0.0.1:{metrics_port}")
         async with httpx.AsyncClient() as client:
             await _until(lambda: _models(client, http), 15, "router to see the engines")
+            await _until(lambda: _healthy(client, http), 10, "router /health 200")  # async: epp runs in this loop
         yield mesh
     finally:
         for proc in reversed(procs):
@@ -196,6 +205,10 @@ async def mesh(etcd: str, run_dir: Path) -> AsyncIterator[Mesh]:
         for engine in engines:
             await engine.stop()
         await epp_server.stop(0)
+
+
+async def _healthy(client: httpx.AsyncClient, http: str) -> bool:
+    return (await client.get(f"{http}/health")).status_code == 200
 
 
 async def _models(client: httpx.AsyncClient, http: str) -> bool:
@@ -442,3 +455,154 @@ async def test_real_epp_and_simulator(mesh: Mesh, start_service, etcd: str, run_
         await _until(lambda: _running(engine_url) == 0, 5, "the simulator to drop the cancelled request")
     finally:
         engine.stop()
+
+
+HOSTILE: list[tuple[str, str, bytes, list[tuple[bytes, bytes]]]] = [
+    ("priority-over-int32", "/v1/completions", b'{"model": "tiny", "prompt": "hi"}', [(b"x-kvmesh-priority", b"2147483648")]),
+    ("priority-huge", "/v1/completions", b'{"model": "tiny", "prompt": "hi"}', [(b"x-kvmesh-priority", b"99999999999999999999999")]),
+    ("priority-huge-negative", "/v1/completions", b'{"model": "tiny", "prompt": "hi"}', [(b"x-kvmesh-priority", b"-99999999999999999999")]),
+    ("priority-underscore", "/v1/completions", b'{"model": "tiny", "prompt": "hi"}', [(b"x-kvmesh-priority", b"1_0")]),
+    ("objective-over-int32", "/v1/completions", b'{"model": "tiny", "prompt": "hi"}', [(b"x-llm-d-inference-objective", b"2147483648")]),
+    ("surrogate-prompt", "/v1/completions", b'{"model": "tiny", "prompt": "\\ud800"}', []),
+    ("surrogate-chat", "/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', []),
+    ("surrogate-model", "/v1/completions", b'{"model": "\\ud800", "prompt": "x"}', []),
+    ("non-ascii-request-id", "/v1/completions", b'{"model": "tiny", "prompt": "hi"}', [(b"x-request-id", b"\xe9\xff")]),
+    ("text-content-type", "/v1/completions", b'{"model": "tiny", "prompt": "hi"}', [(b"content-type", b"text/plain")]),
+    ("form-content-type", "/v1/completions", b'{"model": "tiny", "prompt": "hi"}', [(b"content-type", b"application/x-www-form-urlencoded")]),
+    ("unknown-role", "/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}', []),
+]
+
+
+@pytest.mark.parametrize(("path", "raw", "headers"), [h[1:] for h in HOSTILE], ids=[h[0] for h in HOSTILE])
+async def test_hostile_inputs_are_400_with_openai_bodies(mesh: Mesh, client: httpx.AsyncClient, path: str, raw: bytes,
+                                                         headers: list[tuple[bytes, bytes]]) -> None:
+    log_before = mesh.router.log_path.read_bytes().count(b"Traceback")
+    reply = await client.post(f"{mesh.http}{path}", content=raw, headers=headers)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == 400 and error["message"]
+    assert mesh.router.log_path.read_bytes().count(b"Traceback") == log_before
+    mesh.router.check_alive()
+
+
+async def test_text_over_context_says_estimated(mesh: Mesh, client: httpx.AsyncClient) -> None:
+    reply = await client.post(f"{mesh.http}/v1/completions", json={"model": MODEL, "prompt": "x" * 16 * 300})
+    assert reply.status_code == 400
+    assert "at least 301 prompt tokens (estimated)" in reply.json()["error"]["message"]
+
+
+async def test_unknown_paths_and_methods_are_openai_json(mesh: Mesh, client: httpx.AsyncClient) -> None:
+    missing = await client.get(f"{mesh.http}/v1/nothing-here")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    wrong = await client.get(f"{mesh.http}/v1/completions")
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == 405
+    assert "POST" in wrong.headers["allow"]
+
+
+async def test_body_size_cap_is_413(mesh: Mesh, client: httpx.AsyncClient) -> None:
+    big = json.dumps({"model": MODEL, "prompt": "x" * (BODY_LIMIT + 10)}).encode()
+    reply = await client.post(f"{mesh.http}/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert reply.status_code == 413, reply.text
+    assert reply.json()["error"] == {"message": reply.json()["error"]["message"], "type": "invalid_request_error", "param": None, "code": 413}
+
+    async def chunked() -> AsyncIterator[bytes]:  # no content-length: counted while reading
+        for i in range(0, len(big), 8192):
+            yield big[i : i + 8192]
+
+    reply = await client.post(f"{mesh.http}/v1/completions", content=chunked(), headers={"content-type": "application/json"})
+    assert reply.status_code == 413, reply.text
+    assert reply.json()["error"]["code"] == 413
+    ok = await client.post(f"{mesh.http}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1, "user": "u" * (BODY_LIMIT // 2)})
+    assert ok.status_code == 200, ok.text
+
+
+async def test_flow_control_hung_is_504_and_dead_is_unready(mesh: Mesh, start_service) -> None:
+    """SIGSTOPped flow_control: requests end in 504 at the admission timeout and /health is 503; after
+    SIGCONT /health is 200 again; killed flow_control: /health 503 naming it."""
+    fc_proc, flow = start_service("flow_control", "--shutdown-grace-seconds", "0.5")
+    http_port = free_port()
+    start_service("router", "--shutdown-grace-seconds", "0.5", "--shutdown-http-grace-seconds", "0.5", "--http-port", str(http_port),
+                  "--flow-control-address", flow, "--epp-address", mesh.epp_address, "--admission-timeout-seconds", "1",
+                  "--health-cache-seconds", "0.2")
+    http = f"http://127.0.0.1:{http_port}"
+    async with httpx.AsyncClient(timeout=20) as client:
+        await _until(lambda: _models(client, http), 15, "router to see the engines")
+        await _until(lambda: _healthy(client, http), 10, "router ready")
+        os.killpg(fc_proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            reply = await client.post(f"{http}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
+            assert reply.status_code == 504, reply.text
+            assert time.monotonic() - started < 5
+            assert reply.json()["error"]["type"] == "timeout" and reply.json()["error"]["code"] == 504
+            hung = await client.get(f"{http}/health")
+            assert hung.status_code == 503
+            assert hung.json()["dependencies"]["flow_control"] == "DEADLINE_EXCEEDED"
+            assert "flow_control" in hung.json()["error"]["message"]
+        finally:
+            os.killpg(fc_proc.pid, signal.SIGCONT)
+        await _until(lambda: _healthy(client, http), 10, "router ready again after SIGCONT")
+        ok = await client.post(f"{http}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
+        assert ok.status_code == 200, ok.text
+        fc_proc.kill()
+
+        async def unready() -> bool:
+            reply = await client.get(f"{http}/health")
+            return reply.status_code == 503 and reply.json()["dependencies"]["flow_control"] != "SERVING"
+
+        await _until(unready, 10, "/health to report flow_control down")
+        body = (await client.get(f"{http}/health")).json()
+        assert body["status"] == "unavailable" and "flow_control" in body["error"]["message"]
+        assert body["dependencies"]["epp"] == "SERVING"
+
+
+def _counter(metrics_url: str, outcome: str) -> float:
+    for line in httpx.get(f"{metrics_url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(f'kvmesh_router_requests_total{{outcome="{outcome}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_engine_killed_mid_stream_ends_with_sse_error(mesh: Mesh, etcd: str, run_dir: Path) -> None:
+    port = free_port()
+    engine = ManagedProcess("engine", python_module(
+        "engine_simulator", "--host", "127.0.0.1", "--port", str(port), "--model", "dying", "--events-endpoint", "",
+        "--etcd-endpoints", etcd, "--lease-ttl-seconds", "3", "--max-model-len", "4096", "--time-scale", "0.2"),
+        run_dir / f"router-test-dying-{port}.log").start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        await _until(lambda: _http_ok(f"{url}/health"), 60, "simulator up")
+        mesh.epp.order = [Endpoint(id=EndpointId(f"127.0.0.1:{port}"), url=url, model="dying")]
+        async with httpx.AsyncClient(timeout=30) as client:
+            async def listed() -> bool:
+                return any(m["id"] == "dying" for m in (await client.get(f"{mesh.http}/v1/models")).json()["data"])
+
+            await _until(listed, 15, "router to list the dying model")
+            upstream_errors = _counter(mesh.metrics, "upstream_error")
+            raw = b""
+            async with client.stream("POST", f"{mesh.http}/v1/completions", json={
+                    "model": "dying", "prompt": "a long one", "max_tokens": 3000, "stream": True, "ignore_eos": True}) as s:
+                assert s.status_code == 200
+                async for chunk in s.aiter_bytes():
+                    raw += chunk
+                    if raw.count(b"\n\n") >= 2 and engine.alive():
+                        engine.kill()
+        events = [e for e in raw.decode().split("\n\n") if e]
+        assert all(e.startswith("data: ") for e in events), raw[-300:]
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2][6:])["error"]
+        assert error["type"] == "service_unavailable" and "mid-stream" in error["message"]
+        for event in events[:-2]:
+            assert "choices" in json.loads(event[6:])  # whole events only before the error
+        await _until(lambda: _zero(mesh), 5, "slot released")
+        assert _counter(mesh.metrics, "upstream_error") == upstream_errors + 1
+    finally:
+        engine.stop()
+
+
+async def _http_ok(url: str) -> bool:
+    try:
+        async with httpx.AsyncClient(timeout=1) as client:
+            return (await client.get(url)).status_code == 200
+    except httpx.HTTPError:
+        return False
