@@ -3,8 +3,26 @@
 Pure state, no I/O: :class:`~services.epp.scraper.MetricsScraper` feeds it scrapes, the membership
 watcher feeds it joins and leaves, the scheduler reads :class:`Candidate` snapshots. An endpoint that
 leaves etcd is forgotten at once (with its metrics); a scrape that arrives for an unknown endpoint is
-ignored. Picks sent to an endpoint since its last scrape are counted (``pending_picks``) so a burst of
-picks between two scrapes sees its own effect on the queue.
+ignored.
+
+Pending picks (``pending_picks``: picks sent to an endpoint that its metrics do not show yet) let a
+burst of picks see its own effect on the queue. They are reconciled against the engine's own count of
+requests it has received, ``vllm:request_success_total`` (all finish reasons, aborts included) +
+``vllm:num_requests_running`` + ``vllm:num_requests_waiting``: ``pending = picks - seen`` where
+``seen`` is how far that count grew since the first scrape. So a scrape whose text was rendered before
+a picked request reached the engine (the router's hop takes tens of ms on a busy host) no longer wipes
+that pick, which used to make a burst pile onto the endpoint just scraped. ``pending`` is clamped to
+[0, picks of the last ``pending_pick_ttl_seconds``] (a request picked but never delivered, or one the
+engine got from elsewhere, cannot skew it for longer). Without ``vllm:request_success_total`` a scrape
+resets ``pending`` to 0, as before.
+
+Queued prefill (``unprefilled_requests``, ``queued_prefill_tokens``): each pick is noted with the prompt
+tokens the target still has to compute (prompt minus its cached prefix, from the scheduler). The engine's
+``vllm:time_to_first_token_seconds_count`` says how many requests finished their prefill; reconciled
+the same way (clamped to the picks of the last ``prefill_ttl_seconds``), ``picks - first tokens`` is the
+number of epp's requests still waiting for their first token there, and as engines admit FCFS these are
+the latest picks, whose noted tokens sum to ``queued_prefill_tokens``. Without that counter,
+``unprefilled_requests`` falls back to ``waiting + pending``.
 
 :func:`parse_vllm_metrics` reads the Prometheus text of vLLM's ``/metrics`` (names as in vLLM 0.32,
 ``vllm/v1/metrics/loggers.py``): ``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
@@ -15,8 +33,9 @@ the ``block_size`` label of ``vllm:cache_config_info``.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -28,7 +47,15 @@ WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 CACHE_CONFIG = "vllm:cache_config_info"
-_WANTED = (WAITING, RUNNING, KV_USAGE, CACHE_CONFIG)
+FINISHED = "vllm:request_success"
+"""Family name as ``prometheus_client`` parses it; the sample is ``vllm:request_success_total``."""
+FIRST_TOKENS = "vllm:time_to_first_token_seconds"
+"""Histogram; its ``_count`` sample is the number of requests that got their first token."""
+_WANTED = (WAITING, RUNNING, KV_USAGE, CACHE_CONFIG, FINISHED + "_total", FIRST_TOKENS + "_count")
+DEFAULT_PENDING_PICK_TTL_SECONDS = 5.0
+DEFAULT_PREFILL_TTL_SECONDS = 120.0
+_PICK_HISTORY = 4096
+"""Most picks remembered per endpoint (for their prefill tokens)."""
 _WANTED_PREFIXES = tuple(_WANTED) + tuple(f"# HELP {n} " for n in _WANTED) + tuple(f"# TYPE {n} " for n in _WANTED)
 
 
@@ -40,12 +67,16 @@ class ScrapeSample:
     num_requests_running: float
     kv_cache_usage_perc: float
     block_size_tokens: int | None = None
+    num_requests_finished: float | None = None
+    """``vllm:request_success_total`` summed over labels (requests); None when absent."""
+    num_first_tokens: float | None = None
+    """``vllm:time_to_first_token_seconds_count`` summed over labels (requests); None when absent."""
 
 
 def parse_vllm_metrics(text: str) -> ScrapeSample:
     """Parse vLLM's Prometheus exposition.
 
-    Only the lines of the four metrics above are handed to ``prometheus_client``'s parser (the full
+    Only the lines of the metrics above (and ``vllm:request_success_total``, optional) are handed to ``prometheus_client``'s parser (the full
     exposition is ~50 KB of histograms; parsing all of it every 100 ms per engine would cost a core).
 
     Raises:
@@ -54,10 +85,16 @@ def parse_vllm_metrics(text: str) -> ScrapeSample:
     lines = [line for line in text.splitlines() if line.startswith(_WANTED_PREFIXES)]
     values: dict[str, list[float]] = {WAITING: [], RUNNING: [], KV_USAGE: []}
     block_size: int | None = None
+    finished: float | None = None
+    first_tokens: float | None = None
     for family in text_string_to_metric_families("\n".join(lines) + "\n"):
         for sample in family.samples:
             if sample.name in values:
                 values[sample.name].append(float(sample.value))
+            elif sample.name == FINISHED + "_total" and math.isfinite(sample.value) and sample.value >= 0:
+                finished = (finished or 0.0) + float(sample.value)
+            elif sample.name == FIRST_TOKENS + "_count" and math.isfinite(sample.value) and sample.value >= 0:
+                first_tokens = (first_tokens or 0.0) + float(sample.value)
             elif sample.name == CACHE_CONFIG and block_size is None:
                 raw = sample.labels.get("block_size")
                 if raw is not None and raw.isdigit():
@@ -70,7 +107,7 @@ def parse_vllm_metrics(text: str) -> ScrapeSample:
     usage = sum(values[KV_USAGE]) / len(values[KV_USAGE])
     if usage > 1.0:
         raise ValueError(f"{KV_USAGE}={usage} outside [0, 1]")
-    return ScrapeSample(sum(values[WAITING]), sum(values[RUNNING]), usage, block_size)
+    return ScrapeSample(sum(values[WAITING]), sum(values[RUNNING]), usage, block_size, finished, first_tokens)
 
 
 @dataclass(slots=True)
@@ -81,13 +118,25 @@ class _EndpointState:
     consecutive_failures: int = 0
     pending_picks: int = 0
     last_error: str = ""
+    picks_total: int = 0
+    seen_offset: float | None = None
+    """Engine received-count at which ``picks_total`` was 0 (None until a scrape carried the counter)."""
+    first_token_offset: float | None = None
+    """Engine first-token count at which ``picks_total`` was 0 (None until a scrape carried it)."""
+    unprefilled: int = 0
+    picks: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=_PICK_HISTORY))
+    """(clock time, prefill tokens) of the latest picks, oldest first."""
 
 
 class Datastore:
     """Endpoints by id with their metrics; every method is O(endpoints) at most and never blocks."""
 
-    def __init__(self, clock: Clock | None = None) -> None:
+    def __init__(self, clock: Clock | None = None,
+                 pending_pick_ttl_seconds: float = DEFAULT_PENDING_PICK_TTL_SECONDS,
+                 prefill_ttl_seconds: float = DEFAULT_PREFILL_TTL_SECONDS) -> None:
         self._clock = clock or SystemClock()
+        self._pending_ttl = pending_pick_ttl_seconds
+        self._prefill_ttl = prefill_ttl_seconds
         self._states: dict[EndpointId, _EndpointState] = {}
 
     # -- membership -------------------------------------------------------------------------
@@ -109,11 +158,41 @@ class Datastore:
         state = self._states.get(endpoint_id)
         if state is None:
             return
+        now = self._clock.now()
         state.sample = sample
-        state.scraped_at = self._clock.now()
+        state.scraped_at = now
         state.consecutive_failures = 0
-        state.pending_picks = 0
         state.last_error = ""
+        if sample.num_requests_finished is None:
+            state.pending_picks = 0
+        else:
+            received = sample.num_requests_finished + sample.num_requests_running + sample.num_requests_waiting
+            state.seen_offset, state.pending_picks = self._reconcile(
+                state, received, state.seen_offset, now, self._pending_ttl)
+        if sample.num_first_tokens is None:
+            state.unprefilled = int(sample.num_requests_waiting + state.pending_picks)
+        else:
+            state.first_token_offset, state.unprefilled = self._reconcile(
+                state, sample.num_first_tokens, state.first_token_offset, now, self._prefill_ttl)
+
+    @staticmethod
+    def _reconcile(
+        state: _EndpointState, count: float, offset: float | None, now: float, ttl: float
+    ) -> tuple[float, int]:
+        """``picks - (count - offset)`` clamped to [0, picks of the last ``ttl`` s], moving the offset when clamped."""
+        if offset is None:
+            offset = count - state.picks_total
+        unseen = int(state.picks_total - (count - offset))
+        if unseen < 0:  # the engine counted requests epp did not send (or a counter restarted)
+            return count - state.picks_total, 0
+        recent = 0  # picks of the last ttl seconds, counted only as far as needed
+        for at, _ in reversed(state.picks):
+            if recent >= unseen or now - at > ttl:
+                break
+            recent += 1
+        if unseen > recent:  # picks that never arrived (router fell back, request refused) or expired
+            return count - state.picks_total + recent, recent
+        return offset, unseen
 
     def record_scrape_failure(self, endpoint_id: EndpointId, error: str) -> None:
         state = self._states.get(endpoint_id)
@@ -122,10 +201,14 @@ class Datastore:
         state.consecutive_failures += 1
         state.last_error = error
 
-    def note_pick(self, endpoint_id: EndpointId) -> None:
+    def note_pick(self, endpoint_id: EndpointId, prefill_tokens: int = 0) -> None:
+        """Count a pick; ``prefill_tokens``: prompt tokens the target must compute (not cached there)."""
         state = self._states.get(endpoint_id)
         if state is not None:
             state.pending_picks += 1
+            state.unprefilled += 1
+            state.picks_total += 1
+            state.picks.append((self._clock.now(), max(0, prefill_tokens)))
 
     # -- reads ------------------------------------------------------------------------------
     def endpoints(self) -> list[Endpoint]:
@@ -136,9 +219,13 @@ class Datastore:
 
     def _candidate(self, state: _EndpointState, now: float) -> Candidate:
         sample = state.sample
+        known = min(state.unprefilled, len(state.picks))
         metrics = EndpointMetrics(
             consecutive_failures=state.consecutive_failures,
             pending_picks=state.pending_picks,
+            unprefilled_requests=state.unprefilled,
+            queued_prefill_tokens=sum(state.picks[-i][1] for i in range(1, known + 1)),
+            known_unprefilled_requests=known,
             age_seconds=None if state.scraped_at is None else max(0.0, now - state.scraped_at),
         )
         if sample is not None:

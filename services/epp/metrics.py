@@ -3,7 +3,7 @@
 | metric | type | labels |
 | --- | --- | --- |
 | ``kvmesh_epp_scheduler_e2e_duration_seconds`` | histogram | none |
-| ``kvmesh_epp_plugin_duration_seconds`` | histogram | ``extension_point`` (filter, scorer, picker), ``plugin_type`` |
+| ``kvmesh_epp_plugin_duration_seconds`` | histogram | ``extension_point`` (filter, prepare, scorer, picker), ``plugin_type`` |
 | ``kvmesh_epp_pick_total`` | counter | ``outcome`` (:class:`PickOutcome`) |
 | ``kvmesh_epp_metrics_scrape_total`` | counter | ``result`` (ok, error) |
 """

@@ -8,7 +8,10 @@ here a :class:`StateKey` carries its value type, so ``state.get(TOKEN_IDS)`` is 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from services.epp.framework.interfaces import PrefixMatch
 
 T = TypeVar("T")
 
@@ -38,3 +41,6 @@ class CycleState:
 
 TOKEN_IDS: StateKey[list[int]] = StateKey("token-ids")
 """The prompt's token ids once some plugin obtained them (given by the caller or tokenized)."""
+
+PREFIX_MATCH: StateKey[PrefixMatch | None] = StateKey("prefix-match")
+"""kv_indexer's answer for the prompt once fetched (None: no tokens, or the call failed: score 0)."""

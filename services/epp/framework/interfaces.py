@@ -4,11 +4,16 @@ Follows GIE's ``pkg/epp/scheduling/framework/plugins.go`` (v1.2.0): a base that 
 plugin, and one verb per extension point.
 
 - :class:`Filter` ``.filter(state, request, candidates) -> list[Candidate]`` (sync, pure).
-- :class:`Scorer` ``.score(state, request, candidates) -> dict[EndpointId, float]`` with every score
+- :class:`Scorer` ``.prepare(state, request, candidates)`` (optional, async: fetch what scoring needs,
+  e.g. kv_indexer's answer, into the cycle state) then ``.score(state, request, candidates) ->
+  dict[EndpointId, float]`` with every score
   in [0, 1] and one score per candidate. A score outside [0, 1], a missing or an extra key is a plugin
   bug: :class:`~services.epp.framework.profile.SchedulerProfile` logs it and fails the pick with
-  :class:`PluginError` (never clamps). ``score`` is async because some scorers need I/O
-  (the precise prefix scorer asks kv_indexer); pure scorers simply do not await.
+  :class:`PluginError` (never clamps). ``score`` is async because a scorer used without ``prepare``
+  may do its I/O there; after ``prepare`` it must not suspend, because the scheduler takes the
+  load snapshot *after* every ``prepare`` and relies on snapshot -> scores -> pick -> ``note_pick``
+  running without a suspension point (otherwise concurrent picks all score the same stale snapshot
+  and pile onto one endpoint).
 - :class:`Picker` ``.pick(state, scored) -> PickerResult``: the target first, then the rest in the
   order the picker would try them; ties are broken at random (the picker's own ``random.Random``).
 
@@ -77,8 +82,12 @@ class EndpointMetrics:
         block_size_tokens: ``block_size`` label of ``vllm:cache_config_info`` (None when absent).
         age_seconds: seconds since the last successful scrape when this snapshot was taken
             (None when never scraped).
-        pending_picks: picks sent to this endpoint since that scrape (not yet visible in its metrics).
+        pending_picks: picks sent to this endpoint that its metrics do not show yet (requests).
         consecutive_failures: scrapes failed in a row since the last success.
+        unprefilled_requests: requests (epp's picks, or waiting + pending without the engine's
+            first-token count) that have not had their first token yet.
+        known_unprefilled_requests: how many of those epp picked itself (their tokens are known).
+        queued_prefill_tokens: prompt tokens (uncached at pick time) of those known requests (tokens).
     """
 
     num_requests_waiting: float = 0.0
@@ -88,6 +97,9 @@ class EndpointMetrics:
     age_seconds: float | None = None
     pending_picks: int = 0
     consecutive_failures: int = 0
+    unprefilled_requests: int = 0
+    known_unprefilled_requests: int = 0
+    queued_prefill_tokens: int = 0
 
     @property
     def queue_depth(self) -> float:
@@ -119,6 +131,7 @@ class ExtensionPoint(enum.StrEnum):
     """Where a plugin runs; a label of ``kvmesh_epp_plugin_duration_seconds``."""
 
     FILTER = "filter"
+    PREPARE = "prepare"
     SCORER = "scorer"
     PICKER = "picker"
 
@@ -148,6 +161,14 @@ class Filter(Plugin):
 class Scorer(Plugin):
     extension_point: ClassVar[ExtensionPoint] = ExtensionPoint.SCORER
     category: ClassVar[ScorerCategory]
+
+    async def prepare(self, state: CycleState, request: SchedulingRequest, candidates: Sequence[Candidate]) -> None:
+        """Do this scorer's I/O for ``request`` and keep the result in ``state`` (default: nothing).
+
+        Runs before the scheduler snapshots the endpoints' load; ``score`` then reads ``state`` without
+        suspending. Must not raise for I/O failures (degrade instead).
+        """
+        return
 
     @abc.abstractmethod
     async def score(
@@ -222,7 +243,23 @@ class PluginHandle:
 
 
 __all__ = [
-    "Candidate", "ChatMessage", "ConfigError", "CycleState", "EndpointMetrics", "ExtensionPoint", "Filter",
-    "Picker", "PickerResult", "Plugin", "PluginError", "PluginHandle", "PrefixIndex", "PrefixMatch",
-    "ScoredCandidate", "Scorer", "ScorerCategory", "SchedulingRequest", "Tokenizer",
+    "Candidate",
+    "ChatMessage",
+    "ConfigError",
+    "CycleState",
+    "EndpointMetrics",
+    "ExtensionPoint",
+    "Filter",
+    "Picker",
+    "PickerResult",
+    "Plugin",
+    "PluginError",
+    "PluginHandle",
+    "PrefixIndex",
+    "PrefixMatch",
+    "SchedulingRequest",
+    "ScoredCandidate",
+    "Scorer",
+    "ScorerCategory",
+    "Tokenizer",
 ]

@@ -1,7 +1,7 @@
 """A scheduler profile: filters, then weighted scorers, then one picker.
 
 Follows GIE's ``scheduler_profile.go`` and ``weighted_scorer.go``: weights live in the profile (the
-wrapper), not in the plugins. ``run`` is::
+wrapper), not in the plugins. ``prepare`` runs the scorers' I/O (``Scorer.prepare``); ``run`` is::
 
     candidates = filter_k(... filter_1(candidates))          # order as configured
     total[e]   = sum_i weight_i * score_i[e]                  # score_i[e] in [0, 1], checked
@@ -28,9 +28,9 @@ from services.epp.framework.interfaces import (
     Filter,
     Picker,
     PluginError,
+    SchedulingRequest,
     ScoredCandidate,
     Scorer,
-    SchedulingRequest,
 )
 
 logger = logging.getLogger(__name__)
@@ -63,6 +63,24 @@ class SchedulerProfile:
     filters: Sequence[Filter]
     scorers: Sequence[WeightedScorer]
     picker: Picker
+
+    async def prepare(
+        self,
+        state: CycleState,
+        request: SchedulingRequest,
+        candidates: Sequence[Candidate],
+        observer: PluginObserver = _ignore,
+    ) -> None:
+        """Run every scorer's ``prepare`` (their I/O), in order, before the load snapshot is taken.
+
+        Sequential on purpose: scorers share what they fetch (token ids, kv_indexer's match) through
+        ``state``, so a second one needing the same data finds it there.
+        """
+        for weighted in self.scorers:
+            plugin = weighted.scorer
+            started = time.perf_counter()
+            await plugin.prepare(state, request, candidates)
+            observer(ExtensionPoint.PREPARE, plugin.type_name, time.perf_counter() - started)
 
     async def run(
         self,

@@ -5,9 +5,12 @@ from __future__ import annotations
 from services.epp.framework.registry import PluginRegistry
 from services.epp.plugins.filters import live_endpoint
 from services.epp.plugins.pickers import max_score, random_picker, round_robin
-from services.epp.plugins.scorers import kv_cache_utilization, precise_prefix_cache, queue
+from services.epp.plugins.scorers import kv_cache_utilization, precise_prefix_cache, prefill_cost, queue
 
-_MODULES = (live_endpoint, queue, kv_cache_utilization, precise_prefix_cache, max_score, random_picker, round_robin)
+_MODULES = (
+    live_endpoint, queue, kv_cache_utilization, precise_prefix_cache, prefill_cost, max_score, random_picker,
+    round_robin,
+)
 
 
 def default_registry() -> PluginRegistry:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+from collections.abc import Sequence
 
 import pytest
 
@@ -10,7 +12,7 @@ from kvmesh.clock import ManualClock
 from kvmesh.errors import InvalidRequest, NoEndpointsAvailable, UnknownModel
 from kvmesh.types import Endpoint, EndpointId
 from services.epp.datastore import Datastore, ScrapeSample, parse_vllm_metrics
-from services.epp.framework.interfaces import PluginHandle, SchedulingRequest
+from services.epp.framework.interfaces import PluginHandle, PrefixMatch, SchedulingRequest
 from services.epp.framework.loader import build_profile, resolve_scheduling_config
 from services.epp.plugins import default_registry
 from services.epp.plugins.filters.live_endpoint import LiveEndpointFilter
@@ -47,7 +49,7 @@ def vllm_metrics(waiting: float, running: float, usage: float, block_size: int =
 def test_parse_real_vllm_exposition() -> None:
     """vLLM 0.32 CPU /metrics (``metrics_exposition.txt`` in the shared recordings)."""
     sample = parse_vllm_metrics((RECORDINGS_DIR / "metrics_exposition.txt").read_text())
-    assert sample == ScrapeSample(0.0, 0.0, 0.0, 32)
+    assert sample == ScrapeSample(0.0, 0.0, 0.0, 32, 17.0, 17.0)  # 17 requests finished (and first tokens)
 
 
 @pytest.mark.parametrize(
@@ -105,11 +107,61 @@ def test_datastore_membership_scrapes_and_pending() -> None:
     assert ds.candidates("m")[0].metrics.num_requests_running == 4  # kept across set_endpoints
 
 
-def _scheduler(config: str, clock: ManualClock) -> tuple[Scheduler, Datastore]:
+def test_pending_picks_reconcile_with_the_engines_received_count() -> None:
+    """A scrape rendered before a picked request reached the engine must not forget that pick."""
+    clock = ManualClock()
+    ds = Datastore(clock, pending_pick_ttl_seconds=5.0)
+    a = ep(1)
+    ds.set_endpoints({a.id: a})
+
+    def scrape(waiting: float, running: float, finished: float) -> int:
+        ds.record_scrape(a.id, ScrapeSample(waiting, running, 0.0, 64, finished))
+        return ds.candidates("m")[0].metrics.pending_picks
+
+    assert scrape(0, 2, 10) == 0  # baseline: 12 requests received before epp's first pick
+    ds.note_pick(a.id)
+    ds.note_pick(a.id)
+    assert scrape(0, 2, 10) == 2  # neither arrived yet: both stay pending (used to reset to 0)
+    assert scrape(1, 2, 10) == 1  # one arrived (waiting)
+    assert scrape(0, 1, 13) == 0  # both arrived and everything finished
+    ds.note_pick(a.id)
+    clock.advance(6.0)  # never delivered (router fell back): expires after the TTL
+    assert scrape(0, 1, 13) == 0
+    assert scrape(0, 3, 13) == 0  # requests epp did not send: rebaselined, never negative ...
+    ds.note_pick(a.id)
+    assert scrape(0, 3, 13) == 1  # ... so epp's next pick counts again
+    assert scrape(0, 0, 0) == 1  # counter restart: at most the picks of the last TTL stay pending
+
+
+def _scheduler(
+    config: str, clock: ManualClock, handle: PluginHandle | None = None
+) -> tuple[Scheduler, Datastore]:
     ds = Datastore(clock)
     source, data = resolve_scheduling_config(config)
-    profile = build_profile(data, default_registry(), PluginHandle(rng=random.Random(0)), source)
+    profile = build_profile(data, default_registry(), handle or PluginHandle(rng=random.Random(0)), source)
     return Scheduler(ds, profile, LiveEndpointFilter("live")), ds
+
+
+class _SlowIndex:
+    """kv_indexer stand-in that answers after a real delay (so concurrent picks overlap)."""
+
+    async def score(self, model: str, token_ids: Sequence[int], endpoint_ids: Sequence[str]) -> PrefixMatch:
+        await asyncio.sleep(0.02)
+        return PrefixMatch(len(token_ids) // 64, {})
+
+
+async def test_concurrent_picks_see_each_other_despite_slow_prefix_scores() -> None:
+    """A burst of concurrent picks must spread: the load snapshot is taken after the kv_indexer await."""
+    clock = ManualClock()
+    sched, ds = _scheduler("llm-d-blend", clock, PluginHandle(rng=random.Random(0), prefix_index=_SlowIndex()))
+    eps = [ep(1), ep(2), ep(3), ep(4)]
+    ds.set_endpoints({e.id: e for e in eps})
+    for e in eps:
+        ds.record_scrape(e.id, ScrapeSample(0, 0, 0.0))
+    request = SchedulingRequest(model="m", token_ids=tuple(range(640)))
+    decisions = await asyncio.gather(*(sched.pick(request) for _ in range(8)))
+    targets = [d.target.id for d in decisions]
+    assert sorted(targets.count(e.id) for e in eps) == [2, 2, 2, 2]
 
 
 async def test_scheduler_outcomes_and_least_loaded() -> None:

@@ -7,7 +7,8 @@ Intent:
 Inputs consumed:
     The prompt's token ids: ``request.token_ids`` when given, else the request's ``prompt`` or
     ``messages`` tokenized by the engine itself (``POST /tokenize`` of a live endpoint of the model,
-    through the handle's tokenizer, cached). The ids land in the cycle state (``TOKEN_IDS``).
+    through the handle's tokenizer, cached). The ids land in the cycle state (``TOKEN_IDS``), kv_indexer's
+    answer too (``PREFIX_MATCH``), both fetched in ``prepare`` (before the scheduler's load snapshot).
     ``request.model`` and the candidate ids go to kv_indexer.
 Math:
     ``score(e) = matched_blocks(e) / total_blocks``, with ``total_blocks`` the prompt's full blocks;
@@ -24,7 +25,8 @@ Failure modes:
     kv_indexer unreachable or slow (past its timeout), or tokenization failing: logged (at most once per
     10 s) and every candidate scores 0, so the pick falls back to the other scorers. Susceptible to
     hot-spotting when one endpoint holds a popular prefix; pair it with load scorers (the
-    ``precise-prefix`` config: prefix 3, queue 2, kv-utilization 2).
+    ``llm-d-blend`` config: prefix 3, queue 2, kv-utilization 2), or price hits and load in tokens
+    (``prefill-cost-scorer``, the ``precise-prefix`` config).
 """
 
 from __future__ import annotations
@@ -37,13 +39,14 @@ from typing import Any
 import pydantic
 
 from kvmesh.types import EndpointId
-from services.epp.framework.cycle_state import TOKEN_IDS
+from services.epp.framework.cycle_state import PREFIX_MATCH, TOKEN_IDS
 from services.epp.framework.interfaces import (
     Candidate,
     ConfigError,
     CycleState,
     PluginHandle,
     PrefixIndex,
+    PrefixMatch,
     SchedulingRequest,
     Scorer,
     ScorerCategory,
@@ -104,20 +107,29 @@ class PrecisePrefixCacheScorer(Scorer):
         state.set(TOKEN_IDS, tokens)
         return tokens
 
+    async def prepare(
+        self, state: CycleState, request: SchedulingRequest, candidates: Sequence[Candidate]
+    ) -> None:
+        """Fetch the token ids and kv_indexer's match into ``state`` (``TOKEN_IDS``, ``PREFIX_MATCH``)."""
+        if PREFIX_MATCH in state:
+            return
+        tokens = await self._token_ids(state, request, candidates)
+        match: PrefixMatch | None = None
+        if tokens:
+            try:
+                match = await self._index.score(request.model, tokens, [c.id for c in candidates])
+            except Exception as exc:  # noqa: BLE001 - degrade to zeros, never fail the pick
+                self._warn("kv_indexer score", request, exc)
+        state.set(PREFIX_MATCH, match)
+
     async def score(
         self, state: CycleState, request: SchedulingRequest, candidates: Sequence[Candidate]
     ) -> dict[EndpointId, float]:
-        zeros = {c.id: 0.0 for c in candidates}
-        tokens = await self._token_ids(state, request, candidates)
-        if not tokens:
-            return zeros
-        try:
-            match = await self._index.score(request.model, tokens, [c.id for c in candidates])
-        except Exception as exc:  # noqa: BLE001 - degrade to zeros, never fail the pick
-            self._warn("kv_indexer score", request, exc)
-            return zeros
-        if match.total_blocks <= 0:
-            return zeros
+        if PREFIX_MATCH not in state:  # used without prepare (the scheduler always prepares)
+            await self.prepare(state, request, candidates)
+        match = state.get(PREFIX_MATCH)
+        if match is None or match.total_blocks <= 0:
+            return {c.id: 0.0 for c in candidates}
         return {
             c.id: match.matched_blocks.get(c.id, 0) / match.total_blocks  # > 1 is a kv_indexer bug: rejected
             for c in candidates

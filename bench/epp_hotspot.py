@@ -1,0 +1,188 @@
+"""Why does a routing policy hot-spot? Replay a workload through a fresh mesh and record the evidence.
+
+Usage::
+
+    .venv/bin/python bench/epp_hotspot.py --policy precise-prefix --requests 400 --num-gpu-blocks 7000 \
+        [--trace ../shared/data/traces/conversation_trace.jsonl] [--time-scale 2] [--out bench/hotspot.json]
+
+While the replay runs, every engine's ``/metrics`` is sampled every ``--sample-interval`` wall seconds
+(``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``). epp runs at
+DEBUG, so its log has one breakdown line per pick; they are parsed afterwards. Prints: TTFT percentiles and
+hit rate, per-engine request count / hit rate / mean and max of running, waiting and KV usage, how often epp's
+target was not the engine with the shortest scraped queue, how often every prefix score was 0 (a kv_indexer
+timeout or no match), and the share of picks per engine over time (10 windows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from kvmesh.cli.main import build_workload
+from kvmesh.cli.mesh import Mesh, MeshSpec
+from kvmesh.cli.replay import replay
+from kvmesh.cli.report import hit_rate, per_engine, summarize
+
+_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+_PICK = re.compile(r"pick request_id=(\S*) .* target=(\S+) took_ms=([\d.]+) breakdown=(.*)$")
+
+
+class DebugEppMesh(Mesh):
+    """A mesh whose epp logs at DEBUG (one breakdown line per pick); everything else as configured."""
+
+    def _service(self, name: str, *flags: str, grpc_port: int | None = None):  # type: ignore[override]
+        if name != "epp":
+            return super()._service(name, *flags, grpc_port=grpc_port)
+        saved = self.spec.log_level
+        self.spec.log_level = "DEBUG"
+        try:
+            return super()._service(name, *flags, grpc_port=grpc_port)
+        finally:
+            self.spec.log_level = saved
+
+
+def _gauges(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        for g in _GAUGES:
+            if line.startswith(g):
+                out[g] = out.get(g, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def sample_engines(urls: list[str], interval: float, stop: threading.Event, into: list[dict]) -> None:
+    with httpx.Client(timeout=2.0) as client:
+        while not stop.is_set():
+            t = time.monotonic()
+            row: dict[str, object] = {"t": t}
+            for url in urls:
+                try:
+                    row[url] = _gauges(client.get(f"{url}/metrics").text)
+                except httpx.HTTPError:
+                    pass
+            into.append(row)
+            stop.wait(max(0.0, interval - (time.monotonic() - t)))
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (Linux /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    import os
+
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def parse_picks(log: Path) -> list[dict]:
+    picks = []
+    for line in log.read_text(errors="replace").splitlines():
+        m = _PICK.search(line)
+        if not m:
+            continue
+        cands = {}
+        for part in m.group(4).split("; "):
+            fields = part.split()
+            cands[fields[0]] = {k: float(v) for k, v in (f.split("=", 1) for f in fields[1:])}
+        picks.append({"target": m.group(2), "took_ms": float(m.group(3)), "cands": cands})
+    return picks
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--policy", default="precise-prefix")
+    ap.add_argument("--trace", type=Path, default=None)
+    ap.add_argument("--workload", default="multi-turn")
+    ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--num-gpu-blocks", type=int, default=7000)
+    ap.add_argument("--time-scale", type=float, default=2.0)
+    ap.add_argument("--engines", type=int, default=4)
+    ap.add_argument("--sample-interval", type=float, default=0.25)
+    ap.add_argument("--run-dir", type=Path, default=Path(".run/hotspot"))
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+
+    wl = build_workload(args.trace, args.workload, args.requests, 0, None, 512)
+    run_dir = (args.run_dir / f"{Path(args.policy).stem}-{args.num_gpu_blocks}-{int(time.time())}").resolve()
+    spec = MeshSpec(run_dir=run_dir, engines=args.engines, policy=args.policy, time_scale=args.time_scale,
+                    num_gpu_blocks=args.num_gpu_blocks)
+    samples: list[dict] = []
+    stop = threading.Event()
+    with DebugEppMesh(spec) as mesh:
+        urls = list(mesh.engine_urls)
+        sampler = threading.Thread(target=sample_engines, args=(urls, args.sample_interval, stop, samples))
+        sampler.start()
+        try:
+            outcome = asyncio.run(replay(wl, router_url=mesh.router_url, engine_urls=urls,
+                                         time_scale=args.time_scale, concurrency_limit=64))
+        finally:
+            stop.set()
+            sampler.join()
+        cpu = {m.name: _cpu_seconds(m.process.pid) for m in mesh.members if m.process.proc is not None}
+        epp_log = next(m.log_path for m in mesh.members if m.name == "epp")
+        picks = parse_picks(epp_log)
+        epp_log_text = epp_log.read_text(errors="replace")
+
+    summary = summarize(outcome.results, wall_duration_s=outcome.wall_duration_s, time_scale=args.time_scale,
+                        prefix_hit_rate=hit_rate(outcome.counters_before, outcome.counters_after))
+    print(f"policy={args.policy} blocks={args.num_gpu_blocks} requests={args.requests} run_dir={run_dir}")
+    ttft = " / ".join(f"{summary[k]:.2f}" for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s"))
+    print(f"TTFT p50/p90/p99 = {ttft} s, hit rate {summary['prefix_hit_rate']}")
+    engines = per_engine(outcome.counters_before, outcome.counters_after)
+    port = {u: u.rsplit(":", 1)[-1] for u in urls}
+    print("engine  reqs  hits   run(mean/max)  wait(mean/max)  kv(mean/max)")
+    for u in urls:
+        rows = [s[u] for s in samples if u in s]
+        n, rate = engines.get(u, (0, None))
+
+        def mm(key: str, rows: list = rows) -> str:
+            vals = [r.get(key, 0.0) for r in rows] or [0.0]
+            return f"{statistics.fmean(vals):6.1f}/{max(vals):5.1f}"
+
+        print(f"{port[u]:>6} {n:5} {100 * (rate or 0):5.1f}%  {mm(_GAUGES[0])}   {mm(_GAUGES[1])}   "
+              f"{statistics.fmean([r.get(_GAUGES[2], 0) for r in rows] or [0]):.2f}/"
+              f"{max([r.get(_GAUGES[2], 0) for r in rows] or [0]):.2f}")
+    if picks:
+        not_least = 0
+        all_zero = 0
+        prefix_decided = 0
+        for p in picks:
+            c = p["cands"]
+            if "queue" in next(iter(c.values())):
+                best_q = max(v["queue"] for v in c.values())
+                if c[p["target"]]["queue"] < best_q:
+                    not_least += 1
+            if "prefix" in next(iter(c.values())):
+                if all(v["prefix"] == 0 for v in c.values()):
+                    all_zero += 1
+                if c[p["target"]]["prefix"] > min(v["prefix"] for v in c.values()):
+                    prefix_decided += 1
+        print(f"picks parsed {len(picks)}; target not the best queue score {not_least}; "
+              f"all prefix scores 0 {all_zero}; target had more prefix than the worst {prefix_decided}; "
+              f"pick took_ms p50 {statistics.median(p['took_ms'] for p in picks):.1f} "
+              f"max {max(p['took_ms'] for p in picks):.1f}")
+        windows = 10
+        size = max(1, len(picks) // windows)
+        ids = sorted({p["target"] for p in picks})
+        ports = " ".join(i.rsplit(":", 1)[-1] for i in ids)
+        print(f"share of picks per engine over time (windows of {size} picks): {ports}")
+        for w in range(0, len(picks), size):
+            chunk = picks[w:w + size]
+            print("  " + " ".join(f"{sum(p['target'] == i for p in chunk) / len(chunk):5.2f}" for i in ids))
+    print("CPU seconds per process (whole life): " + ", ".join(f"{k}={v:.1f}" for k, v in cpu.items()))
+    print("kv_indexer score warnings in epp log:", epp_log_text.count("kv_indexer score failed"))
+    if args.out:
+        args.out.write_text(json.dumps({"summary": summary, "samples": samples, "picks": picks}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
