@@ -153,7 +153,7 @@ class _SlowIndex:
 async def test_concurrent_picks_see_each_other_despite_slow_prefix_scores() -> None:
     """A burst of concurrent picks must spread: the load snapshot is taken after the kv_indexer await."""
     clock = ManualClock()
-    sched, ds = _scheduler("llm-d-blend", clock, PluginHandle(rng=random.Random(0), prefix_index=_SlowIndex()))
+    sched, ds = _scheduler("precise-prefix", clock, PluginHandle(rng=random.Random(0), prefix_index=_SlowIndex()))
     eps = [ep(1), ep(2), ep(3), ep(4)]
     ds.set_endpoints({e.id: e for e in eps})
     for e in eps:

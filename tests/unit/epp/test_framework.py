@@ -194,10 +194,10 @@ class _NullIndex:
     [
         ("round-robin", {}, "round-robin-picker"),
         ("load-only", {"queue": 1.0, "kv-utilization": 1.0}, "max-score-picker"),
-        ("precise-prefix", {"prefill-cost": 1.0, "prefix": 0.01}, "max-score-picker"),
-        ("llm-d-blend", {"prefix": 3.0, "queue": 2.0, "kv-utilization": 2.0}, "max-score-picker"),
+        ("precise-prefix", {"prefix": 3.0, "queue": 2.0, "kv-utilization": 2.0}, "max-score-picker"),
+        ("prefill-cost", {"prefill-cost": 1.0, "prefix": 0.01}, "max-score-picker"),
     ],
-    ids=["round-robin", "load-only", "precise-prefix", "llm-d-blend"],
+    ids=["round-robin", "load-only", "precise-prefix", "prefill-cost"],
 )
 def test_named_configs(name: str, scorers: dict[str, float], picker: str) -> None:
     assert name in named_configs()

@@ -111,11 +111,11 @@ def test_datastore_queued_prefill_follows_first_tokens() -> None:
     assert (m.unprefilled_requests, m.known_unprefilled_requests, m.queued_prefill_tokens) == (3, 3, 700 + 3000 + 2000)
 
 
-async def test_precise_prefix_config_spreads_a_burst_and_keeps_affinity() -> None:
+async def test_prefill_cost_config_spreads_a_burst_and_keeps_affinity() -> None:
     clock = ManualClock()
     ds = Datastore(clock)
     index = FakeIndex(PrefixMatch(10, {}))
-    source, data = resolve_scheduling_config("precise-prefix")
+    source, data = resolve_scheduling_config("prefill-cost")
     profile = build_profile(data, default_registry(), PluginHandle(rng=random.Random(0), prefix_index=index), source)
     sched = Scheduler(ds, profile, LiveEndpointFilter("live"))
     eps = [Endpoint(id=EndpointId(f"127.0.0.1:{p}"), url=f"http://127.0.0.1:{p}", model="m") for p in (1, 2)]

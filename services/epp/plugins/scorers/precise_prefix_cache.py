@@ -25,8 +25,8 @@ Failure modes:
     kv_indexer unreachable or slow (past its timeout), or tokenization failing: logged (at most once per
     10 s) and every candidate scores 0, so the pick falls back to the other scorers. Susceptible to
     hot-spotting when one endpoint holds a popular prefix; pair it with load scorers (the
-    ``llm-d-blend`` config: prefix 3, queue 2, kv-utilization 2), or price hits and load in tokens
-    (``prefill-cost-scorer``, the ``precise-prefix`` config).
+    ``precise-prefix`` config: prefix 3, queue 2, kv-utilization 2), or price hits and load in tokens
+    (``prefill-cost-scorer``, the ``prefill-cost`` config).
 """
 
 from __future__ import annotations
