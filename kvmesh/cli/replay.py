@@ -60,8 +60,12 @@ async def scrape_counters(
             logger.warning("cannot scrape %s/metrics: %s", url, exc)
             return None
         text = reply.text
-        return url, (parse_prometheus_counter(text, HITS_METRIC), parse_prometheus_counter(text, QUERIES_METRIC),
-                     parse_prometheus_counter(text, REQUESTS_METRIC))
+        try:
+            return url, (parse_prometheus_counter(text, HITS_METRIC), parse_prometheus_counter(text, QUERIES_METRIC),
+                         parse_prometheus_counter(text, REQUESTS_METRIC))
+        except ValueError as exc:
+            logger.warning("unparsable %s/metrics: %s", url, exc)
+            return None
 
     pairs = await asyncio.gather(*(one(u) for u in engine_urls))
     return dict(p for p in pairs if p is not None)

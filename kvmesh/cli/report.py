@@ -14,6 +14,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from prometheus_client.parser import text_string_to_metric_families
 from rich.table import Table
 
 SUMMARY_KEYS = (
@@ -58,26 +59,20 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 
 def parse_prometheus_counter(text: str, name: str) -> float:
-    """Sum of all samples of ``name`` (any labels) in Prometheus text exposition; 0 if absent."""
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name):
-            continue
-        rest = line[len(name):]
-        if rest[:1] == "{":
-            close = rest.find("}")
-            if close < 0:
-                continue
-            rest = rest[close + 1:]
-        elif rest[:1] not in (" ", "\t"):
-            continue  # a longer name that shares the prefix
-        parts = rest.split()
-        if parts:
-            try:
-                total += float(parts[0])
-            except ValueError:
-                continue
-    return total
+    """Sum of all samples named ``name`` (any labels) in Prometheus text exposition; 0 if absent.
+
+    Parsed with ``prometheus_client.parser`` (the same parser epp uses); ``name`` is the sample
+    name as exposed, e.g. ``vllm:prefix_cache_hits_total``.
+
+    Raises:
+        ValueError: when ``text`` is not valid Prometheus text exposition.
+    """
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    )
 
 
 HITS_METRIC = "vllm:prefix_cache_hits_total"
