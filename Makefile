@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 RUN_ARGS ?=
 TRACE ?=
 
-.PHONY: run test proto proto-check setup deps clean
+.PHONY: run test lint proto proto-check setup deps clean
 
 setup: $(STAMP) deps
 
@@ -36,7 +36,13 @@ proto-check: $(STAMP)
 run: setup
 	$(VENV)/bin/kvmesh compare $(if $(TRACE),--trace $(TRACE),) $(RUN_ARGS)
 
-test: setup
+# The gates: lint, types and the import floors (pyproject.toml [tool.importlinter]); `make test` runs them first.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+test: setup lint
 	$(PY) -m pytest -q
 
 clean:

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import httpx
 
-from kvmesh.cli.main import build_workload
-from kvmesh.cli.mesh import Mesh, MeshSpec
-from kvmesh.cli.replay import replay
-from kvmesh.cli.report import hit_rate, per_engine, summarize
+from kvmesh_cli.mesh import Mesh, MeshSpec
+from kvmesh_cli.replay import replay
+from kvmesh_cli.report import hit_rate, per_engine, summarize
+from kvmesh_cli.workloads import load_workload
 
 _GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
 _PICK = re.compile(r"pick request_id=(\S*) .* target=(\S+) took_ms=([\d.]+) breakdown=(.*)$")
@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
-    wl = build_workload(args.trace, args.workload, args.requests, 0, None, 512)
+    wl = load_workload(args.trace, args.workload, args.requests, 0, None, 512)
     run_dir = (args.run_dir / f"{Path(args.policy).stem}-{args.num_gpu_blocks}-{int(time.time())}").resolve()
     spec = MeshSpec(run_dir=run_dir, engines=args.engines, policy=args.policy, time_scale=args.time_scale,
                     num_gpu_blocks=args.num_gpu_blocks)

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-from kvmesh.cli.mesh import Mesh, MeshSpec
+from kvmesh_cli.mesh import Mesh, MeshSpec
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -63,7 +63,7 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
                     return await inner(request_or_iterator, context)
                 except grpc.aio.AbortError:
                     raise
-                except Exception as exc:  # noqa: BLE001 - mapped by the one table
+                except Exception as exc:
                     await _abort(context, method, exc)
 
             return behaviour
@@ -79,7 +79,7 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
                         yield item
                 except grpc.aio.AbortError:
                     raise
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     await _abort(context, method, exc)
 
             return behaviour

@@ -113,7 +113,7 @@ class LeaseRegistration:
                 await self._lease.refresh()  # type: ignore[union-attr]
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - etcd unreachable: keep trying
+            except Exception as exc:
                 logger.warning("etcd keepalive failed key=%s error=%s", self.key, exc)
                 self._lease = None
                 await self._close_client()
@@ -207,7 +207,7 @@ class EndpointWatcher:
             for listener in self._listeners:
                 try:
                     listener(joined, left)
-                except Exception:  # noqa: BLE001 - a listener bug must not stop the watch
+                except Exception:
                     logger.exception("membership listener failed")
         async with self._changed:
             self._changed.notify_all()
@@ -243,7 +243,7 @@ class EndpointWatcher:
                 raise ConnectionError("watch stream ended")
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - keep the last known view
+            except Exception as exc:
                 logger.warning(
                     "etcd watch failed prefix=%s error=%s; keeping last view of %d endpoints",
                     self.prefix, exc, len(self._view),

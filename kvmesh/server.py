@@ -137,7 +137,7 @@ class GrpcService:
         for hook in self.spec.on_stop:
             try:
                 await hook()
-            except Exception:  # noqa: BLE001 - keep stopping the rest
+            except Exception:
                 logger.exception("%s on_stop hook failed", self.spec.name)
         if self._metrics is not None:
             self._metrics.stop()

@@ -1,7 +1,7 @@
 """Shared nouns: endpoints, media and block hashes, as frozen dataclasses and enums.
 
 The same nouns appear in the protobuf contracts (``kvmesh.common.v1``) and in etcd
-registrations (JSON); conversion helpers live here so every service agrees.
+registrations (JSON); the JSON form lives here, the protobuf form in :mod:`kvmesh.wire`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ EndpointId = NewType("EndpointId", str)
 
 BlockHash = NewType("BlockHash", int)
 """A 64-bit block hash (an engine's, or kvmesh's own block key)."""
+
+DEFAULT_BLOCK_SIZE_TOKENS = 64
+"""Block size assumed for an endpoint that does not state its own (tokens)."""
 
 
 class Medium(enum.StrEnum):
@@ -63,7 +66,7 @@ class Endpoint:
     id: EndpointId
     url: str
     model: str
-    block_size_tokens: int = 64
+    block_size_tokens: int = DEFAULT_BLOCK_SIZE_TOKENS
     events_endpoint: str = ""
     role: EndpointRole = EndpointRole.BOTH
     labels: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
@@ -84,7 +87,7 @@ class Endpoint:
                 id=EndpointId(data["id"]),
                 url=data["url"],
                 model=data["model"],
-                block_size_tokens=int(data.get("block_size_tokens", 64)),
+                block_size_tokens=int(data.get("block_size_tokens", DEFAULT_BLOCK_SIZE_TOKENS)),
                 events_endpoint=data.get("events_endpoint", ""),
                 role=EndpointRole(data.get("role", "both")),
                 labels=dict(data.get("labels", {})),

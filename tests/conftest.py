@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.launcher import ManagedProcess, free_port, python_module, start_etcd, wait_grpc_healthy
+from kvmesh_cli.launcher import ManagedProcess, free_port, python_module, start_etcd, wait_grpc_healthy
 
 RECORDINGS_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "vllm-0.32-cpu"
 """Real vLLM 0.32 (CPU build) wire recordings, when the workplace's shared data is present."""

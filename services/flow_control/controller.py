@@ -115,7 +115,7 @@ class TicketState(enum.Enum):
 class Ticket:
     """One request's place in the controller; ``await ticket.wait()`` yields its :class:`Decision`."""
 
-    __slots__ = ("id", "request", "enqueued_at", "state", "decision", "_decided")
+    __slots__ = ("_decided", "decision", "enqueued_at", "id", "request", "state")
 
     def __init__(self, ticket_id: int, request: AdmissionRequest, enqueued_at: float) -> None:
         self.id = ticket_id

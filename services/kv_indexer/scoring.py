@@ -48,7 +48,7 @@ def longest_prefix_matches(
     active = set(first.keys()) if candidates is None else set(first.keys()).intersection(candidates)
     result: dict[EndpointId, int] = {}
     i = 1
-    for i in range(1, len(keys)):  # noqa: B007 - i is the match length after the loop
+    for i in range(1, len(keys)):
         if not active:
             return result
         holders = table.get(keys[i])

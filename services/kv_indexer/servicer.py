@@ -25,7 +25,7 @@ class KVIndexerServicer(kv_indexer_pb2_grpc.KVIndexerServicer):
     def __init__(self, indexer: KvIndexer) -> None:
         self._indexer = indexer
 
-    async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:  # noqa: N802
+    async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
         if not request.model:
             raise InvalidRequest("model is required")
         endpoint_ids = [EndpointId(e) for e in request.endpoint_ids] or None
@@ -44,7 +44,7 @@ class KVIndexerServicer(kv_indexer_pb2_grpc.KVIndexerServicer):
             block_size_tokens=result.block_size_tokens,
         )
 
-    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:  # noqa: N802
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         if not request.model:
             raise InvalidRequest("model is required")
         locations = self._indexer.lookup(request.model, request.token_ids)
@@ -62,7 +62,7 @@ class KVIndexerServicer(kv_indexer_pb2_grpc.KVIndexerServicer):
             ]
         )
 
-    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:  # noqa: N802
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         stats = self._indexer.stats()
         ingest = stats.ingest.per_endpoint
         return pb.StatsResponse(

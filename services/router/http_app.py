@@ -361,7 +361,7 @@ class RouterHttpApi:
         except _ClientGone:
             logger.info("client disconnected request_id=%s", request_id)
             return Response(status_code=499)
-        except Exception as exc:  # noqa: BLE001 - mapped by the one table
+        except Exception as exc:
             return self._error(exc, request_id)
         return _ClosingResponse(session, payload)
 

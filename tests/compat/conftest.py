@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from kvmesh.cli.vllm_engine import vllm_missing_reason
+from kvmesh_cli.vllm_engine import vllm_missing_reason
 
 _skipped: list[str] = []
 

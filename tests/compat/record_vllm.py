@@ -29,8 +29,8 @@ from typing import Any
 
 import httpx
 
-from kvmesh.cli.vllm_engine import VllmEngineSpec, vllm_missing_reason
-from kvmesh.launcher import ManagedProcess, free_port
+from kvmesh_cli.launcher import ManagedProcess, free_port
+from kvmesh_cli.vllm_engine import VllmEngineSpec, vllm_missing_reason
 from tests.compat.script import BLOCK, MAX_MODEL_LEN, MODEL, NUM_GPU_BLOCKS, EventSink, run_script
 
 VLLM_VERSION = "0.32.0"

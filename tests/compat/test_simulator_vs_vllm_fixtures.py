@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvmesh.launcher import ManagedProcess, free_port, python_module, wait_http_ok
+from kvmesh_cli.launcher import ManagedProcess, free_port, python_module, wait_http_ok
 from tests.compat import compare
 from tests.compat.script import (
     BLOCK,

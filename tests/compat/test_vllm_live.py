@@ -20,9 +20,9 @@ import httpx
 import pytest
 
 from kvmesh._proto.kvmesh.kv_indexer.v1 import kv_indexer_pb2, kv_indexer_pb2_grpc
-from kvmesh.cli.mesh import Mesh, MeshSpec
 from kvmesh.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, parse_topic
-from kvmesh.launcher import free_port
+from kvmesh_cli.launcher import free_port
+from kvmesh_cli.mesh import Mesh, MeshSpec
 from tests.compat import compare
 from tests.compat.script import BLOCK, MAX_MODEL_LEN, MODEL, NUM_GPU_BLOCKS, EventSink, StepResult, run_script
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvmesh.cli.report import SUMMARY_KEYS
+from kvmesh_cli.report import SUMMARY_KEYS
 
 pytestmark = pytest.mark.integration
 
@@ -86,7 +86,7 @@ class ChildSampler:
 
 
 def kvmesh(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kvmesh.cli.main", *args]
+    return [sys.executable, "-m", "kvmesh_cli.main", *args]
 
 
 ENV = {**os.environ, "COLUMNS": "240", "PYTHONUNBUFFERED": "1"}

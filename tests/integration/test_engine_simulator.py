@@ -21,8 +21,8 @@ import zmq
 
 from kvmesh.hashing import external_hash_to_int, sha256_cbor_block_hashes
 from kvmesh.kv_events import decode_seq
-from kvmesh.launcher import ManagedProcess, free_port, python_module, wait_http_ok
 from kvmesh.membership import EndpointWatcher
+from kvmesh_cli.launcher import ManagedProcess, free_port, python_module, wait_http_ok
 
 pytestmark = pytest.mark.integration
 

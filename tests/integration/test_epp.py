@@ -25,9 +25,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
-from kvmesh.launcher import free_port
 from kvmesh.membership import LeaseRegistration, endpoint_key
 from kvmesh.types import Endpoint, EndpointId
+from kvmesh_cli.launcher import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -22,10 +22,18 @@ from kvmesh._proto.kvmesh.common.v1 import common_pb2
 from kvmesh._proto.kvmesh.kv_indexer.v1 import kv_indexer_pb2 as pb
 from kvmesh._proto.kvmesh.kv_indexer.v1 import kv_indexer_pb2_grpc
 from kvmesh.hashing import block_keys
-from kvmesh.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, encode_batch, encode_seq, make_topic
-from kvmesh.launcher import free_port
+from kvmesh.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    encode_batch,
+    encode_seq,
+    make_topic,
+)
 from kvmesh.membership import LeaseRegistration, endpoint_key
 from kvmesh.types import Endpoint, EndpointId
+from kvmesh_cli.launcher import free_port
 
 MODEL = "tiny"
 BLOCK = 4
@@ -66,7 +74,7 @@ def stored(hashes: list[int], tokens: list[int], parent: int | None = None, medi
 
 
 @pytest.fixture
-async def mesh(start_service, etcd: str) -> AsyncIterator[dict]:  # noqa: ANN001
+async def mesh(start_service, etcd: str) -> AsyncIterator[dict]:
     bind = f"tcp://127.0.0.1:{free_port()}"
     proc, address = start_service("kv_indexer", "--events-bind-endpoint", bind, "--event-workers", "2")
     channel = grpc.aio.insecure_channel(address)

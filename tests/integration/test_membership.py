@@ -6,9 +6,9 @@ import asyncio
 
 import aetcd
 
-from kvmesh.launcher import start_etcd
 from kvmesh.membership import EndpointWatcher, LeaseRegistration, endpoint_key
 from kvmesh.types import Endpoint, EndpointId
+from kvmesh_cli.launcher import start_etcd
 
 
 def _endpoint(port: int, model: str = "m") -> Endpoint:

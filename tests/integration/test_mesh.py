@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
 from kvmesh._proto.kvmesh.kv_indexer.v1 import kv_indexer_pb2, kv_indexer_pb2_grpc
-from kvmesh.launcher import ManagedProcess, free_port, python_module, wait_http_ok
+from kvmesh_cli.launcher import ManagedProcess, free_port, python_module, wait_http_ok
 
 pytestmark = pytest.mark.integration
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.launcher import ManagedProcess, free_port, python_module, wait_http_ok
 from kvmesh.membership import EndpointWatcher
+from kvmesh_cli.launcher import ManagedProcess, free_port, python_module, wait_http_ok
 
 pytestmark = pytest.mark.integration
 

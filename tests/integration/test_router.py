@@ -31,9 +31,9 @@ from kvmesh._proto.kvmesh.common.v1 import common_pb2
 from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
 from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2, flow_control_pb2_grpc
 from kvmesh._proto.kvmesh.router.v1 import router_pb2, router_pb2_grpc
-from kvmesh.launcher import ManagedProcess, free_port, python_module, wait_grpc_healthy, wait_http_ok
 from kvmesh.membership import LeaseRegistration, endpoint_key
 from kvmesh.types import Endpoint, EndpointId
+from kvmesh_cli.launcher import ManagedProcess, free_port, python_module, wait_grpc_healthy, wait_http_ok
 from services.router.service import HttpServer
 
 MODEL = "tiny"

@@ -9,8 +9,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from concurrent import futures
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -18,7 +18,7 @@ import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from kvmesh.launcher import ManagedProcess, free_port, python_module, wait_http_ok
+from kvmesh_cli.launcher import ManagedProcess, free_port, python_module, wait_http_ok
 
 pytestmark = pytest.mark.integration
 
@@ -30,7 +30,7 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         self.spans: list[tuple[str, str, bytes]] = []
         self.lock = threading.Lock()
 
-    def Export(self, request, context):  # noqa: N802 - generated name
+    def Export(self, request, context):
         with self.lock:
             for resource_spans in request.resource_spans:
                 service = next(

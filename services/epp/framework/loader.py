@@ -28,7 +28,7 @@ from typing import Any
 import pydantic
 import yaml
 
-from services.epp.framework.interfaces import ConfigError, Filter, Picker, PluginHandle, Plugin, Scorer
+from services.epp.framework.interfaces import ConfigError, Filter, Picker, Plugin, PluginHandle, Scorer
 from services.epp.framework.profile import SchedulerProfile, WeightedScorer
 from services.epp.framework.registry import PluginRegistry
 

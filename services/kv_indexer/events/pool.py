@@ -178,7 +178,7 @@ class EventPool:
                 if message is None:
                     return
                 self._handle(message)
-            except Exception:  # noqa: BLE001 - one bad message must not stop the worker
+            except Exception:
                 logger.exception("event message failed endpoint=%s", message.endpoint_id if message else "")
                 self.record_drop("internal_error")
             finally:

@@ -9,8 +9,10 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from kvmesh.cli.main import DEFAULT_MAX_INPUT_TOKENS, app, build_workload, write_plot
-from kvmesh.cli.report import compare_document, summarize
+from kvmesh_cli.main import app, build_workload
+from kvmesh_cli.plotting import write_plot
+from kvmesh_cli.report import compare_document, summarize
+from kvmesh_cli.workloads import DEFAULT_MAX_INPUT_TOKENS
 
 
 @pytest.mark.parametrize("command", [[], ["up"], ["replay"], ["compare"]], ids=["root", "up", "replay", "compare"])

@@ -14,9 +14,9 @@ import typer
 from rich.console import Console
 from typer.testing import CliRunner
 
-from kvmesh.cli import main as cli
-from kvmesh.cli.checks import EPP_CONFIGS_DIR, check_router_url, known_policies, resolve_policy
-from kvmesh.cli.mesh import MeshStartError
+from kvmesh_cli import main as cli
+from kvmesh_cli.checks import EPP_CONFIGS_DIR, check_router_url, known_policies, resolve_policy
+from kvmesh_cli.mesh import MeshStartError
 
 KNOWN = ("load-only", "precise-prefix", "round-robin")
 

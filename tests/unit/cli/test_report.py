@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvmesh.cli.report import (
+from kvmesh_cli.report import (
     SUMMARY_KEYS,
     RequestResult,
     compare_document,

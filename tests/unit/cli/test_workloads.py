@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.cli.workloads import (
+from kvmesh_cli.workloads import (
     FIRST_TOKEN_ID,
     MOONCAKE_BLOCK_TOKENS,
     VOCAB_SIZE,

@@ -12,8 +12,8 @@ from services.epp.framework.interfaces import (
     Candidate,
     ChatMessage,
     PrefixMatch,
-    ScoredCandidate,
     SchedulingRequest,
+    ScoredCandidate,
 )
 from services.epp.plugins.filters.live_endpoint import LiveEndpointFilter, LiveEndpointFilterParams
 from services.epp.plugins.pickers.max_score import MaxScorePicker

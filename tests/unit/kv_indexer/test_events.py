@@ -9,8 +9,8 @@ import pytest
 import zmq
 
 from kvmesh.kv_events import BlockStored, EventBatch, encode_batch, encode_seq, make_topic
-from kvmesh.launcher import free_port
 from kvmesh.types import Endpoint, EndpointId
+from kvmesh_cli.launcher import free_port
 from services.kv_indexer.events.pool import EventPool, RawMessage
 from services.kv_indexer.events.subscriber import ZmqSubscriber, connect_target, parse_frames
 from services.kv_indexer.index import InMemoryIndex
@@ -110,7 +110,7 @@ async def test_held_messages_expire() -> None:
     await pool.shutdown()
 
 
-async def _until(predicate, timeout: float = 5.0, resend=None) -> None:  # noqa: ANN001
+async def _until(predicate, timeout: float = 5.0, resend=None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if resend:

@@ -208,7 +208,7 @@ tokens_st = st.lists(st.integers(0, 50), min_size=B, max_size=6 * B)
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(tokens_st, min_size=1, max_size=6), st.randoms(use_true_random=False))
-def test_add_then_evict_everything_returns_to_empty(prompts: list[list[int]], rnd) -> None:  # noqa: ANN001
+def test_add_then_evict_everything_returns_to_empty(prompts: list[list[int]], rnd) -> None:
     index = InMemoryIndex()
     index.register_endpoint(ep(A))
     stored_hashes: list[int] = []
@@ -235,7 +235,7 @@ def test_score_is_monotone_in_prefix_length(prompt: list[int], held: int, query:
     if n:
         index.apply(A, stored(list(range(n)), prompt[: n * B]))
     previous = None
-    for length in range(0, len(prompt) + 1):
+    for length in range(len(prompt) + 1):
         got = {s.endpoint_id: s.matched_blocks for s in index.score(M, prompt[:length]).scores}.get(A, 0)
         assert got == min(n, length // B)
         assert previous is None or got >= previous

@@ -101,7 +101,7 @@ class PrecisePrefixCacheScorer(Scorer):
         if not tokens and self._tokenizer is not None and (request.prompt or request.messages):
             try:
                 tokens = await self._tokenizer.tokenize(request, candidates)
-            except Exception as exc:  # noqa: BLE001 - degrade to zeros, never fail the pick
+            except Exception as exc:
                 self._warn("tokenize", request, exc)
                 return []
         state.set(TOKEN_IDS, tokens)
@@ -118,7 +118,7 @@ class PrecisePrefixCacheScorer(Scorer):
         if tokens:
             try:
                 match = await self._index.score(request.model, tokens, [c.id for c in candidates])
-            except Exception as exc:  # noqa: BLE001 - degrade to zeros, never fail the pick
+            except Exception as exc:
                 self._warn("kv_indexer score", request, exc)
         state.set(PREFIX_MATCH, match)
 

@@ -77,3 +77,15 @@ class ListEndpointsResponse(_message.Message):
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     endpoints: _containers.RepeatedCompositeFieldContainer[EndpointState]
     def __init__(self, endpoints: _Optional[_Iterable[_Union[EndpointState, _Mapping]]] = ...) -> None: ...
+
+class GetPickerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PickerInfo(_message.Message):
+    __slots__ = ("needs_prompt", "profiles")
+    NEEDS_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROFILES_FIELD_NUMBER: _ClassVar[int]
+    needs_prompt: bool
+    profiles: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, needs_prompt: _Optional[bool] = ..., profiles: _Optional[_Iterable[str]] = ...) -> None: ...

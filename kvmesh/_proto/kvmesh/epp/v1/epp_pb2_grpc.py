@@ -44,6 +44,11 @@ class EndpointPickerStub:
                 request_serializer=kvmesh_dot_epp_dot_v1_dot_epp__pb2.ListEndpointsRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_epp_dot_v1_dot_epp__pb2.ListEndpointsResponse.FromString,
                 _registered_method=True)
+        self.GetPickerInfo = channel.unary_unary(
+                '/kvmesh.epp.v1.EndpointPicker/GetPickerInfo',
+                request_serializer=kvmesh_dot_epp_dot_v1_dot_epp__pb2.GetPickerInfoRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_epp_dot_v1_dot_epp__pb2.PickerInfo.FromString,
+                _registered_method=True)
 
 
 class EndpointPickerServicer:
@@ -62,6 +67,14 @@ class EndpointPickerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetPickerInfo(self, request, context):
+        """What the configured scheduling profiles read from a request, so callers send only that
+        (SGLang gateway's needs_request_text). Stable for the life of an epp process.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EndpointPickerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -74,6 +87,11 @@ def add_EndpointPickerServicer_to_server(servicer, server):
                     servicer.ListEndpoints,
                     request_deserializer=kvmesh_dot_epp_dot_v1_dot_epp__pb2.ListEndpointsRequest.FromString,
                     response_serializer=kvmesh_dot_epp_dot_v1_dot_epp__pb2.ListEndpointsResponse.SerializeToString,
+            ),
+            'GetPickerInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPickerInfo,
+                    request_deserializer=kvmesh_dot_epp_dot_v1_dot_epp__pb2.GetPickerInfoRequest.FromString,
+                    response_serializer=kvmesh_dot_epp_dot_v1_dot_epp__pb2.PickerInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -130,6 +148,33 @@ class EndpointPicker:
             '/kvmesh.epp.v1.EndpointPicker/ListEndpoints',
             kvmesh_dot_epp_dot_v1_dot_epp__pb2.ListEndpointsRequest.SerializeToString,
             kvmesh_dot_epp_dot_v1_dot_epp__pb2.ListEndpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPickerInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.epp.v1.EndpointPicker/GetPickerInfo',
+            kvmesh_dot_epp_dot_v1_dot_epp__pb2.GetPickerInfoRequest.SerializeToString,
+            kvmesh_dot_epp_dot_v1_dot_epp__pb2.PickerInfo.FromString,
             options,
             channel_credentials,
             insecure,

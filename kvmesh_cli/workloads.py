@@ -38,6 +38,13 @@ FIRST_TOKEN_ID = 3
 """Ids 0, 1, 2 are ``<unk>``, ``<s>``, ``</s>``; generated prompts never contain them."""
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per Mooncake hash id."""
+DEFAULT_NUM_GPU_BLOCKS = 384
+"""Per engine, 64-token blocks (24.6k tokens): too few for every live conversation, enough for a quarter."""
+DEFAULT_TRACE_NUM_GPU_BLOCKS = 2048
+"""Per engine with a trace: 131k tokens, about ten capped Mooncake prompts."""
+DEFAULT_MAX_INPUT_TOKENS = 16384
+"""Mooncake prompts are capped to this (prefixes kept): 2 cores cannot move 100k-token prompts fast."""
+DEFAULT_MAX_OUTPUT_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -322,3 +329,49 @@ def workload_stats(workload: Workload) -> dict[str, float]:
         "span_s": span,
         "rate_per_s": (n / span) if span > 0 else math.inf,
     }
+
+
+class WorkloadError(ValueError):
+    """A workload that cannot be built; ``option`` names the flag at fault (``--trace`` or ``--workload``)."""
+
+    def __init__(self, message: str, option: str) -> None:
+        super().__init__(message)
+        self.option = option
+
+
+def default_num_gpu_blocks(trace: Path | None) -> int:
+    """KV blocks per engine that make the workload's sharing visible: more for a (long-prompt) trace."""
+    return DEFAULT_TRACE_NUM_GPU_BLOCKS if trace is not None else DEFAULT_NUM_GPU_BLOCKS
+
+
+def load_workload(
+    trace: Path | None, workload: str, requests: int, seed: int, max_input_tokens: int | None,
+    max_output_tokens: int,
+) -> Workload:
+    """The workload a replay/compare sends: the first ``requests`` rows of a Mooncake ``trace``, else a built-in.
+
+    Trace prompts are capped to ``max_input_tokens`` (default :data:`DEFAULT_MAX_INPUT_TOKENS`), built-in
+    ones only when it is given; ``max_tokens`` is capped to ``max_output_tokens`` in both.
+
+    Raises:
+        WorkloadError: an unknown built-in workload, or a trace that is not a Mooncake trace (the
+            message names the file and line).
+    """
+    if trace is not None:
+        try:
+            rows = read_mooncake(trace, limit=requests)
+            if not rows:
+                raise ValueError(f"{trace}: no trace rows")
+            return mooncake_workload(
+                rows, seed=seed, max_input_tokens=max_input_tokens or DEFAULT_MAX_INPUT_TOKENS,
+                max_output_tokens=max_output_tokens,
+            )
+        except UnicodeDecodeError as exc:
+            raise WorkloadError(f"{trace}: not UTF-8 text ({exc.reason} at byte {exc.start})", "--trace") from None
+        except (OSError, ValueError) as exc:
+            raise WorkloadError(str(exc), "--trace") from None
+    try:
+        wl = builtin_workload(workload, requests, seed)
+    except ValueError as exc:
+        raise WorkloadError(str(exc), "--workload") from exc
+    return cap_workload(wl, max_input_tokens, max_output_tokens)

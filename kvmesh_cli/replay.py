@@ -23,14 +23,14 @@ from dataclasses import dataclass
 
 import httpx
 
-from kvmesh.cli.report import (
+from kvmesh_cli.report import (
     HITS_METRIC,
     QUERIES_METRIC,
     REQUESTS_METRIC,
     RequestResult,
     parse_prometheus_counter,
 )
-from kvmesh.cli.workloads import Workload, WorkloadRequest, prompt_tokens
+from kvmesh_cli.workloads import Workload, WorkloadRequest, prompt_tokens
 
 logger = logging.getLogger(__name__)
 

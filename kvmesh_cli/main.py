@@ -40,10 +40,30 @@ from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvmesh.cli.checks import check_router_url, fail, mesh_errors, probe_router, resolve_policy
-from kvmesh.cli.mesh import DEFAULT_MODEL, Mesh, MeshSpec, exit_on_signals
-from kvmesh.cli.replay import ReplayOutcome, engines_from_epp, engines_from_etcd, replay
-from kvmesh.cli.report import (
+from kvmesh_cli.checks import check_router_url, fail, mesh_errors, probe_router, resolve_policy
+from kvmesh_cli.mesh import DEFAULT_MODEL, Mesh, MeshSpec, exit_on_signals
+from kvmesh_cli.options import (
+    AutoBlocksOpt,
+    BlockSizeOpt,
+    BlocksOpt,
+    ConcurrencyOpt,
+    EnginesOpt,
+    EtcdOpt,
+    JsonOutOpt,
+    MaxInOpt,
+    MaxOutOpt,
+    MaxSeqsOpt,
+    RequestsOpt,
+    RunDirOpt,
+    SeedOpt,
+    TimeScaleOpt,
+    TraceOpt,
+    VerboseOpt,
+    WorkloadOpt,
+)
+from kvmesh_cli.plotting import write_plot
+from kvmesh_cli.replay import ReplayOutcome, engines_from_epp, engines_from_etcd, replay
+from kvmesh_cli.report import (
     RequestResult,
     compare_document,
     fmt,
@@ -53,27 +73,19 @@ from kvmesh.cli.report import (
     summary_table,
     usage_cached_fraction,
 )
-from kvmesh.cli.workloads import (
-    BUILTIN_WORKLOADS,
+from kvmesh_cli.workloads import (
+    DEFAULT_MAX_OUTPUT_TOKENS,
     Workload,
-    builtin_workload,
-    cap_workload,
-    mooncake_workload,
-    read_mooncake,
+    WorkloadError,
+    default_num_gpu_blocks,
+    load_workload,
     workload_stats,
 )
 
 DEFAULT_ENGINES = 4
-DEFAULT_NUM_GPU_BLOCKS = 384
-"""Per engine, 64-token blocks (24.6k tokens): too few for every live conversation, enough for a quarter."""
-DEFAULT_TRACE_NUM_GPU_BLOCKS = 2048
-"""Per engine with --trace: 131k tokens, about ten capped Mooncake prompts."""
 DEFAULT_REQUESTS = 240
 DEFAULT_TIME_SCALE = 1.0
 DEFAULT_CONCURRENCY = 64
-DEFAULT_MAX_INPUT_TOKENS = 16384
-"""Mooncake prompts are capped to this (prefixes kept): 2 cores cannot move 100k-token prompts fast."""
-DEFAULT_MAX_OUTPUT_TOKENS = 512
 
 app = typer.Typer(
     help="kvmesh: run a local mesh with simulated engines, replay workloads, compare routing policies.",
@@ -95,87 +107,14 @@ def _setup_logging(verbose: bool) -> None:
     )
 
 
-# --- shared options ---------------------------------------------------------------------------
-
-EnginesOpt = Annotated[int, typer.Option("--engines", min=1, help="Number of simulated engines.")]
-EtcdOpt = Annotated[
-    str | None, typer.Option("--etcd", help="host:port of an existing etcd; default: start a local one.")
-]
-TimeScaleOpt = Annotated[
-    float,
-    typer.Option("--time-scale", min=0.01, help="Simulated time runs this many times faster than wall time "
-                 "(engines and arrivals); reported times are in model seconds."),
-]
-RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="Logs and etcd data; default .run/<cmd>-<time>.")]
-BlocksOpt = Annotated[int, typer.Option("--num-gpu-blocks", min=1, help="KV-cache blocks per engine.")]
-AutoBlocksOpt = Annotated[
-    int | None,
-    typer.Option("--num-gpu-blocks", min=2,
-                 help=f"KV-cache blocks per engine (default {DEFAULT_NUM_GPU_BLOCKS} for built-in workloads, "
-                      f"{DEFAULT_TRACE_NUM_GPU_BLOCKS} with --trace)."),
-]
-BlockSizeOpt = Annotated[int, typer.Option("--block-size-tokens", min=1, help="Tokens per KV block.")]
-MaxSeqsOpt = Annotated[int, typer.Option("--max-num-seqs", min=1, help="Concurrent sequences per engine.")]
-ModelOpt = Annotated[str, typer.Option("--model", help="Served model name of the engines.")]
-VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Log at INFO.")]
-TraceOpt = Annotated[
-    Path | None,
-    typer.Option("--trace", exists=True, dir_okay=False,
-                 help="Mooncake trace (JSONL: timestamp ms, input_length, output_length, hash_ids of 512-token "
-                      "blocks). Each hash id becomes a deterministic block of token ids."),
-]
-WorkloadOpt = Annotated[
-    str, typer.Option("--workload", help=f"Built-in workload when no --trace: {', '.join(BUILTIN_WORKLOADS)}.")
-]
-RequestsOpt = Annotated[int, typer.Option("--requests", min=1, help="Number of requests (first N of a trace).")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the workload generator and of prompt tokens.")]
-MaxInOpt = Annotated[
-    int | None,
-    typer.Option("--max-input-tokens", min=1,
-                 help=f"Truncate prompts to this many tokens, keeping their prefix (default for --trace: "
-                      f"{DEFAULT_MAX_INPUT_TOKENS}; the multi-turn workload is shorter already)."),
-]
-MaxOutOpt = Annotated[
-    int, typer.Option("--max-output-tokens", min=1, help="Cap on max_tokens per request.")
-]
-ConcurrencyOpt = Annotated[
-    int, typer.Option("--concurrency-limit", min=1, help="Most requests in flight at once.")
-]
-JsonOutOpt = Annotated[Path | None, typer.Option("--json-out", help="Write the results as JSON here.")]
-
-
 def build_workload(
     trace: Path | None, workload: str, requests: int, seed: int, max_input_tokens: int | None, max_output_tokens: int
 ) -> Workload:
-    """The workload a replay/compare sends (see :mod:`kvmesh.cli.workloads`).
-
-    Raises:
-        typer.BadParameter: an unknown built-in workload, or a trace that is not a Mooncake trace
-            (the message names the file and line).
-    """
-    if trace is not None:
-        try:
-            rows = read_mooncake(trace, limit=requests)
-            if not rows:
-                raise ValueError(f"{trace}: no trace rows")
-            return mooncake_workload(
-                rows, seed=seed, max_input_tokens=max_input_tokens or DEFAULT_MAX_INPUT_TOKENS,
-                max_output_tokens=max_output_tokens,
-            )
-        except UnicodeDecodeError as exc:
-            raise typer.BadParameter(f"{trace}: not UTF-8 text ({exc.reason} at byte {exc.start})",
-                                     param_hint="--trace") from None
-        except (OSError, ValueError) as exc:
-            raise typer.BadParameter(str(exc), param_hint="--trace") from None
+    """:func:`kvmesh_cli.workloads.load_workload`, its errors as ``typer.BadParameter`` naming the option."""
     try:
-        wl = builtin_workload(workload, requests, seed)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--workload") from exc
-    return cap_workload(wl, max_input_tokens, max_output_tokens)
-
-
-def _default_blocks(trace: Path | None) -> int:
-    return DEFAULT_TRACE_NUM_GPU_BLOCKS if trace is not None else DEFAULT_NUM_GPU_BLOCKS
+        return load_workload(trace, workload, requests, seed, max_input_tokens, max_output_tokens)
+    except WorkloadError as exc:
+        raise typer.BadParameter(str(exc), param_hint=exc.option) from None
 
 
 def _workload_line(wl: Workload, label: str) -> str:
@@ -297,7 +236,7 @@ def up(
     _setup_logging(verbose)
     extra: dict[str, object] = {}
     if engine == "vllm":
-        from kvmesh.cli.vllm_engine import VLLM_BLOCK_SIZE_TOKENS, VLLM_MODEL, vllm_missing_reason
+        from kvmesh_cli.vllm_engine import VLLM_BLOCK_SIZE_TOKENS, VLLM_MODEL, vllm_missing_reason
 
         missing = vllm_missing_reason()
         if missing:
@@ -375,7 +314,7 @@ def replay_cmd(
         policy = resolve_policy(policy)
     wl = build_workload(trace, workload, requests, seed, max_input_tokens, max_output_tokens)
     label = trace.name if trace else workload
-    num_gpu_blocks = num_gpu_blocks or _default_blocks(trace)
+    num_gpu_blocks = num_gpu_blocks or default_num_gpu_blocks(trace)
     console.print(_workload_line(wl, label), soft_wrap=True)
     if router is not None:
         probe_router(router)
@@ -416,35 +355,6 @@ def replay_cmd(
 # --- compare ----------------------------------------------------------------------------------
 
 
-def write_plot(doc: dict[str, object], path: Path) -> bool:
-    """Bar charts of TTFT p50/p90, e2e p50, output tokens/s and hit rate per policy; False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    policies: dict[str, dict[str, float | None]] = doc["policies"]  # type: ignore[assignment]
-    names = list(policies)
-    panels = [
-        ("TTFT p50 (model s)", "ttft_p50_s", 1.0), ("TTFT p90 (model s)", "ttft_p90_s", 1.0),
-        ("e2e p50 (model s)", "e2e_p50_s", 1.0), ("output tokens/s", "output_tokens_per_s", 1.0),
-        ("prefix-cache hit rate (%)", "prefix_hit_rate", 100.0),
-    ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5))
-    for ax, (title, key, mult) in zip(axes, panels, strict=True):
-        vals = [(policies[n].get(key) or 0.0) * mult for n in names]
-        ax.bar(names, vals, color=["#888888", "#2a7ab9", "#d9822b", "#3a9e5c"][: len(names)])
-        ax.set_title(title, fontsize=10)
-        ax.tick_params(axis="x", labelrotation=20, labelsize=8)
-    fig.suptitle(f"{doc['workload']}: {doc['requests']} requests, {doc['engines']} engines")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
 @app.command()
 def compare(
     policies: Annotated[str, typer.Option("--policies", help="Comma-separated epp scheduling configs.")] =
@@ -475,7 +385,7 @@ def compare(
     resolved = {name: resolve_policy(name, param_hint="--policies") for name in names}
     wl = build_workload(trace, workload, requests, seed, max_input_tokens, max_output_tokens)
     label = trace.name if trace else workload
-    num_gpu_blocks = num_gpu_blocks or _default_blocks(trace)
+    num_gpu_blocks = num_gpu_blocks or default_num_gpu_blocks(trace)
     base = (run_dir or _default_run_dir("compare")).resolve()
     console.print(_workload_line(wl, label), soft_wrap=True)
     console.print(f"{engines} engines x {num_gpu_blocks} blocks of {block_size_tokens} tokens, time scale "

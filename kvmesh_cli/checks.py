@@ -19,9 +19,9 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from kvmesh.cli.mesh import MeshStartError
+from kvmesh_cli.mesh import MeshStartError
 
-EPP_CONFIGS_DIR = Path(__file__).resolve().parents[2] / "services" / "epp" / "configs"
+EPP_CONFIGS_DIR = Path(__file__).resolve().parents[1] / "services" / "epp" / "configs"
 """Named epp scheduling configs: ``<name>.yaml`` here (read as files; epp itself is not imported)."""
 
 err_console = Console(stderr=True, highlight=False)

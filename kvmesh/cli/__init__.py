@@ -1,1 +1,0 @@
-"""The ``kvmesh`` command line: ``up``, ``replay``, ``compare`` (entry point ``kvmesh.cli.main:app``)."""

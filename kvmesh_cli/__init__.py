@@ -1,0 +1,1 @@
+"""The ``kvmesh`` command line: ``up``, ``replay``, ``compare`` (entry point ``kvmesh_cli.main:app``)."""

@@ -1,0 +1,61 @@
+"""The typer option types shared by the ``kvmesh`` commands (flags, help text, bounds)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvmesh_cli.workloads import (
+    BUILTIN_WORKLOADS,
+    DEFAULT_MAX_INPUT_TOKENS,
+    DEFAULT_NUM_GPU_BLOCKS,
+    DEFAULT_TRACE_NUM_GPU_BLOCKS,
+)
+
+EnginesOpt = Annotated[int, typer.Option("--engines", min=1, help="Number of simulated engines.")]
+EtcdOpt = Annotated[
+    str | None, typer.Option("--etcd", help="host:port of an existing etcd; default: start a local one.")
+]
+TimeScaleOpt = Annotated[
+    float,
+    typer.Option("--time-scale", min=0.01, help="Simulated time runs this many times faster than wall time "
+                 "(engines and arrivals); reported times are in model seconds."),
+]
+RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="Logs and etcd data; default .run/<cmd>-<time>.")]
+BlocksOpt = Annotated[int, typer.Option("--num-gpu-blocks", min=1, help="KV-cache blocks per engine.")]
+AutoBlocksOpt = Annotated[
+    int | None,
+    typer.Option("--num-gpu-blocks", min=2,
+                 help=f"KV-cache blocks per engine (default {DEFAULT_NUM_GPU_BLOCKS} for built-in workloads, "
+                      f"{DEFAULT_TRACE_NUM_GPU_BLOCKS} with --trace)."),
+]
+BlockSizeOpt = Annotated[int, typer.Option("--block-size-tokens", min=1, help="Tokens per KV block.")]
+MaxSeqsOpt = Annotated[int, typer.Option("--max-num-seqs", min=1, help="Concurrent sequences per engine.")]
+ModelOpt = Annotated[str, typer.Option("--model", help="Served model name of the engines.")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Log at INFO.")]
+TraceOpt = Annotated[
+    Path | None,
+    typer.Option("--trace", exists=True, dir_okay=False,
+                 help="Mooncake trace (JSONL: timestamp ms, input_length, output_length, hash_ids of 512-token "
+                      "blocks). Each hash id becomes a deterministic block of token ids."),
+]
+WorkloadOpt = Annotated[
+    str, typer.Option("--workload", help=f"Built-in workload when no --trace: {', '.join(BUILTIN_WORKLOADS)}.")
+]
+RequestsOpt = Annotated[int, typer.Option("--requests", min=1, help="Number of requests (first N of a trace).")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the workload generator and of prompt tokens.")]
+MaxInOpt = Annotated[
+    int | None,
+    typer.Option("--max-input-tokens", min=1,
+                 help=f"Truncate prompts to this many tokens, keeping their prefix (default for --trace: "
+                      f"{DEFAULT_MAX_INPUT_TOKENS}; the multi-turn workload is shorter already)."),
+]
+MaxOutOpt = Annotated[
+    int, typer.Option("--max-output-tokens", min=1, help="Cap on max_tokens per request.")
+]
+ConcurrencyOpt = Annotated[
+    int, typer.Option("--concurrency-limit", min=1, help="Most requests in flight at once.")
+]
+JsonOutOpt = Annotated[Path | None, typer.Option("--json-out", help="Write the results as JSON here.")]
