@@ -6,47 +6,117 @@ Usage::
         [--trace ../shared/data/traces/conversation_trace.jsonl] [--time-scale 2] [--out bench/hotspot.json]
 
 While the replay runs, every engine's ``/metrics`` is sampled every ``--sample-interval`` wall seconds
-(``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``). epp runs at
-DEBUG, so its log has one breakdown line per pick; they are parsed afterwards. Prints: TTFT percentiles and
-hit rate, per-engine request count / hit rate / mean and max of running, waiting and KV usage, how often epp's
-target was not the engine with the shortest scraped queue, how often every prefix score was 0 (a kv_indexer
-timeout or no match), and the share of picks per engine over time (10 windows).
+(``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``). The router
+reaches epp through a recording gRPC proxy in this process (:class:`RecordingPicker`), which forwards every
+``EndpointPicker`` call and keeps each ``PickResponse``: target, profile and the per-scorer ``breakdown``
+(no log parsing; the proxy adds one loopback hop to each pick). Prints: TTFT percentiles and hit rate,
+per-engine request count / hit rate / mean and max of running, waiting and KV usage, how often epp's target
+was not the engine with the shortest scraped queue, how often every prefix score was 0 (a kv_indexer timeout
+or no match), pick round-trip times, and the share of picks per engine over time (10 windows).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import re
 import statistics
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import httpx
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvmesh_cli.mesh import Mesh, MeshSpec
+from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
+from kvmesh_cli.mesh import Member, Mesh, MeshSpec
 from kvmesh_cli.replay import replay
 from kvmesh_cli.report import hit_rate, per_engine, summarize
 from kvmesh_cli.workloads import load_workload
 
 _GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
-_PICK = re.compile(r"pick request_id=(\S*) .* target=(\S+) took_ms=([\d.]+) breakdown=(.*)$")
 
 
-class DebugEppMesh(Mesh):
-    """A mesh whose epp logs at DEBUG (one breakdown line per pick); everything else as configured."""
+def pick_record(reply: epp_pb2.PickResponse, rtt_ms: float) -> dict:
+    """One pick as this script reports it: target id, round trip (ms), and per candidate its total and scores."""
+    return {
+        "target": reply.target.id,
+        "profile": reply.profile,
+        "rtt_ms": rtt_ms,
+        "cands": {b.endpoint_id: {"total": b.total, **b.scores} for b in reply.breakdown},
+    }
 
-    def _service(self, name: str, *flags: str, grpc_port: int | None = None):  # type: ignore[override]
-        if name != "epp":
-            return super()._service(name, *flags, grpc_port=grpc_port)
-        saved = self.spec.log_level
-        self.spec.log_level = "DEBUG"
+
+class RecordingPicker(epp_pb2_grpc.EndpointPickerServicer):
+    """Forwards ``EndpointPicker`` calls to epp at ``upstream`` and keeps every successful pick's response."""
+
+    def __init__(self, upstream: str) -> None:
+        self._channel = grpc.insecure_channel(upstream)
+        self._stub = epp_pb2_grpc.EndpointPickerStub(self._channel)
+        self._lock = threading.Lock()
+        self.picks: list[dict] = []
+
+    def _forward(self, call: grpc.UnaryUnaryMultiCallable, request: object, context: grpc.ServicerContext) -> object:
         try:
-            return super()._service(name, *flags, grpc_port=grpc_port)
-        finally:
-            self.spec.log_level = saved
+            return call(request, timeout=context.time_remaining(), metadata=context.invocation_metadata())
+        except grpc.RpcError as exc:  # the router must see epp's status (UNAVAILABLE, NOT_FOUND, ...)
+            context.abort(exc.code(), exc.details() or "")
+            raise  # not reached: abort raises
+
+    def Pick(self, request: epp_pb2.PickRequest, context: grpc.ServicerContext) -> epp_pb2.PickResponse:
+        started = time.perf_counter()
+        reply = self._forward(self._stub.Pick, request, context)
+        assert isinstance(reply, epp_pb2.PickResponse)
+        record = pick_record(reply, (time.perf_counter() - started) * 1e3)
+        with self._lock:
+            self.picks.append(record)
+        return reply
+
+    def ListEndpoints(self, request: epp_pb2.ListEndpointsRequest, context: grpc.ServicerContext) -> object:
+        return self._forward(self._stub.ListEndpoints, request, context)
+
+    def GetPickerInfo(self, request: epp_pb2.GetPickerInfoRequest, context: grpc.ServicerContext) -> object:
+        return self._forward(self._stub.GetPickerInfo, request, context)
+
+    def serve(self) -> tuple[grpc.Server, str]:
+        """Start a loopback server for this proxy (with a SERVING health service); returns it and its address."""
+        server = grpc.server(ThreadPoolExecutor(max_workers=32))
+        epp_pb2_grpc.add_EndpointPickerServicer_to_server(self, server)
+        health_servicer = health.HealthServicer()
+        health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        return server, f"127.0.0.1:{port}"
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class RecordingMesh(Mesh):
+    """A mesh whose router reaches epp through a :class:`RecordingPicker`; everything else as configured."""
+
+    def __init__(self, spec: MeshSpec) -> None:
+        super().__init__(spec)
+        self.recorder: RecordingPicker | None = None
+        self._proxy: grpc.Server | None = None
+
+    def _service(self, name: str, *flags: str, grpc_port: int | None = None) -> Member:
+        if name == "router":
+            self.recorder = RecordingPicker(self.epp_address)
+            self._proxy, proxy_address = self.recorder.serve()
+            flags = tuple(proxy_address if i and flags[i - 1] == "--epp-address" else f for i, f in enumerate(flags))
+        return super()._service(name, *flags, grpc_port=grpc_port)
+
+    def stop(self) -> None:
+        super().stop()
+        if self._proxy is not None:
+            self._proxy.stop(grace=None)
+        if self.recorder is not None:
+            self.recorder.close()
 
 
 def _gauges(text: str) -> dict[str, float]:
@@ -64,10 +134,8 @@ def sample_engines(urls: list[str], interval: float, stop: threading.Event, into
             t = time.monotonic()
             row: dict[str, object] = {"t": t}
             for url in urls:
-                try:
+                with contextlib.suppress(httpx.HTTPError):
                     row[url] = _gauges(client.get(f"{url}/metrics").text)
-                except httpx.HTTPError:
-                    pass
             into.append(row)
             stop.wait(max(0.0, interval - (time.monotonic() - t)))
 
@@ -81,20 +149,6 @@ def _cpu_seconds(pid: int) -> float:
     import os
 
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def parse_picks(log: Path) -> list[dict]:
-    picks = []
-    for line in log.read_text(errors="replace").splitlines():
-        m = _PICK.search(line)
-        if not m:
-            continue
-        cands = {}
-        for part in m.group(4).split("; "):
-            fields = part.split()
-            cands[fields[0]] = {k: float(v) for k, v in (f.split("=", 1) for f in fields[1:])}
-        picks.append({"target": m.group(2), "took_ms": float(m.group(3)), "cands": cands})
-    return picks
 
 
 def main() -> None:
@@ -117,7 +171,7 @@ def main() -> None:
                     num_gpu_blocks=args.num_gpu_blocks)
     samples: list[dict] = []
     stop = threading.Event()
-    with DebugEppMesh(spec) as mesh:
+    with RecordingMesh(spec) as mesh:
         urls = list(mesh.engine_urls)
         sampler = threading.Thread(target=sample_engines, args=(urls, args.sample_interval, stop, samples))
         sampler.start()
@@ -128,8 +182,9 @@ def main() -> None:
             stop.set()
             sampler.join()
         cpu = {m.name: _cpu_seconds(m.process.pid) for m in mesh.members if m.process.proc is not None}
+        assert mesh.recorder is not None
+        picks = list(mesh.recorder.picks)
         epp_log = next(m.log_path for m in mesh.members if m.name == "epp")
-        picks = parse_picks(epp_log)
         epp_log_text = epp_log.read_text(errors="replace")
 
     summary = summarize(outcome.results, wall_duration_s=outcome.wall_duration_s, time_scale=args.time_scale,
@@ -166,10 +221,10 @@ def main() -> None:
                     all_zero += 1
                 if c[p["target"]]["prefix"] > min(v["prefix"] for v in c.values()):
                     prefix_decided += 1
-        print(f"picks parsed {len(picks)}; target not the best queue score {not_least}; "
+        print(f"picks recorded {len(picks)}; target not the best queue score {not_least}; "
               f"all prefix scores 0 {all_zero}; target had more prefix than the worst {prefix_decided}; "
-              f"pick took_ms p50 {statistics.median(p['took_ms'] for p in picks):.1f} "
-              f"max {max(p['took_ms'] for p in picks):.1f}")
+              f"pick round trip ms p50 {statistics.median(p['rtt_ms'] for p in picks):.1f} "
+              f"max {max(p['rtt_ms'] for p in picks):.1f}")
         windows = 10
         size = max(1, len(picks) // windows)
         ids = sorted({p["target"] for p in picks})

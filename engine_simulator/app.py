@@ -1,9 +1,12 @@
-"""The simulator process: wires config, tokenizer, core, publisher, HTTP and etcd; handles signals.
+"""The simulator process: ``build_service(config)`` wires tokenizer, core and HTTP API; ``run()`` serves.
 
-Start order: tokenizer -> engine core and loop -> KV-event publisher -> HTTP (uvicorn on
-``--host:--port``) -> etcd registration (``Endpoint`` under ``endpoint_key``) once HTTP listens.
-On SIGTERM/SIGINT: revoke the etcd lease first (routers stop picking the engine at once), stop
-HTTP (running requests get ``shutdown_grace_seconds``), abort what is left, close the publisher.
+``build_service`` does the synchronous part (tokenizer files built if missing and loaded, prefix
+cache, scheduler core, metrics, latency profile, the HTTP routes) and opens nothing.
+:meth:`EngineSimulator.run` then starts in order: KV-event publisher -> engine loop -> HTTP
+(:class:`kvmesh.http_server.HttpServer` on ``--host:--port``) -> etcd registration (``Endpoint``
+under ``endpoint_key``) once HTTP listens. On SIGTERM/SIGINT: revoke the etcd lease first (routers
+stop picking the engine at once), stop HTTP (running requests get ``shutdown_grace_seconds``), abort
+what is left, close the publisher.
 """
 
 from __future__ import annotations
@@ -13,33 +16,23 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Iterator
-
-import uvicorn
 
 from engine_simulator.config import SimulatorConfig
 from engine_simulator.engine import AsyncEngine
-from engine_simulator.latency_model import get_profile
+from engine_simulator.latency_model import LatencyModel, get_profile
 from engine_simulator.metrics import EngineMetrics
 from engine_simulator.prefix_cache import PrefixCache
 from engine_simulator.publisher import make_publisher
 from engine_simulator.rendering import Renderer
 from engine_simulator.scheduler import EngineCore, SchedulerConfig
-from engine_simulator.server import ServerState, build_app
+from engine_simulator.server import EngineHttpApi, ServerState
 from engine_simulator.tokenizer import ensure_tokenizer, load_tokenizer
 from kvmesh.clock import ScaledClock
+from kvmesh.http_server import HttpServer
 from kvmesh.membership import LeaseRegistration, endpoint_key
-from kvmesh.types import Endpoint, EndpointId, EndpointRole
+from kvmesh.types import Endpoint, EndpointId
 
 logger = logging.getLogger(__name__)
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling (the process handles signals in one place)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 def cache_config_info(config: SimulatorConfig) -> dict[str, str]:
@@ -85,78 +78,98 @@ def cache_config_info(config: SimulatorConfig) -> dict[str, str]:
     }
 
 
-async def run(config: SimulatorConfig) -> None:
-    """Run until SIGTERM/SIGINT."""
-    tok_dir = ensure_tokenizer(config.tokenizer_path or None)
-    renderer = Renderer(load_tokenizer(str(tok_dir)))
-    endpoint_id = f"{config.host}:{config.port}"
-    cache = PrefixCache(config.num_gpu_blocks, config.block_size_tokens, config.enable_prefix_caching)
-    core = EngineCore(
-        SchedulerConfig(
-            config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len, renderer.vocab_size
-        ),
-        cache,
-    )
-    metrics = EngineMetrics(config.model, cache_config_info(config), config.max_model_len)
-    publisher = make_publisher(config.events_endpoint, endpoint_id, config.model)
-    engine = AsyncEngine(
-        core, get_profile(config.latency_profile), ScaledClock(config.time_scale), publisher, metrics
-    )
-    engine.start()
-    state = ServerState(engine, renderer, config.model, config.max_model_len, str(tok_dir), int(time.time()))
-    server = _Server(
-        uvicorn.Config(
-            build_app(state),
-            host=config.host,
-            port=config.port,
-            log_level="warning",
-            lifespan="off",
-            timeout_graceful_shutdown=int(config.shutdown_grace_seconds),
-            access_log=False,
+class EngineSimulator:
+    """One simulated engine, built and not yet serving; ``await run()`` serves until SIGTERM/SIGINT.
+
+    Args:
+        config: the process config.
+        renderer: the loaded tokenizer and chat template.
+        tokenizer_dir: directory of ``tokenizer.json`` (the ``root`` of ``GET /v1/models``).
+    """
+
+    def __init__(self, config: SimulatorConfig, renderer: Renderer, tokenizer_dir: str) -> None:
+        self.config = config
+        self.endpoint_id = f"{config.host}:{config.port}"
+        self.latency: LatencyModel = get_profile(config.latency_profile)
+        cache = PrefixCache(config.num_gpu_blocks, config.block_size_tokens, config.enable_prefix_caching)
+        self.core = EngineCore(
+            SchedulerConfig(
+                config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len, renderer.vocab_size
+            ),
+            cache,
         )
-    )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    server_task = asyncio.create_task(server.serve(), name="http")
-    while not server.started and not server_task.done():
-        await asyncio.sleep(0.02)
-    registration: LeaseRegistration | None = None
-    if server.started:
-        logger.info(
-            "engine simulator listening url=http://%s model=%s block_size=%d num_gpu_blocks=%d "
-            "events=%s time_scale=%s",
-            endpoint_id,
-            config.model,
-            config.block_size_tokens,
-            config.num_gpu_blocks,
-            config.events_endpoint or "off",
-            config.time_scale,
+        self.metrics = EngineMetrics(config.model, cache_config_info(config), config.max_model_len)
+        self.renderer = renderer
+        self.tokenizer_dir = tokenizer_dir
+
+    def endpoint(self) -> Endpoint:
+        """The etcd registration of this engine."""
+        config = self.config
+        return Endpoint(
+            id=EndpointId(self.endpoint_id),
+            url=f"http://{self.endpoint_id}",
+            model=config.model,
+            block_size_tokens=config.block_size_tokens,
+            events_endpoint=config.events_endpoint,
+            role=config.role,
+            labels={"engine": "simulator", "max_model_len": str(config.max_model_len)},
         )
-        if config.etcd_endpoints:
-            ep = Endpoint(
-                id=EndpointId(endpoint_id),
-                url=f"http://{endpoint_id}",
-                model=config.model,
-                block_size_tokens=config.block_size_tokens,
-                events_endpoint=config.events_endpoint,
-                role=EndpointRole(config.role),
-                labels={"engine": "simulator", "max_model_len": str(config.max_model_len)},
+
+    async def run(self) -> None:
+        """Serve until SIGTERM/SIGINT (or until HTTP ends on its own), then shut down in order."""
+        config = self.config
+        publisher = make_publisher(config.events_endpoint, self.endpoint_id, config.model)
+        engine = AsyncEngine(self.core, self.latency, ScaledClock(config.time_scale), publisher, self.metrics)
+        engine.start()
+        state = ServerState(engine, self.renderer, config.model, config.max_model_len, self.tokenizer_dir,
+                            int(time.time()))
+        http = HttpServer(EngineHttpApi(state).app(), config.host, config.port, config.shutdown_grace_seconds,
+                          log_level="warning")
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        registration: LeaseRegistration | None = None
+        try:
+            await http.start()
+            logger.info(
+                "engine simulator listening url=http://%s model=%s block_size=%d num_gpu_blocks=%d "
+                "events=%s time_scale=%s",
+                self.endpoint_id,
+                config.model,
+                config.block_size_tokens,
+                config.num_gpu_blocks,
+                config.events_endpoint or "off",
+                config.time_scale,
             )
-            registration = LeaseRegistration(
-                config.etcd_endpoints, endpoint_key(ep), ep.to_json(), config.lease_ttl_seconds
-            )
-            await registration.start()
-        stop_task = asyncio.create_task(stop.wait())
-        await asyncio.wait({stop_task, server_task}, return_when=asyncio.FIRST_COMPLETED)
-        stop_task.cancel()
-    logger.info("shutting down")
-    if registration is not None:
-        await registration.stop()
-    server.should_exit = True
-    with contextlib.suppress(Exception):
-        await server_task
-    await engine.stop()
-    publisher.shutdown()
-    logger.info("stopped")
+            if config.etcd_endpoints:
+                ep = self.endpoint()
+                registration = LeaseRegistration(
+                    config.etcd_endpoints, endpoint_key(ep), ep.to_json(), config.lease_ttl_seconds
+                )
+                await registration.start()
+            stop_task = asyncio.create_task(stop.wait())
+            http_task = asyncio.create_task(http.wait())
+            await asyncio.wait({stop_task, http_task}, return_when=asyncio.FIRST_COMPLETED)
+            stop_task.cancel()
+            http_task.cancel()
+        finally:
+            logger.info("shutting down")
+            if registration is not None:
+                await registration.stop()
+            with contextlib.suppress(Exception):
+                await http.stop()
+            await engine.stop()
+            publisher.shutdown()
+            logger.info("stopped")
+
+
+def build_service(config: SimulatorConfig) -> EngineSimulator:
+    """The simulator, built and not serving (the tokenizer files are written first when missing).
+
+    Raises:
+        KeyError: ``latency_profile`` names no known profile.
+        OSError: the tokenizer directory cannot be created or read.
+    """
+    tokenizer_dir = ensure_tokenizer(config.tokenizer_path or None)
+    return EngineSimulator(config, Renderer(load_tokenizer(str(tokenizer_dir))), str(tokenizer_dir))

@@ -2,31 +2,24 @@
 
 The flags pinned in the team brief (``--host --port --model --block-size-tokens --num-gpu-blocks
 --max-num-seqs --max-num-batched-tokens --max-model-len --events-endpoint --etcd-endpoints
---lease-ttl-seconds --time-scale --tokenizer-path --role``) are fields here; the inherited
-``--grpc-port``/``--metrics-port`` are unused (HTTP, ``/metrics`` included, is on ``--port``).
+--lease-ttl-seconds --time-scale --tokenizer-path --role``) are fields here. The simulator serves
+no gRPC, so its base is :class:`~kvmesh.config.ProcessConfig`; the inherited ``--metrics-port`` is
+unused (HTTP, ``/metrics`` included, is on ``--port``).
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from kvmesh.config import ServiceConfig
+from kvmesh.config import ProcessConfig
+from kvmesh.types import EndpointRole
 
-Role = Literal["both", "prefill", "decode"]
 
-
-class SimulatorConfig(ServiceConfig):
+class SimulatorConfig(ProcessConfig):
     """A simulated vLLM 0.32 engine: OpenAI HTTP, prefix cache, KV events, etcd registration."""
 
-    model_config = SettingsConfigDict(
-        env_prefix="KVMESH_ENGINE_SIMULATOR_",
-        extra="forbid",
-        use_attribute_docstrings=True,
-        populate_by_name=True,
-    )
+    model_config = SettingsConfigDict(env_prefix="KVMESH_ENGINE_SIMULATOR_")
 
     port: int = Field(8000, ge=0, le=65535)
     """HTTP port of the OpenAI API, /health, /metrics and the render endpoints."""
@@ -50,7 +43,7 @@ class SimulatorConfig(ServiceConfig):
     """Model time runs this many times faster than wall time."""
     tokenizer_path: str = ""
     """Directory with tokenizer.json (built there if missing); empty means ~/.cache/kvmesh/tokenizer-v1."""
-    role: Role = "both"
+    role: EndpointRole = EndpointRole.BOTH
     """Role registered in etcd (prefill/decode disaggregation)."""
     latency_profile: str = "llama-3.1-8b-h100"
     """Named latency-model coefficients (see engine_simulator/latency_model.py)."""

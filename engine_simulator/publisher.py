@@ -67,7 +67,7 @@ class ZmqEventPublisher:
         self.endpoint = endpoint
         self.topic = topic.encode("utf-8")
         self.data_parallel_rank = data_parallel_rank
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PUB)
         self._sock.setsockopt(zmq.SNDHWM, hwm)
         self._sock.setsockopt(zmq.LINGER, 500)

@@ -26,6 +26,7 @@ generated tokens), so long prompts are hashed once even when rescheduled.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
 import random
@@ -212,10 +213,8 @@ class EngineCore:
         if req in self.running:
             self.running.remove(req)
         else:
-            try:
+            with contextlib.suppress(ValueError):
                 self.waiting.remove(req)
-            except ValueError:
-                pass
         self._free(req)
         req.finish_reason = FinishReason.ABORT
         return req

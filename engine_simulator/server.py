@@ -33,7 +33,7 @@ from starlette.routing import Route
 
 from engine_simulator.engine import AsyncEngine
 from engine_simulator.rendering import Renderer, apply_chat_template
-from engine_simulator.scheduler import Request
+from engine_simulator.scheduler import Request, RequestOutput
 from kvmesh.errors import InvalidRequest, UnknownModel
 
 logger = logging.getLogger(__name__)
@@ -121,18 +121,6 @@ def _usage(req: Request) -> dict[str, Any]:
     }
 
 
-def _handle_errors(handler):  # type: ignore[no-untyped-def]
-    async def wrapped(request: HttpRequest) -> Response:
-        try:
-            return await handler(request)
-        except InvalidRequest as exc:
-            return _error(400, str(exc))
-        except UnknownModel as exc:
-            return _error(404, str(exc), "model")
-
-    return wrapped
-
-
 async def _wait_disconnect(request: HttpRequest) -> None:
     while True:
         message = await request.receive()
@@ -140,31 +128,84 @@ async def _wait_disconnect(request: HttpRequest) -> None:
             return
 
 
-def build_app(state: ServerState) -> Starlette:
-    """The Starlette app over ``state``."""
-    engine, renderer = state.engine, state.renderer
+async def _collect(queue: asyncio.Queue[RequestOutput]) -> None:
+    while True:
+        out = await queue.get()
+        if out.finished:
+            return
 
-    def prepare(body: dict[str, Any], chat: bool) -> tuple[list[int], int]:
-        _check_model(state, body)
+
+class EngineHttpApi:
+    """The routes of the table above, as methods over one engine (``app()`` builds the Starlette app).
+
+    Args:
+        state: the engine, its renderer and the served model's identity.
+    """
+
+    def __init__(self, state: ServerState) -> None:
+        self._state = state
+        self._engine = state.engine
+        self._renderer = state.renderer
+
+    def app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/completions/render", self.completions_render, methods=["POST"]),
+                Route("/v1/chat/completions/render", self.chat_render, methods=["POST"]),
+                Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics, methods=["GET"]),
+                Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
+            ],
+            exception_handlers={InvalidRequest: self._invalid_request, UnknownModel: self._unknown_model},
+        )
+
+    # -- errors (vLLM's bodies) ---------------------------------------------------------------
+
+    async def _invalid_request(self, request: HttpRequest, exc: Exception) -> Response:
+        return _error(400, str(exc))
+
+    async def _unknown_model(self, request: HttpRequest, exc: Exception) -> Response:
+        return _error(404, str(exc), "model")
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def _prepare(self, body: dict[str, Any], chat: bool) -> tuple[list[int], int]:
+        """Token ids and ``max_tokens`` of a completion or chat body.
+
+        Raises:
+            UnknownModel: ``model`` names another model.
+            InvalidRequest: no prompt, ``n`` != 1, or a length/``max_tokens`` vLLM would refuse.
+        """
+        _check_model(self._state, body)
         if chat:
-            ids = renderer.chat_ids(body.get("messages"), bool(body.get("add_generation_prompt", True)))
+            ids = self._renderer.chat_ids(body.get("messages"), bool(body.get("add_generation_prompt", True)))
         else:
             if "prompt" not in body:
                 raise InvalidRequest("'prompt' is required")
-            ids = renderer.prompt_ids(body["prompt"], bool(body.get("add_special_tokens", True)))
+            ids = self._renderer.prompt_ids(body["prompt"], bool(body.get("add_special_tokens", True)))
         n = body.get("n", 1)
         if n != 1:
             raise InvalidRequest("only n=1 is supported")
-        return ids, _max_tokens(state, body, len(ids), chat)
+        return ids, _max_tokens(self._state, body, len(ids), chat)
 
-    async def generate(request: HttpRequest, chat: bool) -> Response:
+    async def completions(self, request: HttpRequest) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: HttpRequest) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: HttpRequest, chat: bool) -> Response:
         body = await _json_body(request)
-        ids, max_tokens = prepare(body, chat)
+        ids, max_tokens = self._prepare(body, chat)
         prefix = "chatcmpl-" if chat else "cmpl-"
         rid = prefix + uuid.uuid4().hex
         req = Request(rid, ids, max_tokens, ignore_eos=bool(body.get("ignore_eos", False)))
         try:
-            queue = engine.submit(req)
+            queue = self._engine.submit(req)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
         created = int(time.time())
@@ -172,7 +213,7 @@ def build_app(state: ServerState) -> Starlette:
             opts = body.get("stream_options") or {}
             include_usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
             return StreamingResponse(
-                _stream(req, queue, chat, created, include_usage),
+                self._stream(req, queue, chat, created, include_usage),
                 media_type="text/event-stream",
                 headers=_SSE_HEADERS,
             )
@@ -184,11 +225,16 @@ def build_app(state: ServerState) -> Starlette:
             disconnect.cancel()
             if not waiter.done():
                 waiter.cancel()
-                engine.abort(rid)
+                self._engine.abort(rid)
         if not waiter.done() or waiter.cancelled():
             return Response(status_code=499)
-        text = renderer.detokenize(req.output_token_ids)
+        return JSONResponse(self._completion_body(req, chat, created))
+
+    def _completion_body(self, req: Request, chat: bool, created: int) -> dict[str, Any]:
+        """The non-streaming answer of a finished request (vLLM 0.32's field set)."""
+        text = self._renderer.detokenize(req.output_token_ids)
         finish = str(req.finish_reason)
+        choice: dict[str, Any]
         if chat:
             choice = {
                 "index": 0,
@@ -217,33 +263,27 @@ def build_app(state: ServerState) -> Starlette:
                 "prompt_logprobs": None,
             }
             obj = "text_completion"
-        return JSONResponse(
-            {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": state.model,
-                "choices": [choice],
-                "usage": _usage(req),
-                "kv_transfer_params": None,
-            }
-        )
-
-    async def _collect(queue: asyncio.Queue) -> None:  # type: ignore[type-arg]
-        while True:
-            out = await queue.get()
-            if out.finished:
-                return
+        return {
+            "id": req.request_id,
+            "object": obj,
+            "created": created,
+            "model": self._state.model,
+            "choices": [choice],
+            "usage": _usage(req),
+            "kv_transfer_params": None,
+        }
 
     async def _stream(
+        self,
         req: Request,
-        queue: asyncio.Queue,
+        queue: asyncio.Queue[RequestOutput],
         chat: bool,
-        created: int,  # type: ignore[type-arg]
+        created: int,
         include_usage: bool,
     ) -> AsyncIterator[str]:
+        """SSE chunks as vLLM writes them; a client gone before the end aborts the request."""
         obj = "chat.completion.chunk" if chat else "text_completion"
-        head = {"id": req.request_id, "object": obj, "created": created, "model": state.model}
+        head = {"id": req.request_id, "object": obj, "created": created, "model": self._state.model}
         finished = False
         try:
             if chat:
@@ -262,8 +302,9 @@ def build_app(state: ServerState) -> Starlette:
             while not finished:
                 out = await queue.get()
                 finished = out.finished
-                text = renderer.detokenize(out.new_token_ids)
+                text = self._renderer.detokenize(out.new_token_ids)
                 reason = str(req.finish_reason) if finished else None
+                choice: dict[str, Any]
                 if chat:
                     choice = {
                         "index": 0,
@@ -287,20 +328,14 @@ def build_app(state: ServerState) -> Starlette:
             yield "data: [DONE]\n\n"
         finally:
             if not finished:
-                engine.abort(req.request_id)
+                self._engine.abort(req.request_id)
 
-    @_handle_errors
-    async def completions(request: HttpRequest) -> Response:
-        return await generate(request, chat=False)
+    # -- render and tokenize ------------------------------------------------------------------
 
-    @_handle_errors
-    async def chat_completions(request: HttpRequest) -> Response:
-        return await generate(request, chat=True)
-
-    def _render_body(body: dict[str, Any], ids: list[int], max_tokens: int) -> dict[str, Any]:
+    def _render_body(self, body: dict[str, Any], ids: list[int], max_tokens: int) -> dict[str, Any]:
         return {
             "request_id": uuid.uuid4().hex,
-            "model": state.model,
+            "model": self._state.model,
             "token_ids": ids,
             "prompt_token_ids": ids,
             "count": len(ids),
@@ -308,22 +343,20 @@ def build_app(state: ServerState) -> Starlette:
             "stream": bool(body.get("stream", False)),
         }
 
-    @_handle_errors
-    async def completions_render(request: HttpRequest) -> Response:
+    async def completions_render(self, request: HttpRequest) -> Response:
         body = await _json_body(request)
-        ids, max_tokens = prepare(body, chat=False)
-        return JSONResponse([_render_body(body, ids, max_tokens)])
+        ids, max_tokens = self._prepare(body, chat=False)
+        return JSONResponse([self._render_body(body, ids, max_tokens)])
 
-    @_handle_errors
-    async def chat_render(request: HttpRequest) -> Response:
+    async def chat_render(self, request: HttpRequest) -> Response:
         body = await _json_body(request)
-        ids, max_tokens = prepare(body, chat=True)
-        return JSONResponse(_render_body(body, ids, max_tokens))
+        ids, max_tokens = self._prepare(body, chat=True)
+        return JSONResponse(self._render_body(body, ids, max_tokens))
 
-    @_handle_errors
-    async def tokenize(request: HttpRequest) -> Response:
+    async def tokenize(self, request: HttpRequest) -> Response:
         body = await _json_body(request)
-        _check_model(state, body)
+        _check_model(self._state, body)
+        renderer = self._renderer
         if "messages" in body:
             ids = renderer.encode_text(
                 apply_chat_template(body["messages"], bool(body.get("add_generation_prompt", True))),
@@ -337,10 +370,13 @@ def build_app(state: ServerState) -> Starlette:
             raise InvalidRequest("either 'prompt' or 'messages' is required")
         strs = renderer.token_strs(ids) if body.get("return_token_strs") else None
         return JSONResponse(
-            {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs}
+            {"count": len(ids), "max_model_len": self._state.max_model_len, "tokens": ids, "token_strs": strs}
         )
 
-    async def models(request: HttpRequest) -> Response:
+    # -- models, health, metrics, cache reset -------------------------------------------------
+
+    async def models(self, request: HttpRequest) -> Response:
+        state = self._state
         card = {
             "id": state.model,
             "object": "model",
@@ -368,25 +404,12 @@ def build_app(state: ServerState) -> Starlette:
         }
         return JSONResponse({"object": "list", "data": [card]})
 
-    async def health(request: HttpRequest) -> Response:
+    async def health(self, request: HttpRequest) -> Response:
         return Response(status_code=200)
 
-    async def metrics(request: HttpRequest) -> Response:
-        assert engine.metrics is not None
-        return Response(engine.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics(self, request: HttpRequest) -> Response:
+        assert self._engine.metrics is not None
+        return Response(self._engine.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def reset_prefix_cache(request: HttpRequest) -> Response:
-        return JSONResponse({"success": engine.reset_prefix_cache()})
-
-    routes = [
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions/render", completions_render, methods=["POST"]),
-        Route("/v1/chat/completions/render", chat_render, methods=["POST"]),
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
-    ]
-    return Starlette(routes=routes)
+    async def reset_prefix_cache(self, request: HttpRequest) -> Response:
+        return JSONResponse({"success": self._engine.reset_prefix_cache()})

@@ -1,18 +1,22 @@
-"""Typed service configuration: defaults < YAML file < environment < command-line flags.
+"""Typed process configuration: defaults < YAML file < environment < command-line flags.
 
-Every service declares one ``<Svc>Config(ServiceConfig)`` whose fields carry their unit
-in their name, a bound and an attribute docstring (which becomes the flag's help).
-:func:`load_config` builds the command line from the fields, so a field ``grpc_port``
-is set by ``--grpc-port``, by ``KVMESH_<SVC>_GRPC_PORT`` or by ``grpc_port:`` in the
-file named by ``--config``. Lists take comma-separated values on the command line;
-mappings and nested models take YAML/JSON. This is the only module that reads the
-environment (the standard ``OTEL_EXPORTER_OTLP_ENDPOINT`` included).
+Two bases: :class:`ProcessConfig` (what every process has: bind host, metrics port, etcd, lease,
+drain grace, log level, OTLP) and :class:`GrpcServiceConfig` (adds the gRPC port and the etcd
+instance id, for the services :class:`kvmesh.server.GrpcService` runs). Every process declares
+one ``<Svc>Config`` on the right base that sets only its ``env_prefix``; its fields carry their
+unit in their name, a bound and an attribute docstring (which becomes the flag's help).
+:func:`load_config` builds the command line from the fields, so a field ``grpc_port`` is set by
+``--grpc-port``, by ``KVMESH_<SVC>_GRPC_PORT`` or by ``grpc_port:`` in the file named by
+``--config``. Lists take comma-separated values on the command line; mappings and nested models
+take YAML/JSON. Config classes are the only readers of the environment (the standard
+``OTEL_EXPORTER_OTLP_ENDPOINT`` included).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextvars
+import enum
 import sys
 import typing
 from pathlib import Path
@@ -32,8 +36,12 @@ LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar("kvmesh_config_file", default=None)
 
 
-class ServiceConfig(BaseSettings):
-    """Fields every kvmesh service shares. Subclasses set ``env_prefix="KVMESH_<SVC>_"``."""
+class ProcessConfig(BaseSettings):
+    """Fields every kvmesh process shares. Subclasses set only ``model_config = SettingsConfigDict(env_prefix=...)``.
+
+    ``extra="forbid"``, attribute docstrings as help and ``populate_by_name`` are inherited
+    (pydantic merges a subclass's ``model_config`` into its parent's).
+    """
 
     model_config = SettingsConfigDict(
         env_prefix="KVMESH_",
@@ -43,9 +51,7 @@ class ServiceConfig(BaseSettings):
     )
 
     host: str = "127.0.0.1"
-    """Interface the gRPC and metrics servers bind (kvmesh binds loopback unless told otherwise)."""
-    grpc_port: int = Field(0, ge=0, le=65535)
-    """gRPC port; 0 picks a free one (logged at start)."""
+    """Interface the process's servers bind (kvmesh binds loopback unless told otherwise)."""
     metrics_port: int = Field(0, ge=0, le=65535)
     """Port of the Prometheus /metrics HTTP endpoint; 0 picks a free one."""
     etcd_endpoints: list[str] = Field(default_factory=lambda: ["127.0.0.1:2379"])
@@ -53,9 +59,7 @@ class ServiceConfig(BaseSettings):
     lease_ttl_seconds: int = Field(10, ge=2, le=3600)
     """TTL of this instance's etcd lease; a crashed instance disappears after at most this long."""
     shutdown_grace_seconds: float = Field(5.0, ge=0, le=300)
-    """On SIGTERM, how long running RPCs may finish before they are cancelled."""
-    instance_id: str = ""
-    """Name of this instance in etcd; empty means host:grpc_port."""
+    """On SIGTERM, how long running requests may finish before they are cancelled."""
     log_level: LogLevel = "INFO"
     """Root log level."""
     otlp_endpoint: str | None = Field(
@@ -93,15 +97,23 @@ class ServiceConfig(BaseSettings):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
-C = TypeVar("C", bound=ServiceConfig)
+class GrpcServiceConfig(ProcessConfig):
+    """A process that serves gRPC through :class:`kvmesh.server.GrpcService` (the five services)."""
+
+    grpc_port: int = Field(0, ge=0, le=65535)
+    """gRPC port; 0 picks a free one (logged at start)."""
+    instance_id: str = ""
+    """Name of this instance in etcd; empty means host:grpc_port."""
+
+
+C = TypeVar("C", bound=ProcessConfig)
 
 
 def _flag_parser(annotation: Any) -> typing.Callable[[str], Any]:
     origin = typing.get_origin(annotation)
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
-        if len(args) == 1:
-            return _flag_parser(args[0])
+    if (origin is typing.Union or str(origin) == "<class 'types.UnionType'>") and len(args) == 1:
+        return _flag_parser(args[0])
     if origin in (list, tuple, set):
         inner = args[0] if args else str
         if inner in (str, int, float):
@@ -129,6 +141,8 @@ def load_config(cls: type[C], argv: list[str] | None = None, prog: str | None = 
     for name, info in cls.model_fields.items():
         converters[name] = _flag_parser(info.annotation)
         default = info.default if info.default_factory is None else info.default_factory()  # type: ignore[call-arg]
+        if isinstance(default, enum.Enum):
+            default = default.value
         parser.add_argument(
             "--" + name.replace("_", "-"),
             dest=name,

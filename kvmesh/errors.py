@@ -86,22 +86,30 @@ INTERNAL = ErrorMapping("INTERNAL", 500, "internal_error")
 def mapping_for(exc: BaseException) -> ErrorMapping:
     """The table row for ``exc`` (walking its MRO), or :data:`INTERNAL` for anything else."""
     for cls in type(exc).__mro__:
-        row = ERROR_TABLE.get(cls)  # type: ignore[arg-type]
+        row = ERROR_TABLE.get(cls)
         if row is not None:
             return row
     return INTERNAL
 
 
-# gRPC status name -> domain error, for clients turning a remote status back into a domain error.
-_FROM_GRPC: dict[str, type[KvmeshError]] = {
+REMOTE_ERRORS: dict[str, type[KvmeshError]] = {
     "INVALID_ARGUMENT": InvalidRequest,
     "NOT_FOUND": NotFound,
     "UNAVAILABLE": NoEndpointsAvailable,
     "RESOURCE_EXHAUSTED": Saturated,
-    "DEADLINE_EXCEEDED": QueueTTLExpired,
 }
+"""The table read backwards: a remote gRPC status name -> the domain error a client re-raises.
+
+Each row is the first :data:`ERROR_TABLE` class with that status, so the error keeps its status
+and HTTP answer across a hop (``QueueFull`` and ``Shed`` arrive as ``Saturated``). Statuses not
+listed become a plain :class:`KvmeshError` (``INTERNAL``). ``DEADLINE_EXCEEDED`` is left out on
+purpose: it says "this call took too long", which only the caller can name, so callers pass it
+as a per-call override (:func:`kvmesh.channels.to_domain_error`): the router's admission call
+reads it as :class:`QueueTTLExpired`, its Pick call as :class:`NoEndpointsAvailable`.
+"""
 
 
 def from_grpc_status(status_name: str, message: str) -> KvmeshError:
-    """Rebuild a domain error from a remote gRPC status (``KvmeshError`` when unmapped)."""
-    return _FROM_GRPC.get(status_name, KvmeshError)(message)
+    """Rebuild a domain error from a remote gRPC status through :data:`REMOTE_ERRORS`
+    (``KvmeshError``, i.e. ``INTERNAL``, when unmapped)."""
+    return REMOTE_ERRORS.get(status_name, KvmeshError)(message)

@@ -7,23 +7,31 @@ the Prometheus endpoint and the service's background tasks, registers the instan
 etcd and only then marks health SERVING. ``run()`` is ``start()`` plus waiting for
 SIGTERM/SIGINT, then the drain in ``stop()``: health NOT_SERVING, lease revoked,
 ``server.stop(grace)``, background tasks cancelled and awaited, hooks run, traces flushed.
+
+:func:`main` is every process's entry point (``python -m services.<svc>``, ``python -m
+engine_simulator``): each ``__main__.py`` is ``main(<Svc>Config, build_service, prog=..., name=...)``
+and each process's ``app.py`` holds its ``build_service(config)`` composition root.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Sequence
+import sys
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvmesh.config import ServiceConfig
+from kvmesh.config import GrpcServiceConfig, ProcessConfig, load_config
 from kvmesh.interceptors import server_interceptors
+from kvmesh.logging import setup_logging
 from kvmesh.membership import LeaseRegistration, service_key
 from kvmesh.metrics import MetricsServer, start_metrics_server
 from kvmesh.tracing import setup_tracing, shutdown_tracing
@@ -32,6 +40,7 @@ from kvmesh.types import ServiceInstance
 logger = logging.getLogger(__name__)
 
 Hook = Callable[[], Awaitable[None]]
+Background = Callable[[], Coroutine[Any, Any, None]]
 
 
 @dataclass
@@ -52,7 +61,7 @@ class ServiceSpec:
     service_names: Sequence[str]
     add_servicers: Callable[[grpc.aio.Server], None]
     on_start: Sequence[Hook] = ()
-    background: Sequence[Callable[[], Awaitable[None]]] = ()
+    background: Sequence[Background] = ()
     on_stop: Sequence[Hook] = ()
     register_in_etcd: bool = True
 
@@ -61,7 +70,7 @@ class ServiceSpec:
 class GrpcService:
     """A running (or runnable) service: ``await start()``, ``await stop()``, or ``await run()``."""
 
-    config: ServiceConfig
+    config: GrpcServiceConfig
     spec: ServiceSpec
     grpc_port: int = 0
     metrics_port: int = 0
@@ -160,3 +169,46 @@ class GrpcService:
             waiter.cancel()
         finally:
             await self.stop()
+
+
+class Process(Protocol):
+    """What :func:`main` runs: a built process that serves until SIGTERM/SIGINT."""
+
+    async def run(self) -> None: ...
+
+
+C = TypeVar("C", bound=ProcessConfig)
+
+
+def main(
+    config_cls: type[C],
+    build_service: Callable[[C], Process],
+    *,
+    prog: str,
+    name: str,
+    argv: list[str] | None = None,
+) -> None:
+    """Run one kvmesh process: config, logging, config logged once, build, serve until SIGTERM.
+
+    Args:
+        config_cls: the process's config class; flags, ``--config FILE`` and its env prefix are
+            parsed into it (``--help`` and ``--print-config`` print and exit 0 here).
+        build_service: the process's composition root (``app.py``); builds without serving.
+        prog: program name shown in ``--help``.
+        name: short process name on every log line (``"epp"``).
+        argv: the flags (default ``sys.argv[1:]``).
+
+    Raises:
+        SystemExit: 2 on a bad flag or value, and when ``build_service`` raises ``ValueError``
+            (a config it cannot build, e.g. an invalid scheduling config); the message is written
+            to stderr as ``<name>: <message>``.
+    """
+    config = load_config(config_cls, argv, prog=prog)
+    setup_logging(name, config.log_level)
+    logger.info("config %s", json.dumps(config.model_dump(mode="json")))
+    try:
+        process = build_service(config)
+    except ValueError as exc:
+        sys.stderr.write(f"{name}: {exc}\n")
+        raise SystemExit(2) from None
+    asyncio.run(process.run())

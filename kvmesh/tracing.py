@@ -11,6 +11,7 @@ import logging
 from collections.abc import Mapping, MutableMapping
 
 from opentelemetry import propagate, trace
+from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -48,7 +49,7 @@ def inject_http_headers(headers: MutableMapping[str, str]) -> MutableMapping[str
     return headers
 
 
-def extract_http_context(headers: Mapping[str, str]):  # -> opentelemetry.context.Context
+def extract_http_context(headers: Mapping[str, str]) -> Context:
     """The trace context carried by incoming HTTP headers (for a server span's parent)."""
     return propagate.extract(headers)
 

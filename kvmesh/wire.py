@@ -10,7 +10,7 @@ from __future__ import annotations
 from kvmesh._proto.kvmesh.common.v1 import common_pb2
 from kvmesh.types import DEFAULT_BLOCK_SIZE_TOKENS, Endpoint, EndpointId, EndpointRole, Medium
 
-_MEDIUM_TO_PB: dict[Medium, int] = {
+_MEDIUM_TO_PB: dict[Medium, common_pb2.Medium] = {
     Medium.GPU: common_pb2.MEDIUM_GPU,
     Medium.CPU: common_pb2.MEDIUM_CPU,
     Medium.DISK: common_pb2.MEDIUM_DISK,
@@ -19,7 +19,7 @@ _MEDIUM_TO_PB: dict[Medium, int] = {
 _MEDIUM_FROM_PB: dict[int, Medium] = {v: k for k, v in _MEDIUM_TO_PB.items()}
 
 
-def medium_to_proto(medium: Medium) -> int:
+def medium_to_proto(medium: Medium) -> common_pb2.Medium:
     """``Medium.CPU`` -> ``common_pb2.MEDIUM_CPU`` (an int of the ``kvmesh.common.v1.Medium`` enum)."""
     return _MEDIUM_TO_PB[medium]
 

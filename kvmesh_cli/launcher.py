@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,24 +35,37 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _poll_until(ready: Callable[[], bool], timeout_seconds: float, interval_seconds: float = 0.05) -> bool:
+    """Call ``ready`` every ``interval_seconds`` until it returns True (-> True) or ``timeout_seconds`` pass (-> False)."""
+    deadline = time.monotonic() + timeout_seconds
+    while time.monotonic() < deadline:
+        if ready():
+            return True
+        time.sleep(interval_seconds)
+    return False
+
+
 def wait_grpc_healthy(address: str, timeout_seconds: float = 30.0, service: str = "") -> None:
     """Poll ``grpc.health.v1.Health/Check`` on ``address`` until SERVING.
 
     Raises:
         TimeoutError: when not SERVING within ``timeout_seconds``.
     """
-    deadline = time.monotonic() + timeout_seconds
     last: Exception | None = None
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
+
+        def serving() -> bool:
+            nonlocal last
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
             except grpc.RpcError as exc:
                 last = exc
-            time.sleep(0.05)
+                return False
+            return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+        if _poll_until(serving, timeout_seconds):
+            return
     raise TimeoutError(f"{address} not SERVING after {timeout_seconds}s (last error: {last})")
 
 
@@ -62,17 +75,20 @@ def wait_http_ok(url: str, timeout_seconds: float = 30.0) -> None:
     Raises:
         TimeoutError: when it does not within ``timeout_seconds``.
     """
-    deadline = time.monotonic() + timeout_seconds
     last: object = None
-    while time.monotonic() < deadline:
+
+    def ok() -> bool:
+        nonlocal last
         try:
             reply = httpx.get(url, timeout=1.0)
-            if reply.status_code == 200:
-                return
-            last = reply.status_code
         except httpx.HTTPError as exc:
             last = exc
-        time.sleep(0.05)
+            return False
+        last = reply.status_code
+        return reply.status_code == 200
+
+    if _poll_until(ok, timeout_seconds):
+        return
     raise TimeoutError(f"{url} not ready after {timeout_seconds}s (last: {last})")
 
 

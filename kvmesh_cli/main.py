@@ -43,6 +43,7 @@ from rich.table import Table
 from kvmesh_cli.checks import check_router_url, fail, mesh_errors, probe_router, resolve_policy
 from kvmesh_cli.mesh import DEFAULT_MODEL, Mesh, MeshSpec, exit_on_signals
 from kvmesh_cli.options import (
+    SIMULATOR_DEFAULTS,
     AutoBlocksOpt,
     BlockSizeOpt,
     BlocksOpt,
@@ -153,7 +154,7 @@ def _run_replay(
             fail(str(exc))
 
 
-def _summary(outcome: ReplayOutcome, time_scale: float) -> dict[str, object]:
+def _summary(outcome: ReplayOutcome, time_scale: float) -> dict[str, float | int | None]:
     return summarize(
         outcome.results, wall_duration_s=outcome.wall_duration_s, time_scale=time_scale,
         prefix_hit_rate=hit_rate(outcome.counters_before, outcome.counters_after),
@@ -219,9 +220,10 @@ def up(
     run_dir: RunDirOpt = None,
     num_gpu_blocks: BlocksOpt = 2048,
     block_size_tokens: Annotated[int | None, typer.Option(
-        "--block-size-tokens", min=1, help="Tokens per KV block (default 64; 32 with --engine vllm, "
+        "--block-size-tokens", min=1, help=f"Tokens per KV block (default {SIMULATOR_DEFAULTS.block_size_tokens}; "
+        "32 with --engine vllm, "
         "whose CPU attention needs a multiple of 32).")] = None,
-    max_num_seqs: MaxSeqsOpt = 64,
+    max_num_seqs: MaxSeqsOpt = None,
     model: Annotated[str | None, typer.Option("--model", help=f"Served model name of the engines (default "
                                               f"{DEFAULT_MODEL}; tiny with --engine vllm).")] = None,
     router_port: Annotated[int | None, typer.Option("--router-port", help="Router HTTP port (default: free).")] = None,
@@ -252,7 +254,7 @@ def up(
     spec = MeshSpec(
         run_dir=(run_dir or _default_run_dir("up")).resolve(), engines=engines, policy=policy,
         time_scale=time_scale, model=model or DEFAULT_MODEL, num_gpu_blocks=num_gpu_blocks,
-        block_size_tokens=block_size_tokens or 64, max_num_seqs=max_num_seqs, etcd=etcd,
+        block_size_tokens=block_size_tokens, max_num_seqs=max_num_seqs, etcd=etcd,
         router_http_port=router_port, router_grpc_port=router_grpc_port, **extra,  # type: ignore[arg-type]
     )
     console.print(f"starting mesh in {spec.run_dir} ...", soft_wrap=True)
@@ -322,7 +324,7 @@ def replay_cmd(
             try:
                 engine_urls = engines_from_epp(epp)
             except grpc.RpcError as exc:
-                fail(f"cannot list the engines from epp {epp}: {exc.code().name}: {exc.details()}")  # type: ignore[attr-defined]
+                fail(f"cannot list the engines from epp {epp}: {exc.code().name}: {exc.details()}")
         elif etcd:
             engine_urls = asyncio.run(engines_from_etcd(etcd))
             if not engine_urls:
@@ -365,8 +367,8 @@ def compare(
     seed: SeedOpt = 0,
     engines: EnginesOpt = DEFAULT_ENGINES,
     num_gpu_blocks: AutoBlocksOpt = None,
-    block_size_tokens: BlockSizeOpt = 64,
-    max_num_seqs: MaxSeqsOpt = 64,
+    block_size_tokens: BlockSizeOpt = None,
+    max_num_seqs: MaxSeqsOpt = None,
     time_scale: TimeScaleOpt = DEFAULT_TIME_SCALE,
     concurrency_limit: ConcurrencyOpt = DEFAULT_CONCURRENCY,
     max_input_tokens: MaxInOpt = None,
@@ -388,9 +390,10 @@ def compare(
     num_gpu_blocks = num_gpu_blocks or default_num_gpu_blocks(trace)
     base = (run_dir or _default_run_dir("compare")).resolve()
     console.print(_workload_line(wl, label), soft_wrap=True)
-    console.print(f"{engines} engines x {num_gpu_blocks} blocks of {block_size_tokens} tokens, time scale "
+    console.print(f"{engines} engines x {num_gpu_blocks} blocks of "
+                  f"{block_size_tokens or SIMULATOR_DEFAULTS.block_size_tokens} tokens, time scale "
                   f"{time_scale}, logs in {base}", soft_wrap=True)
-    summaries: dict[str, dict[str, object]] = {}
+    summaries: dict[str, dict[str, float | int | None]] = {}
     with exit_on_signals(), mesh_errors():
         for i, name in enumerate(names):
             spec = MeshSpec(

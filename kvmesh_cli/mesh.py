@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Literal, Self
+from typing import Any, Literal, Self
 
 import grpc
 import httpx
@@ -54,33 +54,48 @@ from kvmesh_cli.launcher import (
 
 logger = logging.getLogger(__name__)
 
+
+def _flags(**values: object) -> list[str]:
+    """``--name value`` for each value that is set (None: the process's own default applies)."""
+    out: list[str] = []
+    for name, value in values.items():
+        if value is not None:
+            out += ["--" + name.replace("_", "-"), repr(value) if isinstance(value, float) else str(value)]
+    return out
+
 DEFAULT_MODEL = "sim-llama-3.1-8b"
 """Served model name of the simulated engines."""
 
 
 @dataclass
 class MeshSpec:
-    """What to start. Times in wall seconds unless named ``model``."""
+    """What to start. Times in wall seconds unless named ``model``.
+
+    A field left at None passes no flag: the process uses its own default (the engine's in
+    ``engine_simulator/config.py`` or vLLM's :class:`~kvmesh_cli.vllm_engine.VllmEngineSpec`, the
+    services' in their ``config.py``), so each default is written once.
+    """
 
     run_dir: Path
     """Logs, etcd data and the tokenizer's default location live here."""
     engines: int = 4
     policy: str = "precise-prefix"
     """epp ``--scheduling-config``: ``round-robin``, ``load-only``, ``precise-prefix`` or a YAML path."""
-    time_scale: float = 1.0
+    time_scale: float | None = None
     """Engine ``--time-scale``: simulated time runs this many times faster than wall time."""
     model: str = DEFAULT_MODEL
-    block_size_tokens: int = 64
+    block_size_tokens: int | None = None
     num_gpu_blocks: int = 512
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 131072
+    """Simulated engines' KV blocks (fewer than the simulator's default, so caches evict)."""
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
     etcd: str | None = None
     """``host:port`` of an external etcd; None starts a local one under ``run_dir/etcd``."""
     router_http_port: int | None = None
     router_grpc_port: int | None = None
-    lease_ttl_seconds: int = 10
-    log_level: str = "INFO"
+    lease_ttl_seconds: int | None = None
+    log_level: str | None = None
     start_timeout_seconds: float = 120.0
     stop_timeout_seconds: float = 10.0
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -211,13 +226,9 @@ class Mesh:
         # kv_indexer binds the SUB socket before engines connect and publish.
         self._await([kv_indexer], deadline, lambda m: self._grpc_ready(m))
 
-        others = [
-            self._service("kv_store", "--cpu-capacity-bytes", str(1 << 30)),
-            self._service("flow_control", "--max-in-flight", "256", "--queue-ttl-seconds", "30",
-                          "--max-queue-size", "10000"),
-        ]
+        others = [self._service("kv_store"), self._service("flow_control")]
         epp = self._service("epp", "--kv-indexer-address", self.kv_indexer_address,
-                            "--scheduling-config", spec.policy, "--metrics-scrape-interval-seconds", "0.1")
+                            "--scheduling-config", spec.policy)
         self.epp_address = epp.grpc or ""
         http_port = spec.router_http_port or free_port()
         router = self._service("router", "--http-port", str(http_port),
@@ -270,15 +281,20 @@ class Mesh:
 
     # -- spawning --------------------------------------------------------------------------
 
-    def _common_flags(self, grpc_port: int, metrics_port: int) -> list[str]:
+    def _process_flags(self) -> list[str]:
+        """Flags every process of the mesh gets: loopback, this mesh's etcd, lease and log level if set."""
         return [
             "--host", LOOPBACK,
+            "--etcd-endpoints", self.etcd_address,
+            *_flags(lease_ttl_seconds=self.spec.lease_ttl_seconds, log_level=self.spec.log_level),
+        ]
+
+    def _common_flags(self, grpc_port: int, metrics_port: int) -> list[str]:
+        return [
+            *self._process_flags(),
             "--grpc-port", str(grpc_port),
             "--metrics-port", str(metrics_port),
-            "--etcd-endpoints", self.etcd_address,
-            "--lease-ttl-seconds", str(self.spec.lease_ttl_seconds),
             "--shutdown-grace-seconds", "1",
-            "--log-level", self.spec.log_level,
         ]
 
     def _service(self, name: str, *flags: str, grpc_port: int | None = None) -> Member:
@@ -303,20 +319,19 @@ class Mesh:
             name,
             python_module(
                 "engine_simulator",
-                "--host", LOOPBACK,
+                *self._process_flags(),
                 "--port", str(port),
                 "--model", spec.model,
-                "--block-size-tokens", str(spec.block_size_tokens),
                 "--num-gpu-blocks", str(spec.num_gpu_blocks),
-                "--max-num-seqs", str(spec.max_num_seqs),
-                "--max-num-batched-tokens", str(spec.max_num_batched_tokens),
-                "--max-model-len", str(spec.max_model_len),
                 "--events-endpoint", events_endpoint,
-                "--etcd-endpoints", self.etcd_address,
-                "--lease-ttl-seconds", str(spec.lease_ttl_seconds),
-                "--time-scale", repr(float(spec.time_scale)),
                 "--tokenizer-path", str(tokenizer_path),
-                "--role", "both",
+                *_flags(
+                    block_size_tokens=spec.block_size_tokens,
+                    max_num_seqs=spec.max_num_seqs,
+                    max_num_batched_tokens=spec.max_num_batched_tokens,
+                    max_model_len=spec.max_model_len,
+                    time_scale=None if spec.time_scale is None else float(spec.time_scale),
+                ),
             ),
             spec.run_dir / f"{name}.log",
             env=dict(spec.extra_env),
@@ -332,6 +347,9 @@ class Mesh:
         from kvmesh_cli.vllm_engine import VllmEngineSpec, sidecar_args, tiny_model_dir, vllm_python
 
         spec = self.spec
+        given = {"block_size_tokens": spec.block_size_tokens, "max_model_len": spec.max_model_len,
+                 "max_num_seqs": spec.max_num_seqs}
+        sizes: dict[str, Any] = {name: value for name, value in given.items() if value is not None}
         engine = VllmEngineSpec(
             port=free_port(),
             run_dir=spec.run_dir,
@@ -339,9 +357,7 @@ class Mesh:
             model=spec.model,
             model_dir=spec.vllm_model_dir or tiny_model_dir(),
             python=vllm_python(),
-            block_size_tokens=spec.block_size_tokens,
-            max_model_len=spec.max_model_len,
-            max_num_seqs=spec.max_num_seqs,
+            **sizes,
             num_gpu_blocks_override=spec.vllm_num_gpu_blocks_override,
             enforce_eager=spec.vllm_enforce_eager,
             dev_mode=spec.vllm_dev_mode,

@@ -7,12 +7,16 @@ from typing import Annotated
 
 import typer
 
+from engine_simulator.config import SimulatorConfig
 from kvmesh_cli.workloads import (
     BUILTIN_WORKLOADS,
     DEFAULT_MAX_INPUT_TOKENS,
     DEFAULT_NUM_GPU_BLOCKS,
     DEFAULT_TRACE_NUM_GPU_BLOCKS,
 )
+
+SIMULATOR_DEFAULTS = SimulatorConfig.model_construct()
+"""The engine simulator's own defaults (read, never restated: a flag left unset passes nothing)."""
 
 EnginesOpt = Annotated[int, typer.Option("--engines", min=1, help="Number of simulated engines.")]
 EtcdOpt = Annotated[
@@ -31,8 +35,14 @@ AutoBlocksOpt = Annotated[
                  help=f"KV-cache blocks per engine (default {DEFAULT_NUM_GPU_BLOCKS} for built-in workloads, "
                       f"{DEFAULT_TRACE_NUM_GPU_BLOCKS} with --trace)."),
 ]
-BlockSizeOpt = Annotated[int, typer.Option("--block-size-tokens", min=1, help="Tokens per KV block.")]
-MaxSeqsOpt = Annotated[int, typer.Option("--max-num-seqs", min=1, help="Concurrent sequences per engine.")]
+BlockSizeOpt = Annotated[
+    int | None,
+    typer.Option("--block-size-tokens", min=1,
+                 help=f"Tokens per KV block (default: the simulator's, {SIMULATOR_DEFAULTS.block_size_tokens}).")]
+MaxSeqsOpt = Annotated[
+    int | None,
+    typer.Option("--max-num-seqs", min=1,
+                 help=f"Concurrent sequences per engine (default: the simulator's, {SIMULATOR_DEFAULTS.max_num_seqs}).")]
 ModelOpt = Annotated[str, typer.Option("--model", help="Served model name of the engines.")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Log at INFO.")]
 TraceOpt = Annotated[

@@ -6,7 +6,9 @@ Request ``i`` is sent at ``arrival_s / time_scale`` wall seconds after the start
 before the request it depends on (``after``, the previous turn) has completed, and never with
 more than ``concurrency_limit`` requests in flight. TTFT is the time to the first SSE chunk that
 carries text; end-to-end the time to ``data: [DONE]`` (or the stream's end). Output tokens come
-from the final ``usage`` (falling back to the number of text chunks).
+from the final ``usage`` (falling back to the number of text chunks). Events are decoded by
+``httpx-sse`` and each chunk parsed by :mod:`kvmesh.openai_stream` (an in-stream ``error`` event
+fails the request).
 
 Engine prefix-cache counters are scraped from each engine's ``/metrics`` before and after; the
 engines come from the caller (a mesh it started), epp's ``ListEndpoints`` or etcd.
@@ -15,14 +17,15 @@ engines come from the caller (a mesh it started), epp's ``ListEndpoints`` or etc
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import httpx
+from httpx_sse import aconnect_sse
 
+from kvmesh.openai_stream import DONE, parse_event
 from kvmesh_cli.report import (
     HITS_METRIC,
     QUERIES_METRIC,
@@ -125,43 +128,37 @@ async def send_one(
     t0 = time.monotonic()
     chunks_with_text = 0
     try:
-        async with client.stream("POST", f"{router_url}/v1/completions", json=body) as reply:
+        async with aconnect_sse(client, "POST", f"{router_url}/v1/completions", json=body) as source:
+            reply = source.response
             result.status = reply.status_code
             if reply.status_code != 200:
                 text = (await reply.aread()).decode(errors="replace")
                 result.error = f"HTTP {reply.status_code}: {text[:200]}"
                 result.e2e_s = time.monotonic() - t0
                 return result
-            async for line in reply.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+            async for event in source.aiter_sse():
+                if event.data.strip() == DONE:
                     break
-                try:
-                    chunk = json.loads(data)
-                except json.JSONDecodeError:
+                piece = parse_event(event.data)
+                if piece is None:
                     continue
-                if "error" in chunk:
-                    result.error = str(chunk["error"])[:200]
+                if piece.error is not None:
+                    result.error = str(piece.error)[:200]
                     result.e2e_s = time.monotonic() - t0
                     return result
-                choices = chunk.get("choices") or []
-                if any(c.get("text") for c in choices):
+                if piece.text:
                     chunks_with_text += 1
                     if result.ttft_s is None:
                         result.ttft_s = time.monotonic() - t0
-                usage = chunk.get("usage")
-                if usage:
-                    result.output_tokens = int(usage.get("completion_tokens") or 0)
-                    result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                    details = usage.get("prompt_tokens_details") or {}
-                    result.cached_tokens = int(details.get("cached_tokens") or 0)
+                if piece.usage is not None:
+                    result.output_tokens = piece.usage.completion_tokens
+                    result.prompt_tokens = piece.usage.prompt_tokens
+                    result.cached_tokens = piece.usage.cached_tokens
         result.e2e_s = time.monotonic() - t0
         if result.output_tokens == 0:
             result.output_tokens = chunks_with_text
         result.ok = True
-    except httpx.HTTPError as exc:
+    except httpx.HTTPError as exc:  # httpx_sse.SSEError (not an event stream) is an httpx.TransportError
         result.e2e_s = time.monotonic() - t0
         result.error = f"{type(exc).__name__}: {exc}"
     return result

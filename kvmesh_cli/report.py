@@ -170,15 +170,15 @@ def fmt(value: object, kind: str) -> str:
     """One table cell: ``-`` for missing values."""
     if value is None:
         return "-"
+    if not isinstance(value, int | float) or kind not in ("int", "s", "rate", "pct"):
+        return str(value)
     if kind == "int":
-        return str(int(value))  # type: ignore[arg-type]
+        return str(int(value))
     if kind == "s":
-        return f"{float(value):.3f}"  # type: ignore[arg-type]
+        return f"{float(value):.3f}"
     if kind == "rate":
-        return f"{float(value):.1f}"  # type: ignore[arg-type]
-    if kind == "pct":
-        return f"{100 * float(value):.1f} %"  # type: ignore[arg-type]
-    return str(value)
+        return f"{float(value):.1f}"
+    return f"{100 * float(value):.1f} %"
 
 
 def summary_table(columns: Mapping[str, Mapping[str, object]], title: str) -> Table:

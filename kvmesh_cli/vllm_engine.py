@@ -16,9 +16,10 @@ worker ports stay on loopback), caches under the run directory, HF offline, pref
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvmesh.kv_events import make_topic
 
@@ -31,14 +32,25 @@ VLLM_BLOCK_SIZE_TOKENS = 32
 """CPU attention needs a multiple of 32."""
 
 
+class VllmPaths(BaseSettings):
+    """Where the real-vLLM harness finds its interpreter and model (env ``KVMESH_*``; empty = default)."""
+
+    model_config = SettingsConfigDict(env_prefix="KVMESH_", env_ignore_empty=True, use_attribute_docstrings=True)
+
+    vllm_python: Path = DEFAULT_VLLM_PYTHON
+    """``$KVMESH_VLLM_PYTHON``: the vLLM venv's interpreter (``make vllm-env``)."""
+    tiny_model: Path = DEFAULT_MODEL_DIR
+    """``$KVMESH_TINY_MODEL``: the tiny model's directory (``make model``)."""
+
+
 def vllm_python() -> Path:
     """The vLLM venv's interpreter: ``$KVMESH_VLLM_PYTHON`` or ``<repo>/.venv-vllm/bin/python``."""
-    return Path(os.environ.get("KVMESH_VLLM_PYTHON") or DEFAULT_VLLM_PYTHON)
+    return VllmPaths().vllm_python
 
 
 def tiny_model_dir() -> Path:
     """The tiny model: ``$KVMESH_TINY_MODEL`` or ``<repo>/.run/models/tiny-llama`` (``make model``)."""
-    return Path(os.environ.get("KVMESH_TINY_MODEL") or DEFAULT_MODEL_DIR)
+    return VllmPaths().tiny_model
 
 
 def vllm_missing_reason() -> str | None:
@@ -138,17 +150,24 @@ class VllmEngineSpec:
         return env
 
 
-def sidecar_args(spec: VllmEngineSpec, etcd_address: str, lease_ttl_seconds: int, log_level: str = "INFO") -> list[str]:
-    """Flags of ``python -m services.registration_sidecar`` for ``spec`` (run from kvmesh's venv)."""
-    return [
+def sidecar_args(spec: VllmEngineSpec, etcd_address: str, lease_ttl_seconds: int | None = None,
+                 log_level: str | None = None) -> list[str]:
+    """Flags of ``python -m services.registration_sidecar`` for ``spec`` (run from kvmesh's venv).
+
+    ``lease_ttl_seconds`` and ``log_level`` None leave the sidecar's own defaults.
+    """
+    args = [
         "--engine-url", spec.url,
         "--model", spec.model,
         "--block-size-tokens", str(spec.block_size_tokens),
         "--events-endpoint", spec.events_endpoint,
         "--etcd-endpoints", etcd_address,
-        "--lease-ttl-seconds", str(lease_ttl_seconds),
         "--max-model-len", str(spec.max_model_len),
         "--engine-label", "vllm",
         "--health-interval-seconds", "0.5",
-        "--log-level", log_level,
     ]
+    if lease_ttl_seconds is not None:
+        args += ["--lease-ttl-seconds", str(lease_ttl_seconds)]
+    if log_level is not None:
+        args += ["--log-level", log_level]
+    return args

@@ -2,6 +2,7 @@
 
 Services start as processes exactly as users start them (``python -m services.<svc>``),
 on free 127.0.0.1 ports, and tests wait on their gRPC health, never on a bare sleep.
+Tests import nothing from here: constants and helpers live in ``tests/support.py``.
 """
 
 from __future__ import annotations
@@ -14,8 +15,14 @@ import pytest
 
 from kvmesh_cli.launcher import ManagedProcess, free_port, python_module, start_etcd, wait_grpc_healthy
 
-RECORDINGS_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "vllm-0.32-cpu"
-"""Real vLLM 0.32 (CPU build) wire recordings, when the workplace's shared data is present."""
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--update-golden",
+        action="store_true",
+        default=False,
+        help="rewrite golden files (tests/golden/) from the current output instead of comparing",
+    )
 
 
 @pytest.fixture(scope="session")

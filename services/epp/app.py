@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 import random
 
+import grpc
 import httpx
 
-from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
+from kvmesh._proto.kvmesh.epp.v1 import epp_pb2_grpc
 from kvmesh.membership import EndpointWatcher
 from kvmesh.server import GrpcService, ServiceSpec
 from services.epp.config import EppConfig
@@ -24,12 +25,10 @@ from services.epp.plugins import default_registry
 from services.epp.plugins.filters.live_endpoint import LiveEndpointFilter, LiveEndpointFilterParams
 from services.epp.scheduler import Scheduler
 from services.epp.scraper import MetricsScraper
-from services.epp.servicer import EndpointPickerServicer
+from services.epp.servicer import SERVICE_NAME, EndpointPickerServicer
 from services.epp.tokenize_client import EngineTokenizer
 
 logger = logging.getLogger(__name__)
-
-SERVICE_NAME = epp_pb2.DESCRIPTOR.services_by_name["EndpointPicker"].full_name
 
 
 def build_service(config: EppConfig) -> GrpcService:
@@ -79,13 +78,13 @@ def build_service(config: EppConfig) -> GrpcService:
         if prefix_index is not None:
             await prefix_index.close()
 
-    def add_servicers(server: object) -> None:
+    def add_servicers(server: grpc.aio.Server) -> None:
         epp_pb2_grpc.add_EndpointPickerServicer_to_server(EndpointPickerServicer(scheduler), server)
 
     spec = ServiceSpec(
         name="epp",
         service_names=[SERVICE_NAME],
-        add_servicers=add_servicers,  # type: ignore[arg-type]
+        add_servicers=add_servicers,
         on_start=[start_watcher],
         background=[scraper.run],
         on_stop=[stop_clients],

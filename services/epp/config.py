@@ -5,20 +5,18 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from kvmesh.config import ServiceConfig
+from kvmesh.config import GrpcServiceConfig
 
 
-class EppConfig(ServiceConfig):
+class EppConfig(GrpcServiceConfig):
     """The endpoint picker: filters, weighted scorers and a picker choose an endpoint per request."""
 
-    model_config = SettingsConfigDict(
-        env_prefix="KVMESH_EPP_", extra="forbid", use_attribute_docstrings=True, populate_by_name=True
-    )
+    model_config = SettingsConfigDict(env_prefix="KVMESH_EPP_")
 
     scheduling_config: str = "load-only"
     """A named scheduling config (round-robin, load-only, precise-prefix, prefill-cost) or the path of a YAML/JSON file."""
     kv_indexer_address: str = ""
-    """kv_indexer gRPC host:port, needed by precise-prefix-cache-scorer ("" = none)."""
+    """kv_indexer gRPC host:port, needed by the prefix-match step ("" = none)."""
     kv_indexer_timeout_seconds: float = Field(0.25, gt=0, le=30)
     """Deadline of one kv_indexer Score call; past it the prefix scores are 0 for that pick."""
     metrics_scrape_interval_seconds: float = Field(0.1, gt=0, le=60)

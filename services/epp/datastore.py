@@ -10,14 +10,15 @@ burst of picks see its own effect on the queue. They are reconciled against the 
 requests it has received, ``vllm:request_success_total`` (all finish reasons, aborts included) +
 ``vllm:num_requests_running`` + ``vllm:num_requests_waiting``: ``pending = picks - seen`` where
 ``seen`` is how far that count grew since the first scrape. So a scrape whose text was rendered before
-a picked request reached the engine (the router's hop takes tens of ms on a busy host) no longer wipes
-that pick, which used to make a burst pile onto the endpoint just scraped. ``pending`` is clamped to
+a picked request reached the engine (the router's hop takes tens of ms on a busy host) does not wipe
+that pick (otherwise a burst piles onto the endpoint just scraped). ``pending`` is clamped to
 [0, picks of the last ``pending_pick_ttl_seconds``] (a request picked but never delivered, or one the
 engine got from elsewhere, cannot skew it for longer). Without ``vllm:request_success_total`` a scrape
-resets ``pending`` to 0, as before.
+resets ``pending`` to 0.
 
 Queued prefill (``unprefilled_requests``, ``queued_prefill_tokens``): each pick is noted with the prompt
-tokens the target still has to compute (prompt minus its cached prefix, from the scheduler). The engine's
+tokens the target still has to compute (``uncached_prompt_tokens``: the prompt minus its cached prefix,
+from the scheduler). The engine's
 ``vllm:time_to_first_token_seconds_count`` says how many requests finished their prefill; reconciled
 the same way (clamped to the picks of the last ``prefill_ttl_seconds``), ``picks - first tokens`` is the
 number of epp's requests still waiting for their first token there, and as engines admit FCFS these are

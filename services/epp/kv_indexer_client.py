@@ -28,7 +28,7 @@ class GrpcPrefixIndex:
         return self._stub
 
     async def score(self, model: str, token_ids: Sequence[int], endpoint_ids: Sequence[str]) -> PrefixMatch:
-        """Raises grpc.aio.AioRpcError on failure or timeout (the scorer degrades to zeros)."""
+        """Raises grpc.aio.AioRpcError on failure or timeout (the ``prefix-match`` step degrades to no match)."""
         reply = await self._ensure_stub().Score(
             kv_indexer_pb2.ScoreRequest(model=model, token_ids=token_ids, endpoint_ids=endpoint_ids),
             timeout=self._timeout,

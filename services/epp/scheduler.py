@@ -6,17 +6,19 @@ Algorithm (one call of :meth:`Scheduler.pick`)::
     no registered endpoint serves model  -> UnknownModel
     candidates = live-endpoint-filter(datastore.candidates(model))   # model, exclusions, fresh metrics
     candidates empty                     -> NoEndpointsAvailable
-    await profile.prepare(candidates)    # scorers' I/O: tokenize, kv_indexer Score (suspends)
+    await profile.prepare(candidates)    # prepare steps, once each: tokenize, kv_indexer Score (suspends)
     candidates = live-endpoint-filter(datastore.candidates(model))   # fresh load snapshot
-    ranked = profile.run(candidates)     # profile filters, weighted scorers, picker (no suspension)
-    target = ranked[0]; fallbacks = ranked[1:]; datastore.note_pick(target)
+    ranked = profile.run(candidates)     # profile filters, weighted scorers, picker (sync)
+    target = ranked[0]; fallbacks = ranked[1:]
+    datastore.note_pick(target, uncached_prompt_tokens(target, len(prompt), PREFIX_MATCH))
 
-The load snapshot is re-taken after ``prepare`` and nothing from there to ``note_pick`` suspends, so
-concurrent picks are serialised where it matters: each sees the picks that completed before it.
-(Taking the snapshot before awaiting kv_indexer let a burst of concurrent picks all score the same
-queues and all land on one endpoint.)
+The load snapshot is re-taken after ``prepare`` and nothing from there to ``note_pick`` suspends
+(``profile.run`` is synchronous), so concurrent picks are serialised where it matters: each sees the
+picks that completed before it. (Taking the snapshot before awaiting kv_indexer let a burst of
+concurrent picks all score the same queues and all land on one endpoint.)
 
-One DEBUG line per decision carries the per-scorer breakdown; every outcome is counted in
+The decision carries the per-scorer breakdown (``PickResponse.breakdown``); a DEBUG line repeats it
+for people reading logs (nothing parses it). Every outcome is counted in
 ``kvmesh_epp_pick_total{outcome}`` and timed in ``kvmesh_epp_scheduler_e2e_duration_seconds``.
 No grpc here: the servicer converts protobuf to :class:`SchedulingRequest` and back.
 """
@@ -30,11 +32,17 @@ from dataclasses import dataclass
 from kvmesh.errors import InvalidRequest, KvmeshError, NoEndpointsAvailable, UnknownModel
 from kvmesh.types import Endpoint
 from services.epp.datastore import Datastore
-from services.epp.framework.cycle_state import PREFIX_MATCH, TOKEN_IDS, CycleState
+from services.epp.framework.cycle_state import CycleState
 from services.epp.framework.interfaces import Candidate, SchedulingRequest, ScoredCandidate
 from services.epp.framework.profile import SchedulerProfile
 from services.epp.metrics import PickOutcome, record_pick, record_plugin
 from services.epp.plugins.filters.live_endpoint import LiveEndpointFilter
+from services.epp.plugins.prepare.prefix_match import (
+    PREFIX_MATCH,
+    TOKEN_IDS,
+    prompt_token_ids,
+    uncached_prompt_tokens,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,21 +63,6 @@ _OUTCOMES: dict[type[KvmeshError], PickOutcome] = {
     UnknownModel: PickOutcome.UNKNOWN_MODEL,
     NoEndpointsAvailable: PickOutcome.NO_ENDPOINTS,
 }
-
-
-def _prefill_tokens(state: CycleState, request: SchedulingRequest, target: Candidate) -> int:
-    """Prompt tokens ``target`` must compute: the prompt minus its cached prefix as kv_indexer saw it.
-
-    0 when the prompt's tokens are unknown (a text prompt under a profile that does not tokenize).
-    """
-    tokens = state.get(TOKEN_IDS) or request.token_ids
-    match = state.get(PREFIX_MATCH)
-    if not tokens:
-        return 0
-    if match is None or match.total_blocks <= 0:
-        return len(tokens)
-    block = target.metrics.block_size_tokens or target.endpoint.block_size_tokens or 0
-    return max(0, len(tokens) - match.matched_blocks.get(target.id, 0) * block)
 
 
 class Scheduler:
@@ -134,9 +127,10 @@ class Scheduler:
         # From here to note_pick nothing suspends (scorers read what prepare fetched).
         all_of_model = self.datastore.candidates(request.model)
         candidates = self._live_candidates(state, request, all_of_model)
-        result = await self.profile.run(state, request, candidates, observer=record_plugin)
+        result = self.profile.run(state, request, candidates, observer=record_plugin)
         target = result.ranked[0]
-        self.datastore.note_pick(target.id, _prefill_tokens(state, request, target.candidate))
+        prompt = prompt_token_ids(state, request)
+        self.datastore.note_pick(target.id, uncached_prompt_tokens(target.candidate, len(prompt), state.get(PREFIX_MATCH)))
         tokens = state.get(TOKEN_IDS)
         return PickDecision(
             target=target.candidate.endpoint,

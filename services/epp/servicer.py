@@ -1,6 +1,7 @@
 """gRPC EndpointPicker servicer: protobuf in, :class:`Scheduler` call, protobuf out. Nothing clever.
 
-Domain errors propagate to the shared interceptor, which maps them (InvalidRequest -> INVALID_ARGUMENT,
+Endpoints go out through :func:`kvmesh.wire.endpoint_to_proto`, the one translator. Domain errors
+propagate to the shared interceptor, which maps them (InvalidRequest -> INVALID_ARGUMENT,
 UnknownModel -> NOT_FOUND, NoEndpointsAvailable -> UNAVAILABLE, anything else -> INTERNAL).
 """
 
@@ -8,23 +9,13 @@ from __future__ import annotations
 
 import grpc
 
-from kvmesh._proto.kvmesh.common.v1 import common_pb2
 from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
-from kvmesh.types import Endpoint
+from kvmesh.wire import endpoint_to_proto
 from services.epp.framework.interfaces import ChatMessage, SchedulingRequest
 from services.epp.scheduler import Scheduler
 
-
-def endpoint_to_proto(endpoint: Endpoint) -> common_pb2.Endpoint:
-    return common_pb2.Endpoint(
-        id=endpoint.id,
-        url=endpoint.url,
-        model=endpoint.model,
-        block_size_tokens=endpoint.block_size_tokens,
-        events_endpoint=endpoint.events_endpoint,
-        role=str(endpoint.role),
-        labels=endpoint.labels,
-    )
+SERVICE_NAME = epp_pb2.DESCRIPTOR.services_by_name["EndpointPicker"].full_name
+"""The full gRPC service name (``kvmesh.epp.v1.EndpointPicker``): health checks and reflection use it."""
 
 
 def request_from_proto(request: epp_pb2.PickRequest) -> SchedulingRequest:
@@ -69,3 +60,10 @@ class EndpointPickerServicer(epp_pb2_grpc.EndpointPickerServicer):
                 for c in self._scheduler.datastore.candidates()
             ]
         )
+
+    async def GetPickerInfo(
+        self, request: epp_pb2.GetPickerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> epp_pb2.PickerInfo:
+        """Whether the configured profile reads the prompt, and the profile names (fixed for the process)."""
+        profile = self._scheduler.profile
+        return epp_pb2.PickerInfo(needs_prompt=profile.needs_prompt, profiles=[profile.name])

@@ -5,19 +5,14 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from kvmesh.config import ServiceConfig
+from kvmesh.config import GrpcServiceConfig
 from services.flow_control.controller import ControllerLimits
 
 
-class FlowControlConfig(ServiceConfig):
+class FlowControlConfig(GrpcServiceConfig):
     """Admission control: FCFS queue, global in-flight limit, queue TTL."""
 
-    model_config = SettingsConfigDict(
-        env_prefix="KVMESH_FLOW_CONTROL_",
-        extra="forbid",
-        use_attribute_docstrings=True,
-        populate_by_name=True,
-    )
+    model_config = SettingsConfigDict(env_prefix="KVMESH_FLOW_CONTROL_")
 
     max_in_flight: int = Field(256, ge=1, le=1_000_000)
     """Requests dispatched and not yet released, across all flows; the next ones queue."""

@@ -46,18 +46,22 @@ from typing import Protocol
 from kvmesh.clock import Clock, SystemClock
 from services.flow_control.queues.base import QueuedItem, QueueOrdering
 from services.flow_control.queues.fcfs import FcfsQueue
-from services.flow_control.types import AdmissionRequest, Decision, QueueOutcome
+from services.flow_control.types import AdmissionDecision, AdmissionRequest, QueueOutcome
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class ControllerLimits:
-    """The controller's knobs (see the module docstring for meaning and ranges)."""
+    """The controller's knobs (see the module docstring for meaning and ranges).
 
-    max_in_flight: int = 256
-    queue_ttl_seconds: float = 30.0
-    max_queue_size: int = 10_000
+    No defaults here: they live once, in :class:`~services.flow_control.config.FlowControlConfig`
+    (``FlowControlConfig.limits()`` builds this).
+    """
+
+    max_in_flight: int
+    queue_ttl_seconds: float
+    max_queue_size: int
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
@@ -113,7 +117,7 @@ class TicketState(enum.Enum):
 
 
 class Ticket:
-    """One request's place in the controller; ``await ticket.wait()`` yields its :class:`Decision`."""
+    """One request's place in the controller; ``await ticket.wait()`` yields its :class:`AdmissionDecision`."""
 
     __slots__ = ("_decided", "decision", "enqueued_at", "id", "request", "state")
 
@@ -122,20 +126,20 @@ class Ticket:
         self.request = request
         self.enqueued_at = enqueued_at
         self.state = TicketState.QUEUED
-        self.decision: Decision | None = None
+        self.decision: AdmissionDecision | None = None
         self._decided = asyncio.Event()
 
     @property
     def decided(self) -> bool:
         return self.decision is not None
 
-    async def wait(self) -> Decision:
+    async def wait(self) -> AdmissionDecision:
         """Wait until the request is dispatched or rejected (cancel-safe: just stop waiting)."""
         await self._decided.wait()
         assert self.decision is not None
         return self.decision
 
-    def _decide(self, decision: Decision, state: TicketState) -> None:
+    def _decide(self, decision: AdmissionDecision, state: TicketState) -> None:
         self.decision = decision
         self.state = state
         self._decided.set()
@@ -208,7 +212,9 @@ class FlowController:
             self._waiting.pop(ticket.id, None)
             now = self._clock.now()
             ticket._decide(
-                Decision(QueueOutcome.EVICTED_CANCELLED, "client closed the stream while queued", now - ticket.enqueued_at),
+                AdmissionDecision(
+                    QueueOutcome.EVICTED_CANCELLED, "client closed the stream while queued", now - ticket.enqueued_at
+                ),
                 TicketState.RELEASED,
             )
             self._observer.on_outcome(ticket.request, QueueOutcome.EVICTED_CANCELLED, now - ticket.enqueued_at)
@@ -288,7 +294,7 @@ class FlowController:
         self._in_flight += 1
         self._dispatched_total += 1
         waited = now - ticket.enqueued_at
-        ticket._decide(Decision(QueueOutcome.DISPATCHED, "", waited), TicketState.DISPATCHED)
+        ticket._decide(AdmissionDecision(QueueOutcome.DISPATCHED, "", waited), TicketState.DISPATCHED)
         self._observer.on_outcome(ticket.request, QueueOutcome.DISPATCHED, waited)
         logger.debug(
             "dispatched request_id=%s flow=%s queue_seconds=%.4f in_flight=%d",
@@ -298,7 +304,7 @@ class FlowController:
     def _reject(self, ticket: Ticket, outcome: QueueOutcome, reason: str, now: float) -> None:
         self._rejected_total += 1
         waited = now - ticket.enqueued_at
-        ticket._decide(Decision(outcome, reason, waited), TicketState.REJECTED)
+        ticket._decide(AdmissionDecision(outcome, reason, waited), TicketState.REJECTED)
         self._observer.on_outcome(ticket.request, outcome, waited)
         logger.debug("rejected request_id=%s outcome=%s reason=%s", ticket.request.request_id, outcome.value, reason)
 

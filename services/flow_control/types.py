@@ -1,7 +1,7 @@
 """Nouns of the flow controller: the request it admits, its outcome and the decision sent back.
 
 Outcomes follow GIE's ``pkg/epp/flowcontrol/types/outcomes.go``: a small closed set used as a
-metric label; the detail of a rejection travels in :attr:`Decision.reason`, never in a label.
+metric label; the detail of a rejection travels in :attr:`AdmissionDecision.reason`, never in a label.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class AdmissionRequest:
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
+class AdmissionDecision:
     """The controller's answer for one request.
 
     Attributes:

@@ -5,15 +5,13 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from kvmesh.config import ServiceConfig
+from kvmesh.config import GrpcServiceConfig
 
 
-class KvIndexerConfig(ServiceConfig):
+class KvIndexerConfig(GrpcServiceConfig):
     """kv_indexer: the global KV-block index, fed by the engines' ZMQ KV events."""
 
-    model_config = SettingsConfigDict(
-        env_prefix="KVMESH_KV_INDEXER_", extra="forbid", use_attribute_docstrings=True, populate_by_name=True
-    )
+    model_config = SettingsConfigDict(env_prefix="KVMESH_KV_INDEXER_")
 
     events_bind_endpoint: str = "tcp://127.0.0.1:5557"
     """ZMQ endpoint the KV-event SUB socket binds (engines with a plain tcp://host:port connect to it); "" binds nothing."""

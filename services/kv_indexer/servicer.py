@@ -1,28 +1,21 @@
-"""gRPC KVIndexer servicer: protobuf in, :class:`~services.kv_indexer.indexer.KvIndexer` call, protobuf out."""
+"""gRPC KVIndexer servicer: protobuf in, :class:`~services.kv_indexer.indexer.BlockIndexer` call, protobuf out."""
 
 from __future__ import annotations
 
 import grpc
 
-from kvmesh._proto.kvmesh.common.v1 import common_pb2
 from kvmesh._proto.kvmesh.kv_indexer.v1 import kv_indexer_pb2 as pb
 from kvmesh._proto.kvmesh.kv_indexer.v1 import kv_indexer_pb2_grpc
 from kvmesh.errors import InvalidRequest
-from kvmesh.types import EndpointId, Medium
-from services.kv_indexer.indexer import KvIndexer
-
-_MEDIUM_TO_PB = {
-    Medium.GPU: common_pb2.MEDIUM_GPU,
-    Medium.CPU: common_pb2.MEDIUM_CPU,
-    Medium.DISK: common_pb2.MEDIUM_DISK,
-    Medium.SHARED: common_pb2.MEDIUM_SHARED,
-}
+from kvmesh.types import EndpointId
+from kvmesh.wire import medium_to_proto
+from services.kv_indexer.indexer import BlockIndexer
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVIndexer"].full_name
 
 
 class KVIndexerServicer(kv_indexer_pb2_grpc.KVIndexerServicer):
-    def __init__(self, indexer: KvIndexer) -> None:
+    def __init__(self, indexer: BlockIndexer) -> None:
         self._indexer = indexer
 
     async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
@@ -53,7 +46,7 @@ class KVIndexerServicer(kv_indexer_pb2_grpc.KVIndexerServicer):
                 pb.BlockLocation(
                     block_key=loc.block_key,
                     holders=[
-                        pb.BlockHolder(endpoint_id=eid, medium=_MEDIUM_TO_PB.get(medium, common_pb2.MEDIUM_UNSPECIFIED))
+                        pb.BlockHolder(endpoint_id=eid, medium=medium_to_proto(medium))
                         for eid, media in sorted(loc.holders.items())
                         for medium in sorted(media)
                     ],
@@ -82,5 +75,5 @@ class KVIndexerServicer(kv_indexer_pb2_grpc.KVIndexerServicer):
         )
 
 
-def add_servicer(server: grpc.aio.Server, indexer: KvIndexer) -> None:
+def add_servicer(server: grpc.aio.Server, indexer: BlockIndexer) -> None:
     kv_indexer_pb2_grpc.add_KVIndexerServicer_to_server(KVIndexerServicer(indexer), server)

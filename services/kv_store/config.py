@@ -5,20 +5,15 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from kvmesh.config import ServiceConfig
+from kvmesh.config import GrpcServiceConfig
 
 MIB = 1024 * 1024
 
 
-class KvStoreConfig(ServiceConfig):
+class KvStoreConfig(GrpcServiceConfig):
     """The tiered KV store: an in-memory CPU tier with LRU eviction."""
 
-    model_config = SettingsConfigDict(
-        env_prefix="KVMESH_KV_STORE_",
-        extra="forbid",
-        use_attribute_docstrings=True,
-        populate_by_name=True,
-    )
+    model_config = SettingsConfigDict(env_prefix="KVMESH_KV_STORE_")
 
     cpu_capacity_bytes: int = Field(1024 * MIB, gt=0)
     """Budget of the in-memory tier for value bytes; least recently used keys are evicted beyond it."""

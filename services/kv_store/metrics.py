@@ -21,7 +21,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from services.kv_store.store import KVStore
+from services.kv_store.store import BlockStore
 
 _GAUGES = (
     ("capacity_bytes", "Budget of the tier for value bytes."),
@@ -38,24 +38,24 @@ _COUNTERS = (
 class KvStoreCollector(Collector):
     """Exports each tier's :class:`~services.kv_store.tiers.base.TierStats`."""
 
-    def __init__(self, store: KVStore) -> None:
+    def __init__(self, store: BlockStore) -> None:
         self._store = store
 
     def collect(self) -> Iterator[Metric]:
         stats = self._store.stats()
         for field, doc in _GAUGES:
-            family = GaugeMetricFamily(f"kvmesh_kv_store_{field}", doc, labels=["medium"])
+            gauge = GaugeMetricFamily(f"kvmesh_kv_store_{field}", doc, labels=["medium"])
             for tier in stats:
-                family.add_metric([tier.medium.value], getattr(tier, field))
-            yield family
+                gauge.add_metric([tier.medium.value], getattr(tier, field))
+            yield gauge
         for field, doc in _COUNTERS:
-            family = CounterMetricFamily(f"kvmesh_kv_store_{field}", doc, labels=["medium"])
+            counter = CounterMetricFamily(f"kvmesh_kv_store_{field}", doc, labels=["medium"])
             for tier in stats:
-                family.add_metric([tier.medium.value], getattr(tier, field))
-            yield family
+                counter.add_metric([tier.medium.value], getattr(tier, field))
+            yield counter
 
 
-def register_metrics(store: KVStore, registry: CollectorRegistry = REGISTRY) -> KvStoreCollector:
+def register_metrics(store: BlockStore, registry: CollectorRegistry = REGISTRY) -> KvStoreCollector:
     collector = KvStoreCollector(store)
     registry.register(collector)
     return collector

@@ -1,4 +1,4 @@
-"""KVStore gRPC servicer: chunk streams <-> whole values, protobuf <-> the :class:`KVStore` core.
+"""KVStore gRPC servicer: chunk streams <-> whole values, protobuf <-> the :class:`BlockStore` core.
 
 ``Put`` is a client stream: the first message carries ``key`` and ``total_bytes``, every message
 a chunk of ``data``; the sizes must add up exactly. ``Get`` streams the value back in chunks of
@@ -12,21 +12,16 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from kvmesh._proto.kvmesh.common.v1 import common_pb2
 from kvmesh._proto.kvmesh.kv_store.v1 import kv_store_pb2, kv_store_pb2_grpc
 from kvmesh.errors import InvalidRequest
-from kvmesh.types import Medium
-from services.kv_store.store import KVStore
+from kvmesh.wire import medium_to_proto
+from services.kv_store.store import BlockStore
 
 SERVICE_NAME = kv_store_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name
 
 
-def medium_to_proto(medium: Medium) -> int:
-    return common_pb2.Medium.Value(f"MEDIUM_{medium.value}")
-
-
 class KVStoreServicer(kv_store_pb2_grpc.KVStoreServicer):
-    def __init__(self, store: KVStore, get_chunk_bytes: int) -> None:
+    def __init__(self, store: BlockStore, get_chunk_bytes: int) -> None:
         self._store = store
         self._chunk = get_chunk_bytes
 

@@ -50,12 +50,12 @@ def validate_key(key: str) -> None:
         raise InvalidRequest(f"key of {len(key.encode())} bytes exceeds {MAX_KEY_BYTES} bytes")
 
 
-class KVStore:
+class BlockStore:
     """Values by key over ordered tiers (see the module docstring)."""
 
     def __init__(self, tiers: Sequence[StoreTier]) -> None:
         if not tiers:
-            raise ValueError("a KVStore needs at least one tier")
+            raise ValueError("a BlockStore needs at least one tier")
         self.tiers = list(tiers)
 
     @property

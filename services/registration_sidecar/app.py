@@ -9,6 +9,9 @@ fresh join); DEREGISTER revokes the lease (watchers see the leave at once; kv_in
 endpoint's blocks). On SIGTERM/SIGINT the lease is revoked before exit. If the sidecar itself
 dies, the lease expires after ``lease_ttl_seconds``.
 
+``build_service(config)`` builds the :class:`Sidecar` (nothing opens); :meth:`Sidecar.run` serves
+its ``/metrics`` and polls until SIGTERM/SIGINT.
+
 ``max_model_len`` 0 is asked from the engine's ``GET /v1/models`` before each registration
 (vLLM reports it there), so the router's context check matches the engine's.
 """
@@ -37,7 +40,11 @@ logger = logging.getLogger(__name__)
 
 
 class Sidecar:
-    """Health poller + etcd registration for one engine; ``await run()`` until ``stop()``."""
+    """Health poller + etcd registration for one engine.
+
+    ``await poll()`` runs the loop until :meth:`stop`; ``await run()`` is the whole process
+    (``/metrics`` server, signal handlers, then ``poll()``).
+    """
 
     def __init__(self, config: SidecarConfig) -> None:
         self.config = config
@@ -87,7 +94,7 @@ class Sidecar:
         metrics.TRANSITIONS.labels("deregister").inc()
         logger.warning("engine %s: deregistered endpoint=%s", why, self.config.endpoint_id)
 
-    async def run(self) -> None:
+    async def poll(self) -> None:
         """Poll until :meth:`stop`; deregister on the way out."""
         metrics.REGISTERED.set(0)
         try:
@@ -106,20 +113,28 @@ class Sidecar:
                 await self._deregister("sidecar stopping")
             await self._client.aclose()
 
+    async def run(self) -> None:
+        """Serve ``/metrics`` and poll until SIGTERM/SIGINT."""
+        config = self.config
+        server: MetricsServer = start_metrics_server(config.host, config.metrics_port)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop)
+        logger.info("registration sidecar watching engine=%s model=%s interval=%.2fs failure_threshold=%d",
+                    config.engine_url, config.model, config.health_interval_seconds, config.failure_threshold)
+        try:
+            await self.poll()
+        finally:
+            server.stop()
+        logger.info("stopped")
 
-async def run(config: SidecarConfig) -> None:
-    """Run the sidecar (and its /metrics server) until SIGTERM/SIGINT."""
+
+def build_service(config: SidecarConfig) -> Sidecar:
+    """The sidecar for ``config``, built and not polling.
+
+    Raises:
+        SystemExit: ``etcd_endpoints`` is empty (the sidecar exists to register in etcd).
+    """
     if not config.etcd_endpoints:
         raise SystemExit("--etcd-endpoints is required (the sidecar exists to register in etcd)")
-    server: MetricsServer = start_metrics_server(config.host, config.metrics_port)
-    sidecar = Sidecar(config)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, sidecar.stop)
-    logger.info("registration sidecar watching engine=%s model=%s interval=%.2fs failure_threshold=%d",
-                config.engine_url, config.model, config.health_interval_seconds, config.failure_threshold)
-    try:
-        await sidecar.run()
-    finally:
-        server.stop()
-    logger.info("stopped")
+    return Sidecar(config)

@@ -1,31 +1,24 @@
 """``SidecarConfig``: the sidecar's one typed config (flags, ``KVMESH_REGISTRATION_SIDECAR_*`` env, YAML).
 
-The inherited ``--grpc-port`` is unused (the sidecar serves no gRPC); ``--metrics-port`` serves its
-``kvmesh_registration_sidecar_*`` metrics on ``--host`` (0 picks a free port).
+The sidecar serves no gRPC, so its base is :class:`~kvmesh.config.ProcessConfig`; ``--metrics-port``
+serves its ``kvmesh_registration_sidecar_*`` metrics on ``--host`` (0 picks a free port).
 """
 
 from __future__ import annotations
 
-from typing import Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from kvmesh.config import ServiceConfig
+from kvmesh.config import ProcessConfig
+from kvmesh.types import EndpointRole
 
-Role = Literal["both", "prefill", "decode"]
 
-
-class SidecarConfig(ServiceConfig):
+class SidecarConfig(ProcessConfig):
     """Registers an engine (vLLM or any OpenAI-compatible server) in etcd while its /health answers."""
 
-    model_config = SettingsConfigDict(
-        env_prefix="KVMESH_REGISTRATION_SIDECAR_",
-        extra="forbid",
-        use_attribute_docstrings=True,
-        populate_by_name=True,
-    )
+    model_config = SettingsConfigDict(env_prefix="KVMESH_REGISTRATION_SIDECAR_")
 
     engine_url: str = ""
     """Base URL of the engine's HTTP API, e.g. http://127.0.0.1:8011 (required); its host:port is the endpoint id."""
@@ -35,7 +28,7 @@ class SidecarConfig(ServiceConfig):
     """The engine's KV block size in tokens (vLLM's --block-size)."""
     events_endpoint: str = ""
     """ZMQ endpoint of the engine's KV-event publisher (its kv-events-config endpoint); empty: none."""
-    role: Role = "both"
+    role: EndpointRole = EndpointRole.BOTH
     """Role registered in etcd (prefill/decode disaggregation)."""
     engine_label: str = "vllm"
     """Value of the ``engine`` label of the registration."""

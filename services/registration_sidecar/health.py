@@ -68,7 +68,7 @@ def build_endpoint(
     model: str,
     block_size_tokens: int,
     events_endpoint: str,
-    role: str,
+    role: EndpointRole,
     engine_label: str,
     max_model_len: int | None,
 ) -> Endpoint:

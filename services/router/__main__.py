@@ -1,22 +1,8 @@
-"""``python -m services.router [flags]``: parse config, set up logging, run the service."""
+"""``python -m services.router [flags]``: :func:`kvmesh.server.main` over this service's config and ``app.build_service``."""
 
-from __future__ import annotations
-
-import asyncio
-import logging
-
-from kvmesh.config import load_config
-from kvmesh.logging import setup_logging
+from kvmesh.server import main
+from services.router.app import build_service
 from services.router.config import RouterConfig
-from services.router.service import build_service
-
-
-def main(argv: list[str] | None = None) -> None:
-    config = load_config(RouterConfig, argv, prog="python -m services.router")
-    setup_logging("router", config.log_level)
-    logging.getLogger(__name__).info("config %s", config.model_dump(mode="json"))
-    asyncio.run(build_service(config).run())
-
 
 if __name__ == "__main__":
-    main()
+    main(RouterConfig, build_service, prog="python -m services.router", name="router")

@@ -9,6 +9,14 @@ Admission (``FlowControl.Admit``, a bidirectional stream whose life is the reque
 ``DISPATCHED`` returns an :class:`AdmissionTicket`, rejections raise (capacity/shed/other -> 429,
 TTL -> 504). ``AdmissionTicket.close()`` sends ``Complete`` (when given), half-closes, waits
 briefly for flow_control to end the call and then cancels it: either way the slot is released.
+
+Pick (``EndpointPicker.Pick``): the prompt (token ids, text or messages) travels only when epp's
+configured profiles read it. :class:`PickerClient` asks ``GetPickerInfo`` once and keeps the
+answer until the channel to epp leaves READY (epp restarted or unreachable); when epp does not
+implement it or the call fails, the prompt is sent (the safe default: behaviour as before).
+
+Remote statuses become domain errors through :data:`kvmesh.errors.REMOTE_ERRORS`, with the
+per-call overrides below (what ``UNAVAILABLE`` or ``DEADLINE_EXCEEDED`` means from each peer).
 """
 
 from __future__ import annotations
@@ -27,7 +35,8 @@ from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
 from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2 as fc_pb2
 from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2_grpc as fc_pb2_grpc
 from kvmesh.channels import insecure_channel, to_domain_error
-from kvmesh.types import Endpoint, EndpointId, EndpointRole
+from kvmesh.types import Endpoint
+from kvmesh.wire import endpoint_from_proto
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +61,8 @@ async def check_health(channel: grpc.aio.Channel | None, timeout_seconds: float)
 
 
 @dataclass(frozen=True, slots=True)
-class AdmissionRequest:
-    """What flow_control needs to queue a request (sizes in tokens)."""
+class AdmitQuery:
+    """What flow_control's ``Admit`` needs to queue a request (sizes in tokens); becomes an ``Enqueue``."""
 
     request_id: str
     flow_id: str
@@ -79,6 +88,17 @@ _REJECTIONS: dict[int, type[errors.KvmeshError]] = {
     fc_pb2.QUEUE_OUTCOME_EVICTED_TTL: errors.QueueTTLExpired,
     fc_pb2.QUEUE_OUTCOME_SHED: errors.Shed,
     fc_pb2.QUEUE_OUTCOME_REJECTED_OTHER: errors.Saturated,
+}
+
+_ADMIT_STATUS_OVERRIDES: dict[grpc.StatusCode, type[errors.KvmeshError]] = {
+    grpc.StatusCode.UNAVAILABLE: errors.NotReady,  # flow_control down or crashing: the router is not ready (503)
+    grpc.StatusCode.UNKNOWN: errors.NotReady,
+    grpc.StatusCode.INTERNAL: errors.NotReady,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.QueueTTLExpired,  # a deadline on Admit is the queue's (504)
+}
+_PICK_STATUS_OVERRIDES: dict[grpc.StatusCode, type[errors.KvmeshError]] = {
+    grpc.StatusCode.UNAVAILABLE: errors.NoEndpointsAvailable,  # epp down or past pick_timeout: nothing to route to (503)
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.NoEndpointsAvailable,
 }
 
 
@@ -128,7 +148,7 @@ class AdmissionClient:
         self._timeout = admission_timeout_seconds
         self._close_timeout = close_timeout_seconds
 
-    async def admit(self, request: AdmissionRequest) -> AdmissionTicket:
+    async def admit(self, request: AdmitQuery) -> AdmissionTicket:
         """Enqueue and wait for dispatch.
 
         Raises:
@@ -165,9 +185,7 @@ class AdmissionClient:
         except TimeoutError as exc:
             raise errors.QueueTTLExpired(f"not dispatched within {self._timeout:g}s") from exc
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL):
-                raise errors.NotReady(f"flow_control unavailable: {exc.details()}") from exc
-            raise to_domain_error(exc) from exc
+            raise to_domain_error(exc, _ADMIT_STATUS_OVERRIDES, remote="flow_control unavailable") from exc
         finally:
             if not admitted:
                 call.cancel()
@@ -189,7 +207,7 @@ class AdmissionClient:
 
 @dataclass(frozen=True, slots=True)
 class PickQuery:
-    """The prompt as the engine will see it, plus endpoints to leave out."""
+    """The prompt as the engine will see it, plus endpoints to leave out; becomes a ``PickRequest``."""
 
     request_id: str
     model: str
@@ -200,78 +218,127 @@ class PickQuery:
 
 
 @dataclass(frozen=True, slots=True)
-class PickResult:
-    """epp's choice: the target first, then fallbacks; ``prompt_tokens`` 0 when epp did not tokenize."""
+class PickReply:
+    """epp's ``PickResponse`` as the router uses it: the target first, then fallbacks;
+    ``prompt_tokens`` 0 when epp did not tokenize. (epp's own names: ``PickDecision`` from its
+    scheduler, ``PickerResult`` from a picker plugin.)"""
 
     candidates: tuple[Endpoint, ...]
     prompt_tokens: int
     profile: str
 
 
-def endpoint_from_proto(ep: common_pb2.Endpoint) -> Endpoint:
-    try:
-        role = EndpointRole(ep.role or "both")
-    except ValueError:
-        role = EndpointRole.BOTH
-    return Endpoint(
-        id=EndpointId(ep.id),
-        url=ep.url.rstrip("/"),
-        model=ep.model,
-        block_size_tokens=ep.block_size_tokens or 64,
-        events_endpoint=ep.events_endpoint,
-        role=role,
-        labels=dict(ep.labels),
-    )
-
-
 class PickerClient:
-    """Calls ``EndpointPicker.Pick``."""
+    """Calls ``EndpointPicker.Pick``, sending the prompt only when epp's profiles read it."""
 
     def __init__(self, address: str, timeout_seconds: float) -> None:
         self._address = address
         self._channel: grpc.aio.Channel | None = None
         self._stub: epp_pb2_grpc.EndpointPickerStub | None = None
         self._timeout = timeout_seconds
+        self._needs_prompt: bool | None = None  # None: not known (never asked, or forgotten)
+        self._info_generation = 0  # bumped whenever the answer is forgotten; a stale answer is dropped
+        self._watch_task: asyncio.Task[None] | None = None
+        self._asking: asyncio.Future[bool] | None = None  # the GetPickerInfo call in flight, shared
 
     async def connect(self) -> None:
-        """Create the channel (inside the running event loop)."""
+        """Create the channel (inside the running event loop) and watch its connectivity."""
         self._channel = insecure_channel(self._address)
         self._stub = epp_pb2_grpc.EndpointPickerStub(self._channel)
+        self._watch_task = asyncio.create_task(self._forget_on_reconnect(self._channel), name="router-epp-watch")
 
     async def health(self, timeout_seconds: float) -> str:
         """epp's grpc.health.v1 status name (see :func:`check_health`)."""
         return await check_health(self._channel, timeout_seconds)
 
-    async def pick(self, query: PickQuery) -> PickResult:
-        """Ask epp where to send the request.
+    def forget_picker_info(self) -> None:
+        """Drop the cached ``GetPickerInfo`` answer: the next pick asks again."""
+        self._needs_prompt = None
+        self._info_generation += 1
+
+    async def _forget_on_reconnect(self, channel: grpc.aio.Channel) -> None:
+        """Forget the picker info each time the channel leaves READY (epp restarted or went away):
+        the epp that answers next may run another configuration."""
+        try:
+            state = channel.get_state(try_to_connect=False)
+            while True:
+                await channel.wait_for_state_change(state)
+                if state is grpc.ChannelConnectivity.READY:
+                    self.forget_picker_info()
+                state = channel.get_state(try_to_connect=False)
+        except Exception:  # e.g. a closed channel: the cached answer is kept from here on
+            logger.warning("epp connectivity watch ended", exc_info=True)
+
+    async def needs_prompt(self, timeout_seconds: float | None = None) -> bool:
+        """Whether epp's configured profiles read the prompt (``GetPickerInfo.needs_prompt``).
+
+        Asked once and cached (see :meth:`forget_picker_info`); concurrent callers share one call.
+        Never raises: an epp without the RPC (``UNIMPLEMENTED``, cached) or a failed call (not
+        cached, asked again next time) means True, so the prompt is sent as before.
+        """
+        if self._needs_prompt is not None:
+            return self._needs_prompt
+        if self._stub is None:
+            return True
+        if self._asking is None or self._asking.done():
+            self._asking = asyncio.ensure_future(
+                self._ask(self._stub, self._timeout if timeout_seconds is None else timeout_seconds)
+            )
+        return await asyncio.shield(self._asking)  # one caller cancelled does not cancel the others' answer
+
+    async def _ask(self, stub: epp_pb2_grpc.EndpointPickerStub, timeout_seconds: float) -> bool:
+        generation = self._info_generation
+        try:
+            info = await stub.GetPickerInfo(epp_pb2.GetPickerInfoRequest(), timeout=timeout_seconds)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED and generation == self._info_generation:
+                self._needs_prompt = True
+            logger.debug("epp GetPickerInfo failed code=%s; sending the prompt", exc.code().name)
+            return True
+        if generation == self._info_generation:
+            self._needs_prompt = info.needs_prompt
+            logger.info("epp picker info needs_prompt=%s profiles=%s", info.needs_prompt, list(info.profiles))
+        return info.needs_prompt
+
+    async def pick(self, query: PickQuery) -> PickReply:
+        """Ask epp where to send the request (within ``timeout_seconds`` in all, the info call included).
 
         Raises:
-            NoEndpointsAvailable: epp has no candidate or is unreachable (-> 503).
+            NoEndpointsAvailable: epp has no candidate, is unreachable or did not answer in time (-> 503).
             UnknownModel: epp serves no such model (-> 404).
+            NotReady: :meth:`connect` has not run.
         """
-        request = epp_pb2.PickRequest(
-            request_id=query.request_id,
-            model=query.model,
-            prompt_token_ids=query.prompt_token_ids,
-            prompt=query.prompt,
-            messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in query.messages],
-            exclude_endpoint_ids=query.exclude_endpoint_ids,
-        )
         if self._stub is None:
             raise errors.NotReady("picker client not connected")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout
+        request = epp_pb2.PickRequest(
+            request_id=query.request_id, model=query.model, exclude_endpoint_ids=query.exclude_endpoint_ids
+        )
+        if await self.needs_prompt(self._timeout):
+            request.prompt_token_ids.extend(query.prompt_token_ids)
+            request.prompt = query.prompt
+            request.messages.extend(common_pb2.ChatMessage(role=r, content=c) for r, c in query.messages)
+        remaining = deadline - loop.time()
+        if remaining <= 0:  # the info call used the whole budget: epp hangs
+            raise errors.NoEndpointsAvailable("endpoint picker: Deadline Exceeded")
         try:
-            reply = await self._stub.Pick(request, timeout=self._timeout)
+            reply = await self._stub.Pick(request, timeout=remaining)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise errors.NoEndpointsAvailable(f"endpoint picker: {exc.details()}") from exc
-            raise to_domain_error(exc) from exc
+            raise to_domain_error(exc, _PICK_STATUS_OVERRIDES, remote="endpoint picker") from exc
         candidates = [endpoint_from_proto(reply.target)] if reply.HasField("target") and reply.target.url else []
         candidates += [endpoint_from_proto(ep) for ep in reply.fallbacks if ep.url]
         if not candidates:
             raise errors.NoEndpointsAvailable(f"no endpoint available for model '{query.model}'")
-        return PickResult(tuple(candidates), reply.prompt_tokens, reply.profile)
+        return PickReply(tuple(candidates), reply.prompt_tokens, reply.profile)
 
     async def close(self) -> None:
+        for task in (self._watch_task, self._asking):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._watch_task = self._asking = None
         if self._channel is not None:
             with contextlib.suppress(Exception):
                 await self._channel.close()

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from kvmesh.config import ServiceConfig
+from kvmesh.config import GrpcServiceConfig
 
 
 def _default_objective_priorities() -> dict[str, int]:
@@ -16,15 +16,10 @@ def _default_objective_priorities() -> dict[str, int]:
     return {"critical": 10, "standard": 0, "sheddable": -10}
 
 
-class RouterConfig(ServiceConfig):
+class RouterConfig(GrpcServiceConfig):
     """The router: OpenAI HTTP + gRPC Inference in front of flow_control, epp and the engines."""
 
-    model_config = SettingsConfigDict(
-        env_prefix="KVMESH_ROUTER_",
-        extra="forbid",
-        use_attribute_docstrings=True,
-        populate_by_name=True,
-    )
+    model_config = SettingsConfigDict(env_prefix="KVMESH_ROUTER_")
 
     http_port: int = Field(0, ge=0, le=65535)
     """Port of the OpenAI-compatible HTTP API on ``host``; 0 picks a free one (logged at start)."""

@@ -28,9 +28,11 @@ answer has started, the client gets an SSE ``data: {"error": {...}}`` event (503
 cleanly ended body; the outcome counts as ``upstream_error``. Only whole SSE events are passed on,
 so the error event never lands inside a half-sent one.
 
-Client disconnects: a streamed answer races the body against ``http.disconnect``; a non-streamed one
-races the engine read against it. Either way the engine response is closed (the engine sees its
-request cancelled) and the admission stream is closed, releasing the flow-control slot.
+Lifetime: a validated request's answer is a :class:`_ProxiedAnswer`, whose work runs inside one
+``RequestFlow.session`` (admission, pick, engine, close). A :class:`_DisconnectGuard` races that
+work against ``http.disconnect`` until the answer's last byte is sent (queued, waiting for the
+engine, streaming): a disconnect cancels it, so the session closes as ``cancelled``, the engine
+response is closed (the engine sees its request cancelled) and the flow-control slot is released.
 """
 
 from __future__ import annotations
@@ -41,17 +43,17 @@ import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
-import httpx
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from kvmesh import errors
+from kvmesh.openai_stream import DONE_EVENT, sse_event
 from kvmesh.tracing import extract_http_context
 from services.router import metrics
 from services.router.catalog import ModelCatalog
@@ -61,6 +63,8 @@ from services.router.readiness import ReadinessProbe
 from services.router.request_flow import (
     ENDPOINT_HEADER,
     REQUEST_ID_HEADER,
+    ClientGone,
+    EngineFailed,
     FlowSession,
     RequestFlow,
     RequestMeta,
@@ -68,8 +72,6 @@ from services.router.request_flow import (
 from services.router.validation import RequestKind, RouterRequest, parse_json_body, validate_request
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 FAIRNESS_HEADER = "x-llm-d-inference-fairness-id"
 OBJECTIVE_HEADER = "x-llm-d-inference-objective"
@@ -191,99 +193,130 @@ async def _wait_disconnect(receive: Receive) -> None:
             return
 
 
-class _ClientGone(Exception):
-    """The HTTP client disconnected before the answer started."""
+class _DisconnectGuard:
+    """Runs one request's work, cancelling it when the HTTP client disconnects before its answer is complete.
 
+    Cancelling the work ends its session as ``cancelled`` (engine request cancelled, slot freed).
+    Once the last body message went out (``more_body`` false), a disconnect no longer cancels:
+    ASGI servers report ``http.disconnect`` as soon as the response is complete, and the
+    session's close (the flow_control round trip) must not be cut short by it.
+    """
 
-async def _unless_disconnected(work: Awaitable[T], receive: Receive) -> T:
-    """Await ``work`` unless the client disconnects first; then cancel it (it cleans up) and raise _ClientGone."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_wait_disconnect(receive))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        task.cancel()
-        await asyncio.gather(task, gone, return_exceptions=True)
-    if task.cancelled():
-        raise _ClientGone()
-    return task.result()
+    def __init__(self, receive: Receive, send: Send) -> None:
+        self._receive = receive
+        self._send = send
+        self.response_started = False
+        self._answered = False
+
+    async def send(self, message: Message) -> None:
+        """The ASGI ``send`` for the work: notes when the response starts and when it is complete."""
+        await self._send(message)
+        if message["type"] == "http.response.start":
+            self.response_started = True
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            self._answered = True
+
+    async def run(self, work: Awaitable[None]) -> None:
+        """Await ``work``; re-raise its error.
+
+        Raises:
+            ClientGone: the client disconnected first (the work was cancelled and has cleaned up).
+        """
+        task = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(_wait_disconnect(self._receive))
+        client_gone = False
+        try:
+            done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if task not in done and not self._answered:
+                client_gone = True
+                task.cancel()
+        except asyncio.CancelledError:  # this handler itself was cancelled (server shutdown): as a disconnect
+            task.cancel()
+            raise
+        finally:
+            gone.cancel()
+            await asyncio.gather(task, gone, return_exceptions=True)  # a closing session finishes first
+        if client_gone:
+            raise ClientGone()
+        task.result()
 
 
 def _response_headers(session: FlowSession) -> dict[str, str]:
     return {REQUEST_ID_HEADER: session.meta.request_id, ENDPOINT_HEADER: session.endpoint.id}
 
 
-class _ClosingResponse(Response):
-    """A fully read engine answer; the session (admission slot) is closed once it is sent, or failed to send."""
+class _ProxiedAnswer(Response):
+    """The engine's answer to one validated request, its whole life inside one ``flow.session``.
 
-    def __init__(self, session: FlowSession, payload: bytes) -> None:
-        super().__init__(payload, status_code=session.status_code, headers=_response_headers(session), media_type=session.content_type)
-        self.session = session
+    Streamed: the engine's status and headers, then its SSE events as they come (whole events);
+    if the engine fails mid-stream, an in-stream error event and ``data: [DONE]`` end the body.
+    Non-streamed: the whole answer is read, sent, and only then is the session closed (the
+    flow_control round trip stays off the client's critical path). Errors before the answer
+    starts (admission, pick, engine) become OpenAI error responses.
+    """
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.session.close()
-
-
-class ProxiedStream(Response):
-    """Streams a FlowSession's bytes, closing the session (and the engine request) on client disconnect."""
-
-    def __init__(self, session: FlowSession) -> None:
-        self.session = session
-        self.status_code = session.status_code
+    def __init__(
+        self, flow: RequestFlow, error_response: Callable[[BaseException, str | None], Response], routed: RouterRequest, meta: RequestMeta
+    ) -> None:
+        self._flow = flow
+        self._error_response = error_response
+        self._routed = routed
+        self._meta = meta
         self.background = None
-        self.upstream_error: Exception | None = None
-        self.init_headers({**_response_headers(session), "cache-control": "no-cache", "content-type": session.content_type})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        client_gone = False
-        error: BaseException | None = None
-        stream_task = asyncio.ensure_future(self._stream(send))
-        disconnect_task = asyncio.ensure_future(_wait_disconnect(receive))
+        guard = _DisconnectGuard(receive, send)
         try:
-            done, _ = await asyncio.wait({stream_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED)
-            if stream_task in done:
-                error = stream_task.exception() or self.upstream_error
-            else:
-                client_gone = True
-        except asyncio.CancelledError:
-            client_gone = True
+            await guard.run(self._answer(scope, receive, guard))
+        except ClientGone:
+            if not guard.response_started:
+                logger.info("client disconnected request_id=%s", self._meta.request_id)
+                await Response(status_code=499)(scope, receive, send)
+
+    async def _answer(self, scope: Scope, receive: Receive, guard: _DisconnectGuard) -> None:
+        try:
+            async with self._flow.session(self._routed, self._meta) as session:
+                if self._routed.stream:
+                    await self._stream(session, guard.send)
+                else:
+                    payload = await session.read_all()
+                    answer = Response(payload, session.status_code, _response_headers(session), session.content_type)
+                    await answer(scope, receive, guard.send)
+        except ClientGone:
             raise
-        finally:
-            for task in (stream_task, disconnect_task):
-                task.cancel()
-            await asyncio.gather(stream_task, disconnect_task, return_exceptions=True)
-            if isinstance(error, OSError):
-                client_gone, error = True, None
-            await self.session.close(client_gone=client_gone, error=error)
-        if error is not None:
-            logger.warning("stream failed request_id=%s error=%r", self.session.meta.request_id, error)
+        except Exception as exc:
+            if guard.response_started:
+                logger.warning("stream failed request_id=%s error=%r", self._meta.request_id, exc)
+                return
+            await self._error_response(exc, self._meta.request_id)(scope, receive, guard.send)
 
-    async def _stream(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        chunks = self.session.iter_bytes()
-        while True:
+    async def _stream(self, session: FlowSession, send: Send) -> None:
+        """Pass the engine's events on; on an engine failure end the body with the in-stream error, then raise it."""
+        headers = {**_response_headers(session), "cache-control": "no-cache", "content-type": session.content_type}
+        start = {"type": "http.response.start", "status": session.status_code,
+                 "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]}
+        try:
+            await send(start)
             try:
-                chunk = await anext(chunks)
-            except StopAsyncIteration:
-                break
-            except httpx.HTTPError as exc:  # the engine failed after the answer started
-                self.upstream_error = exc
-                if self.session.content_type.startswith("text/event-stream"):
-                    await send({"type": "http.response.body", "body": self._error_event(exc), "more_body": True})
-                break
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+                async for chunk in session.iter_events():
+                    await send({"type": "http.response.body", "body": chunk.raw, "more_body": True})
+            except EngineFailed as exc:
+                if session.content_type.startswith("text/event-stream"):
+                    await send({"type": "http.response.body", "body": _error_event(session, exc), "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                raise
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError as exc:  # writing to the client failed: it is gone
+            raise ClientGone() from exc
 
-    def _error_event(self, exc: Exception) -> bytes:
-        """The in-stream error (vLLM's convention): ``data: {"error": {...}}`` then ``data: [DONE]``."""
-        err = http_error(errors.NoEndpointsAvailable(
-            f"engine {self.session.endpoint.id} failed mid-stream ({type(exc).__name__}); the answer is incomplete"
-        ))
-        return b"data: " + render_json(err.body) + b"\n\ndata: [DONE]\n\n"
+
+def _error_event(session: FlowSession, exc: EngineFailed) -> bytes:
+    """The in-stream error (vLLM's convention): ``data: {"error": {...}}`` then ``data: [DONE]``."""
+    cause = exc.__cause__ or exc
+    err = http_error(errors.NoEndpointsAvailable(
+        f"engine {session.endpoint.id} failed mid-stream ({type(cause).__name__}); the answer is incomplete"
+    ))
+    return sse_event(render_json(err.body)) + DONE_EVENT
 
 
 class RouterHttpApi:
@@ -327,9 +360,10 @@ class RouterHttpApi:
 
     async def _unhandled(self, request: Request, exc: Exception) -> Response:
         """Last resort (Starlette's ServerErrorMiddleware): a 500 OpenAI body instead of plain text."""
-        return self._error(exc, _valid_request_id(request.headers.get(REQUEST_ID_HEADER)))
+        return self.error_response(exc, _valid_request_id(request.headers.get(REQUEST_ID_HEADER)))
 
-    def _error(self, exc: BaseException, request_id: str | None = None) -> Response:
+    def error_response(self, exc: BaseException, request_id: str | None = None) -> Response:
+        """The OpenAI error response for ``exc`` (one table), its outcome counted; a 500 logs the traceback."""
         err = http_error(exc, self._config.retry_after_seconds)
         if err.status == 500:
             logger.error("unhandled error request_id=%s", request_id, exc_info=exc)
@@ -346,6 +380,7 @@ class RouterHttpApi:
         return await self._proxy(request, RequestKind.CHAT)
 
     async def _proxy(self, request: Request, kind: RequestKind) -> Response:
+        """Check the request here; its answer (admission to close) is a :class:`_ProxiedAnswer`."""
         request_id = _valid_request_id(request.headers.get(REQUEST_ID_HEADER))
         try:
             meta = request_meta(request.headers, self._config, extract_http_context(request.headers))
@@ -354,32 +389,9 @@ class RouterHttpApi:
             check_content_type(request.headers.get("content-type"), raw)
             body = parse_json_body(raw)
             routed = validate_request(kind, body, self._catalog(), self._config.max_tokens_limit)
-            if routed.stream:
-                session = await _unless_disconnected(self._flow.start(routed, meta), request.receive)
-                return ProxiedStream(session)
-            session, payload = await _unless_disconnected(self._complete(routed, meta), request.receive)
-        except _ClientGone:
-            logger.info("client disconnected request_id=%s", request_id)
-            return Response(status_code=499)
         except Exception as exc:
-            return self._error(exc, request_id)
-        return _ClosingResponse(session, payload)
-
-    async def _complete(self, routed: RouterRequest, meta: RequestMeta) -> tuple[FlowSession, bytes]:
-        """A non-streamed request up to its full body; on failure the session is closed here, on
-        success by :class:`_ClosingResponse` after the answer is sent (the flow_control round trip
-        stays off the client's critical path)."""
-        session = await self._flow.start(routed, meta)
-        try:
-            payload = await session.read_all()
-        except asyncio.CancelledError:
-            await session.close(client_gone=True)
-            raise
-        except Exception as exc:
-            await session.close(error=exc)
-            logger.warning("engine read failed request_id=%s endpoint=%s error=%r", meta.request_id, session.endpoint.id, exc)
-            raise errors.NoEndpointsAvailable(f"engine {session.endpoint.id} failed mid-response") from exc
-        return session, payload
+            return self.error_response(exc, request_id)
+        return _ProxiedAnswer(self._flow, self.error_response, routed, meta)
 
     async def models(self, request: Request) -> Response:
         created = int(time.time())

@@ -8,7 +8,7 @@
 | ``kvmesh_router_requests_in_flight`` | gauge | — |
 | ``kvmesh_router_upstream_retries_total`` | counter | — |
 
-``outcome`` is one of :class:`Outcome` (a closed set); ``model_name`` is the served model
+``outcome`` is one of :class:`RequestOutcome` (a closed set); ``model_name`` is the served model
 (closed: the models registered in etcd), "unknown" when empty.
 """
 
@@ -21,7 +21,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from kvmesh.metrics import LATENCY_BUCKETS_SECONDS, TTFT_BUCKETS_SECONDS
 
 
-class Outcome(enum.StrEnum):
+class RequestOutcome(enum.StrEnum):
     """How a request ended (a low-cardinality metric label)."""
 
     SUCCESS = "success"
@@ -35,7 +35,7 @@ class Outcome(enum.StrEnum):
     ERROR = "error"
 
 
-_STATUS_OUTCOME = {400: Outcome.INVALID, 404: Outcome.NOT_FOUND, 429: Outcome.REJECTED, 503: Outcome.UNAVAILABLE, 504: Outcome.TIMEOUT}
+_STATUS_OUTCOME = {400: RequestOutcome.INVALID, 404: RequestOutcome.NOT_FOUND, 429: RequestOutcome.REJECTED, 503: RequestOutcome.UNAVAILABLE, 504: RequestOutcome.TIMEOUT}
 
 REQUEST_TTFT = Histogram(
     "kvmesh_router_request_ttft_seconds",
@@ -54,14 +54,14 @@ IN_FLIGHT = Gauge("kvmesh_router_requests_in_flight", "Requests admitted and not
 RETRIES = Counter("kvmesh_router_upstream_retries", "Engine attempts that failed before the first byte and moved on.")
 
 
-def outcome_for_status(status: int) -> Outcome:
+def outcome_for_status(status: int) -> RequestOutcome:
     """The outcome label of a request answered with HTTP ``status``."""
     if status < 400:
-        return Outcome.SUCCESS
-    return _STATUS_OUTCOME.get(status, Outcome.ERROR)
+        return RequestOutcome.SUCCESS
+    return _STATUS_OUTCOME.get(status, RequestOutcome.ERROR)
 
 
-def record_outcome(outcome: Outcome) -> None:
+def record_outcome(outcome: RequestOutcome) -> None:
     REQUESTS.labels(outcome=outcome.value).inc()
 
 

@@ -1,30 +1,41 @@
 """The transport-agnostic request path shared by the HTTP and gRPC front doors.
 
-Per request (DESIGN.md section 2)::
+One construct owns a request's life, ``async with flow.session(request, meta) as session:``
+(``docs/ARCHITECTURE.md``, "The request path")::
 
-    validated RouterRequest
-      -> admission: open the flow_control stream, Enqueue, wait for DISPATCHED   (429 / 504 on rejection)
-      -> late binding: epp Pick (token ids when given, else text or messages)   (503 when nothing is live)
-      -> forward the body to candidate.url + path; on a transport error before the
-         response headers arrive, try the next candidate (the Pick's fallbacks, then a
-         new Pick excluding every endpoint tried), at most ``max_fallback_attempts``
-      -> FlowSession: the caller streams ``iter_bytes()`` (or ``read_all()``) back
-      -> FlowSession.close(): close the engine response (cancels it when unfinished),
-         send Complete(tokens, ttft, e2e, success), close the admission stream (slot freed)
+    enter  admission: open the flow_control stream, Enqueue, wait for DISPATCHED   (429 / 504 on rejection)
+           late binding: epp Pick (the prompt only when epp's profiles read it)  (503 when nothing is live)
+           forward the body to candidate.url + path; on a transport error before the
+           response headers arrive, try the next candidate (the Pick's fallbacks, then a
+           new Pick excluding every endpoint tried), at most ``max_fallback_attempts``
+    body   the caller passes ``session.iter_events()`` (raw bytes and parsed pieces) or
+           ``read_all()`` on to its client
+    exit   close the engine response (cancels it when unfinished), send Complete(tokens, ttft,
+           e2e, success), close the admission stream (slot freed), record the outcome, end the spans
 
-``RequestFlow.start`` releases everything itself when it raises; after it returns, the caller
-owns the session and must call ``close()`` exactly once in a ``finally`` (a second call is a no-op),
-passing ``client_gone=True`` when the client disconnected.
+The exit runs exactly once on every path and is the one place where a request's end is decided:
+
+| how the ``async with`` body ends | outcome |
+| --- | --- |
+| normally, the engine answer read to its end, status < 400 | ``success`` (e2e recorded) |
+| normally, an engine error status | that status's outcome (``invalid``, ``unavailable``, ...) |
+| normally but cut short, or any exception | ``upstream_error`` (or the status's outcome); the exception propagates |
+| ``CancelledError``, ``GeneratorExit`` (a gRPC stream its client closed), :class:`ClientGone` | ``cancelled``; the engine request is cancelled |
+
+When entering fails (rejected, nothing to pick, every engine refused, the client gone while
+queued) the admission stream is closed if it was opened, ``cancelled`` is counted for a
+cancellation, and the error propagates: the front door that answers it counts its outcome.
 
 Tracing: one ``router.request`` span per request (parent: the caller's context) and one
 ``router.proxy`` CLIENT span per engine attempt whose W3C context goes to the engine in the HTTP
-headers. Spans are started and ended explicitly (no context left attached across tasks), since
-the HTTP layer streams the body from another task than the one that started the request.
+headers. Spans are started and ended explicitly: no context stays attached across the session's
+``yield``, so the caller's code (and any task it starts) runs under its own context.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -38,14 +49,14 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from kvmesh import errors
+from kvmesh.openai_stream import SseFramer, StreamPiece, Usage, parse_completion, parse_event
 from kvmesh.tracing import inject_http_headers, tracer
 from kvmesh.types import Endpoint
 from services.router import metrics
 from services.router.catalog import ModelCatalog
-from services.router.clients import AdmissionRequest, AdmissionTicket, CompletionReport, PickQuery, PickResult
+from services.router.clients import AdmissionTicket, AdmitQuery, CompletionReport, PickQuery, PickReply
 from services.router.config import RouterConfig
-from services.router.metrics import Outcome
-from services.router.sse import SseParser, Usage, parse_completion, parse_event
+from services.router.metrics import RequestOutcome
 from services.router.validation import RouterRequest, check_context
 
 logger = logging.getLogger(__name__)
@@ -55,18 +66,26 @@ REQUEST_ID_HEADER = "x-request-id"
 ENDPOINT_HEADER = "x-kvmesh-endpoint"
 
 
-def _event_boundary(data: bytes) -> int:
-    """Length of the prefix of ``data`` made of whole SSE events (ending in a blank line); 0 when none."""
-    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
-    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+class ClientGone(Exception):
+    """The caller's client went away (e.g. writing to it failed): the session ends ``cancelled``."""
 
 
-class Admission(Protocol):
-    async def admit(self, request: AdmissionRequest) -> AdmissionTicket: ...
+class EngineFailed(errors.NoEndpointsAvailable):
+    """The engine failed after its answer started (reset, truncated body): 503 / ``UNAVAILABLE``.
+
+    ``__cause__`` is the transport error.
+    """
 
 
-class Picker(Protocol):
-    async def pick(self, query: PickQuery) -> PickResult: ...
+_CLIENT_GONE = (asyncio.CancelledError, GeneratorExit, ClientGone)
+
+
+class SupportsAdmit(Protocol):
+    async def admit(self, request: AdmitQuery) -> AdmissionTicket: ...
+
+
+class SupportsPick(Protocol):
+    async def pick(self, query: PickQuery) -> PickReply: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,9 +103,22 @@ class RequestMeta:
     server_span: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class EngineChunk:
+    """A piece of the engine's answer: bytes to pass on unchanged, and the stream chunks they hold.
+
+    For a streamed request ``raw`` is whole SSE events (the last piece may be an unterminated
+    remainder) and ``pieces`` their parsed chunks (``[DONE]`` and non-JSON events left out); for a
+    non-streamed one ``raw`` is a slice of the JSON body and ``pieces`` is empty.
+    """
+
+    raw: bytes
+    pieces: tuple[StreamPiece, ...] = ()
+
+
 @dataclass
 class FlowSession:
-    """One admitted request with an open engine response. Owned by the caller until ``close()``."""
+    """An admitted request with an open engine answer; valid inside :meth:`RequestFlow.session`."""
 
     request: RouterRequest
     meta: RequestMeta
@@ -95,128 +127,172 @@ class FlowSession:
     content_type: str
     attempts: int
     _response: httpx.Response
-    _ticket: AdmissionTicket
-    _span: trace.Span
-    _proxy_span: trace.Span
     _clock: Callable[[], float]
     _started: float
     _first_byte_at: float | None = None
     _finished: bool = False
-    _closed: bool = False
     _usage: Usage | None = None
     _chunks: int = 0
     _body: bytearray = field(default_factory=bytearray)
 
     @property
     def ttft_seconds(self) -> float:
+        """Seconds from the request's arrival to the engine's first answer byte (0 before it)."""
         return (self._first_byte_at - self._started) if self._first_byte_at is not None else 0.0
 
-    async def iter_bytes(self) -> AsyncIterator[bytes]:
-        """The engine's response bytes, unchanged (SSE when the request streams).
+    @property
+    def usage(self) -> Usage | None:
+        """The answer's ``usage`` as seen so far (the last chunk carrying one), None when absent."""
+        return self._usage
 
-        A streamed answer is passed on in whole events only (up to the last blank line seen; the
+    async def iter_events(self) -> AsyncIterator[EngineChunk]:
+        """The engine's answer as :class:`EngineChunk` s, bytes unchanged (SSE when the request streams).
+
+        A streamed answer is released in whole events only (up to the last blank line seen; the
         rest follows with the next chunk, or at the end), so an in-stream error event sent after an
-        engine failure never lands inside a half-sent event.
+        engine failure never lands inside a half-sent event. Usage and the number of content
+        chunks are taken from the parsed pieces as they pass.
 
         Raises:
-            httpx.HTTPError: the engine connection failed mid-answer.
+            EngineFailed: the engine connection failed mid-answer (logged here).
         """
-        parser = SseParser() if self.request.stream else None
-        held = b""
-        async for chunk in self._response.aiter_bytes():
+        framer = SseFramer() if self.request.stream else None
+        chunks = self._response.aiter_bytes()
+        while True:
+            try:
+                chunk = await anext(chunks)
+            except StopAsyncIteration:
+                break
+            except Exception as exc:
+                logger.warning(
+                    "engine failed mid-answer request_id=%s endpoint=%s error=%r", self.meta.request_id, self.endpoint.id, exc
+                )
+                raise EngineFailed(f"engine {self.endpoint.id} failed mid-response") from exc
             if not chunk:
                 continue
             if self._first_byte_at is None:
                 self._first_byte_at = self._clock()
                 metrics.record_ttft(self.request.model, self.ttft_seconds)
-            if parser is not None:
-                for payload in parser.feed(chunk):
-                    piece = parse_event(payload)
-                    if piece is None:
-                        continue
-                    if piece.text or piece.finish_reason:
-                        self._chunks += 1
-                    if piece.usage is not None:
-                        self._usage = piece.usage
-                held += chunk
-                cut = _event_boundary(held)
-                if cut == 0:
-                    continue
-                chunk, held = held[:cut], held[cut:]
-            else:
+            if framer is None:
                 self._body += chunk
-            yield chunk
-        if held:
-            yield held
+                yield EngineChunk(chunk)
+                continue
+            cut = framer.feed(chunk)
+            pieces = tuple(piece for payload in cut.data if (piece := parse_event(payload)) is not None)
+            for piece in pieces:
+                if piece.text or piece.finish_reason:
+                    self._chunks += 1
+                if piece.usage is not None:
+                    self._usage = piece.usage
+            if cut.raw:
+                yield EngineChunk(cut.raw, pieces)
+        if framer is not None and (rest := framer.flush()):
+            yield EngineChunk(rest)
         self._finished = True
-        if parser is None:
-            _, _, self._usage, _ = parse_completion(bytes(self._body))
+        if framer is None:
+            self._usage = parse_completion(bytes(self._body)).usage
 
     async def read_all(self) -> bytes:
-        """The whole (non-streamed) response body."""
-        async for _ in self.iter_bytes():
+        """The whole body of a non-streamed answer (a streamed one is not kept: b"").
+
+        Raises:
+            EngineFailed: the engine connection failed mid-answer.
+        """
+        async for _ in self.iter_events():
             pass
         return bytes(self._body)
 
-    async def close(self, client_gone: bool = False, error: BaseException | None = None) -> Outcome:
-        """Close the engine response (cancelling it when unfinished), report to flow_control, free the slot."""
-        if self._closed:
-            return Outcome.CANCELLED if client_gone else Outcome.ERROR
-        self._closed = True
+
+@dataclass
+class _Lifetime:
+    """What one request holds from arrival to end; :meth:`close` releases it (once)."""
+
+    request: RouterRequest
+    meta: RequestMeta
+    clock: Callable[[], float]
+    started: float
+    span: trace.Span
+    ticket: AdmissionTicket | None = None
+    proxy_span: trace.Span | None = None
+    session: FlowSession | None = None
+    exception: BaseException | None = None
+    client_gone: bool = False
+
+    async def close(self) -> None:
+        if self.session is None:
+            await self._close_unopened()
+        else:
+            await self._close_opened(self.session)
+
+    async def _close_unopened(self) -> None:
+        """Entering failed: release the slot (if admitted); the caller answers (and counts) the error."""
         try:
-            await self._response.aclose()
+            if self.ticket is not None:
+                e2e = self.clock() - self.started
+                await self.ticket.close(CompletionReport(self.request.prompt_tokens_estimate, 0, 0.0, e2e, False))
+        finally:
+            metrics.IN_FLIGHT.dec()
+            if self.client_gone:
+                metrics.record_outcome(RequestOutcome.CANCELLED)  # other errors are counted where they are answered
+            if self.exception is not None:
+                self.span.record_exception(self.exception)
+                self.span.set_status(Status(StatusCode.ERROR, type(self.exception).__name__))
+            self.span.end()
+
+    async def _close_opened(self, session: FlowSession) -> None:
+        """Close the engine response (cancelling it when unfinished), report to flow_control, free the slot."""
+        try:
+            await session._response.aclose()
         except Exception:
             logger.debug("closing engine response failed request_id=%s", self.meta.request_id, exc_info=True)
-        e2e = self._clock() - self._started
-        success = self._finished and not client_gone and error is None and self.status_code < 400
-        if client_gone:
-            outcome = Outcome.CANCELLED
+        e2e = self.clock() - self.started
+        success = session._finished and not self.client_gone and self.exception is None and session.status_code < 400
+        if self.client_gone:
+            outcome = RequestOutcome.CANCELLED
         elif success:
-            outcome = Outcome.SUCCESS
-        elif self.status_code >= 400:
-            outcome = metrics.outcome_for_status(self.status_code)
+            outcome = RequestOutcome.SUCCESS
+        elif session.status_code >= 400:
+            outcome = metrics.outcome_for_status(session.status_code)
         else:
-            outcome = Outcome.UPSTREAM_ERROR
-        usage = self._usage or Usage()
+            outcome = RequestOutcome.UPSTREAM_ERROR
+        usage = session.usage or Usage()
         report = CompletionReport(
             prompt_tokens=usage.prompt_tokens or self.request.prompt_tokens_estimate,
-            completion_tokens=usage.completion_tokens or self._chunks,
-            ttft_seconds=self.ttft_seconds,
+            completion_tokens=usage.completion_tokens or session._chunks,
+            ttft_seconds=session.ttft_seconds,
             e2e_seconds=e2e,
             success=success,
         )
         try:
-            await self._ticket.close(report)
+            if self.ticket is not None:
+                await self.ticket.close(report)
         finally:
             if success:
                 metrics.record_e2e(self.request.model, e2e)
             metrics.record_outcome(outcome)
             metrics.IN_FLIGHT.dec()
-            for span in (self._proxy_span, self._span):
+            for span in (self.proxy_span, self.span):
+                if span is None:
+                    continue
                 span.set_attribute("kvmesh.outcome", outcome.value)
                 if not success:
                     span.set_status(Status(StatusCode.ERROR, outcome.value))
                 span.end()
             logger.debug(
                 "request done request_id=%s endpoint=%s outcome=%s ttft=%.4f e2e=%.4f",
-                self.meta.request_id, self.endpoint.id, outcome.value, self.ttft_seconds, e2e,
+                self.meta.request_id, session.endpoint.id, outcome.value, session.ttft_seconds, e2e,
             )
-        return outcome
-
-    @property
-    def usage(self) -> Usage | None:
-        return self._usage
 
 
 class RequestFlow:
-    """Admit, pick, forward: see the module docstring."""
+    """Admit, pick, forward, complete: see the module docstring."""
 
     def __init__(
         self,
         config: RouterConfig,
         catalog: Callable[[], ModelCatalog],
-        admission: Admission,
-        picker: Picker,
+        admission: SupportsAdmit,
+        picker: SupportsPick,
         http: httpx.AsyncClient,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -227,26 +303,34 @@ class RequestFlow:
         self._http = http
         self._clock = clock
 
-    async def start(self, request: RouterRequest, meta: RequestMeta) -> FlowSession:
-        """Admit the request, pick an endpoint and open the engine response.
+    @contextlib.asynccontextmanager
+    async def session(self, request: RouterRequest, meta: RequestMeta) -> AsyncIterator[FlowSession]:
+        """Admit the request, pick an endpoint, open the engine response; release it all on exit.
+
+        Yields the open :class:`FlowSession`. How the body ends decides the outcome (module docstring).
 
         Raises:
-            QueueFull | Shed | Saturated | QueueTTLExpired | NotReady: from admission.
-            NoEndpointsAvailable: nothing to pick, or every attempt failed before the first byte.
-            InvalidRequest: epp's token count shows the prompt does not fit the model's context.
+            QueueFull | Shed | Saturated | QueueTTLExpired | NotReady: from admission, on entry.
+            NoEndpointsAvailable: on entry, nothing to pick or every attempt failed before the first byte.
+            InvalidRequest: on entry, epp's token count shows the prompt does not fit the model's context.
         """
-        started = self._clock()
-        span = _tracer.start_span(
-            "router.request",
-            context=meta.trace_context,
-            kind=SpanKind.SERVER if meta.server_span else SpanKind.INTERNAL,
-            attributes={"kvmesh.request_id": meta.request_id, "kvmesh.model": request.model, "kvmesh.flow_id": meta.flow_id},
+        life = _Lifetime(
+            request=request,
+            meta=meta,
+            clock=self._clock,
+            started=self._clock(),
+            span=_tracer.start_span(
+                "router.request",
+                context=meta.trace_context,
+                kind=SpanKind.SERVER if meta.server_span else SpanKind.INTERNAL,
+                attributes={"kvmesh.request_id": meta.request_id, "kvmesh.model": request.model, "kvmesh.flow_id": meta.flow_id},
+            ),
         )
         metrics.IN_FLIGHT.inc()
         try:
-            with trace.use_span(span, end_on_exit=False):
-                ticket = await self._admission.admit(
-                    AdmissionRequest(
+            with trace.use_span(life.span, end_on_exit=False):
+                life.ticket = await self._admission.admit(
+                    AdmitQuery(
                         request_id=meta.request_id,
                         flow_id=meta.flow_id,
                         priority=meta.priority,
@@ -255,34 +339,28 @@ class RequestFlow:
                         model=request.model,
                     )
                 )
-                try:
-                    response, endpoint, proxy_span, attempts = await self._connect(request, meta)
-                except BaseException:
-                    await ticket.close(CompletionReport(request.prompt_tokens_estimate, 0, 0.0, self._clock() - started, False))
-                    raise
-        except BaseException as exc:
-            metrics.IN_FLIGHT.dec()
-            if isinstance(exc, asyncio.CancelledError):
-                metrics.record_outcome(Outcome.CANCELLED)  # other errors are counted where they are answered
-            span.record_exception(exc)
-            span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
-            span.end()
+                response, endpoint, life.proxy_span, attempts = await self._connect(request, meta)
+            life.span.set_attribute("kvmesh.endpoint", endpoint.id)
+            life.session = FlowSession(
+                request=request,
+                meta=meta,
+                endpoint=endpoint,
+                status_code=response.status_code,
+                content_type=response.headers.get("content-type", "application/json"),
+                attempts=attempts,
+                _response=response,
+                _clock=self._clock,
+                _started=life.started,
+            )
+            yield life.session
+        except _CLIENT_GONE as exc:
+            life.client_gone, life.exception = True, exc
             raise
-        span.set_attribute("kvmesh.endpoint", endpoint.id)
-        return FlowSession(
-            request=request,
-            meta=meta,
-            endpoint=endpoint,
-            status_code=response.status_code,
-            content_type=response.headers.get("content-type", "application/json"),
-            attempts=attempts,
-            _response=response,
-            _ticket=ticket,
-            _span=span,
-            _proxy_span=proxy_span,
-            _clock=self._clock,
-            _started=started,
-        )
+        except BaseException as exc:
+            life.exception = exc
+            raise
+        finally:
+            await life.close()
 
     async def _connect(self, request: RouterRequest, meta: RequestMeta) -> tuple[httpx.Response, Endpoint, trace.Span, int]:
         tried: list[str] = []

@@ -2,14 +2,16 @@
 
 A ``CompletionRequest`` becomes the equivalent OpenAI body (``prompt`` text or token ids for
 ``/v1/completions``, ``messages`` for ``/v1/chat/completions``) and goes through the same
-validation and :class:`~services.router.request_flow.RequestFlow` as HTTP. Domain errors propagate
-to the shared interceptor (one table). An engine error answer becomes the matching domain error.
-A cancelled RPC closes the engine request and releases the flow-control slot.
+validation and :class:`~services.router.request_flow.RequestFlow` as HTTP, each RPC inside one
+``flow.session``. Domain errors propagate to the shared interceptor (one table). An engine error
+answer becomes the matching domain error; an engine failing mid-answer is ``UNAVAILABLE``.
+A cancelled RPC (or a stream its client closed) ends the session as cancelled: the engine
+request is cancelled and the flow-control slot released. ``CompleteStream`` reads the parsed
+chunks the session already has (:meth:`~services.router.request_flow.FlowSession.iter_events`).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -19,12 +21,14 @@ from opentelemetry import context as otel_context
 from kvmesh import errors
 from kvmesh._proto.kvmesh.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.interceptors import current_request_id
+from kvmesh.openai_stream import Usage, parse_completion
 from services.router.catalog import ModelCatalog
 from services.router.config import RouterConfig
 from services.router.http_errors import error_from_engine
 from services.router.request_flow import RequestFlow, RequestMeta
-from services.router.sse import SseParser, Usage, parse_completion, parse_event
 from services.router.validation import RequestKind, RouterRequest, validate_request
+
+SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 
 
 def openai_body(request: router_pb2.CompletionRequest, stream: bool) -> tuple[RequestKind, dict[str, Any]]:
@@ -82,27 +86,17 @@ class InferenceServicer(router_pb2_grpc.InferenceServicer):
 
     async def Complete(self, request: router_pb2.CompletionRequest, context: grpc.aio.ServicerContext) -> router_pb2.CompletionResponse:
         routed, meta = self._prepare(request, stream=False)
-        session = await self._flow.start(routed, meta)
-        client_gone, error = True, None
-        try:
+        async with self._flow.session(routed, meta) as session:
             body = await session.read_all()
-            client_gone = False
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            client_gone, error = False, exc
-            raise errors.NoEndpointsAvailable(f"engine {session.endpoint.id} failed mid-response") from exc
-        finally:
-            await session.close(client_gone=client_gone, error=error)
         if session.status_code >= 400:
             raise error_from_engine(session.status_code, body)
-        text, finish, usage, response_id = parse_completion(body)
+        answer = parse_completion(body)
         return router_pb2.CompletionResponse(
-            id=response_id or meta.request_id,
+            id=answer.id or meta.request_id,
             model=routed.model,
-            text=text,
-            finish_reason=finish or "",
-            usage=_usage_pb(usage),
+            text=answer.text,
+            finish_reason=answer.finish_reason or "",
+            usage=_usage_pb(answer.usage),
             endpoint_id=session.endpoint.id,
         )
 
@@ -110,20 +104,12 @@ class InferenceServicer(router_pb2_grpc.InferenceServicer):
         self, request: router_pb2.CompletionRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.CompletionChunk]:
         routed, meta = self._prepare(request, stream=True)
-        session = await self._flow.start(routed, meta)
-        client_gone, error = True, None
-        try:
+        async with self._flow.session(routed, meta) as session:
             if session.status_code >= 400:
-                body = await session.read_all()
-                client_gone = False
-                raise error_from_engine(session.status_code, body)
-            parser = SseParser()
+                raise error_from_engine(session.status_code, await session.read_all())
             pieces = 0
-            async for chunk in session.iter_bytes():
-                for payload in parser.feed(chunk):
-                    piece = parse_event(payload)
-                    if piece is None:
-                        continue
+            async for chunk in session.iter_events():
+                for piece in chunk.pieces:
                     if piece.text or piece.finish_reason:
                         pieces += 1
                     if not (piece.text or piece.finish_reason or piece.usage):
@@ -137,14 +123,6 @@ class InferenceServicer(router_pb2_grpc.InferenceServicer):
                     if piece.finish_reason or piece.usage:
                         out.usage.CopyFrom(_usage_pb(piece.usage or session.usage, pieces))
                     yield out
-            client_gone = False
-        except (errors.KvmeshError, asyncio.CancelledError, GeneratorExit):
-            raise
-        except Exception as exc:
-            client_gone, error = False, exc
-            raise errors.NoEndpointsAvailable(f"engine {session.endpoint.id} failed mid-response") from exc
-        finally:
-            await session.close(client_gone=client_gone, error=error)
 
     async def ListModels(self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> router_pb2.ListModelsResponse:
         return router_pb2.ListModelsResponse(models=self._catalog().names())

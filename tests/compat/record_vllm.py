@@ -32,6 +32,7 @@ import httpx
 from kvmesh_cli.launcher import ManagedProcess, free_port
 from kvmesh_cli.vllm_engine import VllmEngineSpec, vllm_missing_reason
 from tests.compat.script import BLOCK, MAX_MODEL_LEN, MODEL, NUM_GPU_BLOCKS, EventSink, run_script
+from tests.support import WaitTimeout, wait_until
 
 VLLM_VERSION = "0.32.0"
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / f"vllm-{VLLM_VERSION}"
@@ -64,17 +65,18 @@ def start_vllm(run_dir: Path, events_endpoint: str, **overrides: Any) -> tuple[M
                           die_with_parent=True)
     t0 = time.monotonic()
     proc.start()
-    while time.monotonic() - t0 < 240:
+
+    def healthy() -> bool:
         if not proc.alive():
             raise RuntimeError(f"vLLM exited:\n{proc.log_tail(60)}")
-        try:
-            if httpx.get(f"{spec.url}/health", timeout=1.0).status_code == 200:
-                return proc, spec, time.monotonic() - t0
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    proc.stop()
-    raise RuntimeError(f"vLLM not healthy in 240 s:\n{proc.log_tail(60)}")
+        return httpx.get(f"{spec.url}/health", timeout=1.0).status_code == 200
+
+    try:
+        wait_until(healthy, 240, "vLLM /health 200", interval=0.25, ignore=(httpx.HTTPError,))
+    except WaitTimeout as exc:
+        proc.stop()
+        raise RuntimeError(f"vLLM not healthy in 240 s:\n{proc.log_tail(60)}") from exc
+    return proc, spec, time.monotonic() - t0
 
 
 def record_extras(url: str) -> dict[str, Any]:

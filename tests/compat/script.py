@@ -87,7 +87,7 @@ class EventSink:
     """
 
     def __init__(self, endpoint: str, forward_to: str | None = None) -> None:
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.setsockopt(zmq.LINGER, 0)

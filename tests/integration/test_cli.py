@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import httpx
 import pytest
 
 from kvmesh_cli.report import SUMMARY_KEYS
+from tests.support import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -83,6 +83,15 @@ class ChildSampler:
         self._stop.set()
         self._thread.join()
         return self.seen
+
+
+def drain(lines: queue.Queue[str], into: list[str]) -> list[str]:
+    """Move every line already in ``lines`` to ``into``; returns ``into``."""
+    while True:
+        try:
+            into.append(lines.get_nowait())
+        except queue.Empty:
+            return into
 
 
 def kvmesh(*args: str) -> list[str]:
@@ -151,19 +160,17 @@ def test_up_serves_then_stops_on_sigterm_without_orphans(
 ) -> None:
     proc, lines = up_process
     sampler = ChildSampler(proc.pid)
-    router = None
     transcript: list[str] = []
-    deadline = time.monotonic() + 120
-    while router is None and time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=1.0)
-        except queue.Empty:
+
+    def ready_router() -> str | None:
+        drain(lines, transcript)
+        ready = next((line for line in transcript if line.startswith("kvmesh ready: router ")), None)
+        if ready is None:
             assert proc.poll() is None, "".join(transcript)
-            continue
-        transcript.append(line)
-        if line.startswith("kvmesh ready: router "):
-            router = line.split()[3]
-    assert router, "".join(transcript)
+            return None
+        return ready.split()[3]
+
+    router = wait_until(ready_router, 120, "the 'kvmesh ready' line", interval=0.2)
     text = "".join(transcript)
     for service in ("etcd", "kv_indexer", "kv_store", "flow_control", "epp", "router", "engine-0"):
         assert service in text, text
@@ -192,13 +199,7 @@ def test_up_serves_then_stops_on_sigterm_without_orphans(
     proc.wait(60)
     assert proc.returncode == 0
     rest: list[str] = []
-    drain_deadline = time.monotonic() + 10
-    while "kvmesh stopped" not in "".join(rest) and time.monotonic() < drain_deadline:
-        try:
-            rest.append(lines.get(timeout=0.5))
-        except queue.Empty:
-            continue
-    assert "kvmesh stopped" in "".join(rest), "".join(rest)
+    wait_until(lambda: "".join(drain(lines, rest)), 10, "'kvmesh stopped'", until=lambda text: "kvmesh stopped" in text)
     assert survivors(seen) == [], "".join(rest)
 
 

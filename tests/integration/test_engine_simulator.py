@@ -23,6 +23,7 @@ from kvmesh.hashing import external_hash_to_int, sha256_cbor_block_hashes
 from kvmesh.kv_events import decode_seq
 from kvmesh.membership import EndpointWatcher
 from kvmesh_cli.launcher import ManagedProcess, free_port, python_module, wait_http_ok
+from tests.support import wait_until_async
 
 pytestmark = pytest.mark.integration
 
@@ -48,14 +49,14 @@ class Sim:
             self.messages.append((topic.decode(), decode_seq(seq), msgspec.msgpack.decode(payload)))
 
     async def wait_events(self, predicate, timeout: float = 5.0) -> list[dict]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.drain()
-            events = [e for _, _, batch in self.messages for e in batch[1]]
-            if predicate(events):
-                return events
-            await asyncio.sleep(0.02)
-        raise AssertionError(f"events not seen within {timeout}s: {self.messages[-5:]}")
+        return await wait_until_async(
+            lambda: [e for _, _, batch in self.messages for e in batch[1]],
+            timeout,
+            "the expected KV events",
+            until=predicate,
+            interval=0.02,
+            before_each=self.drain,
+        )
 
 
 def _start(run_dir: Path, etcd: str, tokenizer_dir: Path, *extra: str) -> tuple[ManagedProcess, int, str]:
@@ -287,14 +288,11 @@ async def test_disconnect_aborts_and_reset_clears(sim: Sim) -> None:
             async for line in reply.aiter_lines():
                 if line.startswith("data: "):
                     break
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            if (
-                await _metric(client, "vllm:num_requests_running") == 0
-                and await _metric(client, "vllm:kv_cache_usage_perc") == 0
-            ):
-                break
-            await asyncio.sleep(0.05)
+
+        async def running_and_usage() -> tuple[float, float]:
+            return await _metric(client, "vllm:num_requests_running"), await _metric(client, "vllm:kv_cache_usage_perc")
+
+        await wait_until_async(running_and_usage, 5, "no request running and no KV in use", until=(0, 0).__eq__)
         assert await _metric(client, "vllm:num_requests_running") == 0
         assert (
             await _metric(client, 'vllm:request_success_total{engine="0",finished_reason="abort"')
@@ -308,15 +306,15 @@ async def test_disconnect_aborts_and_reset_clears(sim: Sim) -> None:
                 json={"model": MODEL, "prompt": "another long story", "max_tokens": 1500, "ignore_eos": True},
             )
         )
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and await _metric(client, "vllm:num_requests_running") == 0:
-            await asyncio.sleep(0.02)
+        await wait_until_async(
+            lambda: _metric(client, "vllm:num_requests_running"), 5, "the request to run", interval=0.02
+        )
         pending.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await pending
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and await _metric(client, abort_metric) < aborted + 2:
-            await asyncio.sleep(0.05)
+        await wait_until_async(
+            lambda: _metric(client, abort_metric), 5, "a second abort", until=lambda n: n >= aborted + 2
+        )
         assert await _metric(client, abort_metric) == aborted + 2
         assert await _metric(client, "vllm:num_requests_running") == 0
 

@@ -28,6 +28,7 @@ from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
 from kvmesh.membership import LeaseRegistration, endpoint_key
 from kvmesh.types import Endpoint, EndpointId
 from kvmesh_cli.launcher import free_port
+from tests.support import wait_until, wait_until_async
 
 pytestmark = pytest.mark.integration
 
@@ -76,11 +77,8 @@ class FakeEngine:
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if time.monotonic() > deadline:
-                raise TimeoutError("fake engine did not start")
-            time.sleep(0.01)
+        server = self._server
+        wait_until(lambda: server.started, 10, "the fake engine to start", interval=0.01)
         return self
 
     def kill(self) -> None:
@@ -112,14 +110,11 @@ def _model() -> str:
 
 
 async def _wait_scraped(stub: epp_pb2_grpc.EndpointPickerStub, ids: set[str], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    async def scraped() -> set[str]:
         reply = await stub.ListEndpoints(epp_pb2.ListEndpointsRequest(), timeout=2)
-        seen = {s.endpoint.id for s in reply.endpoints if s.metrics_age_seconds >= 0}
-        if ids <= seen:
-            return
-        await asyncio.sleep(0.05)
-    raise TimeoutError(f"epp did not scrape {ids}")
+        return {s.endpoint.id for s in reply.endpoints if s.metrics_age_seconds >= 0}
+
+    await wait_until_async(scraped, timeout, f"epp to scrape {sorted(ids)}", until=ids.issubset)
 
 
 async def _pick(stub: epp_pb2_grpc.EndpointPickerStub, model: str, **kw: object) -> epp_pb2.PickResponse:
@@ -146,10 +141,9 @@ async def test_load_only_prefers_least_loaded(start_service, engines) -> None:  
         # Load moves: the busy engine drains, the idle one fills up.
         busy.waiting, busy.running, busy.usage = 0, 0, 0.0
         idle.waiting, idle.running, idle.usage = 9, 9, 0.9
-        deadline = time.monotonic() + 5
-        while (await _pick(stub, model)).target.id != busy.endpoint.id:
-            assert time.monotonic() < deadline, "epp never followed the new load"
-            await asyncio.sleep(0.05)
+        await wait_until_async(
+            lambda: _pick(stub, model), 5, "epp to follow the new load", until=lambda r: r.target.id == busy.endpoint.id
+        )
         # Pick latency as seen by a gRPC client on the same machine.
         latencies = []
         for _ in range(200):
@@ -172,13 +166,11 @@ async def test_dead_or_deregistered_endpoint_is_never_picked(start_service, engi
         crashed.kill()  # process gone, its etcd lease still alive: scrape failures must drop it
         await leaving_reg.stop()  # clean deregistration
         gone = {crashed.endpoint.id, leaving.endpoint.id}
-        deadline = time.monotonic() + 5
-        while True:
-            targets = {(await _pick(stub, model)).target.id for _ in range(6)}
-            if not targets & gone:
-                break
-            assert time.monotonic() < deadline, f"still picking {targets & gone}"
-            await asyncio.sleep(0.05)
+
+        async def targets() -> set[str]:
+            return {(await _pick(stub, model)).target.id for _ in range(6)}
+
+        await wait_until_async(targets, 5, f"epp to stop picking {sorted(gone)}", until=lambda t: not t & gone)
         for _ in range(50):
             reply = await _pick(stub, model)
             assert reply.target.id == stays.endpoint.id
@@ -254,3 +246,15 @@ async def test_precise_prefix_tokenizes_through_engine(start_service, engines, i
         ids = await _pick(stub, model, prompt_token_ids=list(range(300)))
         assert ids.prompt_tokens == 0 and ids.target.id == idle.endpoint.id
     assert ("kv_indexer score failed" in epp.log_tail(200)) == (indexer == "unreachable")
+
+
+@pytest.mark.parametrize(("config", "needs_prompt"), [("round-robin", False), ("prefill-cost", True)])
+async def test_get_picker_info_says_whether_the_prompt_is_needed(start_service, config: str, needs_prompt: bool) -> None:  # type: ignore[no-untyped-def]
+    """A caller asks once and sends the prompt only when some configured plugin reads it."""
+    _, address = start_service(
+        "epp", "--scheduling-config", config, "--kv-indexer-address", f"127.0.0.1:{free_port()}", *SCRAPE
+    )
+    async with grpc.aio.insecure_channel(address) as channel:
+        info = await epp_pb2_grpc.EndpointPickerStub(channel).GetPickerInfo(epp_pb2.GetPickerInfoRequest(), timeout=5)
+    assert info.needs_prompt is needs_prompt
+    assert list(info.profiles) == ["default"]

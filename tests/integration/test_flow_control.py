@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 import httpx
@@ -15,17 +14,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2 as pb
 from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2_grpc as pb_grpc
+from tests.support import wait_until_async
 
 pytestmark = pytest.mark.integration
-
-
-async def poll(predicate: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if await predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not met before the deadline")
 
 
 def metrics_url(proc) -> str:
@@ -33,7 +24,7 @@ def metrics_url(proc) -> str:
     return f"http://127.0.0.1:{argv[argv.index('--metrics-port') + 1]}/metrics"
 
 
-def enqueue(request_id: str, **kw: object) -> pb.AdmitRequest:
+def enqueue(request_id: str, **kw: Any) -> pb.AdmitRequest:
     return pb.AdmitRequest(enqueue=pb.Enqueue(request_id=request_id, model="m", prompt_tokens=10, **kw))
 
 
@@ -43,9 +34,15 @@ async def admit(stub: pb_grpc.FlowControlStub, request_id: str) -> grpc.aio.Stre
     return call
 
 
-async def stats_are(stub: pb_grpc.FlowControlStub, *, in_flight: int, queued: int) -> bool:
-    s = await stub.Stats(pb.StatsRequest())
-    return (s.in_flight, s.queued) == (in_flight, queued)
+async def stats_become(stub: pb_grpc.FlowControlStub, *, in_flight: int, queued: int, timeout: float = 10.0) -> None:
+    """Wait until Stats reports ``(in_flight, queued)``; the failure names the last pair seen."""
+
+    async def observed() -> tuple[int, int]:
+        s = await stub.Stats(pb.StatsRequest())
+        return s.in_flight, s.queued
+
+    want = (in_flight, queued)
+    await wait_until_async(observed, timeout, f"(in_flight, queued) == {want}", until=want.__eq__, interval=0.02)
 
 
 async def test_limit_queue_release_and_cancel(start_service) -> None:
@@ -56,7 +53,7 @@ async def test_limit_queue_release_and_cancel(start_service) -> None:
         assert (await a.read()).outcome == pb.QUEUE_OUTCOME_DISPATCHED
         assert (await b.read()).outcome == pb.QUEUE_OUTCOME_DISPATCHED
         c = await admit(stub, "c")
-        await poll(lambda: stats_are(stub, in_flight=2, queued=1))
+        await stats_become(stub, in_flight=2, queued=1)
 
         # Normal close of a: send Complete, half-close, the server ends the stream and releases.
         await a.write(pb.AdmitRequest(complete=pb.Complete(success=True, completion_tokens=5)))
@@ -66,18 +63,18 @@ async def test_limit_queue_release_and_cancel(start_service) -> None:
         reply = await c.read()
         assert reply.outcome == pb.QUEUE_OUTCOME_DISPATCHED
         assert reply.queue_seconds > 0
-        await poll(lambda: stats_are(stub, in_flight=2, queued=0))
+        await stats_become(stub, in_flight=2, queued=0)
 
         # A queued client that cancels leaves the queue.
         d = await admit(stub, "d")
-        await poll(lambda: stats_are(stub, in_flight=2, queued=1))
+        await stats_become(stub, in_flight=2, queued=1)
         d.cancel()
-        await poll(lambda: stats_are(stub, in_flight=2, queued=0))
+        await stats_become(stub, in_flight=2, queued=0)
 
         # Dispatched clients that cancel mid-way give their slots back.
         b.cancel()
         c.cancel()
-        await poll(lambda: stats_are(stub, in_flight=0, queued=0))
+        await stats_become(stub, in_flight=0, queued=0)
         final = await stub.Stats(pb.StatsRequest())
         assert (final.dispatched_total, final.rejected_total, final.max_in_flight) == (3, 0, 2)
 
@@ -95,9 +92,10 @@ async def test_queue_ttl_rejects_with_reason(start_service) -> None:
         assert reply.queue_seconds >= 0.3
         assert await late.read() == grpc.aio.EOF  # the server ends a rejected stream
         holder.cancel()
-        await poll(lambda: stats_are(stub, in_flight=0, queued=0))
+        await stats_become(stub, in_flight=0, queued=0)
         assert (await stub.Stats(pb.StatsRequest())).rejected_total == 1
-    text = httpx.get(metrics_url(proc), timeout=5).text
+    async with httpx.AsyncClient(timeout=5) as http:
+        text = (await http.get(metrics_url(proc))).text
     assert 'kvmesh_flow_control_outcome_total{outcome="evicted_ttl"} 1.0' in text
     assert 'kvmesh_flow_control_outcome_total{outcome="dispatched"} 1.0' in text
     assert "kvmesh_flow_control_in_flight 0.0" in text
@@ -117,7 +115,7 @@ async def test_queue_full_rejects(start_service) -> None:
         assert "max_queue_size=0" in reply.reason
         await holder.done_writing()
         assert await holder.read() == grpc.aio.EOF
-        await poll(lambda: stats_are(stub, in_flight=0, queued=0))
+        await stats_become(stub, in_flight=0, queued=0)
 
 
 BAD_FIRST_MESSAGES = {
@@ -145,7 +143,7 @@ async def test_bad_first_message_is_invalid_argument(start_service) -> None:
             assert (await ok.read()).outcome == pb.QUEUE_OUTCOME_DISPATCHED, name
             await ok.done_writing()
             assert await ok.read() == grpc.aio.EOF
-            await poll(lambda: stats_are(stub, in_flight=0, queued=0))
+            await stats_become(stub, in_flight=0, queued=0)
         # A second enqueue after dispatch is a protocol error; the slot is still released.
         twice = await admit(stub, "twice")
         assert (await twice.read()).outcome == pb.QUEUE_OUTCOME_DISPATCHED
@@ -153,7 +151,7 @@ async def test_bad_first_message_is_invalid_argument(start_service) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as exc_info:
             await twice.read()
         assert exc_info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        await poll(lambda: stats_are(stub, in_flight=0, queued=0))
+        await stats_become(stub, in_flight=0, queued=0)
 
 
 def test_reflection_lists_methods(start_service) -> None:
@@ -199,5 +197,5 @@ async def test_many_streams_with_random_cancels_release_every_slot(start_service
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
-        await poll(lambda: stats_are(stub, in_flight=0, queued=0))
+        await stats_become(stub, in_flight=0, queued=0)
         assert 1 <= peak <= 3

@@ -9,7 +9,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh import errors
-from kvmesh.config import ServiceConfig
+from kvmesh.config import GrpcServiceConfig
 from kvmesh.interceptors import current_request_id
 from kvmesh.server import GrpcService, ServiceSpec
 
@@ -53,7 +53,7 @@ def _add(server: grpc.aio.Server) -> None:
 
 @pytest.fixture
 async def service() -> GrpcService:
-    config = ServiceConfig(etcd_endpoints=[], shutdown_grace_seconds=0.5)
+    config = GrpcServiceConfig(etcd_endpoints=[], shutdown_grace_seconds=0.5)
     svc = GrpcService(config, ServiceSpec("probe", [SERVICE], _add, register_in_etcd=False))
     await svc.start()
     yield svc
@@ -103,7 +103,7 @@ async def test_request_id_from_metadata(service: GrpcService) -> None:
 
 
 async def test_health_goes_not_serving_on_drain() -> None:
-    config = ServiceConfig(etcd_endpoints=[], shutdown_grace_seconds=0.5)
+    config = GrpcServiceConfig(etcd_endpoints=[], shutdown_grace_seconds=0.5)
     svc = GrpcService(config, ServiceSpec("probe", [SERVICE], _add, register_in_etcd=False))
     await svc.start()
     async with grpc.aio.insecure_channel(svc.address) as channel:

@@ -4,7 +4,7 @@ Each test starts ``python -m services.kv_indexer`` bound on a free ZMQ port, reg
 endpoint in etcd (``LeaseRegistration``), publishes KV events from a PUB socket connected to the
 bind endpoint (as vLLM does for a plain ``tcp://host:port``), and checks Score/Lookup/Stats.
 PUB sockets drop messages until the connection is up, so idempotent events are re-sent until
-their effect shows, always polling with a deadline.
+their effect shows, always polling with a deadline (``tests.support.wait_until_async``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 import pytest
@@ -27,6 +28,7 @@ from kvmesh.kv_events import (
     BlockRemoved,
     BlockStored,
     EventBatch,
+    KVEvent,
     encode_batch,
     encode_seq,
     make_topic,
@@ -34,6 +36,7 @@ from kvmesh.kv_events import (
 from kvmesh.membership import LeaseRegistration, endpoint_key
 from kvmesh.types import Endpoint, EndpointId
 from kvmesh_cli.launcher import free_port
+from tests.support import wait_until_async
 
 MODEL = "tiny"
 BLOCK = 4
@@ -50,7 +53,7 @@ class Publisher:
         self.topic = make_topic(endpoint_id, model).encode()
         self.seq = itertools.count()
 
-    def send(self, *events: object) -> None:
+    def send(self, *events: KVEvent) -> None:
         batch = EventBatch(ts=time.time(), events=list(events), data_parallel_rank=0)
         self.sock.send_multipart([self.topic, encode_seq(next(self.seq)), encode_batch(batch)])
 
@@ -58,18 +61,7 @@ class Publisher:
         self.sock.send_multipart(frames)
 
 
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 10.0, resend: Callable[[], None] | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if resend is not None:
-            resend()
-        if await check():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("condition not met before the deadline")
-
-
-def stored(hashes: list[int], tokens: list[int], parent: int | None = None, medium: str = "GPU") -> BlockStored:
+def stored(hashes: list[int | bytes], tokens: list[int], parent: int | None = None, medium: str = "GPU") -> BlockStored:
     return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BLOCK, medium=medium)
 
 
@@ -91,7 +83,7 @@ async def register(etcd: str, port: int, ttl: int = 3) -> tuple[Endpoint, LeaseR
     return ep, reg
 
 
-async def score(stub: kv_indexer_pb2_grpc.KVIndexerStub, tokens: list[int] = PROMPT, **kw: object) -> dict[str, int]:
+async def score(stub: kv_indexer_pb2_grpc.KVIndexerStub, tokens: list[int] = PROMPT, **kw: Any) -> dict[str, int]:
     reply = await stub.Score(pb.ScoreRequest(model=MODEL, token_ids=tokens, **kw), timeout=5)
     return {s.endpoint_id: s.matched_blocks for s in reply.scores}
 
@@ -106,13 +98,13 @@ async def test_score_lookup_and_all_blocks_cleared(mesh: dict) -> None:
     ep, reg = await register(mesh["etcd"], free_port())
     other, reg2 = await register(mesh["etcd"], free_port())
     try:
-        await eventually(lambda: _has(stub, {ep.id, other.id}))
+        await registered_includes(stub, {ep.id, other.id})
         pub = Publisher(mesh["ctx"], mesh["bind"], ep.id)
         pub2 = Publisher(mesh["ctx"], mesh["bind"], other.id)
         first = stored([11, 12], PROMPT[:8])
-        await eventually(lambda: _score_is(stub, {ep.id: 2}), resend=lambda: pub.send(first))
+        await scores_become(stub, {ep.id: 2}, resend=lambda: pub.send(first))
         pub.send(stored([13], PROMPT[8:12], parent=12))
-        await eventually(lambda: _score_is(stub, {ep.id: 3, other.id: 1}), resend=lambda: pub2.send(stored([21], PROMPT[:4])))
+        await scores_become(stub, {ep.id: 3, other.id: 1}, resend=lambda: pub2.send(stored([21], PROMPT[:4])))
 
         reply = await stub.Score(pb.ScoreRequest(model=MODEL, token_ids=PROMPT + [1, 2]), timeout=5)
         assert reply.total_blocks == 4 and reply.block_size_tokens == BLOCK
@@ -131,9 +123,9 @@ async def test_score_lookup_and_all_blocks_cleared(mesh: dict) -> None:
         ]
 
         pub.send(BlockRemoved(block_hashes=[12]))
-        await eventually(lambda: _score_is(stub, {ep.id: 1, other.id: 1}))
+        await scores_become(stub, {ep.id: 1, other.id: 1})
         pub.send(AllBlocksCleared())
-        await eventually(lambda: _score_is(stub, {other.id: 1}))
+        await scores_become(stub, {other.id: 1})
         stats = await stub.Stats(pb.StatsRequest(), timeout=5)
         per = {e.endpoint_id: e for e in stats.per_endpoint}
         assert per[ep.id].blocks == 0 and per[ep.id].events_applied >= 4 and per[ep.id].last_seq >= 3
@@ -145,15 +137,15 @@ async def test_score_lookup_and_all_blocks_cleared(mesh: dict) -> None:
 async def test_endpoint_leaving_etcd_is_purged_and_fenced(mesh: dict) -> None:
     stub = mesh["stub"]
     ep, reg = await register(mesh["etcd"], free_port(), ttl=2)
-    await eventually(lambda: _has(stub, {ep.id}))
+    await registered_includes(stub, {ep.id})
     pub = Publisher(mesh["ctx"], mesh["bind"], ep.id)
-    await eventually(lambda: _score_is(stub, {ep.id: 4}), resend=lambda: pub.send(stored([1, 2, 3, 4], PROMPT)))
+    await scores_become(stub, {ep.id: 4}, resend=lambda: pub.send(stored([1, 2, 3, 4], PROMPT)))
 
     # A crash: keepalives stop, nobody revokes; etcd expires the lease within its TTL.
     assert reg._task is not None
     reg._task.cancel()
     started = time.monotonic()
-    await eventually(lambda: _score_is(stub, {}), timeout=2 + 3)
+    await scores_become(stub, {}, timeout=2 + 3)
     assert time.monotonic() - started < 2 + 3
     assert ep.id not in await registered(stub)
 
@@ -166,11 +158,11 @@ async def test_endpoint_leaving_etcd_is_purged_and_fenced(mesh: dict) -> None:
     reg_again = LeaseRegistration([mesh["etcd"]], endpoint_key(ep), ep.to_json(), ttl_seconds=3)
     await reg_again.start()
     try:
-        await eventually(lambda: _has(stub, {ep.id}))
+        await registered_includes(stub, {ep.id})
         assert await score(stub) == {}
-        await eventually(lambda: _score_is(stub, {ep.id: 1}), resend=lambda: pub.send(stored([9], PROMPT[:4])))
+        await scores_become(stub, {ep.id: 1}, resend=lambda: pub.send(stored([9], PROMPT[:4])))
         await reg_again.stop()  # a clean leave (lease revoked) purges at once
-        await eventually(lambda: _score_is(stub, {}), timeout=3)
+        await scores_become(stub, {}, timeout=3)
     finally:
         await reg_again.stop()
 
@@ -179,30 +171,38 @@ async def test_malformed_batches_are_dropped_and_service_keeps_answering(mesh: d
     stub = mesh["stub"]
     ep, reg = await register(mesh["etcd"], free_port())
     try:
-        await eventually(lambda: _has(stub, {ep.id}))
+        await registered_includes(stub, {ep.id})
         pub = Publisher(mesh["ctx"], mesh["bind"], ep.id)
-        await eventually(lambda: _score_is(stub, {ep.id: 1}), resend=lambda: pub.send(stored([1], PROMPT[:4])))
+        await scores_become(stub, {ep.id: 1}, resend=lambda: pub.send(stored([1], PROMPT[:4])))
         before = (await stub.Stats(pb.StatsRequest(), timeout=5)).batches_dropped
         pub.send_raw([pub.topic, encode_seq(100)])  # two frames
         pub.send_raw([b"kv@tiny", encode_seq(101), b"\x93"])  # vLLM's bare topic: no endpoint
         pub.send_raw([pub.topic, b"\x00\x01", b"\x90"])  # bad sequence frame
         pub.send_raw([pub.topic, encode_seq(102), b"\xc1not msgpack"])  # bad payload
         pub.send_raw([pub.topic, encode_seq(103), b"\x93\xcb" + b"\x00" * 8 + b"\x91\x81\xa4type\xa4Nope\x00"])  # unknown event
-        await eventually(lambda: _dropped_at_least(stub, before + 5))
+        await wait_until_async(lambda: dropped(stub), 10, "5 more batches dropped", until=lambda n: n >= before + 5)
         pub.send(stored([2], PROMPT[4:8], parent=1))
-        await eventually(lambda: _score_is(stub, {ep.id: 2}))
+        await scores_become(stub, {ep.id: 2})
         assert mesh["proc"].alive
     finally:
         await reg.stop()
 
 
-async def _has(stub: kv_indexer_pb2_grpc.KVIndexerStub, ids: set[str]) -> bool:
-    return ids <= await registered(stub)
+async def registered_includes(stub: kv_indexer_pb2_grpc.KVIndexerStub, ids: set[str]) -> None:
+    await wait_until_async(lambda: registered(stub), 10, f"endpoints {sorted(ids)} registered", until=ids.issubset)
 
 
-async def _score_is(stub: kv_indexer_pb2_grpc.KVIndexerStub, expected: dict[str, int]) -> bool:
-    return await score(stub) == expected
+async def scores_become(
+    stub: kv_indexer_pb2_grpc.KVIndexerStub,
+    expected: dict[str, int],
+    timeout: float = 10.0,
+    resend: Callable[[], None] | None = None,
+) -> None:
+    """Wait until Score of PROMPT is ``expected``; ``resend`` re-publishes (PUB drops until connected)."""
+    await wait_until_async(
+        lambda: score(stub), timeout, f"scores {expected}", until=lambda got: got == expected, before_each=resend
+    )
 
 
-async def _dropped_at_least(stub: kv_indexer_pb2_grpc.KVIndexerStub, n: int) -> bool:
-    return (await stub.Stats(pb.StatsRequest(), timeout=5)).batches_dropped >= n
+async def dropped(stub: kv_indexer_pb2_grpc.KVIndexerStub) -> int:
+    return (await stub.Stats(pb.StatsRequest(), timeout=5)).batches_dropped

@@ -105,7 +105,7 @@ async def test_watcher_keeps_last_view_through_an_etcd_outage(tmp_path) -> None:
         late = _endpoint(1007)
         await client.put(endpoint_key(late).encode(), late.to_json().encode())
         await client.close()
-        assert await watcher.wait_for(lambda view: {ep.id, late.id} <= set(view), 10)
+        assert await watcher.wait_for(lambda view: {ep.id, late.id} <= set(view), 20)
     finally:
         await watcher.stop()
         proc2.stop()

@@ -7,8 +7,7 @@ service's methods are listed by server reflection.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
 from kvmesh._proto.kvmesh.kv_indexer.v1 import kv_indexer_pb2, kv_indexer_pb2_grpc
 from kvmesh_cli.launcher import ManagedProcess, free_port, python_module, wait_http_ok
+from tests.support import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -36,15 +36,6 @@ class Mesh:
     router_grpc: str
     router_http: str
     engines: dict[str, ManagedProcess]  # endpoint id -> process
-
-
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -71,18 +62,19 @@ def mesh(start_service, etcd: str, run_dir: Path) -> Iterator[Mesh]:
     try:
         for endpoint_id in engines:
             wait_http_ok(f"http://{endpoint_id}/health", 60)
-        router_proc, router_grpc = start_service(
+        _, router_grpc = start_service(
             "router", "--http-port", str(http_port), "--flow-control-address", flow, "--epp-address", epp
         )
         with grpc.insecure_channel(epp) as channel:
             stub = epp_pb2_grpc.EndpointPickerStub(channel)
-            _wait(
-                lambda: len(stub.ListEndpoints(epp_pb2.ListEndpointsRequest(), timeout=2).endpoints) == 2,
+            wait_until(
+                lambda: len(stub.ListEndpoints(epp_pb2.ListEndpointsRequest(), timeout=2).endpoints),
                 30,
                 "epp to see both engines",
+                until=lambda n: n == 2,
             )
         router_http = f"http://127.0.0.1:{http_port}"
-        _wait(lambda: bool(httpx.get(f"{router_http}/v1/models").json().get("data")), 30, "router models")
+        wait_until(lambda: httpx.get(f"{router_http}/v1/models").json().get("data"), 30, "the router to list the model")
         yield Mesh(indexer, flow, epp, store, router_grpc, router_http, engines)
     finally:
         for proc in engines.values():
@@ -111,12 +103,17 @@ def _scores(mesh: Mesh, prompt: list[int]) -> dict[str, int]:
     return {s.endpoint_id: s.matched_blocks for s in reply.scores}
 
 
+def _wait_held_blocks(mesh: Mesh, prompt: list[int], holder: str, until: Callable[[int], bool], what: str) -> None:
+    """Wait until the indexer's matched blocks of ``prompt`` on ``holder`` satisfy ``until``."""
+    wait_until(lambda: _scores(mesh, prompt).get(holder, 0), 10, what, until=until)
+
+
 def test_shared_prefix_lands_on_the_engine_holding_it(mesh: Mesh) -> None:
     for seed in range(3):
         prefix = _prompt(seed, 8)
         first = _complete(mesh, prefix + [5, 6, 7])
         holder = first.headers["x-kvmesh-endpoint"]
-        _wait(lambda: _scores(mesh, prefix).get(holder, 0) >= 8, 10, "indexer to learn the prefix")
+        _wait_held_blocks(mesh, prefix, holder, lambda n: n >= 8, "indexer to learn the prefix")
         # Follow-ups share the 8-block prefix with different tails: they go to the holder and hit its cache.
         for tail in range(3):
             reply = _complete(mesh, prefix + _prompt(100 + seed * 10 + tail, 1))
@@ -127,13 +124,13 @@ def test_shared_prefix_lands_on_the_engine_holding_it(mesh: Mesh) -> None:
 def test_all_blocks_cleared_scores_zero(mesh: Mesh) -> None:
     prefix = _prompt(42, 6)
     holder = _complete(mesh, prefix).headers["x-kvmesh-endpoint"]
-    _wait(lambda: _scores(mesh, prefix).get(holder, 0) >= 5, 10, "indexer to learn the prefix")
+    _wait_held_blocks(mesh, prefix, holder, lambda n: n >= 5, "indexer to learn the prefix")
     assert httpx.post(f"http://{holder}/reset_prefix_cache", timeout=5).status_code == 200
     # vLLM publishes AllBlocksCleared at its next step: send an unrelated request to that engine.
     httpx.post(
         f"http://{holder}/v1/completions", json={"model": MODEL, "prompt": [9, 9, 9], "max_tokens": 1}, timeout=10
     )
-    _wait(lambda: _scores(mesh, prefix).get(holder, 0) == 0, 10, "the holder to score 0")
+    _wait_held_blocks(mesh, prefix, holder, lambda n: n == 0, "the holder to score 0")
 
 
 def test_killed_engine_is_never_picked(mesh: Mesh) -> None:
@@ -145,13 +142,15 @@ def test_killed_engine_is_never_picked(mesh: Mesh) -> None:
         assert reply.headers["x-kvmesh-endpoint"] == survivor_id
     with grpc.insecure_channel(mesh.epp) as channel:
         stub = epp_pb2_grpc.EndpointPickerStub(channel)
-        _wait(
-            lambda: [e.endpoint.id for e in stub.ListEndpoints(epp_pb2.ListEndpointsRequest()).endpoints]
-            == [survivor_id],
+        wait_until(
+            lambda: [e.endpoint.id for e in stub.ListEndpoints(epp_pb2.ListEndpointsRequest()).endpoints],
             15,
             "epp to drop the killed engine",
+            until=lambda ids: ids == [survivor_id],
         )
-    _wait(lambda: victim_id not in _scores(mesh, _prompt(200, 2)), 15, "indexer to purge the killed engine")
+    wait_until(
+        lambda: _scores(mesh, _prompt(200, 2)), 15, "indexer to purge the killed engine", until=lambda s: victim_id not in s
+    )
 
 
 @pytest.mark.parametrize(
@@ -159,7 +158,7 @@ def test_killed_engine_is_never_picked(mesh: Mesh) -> None:
     [
         ("indexer", {"kvmesh.kv_indexer.v1.KVIndexer": {"Score", "Lookup", "Stats"}}),
         ("flow", {"kvmesh.flow_control.v1.FlowControl": {"Admit", "Stats"}}),
-        ("epp", {"kvmesh.epp.v1.EndpointPicker": {"Pick", "ListEndpoints"}}),
+        ("epp", {"kvmesh.epp.v1.EndpointPicker": {"Pick", "ListEndpoints", "GetPickerInfo"}}),
         ("store", {"kvmesh.kv_store.v1.KVStore": {"Put", "Get", "Contains", "Delete", "Stats"}}),
         ("router_grpc", {"kvmesh.router.v1.Inference": {"Complete", "CompleteStream", "ListModels"}}),
     ],

@@ -31,10 +31,12 @@ from kvmesh._proto.kvmesh.common.v1 import common_pb2
 from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
 from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2, flow_control_pb2_grpc
 from kvmesh._proto.kvmesh.router.v1 import router_pb2, router_pb2_grpc
+from kvmesh.http_server import HttpServer
 from kvmesh.membership import LeaseRegistration, endpoint_key
+from kvmesh.openai_stream import DONE, SseFramer, parse_event
 from kvmesh.types import Endpoint, EndpointId
 from kvmesh_cli.launcher import ManagedProcess, free_port, python_module, wait_grpc_healthy, wait_http_ok
-from services.router.service import HttpServer
+from tests.support import wait_until_async
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 256
@@ -42,15 +44,7 @@ BODY_LIMIT = 65536
 
 
 async def _until(predicate: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = predicate()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
+    await wait_until_async(predicate, timeout, what, interval=0.02)
 
 
 @dataclass
@@ -280,8 +274,12 @@ async def test_non_streaming_and_streaming(mesh: Mesh, client: httpx.AsyncClient
         assert stream.status_code == 200
         assert stream.headers["content-type"].startswith("text/event-stream")
         raw = b"".join([chunk async for chunk in stream.aiter_bytes()])
-    events = [line[6:] for line in raw.decode().split("\n\n") if line.startswith("data: ")]
-    assert events[-1] == "[DONE]" and len(events) == 6
+    framer = SseFramer()
+    events = framer.feed(raw).data
+    assert framer.flush() == b""  # whole events only
+    assert events[-1] == DONE and len(events) == 6
+    pieces = [p for p in map(parse_event, events) if p is not None]
+    assert "".join(p.text for p in pieces) == "tok0 tok1 tok2 tok3 tok4 " and pieces[-1].usage is not None
     await _until(lambda: _zero(mesh), 5, "slots released")
 
 

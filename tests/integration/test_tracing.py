@@ -7,7 +7,6 @@ what the services export when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set, as a user'
 from __future__ import annotations
 
 import threading
-import time
 from collections import defaultdict
 from collections.abc import Iterator
 from concurrent import futures
@@ -19,6 +18,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from kvmesh_cli.launcher import ManagedProcess, free_port, python_module, wait_http_ok
+from tests.support import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -80,11 +80,8 @@ def test_one_request_one_trace_across_services(start_service, etcd: str, run_dir
             "router", "--http-port", str(http_port), "--flow-control-address", flow, "--epp-address", epp, env=env
         )
         base = f"http://127.0.0.1:{http_port}"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # the router learns the model from etcd
-            if httpx.get(f"{base}/v1/models").json().get("data"):
-                break
-            time.sleep(0.1)
+        # The router learns the model from etcd.
+        wait_until(lambda: httpx.get(f"{base}/v1/models").json().get("data"), 30, "the router to list the model")
         reply = httpx.post(
             f"{base}/v1/completions",
             json={"model": "sim", "prompt": "hello tracing " * 40, "max_tokens": 4},
@@ -93,18 +90,22 @@ def test_one_request_one_trace_across_services(start_service, etcd: str, run_dir
         assert reply.status_code == 200, reply.text
 
         wanted = {"kvmesh-router", "kvmesh-flow_control", "kvmesh-epp", "kvmesh-kv_indexer"}
-        deadline = time.monotonic() + 20
-        by_trace: dict[bytes, set[str]] = defaultdict(set)
-        while time.monotonic() < deadline:
+
+        def services_by_trace() -> dict[bytes, set[str]]:
+            by_trace: dict[bytes, set[str]] = defaultdict(set)
             with receiver.lock:
-                by_trace.clear()
                 for service, _name, trace_id in receiver.spans:
                     by_trace[trace_id].add(service)
-            if any(wanted <= services for services in by_trace.values()):
-                break
-            time.sleep(0.1)
+            return dict(by_trace)
+
+        by_trace = wait_until(
+            services_by_trace,
+            20,
+            f"one trace spanning all of {sorted(wanted)}",
+            until=lambda traces: any(wanted <= services for services in traces.values()),
+            interval=0.1,
+        )
         complete = [t for t, services in by_trace.items() if wanted <= services]
-        assert complete, f"no trace spans all of {wanted}: {dict(by_trace)}"
         # The request's trace is one trace: the router's server span is its root.
         with receiver.lock:
             names = {(s, n) for s, n, t in receiver.spans if t == complete[0]}

@@ -2,25 +2,30 @@
 
 GIE's ``CycleState`` is an untyped ``map[StateKey]any`` (STYLE.md lists it under "avoid");
 here a :class:`StateKey` carries its value type, so ``state.get(TOKEN_IDS)`` is typed
-``list[int] | None`` for readers and type checkers alike.
+``list[int] | None`` for readers and type checkers alike. This module holds only the generic
+container: each key is declared in the module of the prepare step that produces it (e.g.
+``TOKEN_IDS`` and ``PREFIX_MATCH`` in ``services/epp/plugins/prepare/prefix_match.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
-
-if TYPE_CHECKING:
-    from services.epp.framework.interfaces import PrefixMatch
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
 class StateKey(Generic[T]):
-    """A named key whose values have type ``T`` (``StateKey[list[int]]("token-ids")``)."""
+    """A named key whose values have type ``T`` (``StateKey[list[int]]("token-ids", producer="prefix-match")``).
+
+    Attributes:
+        name: unique among the keys of one cycle.
+        producer: the registered type of the prepare step that writes it (named in config errors).
+    """
 
     name: str
+    producer: str = ""
 
 
 @dataclass(slots=True)
@@ -30,17 +35,10 @@ class CycleState:
     _values: dict[str, Any] = field(default_factory=dict)
 
     def get(self, key: StateKey[T]) -> T | None:
-        return self._values.get(key.name)  # type: ignore[no-any-return]
+        return self._values.get(key.name)
 
     def set(self, key: StateKey[T], value: T) -> None:
         self._values[key.name] = value
 
     def __contains__(self, key: StateKey[Any]) -> bool:
         return key.name in self._values
-
-
-TOKEN_IDS: StateKey[list[int]] = StateKey("token-ids")
-"""The prompt's token ids once some plugin obtained them (given by the caller or tokenized)."""
-
-PREFIX_MATCH: StateKey[PrefixMatch | None] = StateKey("prefix-match")
-"""kv_indexer's answer for the prompt once fetched (None: no tokens, or the call failed: score 0)."""

@@ -1,21 +1,28 @@
-"""Contracts of the scheduling framework: the request, candidates, and the three plugin kinds.
+"""Contracts of the scheduling framework: the request, candidates, and the four plugin kinds.
 
 Follows GIE's ``pkg/epp/scheduling/framework/plugins.go`` (v1.2.0): a base that only names the
-plugin, and one verb per extension point.
+plugin, and one verb per extension point; plus GIE's prepare-data step (``requestcontrol``'s
+``PrepareDataPlugin`` with ``Produces``/``Consumes``; llm-d's ``ComputeBlockKeys`` is the same step
+for block keys), so data several plugins read has one named producer instead of a parent class.
 
+- :class:`PrepareStep` ``.prepare(state, request, candidates)`` (async: the cycle's only I/O, e.g.
+  tokenize and kv_indexer's match) writes the keys it declares in ``produces`` into the cycle state.
+  Steps run once per pick, in the order configured, before the scheduler snapshots the load.
 - :class:`Filter` ``.filter(state, request, candidates) -> list[Candidate]`` (sync, pure).
-- :class:`Scorer` ``.prepare(state, request, candidates)`` (optional, async: fetch what scoring needs,
-  e.g. kv_indexer's answer, into the cycle state) then ``.score(state, request, candidates) ->
-  dict[EndpointId, float]`` with every score
-  in [0, 1] and one score per candidate. A score outside [0, 1], a missing or an extra key is a plugin
-  bug: :class:`~services.epp.framework.profile.SchedulerProfile` logs it and fails the pick with
-  :class:`PluginError` (never clamps). ``score`` is async because a scorer used without ``prepare``
-  may do its I/O there; after ``prepare`` it must not suspend, because the scheduler takes the
-  load snapshot *after* every ``prepare`` and relies on snapshot -> scores -> pick -> ``note_pick``
-  running without a suspension point (otherwise concurrent picks all score the same stale snapshot
-  and pile onto one endpoint).
+- :class:`Scorer` ``.score(state, request, candidates) -> dict[EndpointId, float]`` (sync: it only
+  reads the candidates and the cycle state) with every score in [0, 1] and one score per candidate.
+  A score outside [0, 1], a missing or an extra key is a plugin bug:
+  :class:`~services.epp.framework.profile.SchedulerProfile` logs it and fails the pick with
+  :class:`PluginError` (never clamps). Being sync is what lets the scheduler rely on
+  snapshot -> scores -> pick -> ``note_pick`` running without a suspension point (otherwise
+  concurrent picks all score the same stale snapshot and pile onto one endpoint).
 - :class:`Picker` ``.pick(state, scored) -> PickerResult``: the target first, then the rest in the
   order the picker would try them; ties are broken at random (the picker's own ``random.Random``).
+
+Every plugin declares what it reads: ``consumes`` (cycle-state keys; the profile refuses a config
+where no prepare step produces one) and ``reads_prompt`` (the request's token ids, text or
+messages; a profile whose plugins all leave it False has ``needs_prompt`` False, so callers may
+leave the prompt out, as SGLang's gateway does with ``needs_request_text``).
 
 Per-request inputs travel in one :class:`SchedulingRequest` (SGLang's lesson: new inputs never change
 a signature). Plugins get their collaborators (kv_indexer client, tokenizer, random source) through
@@ -29,11 +36,11 @@ import enum
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 from kvmesh.errors import KvmeshError
 from kvmesh.types import Endpoint, EndpointId
-from services.epp.framework.cycle_state import CycleState
+from services.epp.framework.cycle_state import CycleState, StateKey
 
 
 class PluginError(KvmeshError):
@@ -137,15 +144,39 @@ class ExtensionPoint(enum.StrEnum):
 
 
 class Plugin(abc.ABC):
-    """Base of every plugin: ``type_name`` (kebab-case registry key) and ``name`` (this instance)."""
+    """Base of every plugin: ``type_name`` (kebab-case registry key) and ``name`` (this instance).
+
+    Attributes:
+        consumes: cycle-state keys this plugin reads; a profile without a prepare step producing
+            each of them is a :class:`ConfigError` at load time.
+        reads_prompt: whether it reads the request's prompt (token ids, text or messages).
+    """
 
     type_name: ClassVar[str]
+    extension_point: ClassVar[ExtensionPoint]
+    consumes: ClassVar[frozenset[StateKey[Any]]] = frozenset()
+    reads_prompt: ClassVar[bool] = False
 
     def __init__(self, name: str) -> None:
         self.name = name
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+class PrepareStep(Plugin):
+    """Fetches per-pick data once and writes it to the cycle state for the plugins that consume it."""
+
+    extension_point: ClassVar[ExtensionPoint] = ExtensionPoint.PREPARE
+    produces: ClassVar[frozenset[StateKey[Any]]]
+
+    @abc.abstractmethod
+    async def prepare(self, state: CycleState, request: SchedulingRequest, candidates: Sequence[Candidate]) -> None:
+        """Write every key in ``produces`` into ``state`` (None values included, so readers can tell).
+
+        Runs before the scheduler snapshots the endpoints' load. Must not raise for I/O failures
+        (degrade instead: write what a failure means, e.g. no match).
+        """
 
 
 class Filter(Plugin):
@@ -162,19 +193,14 @@ class Scorer(Plugin):
     extension_point: ClassVar[ExtensionPoint] = ExtensionPoint.SCORER
     category: ClassVar[ScorerCategory]
 
-    async def prepare(self, state: CycleState, request: SchedulingRequest, candidates: Sequence[Candidate]) -> None:
-        """Do this scorer's I/O for ``request`` and keep the result in ``state`` (default: nothing).
-
-        Runs before the scheduler snapshots the endpoints' load; ``score`` then reads ``state`` without
-        suspending. Must not raise for I/O failures (degrade instead).
-        """
-        return
-
     @abc.abstractmethod
-    async def score(
+    def score(
         self, state: CycleState, request: SchedulingRequest, candidates: Sequence[Candidate]
     ) -> dict[EndpointId, float]:
-        """One score in [0, 1] per candidate id (higher is better). Called with >= 1 candidate."""
+        """One score in [0, 1] per candidate id (higher is better). Called with >= 1 candidate.
+
+        Reads only ``candidates``, ``request`` and the keys it ``consumes``; no I/O.
+        """
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,10 +244,10 @@ class PrefixMatch:
 
 
 class PrefixIndex(Protocol):
-    """The global KV-block index (kv_indexer's ``Score``), as the precise prefix scorer needs it."""
+    """The global KV-block index (kv_indexer's ``Score``), as the ``prefix-match`` step needs it."""
 
     async def score(self, model: str, token_ids: Sequence[int], endpoint_ids: Sequence[str]) -> PrefixMatch:
-        """Raises any exception on failure (timeout, unreachable); the scorer degrades to zeros."""
+        """Raises any exception on failure (timeout, unreachable); the step degrades to no match."""
         ...
 
 
@@ -246,7 +272,6 @@ __all__ = [
     "Candidate",
     "ChatMessage",
     "ConfigError",
-    "CycleState",
     "EndpointMetrics",
     "ExtensionPoint",
     "Filter",
@@ -257,6 +282,7 @@ __all__ = [
     "PluginHandle",
     "PrefixIndex",
     "PrefixMatch",
+    "PrepareStep",
     "SchedulingRequest",
     "ScoredCandidate",
     "Scorer",

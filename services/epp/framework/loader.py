@@ -14,7 +14,10 @@ Shape::
 
 Steps, as GIE's ``configloader.go``: decode strictly (unknown keys are errors), default, validate,
 then build through the registry. A profile must reference at most one picker; without one it gets a
-``max-score-picker`` (GIE's default). Filters run in the order listed. Every error is a
+``max-score-picker`` (GIE's default). Prepare steps and filters run in the order listed. A plugin
+that consumes a cycle-state key (``precise-prefix-cache-scorer`` and ``prefill-cost-scorer`` read
+``prefix-match``'s output) needs the producing step referenced in the same profile; the loader
+refuses the config otherwise (it never adds a step on its own: the config says what runs). Every error is a
 :class:`ConfigError` whose message names the offending entry. Named configs are the YAML files in
 ``services/epp/configs/``; :func:`resolve_scheduling_config` accepts a name or a path.
 """
@@ -28,7 +31,7 @@ from typing import Any
 import pydantic
 import yaml
 
-from services.epp.framework.interfaces import ConfigError, Filter, Picker, Plugin, PluginHandle, Scorer
+from services.epp.framework.interfaces import ConfigError, Filter, Picker, Plugin, PluginHandle, PrepareStep, Scorer
 from services.epp.framework.profile import SchedulerProfile, WeightedScorer
 from services.epp.framework.registry import PluginRegistry
 
@@ -48,7 +51,7 @@ class PluginSpec(_Strict):
 
 class PluginRef(_Strict):
     ref: str = pydantic.Field(min_length=1)
-    weight: float | None = pydantic.Field(None, gt=0)
+    weight: float | None = pydantic.Field(default=None, gt=0)
 
 
 class ProfileSpec(_Strict):
@@ -128,6 +131,7 @@ def build_profile(
             raise ConfigError(f"{source}: plugins[{i}]: {exc}") from None
     profile_spec = spec.profiles[0]
     where = f"{source}: profiles[0] ({profile_spec.name!r})"
+    steps: list[PrepareStep] = []
     filters: list[Filter] = []
     scorers: list[WeightedScorer] = []
     pickers: list[Picker] = []
@@ -146,14 +150,19 @@ def build_profile(
             continue
         if ref.weight is not None:
             raise ConfigError(f"{where}.plugins[{j}]: weight given for {ref.ref!r}, which is not a scorer")
-        if isinstance(plugin, Filter):
+        if isinstance(plugin, PrepareStep):
+            steps.append(plugin)
+        elif isinstance(plugin, Filter):
             filters.append(plugin)
         elif isinstance(plugin, Picker):
             pickers.append(plugin)
-        else:  # pragma: no cover - every registered plugin is one of the three
-            raise ConfigError(f"{where}.plugins[{j}]: {ref.ref!r} is not a filter, scorer or picker")
+        else:  # pragma: no cover - every registered plugin is one of the four
+            raise ConfigError(f"{where}.plugins[{j}]: {ref.ref!r} is not a prepare step, filter, scorer or picker")
     if len(pickers) > 1:
         raise ConfigError(f"{where}: more than one picker: {', '.join(p.name for p in pickers)}")
     picker = pickers[0] if pickers else registry.create(DEFAULT_PICKER_TYPE, DEFAULT_PICKER_TYPE, {}, handle)
     assert isinstance(picker, Picker)
-    return SchedulerProfile(profile_spec.name, filters, scorers, picker)
+    try:
+        return SchedulerProfile(profile_spec.name, filters, scorers, picker, prepare_steps=steps)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: profiles[0]: {exc}") from None

@@ -1,11 +1,17 @@
-"""A scheduler profile: filters, then weighted scorers, then one picker.
+"""A scheduler profile: prepare steps, then filters, weighted scorers and one picker.
 
 Follows GIE's ``scheduler_profile.go`` and ``weighted_scorer.go``: weights live in the profile (the
-wrapper), not in the plugins. ``prepare`` runs the scorers' I/O (``Scorer.prepare``); ``run`` is::
+wrapper), not in the plugins. ``prepare`` runs the prepare steps (the cycle's I/O, once per pick,
+in the order configured); ``run`` is synchronous (no suspension point) and is::
 
     candidates = filter_k(... filter_1(candidates))          # order as configured
     total[e]   = sum_i weight_i * score_i[e]                  # score_i[e] in [0, 1], checked
     ranked     = picker.pick(scored)                          # target first, then fallbacks
+
+Data dependencies are checked when the profile is built (GIE's ``Produces``/``Consumes``): every key
+a plugin ``consumes`` must be produced by a prepare step of the profile (a step by an earlier one),
+and no key by two steps; otherwise :class:`ConfigError` names the plugin, the key and its producer.
+``needs_prompt`` is True iff some plugin of the profile ``reads_prompt``.
 
 A scorer that returns a value outside [0, 1] (or NaN), misses a candidate or invents one is a
 bug: it is logged at ERROR and the pick fails with :class:`PluginError` (INTERNAL); nothing is
@@ -17,17 +23,21 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 from kvmesh.errors import NoEndpointsAvailable
+from kvmesh.types import EndpointId
 from services.epp.framework.cycle_state import CycleState
 from services.epp.framework.interfaces import (
     Candidate,
+    ConfigError,
     ExtensionPoint,
     Filter,
     Picker,
+    Plugin,
     PluginError,
+    PrepareStep,
     SchedulingRequest,
     ScoredCandidate,
     Scorer,
@@ -57,12 +67,67 @@ class ProfileResult:
     ranked: list[ScoredCandidate]
 
 
+def check_data_dependencies(
+    profile: str, prepare_steps: Sequence[PrepareStep], consumers: Sequence[Plugin]
+) -> None:
+    """Refuse a profile whose plugins consume a cycle-state key that none of its prepare steps produces.
+
+    Raises:
+        ConfigError: a key consumed but not produced (by an earlier step, for a step), or produced twice.
+    """
+    produced: dict[str, PrepareStep] = {}
+
+    def require(plugin: Plugin, available: dict[str, PrepareStep]) -> None:
+        for key in sorted(plugin.consumes, key=lambda k: k.name):
+            if key.name not in available:
+                hint = f"; add a {key.producer!r} step to the profile" if key.producer else ""
+                raise ConfigError(
+                    f"profile {profile!r}: {plugin.extension_point} {plugin.name!r} ({plugin.type_name}) consumes "
+                    f"{key.name!r}, which no prepare step {'before it ' if isinstance(plugin, PrepareStep) else ''}"
+                    f"in the profile produces{hint}"
+                )
+
+    for step in prepare_steps:
+        require(step, produced)
+        for key in sorted(step.produces, key=lambda k: k.name):
+            if key.name in produced:
+                raise ConfigError(
+                    f"profile {profile!r}: {key.name!r} is produced by both {produced[key.name].name!r} and {step.name!r}"
+                )
+            produced[key.name] = step
+    for plugin in consumers:
+        require(plugin, produced)
+
+
 @dataclass(frozen=True)
 class SchedulerProfile:
+    """One profile. Building it checks its data dependencies (:func:`check_data_dependencies`).
+
+    Raises:
+        ConfigError: from the constructor, when a consumed key has no producer in the profile.
+    """
+
     name: str
     filters: Sequence[Filter]
     scorers: Sequence[WeightedScorer]
     picker: Picker
+    prepare_steps: Sequence[PrepareStep] = field(default=())
+
+    def __post_init__(self) -> None:
+        consumers: list[Plugin] = [*self.filters, *(w.scorer for w in self.scorers), self.picker]
+        check_data_dependencies(self.name, self.prepare_steps, consumers)
+
+    def plugins(self) -> Iterator[Plugin]:
+        """Every plugin of the profile: prepare steps, filters, scorers, then the picker."""
+        yield from self.prepare_steps
+        yield from self.filters
+        yield from (w.scorer for w in self.scorers)
+        yield self.picker
+
+    @property
+    def needs_prompt(self) -> bool:
+        """Whether some plugin reads the request's prompt (token ids, text or messages)."""
+        return any(p.reads_prompt for p in self.plugins())
 
     async def prepare(
         self,
@@ -71,50 +136,45 @@ class SchedulerProfile:
         candidates: Sequence[Candidate],
         observer: PluginObserver = _ignore,
     ) -> None:
-        """Run every scorer's ``prepare`` (their I/O), in order, before the load snapshot is taken.
-
-        Sequential on purpose: scorers share what they fetch (token ids, kv_indexer's match) through
-        ``state``, so a second one needing the same data finds it there.
-        """
-        for weighted in self.scorers:
-            plugin = weighted.scorer
+        """Run every prepare step once, in order (their I/O), before the load snapshot is taken."""
+        for step in self.prepare_steps:
             started = time.perf_counter()
-            await plugin.prepare(state, request, candidates)
-            observer(ExtensionPoint.PREPARE, plugin.type_name, time.perf_counter() - started)
+            await step.prepare(state, request, candidates)
+            observer(ExtensionPoint.PREPARE, step.type_name, time.perf_counter() - started)
 
-    async def run(
+    def run(
         self,
         state: CycleState,
         request: SchedulingRequest,
         candidates: Sequence[Candidate],
         observer: PluginObserver = _ignore,
     ) -> ProfileResult:
-        """Filter, score and pick.
+        """Filter, score and pick, without suspending.
 
         Raises:
             NoEndpointsAvailable: when no candidate is left after the filters.
             PluginError: when a scorer breaks its contract or the picker returns nothing.
         """
         current = list(candidates)
-        for plugin in self.filters:
+        for filter_plugin in self.filters:
             started = time.perf_counter()
             before = len(current)
-            current = plugin.filter(state, request, current)
-            observer(ExtensionPoint.FILTER, plugin.type_name, time.perf_counter() - started)
+            current = filter_plugin.filter(state, request, current)
+            observer(ExtensionPoint.FILTER, filter_plugin.type_name, time.perf_counter() - started)
             if not current:
                 raise NoEndpointsAvailable(
-                    f"no endpoint for model {request.model!r}: filter {plugin.name!r} dropped all {before}"
+                    f"no endpoint for model {request.model!r}: filter {filter_plugin.name!r} dropped all {before}"
                 )
         if not current:
             raise NoEndpointsAvailable(f"no endpoint for model {request.model!r}")
-        per_scorer: dict[str, dict[str, float]] = {}
+        per_scorer: dict[str, dict[EndpointId, float]] = {}
         for weighted in self.scorers:
-            plugin = weighted.scorer
+            scorer = weighted.scorer
             started = time.perf_counter()
-            scores = await plugin.score(state, request, current)
-            observer(ExtensionPoint.SCORER, plugin.type_name, time.perf_counter() - started)
-            self._check_scores(plugin, scores, current)
-            per_scorer[plugin.name] = scores
+            scores = scorer.score(state, request, current)
+            observer(ExtensionPoint.SCORER, scorer.type_name, time.perf_counter() - started)
+            self._check_scores(scorer, scores, current)
+            per_scorer[scorer.name] = scores
         scored = []
         for cand in current:
             breakdown = {name: scores[cand.id] for name, scores in per_scorer.items()}
@@ -128,7 +188,7 @@ class SchedulerProfile:
         return ProfileResult(self.name, result.ranked)
 
     @staticmethod
-    def _check_scores(plugin: Scorer, scores: dict[str, float], candidates: Sequence[Candidate]) -> None:
+    def _check_scores(plugin: Scorer, scores: dict[EndpointId, float], candidates: Sequence[Candidate]) -> None:
         expected = {c.id for c in candidates}
         problems: list[str] = []
         missing = expected - scores.keys()

@@ -38,7 +38,7 @@ def trace(tmp_path: Path) -> Path:
 
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1
@@ -73,7 +73,7 @@ def test_mooncake_caps_keep_prefix(trace: Path) -> None:
     rows = read_mooncake(trace)
     full = mooncake_workload(rows)
     capped = mooncake_workload(rows, max_input_tokens=700, max_output_tokens=6)
-    for f, c in zip(full.requests, capped.requests):
+    for f, c in zip(full.requests, capped.requests, strict=True):
         pf, pc = prompt_tokens(f, 0), prompt_tokens(c, 0)
         assert len(pc) == min(700, len(pf))
         assert pf[: len(pc)] == pc
@@ -84,7 +84,7 @@ def test_read_mooncake_limit_and_errors(trace: Path, tmp_path: Path) -> None:
     assert len(read_mooncake(trace, limit=2)) == 2
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0}\n')
-    with pytest.raises(ValueError, match="bad.jsonl:1"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
         read_mooncake(bad)
 
 
@@ -123,6 +123,7 @@ def test_multi_turn_turns_extend_previous_prompt_and_answer() -> None:
     followers = [r for r in wl.requests if r.after is not None]
     assert followers, "some conversation has a second turn"
     for r in followers:
+        assert r.after is not None
         prev = by_index[r.after]
         assert prev.session == r.session and prev.index < r.index
         prev_prompt = prompt_tokens(prev, wl.seed)
@@ -158,7 +159,7 @@ def test_builtin_unknown_and_invalid() -> None:
 def test_cap_workload_truncates_prompt_and_output() -> None:
     wl = multi_turn_workload(40, seed=0)
     capped = cap_workload(wl, 1500, 40)
-    for r, c in zip(wl.requests, capped.requests):
+    for r, c in zip(wl.requests, capped.requests, strict=True):
         pr, pc = prompt_tokens(r, 0), prompt_tokens(c, 0)
         assert len(pc) == min(1500, len(pr)) and pr[: len(pc)] == pc
         assert c.max_tokens == min(40, r.max_tokens)

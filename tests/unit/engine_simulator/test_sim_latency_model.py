@@ -30,7 +30,7 @@ def test_default_profile_is_plausible_for_llama_8b_h100() -> None:
 
 
 def test_unknown_profile_lists_known() -> None:
-    with pytest.raises(KeyError, match="llama-3.1-8b-h100"):
+    with pytest.raises(KeyError, match=r"llama-3\.1-8b-h100"):
         get_profile("nope")
     assert "llama-3.1-8b-h100" in PROFILES
 

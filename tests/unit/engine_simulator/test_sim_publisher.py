@@ -8,6 +8,7 @@ import zmq
 
 from engine_simulator.publisher import NullEventPublisher, ZmqEventPublisher, endpoint_binds, make_publisher
 from kvmesh.kv_events import AllBlocksCleared, BlockRemoved, decode_batch, decode_seq
+from tests.support import wait_until
 
 
 @pytest.mark.parametrize(
@@ -29,11 +30,14 @@ def test_direction_rule_matches_vllm(endpoint: str, binds: bool) -> None:
 def _receive(sub: zmq.Socket, publisher: ZmqEventPublisher, n: int) -> list[list[bytes]]:
     """Publish until n messages arrive (a fresh PUB/SUB pair drops messages until subscribed)."""
     got: list[list[bytes]] = []
-    deadline = time.monotonic() + 5
-    while len(got) < n and time.monotonic() < deadline:
+
+    def received() -> int:
         publisher.publish([AllBlocksCleared(), BlockRemoved(block_hashes=[2**64 - 1])])
         if sub.poll(20):
             got.append(sub.recv_multipart())
+        return len(got)
+
+    wait_until(received, 5, f"{n} messages", until=lambda k: k >= n, interval=0)
     assert len(got) == n
     return got
 

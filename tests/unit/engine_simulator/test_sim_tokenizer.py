@@ -9,7 +9,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from engine_simulator.tokenizer import TOKENIZER_CONFIG, ensure_tokenizer
-from tests.conftest import RECORDINGS_DIR
+from tests.support import recording
 
 
 def _digest(path: Path) -> str:
@@ -39,8 +39,7 @@ def test_shape_matches_the_recorded_tokenizer(tmp_path: Path) -> None:
     assert tok.encode("hello", add_special_tokens=False).ids[0] != 1
     config = json.loads((directory / "tokenizer_config.json").read_text())
     assert config == TOKENIZER_CONFIG
-    if RECORDINGS_DIR.is_dir():
-        assert config == json.loads((RECORDINGS_DIR / "tokenizer_config.json").read_text())
+    assert config == json.loads(recording("tokenizer_config.json").read_text())
 
 
 def test_existing_tokenizer_is_reused(tmp_path: Path) -> None:

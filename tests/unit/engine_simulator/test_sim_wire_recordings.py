@@ -1,4 +1,4 @@
-"""The simulator's KV events and /metrics against real vLLM 0.32 recordings (shared/data/vllm-0.32-cpu).
+"""The simulator's KV events and /metrics against real vLLM 0.32 recordings (tests/compat/fixtures/vllm-0.32-cpu).
 
 The events come from the simulator's own :class:`PrefixCache` (the code that runs in the engine),
 encoded by the shared wire structs, with the recorded timestamp so bytes can be compared. The
@@ -17,12 +17,7 @@ from engine_simulator.config import SimulatorConfig
 from engine_simulator.metrics import EngineMetrics
 from engine_simulator.prefix_cache import PrefixCache
 from kvmesh.kv_events import EventBatch, encode_batch
-from tests.conftest import RECORDINGS_DIR
-
-pytestmark = pytest.mark.skipif(
-    not RECORDINGS_DIR.is_dir(),
-    reason=f"vLLM 0.32 recordings absent ({RECORDINGS_DIR}); shared data not mounted",
-)
+from tests.support import recording
 
 EXPECTED_KEYS = {
     "BlockStored": [
@@ -44,7 +39,7 @@ EXPECTED_KEYS = {
 
 
 def _lines(name: str) -> list[dict]:
-    return [json.loads(line) for line in (RECORDINGS_DIR / name).read_text().splitlines()]
+    return [json.loads(line) for line in recording(name).read_text().splitlines()]
 
 
 def _undecode(value):
@@ -160,7 +155,7 @@ REQUIRED = [
 
 @pytest.fixture(scope="module")
 def exposition() -> tuple[str, str]:
-    recorded = (RECORDINGS_DIR / "metrics_exposition.txt").read_text()
+    recorded = recording("metrics_exposition.txt").read_text()
     config = SimulatorConfig(model="tiny", block_size_tokens=32, num_gpu_blocks=16384, max_model_len=512)
     metrics = EngineMetrics("tiny", cache_config_info(config), 512)
     return recorded, metrics.exposition().decode()

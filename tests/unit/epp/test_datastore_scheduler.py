@@ -17,7 +17,7 @@ from services.epp.framework.loader import build_profile, resolve_scheduling_conf
 from services.epp.plugins import default_registry
 from services.epp.plugins.filters.live_endpoint import LiveEndpointFilter
 from services.epp.scheduler import Scheduler
-from tests.conftest import RECORDINGS_DIR
+from tests.support import recording
 
 
 def vllm_metrics(waiting: float, running: float, usage: float, block_size: int = 64, engines: int = 1) -> str:
@@ -45,10 +45,9 @@ def vllm_metrics(waiting: float, running: float, usage: float, block_size: int =
     return "\n".join(lines) + "\n"
 
 
-@pytest.mark.skipif(not RECORDINGS_DIR.is_dir(), reason="shared vLLM recordings absent")
 def test_parse_real_vllm_exposition() -> None:
-    """vLLM 0.32 CPU /metrics (``metrics_exposition.txt`` in the shared recordings)."""
-    sample = parse_vllm_metrics((RECORDINGS_DIR / "metrics_exposition.txt").read_text())
+    """vLLM 0.32 CPU /metrics (``metrics_exposition.txt`` in the vendored recordings)."""
+    sample = parse_vllm_metrics(recording("metrics_exposition.txt").read_text())
     assert sample == ScrapeSample(0.0, 0.0, 0.0, 32, 17.0, 17.0)  # 17 requests finished (and first tokens)
 
 

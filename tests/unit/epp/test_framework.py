@@ -19,6 +19,7 @@ from services.epp.framework.interfaces import (
     PluginError,
     PluginHandle,
     PrefixMatch,
+    PrepareStep,
     SchedulingRequest,
     Scorer,
     ScorerCategory,
@@ -44,7 +45,7 @@ class FixedScorer(Scorer):
         super().__init__(name)
         self.scores = dict(scores)
 
-    async def score(
+    def score(
         self, state: CycleState, request: SchedulingRequest, candidates: Sequence[Candidate]
     ) -> dict[EndpointId, float]:
         return dict(self.scores)  # type: ignore[arg-type]
@@ -64,7 +65,7 @@ class DropFilter(Filter):
 A, B, C = cand(8000), cand(8001), cand(8002)
 
 
-async def test_profile_weights_and_breakdown() -> None:
+def test_profile_weights_and_breakdown() -> None:
     profile = SchedulerProfile(
         "p",
         [DropFilter("f", {C.id})],
@@ -75,7 +76,7 @@ async def test_profile_weights_and_breakdown() -> None:
         MaxScorePicker("max", random.Random(0)),
     )
     observed: list[tuple[str, str]] = []
-    result = await profile.run(CycleState(), REQ, [A, B, C], observer=lambda p, t, s: observed.append((p, t)))
+    result = profile.run(CycleState(), REQ, [A, B, C], observer=lambda p, t, s: observed.append((p, t)))
     assert [s.id for s in result.ranked] == [A.id, B.id]
     assert result.ranked[0].scores == {"x": 1.0, "y": 0.0}
     assert [s.total for s in result.ranked] == [3.0, 2.0]
@@ -85,10 +86,10 @@ async def test_profile_weights_and_breakdown() -> None:
     ]
 
 
-async def test_profile_filter_dropping_all_is_no_endpoints() -> None:
+def test_profile_filter_dropping_all_is_no_endpoints() -> None:
     profile = SchedulerProfile("p", [DropFilter("f", {A.id})], [], MaxScorePicker("max"))
     with pytest.raises(NoEndpointsAvailable, match="filter 'f' dropped all 1"):
-        await profile.run(CycleState(), REQ, [A])
+        profile.run(CycleState(), REQ, [A])
 
 
 @pytest.mark.parametrize(
@@ -102,10 +103,10 @@ async def test_profile_filter_dropping_all_is_no_endpoints() -> None:
     ],
     ids=["above-one", "negative", "nan", "missing", "extra"],
 )
-async def test_profile_rejects_broken_scores(scores: dict[str, float], message: str) -> None:
+def test_profile_rejects_broken_scores(scores: dict[str, float], message: str) -> None:
     profile = SchedulerProfile("p", [], [WeightedScorer(FixedScorer("bad", scores), 1)], MaxScorePicker("max"))
     with pytest.raises(PluginError, match=message):
-        await profile.run(CycleState(), REQ, [A, B])
+        profile.run(CycleState(), REQ, [A, B])
 
 
 def test_cycle_state_typed_keys() -> None:
@@ -126,7 +127,7 @@ def test_registry_refuses_duplicates_and_bad_names() -> None:
 
 
 def test_registry_unknown_type_lists_known() -> None:
-    with pytest.raises(ConfigError, match="unknown plugin type 'nope'.*known types: kv-cache-utilization-scorer"):
+    with pytest.raises(ConfigError, match=r"unknown plugin type 'nope'.*known types: kv-cache-utilization-scorer"):
         default_registry().create("nope", "x", {}, PluginHandle())
 
 
@@ -154,7 +155,7 @@ CASES = [
         _doc([{"type": "live-endpoint-filter", "parameters": {"max_metrics_age_seconds": -1}}], []),
         "max_metrics_age_seconds: Input should be greater than 0",
     ),
-    (_doc([{"type": "precise-prefix-cache-scorer"}], []), "needs kv_indexer"),
+    (_doc([{"type": "prefix-match"}], []), "needs kv_indexer"),
     ({"plugins": [Q], "profiles": [{"name": "a"}, {"name": "b"}]}, "profiles: List should have at most 1 item"),
 ]
 
@@ -190,28 +191,74 @@ class _NullIndex:
 
 
 @pytest.mark.parametrize(
-    ("name", "scorers", "picker"),
+    ("name", "steps", "scorers", "picker", "needs_prompt"),
     [
-        ("round-robin", {}, "round-robin-picker"),
-        ("load-only", {"queue": 1.0, "kv-utilization": 1.0}, "max-score-picker"),
-        ("precise-prefix", {"prefix": 3.0, "queue": 2.0, "kv-utilization": 2.0}, "max-score-picker"),
-        ("prefill-cost", {"prefill-cost": 1.0, "prefix": 0.01}, "max-score-picker"),
+        ("round-robin", [], {}, "round-robin-picker", False),
+        ("load-only", [], {"queue": 1.0, "kv-utilization": 1.0}, "max-score-picker", False),
+        ("precise-prefix", ["prefix-match"], {"prefix": 3.0, "queue": 2.0, "kv-utilization": 2.0}, "max-score-picker", True),
+        ("prefill-cost", ["prefix-match"], {"prefill-cost": 1.0, "prefix": 0.01}, "max-score-picker", True),
     ],
     ids=["round-robin", "load-only", "precise-prefix", "prefill-cost"],
 )
-def test_named_configs(name: str, scorers: dict[str, float], picker: str) -> None:
+def test_named_configs(name: str, steps: list[str], scorers: dict[str, float], picker: str, needs_prompt: bool) -> None:
     assert name in named_configs()
     source, data = resolve_scheduling_config(name)
     profile = build_profile(data, default_registry(), PluginHandle(prefix_index=_NullIndex()), source)
+    assert [s.type_name for s in profile.prepare_steps] == steps
     assert {w.scorer.name: w.weight for w in profile.scorers} == scorers
     assert profile.picker.type_name == picker
+    assert profile.needs_prompt is needs_prompt
+
+
+PM = {"type": "prefix-match"}
+DEPENDENCY_CASES = [
+    (
+        _doc([{"type": "precise-prefix-cache-scorer", "name": "prefix"}], [{"ref": "prefix"}]),
+        r"cfg.yaml: profiles\[0\]: profile 'default': scorer 'prefix' \(precise-prefix-cache-scorer\) consumes "
+        r"'prefix-match', which no prepare step in the profile produces; add a 'prefix-match' step to the profile",
+    ),
+    (
+        _doc([{"type": "prefill-cost-scorer", "name": "cost"}], [{"ref": "cost"}]),
+        r"scorer 'cost' \(prefill-cost-scorer\) consumes 'prefix-match'",
+    ),
+    (  # defined but not referenced by the profile: still missing
+        _doc([PM, {"type": "prefill-cost-scorer", "name": "cost"}], [{"ref": "cost"}]),
+        r"scorer 'cost' \(prefill-cost-scorer\) consumes 'prefix-match'",
+    ),
+    (
+        _doc([PM, {**PM, "name": "again"}], [{"ref": "prefix-match"}, {"ref": "again"}]),
+        "'prefix-match' is produced by both 'prefix-match' and 'again'",
+    ),
+]
+
+
+@pytest.mark.parametrize(("data", "message"), DEPENDENCY_CASES, ids=["prefix-scorer", "prefill-cost", "unreferenced", "twice"])
+def test_loader_refuses_a_consumer_without_its_producer(data: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build_profile(data, default_registry(), PluginHandle(prefix_index=_NullIndex()), source="cfg.yaml")
+
+
+def test_profile_built_in_code_checks_dependencies_too() -> None:
+    from services.epp.plugins.scorers.precise_prefix_cache import PrecisePrefixCacheScorer
+
+    with pytest.raises(ConfigError, match="consumes 'prefix-match'"):
+        SchedulerProfile("p", [], [WeightedScorer(PrecisePrefixCacheScorer("prefix"), 1)], MaxScorePicker("max"))
+
+
+def test_needs_prompt_follows_the_plugins_that_read_it() -> None:
+    step = default_registry().create("prefix-match", "pm", {}, PluginHandle(prefix_index=_NullIndex()))
+    assert isinstance(step, PrepareStep) and step.reads_prompt
+    queue_only = SchedulerProfile("p", [], [WeightedScorer(QueueScorer("q"), 1)], MaxScorePicker("max"))
+    assert not queue_only.needs_prompt
+    # A step nothing consumes still makes the profile read the prompt (it tokenizes and asks kv_indexer).
+    assert SchedulerProfile("p", [], [], MaxScorePicker("max"), prepare_steps=[step]).needs_prompt
 
 
 def test_resolve_path_and_unknown(tmp_path: Any) -> None:
     path = tmp_path / "mine.yaml"
     path.write_text("plugins: [{type: random-picker}]\nprofiles: [{name: p, plugins: [{ref: random-picker}]}]\n")
     assert resolve_scheduling_config(str(path))[0] == str(path)
-    with pytest.raises(ConfigError, match="neither a named config .*load-only.* nor an existing file"):
+    with pytest.raises(ConfigError, match=r"neither a named config .*load-only.* nor an existing file"):
         resolve_scheduling_config("no-such-policy")
 
 
@@ -219,6 +266,13 @@ def test_resolve_path_and_unknown(tmp_path: Any) -> None:
 def _build_all(registry: PluginRegistry) -> list[Any]:
     handle = PluginHandle(rng=random.Random(0), prefix_index=_RandomIndex(random.Random(1)))
     return [registry.create(t, t, {}, handle) for t in registry.types()]
+
+
+async def _prepared_state(steps: Sequence[PrepareStep], request: SchedulingRequest, cands: list[Candidate]) -> CycleState:
+    state = CycleState()
+    for step in steps:
+        await step.prepare(state, request, cands)
+    return state
 
 
 class _RandomIndex:
@@ -247,22 +301,30 @@ def _random_candidates(rng: random.Random) -> list[Candidate]:
 @pytest.mark.parametrize("type_name", default_registry().types())
 async def test_conformance(type_name: str) -> None:
     registry = default_registry()
-    (plugin,) = [p for p in _build_all(registry) if p.type_name == type_name]
+    built = _build_all(registry)
+    (plugin,) = [p for p in built if p.type_name == type_name]
     assert plugin.name == type_name and plugin.type_name == type_name
+    # The steps producing what the plugin consumes run first, as in a profile.
+    producers = [p for p in built if isinstance(p, PrepareStep) and p.produces & plugin.consumes]
+    assert {k.name for k in plugin.consumes} <= {k.name for p in producers for k in p.produces}
     rng = random.Random(hash(type_name) & 0xFFFF)
     for _ in range(50):
         cands = _random_candidates(rng)
         request = SchedulingRequest(model="m", token_ids=tuple(rng.randint(0, 999) for _ in range(rng.randint(0, 40))))
-        if isinstance(plugin, Scorer):
+        state = await _prepared_state(producers, request, cands)
+        if isinstance(plugin, PrepareStep):
+            await plugin.prepare(state, request, cands)
+            assert all(key in state for key in plugin.produces)
+        elif isinstance(plugin, Scorer):
             assert isinstance(plugin.category, ScorerCategory)
-            scores = await plugin.score(CycleState(), request, cands)
+            scores = plugin.score(state, request, cands)
             assert set(scores) == {c.id for c in cands}
             assert all(0.0 <= v <= 1.0 for v in scores.values()), scores
         elif isinstance(plugin, Filter):
-            kept = plugin.filter(CycleState(), request, cands)
+            kept = plugin.filter(state, request, cands)
             assert all(k in cands for k in kept)
         else:
             assert isinstance(plugin, Picker)
             profile = SchedulerProfile("p", [], [], plugin)
-            result = await profile.run(CycleState(), request, cands)
+            result = profile.run(state, request, cands)
             assert sorted(s.id for s in result.ranked) == sorted(c.id for c in cands)

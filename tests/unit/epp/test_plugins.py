@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Sequence
 
 import pytest
 
-from services.epp.framework.cycle_state import TOKEN_IDS, CycleState
+from services.epp.framework.cycle_state import CycleState
 from services.epp.framework.interfaces import (
     Candidate,
     ChatMessage,
@@ -19,6 +20,12 @@ from services.epp.plugins.filters.live_endpoint import LiveEndpointFilter, LiveE
 from services.epp.plugins.pickers.max_score import MaxScorePicker
 from services.epp.plugins.pickers.random_picker import RandomPicker
 from services.epp.plugins.pickers.round_robin import RoundRobinPicker
+from services.epp.plugins.prepare.prefix_match import (
+    PREFIX_MATCH,
+    TOKEN_IDS,
+    PrefixMatchStep,
+    uncached_prompt_tokens,
+)
 from services.epp.plugins.scorers.kv_cache_utilization import KVCacheUtilizationScorer
 from services.epp.plugins.scorers.precise_prefix_cache import PrecisePrefixCacheScorer
 from services.epp.plugins.scorers.queue import QueueScorer
@@ -39,15 +46,15 @@ REQ = SchedulingRequest(model="m")
     ],
     ids=["idle-equal", "two-extremes", "linear", "running-counts-like-waiting", "running-only", "single"],
 )
-async def test_queue_scorer(loads: list[tuple[int, int]], expected: list[float]) -> None:
+def test_queue_scorer(loads: list[tuple[int, int]], expected: list[float]) -> None:
     cands = [cand(8000 + i, waiting=w, running=r) for i, (w, r) in enumerate(loads)]
-    scores = await QueueScorer("q").score(CycleState(), REQ, cands)
+    scores = QueueScorer("q").score(CycleState(), REQ, cands)
     assert [scores[c.id] for c in cands] == pytest.approx(expected)
 
 
-async def test_queue_scorer_counts_pending_picks() -> None:
+def test_queue_scorer_counts_pending_picks() -> None:
     cands = [cand(8000, pending=3), cand(8001, waiting=1)]
-    scores = await QueueScorer("q").score(CycleState(), REQ, cands)
+    scores = QueueScorer("q").score(CycleState(), REQ, cands)
     assert scores == {cands[0].id: 0.0, cands[1].id: 1.0}
 
 
@@ -56,9 +63,9 @@ async def test_queue_scorer_counts_pending_picks() -> None:
     [(0.0, 1.0), (0.25, 0.75), (1.0, 0.0)],
     ids=["empty", "quarter", "full"],
 )
-async def test_kv_cache_utilization_scorer(usage: float, expected: float) -> None:
+def test_kv_cache_utilization_scorer(usage: float, expected: float) -> None:
     c = cand(8000, usage=usage)
-    assert (await KVCacheUtilizationScorer("kv").score(CycleState(), REQ, [c]))[c.id] == pytest.approx(expected)
+    assert KVCacheUtilizationScorer("kv").score(CycleState(), REQ, [c])[c.id] == pytest.approx(expected)
 
 
 class FakeIndex:
@@ -103,23 +110,37 @@ A, B, C = cand(8000), cand(8001), cand(8002)
 )
 async def test_precise_prefix_scorer_math(match: PrefixMatch, expected: list[float]) -> None:
     index = FakeIndex(match)
-    scorer = PrecisePrefixCacheScorer("p", index, None)
-    scores = await scorer.score(CycleState(), SchedulingRequest(model="m", token_ids=(1, 2, 3)), [A, B, C])
+    state = CycleState()
+    await PrefixMatchStep("pm", index, None).prepare(state, SchedulingRequest(model="m", token_ids=(1, 2, 3)), [A, B, C])
+    scores = PrecisePrefixCacheScorer("p").score(state, REQ, [A, B, C])
     assert [scores[c.id] for c in (A, B, C)] == pytest.approx(expected)
     assert index.calls == [("m", [1, 2, 3], [A.id, B.id, C.id])]
 
 
-async def test_precise_prefix_scorer_tokenizes_text_once_per_cycle() -> None:
+def test_precise_prefix_scorer_without_a_match_is_zero() -> None:
+    state = CycleState()
+    assert PrecisePrefixCacheScorer("p").score(state, REQ, [A]) == {A.id: 0.0}
+    state.set(PREFIX_MATCH, None)
+    assert PrecisePrefixCacheScorer("p").score(state, REQ, [A]) == {A.id: 0.0}
+
+
+async def test_prefix_match_step_tokenizes_text() -> None:
     index = FakeIndex(PrefixMatch(1, {A.id: 1}))
     tokenizer = FakeTokenizer([1, 5, 6])
-    scorer = PrecisePrefixCacheScorer("p", index, tokenizer)
     state = CycleState()
     request = SchedulingRequest(model="m", messages=(ChatMessage("user", "hi"),))
-    assert (await scorer.score(state, request, [A]))[A.id] == 1.0
+    await PrefixMatchStep("pm", index, tokenizer).prepare(state, request, [A])
     assert state.get(TOKEN_IDS) == [1, 5, 6]
-    await scorer.score(state, request, [A])
+    assert state.get(PREFIX_MATCH) == PrefixMatch(1, {A.id: 1})
     assert tokenizer.calls == 1
-    assert index.calls[0][1] == [1, 5, 6]
+    assert index.calls == [("m", [1, 5, 6], [A.id])]
+
+
+async def test_prefix_match_step_prefers_given_token_ids() -> None:
+    tokenizer = FakeTokenizer([9])
+    state = CycleState()
+    await PrefixMatchStep("pm", FakeIndex(), tokenizer).prepare(state, SchedulingRequest(model="m", token_ids=(4, 5), prompt="x"), [A])
+    assert state.get(TOKEN_IDS) == [4, 5] and tokenizer.calls == 0
 
 
 @pytest.mark.parametrize(
@@ -135,8 +156,34 @@ async def test_precise_prefix_scorer_tokenizes_text_once_per_cycle() -> None:
 async def test_precise_prefix_scorer_degrades_to_zero(
     index: FakeIndex, tokenizer: FakeTokenizer | None, request_: SchedulingRequest
 ) -> None:
-    scorer = PrecisePrefixCacheScorer("p", index, tokenizer)
-    assert await scorer.score(CycleState(), request_, [A, B]) == {A.id: 0.0, B.id: 0.0}
+    state = CycleState()
+    await PrefixMatchStep("pm", index, tokenizer).prepare(state, request_, [A, B])
+    assert PREFIX_MATCH in state and state.get(PREFIX_MATCH) is None
+    assert PrecisePrefixCacheScorer("p").score(state, request_, [A, B]) == {A.id: 0.0, B.id: 0.0}
+
+
+def _blocks(port: int, *, scraped: int | None = None, registered: int = 64) -> Candidate:
+    c = cand(port)
+    endpoint = dataclasses.replace(c.endpoint, block_size_tokens=registered)
+    return Candidate(endpoint, dataclasses.replace(c.metrics, block_size_tokens=scraped))
+
+
+@pytest.mark.parametrize(
+    ("candidate", "prompt_tokens", "match", "expected"),
+    [
+        (_blocks(1), 640, PrefixMatch(10, {"127.0.0.1:1": 8}), 640 - 8 * 64),
+        (_blocks(1, scraped=32), 640, PrefixMatch(10, {"127.0.0.1:1": 8}), 640 - 8 * 32),  # scraped size wins
+        (_blocks(1, registered=16), 640, PrefixMatch(10, {"127.0.0.1:1": 8}), 640 - 8 * 16),
+        (_blocks(1), 640, PrefixMatch(10, {"127.0.0.1:2": 8}), 640),  # cached elsewhere only
+        (_blocks(1), 640, PrefixMatch(10, {"127.0.0.1:1": 99}), 0),  # never negative
+        (_blocks(1), 640, PrefixMatch(0, {"127.0.0.1:1": 8}), 640),  # no full block: no match
+        (_blocks(1), 640, None, 640),  # kv_indexer failed or not asked
+        (_blocks(1), 0, PrefixMatch(10, {"127.0.0.1:1": 8}), 0),  # prompt length unknown
+    ],
+    ids=["hit", "scraped-block-size", "registered-block-size", "miss", "clamped", "no-full-block", "no-match", "no-prompt"],
+)
+def test_uncached_prompt_tokens(candidate: Candidate, prompt_tokens: int, match: PrefixMatch | None, expected: int) -> None:
+    assert uncached_prompt_tokens(candidate, prompt_tokens, match) == expected
 
 
 @pytest.mark.parametrize(

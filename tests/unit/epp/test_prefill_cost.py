@@ -21,13 +21,14 @@ from services.epp.framework.loader import build_profile, resolve_scheduling_conf
 from services.epp.framework.registry import parse_params
 from services.epp.plugins import default_registry
 from services.epp.plugins.filters.live_endpoint import LiveEndpointFilter
+from services.epp.plugins.prepare.prefix_match import PrefixMatchStep
 from services.epp.plugins.scorers.prefill_cost import (
     PrefillCostScorer,
     PrefillCostScorerParams,
     prefill_costs,
 )
 from services.epp.scheduler import Scheduler
-from tests.unit.epp.test_plugins import FakeIndex
+from tests.unit.epp.test_plugins import FakeIndex, FakeTokenizer
 
 
 def _cand(port: int, *, queued: int = 0, known: int = 0, unprefilled: int = 0, block: int = 64) -> Candidate:
@@ -57,27 +58,35 @@ A, B, C = _cand(1), _cand(2), _cand(3)
 )
 def test_prefill_costs(cands: list[Candidate], matched: dict[str, int], weight: float,
                        expected_costs: list[float]) -> None:
-    costs = prefill_costs(cands, 640, matched, weight)
+    costs = prefill_costs(cands, 640, PrefixMatch(10, matched), weight)
     assert [costs[c.id] for c in cands] == pytest.approx(expected_costs)
+
+
+async def _prepared(index: FakeIndex, request: SchedulingRequest, cands: list[Candidate]) -> CycleState:
+    state = CycleState()
+    await PrefixMatchStep("pm", index, None).prepare(state, request, cands)
+    return state
 
 
 async def test_scorer_ranks_by_least_cost_and_stays_in_range() -> None:
     busy_holder = _cand(1, queued=4000, known=1, unprefilled=1)
     index = FakeIndex(PrefixMatch(10, {busy_holder.id: 8, B.id: 2}))
-    scorer = PrefillCostScorer("cost", index, None)
+    scorer = PrefillCostScorer("cost")
     request = SchedulingRequest(model="m", token_ids=tuple(range(640)))
-    scores = await scorer.score(CycleState(), request, [busy_holder, B, C])
+    scores = scorer.score(await _prepared(index, request, [busy_holder, B, C]), request, [busy_holder, B, C])
     # costs: holder 128 + 4000, B 640 - 128 = 512, C 640 -> 1 - cost / 4128
     assert scores == pytest.approx({busy_holder.id: 0.0, B.id: 1 - 512 / 4128, C.id: 1 - 640 / 4128})
     assert len(index.calls) == 1
 
 
 async def test_scorer_degrades_to_load_and_ties_at_one() -> None:
-    scorer = PrefillCostScorer("cost", FakeIndex(fail=True), None)
+    scorer = PrefillCostScorer("cost")
     request = SchedulingRequest(model="m", token_ids=tuple(range(100)))
-    scores = await scorer.score(CycleState(), request, [_cand(1, unprefilled=1), B])
+    cands = [_cand(1, unprefilled=1), B]
+    scores = scorer.score(await _prepared(FakeIndex(fail=True), request, cands), request, cands)
     assert scores == pytest.approx({"127.0.0.1:1": 0.0, B.id: 0.5})
-    assert await scorer.score(CycleState(), SchedulingRequest(model="m"), [A, B]) == {A.id: 1.0, B.id: 1.0}
+    empty = SchedulingRequest(model="m")
+    assert scorer.score(await _prepared(FakeIndex(), empty, [A, B]), empty, [A, B]) == {A.id: 1.0, B.id: 1.0}
 
 
 def test_params() -> None:
@@ -134,3 +143,23 @@ async def test_prefill_cost_config_spreads_a_burst_and_keeps_affinity() -> None:
     assert (await sched.pick(request)).target.id == eps[1].id
     ds.note_pick(eps[1].id, 640)
     assert (await sched.pick(request)).target.id == eps[0].id
+
+
+async def test_prefix_match_runs_once_per_pick_for_two_consumers() -> None:
+    """prefill-cost and precise-prefix both read prefix-match's output: one tokenize, one kv_indexer call."""
+    ds = Datastore(ManualClock())
+    index = FakeIndex(PrefixMatch(1, {}))
+    tokenizer = FakeTokenizer([1, 2, 3])
+    source, data = resolve_scheduling_config("prefill-cost")
+    handle = PluginHandle(rng=random.Random(0), prefix_index=index, tokenizer=tokenizer)
+    sched = Scheduler(ds, build_profile(data, default_registry(), handle, source), LiveEndpointFilter("live"))
+    assert sum(isinstance(w.scorer, PrefillCostScorer) for w in sched.profile.scorers) == 1
+    assert len(sched.profile.scorers) == 2
+    a = Endpoint(id=EndpointId("127.0.0.1:1"), url="http://127.0.0.1:1", model="m")
+    ds.set_endpoints({a.id: a})
+    ds.record_scrape(a.id, ScrapeSample(0, 0, 0.0, 64, 0, 0))
+    decision = await sched.pick(SchedulingRequest(model="m", prompt="hello"))
+    assert (tokenizer.calls, len(index.calls)) == (1, 1)
+    assert decision.prompt_tokens == 3 and set(decision.breakdown[0].scores) == {"prefill-cost", "prefix"}
+    await sched.pick(SchedulingRequest(model="m", prompt="hello"))
+    assert (tokenizer.calls, len(index.calls)) == (2, 2)  # the next pick runs the step again, once

@@ -234,7 +234,7 @@ async def test_run_expiry_evicts_on_the_clock() -> None:
 )
 def test_limits_validate(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
-        ControllerLimits(**kwargs)  # type: ignore[arg-type]
+        ControllerLimits(**{"max_in_flight": 1, "queue_ttl_seconds": 1.0, "max_queue_size": 0, **kwargs})  # type: ignore[arg-type]
 
 
 def test_fcfs_queue_contract() -> None:

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import zmq
 
-from kvmesh.kv_events import BlockStored, EventBatch, encode_batch, encode_seq, make_topic
+from kvmesh.kv_events import BlockStored, EventBatch, KVEvent, encode_batch, encode_seq, make_topic
 from kvmesh.types import Endpoint, EndpointId
 from kvmesh_cli.launcher import free_port
 from services.kv_indexer.events.pool import EventPool, RawMessage
 from services.kv_indexer.events.subscriber import ZmqSubscriber, connect_target, parse_frames
 from services.kv_indexer.index import InMemoryIndex
+from tests.support import wait_until_async
 
 A = EndpointId("127.0.0.1:9001")
 TOPIC = make_topic(A, "m").encode()
@@ -21,7 +21,7 @@ TOKENS = list(range(8))
 
 
 def payload(*hashes_and_parents: tuple[int, int | None]) -> bytes:
-    events = [
+    events: list[KVEvent] = [
         BlockStored(block_hashes=[h], parent_block_hash=p, token_ids=TOKENS[4 * i : 4 * i + 4] if p is None and i == 0 else TOKENS[4:8], block_size=4)
         for i, (h, p) in enumerate(hashes_and_parents)
     ]
@@ -110,17 +110,6 @@ async def test_held_messages_expire() -> None:
     await pool.shutdown()
 
 
-async def _until(predicate, timeout: float = 5.0, resend=None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if resend:
-            resend()
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("not reached")
-
-
 async def test_subscriber_binds_for_connecting_engines_and_connects_to_binding_ones() -> None:
     index = InMemoryIndex()
     pool = EventPool(index, workers=2)
@@ -138,9 +127,12 @@ async def test_subscriber_binds_for_connecting_engines_and_connects_to_binding_o
         pub1 = ctx.socket(zmq.PUB)
         pub1.connect(bind)
         seq = iter(range(10**6))
-        await _until(
-            lambda: index.score("m", TOKENS).scores != [],
-            resend=lambda: pub1.send_multipart([TOPIC, encode_seq(next(seq)), payload((1, None))]),
+        await wait_until_async(
+            lambda: index.score("m", TOKENS).scores,
+            5,
+            "engine 1's block in the index",
+            interval=0.02,
+            before_each=lambda: pub1.send_multipart([TOPIC, encode_seq(next(seq)), payload((1, None))]),
         )
         # engine 2 binds its PUB (vLLM with tcp://*:port); we connect to it
         port = free_port()
@@ -150,13 +142,19 @@ async def test_subscriber_binds_for_connecting_engines_and_connects_to_binding_o
         index.register_endpoint(e2)
         sub.follow(e2)
         topic2 = make_topic(e2.id, "m").encode()
-        await _until(
-            lambda: len(index.score("m", TOKENS).scores) == 2,
-            resend=lambda: pub2.send_multipart([topic2, encode_seq(next(seq)), payload((5, None))]),
+        await wait_until_async(
+            lambda: index.score("m", TOKENS).scores,
+            5,
+            "both engines in the index",
+            until=lambda scores: len(scores) == 2,
+            interval=0.02,
+            before_each=lambda: pub2.send_multipart([topic2, encode_seq(next(seq)), payload((5, None))]),
         )
         # garbage does not stop the loop
         pub1.send_multipart([b"only-one-frame"])
-        await _until(lambda: pool.stats.dropped["frame_count"] >= 1)
+        await wait_until_async(
+            lambda: pool.stats.dropped["frame_count"], 5, "a frame_count drop", until=lambda n: n >= 1, interval=0.02
+        )
         sub.unfollow(e2.id)
         assert not task.done()
     finally:

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import pytest
 
-from kvmesh.types import Medium
+from kvmesh.types import EndpointId, Medium
 from services.kv_indexer.scoring import longest_prefix_matches, media_counts
 
 G, C = Medium.GPU, Medium.CPU
-TABLE = {
-    1: {"a": {G: 1}, "b": {G: 1}, "c": {C: 1}},
-    2: {"a": {G: 1, C: 1}, "b": {G: 1}},
-    3: {"a": {G: 1}},
-    5: {"b": {G: 1}},  # after a hole: never reached for b
+a, b, c = EndpointId("a"), EndpointId("b"), EndpointId("c")
+TABLE: Mapping[int, Mapping[EndpointId, Mapping[Medium, int]]] = {
+    1: {a: {G: 1}, b: {G: 1}, c: {C: 1}},
+    2: {a: {G: 1, C: 1}, b: {G: 1}},
+    3: {a: {G: 1}},
+    5: {b: {G: 1}},  # after a hole: never reached for b
 }
 
 
@@ -30,10 +33,10 @@ TABLE = {
     ],
     ids=["empty", "first-miss", "one-block", "walk", "stops-at-hole", "candidates", "unknown-candidate", "all-to-the-end"],
 )
-def test_longest_prefix_matches(keys: list[int], candidates: set[str] | None, expected: dict) -> None:
+def test_longest_prefix_matches(keys: list[int], candidates: set[EndpointId] | None, expected: dict) -> None:
     assert longest_prefix_matches(keys, TABLE, candidates) == expected
 
 
 def test_media_counts() -> None:
-    assert media_counts([1, 2, 3], TABLE, "a") == {G: 3, C: 1}
-    assert media_counts([1], TABLE, "c") == {C: 1}
+    assert media_counts([1, 2, 3], TABLE, a) == {G: 3, C: 1}
+    assert media_counts([1], TABLE, c) == {C: 1}

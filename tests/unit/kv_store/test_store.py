@@ -1,4 +1,4 @@
-"""KVStore core: key validation, placement, errors; CpuTier invariants under random operations."""
+"""BlockStore core: key validation, placement, errors; CpuTier invariants under random operations."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from kvmesh.errors import InvalidRequest, mapping_for
 from kvmesh.types import Medium
 from services.kv_store.errors import KeyNotFound, ValueTooLarge
 from services.kv_store.metrics import register_metrics
-from services.kv_store.store import MAX_KEY_BYTES, KVStore
+from services.kv_store.store import MAX_KEY_BYTES, BlockStore
 from services.kv_store.tiers.cpu import CpuTier
 
 T = TypeVar("T")
@@ -31,7 +31,7 @@ def run_now(coro: Coroutine[Any, Any, T]) -> T:
 
 
 async def test_put_get_delete() -> None:
-    store = KVStore([CpuTier(100)])
+    store = BlockStore([CpuTier(100)])
     outcome = await store.put("k", b"value")
     assert (outcome.medium, outcome.evicted) == (Medium.CPU, 0)
     stored = await store.get("k")
@@ -53,7 +53,7 @@ async def test_put_get_delete() -> None:
     ids=["empty-key", "long-key", "too-large"],
 )
 async def test_put_rejects(key: str, size: int, error: type[Exception]) -> None:
-    store = KVStore([CpuTier(100)])
+    store = BlockStore([CpuTier(100)])
     with pytest.raises(error):
         await store.put(key, b"x" * size)
     with pytest.raises(error):
@@ -71,7 +71,7 @@ def test_errors_map_through_the_shared_table(error: Exception, status: str) -> N
 
 
 async def test_empty_key_on_get_and_delete() -> None:
-    store = KVStore([CpuTier(10)])
+    store = BlockStore([CpuTier(10)])
     for call in (store.get(""), store.delete("")):
         with pytest.raises(InvalidRequest):
             await call
@@ -79,7 +79,7 @@ async def test_empty_key_on_get_and_delete() -> None:
 
 async def test_metrics_collector_reports_tiers() -> None:
     registry = CollectorRegistry()
-    store = KVStore([CpuTier(10)])
+    store = BlockStore([CpuTier(10)])
     register_metrics(store, registry)
     await store.put("a", b"a" * 6)
     await store.put("b", b"b" * 6)  # evicts a

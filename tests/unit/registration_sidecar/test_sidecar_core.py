@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.config import load_config
-from kvmesh.types import Endpoint
+from kvmesh.types import Endpoint, EndpointRole
 from services.registration_sidecar.config import SidecarConfig
 from services.registration_sidecar.health import (
     Action,
@@ -40,12 +40,12 @@ def test_tracker_rejects_zero_thresholds() -> None:
 
 def test_build_endpoint_labels_and_round_trip() -> None:
     ep = build_endpoint("127.0.0.1:8011", "http://127.0.0.1:8011/", "tiny", 32, "tcp://127.0.0.1:5557",
-                        "both", "vllm", 512)
+                        EndpointRole.BOTH, "vllm", 512)
     assert ep.url == "http://127.0.0.1:8011"
     assert ep.labels == {"engine": "vllm", "max_model_len": "512"}
     back = Endpoint.from_json(ep.to_json())
     assert back == ep and back.labels == ep.labels and back.block_size_tokens == 32
-    assert build_endpoint("h:1", "http://h:1", "m", 32, "", "both", "vllm", None).labels == {"engine": "vllm"}
+    assert build_endpoint("h:1", "http://h:1", "m", 32, "", EndpointRole.BOTH, "vllm", None).labels == {"engine": "vllm"}
 
 
 def test_max_model_len_from_vllm_models_body() -> None:
@@ -69,3 +69,13 @@ def test_config_flags_and_validation() -> None:
                  ["--engine-url", "http://h", "--model", "m"]):
         with pytest.raises(SystemExit):
             load_config(SidecarConfig, argv)
+
+
+def test_build_service_needs_etcd_and_starts_nothing() -> None:
+    from services.registration_sidecar.app import Sidecar, build_service
+
+    cfg = SidecarConfig(engine_url="http://127.0.0.1:8011", model="tiny")
+    sidecar = build_service(cfg)
+    assert isinstance(sidecar, Sidecar) and sidecar.registration is None
+    with pytest.raises(SystemExit, match="--etcd-endpoints is required"):
+        build_service(SidecarConfig(engine_url="http://127.0.0.1:8011", model="tiny", etcd_endpoints=[]))

@@ -8,13 +8,13 @@ from typing import Any
 import pytest
 
 from kvmesh import errors
+from kvmesh.openai_stream import event_boundary
 from kvmesh.types import Endpoint, EndpointId
 from services.router.catalog import ModelCatalog
 from services.router.config import RouterConfig
 from services.router.http_app import check_content_type, request_meta
 from services.router.http_errors import RequestTooLarge, http_error, render_json
 from services.router.readiness import ReadinessProbe
-from services.router.request_flow import _event_boundary
 from services.router.validation import RequestKind, check_context, parse_json_body, validate_request
 
 CONFIG = RouterConfig(etcd_endpoints=[])
@@ -159,7 +159,7 @@ def test_config_defaults() -> None:
     [(b"", 0), (b"data: {", 0), (b"data: 1\n\n", 9), (b"data: 1\n\ndata: 2", 9), (b"data: 1\r\n\r\ndata", 11), (b"data: 1\n\ndata: 2\n\n", 18)],
 )
 def test_event_boundary(data: bytes, cut: int) -> None:
-    assert _event_boundary(data) == cut
+    assert event_boundary(data) == cut
 
 
 class _Check:

@@ -10,7 +10,7 @@ from services.router import metrics
 def test_metric_names_and_labels() -> None:
     metrics.record_ttft("tiny", 0.02)
     metrics.record_e2e("tiny", 0.5)
-    metrics.record_outcome(metrics.Outcome.REJECTED)
+    metrics.record_outcome(metrics.RequestOutcome.REJECTED)
     metrics.record_retry()
     text = generate_latest(REGISTRY).decode()
     for line in (
@@ -26,7 +26,7 @@ def test_metric_names_and_labels() -> None:
 
 
 def test_outcome_for_status() -> None:
-    assert metrics.outcome_for_status(200) is metrics.Outcome.SUCCESS
-    assert metrics.outcome_for_status(429) is metrics.Outcome.REJECTED
-    assert metrics.outcome_for_status(504) is metrics.Outcome.TIMEOUT
-    assert metrics.outcome_for_status(502) is metrics.Outcome.ERROR
+    assert metrics.outcome_for_status(200) is metrics.RequestOutcome.SUCCESS
+    assert metrics.outcome_for_status(429) is metrics.RequestOutcome.REJECTED
+    assert metrics.outcome_for_status(504) is metrics.RequestOutcome.TIMEOUT
+    assert metrics.outcome_for_status(502) is metrics.RequestOutcome.ERROR

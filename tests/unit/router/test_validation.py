@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 
 from kvmesh import errors
+from kvmesh.openai_stream import SseFramer, parse_completion, parse_event
 from kvmesh.types import Endpoint, EndpointId
 from services.router.catalog import ModelCatalog
 from services.router.config import RouterConfig
 from services.router.http_app import request_meta
 from services.router.http_errors import error_from_engine, http_error
-from services.router.sse import SseParser, parse_completion, parse_event
 from services.router.validation import RequestKind, parse_json_body, validate_request
 
 C, CHAT = RequestKind.COMPLETION, RequestKind.CHAT
@@ -164,8 +164,8 @@ def test_sse_parser_splits_across_chunks() -> None:
         b'"usage":{"prompt_tokens":3,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":1}}}\n\n'
         b"data: [DONE]\n\n"
     )
-    parser = SseParser()
-    payloads = [p for i in range(0, len(stream), 7) for p in parser.feed(stream[i : i + 7])]
+    framer = SseFramer()
+    payloads = [p for i in range(0, len(stream), 7) for p in framer.feed(stream[i : i + 7]).data]
     assert payloads[-1] == "[DONE]"
     pieces = [parse_event(p) for p in payloads]
     assert pieces[-1] is None

@@ -1,20 +1,20 @@
-"""ServiceConfig loading: precedence flags > env > file > defaults, and clear errors."""
+"""Config loading: precedence flags > env > file > defaults, clear errors, and the process/gRPC split."""
 
+import importlib
 from pathlib import Path
 
 import pytest
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from kvmesh.config import ServiceConfig, load_config
+from kvmesh.config import GrpcServiceConfig, ProcessConfig, load_config
+from kvmesh.types import EndpointRole
 
 
-class DemoConfig(ServiceConfig):
+class DemoConfig(GrpcServiceConfig):
     """Demo service configuration."""
 
-    model_config = SettingsConfigDict(
-        env_prefix="KVMESH_DEMO_", extra="forbid", use_attribute_docstrings=True, populate_by_name=True
-    )
+    model_config = SettingsConfigDict(env_prefix="KVMESH_DEMO_")
 
     queue_ttl_seconds: float = Field(30.0, gt=0)
     """How long a request may wait."""
@@ -100,3 +100,78 @@ def test_config_path_must_be_a_file(tmp_path: Path, capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit):
         load_config(DemoConfig, ["--config", str(tmp_path)])
     assert "not a regular file" in capsys.readouterr().err
+
+
+# (module, class, env prefix, arguments it needs, serves gRPC)
+CONFIGS = [
+    ("services.router.config", "RouterConfig", "KVMESH_ROUTER_", [], True),
+    ("services.epp.config", "EppConfig", "KVMESH_EPP_", [], True),
+    ("services.kv_indexer.config", "KvIndexerConfig", "KVMESH_KV_INDEXER_", [], True),
+    ("services.kv_store.config", "KvStoreConfig", "KVMESH_KV_STORE_", [], True),
+    ("services.flow_control.config", "FlowControlConfig", "KVMESH_FLOW_CONTROL_", [], True),
+    ("services.registration_sidecar.config", "SidecarConfig", "KVMESH_REGISTRATION_SIDECAR_",
+     ["--engine-url", "http://127.0.0.1:8011", "--model", "tiny"], False),
+    ("engine_simulator.config", "SimulatorConfig", "KVMESH_ENGINE_SIMULATOR_", [], False),
+]
+CONFIG_IDS = [c[1] for c in CONFIGS]
+
+
+@pytest.mark.parametrize(("module", "name", "prefix", "argv", "grpc"), CONFIGS, ids=CONFIG_IDS)
+def test_each_env_prefix_sets_its_config(
+    module: str, name: str, prefix: str, argv: list[str], grpc: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cls = getattr(importlib.import_module(module), name)
+    monkeypatch.setenv(f"{prefix}LOG_LEVEL", "DEBUG")
+    monkeypatch.setenv(f"{prefix}METRICS_PORT", "9123")
+    monkeypatch.setenv("KVMESH_SOMEONE_ELSE_LOG_LEVEL", "ERROR")
+    config = load_config(cls, argv)
+    assert (config.log_level, config.metrics_port) == ("DEBUG", 9123)
+    if grpc:
+        monkeypatch.setenv(f"{prefix}GRPC_PORT", "7005")
+        assert load_config(cls, argv).grpc_port == 7005
+
+
+@pytest.mark.parametrize(("module", "name", "prefix", "argv", "grpc"), CONFIGS, ids=CONFIG_IDS)
+def test_subclasses_set_only_the_env_prefix(module: str, name: str, prefix: str, argv: list[str], grpc: bool) -> None:
+    cls = getattr(importlib.import_module(module), name)
+    assert cls.model_config["env_prefix"] == prefix
+    # extra="forbid", attribute docstrings and populate_by_name come from ProcessConfig.
+    assert cls.model_config["extra"] == "forbid" and cls.model_config["populate_by_name"]
+    assert all(info.description for info in cls.model_fields.values())
+    assert issubclass(cls, GrpcServiceConfig) is grpc and issubclass(cls, ProcessConfig)
+
+
+@pytest.mark.parametrize(("module", "name", "prefix", "argv", "grpc"), [c for c in CONFIGS if not c[4]],
+                         ids=[c[1] for c in CONFIGS if not c[4]])
+def test_processes_without_grpc_carry_no_grpc_flags(
+    module: str, name: str, prefix: str, argv: list[str], grpc: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cls = getattr(importlib.import_module(module), name)
+    assert "grpc_port" not in cls.model_fields and "instance_id" not in cls.model_fields
+    assert {"lease_ttl_seconds", "etcd_endpoints", "log_level"} <= set(cls.model_fields)
+    with pytest.raises(SystemExit) as exc_info:
+        load_config(cls, [*argv, "--grpc-port", "1"])
+    assert exc_info.value.code == 2 and "unrecognized arguments: --grpc-port" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["SidecarConfig", "SimulatorConfig"])
+def test_role_is_the_one_endpoint_role(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    cls = {c[1]: getattr(importlib.import_module(c[0]), c[1]) for c in CONFIGS}[name]
+    argv = next(c[3] for c in CONFIGS if c[1] == name)
+    config = load_config(cls, [*argv, "--role", "prefill"])
+    assert config.role is EndpointRole.PREFILL
+    with pytest.raises(SystemExit):
+        load_config(cls, [*argv, "--print-config"])
+    assert "role: both" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        load_config(cls, [*argv, "--role", "middle"])
+    assert "'both', 'prefill' or 'decode'" in capsys.readouterr().err
+
+
+def test_flow_control_limits_come_from_the_config() -> None:
+    from services.flow_control.config import FlowControlConfig
+
+    config = FlowControlConfig()
+    limits = config.limits()
+    assert (limits.max_in_flight, limits.queue_ttl_seconds, limits.max_queue_size) == (
+        config.max_in_flight, config.queue_ttl_seconds, config.max_queue_size)

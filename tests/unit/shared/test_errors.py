@@ -38,3 +38,18 @@ def test_subclass_inherits_mapping() -> None:
 def test_round_trip_from_grpc() -> None:
     err = errors.from_grpc_status("RESOURCE_EXHAUSTED", "queue full")
     assert isinstance(err, errors.Saturated) and str(err) == "queue full"
+
+
+@pytest.mark.parametrize("status", sorted(errors.REMOTE_ERRORS))
+def test_remote_errors_read_the_table_backwards(status: str) -> None:
+    """A remote status becomes the first table class with that status, so it answers the same after a hop."""
+    error_cls = errors.REMOTE_ERRORS[status]
+    first = next(cls for cls, row in errors.ERROR_TABLE.items() if row.grpc_status == status)
+    assert error_cls is first and errors.mapping_for(error_cls("x")).grpc_status == status
+
+
+def test_deadline_and_unknown_statuses_are_left_to_the_caller() -> None:
+    """``DEADLINE_EXCEEDED`` means what the caller says (a per-call override); unmapped statuses are internal."""
+    for status in ("DEADLINE_EXCEEDED", "INTERNAL", "UNKNOWN"):
+        err = errors.from_grpc_status(status, "why")
+        assert type(err) is errors.KvmeshError and errors.mapping_for(err) is errors.INTERNAL

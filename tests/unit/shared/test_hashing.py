@@ -7,19 +7,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvmesh.hashing import block_keys, external_hash_to_int, sha256_cbor_block_hashes
-from tests.conftest import RECORDINGS_DIR
+from tests.support import recording
 
 
 def _decoded_bytes(value):
     return bytes.fromhex(value["__bytes__"]) if isinstance(value, dict) else value
 
 
-@pytest.mark.skipif(not RECORDINGS_DIR.is_dir(), reason="shared vLLM recordings absent")
 @pytest.mark.parametrize("filename", ["kv_events_int_hashes.jsonl", "kv_events_bytes_hashes.jsonl"])
 def test_sha256_cbor_matches_vllm_0_32_events(filename: str) -> None:
     """Every root BlockStored chain recorded from vLLM 0.32.0 (sha256_cbor) is recomputed exactly."""
     checked = 0
-    for line in (RECORDINGS_DIR / filename).read_text().splitlines():
+    for line in recording(filename).read_text().splitlines():
         _ts, events, _rank = json.loads(line)["decoded"]
         for event in events:
             if event["type"] != "BlockStored" or event["parent_block_hash"] is not None:

@@ -29,7 +29,8 @@ from typing import Any
 
 import pydantic
 
-from services.epp.framework.interfaces import Candidate, CycleState, Filter, PluginHandle, SchedulingRequest
+from services.epp.framework.cycle_state import CycleState
+from services.epp.framework.interfaces import Candidate, Filter, PluginHandle, SchedulingRequest
 from services.epp.framework.registry import parse_params
 
 TYPE = "live-endpoint-filter"
@@ -37,8 +38,8 @@ TYPE = "live-endpoint-filter"
 
 class LiveEndpointFilterParams(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
-    max_metrics_age_seconds: float = pydantic.Field(2.0, gt=0)
-    max_consecutive_scrape_failures: int = pydantic.Field(3, ge=1)
+    max_metrics_age_seconds: float = pydantic.Field(default=2.0, gt=0)
+    max_consecutive_scrape_failures: int = pydantic.Field(default=3, ge=1)
 
 
 def factory(name: str, params: Mapping[str, Any], handle: PluginHandle) -> LiveEndpointFilter:

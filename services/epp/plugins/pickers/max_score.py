@@ -23,7 +23,8 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from services.epp.framework.interfaces import CycleState, Picker, PickerResult, PluginHandle, ScoredCandidate
+from services.epp.framework.cycle_state import CycleState
+from services.epp.framework.interfaces import Picker, PickerResult, PluginHandle, ScoredCandidate
 from services.epp.framework.registry import NoParams, parse_params
 
 TYPE = "max-score-picker"

@@ -21,7 +21,8 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from services.epp.framework.interfaces import CycleState, Picker, PickerResult, PluginHandle, ScoredCandidate
+from services.epp.framework.cycle_state import CycleState
+from services.epp.framework.interfaces import Picker, PickerResult, PluginHandle, ScoredCandidate
 from services.epp.framework.registry import NoParams, parse_params
 from services.epp.plugins.pickers.max_score import rank_by_total
 

@@ -26,7 +26,8 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from services.epp.framework.interfaces import CycleState, Picker, PickerResult, PluginHandle, ScoredCandidate
+from services.epp.framework.cycle_state import CycleState
+from services.epp.framework.interfaces import Picker, PickerResult, PluginHandle, ScoredCandidate
 from services.epp.framework.registry import NoParams, parse_params
 
 TYPE = "round-robin-picker"

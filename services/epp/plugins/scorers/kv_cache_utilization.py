@@ -25,9 +25,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvmesh.types import EndpointId
+from services.epp.framework.cycle_state import CycleState
 from services.epp.framework.interfaces import (
     Candidate,
-    CycleState,
     PluginHandle,
     SchedulingRequest,
     Scorer,
@@ -47,7 +47,7 @@ class KVCacheUtilizationScorer(Scorer):
     type_name = TYPE
     category = ScorerCategory.DISTRIBUTION
 
-    async def score(
+    def score(
         self, state: CycleState, request: SchedulingRequest, candidates: Sequence[Candidate]
     ) -> dict[EndpointId, float]:
         return {c.id: 1.0 - c.metrics.kv_cache_usage_perc for c in candidates}

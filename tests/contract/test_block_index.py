@@ -1,6 +1,13 @@
-"""InMemoryIndex (and the instrumented decorator): add, evict, clear, purge, fence, scoring, dump."""
+"""The KV-block index contract, run against every ``KVBlockIndex`` backend (add new ones to BACKENDS).
+
+Add, evict, clear, purge, fence, scoring, dump and the invariants hold for each backend: the in-memory
+index and the metrics decorator around it today, a Redis- or sharded-backed index later, as llm-d-kv-cache
+runs one suite over its index backends.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import pytest
 from hypothesis import given, settings
@@ -10,6 +17,13 @@ from kvmesh.hashing import block_keys
 from kvmesh.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.types import Endpoint, EndpointId, Medium
 from services.kv_indexer.index import ApplyOutcome, InMemoryIndex, InstrumentedIndex, KVBlockIndex
+
+IndexFactory = Callable[[], KVBlockIndex]
+
+BACKENDS: dict[str, IndexFactory] = {
+    "in-memory": InMemoryIndex,
+    "instrumented": lambda: InstrumentedIndex(InMemoryIndex()),
+}
 
 B = 4
 M = "m"
@@ -22,21 +36,30 @@ def ep(endpoint_id: EndpointId = A, model: str = M, block_size: int = B) -> Endp
     return Endpoint(id=endpoint_id, url=f"http://{endpoint_id}", model=model, block_size_tokens=block_size)
 
 
-def stored(hashes: list, tokens: list[int], parent: object = None, medium: str | None = "GPU", size: int = B) -> BlockStored:
+def stored(
+    hashes: list, tokens: list[int], parent: int | bytes | None = None, medium: str | None = "GPU", size: int = B
+) -> BlockStored:
     return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=size, medium=medium)
 
 
-@pytest.fixture(params=["in-memory", "instrumented"])
-def index(request: pytest.FixtureRequest) -> KVBlockIndex:
-    inner = InMemoryIndex()
-    idx: KVBlockIndex = inner if request.param == "in-memory" else InstrumentedIndex(inner)
+@pytest.fixture(scope="module", params=list(BACKENDS), ids=list(BACKENDS))
+def make_index(request: pytest.FixtureRequest) -> IndexFactory:
+    """A factory of fresh, empty indexes of one backend (module scope: it holds no state)."""
+    return BACKENDS[request.param]
+
+
+@pytest.fixture
+def index(make_index: IndexFactory) -> KVBlockIndex:
+    idx = make_index()
     idx.register_endpoint(ep(A))
     idx.register_endpoint(ep(C))
     return idx
 
 
-def matches(index: KVBlockIndex, tokens: list[int] = PROMPT, **kw: object) -> dict[str, int]:
-    return {s.endpoint_id: s.matched_blocks for s in index.score(M, tokens, **kw).scores}
+def matches(
+    index: KVBlockIndex, tokens: list[int] = PROMPT, endpoint_ids: Sequence[EndpointId] | None = None
+) -> dict[str, int]:
+    return {s.endpoint_id: s.matched_blocks for s in index.score(M, tokens, endpoint_ids).scores}
 
 
 def test_protocol_is_satisfied(index: KVBlockIndex) -> None:
@@ -167,8 +190,8 @@ def test_reregistration_with_another_block_size_purges(index: KVBlockIndex) -> N
     assert index.stats().per_endpoint[0].blocks == 0
 
 
-def test_event_block_size_wins_while_endpoint_is_empty() -> None:
-    index = InMemoryIndex()
+def test_event_block_size_wins_while_endpoint_is_empty(make_index: IndexFactory) -> None:
+    index = make_index()
     index.register_endpoint(ep(A, block_size=64))
     assert index.apply(A, stored([1], PROMPT[:8], size=8)) is ApplyOutcome.APPLIED
     result = index.score(M, PROMPT)
@@ -177,8 +200,8 @@ def test_event_block_size_wins_while_endpoint_is_empty() -> None:
     assert index.apply(A, stored([2], PROMPT[:4], size=4)) is ApplyOutcome.INVALID
 
 
-def test_mixed_block_sizes_in_one_model() -> None:
-    index = InMemoryIndex()
+def test_mixed_block_sizes_in_one_model(make_index: IndexFactory) -> None:
+    index = make_index()
     index.register_endpoint(ep(A, block_size=4))
     index.register_endpoint(ep(C, block_size=8))
     index.apply(A, stored([1, 2, 3], PROMPT[:12]))
@@ -186,11 +209,11 @@ def test_mixed_block_sizes_in_one_model() -> None:
     assert [(s.endpoint_id, s.matched_blocks, s.matched_tokens) for s in index.score(M, PROMPT).scores] == [(A, 3, 12), (C, 1, 8)]
 
 
-def test_dump_replays_into_an_equal_index(index: KVBlockIndex) -> None:
+def test_dump_replays_into_an_equal_index(index: KVBlockIndex, make_index: IndexFactory) -> None:
     index.apply(A, stored([1, 2, 3], PROMPT[:12]))
     index.apply(A, stored([1], PROMPT[:4], medium="CPU"))
     index.apply(C, stored([9], PROMPT[:4]))
-    replica = InMemoryIndex()
+    replica = make_index()
     replica.register_endpoint(ep(A))
     replica.register_endpoint(ep(C))
     for endpoint_id, event in index.dump():
@@ -208,8 +231,8 @@ tokens_st = st.lists(st.integers(0, 50), min_size=B, max_size=6 * B)
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(tokens_st, min_size=1, max_size=6), st.randoms(use_true_random=False))
-def test_add_then_evict_everything_returns_to_empty(prompts: list[list[int]], rnd) -> None:
-    index = InMemoryIndex()
+def test_add_then_evict_everything_returns_to_empty(make_index: IndexFactory, prompts: list[list[int]], rnd) -> None:
+    index = make_index()
     index.register_endpoint(ep(A))
     stored_hashes: list[int] = []
     for i, prompt in enumerate(prompts):
@@ -228,8 +251,8 @@ def test_add_then_evict_everything_returns_to_empty(prompts: list[list[int]], rn
 
 @settings(max_examples=60, deadline=None)
 @given(tokens_st, st.integers(0, 6), tokens_st)
-def test_score_is_monotone_in_prefix_length(prompt: list[int], held: int, query: list[int]) -> None:
-    index = InMemoryIndex()
+def test_score_is_monotone_in_prefix_length(make_index: IndexFactory, prompt: list[int], held: int, query: list[int]) -> None:
+    index = make_index()
     index.register_endpoint(ep(A))
     n = min(held, len(prompt) // B)
     if n:

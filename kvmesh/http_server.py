@@ -1,0 +1,110 @@
+"""HttpServer: uvicorn embedded in a process's own event loop (the router's API, the simulator's engine API).
+
+uvicorn normally owns the process: it installs SIGTERM/SIGINT handlers and configures logging.
+Embedded, it does neither: the process owns the signals (:class:`kvmesh.server.GrpcService` or the
+simulator's run loop) and logging (:func:`kvmesh.logging.setup_logging`; uvicorn's records go
+through the root handler), and uvicorn runs as one task of the running loop.
+
+Lifecycle: ``await start()`` returns once the socket is bound (``port`` then holds the bound port,
+also when 0 asked for a free one). ``await stop()`` stops accepting, lets open requests finish
+for ``grace_seconds`` (uvicorn's ``timeout_graceful_shutdown``, rounded up to whole seconds),
+then cancels what is left; a server still not down one second later is force-closed.
+``await wait()`` returns when the server ends on its own (a crash, or after ``stop``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import Generator
+
+import uvicorn
+from starlette.types import ASGIApp
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: the process owns SIGTERM/SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+class HttpServer:
+    """uvicorn serving ``app`` on ``host:port`` as a task of the running loop.
+
+    Args:
+        app: the ASGI application (lifespan events are not sent).
+        host: interface to bind.
+        port: port to bind; 0 picks a free one (read :attr:`port` after :meth:`start`).
+        grace_seconds: on :meth:`stop`, how long open requests may finish (>= 0).
+        log_level: level of uvicorn's own loggers (``"warning"`` quiets its start-up lines);
+            None leaves them at the root level.
+        name: name of the serving task (shows in task dumps and errors).
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        host: str,
+        port: int,
+        grace_seconds: float,
+        *,
+        log_level: str | None = None,
+        name: str = "http",
+    ) -> None:
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            lifespan="off",
+            log_config=None,
+            log_level=log_level,
+            access_log=False,
+            timeout_graceful_shutdown=math.ceil(grace_seconds),
+        )
+        self._server = _EmbeddedUvicorn(config)
+        self._grace = grace_seconds
+        self._name = name
+        self._task: asyncio.Task[None] | None = None
+        self.host = host
+        self.port = port
+
+    async def start(self, timeout_seconds: float = 10.0) -> None:
+        """Start serving; returns once the socket is bound.
+
+        Raises:
+            OSError: when uvicorn could not bind within ``timeout_seconds``.
+        """
+        self._task = asyncio.create_task(self._server.serve(), name=self._name)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_seconds
+        while not self._server.started:
+            if self._task.done() or loop.time() > deadline:
+                raise OSError(f"{self._name} HTTP server could not start on {self.host}:{self.port}")
+            await asyncio.sleep(0.01)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+
+    async def wait(self) -> None:
+        """Return when the server task ends (at once when it never started)."""
+        if self._task is not None:
+            await asyncio.shield(self._task)
+
+    async def stop(self) -> None:
+        """Drain and stop (see the module docstring); safe to call twice or before :meth:`start`.
+
+        Raises:
+            Exception: whatever ended the server task with an error (it is not hidden).
+        """
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), math.ceil(self._grace) + 1.0)
+        except TimeoutError:
+            self._server.force_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._task, 2.0)
+        finally:
+            self._task = None

@@ -1,0 +1,138 @@
+"""``prefix-match``: the prepare step that tokenizes the prompt and asks kv_indexer for its cached prefix, once per pick.
+
+Intent:
+    The named producer of the prompt data that cache-aware scorers read (GIE's prepare-data step;
+    llm-d's ``ComputeBlockKeys`` then ``GetPodScores``). It runs once per pick before the scheduler's
+    load snapshot, whatever number of scorers consume its output, so the prompt is tokenized and
+    kv_indexer is asked exactly once.
+Inputs consumed:
+    The prompt: ``request.token_ids`` when given, else the request's ``prompt`` or ``messages``
+    tokenized by the engine itself (``POST /tokenize`` of a live endpoint of the model, through the
+    handle's :class:`~services.epp.framework.interfaces.Tokenizer`, cached). ``request.model`` and the
+    candidate ids go to kv_indexer (the handle's :class:`~services.epp.framework.interfaces.PrefixIndex`).
+Produces:
+    ``TOKEN_IDS`` (the prompt's token ids; empty when unknown) and ``PREFIX_MATCH`` (kv_indexer's
+    answer: the prompt's full blocks and, per endpoint, the leading blocks cached there; None when the
+    prompt has no tokens or the call failed).
+Parameters:
+    ``tokenize`` (bool, default true): tokenize text/messages when no token ids are given; when false,
+    such requests have no tokens (and no match).
+Example YAML::
+
+    - type: prefix-match
+      parameters: {tokenize: true}
+Failure modes:
+    kv_indexer unreachable or slow (past its timeout), or tokenization failing: logged (at most once per
+    10 s per kind) and written as no match, so consumers degrade (prefix scores 0, prefill cost by load).
+
+:func:`uncached_prompt_tokens` is the one formula for the prompt tokens an endpoint would have to
+prefill given the match; the scheduler (for the datastore's queued-prefill accounting) and
+``prefill-cost-scorer`` both use it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pydantic
+
+from services.epp.framework.cycle_state import CycleState, StateKey
+from services.epp.framework.interfaces import (
+    Candidate,
+    ConfigError,
+    PluginHandle,
+    PrefixIndex,
+    PrefixMatch,
+    PrepareStep,
+    SchedulingRequest,
+    Tokenizer,
+)
+from services.epp.framework.registry import parse_params
+
+logger = logging.getLogger(__name__)
+
+TYPE = "prefix-match"
+_WARN_EVERY_SECONDS = 10.0
+
+TOKEN_IDS: StateKey[list[int]] = StateKey("token-ids", producer=TYPE)
+"""The prompt's token ids (given by the caller or tokenized); empty when unknown."""
+
+PREFIX_MATCH: StateKey[PrefixMatch | None] = StateKey("prefix-match", producer=TYPE)
+"""kv_indexer's answer for the prompt (None: no tokens, or the call failed)."""
+
+
+class PrefixMatchParams(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    tokenize: bool = True
+
+
+def factory(name: str, params: Mapping[str, Any], handle: PluginHandle) -> PrefixMatchStep:
+    parsed = parse_params(PrefixMatchParams, TYPE, name, params)
+    if handle.prefix_index is None:
+        raise ConfigError(f"plugin {name!r} (type {TYPE}) needs kv_indexer: set --kv-indexer-address")
+    return PrefixMatchStep(name, handle.prefix_index, handle.tokenizer if parsed.tokenize else None)
+
+
+def prompt_token_ids(state: CycleState, request: SchedulingRequest) -> Sequence[int]:
+    """The prompt's token ids: ``TOKEN_IDS`` when the step ran and found some, else the request's own."""
+    return state.get(TOKEN_IDS) or request.token_ids
+
+
+def uncached_prompt_tokens(candidate: Candidate, prompt_tokens: int, match: PrefixMatch | None) -> int:
+    """Prompt tokens ``candidate`` would have to prefill: the prompt minus the prefix cached there.
+
+    ``prompt_tokens - matched_blocks(candidate) * block_size(candidate)``, at least 0, where the block
+    size is the engine's scraped ``block_size`` (else its registered one). Without a match (None, or a
+    prompt with no full block) the whole prompt; 0 when the prompt's length is unknown (0). Pure.
+    """
+    if match is None or match.total_blocks <= 0:
+        return prompt_tokens
+    block = candidate.metrics.block_size_tokens or candidate.endpoint.block_size_tokens or 0
+    return max(0, prompt_tokens - match.matched_blocks.get(candidate.id, 0) * block)
+
+
+class PrefixMatchStep(PrepareStep):
+    """Writes ``TOKEN_IDS`` and ``PREFIX_MATCH`` for the pick; never raises for I/O failures."""
+
+    type_name = TYPE
+    produces = frozenset({TOKEN_IDS, PREFIX_MATCH})
+    reads_prompt = True
+
+    def __init__(self, name: str, prefix_index: PrefixIndex, tokenizer: Tokenizer | None) -> None:
+        super().__init__(name)
+        self._index = prefix_index
+        self._tokenizer = tokenizer
+        self._last_warning: dict[str, float] = {}
+
+    def _warn(self, what: str, request: SchedulingRequest, exc: BaseException) -> None:
+        now = time.monotonic()
+        if now - self._last_warning.get(what, -_WARN_EVERY_SECONDS) >= _WARN_EVERY_SECONDS:
+            self._last_warning[what] = now
+            logger.warning(
+                "%s failed; prefix scores are 0 step=%s request_id=%s model=%s error=%r",
+                what, self.name, request.request_id, request.model, exc,
+            )
+
+    async def _token_ids(self, request: SchedulingRequest, candidates: Sequence[Candidate]) -> list[int]:
+        tokens: list[int] = list(request.token_ids)
+        if not tokens and self._tokenizer is not None and (request.prompt or request.messages):
+            try:
+                tokens = await self._tokenizer.tokenize(request, candidates)
+            except Exception as exc:
+                self._warn("tokenize", request, exc)
+                return []
+        return tokens
+
+    async def prepare(self, state: CycleState, request: SchedulingRequest, candidates: Sequence[Candidate]) -> None:
+        tokens = await self._token_ids(request, candidates)
+        match: PrefixMatch | None = None
+        if tokens:
+            try:
+                match = await self._index.score(request.model, tokens, [c.id for c in candidates])
+            except Exception as exc:
+                self._warn("kv_indexer score", request, exc)
+        state.set(TOKEN_IDS, tokens)
+        state.set(PREFIX_MATCH, match)

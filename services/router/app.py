@@ -1,0 +1,113 @@
+"""Wires the router together: catalog, clients, request flow, HTTP app and gRPC servicer -> one GrpcService.
+
+The etcd :class:`~kvmesh.membership.EndpointWatcher` keeps the model catalog current (a
+:class:`WatchedCatalog`, rebuilt on every membership change); the HTTP server
+(:class:`kvmesh.http_server.HttpServer`) runs as a task of the same event loop, started in
+``on_start`` (so HTTP is up before gRPC health says SERVING) and stopped gracefully in ``on_stop``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from kvmesh._proto.kvmesh.router.v1 import router_pb2_grpc
+from kvmesh.http_server import HttpServer
+from kvmesh.membership import EndpointWatcher
+from kvmesh.server import GrpcService, ServiceSpec
+from kvmesh.types import Endpoint, EndpointId
+from services.router.catalog import ModelCatalog
+from services.router.clients import AdmissionClient, PickerClient
+from services.router.config import RouterConfig
+from services.router.http_app import RouterHttpApi
+from services.router.readiness import ReadinessProbe
+from services.router.request_flow import RequestFlow, build_http_client
+from services.router.servicer import SERVICE_NAME, InferenceServicer
+
+logger = logging.getLogger(__name__)
+
+
+class WatchedCatalog:
+    """The current :class:`ModelCatalog`, rebuilt from the watcher's view on every change.
+
+    Calling the object returns the catalog in force (the ``Callable[[], ModelCatalog]`` the request
+    flow, the HTTP API and the servicer read); without a watcher it stays empty.
+    """
+
+    def __init__(self, watcher: EndpointWatcher | None) -> None:
+        self._watcher = watcher
+        self._catalog = ModelCatalog()
+
+    def __call__(self) -> ModelCatalog:
+        return self._catalog
+
+    def refresh(self, joined: dict[EndpointId, Endpoint] | None = None,
+                left: dict[EndpointId, Endpoint] | None = None) -> None:
+        """Rebuild from the watcher's snapshot (a :data:`~kvmesh.membership.MembershipListener`)."""
+        if self._watcher is not None:
+            self._catalog = ModelCatalog.from_endpoints(self._watcher.snapshot().values())
+
+    def endpoint_count(self) -> int:
+        """Live endpoints across all models."""
+        return sum(info.endpoints for info in self._catalog.models.values())
+
+
+def build_service(config: RouterConfig) -> GrpcService:
+    """The router as a GrpcService: catalog watcher, clients, flow, HTTP app and servicer."""
+    watcher = EndpointWatcher(config.etcd_endpoints) if config.etcd_endpoints else None
+    catalog = WatchedCatalog(watcher)
+    admission = AdmissionClient(
+        config.flow_control_address, config.admission_timeout_seconds, config.admission_close_timeout_seconds
+    )
+    picker = PickerClient(config.epp_address, config.pick_timeout_seconds)
+    http_client = build_http_client(config)
+    flow = RequestFlow(config, catalog, admission, picker, http_client)
+    readiness = ReadinessProbe(
+        {"flow_control": admission.health, "epp": picker.health},
+        catalog.endpoint_count,
+        config.health_check_timeout_seconds,
+        config.health_cache_seconds,
+        time.monotonic,
+    )
+    api = RouterHttpApi(config, flow, catalog, readiness)
+    http_server = HttpServer(api.app(), config.host, config.http_port, config.shutdown_http_grace_seconds,
+                             name="router-http")
+    servicer = InferenceServicer(config, flow, catalog)
+
+    def add_servicers(server: grpc.aio.Server) -> None:
+        router_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
+
+    async def start_clients() -> None:
+        await admission.connect()
+        await picker.connect()
+
+    async def start_watcher() -> None:
+        if watcher is not None:
+            watcher.add_listener(catalog.refresh)
+            await watcher.start()
+            catalog.refresh()
+            logger.info("router models=%s", catalog().names())
+
+    async def start_http() -> None:
+        await http_server.start()
+        logger.info("router http listening address=%s:%d", config.host, http_server.port)
+
+    async def close_clients() -> None:
+        if watcher is not None:
+            await watcher.stop()
+        await http_client.aclose()
+        await admission.close()
+        await picker.close()
+
+    return GrpcService(
+        config,
+        ServiceSpec(
+            name="router",
+            service_names=[SERVICE_NAME],
+            add_servicers=add_servicers,
+            on_start=[start_clients, start_watcher, start_http],
+            on_stop=[http_server.stop, close_clients],
+        ),
+    )

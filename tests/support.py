@@ -1,0 +1,176 @@
+"""Helpers and constants that tests import (``conftest.py`` holds only fixtures and hooks).
+
+- ``RECORDINGS_DIR``: real vLLM 0.32 wire recordings, vendored in the repository, so every clone runs the
+  same wire checks; ``recording(name)`` fails (never skips) when a file is missing.
+- ``update_golden(config)``: whether this run rewrites golden files (``--update-golden``).
+- ``wait_until`` / ``wait_until_async``: the one deadline-poll for "eventually true" conditions. On
+  timeout they raise ``WaitTimeout`` (an ``AssertionError``) naming what was awaited and the last
+  value the probe returned (or the last exception it raised, when told to tolerate it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar, overload
+
+import pytest
+
+T = TypeVar("T")
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+RECORDINGS_DIR = TESTS_DIR / "compat" / "fixtures" / "vllm-0.32-cpu"
+"""Real vLLM 0.32 (CPU build) wire recordings: KV-event frames, one /metrics page, tokenizer config.
+
+Provenance and format in ``README.md`` there. They are part of the repository: a test that needs them
+fails when they are missing instead of silently running fewer checks.
+"""
+
+
+def recording(name: str) -> Path:
+    """The path of the vendored recording ``name``; fails the test when it is missing."""
+    path = RECORDINGS_DIR / name
+    if not path.is_file():
+        pytest.fail(f"vLLM 0.32 recording missing: {path} (it is vendored in the repository; restore it)")
+    return path
+
+
+def update_golden(config: pytest.Config) -> bool:
+    """Whether golden files are rewritten this run (``--update-golden`` or ``KVMESH_UPDATE_GOLDEN=1``)."""
+    return bool(config.getoption("--update-golden")) or os.environ.get("KVMESH_UPDATE_GOLDEN") == "1"
+
+
+class WaitTimeout(AssertionError):
+    """``what`` did not hold within ``timeout`` seconds; ``last`` is the last value (or error) seen."""
+
+    def __init__(self, what: str, timeout: float, last: object) -> None:
+        super().__init__(f"timed out after {timeout:g}s waiting for {what}; last seen: {last!r}")
+        self.what = what
+        self.timeout = timeout
+        self.last = last
+
+
+class _Poll:
+    """The bookkeeping shared by both waits: the deadline, the condition and the last value seen."""
+
+    def __init__(self, timeout: float, what: str, until: Callable[[Any], object]) -> None:
+        self._deadline = time.monotonic() + timeout
+        self._timeout, self._what, self._until = timeout, what, until
+        self._last: object = None
+
+    def holds(self, value: object) -> bool:
+        """True when ``value`` meets the condition; else records it, raising once the deadline has passed."""
+        if self._until(value):
+            return True
+        self.missed(value)
+        return False
+
+    def missed(self, last: object) -> None:
+        """Record a try that did not hold (a value or an ignored error).
+
+        Raises:
+            WaitTimeout: the deadline has passed.
+        """
+        self._last = last
+        if time.monotonic() >= self._deadline:
+            raise WaitTimeout(self._what, self._timeout, self._last)
+
+
+def wait_until(
+    probe: Callable[[], T],
+    timeout: float,
+    what: str,
+    *,
+    until: Callable[[T], object] = bool,
+    interval: float = 0.05,
+    before_each: Callable[[], object] | None = None,
+    ignore: tuple[type[BaseException], ...] = (),
+) -> T:
+    """Call ``probe`` every ``interval`` seconds until ``until(value)`` is true; return that value.
+
+    Args:
+        probe: returns the observed value (a bool for a plain predicate).
+        timeout: seconds before giving up.
+        what: what is awaited, for the failure message ("the router to list the model").
+        until: the condition on the value; truthiness by default.
+        before_each: called before every try (e.g. re-send an idempotent message a PUB socket may drop).
+        ignore: exception types from ``probe`` that mean "not yet" (recorded as the last value seen).
+
+    Raises:
+        WaitTimeout: the condition did not hold within ``timeout``.
+    """
+    poll = _Poll(timeout, what, until)
+    while True:
+        if before_each is not None:
+            before_each()
+        try:
+            value = probe()
+        except ignore as exc:
+            poll.missed(exc)
+        else:
+            if poll.holds(value):
+                return value
+        time.sleep(interval)
+
+
+@overload
+async def wait_until_async(
+    probe: Callable[[], Awaitable[T]],
+    timeout: float,
+    what: str,
+    *,
+    until: Callable[[T], object] = ...,
+    interval: float = ...,
+    before_each: Callable[[], object] | None = ...,
+    ignore: tuple[type[BaseException], ...] = ...,
+) -> T: ...
+
+
+@overload
+async def wait_until_async(
+    probe: Callable[[], T],
+    timeout: float,
+    what: str,
+    *,
+    until: Callable[[T], object] = ...,
+    interval: float = ...,
+    before_each: Callable[[], object] | None = ...,
+    ignore: tuple[type[BaseException], ...] = ...,
+) -> T: ...
+
+
+async def wait_until_async(
+    probe: Callable[[], Any],
+    timeout: float,
+    what: str,
+    *,
+    until: Callable[[Any], object] = bool,
+    interval: float = 0.05,
+    before_each: Callable[[], object] | None = None,
+    ignore: tuple[type[BaseException], ...] = (),
+) -> Any:
+    """``wait_until`` for the event loop: ``probe`` may be a coroutine function or a plain one.
+
+    Sleeps with ``asyncio.sleep``, so the code under test keeps running between tries.
+
+    Raises:
+        WaitTimeout: the condition did not hold within ``timeout``.
+    """
+    poll = _Poll(timeout, what, until)
+    while True:
+        if before_each is not None:
+            before_each()
+        try:
+            result = probe()
+            value = await result if inspect.isawaitable(result) else result
+        except ignore as exc:
+            poll.missed(exc)
+        else:
+            if poll.holds(value):
+                return value
+        await asyncio.sleep(interval)

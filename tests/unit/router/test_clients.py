@@ -1,0 +1,162 @@
+"""The router's gRPC clients against in-process servers: the prompt only when epp needs it, remote
+statuses through the error table with per-call overrides."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from kvmesh import errors
+from kvmesh._proto.kvmesh.common.v1 import common_pb2
+from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
+from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2, flow_control_pb2_grpc
+from services.router.clients import AdmissionClient, AdmitQuery, PickerClient, PickQuery
+from tests.support import wait_until_async
+
+QUERY = PickQuery(request_id="r1", model="tiny", prompt_token_ids=(1, 2, 3), prompt="hello",
+                  messages=(("user", "hi"),), exclude_endpoint_ids=("x:1",))
+TARGET = common_pb2.Endpoint(id="a:1", url="http://a:1/", model="tiny")
+
+
+class FakeEpp(epp_pb2_grpc.EndpointPickerServicer):
+    """Answers Pick with TARGET; ``needs_prompt`` None leaves GetPickerInfo unimplemented (an older epp)."""
+
+    def __init__(self, needs_prompt: bool | None, abort: grpc.StatusCode | None = None) -> None:
+        self.needs_prompt = needs_prompt
+        self.abort = abort
+        self.picks: list[epp_pb2.PickRequest] = []
+        self.info_calls = 0
+
+    async def Pick(self, request: epp_pb2.PickRequest, context: grpc.aio.ServicerContext) -> epp_pb2.PickResponse:
+        self.picks.append(request)
+        if self.abort is not None:
+            await context.abort(self.abort, "no endpoint for model tiny")
+        return epp_pb2.PickResponse(target=TARGET, profile="default")
+
+    async def GetPickerInfo(self, request: epp_pb2.GetPickerInfoRequest, context: grpc.aio.ServicerContext) -> epp_pb2.PickerInfo:
+        self.info_calls += 1
+        if self.needs_prompt is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+        return epp_pb2.PickerInfo(needs_prompt=bool(self.needs_prompt), profiles=["default"])
+
+
+async def serve_epp(epp: FakeEpp, port: int = 0) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server()
+    epp_pb2_grpc.add_EndpointPickerServicer_to_server(epp, server)
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, bound
+
+
+@pytest.fixture
+async def picker_for() -> AsyncIterator[object]:
+    opened: list[tuple[grpc.aio.Server, PickerClient]] = []
+
+    async def start(epp: FakeEpp) -> PickerClient:
+        server, port = await serve_epp(epp)
+        client = PickerClient(f"127.0.0.1:{port}", timeout_seconds=5)
+        await client.connect()
+        opened.append((server, client))
+        return client
+
+    yield start
+    for server, client in opened:
+        await client.close()
+        await server.stop(0)
+
+
+def carries_prompt(request: epp_pb2.PickRequest) -> bool:
+    return bool(request.prompt or request.prompt_token_ids or request.messages)
+
+
+@pytest.mark.parametrize(("needs_prompt", "sent"), [(False, False), (True, True), (None, True)],
+                         ids=["not-needed", "needed", "unimplemented"])
+async def test_prompt_travels_only_when_epp_needs_it(picker_for, needs_prompt: bool | None, sent: bool) -> None:
+    epp = FakeEpp(needs_prompt)
+    picker: PickerClient = await picker_for(epp)
+    replies = await asyncio.gather(*(picker.pick(QUERY) for _ in range(3)))  # concurrent: one info call
+    replies.append(await picker.pick(QUERY))
+    assert all([ep.url for ep in reply.candidates] == ["http://a:1"] for reply in replies)  # kvmesh.wire drops the "/"
+    assert [carries_prompt(p) for p in epp.picks] == [sent] * 4
+    assert all(list(p.exclude_endpoint_ids) == ["x:1"] and p.model == "tiny" for p in epp.picks)
+    assert epp.info_calls == 1  # asked once, cached (UNIMPLEMENTED too)
+    if sent:
+        assert list(epp.picks[0].prompt_token_ids) == [1, 2, 3] and epp.picks[0].prompt == "hello"
+        assert [(m.role, m.content) for m in epp.picks[0].messages] == [("user", "hi")]
+
+
+async def test_picker_info_is_asked_again_after_epp_restarts() -> None:
+    first = FakeEpp(needs_prompt=False)
+    server, port = await serve_epp(first)
+    picker = PickerClient(f"127.0.0.1:{port}", timeout_seconds=5)
+    await picker.connect()
+    try:
+        await picker.pick(QUERY)
+        assert not carries_prompt(first.picks[-1])
+        await server.stop(0)
+        await wait_until_async(lambda: picker._needs_prompt is None, 10, "the picker info to be forgotten")
+        second = FakeEpp(needs_prompt=True)  # restarted with a profile that reads the prompt
+        server, _ = await serve_epp(second, port)
+        await picker.pick(QUERY)
+        assert carries_prompt(second.picks[-1]) and second.info_calls == 1
+    finally:
+        await picker.close()
+        await server.stop(0)
+
+
+async def test_failed_info_call_sends_the_prompt_and_asks_again() -> None:
+    picker = PickerClient("127.0.0.1:1", timeout_seconds=0.5)  # nothing listens
+    await picker.connect()
+    try:
+        assert await picker.needs_prompt() is True
+        assert picker._needs_prompt is None  # not cached: a failure is not an answer
+        with pytest.raises(errors.NoEndpointsAvailable, match="endpoint picker"):
+            await picker.pick(QUERY)
+    finally:
+        await picker.close()
+
+
+@pytest.mark.parametrize(("code", "error_cls"), [
+    (grpc.StatusCode.UNAVAILABLE, errors.NoEndpointsAvailable),
+    (grpc.StatusCode.NOT_FOUND, errors.NotFound),
+    (grpc.StatusCode.INVALID_ARGUMENT, errors.InvalidRequest),
+], ids=lambda v: getattr(v, "name", getattr(v, "__name__", "")))
+async def test_pick_errors_go_through_the_table(picker_for, code: grpc.StatusCode, error_cls: type[errors.KvmeshError]) -> None:
+    picker: PickerClient = await picker_for(FakeEpp(needs_prompt=True, abort=code))
+    with pytest.raises(error_cls) as info:
+        await picker.pick(QUERY)
+    assert type(info.value) is error_cls
+
+
+class DownFlowControl(flow_control_pb2_grpc.FlowControlServicer):
+    def __init__(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    async def Admit(self, request_iterator: AsyncIterator[flow_control_pb2.AdmitRequest], context: grpc.aio.ServicerContext) -> AsyncIterator[flow_control_pb2.AdmitResponse]:
+        await context.abort(self.code, "shutting down")
+        yield flow_control_pb2.AdmitResponse()  # never reached; makes this a generator
+
+
+@pytest.mark.parametrize(("code", "error_cls", "message"), [
+    (grpc.StatusCode.UNAVAILABLE, errors.NotReady, "flow_control unavailable: shutting down"),
+    (grpc.StatusCode.INTERNAL, errors.NotReady, "flow_control unavailable: shutting down"),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, errors.QueueTTLExpired, "flow_control unavailable: shutting down"),
+    (grpc.StatusCode.INVALID_ARGUMENT, errors.InvalidRequest, "shutting down"),
+], ids=lambda v: getattr(v, "name", getattr(v, "__name__", "")))
+async def test_admit_errors_use_per_call_overrides(code: grpc.StatusCode, error_cls: type[errors.KvmeshError], message: str) -> None:
+    server = grpc.aio.server()
+    flow_control_pb2_grpc.add_FlowControlServicer_to_server(DownFlowControl(code), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = AdmissionClient(f"127.0.0.1:{port}", admission_timeout_seconds=5, close_timeout_seconds=1)
+    await client.connect()
+    try:
+        with pytest.raises(error_cls) as info:
+            await client.admit(AdmitQuery("r1", "f", 0, 10, 10, "tiny"))
+        assert type(info.value) is error_cls and str(info.value) == message
+    finally:
+        await client.close()
+        await server.stop(0)
