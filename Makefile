@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 RUN_ARGS ?=
 TRACE ?=
 
-.PHONY: run test lint proto proto-check setup deps clean
+.PHONY: run test test-faults lint proto proto-check setup deps clean compose-up-check
 
 setup: $(STAMP) deps
 
@@ -24,6 +24,15 @@ deps:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null; \
 	  else \
 	    echo "etcd is missing; run: sudo apt-get install -y etcd-server"; exit 1; \
+	  fi; \
+	fi
+	@# kv_store's Mooncake tier: the mooncake wheel's store.so links libibverbs.so.1 (TCP transport only here)
+	@if ! ldconfig -p | grep -q libibverbs.so.1; then \
+	  if [ "$$(id -u)" = "0" ]; then \
+	    echo "installing libibverbs1 (apt, for Mooncake)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; \
+	  else \
+	    echo "libibverbs1 is missing (Mooncake tests skip); run: sudo apt-get install -y libibverbs1"; \
 	  fi; \
 	fi
 
@@ -44,6 +53,16 @@ lint: $(STAMP)
 
 test: setup lint
 	$(PY) -m pytest -q
+
+# The fault suite alone (tests/faults/, marker `faults`): kill -9/restart, etcd paused, flapping and
+# slow engines, huge prompts, all under load. `make test` runs it too (see docs/BENCHMARKS.md, "fault suite").
+test-faults: setup
+	$(PY) -m pytest -q -m faults tests/faults
+
+# A real `docker compose build` + `up` + request + trace inside a private network namespace (root,
+# Debian 12, a few minutes; not part of `make test`): tests/compose/test_compose_up.py.
+compose-up-check: setup
+	KVMESH_COMPOSE_UP=1 $(PY) -m pytest -q -s -m compose_up tests/compose/test_compose_up.py
 
 clean:
 	rm -rf $(VENV) .run .pytest_cache
@@ -78,3 +97,20 @@ $(MODEL_DIR)/model.safetensors: $(VLLM_STAMP) scripts/build_tiny_model.py
 test-vllm: setup model
 	KVMESH_REQUIRE_VLLM=1 KVMESH_VLLM_PYTHON=$(abspath $(VLLM_PY)) KVMESH_TINY_MODEL=$(abspath $(MODEL_DIR)) \
 	  $(PY) -m pytest -q tests/compat
+
+# kv_store's Mooncake tier: Mooncake's own client and master (non-CUDA wheel) in their own venv; the test
+# tests/integration/test_kv_store_mooncake.py runs them in a private network namespace (see ENVIRONMENT.md).
+MOONCAKE_VENV := .venv-mooncake
+MOONCAKE_STAMP := $(MOONCAKE_VENV)/.installed
+
+.PHONY: mooncake-venv test-mooncake
+
+mooncake-venv: $(MOONCAKE_STAMP)
+
+$(MOONCAKE_STAMP):
+	$(PYTHON) -m venv $(MOONCAKE_VENV)
+	$(MOONCAKE_VENV)/bin/pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
+	touch $(MOONCAKE_STAMP)
+
+test-mooncake: setup mooncake-venv
+	$(PY) -m pytest -q tests/integration/test_kv_store_mooncake.py

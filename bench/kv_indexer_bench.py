@@ -1,20 +1,39 @@
-"""Scoring speed of the in-memory kv_indexer: ``python bench/kv_indexer_bench.py``.
+"""kv_indexer benchmarks: ``python bench/kv_indexer_bench.py [score|replay|etcd-pause]``.
 
-Fills an index with ``--endpoints`` endpoints holding overlapping prefixes of a long prompt, then
-times ``score`` (block keys + prefix walk, what one Score RPC costs inside the service) for prompts
-of several lengths and block sizes. Prints a table of p50/p99 in milliseconds.
+* ``score`` (default): fills an index with ``--endpoints`` endpoints holding overlapping prefixes
+  of a long prompt, then times ``score`` (block keys + prefix walk, what one Score RPC costs inside
+  the service) for prompts of several lengths and block sizes; p50/p99 in milliseconds.
+* ``replay``: a publisher (the simulator's, vLLM 0.32's replay protocol over a real ZMQ ROUTER)
+  buffers ``--events`` messages of one event each (stores and removals over a bounded working set);
+  an :class:`EventPool` that missed them all recovers them through :class:`ZmqReplayer`. Prints the
+  fetch time, the apply time and the rate.
+* ``etcd-pause``: real processes (etcd, kv_indexer, ``--engines`` simulators under load, leases of
+  ``--lease-ttl`` s); etcd is SIGSTOPped for ``--pause`` s, so every lease expires on resume; prints
+  the time from SIGCONT until the index equals every engine's own cache again (and the streams are live).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
 import random
+import signal
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine_simulator.publisher import ZmqEventPublisher
 from kvmesh.hashing import block_keys
-from kvmesh.kv_events import BlockStored
+from kvmesh.kv_events import BlockRemoved, BlockStored, EventBatch, KVEvent, encode_batch, make_topic
 from kvmesh.types import Endpoint, EndpointId
+from kvmesh_cli.launcher import free_port
+from services.kv_indexer.events.pool import EndpointState, EventPool
+from services.kv_indexer.events.replay import ZmqReplayer
 from services.kv_indexer.index import InMemoryIndex
 
 
@@ -48,11 +67,143 @@ def bench(tokens: int, block_size: int, endpoints: int, repeats: int) -> tuple[f
             statistics.median(key_times) * 1e3, index.stats().blocks)
 
 
+async def replay_bench(events: int, block_size: int, working_set: int) -> None:
+    """Publish ``events`` one-event messages into a replay buffer, then recover them all."""
+    rnd = random.Random(0)
+    replay = f"tcp://127.0.0.1:{free_port()}"
+    endpoint = Endpoint(id=EndpointId("127.0.0.1:1"), url="http://127.0.0.1:1", model="m",
+                        block_size_tokens=block_size, replay_endpoint=replay)
+    publisher = ZmqEventPublisher(f"tcp://127.0.0.1:{free_port()}", make_topic(endpoint.id, "m"),
+                                  replay_endpoint=replay, buffer_steps=events)
+    start = time.perf_counter()
+    held: list[int] = []
+    for seq in range(events):
+        event: KVEvent
+        if len(held) >= working_set or (held and rnd.random() < 0.45):
+            event = BlockRemoved(block_hashes=[held.pop(rnd.randrange(len(held)))])
+        else:
+            block_hash = seq + 1
+            held.append(block_hash)
+            event = BlockStored(block_hashes=[block_hash], parent_block_hash=None,
+                                token_ids=[rnd.randrange(50000) for _ in range(block_size)], block_size=block_size)
+        publisher.publish_payload(encode_batch(EventBatch(ts=0.0, events=[event], data_parallel_rank=0)))
+        if seq % 200_000 == 199_999:
+            print(f"  buffered {seq + 1:,} messages", file=sys.stderr)
+    buffered = time.perf_counter() - start
+    index = InMemoryIndex()
+    index.register_endpoint(endpoint)
+    replayer = ZmqReplayer()
+    fetch_start = time.perf_counter()
+    replies = await replayer.replay(endpoint, 0, timeout_seconds=600)
+    fetch = time.perf_counter() - fetch_start
+    pool = EventPool(index, workers=1, replayer=replayer, replay_timeout_seconds=600)
+    pool.endpoint_joined(endpoint)
+    pool.start()
+    start = time.perf_counter()
+    pool.recover(endpoint, "bench")
+    await pool.settled()
+    recover = time.perf_counter() - start
+    assert len(replies) == events and pool.state(endpoint.id) is EndpointState.LIVE
+    assert set(index.held_blocks(endpoint.id)) == set(held)
+    await pool.shutdown()
+    publisher.shutdown()
+    replayer.close()
+    print(f"{'events':>10} {'buffer s':>9} {'fetch s':>8} {'fetch+apply s':>13} {'events/s':>10} {'held blocks':>11}")
+    print(f"{events:>10,} {buffered:>9.2f} {fetch:>8.2f} {recover:>13.2f} {events / recover:>10,.0f} {len(held):>11,}")
+
+
+async def etcd_pause_bench(engines: int, pause: float, lease_ttl: int, requests: int) -> None:
+    """Real processes; time from SIGCONT until the index equals every engine's cache again."""
+    import grpc
+    import httpx
+
+    from engine_simulator.tokenizer import ensure_tokenizer
+    from kvmesh._proto.kvmesh.kv_indexer.v1 import kv_indexer_pb2 as pb
+    from kvmesh._proto.kvmesh.kv_indexer.v1 import kv_indexer_pb2_grpc
+    from kvmesh_cli.launcher import ManagedProcess, python_module, start_etcd, wait_grpc_healthy, wait_http_ok
+
+    run = Path(tempfile.mkdtemp(prefix="kvmesh-bench-"))
+    tok = ensure_tokenizer(str(run / "tok"))
+    etcd, etcd_address = start_etcd(run)
+    bind = f"tcp://127.0.0.1:{free_port()}"
+    grpc_port = free_port()
+    procs = [ManagedProcess("kv_indexer", python_module(
+        "services.kv_indexer", "--grpc-port", str(grpc_port), "--metrics-port", str(free_port()),
+        "--etcd-endpoints", etcd_address, "--events-bind-endpoint", bind, "--lease-ttl-seconds", str(lease_ttl),
+    ), run / "kv_indexer.log").start()]
+    ports = [free_port() for _ in range(engines)]
+    for port in ports:
+        procs.append(ManagedProcess(f"engine-{port}", python_module(
+            "engine_simulator", "--host", "127.0.0.1", "--port", str(port), "--model", "tiny",
+            "--block-size-tokens", "16", "--num-gpu-blocks", "512", "--events-endpoint", bind,
+            "--events-replay-endpoint", f"tcp://127.0.0.1:{free_port()}", "--etcd-endpoints", etcd_address,
+            "--lease-ttl-seconds", str(lease_ttl), "--time-scale", "200", "--tokenizer-path", str(tok),
+        ), run / f"engine-{port}.log").start())
+    try:
+        wait_grpc_healthy(f"127.0.0.1:{grpc_port}", 30)
+        for port in ports:
+            wait_http_ok(f"http://127.0.0.1:{port}/health", 30)
+        stub = kv_indexer_pb2_grpc.KVIndexerStub(grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}"))
+        rnd = random.Random(0)
+        words = [f"w{i}" for i in range(200)]
+        async with httpx.AsyncClient(timeout=60) as client:
+            async def load(n: int) -> None:
+                for i in range(n):
+                    prompt = " ".join(words[: rnd.randint(10, 100)] + [rnd.choice(words) for _ in range(50)])
+                    await client.post(f"http://127.0.0.1:{ports[i % engines]}/v1/completions",
+                                      json={"model": "tiny", "prompt": prompt, "max_tokens": 4})
+
+            async def exact() -> bool:
+                for port in ports:
+                    body = (await client.get(f"http://127.0.0.1:{port}/debug/kv_cache")).json()
+                    reply = await stub.EndpointBlocks(pb.EndpointBlocksRequest(endpoint_id=f"127.0.0.1:{port}"), timeout=5)
+                    if list(reply.block_hashes) != body["block_hashes"] or reply.state != "live":
+                        return False
+                return True
+
+            await load(requests)
+            loading = asyncio.create_task(load(requests))
+            assert etcd.proc is not None
+            os.killpg(etcd.proc.pid, signal.SIGSTOP)
+            await asyncio.sleep(pause)
+            os.killpg(etcd.proc.pid, signal.SIGCONT)
+            resumed = time.perf_counter()
+            await loading
+            for _ in range(int(600 / 0.05)):  # polls a remote state: no local event to wait on
+                if await exact():
+                    break
+                await asyncio.sleep(0.05)
+            recovered = time.perf_counter() - resumed
+            stats = await stub.Stats(pb.StatsRequest(), timeout=5)
+        print(f"{'engines':>7} {'lease s':>7} {'pause s':>7} {'requests':>8} {'index blocks':>12} {'exact again after s':>19}")
+        print(f"{engines:>7} {lease_ttl:>7} {pause:>7.0f} {2 * requests:>8} {stats.blocks:>12} {recovered:>19.2f}")
+        print("(the time includes finishing the load that ran through the pause; the index is compared only after it)")
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        if etcd.proc is not None and etcd.alive():
+            os.killpg(etcd.proc.pid, signal.SIGCONT)
+        etcd.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", nargs="?", default="score", choices=["score", "replay", "etcd-pause"])
     parser.add_argument("--endpoints", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--events", type=int, default=1_000_000, help="replay: buffered messages")
+    parser.add_argument("--working-set", type=int, default=8192, help="replay: most blocks held at once")
+    parser.add_argument("--engines", type=int, default=2)
+    parser.add_argument("--pause", type=float, default=30.0, help="etcd-pause: seconds etcd is stopped")
+    parser.add_argument("--lease-ttl", type=int, default=10)
+    parser.add_argument("--requests", type=int, default=100)
     args = parser.parse_args()
+    if args.mode == "replay":
+        asyncio.run(replay_bench(args.events, 16, args.working_set))
+        return
+    if args.mode == "etcd-pause":
+        asyncio.run(etcd_pause_bench(args.engines, args.pause, args.lease_ttl, args.requests))
+        return
     rows = [(t, b) for t in (1024, 8192, 32768, 131072) for b in (16, 64)]
     print(f"{'tokens':>8} {'block':>6} {'blocks':>7} {'endpoints':>9} {'index keys':>10} {'keys p50 ms':>11} {'score p50 ms':>12} {'score p99 ms':>12}")
     for tokens, block in rows:

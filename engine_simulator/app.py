@@ -4,7 +4,9 @@
 cache, scheduler core, metrics, latency profile, the HTTP routes) and opens nothing.
 :meth:`EngineSimulator.run` then starts in order: KV-event publisher -> engine loop -> HTTP
 (:class:`kvmesh.http_server.HttpServer` on ``--host:--port``) -> etcd registration (``Endpoint``
-under ``endpoint_key``) once HTTP listens. On SIGTERM/SIGINT: revoke the etcd lease first (routers
+under ``endpoint_key``) once HTTP listens. The lease is kept alive from its own thread and event loop
+(:class:`kvmesh.lease_thread.ThreadedLeaseRegistration`), so a busy engine loop (a long prompt being
+encoded) never costs the engine its registration. On SIGTERM/SIGINT: revoke the etcd lease first (routers
 stop picking the engine at once), stop HTTP (running requests get ``shutdown_grace_seconds``), abort
 what is left, close the publisher.
 """
@@ -16,21 +18,27 @@ import contextlib
 import logging
 import signal
 import time
+import uuid
 
 from engine_simulator.config import SimulatorConfig
 from engine_simulator.engine import AsyncEngine
 from engine_simulator.latency_model import LatencyModel, get_profile
 from engine_simulator.metrics import EngineMetrics
 from engine_simulator.prefix_cache import PrefixCache
-from engine_simulator.publisher import make_publisher
+from engine_simulator.publisher import EventPublisher, make_publisher
 from engine_simulator.rendering import Renderer
-from engine_simulator.scheduler import EngineCore, SchedulerConfig
+from engine_simulator.scheduler import EngineCore, LoraAdapter, SchedulerConfig
 from engine_simulator.server import EngineHttpApi, ServerState
+from engine_simulator.sglang import SGLangEventPublisher, SGLangHttpApi, SGLangMetrics
+from engine_simulator.sglang import server_args as sglang_server_args
 from engine_simulator.tokenizer import ensure_tokenizer, load_tokenizer
 from kvmesh.clock import ScaledClock
-from kvmesh.http_server import HttpServer
-from kvmesh.membership import LeaseRegistration, endpoint_key
-from kvmesh.types import Endpoint, EndpointId
+from kvmesh.http_server import HttpServer, bind_tcp
+from kvmesh.kv_events import make_topic
+from kvmesh.lease_thread import ThreadedLeaseRegistration
+from kvmesh.membership import endpoint_key
+from kvmesh.server import write_ports_file
+from kvmesh.types import LORA_ADAPTERS_LABEL, Endpoint, EndpointId
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +98,11 @@ class EngineSimulator:
     def __init__(self, config: SimulatorConfig, renderer: Renderer, tokenizer_dir: str) -> None:
         self.config = config
         self.endpoint_id = f"{config.host}:{config.port}"
+        """``host:port`` the engine serves on; with ``--port 0`` the bound port, known once :meth:`run` binds."""
+        self.replay_endpoint = ""
+        """The bound replay endpoint (a ``tcp://host:*`` flag resolved to its port), known once :meth:`run` binds."""
+        self.instance_id = uuid.uuid4().hex
+        """This process's incarnation: a restart on the same address registers a new one."""
         self.latency: LatencyModel = get_profile(config.latency_profile)
         cache = PrefixCache(config.num_gpu_blocks, config.block_size_tokens, config.enable_prefix_caching)
         self.core = EngineCore(
@@ -98,7 +111,17 @@ class EngineSimulator:
             ),
             cache,
         )
-        self.metrics = EngineMetrics(config.model, cache_config_info(config), config.max_model_len)
+        self.lora_adapters = {
+            name: LoraAdapter(name, i + 1, f"/adapters/{name}")
+            for i, name in enumerate(n.strip() for n in config.lora_adapters.split(",") if n.strip())
+        }
+        """Served LoRA adapters (``--lora-adapters``), ``lora_int_id`` from 1 in the given order."""
+        self.metrics: EngineMetrics
+        if config.personality == "sglang":
+            self.metrics = SGLangMetrics(config.model, cache_config_info(config), config.max_model_len,
+                                         config.block_size_tokens, config.num_gpu_blocks)
+        else:
+            self.metrics = EngineMetrics(config.model, cache_config_info(config), config.max_model_len)
         self.renderer = renderer
         self.tokenizer_dir = tokenizer_dir
 
@@ -112,26 +135,57 @@ class EngineSimulator:
             block_size_tokens=config.block_size_tokens,
             events_endpoint=config.events_endpoint,
             role=config.role,
-            labels={"engine": "simulator", "max_model_len": str(config.max_model_len)},
+            labels={
+                "engine": "simulator" if config.personality == "vllm" else f"simulator-{config.personality}",
+                "max_model_len": str(config.max_model_len),
+                **({LORA_ADAPTERS_LABEL: ",".join(self.lora_adapters)} if self.lora_adapters else {}),
+            },
+            instance_id=self.instance_id,
+            replay_endpoint=self.replay_endpoint or config.events_replay_endpoint,
+            hash_algo="sha256_cbor",
         )
 
     async def run(self) -> None:
         """Serve until SIGTERM/SIGINT (or until HTTP ends on its own), then shut down in order."""
         config = self.config
-        publisher = make_publisher(config.events_endpoint, self.endpoint_id, config.model)
+        sock = bind_tcp(config.host, config.port)  # bound first: the endpoint id (topic, etcd key) names the port
+        self.endpoint_id = f"{config.host}:{sock.getsockname()[1]}"
+        publisher: EventPublisher
+        if config.personality == "sglang" and config.events_endpoint:
+            publisher = SGLangEventPublisher(
+                config.events_endpoint, make_topic(self.endpoint_id, config.model),
+                replay_endpoint=self.replay_endpoint or config.events_replay_endpoint, buffer_steps=config.events_buffer_steps,
+            )
+        else:
+            publisher = make_publisher(
+                config.events_endpoint, self.endpoint_id, config.model, config.events_replay_endpoint,
+                config.events_buffer_steps,
+            )
+        self.replay_endpoint = getattr(publisher, "replay_endpoint", "")
         engine = AsyncEngine(self.core, self.latency, ScaledClock(config.time_scale), publisher, self.metrics)
         engine.start()
         state = ServerState(engine, self.renderer, config.model, config.max_model_len, self.tokenizer_dir,
-                            int(time.time()))
-        http = HttpServer(EngineHttpApi(state).app(), config.host, config.port, config.shutdown_grace_seconds,
-                          log_level="warning")
+                            int(time.time()), metrics_delay_seconds=config.fault_metrics_delay_seconds,
+                            lora_adapters=self.lora_adapters)
+        api = EngineHttpApi(state)
+        if config.personality == "sglang":
+            api = SGLangHttpApi(state, sglang_server_args(
+                model=config.model, model_path=self.tokenizer_dir, host=config.host, port=int(self.endpoint_id.rsplit(":", 1)[1]),
+                page_size=config.block_size_tokens, num_pages=config.num_gpu_blocks,
+                max_running_requests=config.max_num_seqs, chunked_prefill_size=config.max_num_batched_tokens,
+                context_length=config.max_model_len, kv_events_endpoint=config.events_endpoint,
+                lora_paths=list(self.lora_adapters),
+            ))
+        http = HttpServer(api.app(), config.host, config.port, config.shutdown_grace_seconds,
+                          log_level="warning", sock=sock)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        registration: LeaseRegistration | None = None
+        registration: ThreadedLeaseRegistration | None = None
         try:
             await http.start()
+            write_ports_file(config.ports_file, {"http": http.port})
             logger.info(
                 "engine simulator listening url=http://%s model=%s block_size=%d num_gpu_blocks=%d "
                 "events=%s time_scale=%s",
@@ -144,7 +198,7 @@ class EngineSimulator:
             )
             if config.etcd_endpoints:
                 ep = self.endpoint()
-                registration = LeaseRegistration(
+                registration = ThreadedLeaseRegistration(
                     config.etcd_endpoints, endpoint_key(ep), ep.to_json(), config.lease_ttl_seconds
                 )
                 await registration.start()

@@ -39,6 +39,11 @@ class SimulatorConfig(ProcessConfig):
     """Reuse cached blocks across requests (and publish KV events)."""
     events_endpoint: str = ""
     """ZMQ endpoint of the KV-event PUB socket: tcp://host:port connects, one with '*' binds; empty disables."""
+    events_replay_endpoint: str = ""
+    """ZMQ ROUTER endpoint (bound) serving vLLM's KV-event replay protocol (``tcp://127.0.0.1:*`` picks a
+    free port, registered resolved); empty: no replay."""
+    events_buffer_steps: int = Field(10_000, ge=1, le=10_000_000)
+    """Messages kept for replay (vLLM's KVEventsConfig.buffer_steps)."""
     time_scale: float = Field(1.0, gt=0, le=10000)
     """Model time runs this many times faster than wall time."""
     tokenizer_path: str = ""
@@ -47,6 +52,14 @@ class SimulatorConfig(ProcessConfig):
     """Role registered in etcd (prefill/decode disaggregation)."""
     latency_profile: str = "llama-3.1-8b-h100"
     """Named latency-model coefficients (see engine_simulator/latency_model.py)."""
+    lora_adapters: str = ""
+    """Comma-separated LoRA adapter names served beside the base model (vLLM's ``--lora-modules``;
+    weights are not simulated, the adapter only scopes the prefix cache and its KV events)."""
+    personality: str = Field("vllm", pattern="^(vllm|sglang)$")
+    """Which engine to stand in for: ``vllm`` (0.32) or ``sglang`` (0.5.23: ``/generate``,
+    ``/server_info``, ``sglang:*`` metrics, SGLang's KV-event shape; ``engine_simulator/sglang.py``)."""
+    fault_metrics_delay_seconds: float = Field(0.0, ge=0, le=600)
+    """Fault injection (tests/faults): every GET /metrics answers this many seconds late; 0 = off."""
 
     @model_validator(mode="after")
     def _check(self) -> SimulatorConfig:

@@ -30,8 +30,19 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
 
 from kvmesh.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+
+class LoraLike(Protocol):
+    """What a store needs of a LoRA adapter (``engine_simulator.scheduler.LoraAdapter``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def adapter_id(self) -> int: ...
 
 NULL_BLOCK = 0
 MEDIUM = "GPU"
@@ -77,6 +88,10 @@ class PrefixCache:
     @property
     def num_cached_hashes(self) -> int:
         return len(self._cached)
+
+    def cached_hashes(self) -> list[int]:
+        """Every block hash currently in the prefix cache (what a KV-event consumer should hold), ascending."""
+        return sorted(self._cached)
 
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
@@ -142,6 +157,8 @@ class PrefixCache:
         block_hashes: Sequence[int],
         parent_hash: int | None,
         token_ids: Sequence[int],
+        lora: LoraLike | None = None,
+        extra_keys: Sequence[object | None] | None = None,
     ) -> None:
         """Register newly full blocks under their hashes and emit one ``BlockStored``.
 
@@ -150,6 +167,8 @@ class PrefixCache:
             block_hashes: their hashes (same length).
             parent_hash: hash of the block before the run, None at the start of the sequence.
             token_ids: the run's tokens (``len(block_ids) * block_size`` of them).
+            lora: the request's LoRA adapter (``lora_id``/``lora_name`` of the event), None for the base model.
+            extra_keys: per block, the untagged extra keys vLLM publishes (None: no LoRA/salt).
         """
         if not self.enable_caching or not block_ids:
             return
@@ -163,12 +182,13 @@ class PrefixCache:
                 parent_block_hash=parent_hash,
                 token_ids=list(token_ids),
                 block_size=self.block_size,
-                lora_id=None,
+                lora_id=None if lora is None else lora.adapter_id,
                 medium=MEDIUM,
-                lora_name=None,
-                extra_keys=[None] * len(block_ids),
+                lora_name=None if lora is None else lora.name,
+                extra_keys=list(extra_keys) if extra_keys is not None else [None] * len(block_ids),
             )
         )
+
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference from each of a sequence's blocks (given in sequence order).
@@ -198,6 +218,10 @@ class PrefixCache:
         if self.enable_caching:
             self._events.append(AllBlocksCleared())
         return True
+
+    def pending_events(self) -> int:
+        """Events not yet taken (published at the next step)."""
+        return len(self._events)
 
     def take_events(self) -> list[KVEvent]:
         """The events since the last call, in order."""

@@ -9,12 +9,21 @@ sender). ``seq`` starts at 0 and grows by one per message.
 
 Sending never blocks the event loop: the socket is non-blocking with vLLM's high-water mark
 (100,000 messages); a message that would block is dropped and counted.
+
+Replay (vLLM's ``replay_endpoint``): the last ``buffer_steps`` messages are kept and served on a
+ROUTER socket bound at ``replay_endpoint``, by a daemon thread, exactly as vLLM's publisher thread
+does: a request ``[identity, b"", start seq (8-byte big-endian)]`` is answered with
+``[identity, b"", seq, payload]`` for every buffered message with ``seq >= start``, then
+``[identity, b"", -1 (8-byte signed), b""]``. :meth:`ZmqEventPublisher.drop_next` withholds the
+next messages from the PUB socket (still buffered): a crafted gap a subscriber must replay.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import deque
 from typing import Protocol
 
 import zmq
@@ -24,6 +33,9 @@ from kvmesh.kv_events import EventBatch, KVEvent, encode_batch, encode_seq, make
 logger = logging.getLogger(__name__)
 
 DEFAULT_HWM = 100_000
+DEFAULT_BUFFER_STEPS = 10_000
+"""vLLM's ``KVEventsConfig.buffer_steps`` default."""
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 class EventPublisher(Protocol):
@@ -56,13 +68,21 @@ class ZmqEventPublisher:
         endpoint: ``tcp://host:port`` (connect) or e.g. ``tcp://*:port`` (bind).
         topic: usually ``make_topic(endpoint_id, model)``.
         data_parallel_rank: the batch's third field (0 for a single engine).
+        replay_endpoint: ROUTER endpoint to bind for replay requests (``""``: no replay).
+        buffer_steps: messages kept for replay.
 
     Raises:
         zmq.ZMQError: when binding fails.
     """
 
     def __init__(
-        self, endpoint: str, topic: str, data_parallel_rank: int = 0, hwm: int = DEFAULT_HWM
+        self,
+        endpoint: str,
+        topic: str,
+        data_parallel_rank: int = 0,
+        hwm: int = DEFAULT_HWM,
+        replay_endpoint: str = "",
+        buffer_steps: int = DEFAULT_BUFFER_STEPS,
     ) -> None:
         self.endpoint = endpoint
         self.topic = topic.encode("utf-8")
@@ -77,6 +97,24 @@ class ZmqEventPublisher:
             self._sock.connect(endpoint)
         self._seq = 0
         self.dropped = 0
+        self._withhold = 0
+        self.withheld = 0
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=max(buffer_steps, 1))
+        self._lock = threading.Lock()
+        self._running = True
+        self.replay_endpoint = replay_endpoint
+        self._replay_thread: threading.Thread | None = None
+        if replay_endpoint:
+            router = self._ctx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            router.setsockopt(zmq.SNDHWM, 0)
+            router.bind(replay_endpoint)
+            bound = router.getsockopt(zmq.LAST_ENDPOINT)
+            self.replay_endpoint = bound.decode() if isinstance(bound, bytes) else str(bound)  # "*" port resolved
+            self._replay_thread = threading.Thread(
+                target=self._serve_replay, args=(router,), name="kv-events-replay", daemon=True
+            )
+            self._replay_thread.start()
         logger.info(
             "kv events publisher endpoint=%s mode=%s topic=%s",
             endpoint,
@@ -103,19 +141,65 @@ class ZmqEventPublisher:
         payload = encode_batch(
             EventBatch(ts=time.time(), events=events, data_parallel_rank=self.data_parallel_rank)
         )
+        self.publish_payload(payload)
+
+    def publish_payload(self, payload: bytes) -> None:
+        """Send one already encoded batch under the next seq, and buffer it for replay."""
+        seq = self._seq
+        self._seq += 1
+        if self.replay_endpoint:
+            with self._lock:
+                self._buffer.append((seq, payload))
+        if self._withhold > 0:
+            self._withhold -= 1
+            self.withheld += 1
+            return
         try:
-            self._sock.send_multipart((self.topic, encode_seq(self._seq), payload), flags=zmq.NOBLOCK)
+            self._sock.send_multipart((self.topic, encode_seq(seq), payload), flags=zmq.NOBLOCK)
         except zmq.Again:
             self.dropped += 1
-            logger.warning("kv events dropped (subscriber slow) seq=%d dropped=%d", self._seq, self.dropped)
-        self._seq += 1
+            logger.warning("kv events dropped (subscriber slow) seq=%d dropped=%d", seq, self.dropped)
+
+    def drop_next(self, count: int) -> None:
+        """Withhold the next ``count`` messages from the PUB socket (still numbered and buffered)."""
+        self._withhold += count
+
+    def _serve_replay(self, router: zmq.Socket[bytes]) -> None:
+        try:
+            while self._running:
+                if not router.poll(100):
+                    continue
+                frames = router.recv_multipart()
+                if len(frames) != 3:
+                    logger.warning("invalid replay request: %d frames", len(frames))
+                    continue
+                identity, _, start_frame = frames
+                start = int.from_bytes(start_frame, "big")
+                with self._lock:
+                    wanted = [(seq, payload) for seq, payload in self._buffer if seq >= start]
+                for seq, payload in wanted:
+                    router.send_multipart((identity, b"", encode_seq(seq), payload))
+                router.send_multipart((identity, b"", END_SEQ, b""))
+                logger.info("kv events replayed from=%d messages=%d", start, len(wanted))
+        except zmq.ZMQError as exc:
+            if self._running:
+                logger.warning("replay socket failed: %s", exc)
+        finally:
+            router.close(linger=0)
 
     def shutdown(self) -> None:
+        self._running = False
+        if self._replay_thread is not None:
+            self._replay_thread.join(timeout=2.0)
         self._sock.close()
 
 
-def make_publisher(endpoint: str, endpoint_id: str, model: str) -> EventPublisher:
+def make_publisher(
+    endpoint: str, endpoint_id: str, model: str, replay_endpoint: str = "", buffer_steps: int = DEFAULT_BUFFER_STEPS
+) -> EventPublisher:
     """A ZMQ publisher for a non-empty endpoint, else the null one."""
     if not endpoint:
         return NullEventPublisher()
-    return ZmqEventPublisher(endpoint, make_topic(endpoint_id, model))
+    return ZmqEventPublisher(
+        endpoint, make_topic(endpoint_id, model), replay_endpoint=replay_endpoint, buffer_steps=buffer_steps
+    )

@@ -12,6 +12,11 @@
   ``add_generation_prompt`` is true (the default).
 * Output text is the concatenation of each token's own decoded string (a table built once), so
   streamed chunks concatenate to the non-streamed text.
+* Encoding goes through ``encode_batch``, which releases the GIL while the Rust tokenizer works (the
+  single ``encode`` holds it), so a long prompt encoded in a worker thread does not stall the event
+  loop or the lease keepalive thread. :meth:`Renderer.min_tokens` is a sound lower bound on a text's
+  token count without encoding it (a byte-level BPE token covers at most ``max_token_chars``
+  characters), so an over-long prompt is refused before any encoding.
 """
 
 from __future__ import annotations
@@ -72,9 +77,16 @@ class Renderer:
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
         self._token_text = [tokenizer.decode([i], skip_special_tokens=False) for i in range(self.vocab_size)]
+        self.max_token_chars = max(len(tokenizer.id_to_token(i) or "") for i in range(self.vocab_size)) or 1
+        """Most characters one token covers (its byte-level form: one character per byte, so also per text character)."""
+
+    def min_tokens(self, chars: int) -> int:
+        """A lower bound on the token count of any text of ``chars`` characters (no encoding)."""
+        return -(-chars // self.max_token_chars)
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of ``text``; releases the GIL while encoding (``encode_batch``)."""
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def prompt_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a completions ``prompt``: a string or a list of ints (or a one-element list of either).

@@ -58,6 +58,16 @@ class SchedulerConfig:
     vocab_size: int = 2048
 
 
+@dataclass(frozen=True, slots=True)
+class LoraAdapter:
+    """A LoRA adapter as vLLM's ``LoRARequest``: ``name`` (what clients send as ``model``), the int
+    ``adapter_id`` (``lora_int_id``, >= 1) and the ``path`` it was loaded from."""
+
+    name: str
+    adapter_id: int
+    path: str
+
+
 @dataclass(eq=False)
 class Request:
     """One generation request and its progress.
@@ -75,6 +85,10 @@ class Request:
     max_tokens: int
     ignore_eos: bool = False
     arrival_time: float = 0.0
+    lora: LoraAdapter | None = None
+    """The LoRA adapter the request runs under (None: the base model)."""
+    cache_salt: str | None = None
+    """vLLM's ``cache_salt``: isolates this request's prefix cache from other salts."""
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
@@ -111,12 +125,34 @@ class Request:
         have = len(self._hashes)
         if n_blocks > have:
             parent = self._digests[-1] if self._digests else None
+            extra = None
+            if self.lora is not None or self.cache_salt:
+                extra = [self.hash_extra_keys(i) for i in range(have, n_blocks)]
             new = sha256_cbor_block_hashes(
-                self.token_range(have * block_size, n_blocks * block_size), block_size, parent=parent
+                self.token_range(have * block_size, n_blocks * block_size), block_size, parent=parent,
+                extra_keys=extra,
             )
             self._digests.extend(new)
             self._hashes.extend(external_hash_to_int(d) for d in new)
         return self._hashes[:n_blocks]
+
+    def hash_extra_keys(self, block_index: int) -> tuple[object, ...] | None:
+        """Block ``block_index``'s extra keys as vLLM 0.32 hashes them (``generate_block_hash_extra_keys``):
+        ``("lora", name, path)`` on every block, ``("cache_salt", salt)`` on the first."""
+        keys: list[object] = []
+        if self.lora is not None:
+            keys.append(("lora", self.lora.name, self.lora.path))
+        if self.cache_salt and block_index == 0:
+            keys.append(("cache_salt", self.cache_salt))
+        return tuple(keys) or None
+
+    def event_extra_keys(self, start: int, end: int) -> list[tuple[object, ...] | None]:
+        """Blocks ``[start, end)``'s extra keys as vLLM 0.32 publishes them (``to_event_extra_keys``: untagged)."""
+        out: list[tuple[object, ...] | None] = []
+        for i in range(start, end):
+            keys = self.hash_extra_keys(i)
+            out.append(None if keys is None else tuple(k[1] for k in keys))  # type: ignore[index]
+        return out
 
     def next_token(self, vocab_size: int) -> int:
         """The next generated token: pseudo-random in ``[EOS_ID, vocab_size)``, seeded by the prompt."""
@@ -275,6 +311,8 @@ class EngineCore:
                 hashes[start:num_full],
                 hashes[start - 1] if start > 0 else None,
                 req.token_range(start * bs, num_full * bs),
+                lora=req.lora,
+                extra_keys=req.event_extra_keys(start, num_full),
             )
             req.num_cached_blocks = num_full
         return True

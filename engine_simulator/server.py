@@ -8,11 +8,20 @@
 | ``POST /v1/completions/render``, ``POST /v1/chat/completions/render`` | token ids the engine would run, without running |
 | ``GET /v1/models``, ``GET /health``, ``GET /metrics`` | as vLLM (``vllm:*`` families) |
 | ``POST /reset_prefix_cache`` | vLLM's dev-mode route; ``AllBlocksCleared`` goes out at the next step |
+| ``GET /debug/kv_cache`` | kvmesh's: the exact cached block hashes (to compare an index with) and the publisher's next seq |
+| ``POST /debug/kv_events/drop`` | kvmesh's: ``{"count": n}`` withholds the next n KV-event messages from PUB (replayable): a crafted gap |
 
 Bodies are OpenAI-shaped; errors are vLLM's ``{"error": {"message","type","param","code"}}`` with 400
 (bad input) or 404 (unknown model). ``usage`` always carries ``prompt_tokens_details.cached_tokens``
 (vLLM needs ``--enable-prompt-tokens-details`` for it). Streams carry usage only with
 ``stream_options.include_usage`` (vLLM's rule). A client that disconnects aborts its request.
+
+Bounded work (issue 14): a prompt is never encoded on the event loop once it is longer than
+``_INLINE_CHARS``: the encoding (GIL released) and the rendering of a long ``/tokenize`` reply run
+in a worker thread, so ``/health``, ``/metrics``, running streams and the etcd lease keep going.
+Generation and render routes refuse a prompt whose token count certainly reaches ``max_model_len``
+(token ids: their number; text: :meth:`Renderer.min_tokens` of its length) with vLLM's 400 before
+encoding anything; ``/tokenize`` keeps vLLM's behaviour (no context-length check).
 """
 
 from __future__ import annotations
@@ -23,22 +32,36 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine_simulator.engine import AsyncEngine
 from engine_simulator.rendering import Renderer, apply_chat_template
-from engine_simulator.scheduler import Request, RequestOutput
+from engine_simulator.scheduler import LoraAdapter, Request, RequestOutput
 from kvmesh.errors import InvalidRequest, UnknownModel
 
 logger = logging.getLogger(__name__)
 
 _SSE_HEADERS = {"Cache-Control": "no-cache"}
+_INLINE_CHARS = 8192
+"""Prompts up to this many characters are encoded on the event loop (a thread hop costs more)."""
+
+
+def _prompt_chars(value: Any) -> int:
+    """Characters of a prompt or messages body value (strings, nested lists and dicts; token-id lists count 0)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(_prompt_chars(v) for v in value if not isinstance(v, int))
+    if isinstance(value, dict):
+        return sum(_prompt_chars(v) for v in value.values())
+    return 0
 
 
 def _dumps(obj: Any) -> str:
@@ -56,6 +79,10 @@ class ServerState:
     max_model_len: int
     root: str
     created: int
+    metrics_delay_seconds: float = 0.0
+    """Fault injection: /metrics answers this late (seconds)."""
+    lora_adapters: dict[str, LoraAdapter] = field(default_factory=dict)
+    """Served LoRA adapters by name (``--lora-adapters``): a body naming one as ``model`` runs under it."""
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -71,6 +98,10 @@ async def _json_body(request: HttpRequest) -> dict[str, Any]:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+    except ValueError as exc:  # an integer longer than Python's int-string limit (4300 digits)
+        raise InvalidRequest(f"request body is not valid JSON: {str(exc)[:200]}") from exc
+    except RecursionError:  # nested deeper than the parser's recursion limit
+        raise InvalidRequest("request body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
     return body
@@ -78,8 +109,17 @@ async def _json_body(request: HttpRequest) -> dict[str, Any]:
 
 def _check_model(state: ServerState, body: dict[str, Any]) -> None:
     model = body.get("model")
-    if model is not None and model != state.model:
+    if model is not None and model != state.model and model not in state.lora_adapters:
         raise UnknownModel(f"The model `{model}` does not exist.")
+
+
+def request_scope(state: ServerState, body: dict[str, Any]) -> tuple[LoraAdapter | None, str | None]:
+    """The LoRA adapter (``model`` naming one) and ``cache_salt`` of a generation body (vLLM's rules:
+    the salt must be a non-empty string when given)."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise InvalidRequest("Parameter 'cache_salt' must be a non-empty string if provided.")
+    return state.lora_adapters.get(str(body.get("model"))), salt
 
 
 def _int_field(body: dict[str, Any], name: str, default: int | None) -> int | None:
@@ -159,11 +199,19 @@ class EngineHttpApi:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
                 Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
+                Route("/debug/kv_cache", self.debug_kv_cache, methods=["GET"]),
+                Route("/debug/kv_events/drop", self.debug_drop_events, methods=["POST"]),
             ],
-            exception_handlers={InvalidRequest: self._invalid_request, UnknownModel: self._unknown_model},
+            exception_handlers={InvalidRequest: self._invalid_request, UnknownModel: self._unknown_model,
+                                ClientDisconnect: self._client_disconnected},
         )
 
     # -- errors (vLLM's bodies) ---------------------------------------------------------------
+
+    async def _client_disconnected(self, request: HttpRequest, exc: Exception) -> Response:
+        """The client went away while sending its request: logged as such, nothing answered (499)."""
+        logger.info("client disconnected while sending the request path=%s", request.url.path)
+        return Response(status_code=499)
 
     async def _invalid_request(self, request: HttpRequest, exc: Exception) -> Response:
         return _error(400, str(exc))
@@ -172,6 +220,35 @@ class EngineHttpApi:
         return _error(404, str(exc), "model")
 
     # -- generation ---------------------------------------------------------------------------
+
+    def _refuse_certainly_too_long(self, body: dict[str, Any], chat: bool) -> int:
+        """Characters to encode; raises vLLM's context-length 400 when the prompt certainly reaches ``max_model_len``."""
+        limit = self._state.max_model_len
+        value = body.get("messages") if chat else body.get("prompt")
+        ids = value[0] if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list) else value
+        if not chat and isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids[:1]):
+            if len(ids) >= limit:
+                raise InvalidRequest(
+                    f"This model's maximum context length is {limit} tokens. However, your request has "
+                    f"{len(ids)} input tokens. Please reduce the length of the input messages."
+                )
+            return 0
+        chars = _prompt_chars(value)
+        at_least = self._renderer.min_tokens(chars)
+        if at_least >= limit:
+            raise InvalidRequest(
+                f"This model's maximum context length is {limit} tokens. However, your request has at least "
+                f"{at_least} input tokens. Please reduce the length of the input messages."
+            )
+        return chars
+
+    async def _prepare_bounded(self, body: dict[str, Any], chat: bool) -> tuple[list[int], int]:
+        """:meth:`_prepare`, refused early when certainly too long, encoded off the loop when long."""
+        _check_model(self._state, body)
+        chars = self._refuse_certainly_too_long(body, chat)
+        if chars > _INLINE_CHARS:
+            return await asyncio.to_thread(self._prepare, body, chat)
+        return self._prepare(body, chat)
 
     def _prepare(self, body: dict[str, Any], chat: bool) -> tuple[list[int], int]:
         """Token ids and ``max_tokens`` of a completion or chat body.
@@ -200,10 +277,11 @@ class EngineHttpApi:
 
     async def _generate(self, request: HttpRequest, chat: bool) -> Response:
         body = await _json_body(request)
-        ids, max_tokens = self._prepare(body, chat)
+        ids, max_tokens = await self._prepare_bounded(body, chat)
         prefix = "chatcmpl-" if chat else "cmpl-"
         rid = prefix + uuid.uuid4().hex
-        req = Request(rid, ids, max_tokens, ignore_eos=bool(body.get("ignore_eos", False)))
+        lora, salt = request_scope(self._state, body)
+        req = Request(rid, ids, max_tokens, ignore_eos=bool(body.get("ignore_eos", False)), lora=lora, cache_salt=salt)
         try:
             queue = self._engine.submit(req)
         except ValueError as exc:
@@ -227,6 +305,7 @@ class EngineHttpApi:
                 waiter.cancel()
                 self._engine.abort(rid)
         if not waiter.done() or waiter.cancelled():
+            logger.info("client disconnected request_id=%s: request aborted", rid)
             return Response(status_code=499)
         return JSONResponse(self._completion_body(req, chat, created))
 
@@ -327,7 +406,8 @@ class EngineHttpApi:
                 yield f"data: {_dumps({**head, 'choices': [], 'usage': _usage(req)})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            if not finished:
+            if not finished:  # the client went away mid-stream (the response was cancelled)
+                logger.info("client disconnected request_id=%s: stream aborted", req.request_id)
                 self._engine.abort(req.request_id)
 
     # -- render and tokenize ------------------------------------------------------------------
@@ -345,17 +425,24 @@ class EngineHttpApi:
 
     async def completions_render(self, request: HttpRequest) -> Response:
         body = await _json_body(request)
-        ids, max_tokens = self._prepare(body, chat=False)
+        ids, max_tokens = await self._prepare_bounded(body, chat=False)
         return JSONResponse([self._render_body(body, ids, max_tokens)])
 
     async def chat_render(self, request: HttpRequest) -> Response:
         body = await _json_body(request)
-        ids, max_tokens = self._prepare(body, chat=True)
+        ids, max_tokens = await self._prepare_bounded(body, chat=True)
         return JSONResponse(self._render_body(body, ids, max_tokens))
 
     async def tokenize(self, request: HttpRequest) -> Response:
         body = await _json_body(request)
         _check_model(self._state, body)
+        if _prompt_chars(body.get("messages")) + _prompt_chars(body.get("prompt")) > _INLINE_CHARS:
+            content = await asyncio.to_thread(self._tokenize_reply, body)
+            return Response(content, media_type="application/json")
+        return Response(self._tokenize_reply(body), media_type="application/json")
+
+    def _tokenize_reply(self, body: dict[str, Any]) -> bytes:
+        """The ``/tokenize`` answer as JSON bytes (runs in a worker thread for long prompts)."""
         renderer = self._renderer
         if "messages" in body:
             ids = renderer.encode_text(
@@ -369,9 +456,8 @@ class EngineHttpApi:
         else:
             raise InvalidRequest("either 'prompt' or 'messages' is required")
         strs = renderer.token_strs(ids) if body.get("return_token_strs") else None
-        return JSONResponse(
-            {"count": len(ids), "max_model_len": self._state.max_model_len, "tokens": ids, "token_strs": strs}
-        )
+        reply = {"count": len(ids), "max_model_len": self._state.max_model_len, "tokens": ids, "token_strs": strs}
+        return json.dumps(reply, ensure_ascii=False, separators=(",", ":")).encode()
 
     # -- models, health, metrics, cache reset -------------------------------------------------
 
@@ -409,7 +495,29 @@ class EngineHttpApi:
 
     async def metrics(self, request: HttpRequest) -> Response:
         assert self._engine.metrics is not None
+        if self._state.metrics_delay_seconds:
+            await asyncio.sleep(self._state.metrics_delay_seconds)
         return Response(self._engine.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def debug_kv_cache(self, request: HttpRequest) -> Response:
+        """The engine's exact cache state: ``{"block_hashes": [uint64...], "next_seq": n, "pending_events": n}``
+        (``pending_events``: taken at the next step, not yet published)."""
+        cache = self._engine.core.cache
+        return JSONResponse({
+            "block_hashes": cache.cached_hashes(),
+            "next_seq": getattr(self._engine.publisher, "next_seq", None),
+            "pending_events": cache.pending_events(),
+        })
+
+    async def debug_drop_events(self, request: HttpRequest) -> Response:
+        """``{"count": n}``: withhold the next n KV-event messages from PUB (still replayable): a crafted gap."""
+        body = await _json_body(request)
+        count = _int_field(body, "count", 1) or 0
+        drop = getattr(self._engine.publisher, "drop_next", None)
+        if drop is None:
+            raise InvalidRequest("this engine publishes no KV events")
+        drop(count)
+        return JSONResponse({"withholding": count})
 
     async def reset_prefix_cache(self, request: HttpRequest) -> Response:
         return JSONResponse({"success": self._engine.reset_prefix_cache()})

@@ -9,14 +9,41 @@ from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
 from kvmesh.errors import KvmeshError, from_grpc_status
 
+ERROR_CLASS_TRAILER = "kvmesh-error-class"
+"""Trailing-metadata key a kvmesh server sets on every status it answers for a domain error."""
+
+RECONNECT_BACKOFF_MS = (100, 1000)
+"""Initial and largest reconnect backoff of kvmesh channels (gRPC's defaults, 1 s growing to 120 s,
+would keep a client away from a restarted dependency for up to two minutes)."""
+
 
 def insecure_channel(target: str) -> grpc.aio.Channel:
-    """An aio channel to ``host:port`` whose calls carry the W3C trace context in metadata."""
+    """An aio channel to ``host:port`` whose calls carry the W3C trace context in metadata.
+
+    Reconnects within :data:`RECONNECT_BACKOFF_MS` (a restarted dependency is used again within a second).
+    """
     return grpc.aio.insecure_channel(
         target,
         interceptors=aio_client_interceptors(),
-        options=[("grpc.enable_retries", 0), ("grpc.max_receive_message_length", 64 * 1024 * 1024)],
+        options=[
+            ("grpc.enable_retries", 0),
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+            ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+            ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
+        ],
     )
+
+
+def answered(err: grpc.aio.AioRpcError) -> bool:
+    """Whether a kvmesh service itself answered this status (a domain error: the
+    :data:`ERROR_CLASS_TRAILER` trailer is present), as opposed to the call failing on the way
+    (unreachable, reset, crashed, or an unhandled bug answered as ``INTERNAL``)."""
+    try:
+        trailers = err.trailing_metadata() or ()
+    except Exception:
+        return False
+    return any(key == ERROR_CLASS_TRAILER for key, _ in trailers)
 
 
 def to_domain_error(

@@ -62,6 +62,10 @@ class ProcessConfig(BaseSettings):
     """On SIGTERM, how long running requests may finish before they are cancelled."""
     log_level: LogLevel = "INFO"
     """Root log level."""
+    ports_file: str = ""
+    """Where to write the ports this process bound, as JSON (``{"grpc": 41234, "metrics": 41235}``),
+    once they are listening (written atomically); empty writes nothing. With port 0 this is how a
+    launcher learns the ports without racing another process for them (``kvmesh up``)."""
     otlp_endpoint: str | None = Field(
         None,
         validation_alias=AliasChoices("otlp_endpoint", "OTEL_EXPORTER_OTLP_ENDPOINT"),

@@ -39,19 +39,53 @@ class NotReady(KvmeshError):
 
 
 class Saturated(KvmeshError):
-    """The pool is saturated; retry later."""
+    """The pool is saturated; retry later.
+
+    Admission rejections carry ``dropped_reason`` (the value of llm-d's
+    ``x-llm-d-request-dropped-reason`` response header) and ``retry_after_seconds`` (flow_control's
+    hint for ``Retry-After``; 0 = none).
+    """
+
+    dropped_reason = "rejected-saturated"
+
+    def __init__(self, message: str = "", retry_after_seconds: float = 0.0) -> None:
+        super().__init__(message)
+        self.retry_after_seconds = retry_after_seconds
 
 
-class QueueFull(KvmeshError):
+class QueueFull(Saturated):
     """The admission queue is at its capacity."""
 
 
-class Shed(KvmeshError):
-    """The request was shed to protect more important traffic."""
+class Shed(Saturated):
+    """The request was shed to protect more important traffic (a sheddable band while the pool is saturated)."""
+
+    dropped_reason = "rejected-shed"
+
+
+class AdmissionTTLExpired(Saturated):
+    """The request waited in flow_control's queue past its effective TTL (429, as llm-d)."""
+
+    dropped_reason = "rejected-ttl-expired"
+
+
+class RateLimited(Saturated):
+    """The tenant's rate quota is spent."""
+
+    dropped_reason = "rejected-rate-limited"
+
+
+class Unauthenticated(KvmeshError):
+    """A missing (where required), malformed or unknown API key."""
 
 
 class QueueTTLExpired(KvmeshError):
     """The request waited longer than its queue TTL."""
+
+
+class DependencyUnavailable(KvmeshError):
+    """A service this one needs (another kvmesh service, an engine, etcd) could not be reached or
+    failed; the caller may retry."""
 
 
 class LeaseLost(KvmeshError):
@@ -77,7 +111,11 @@ ERROR_TABLE: dict[type[KvmeshError], ErrorMapping] = {
     Saturated: ErrorMapping("RESOURCE_EXHAUSTED", 429, "rate_limit_exceeded"),
     QueueFull: ErrorMapping("RESOURCE_EXHAUSTED", 429, "rate_limit_exceeded"),
     Shed: ErrorMapping("RESOURCE_EXHAUSTED", 429, "rate_limit_exceeded"),
+    AdmissionTTLExpired: ErrorMapping("RESOURCE_EXHAUSTED", 429, "rate_limit_exceeded"),
+    RateLimited: ErrorMapping("RESOURCE_EXHAUSTED", 429, "rate_limit_exceeded"),
+    Unauthenticated: ErrorMapping("UNAUTHENTICATED", 401, "invalid_request_error"),
     QueueTTLExpired: ErrorMapping("DEADLINE_EXCEEDED", 504, "timeout"),
+    DependencyUnavailable: ErrorMapping("UNAVAILABLE", 503, "service_unavailable"),
     LeaseLost: ErrorMapping("FAILED_PRECONDITION", 500, "internal_error"),
 }
 INTERNAL = ErrorMapping("INTERNAL", 500, "internal_error")
@@ -97,6 +135,7 @@ REMOTE_ERRORS: dict[str, type[KvmeshError]] = {
     "NOT_FOUND": NotFound,
     "UNAVAILABLE": NoEndpointsAvailable,
     "RESOURCE_EXHAUSTED": Saturated,
+    "UNAUTHENTICATED": Unauthenticated,
 }
 """The table read backwards: a remote gRPC status name -> the domain error a client re-raises.
 

@@ -17,10 +17,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import socket
 from collections.abc import Generator
 
 import uvicorn
 from starlette.types import ASGIApp
+
+
+def bind_tcp(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (0: the kernel picks a free port; read ``getsockname()``).
+
+    ``SO_REUSEADDR`` only (a restart may rebind a port in TIME_WAIT), never ``SO_REUSEPORT``: a port
+    another process listens on is an ``OSError`` here, not a silently shared port.
+
+    Raises:
+        OSError: the address cannot be bound (in use, no such interface).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
@@ -42,6 +65,8 @@ class HttpServer:
         log_level: level of uvicorn's own loggers (``"warning"`` quiets its start-up lines);
             None leaves them at the root level.
         name: name of the serving task (shows in task dumps and errors).
+        sock: an already bound socket (:func:`bind_tcp`) to serve on instead of binding
+            ``host:port``; its port is known before :meth:`start` (the simulator names itself by it).
     """
 
     def __init__(
@@ -53,6 +78,7 @@ class HttpServer:
         *,
         log_level: str | None = None,
         name: str = "http",
+        sock: socket.socket | None = None,
     ) -> None:
         config = uvicorn.Config(
             app,
@@ -68,8 +94,9 @@ class HttpServer:
         self._grace = grace_seconds
         self._name = name
         self._task: asyncio.Task[None] | None = None
+        self._sock = sock
         self.host = host
-        self.port = port
+        self.port = sock.getsockname()[1] if sock is not None else port
 
     async def start(self, timeout_seconds: float = 10.0) -> None:
         """Start serving; returns once the socket is bound.
@@ -77,7 +104,8 @@ class HttpServer:
         Raises:
             OSError: when uvicorn could not bind within ``timeout_seconds``.
         """
-        self._task = asyncio.create_task(self._server.serve(), name=self._name)
+        sockets = [self._sock] if self._sock is not None else None
+        self._task = asyncio.create_task(self._server.serve(sockets=sockets), name=self._name)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_seconds
         while not self._server.started:

@@ -1,8 +1,26 @@
 """Server interceptors shared by every service: request ids, domain error -> status, tracing.
 
-The error mapping is the table in :mod:`kvmesh.errors`; servicers raise domain errors and
-never call ``context.abort`` for them. Unknown exceptions become ``INTERNAL`` with a generic
-message while the traceback is logged.
+This is the one place a failure inside an RPC becomes a status, for every service:
+
+| what happened | status |
+| --- | --- |
+| a domain error (:mod:`kvmesh.errors`) | its row of ``ERROR_TABLE`` (``INVALID_ARGUMENT``, ``NOT_FOUND``, ...) |
+| request bytes that do not decode as the method's message | ``INVALID_ARGUMENT`` (one warning line, no traceback) |
+| a call to another service failed (``grpc.aio.AioRpcError``) | its status when the table reads it back (``REMOTE_ERRORS``), else ``UNAVAILABLE`` (:class:`~kvmesh.errors.DependencyUnavailable`) |
+| an engine HTTP call failed (``httpx.TransportError``, ``httpx.TimeoutException``) | ``UNAVAILABLE`` |
+| anything else (a bug) | ``INTERNAL``, generic message, traceback logged |
+
+Every status from a domain error carries the trailer ``kvmesh-error-class`` (the class name), so
+a client tells "the service answered UNAVAILABLE" (e.g. epp: no endpoint) from "the service could
+not be reached" (:func:`kvmesh.channels.answered`).
+
+Undecodable bytes: grpcio decodes requests before any interceptor or servicer code runs and
+answers a decode error with ``UNKNOWN``/``INTERNAL`` plus a logged traceback. So the interceptor
+wraps each method's ``request_deserializer``: a decode failure returns an :class:`Undecodable`
+marker instead of raising; a unary handler sees it and aborts with ``INVALID_ARGUMENT``; a request
+stream raises :class:`~kvmesh.errors.InvalidRequest` when the marker comes out of the iterator;
+and a servicer that reads with ``context.read()`` gets the marker, whose every attribute access
+raises the same ``InvalidRequest``.
 """
 
 from __future__ import annotations
@@ -15,9 +33,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+import httpx
 from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
-from kvmesh.errors import INTERNAL, KvmeshError, mapping_for
+from kvmesh.channels import ERROR_CLASS_TRAILER
+from kvmesh.errors import INTERNAL, REMOTE_ERRORS, DependencyUnavailable, InvalidRequest, KvmeshError, mapping_for
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +50,85 @@ def current_request_id() -> str:
     return request_id_var.get()
 
 
+class Undecodable:
+    """Stands for request bytes that did not decode as ``method``'s message (see the module docstring).
+
+    Any attribute access raises :class:`~kvmesh.errors.InvalidRequest`, so a servicer that reads it
+    (``request.field``, ``request.WhichOneof``) fails with ``INVALID_ARGUMENT``, never ``INTERNAL``.
+    """
+
+    __slots__ = ("_method", "_reason")
+
+    def __init__(self, method: str, reason: str) -> None:
+        object.__setattr__(self, "_method", method)
+        object.__setattr__(self, "_reason", reason)
+
+    def error(self) -> InvalidRequest:
+        method = object.__getattribute__(self, "_method")
+        reason = object.__getattribute__(self, "_reason")
+        return InvalidRequest(f"request bytes do not decode as the message {method} takes: {reason}")
+
+    def __getattr__(self, name: str) -> Any:
+        raise self.error()
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None, method: str) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def decode(raw: bytes) -> Any:
+        try:
+            return deserializer(raw)
+        except Exception as exc:  # protobuf's DecodeError, or anything a custom deserializer raises
+            logger.warning("undecodable request method=%s bytes=%d error=%s", method, len(raw), str(exc)[:200])
+            return Undecodable(method, str(exc)[:200] or type(exc).__name__)
+
+    return decode
+
+
+def translate(exc: BaseException) -> KvmeshError | None:
+    """The domain error a failure inside an RPC stands for (module table), None for a bug."""
+    if isinstance(exc, KvmeshError):
+        return None if mapping_for(exc) is INTERNAL and type(exc) is KvmeshError else exc
+    if isinstance(exc, grpc.aio.AioRpcError):
+        code = exc.code()
+        cls = REMOTE_ERRORS.get(code.name)
+        if cls is not None:
+            return cls(exc.details() or code.name)
+        return DependencyUnavailable(f"a dependency failed: {code.name}: {(exc.details() or '')[:200]}")
+    if isinstance(exc, httpx.TimeoutException | httpx.TransportError):
+        return DependencyUnavailable(f"an engine call failed: {type(exc).__name__}: {str(exc)[:200]}")
+    return None
+
+
 async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
-    row = mapping_for(exc)
-    if row is INTERNAL or not isinstance(exc, KvmeshError):
+    domain = translate(exc)
+    if domain is None:
         logger.exception("unhandled error method=%s request_id=%s", method, request_id_var.get())
         await context.abort(grpc.StatusCode.INTERNAL, "internal error")
-    await context.abort(grpc.StatusCode[row.grpc_status], str(exc))
+    assert domain is not None
+    if not isinstance(exc, KvmeshError):
+        logger.warning("dependency failure method=%s request_id=%s error=%s", method, request_id_var.get(), domain)
+    await context.abort(
+        grpc.StatusCode[mapping_for(domain).grpc_status], str(domain),
+        trailing_metadata=((ERROR_CLASS_TRAILER, type(domain).__name__),),
+    )
+
+
+async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for item in requests:
+        if isinstance(item, Undecodable):
+            raise item.error()
+        yield item
+
+
+def _checked(request_or_iterator: Any) -> Any:
+    """The request, or the request stream with undecodable messages raising ``InvalidRequest``."""
+    if isinstance(request_or_iterator, Undecodable):
+        raise request_or_iterator.error()
+    if hasattr(request_or_iterator, "__aiter__"):
+        return _checked_stream(request_or_iterator)
+    return request_or_iterator
 
 
 def _set_request_id(context: grpc.aio.ServicerContext) -> None:
@@ -60,7 +153,7 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
             async def behaviour(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
                 _set_request_id(context)
                 try:
-                    return await inner(request_or_iterator, context)
+                    return await inner(_checked(request_or_iterator), context)
                 except grpc.aio.AbortError:
                     raise
                 except Exception as exc:
@@ -75,7 +168,7 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
             async def behaviour(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 _set_request_id(context)
                 try:
-                    async for item in inner(request_or_iterator, context):
+                    async for item in inner(_checked(request_or_iterator), context):
                         yield item
                 except grpc.aio.AbortError:
                     raise
@@ -85,7 +178,7 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
             return behaviour
 
         kwargs = {
-            "request_deserializer": handler.request_deserializer,
+            "request_deserializer": _tolerant(handler.request_deserializer, method),
             "response_serializer": handler.response_serializer,
         }
         if handler.unary_unary:

@@ -2,8 +2,10 @@
 
 ``start()`` never blocks: it builds a grpc.aio server with the standard interceptors
 (:func:`kvmesh.interceptors.server_interceptors`), the ``grpc.health.v1`` service, server
-reflection (names taken from the generated descriptors), binds ``host:grpc_port``, starts
-the Prometheus endpoint and the service's background tasks, registers the instance in
+reflection (names taken from the generated descriptors), binds ``host:grpc_port`` (without
+``SO_REUSEPORT``, so a taken port fails instead of being shared), starts the Prometheus endpoint,
+writes the bound ports to ``ports_file`` when configured (:func:`write_ports_file`), starts the
+service's background tasks, registers the instance in
 etcd and only then marks health SERVING. ``run()`` is ``start()`` plus waiting for
 SIGTERM/SIGINT, then the drain in ``stop()``: health NOT_SERVING, lease revoked,
 ``server.stop(grace)``, background tasks cancelled and awaited, hooks run, traces flushed.
@@ -19,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -40,6 +43,30 @@ from kvmesh.types import ServiceInstance
 logger = logging.getLogger(__name__)
 
 Hook = Callable[[], Awaitable[None]]
+
+
+class HealthServicer(health.aio.HealthServicer):
+    """grpcio-health-checking's asyncio servicer plus ``List`` (grpc.health.v1 ``Health/List``, added to
+    upstream health.proto in 2024; grpcio-health-checking 1.85's asyncio servicer answers it with an
+    exception). ``List`` returns every registered service name (``""`` = the whole server) -> status."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._statuses: dict[str, Any] = {"": health_pb2.HealthCheckResponse.SERVING}
+
+    async def set(self, service: str, status: Any) -> None:
+        if not self._gracefully_shutting_down:
+            self._statuses[service] = status
+        await super().set(service, status)
+
+    async def enter_graceful_shutdown(self) -> None:
+        self._statuses = dict.fromkeys(self._statuses, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await super().enter_graceful_shutdown()
+
+    async def List(self, request: health_pb2.HealthListRequest, context: Any) -> health_pb2.HealthListResponse:
+        return health_pb2.HealthListResponse(
+            statuses={name: health_pb2.HealthCheckResponse(status=s) for name, s in self._statuses.items()}
+        )
 Background = Callable[[], Coroutine[Any, Any, None]]
 
 
@@ -55,6 +82,7 @@ class ServiceSpec:
         on_start: awaited before the port opens (connect clients, start watchers).
         background: long-running coroutines, cancelled on stop.
         on_stop: awaited after the server stopped (close clients), in order.
+        ready: when set, health stays NOT_SERVING after start until it returns (warm-up gating).
     """
 
     name: str
@@ -64,6 +92,7 @@ class ServiceSpec:
     background: Sequence[Background] = ()
     on_stop: Sequence[Hook] = ()
     register_in_etcd: bool = True
+    ready: Hook | None = None
 
 
 @dataclass
@@ -75,11 +104,14 @@ class GrpcService:
     grpc_port: int = 0
     metrics_port: int = 0
     _server: grpc.aio.Server | None = None
-    _health: health.aio.HealthServicer | None = None
+    _health: HealthServicer | None = None
     _metrics: MetricsServer | None = None
     _registration: LeaseRegistration | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    extra_ports: dict[str, int] = field(default_factory=dict)
+    """Other ports the process bound (the router's ``"http"``), set by ``on_start`` hooks; reported
+    with ``grpc`` and ``metrics`` in the ports file."""
 
     @property
     def address(self) -> str:
@@ -89,9 +121,10 @@ class GrpcService:
         setup_tracing(f"kvmesh-{self.spec.name}", self.config.otlp_endpoint)
         for hook in self.spec.on_start:
             await hook()
-        server = grpc.aio.server(interceptors=server_interceptors())
+        # No SO_REUSEPORT: with it (grpc's default) a second server silently shares a taken port.
+        server = grpc.aio.server(interceptors=server_interceptors(), options=[("grpc.so_reuseport", 0)])
         self.spec.add_servicers(server)
-        self._health = health.aio.HealthServicer()
+        self._health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             [*self.spec.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
@@ -103,6 +136,7 @@ class GrpcService:
         self._server = server
         self._metrics = start_metrics_server(self.config.host, self.config.metrics_port)
         self.metrics_port = self._metrics.port
+        write_ports_file(self.config.ports_file, {"grpc": self.grpc_port, "metrics": self.metrics_port, **self.extra_ports})
         for coro_fn in self.spec.background:
             self._tasks.append(asyncio.create_task(coro_fn(), name=getattr(coro_fn, "__name__", "background")))
         if self.spec.register_in_etcd and self.config.etcd_endpoints:
@@ -120,11 +154,25 @@ class GrpcService:
                 ttl_seconds=self.config.lease_ttl_seconds,
             )
             await self._registration.start()
-        for name in ("", *self.spec.service_names):
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.spec.ready is None:
+            await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        else:
+            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            self._tasks.append(asyncio.create_task(self._serve_when_ready(self.spec.ready), name="readiness"))
         logger.info(
             "%s serving grpc=%s metrics=%s:%d", self.spec.name, self.address, self.config.host, self.metrics_port
         )
+
+    async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
+        assert self._health is not None
+        for name in ("", *self.spec.service_names):
+            await self._health.set(name, status)
+
+    async def _serve_when_ready(self, ready: Hook) -> None:
+        await ready()
+        if not self._stopped.is_set():
+            await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+            logger.info("%s ready: health SERVING", self.spec.name)
 
     async def stop(self) -> None:
         """Drain and stop; safe to call twice."""
@@ -154,7 +202,8 @@ class GrpcService:
         logger.info("%s stopped", self.spec.name)
 
     async def run(self) -> None:
-        """Start, wait for SIGTERM/SIGINT (or a background task to crash), then stop."""
+        """Start, wait for SIGTERM/SIGINT (or a background task to crash), then stop. A background
+        task that returns normally (a one-shot readiness gate) ends without stopping the service."""
         loop = asyncio.get_running_loop()
         stop_requested = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -162,13 +211,28 @@ class GrpcService:
         try:
             await self.start()
             waiter = asyncio.create_task(stop_requested.wait())
-            await asyncio.wait([waiter, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
-            for task in self._tasks:
-                if task.done() and not task.cancelled() and task.exception() is not None:
-                    logger.error("%s background task failed: %r", self.spec.name, task.exception())
+            pending: set[asyncio.Task[Any]] = {waiter, *self._tasks}
+            failed = False
+            while not waiter.done() and not failed:  # a task that ends normally (readiness) does not stop us
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task is not waiter and not task.cancelled() and task.exception() is not None:
+                        logger.error("%s background task failed: %r", self.spec.name, task.exception())
+                        failed = True
             waiter.cancel()
         finally:
             await self.stop()
+
+
+def write_ports_file(path: str, ports: dict[str, int]) -> None:
+    """Write ``ports`` (name -> bound port) as JSON to ``path`` atomically (temp file, then rename),
+    so a reader never sees a partial file; nothing when ``path`` is empty (``ProcessConfig.ports_file``)."""
+    if not path:
+        return
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as out:
+        json.dump(ports, out)
+    os.replace(tmp, path)
 
 
 class Process(Protocol):

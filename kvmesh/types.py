@@ -38,7 +38,16 @@ class Medium(enum.StrEnum):
         """
         if value is None:
             return cls.GPU
-        return cls(value.upper())
+        upper = value.upper()
+        return cls(MEDIUM_ALIASES.get(upper, upper))
+
+
+MEDIUM_ALIASES: dict[str, str] = {
+    "CPU_PINNED": "CPU",  # SGLang 0.5.23 StorageMedium.CPU (HiCache L2, host pinned memory)
+    "EXTERNAL": "SHARED",  # SGLang 0.5.23 StorageMedium.EXTERNAL (L4: shared / remote pool, e.g. Mooncake)
+    "STORAGE": "DISK",  # vLLM 0.32 MEDIUM_STORAGE (offloading to storage)
+}
+"""Other engines' medium strings for the same tiers (``Medium.parse`` maps them)."""
 
 
 class EndpointRole(enum.StrEnum):
@@ -61,6 +70,18 @@ class Endpoint:
         events_endpoint: ZMQ endpoint its KV-event publisher uses (``""`` when none).
         role: ``both``, ``prefill`` or ``decode``.
         labels: free-form labels (e.g. ``{"engine": "simulator"}``).
+        instance_id: the incarnation: unique per start of the server process (a restart on the
+            same address registers a new one, so its old index entries are dropped); ``""`` when
+            the registrant does not say (then only the event sequence restarting reveals a restart).
+        replay_endpoint: ZMQ ROUTER endpoint of vLLM's KV-event replay buffer
+            (``KVEventsConfig.replay_endpoint``), ``""`` when there is none.
+        data_parallel_rank: the data-parallel rank this registration stands for, when one server
+            (one URL) fronts several ranks, each with its own KV cache; ``None`` otherwise. Its id is
+            :func:`dp_endpoint_id` of the server's ``host:port`` (rank 0 keeps the bare id), its
+            events are those whose batch carries that rank, and requests to it carry vLLM's
+            ``X-data-parallel-rank`` header.
+        hash_algo: the engine's block-hash algorithm (vLLM's ``--prefix-caching-hash-algo``,
+            e.g. ``"sha256_cbor"``), ``""`` when unknown; the indexer's parity check uses it.
     """
 
     id: EndpointId
@@ -70,6 +91,10 @@ class Endpoint:
     events_endpoint: str = ""
     role: EndpointRole = EndpointRole.BOTH
     labels: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
+    instance_id: str = ""
+    replay_endpoint: str = ""
+    hash_algo: str = ""
+    data_parallel_rank: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -91,9 +116,38 @@ class Endpoint:
                 events_endpoint=data.get("events_endpoint", ""),
                 role=EndpointRole(data.get("role", "both")),
                 labels=dict(data.get("labels", {})),
+                instance_id=str(data.get("instance_id", "")),
+                replay_endpoint=str(data.get("replay_endpoint", "")),
+                hash_algo=str(data.get("hash_algo", "")),
+                data_parallel_rank=None if data.get("data_parallel_rank") is None else int(data["data_parallel_rank"]),
             )
         except (KeyError, TypeError, json.JSONDecodeError) as exc:
             raise ValueError(f"bad endpoint registration {text!r}: {exc}") from exc
+
+
+def dp_endpoint_id(endpoint_id: str, data_parallel_rank: int | None) -> EndpointId:
+    """The endpoint id of one data-parallel rank of the server ``endpoint_id`` (``host:port``).
+
+    Rank None or 0 is the server's own id (so every non-DP engine, whose batches say rank 0, keeps
+    its id); rank ``r > 0`` is ``"<host:port>#dp<r>"``.
+    """
+    if not data_parallel_rank:
+        return EndpointId(endpoint_id)
+    return EndpointId(f"{endpoint_id}#dp{int(data_parallel_rank)}")
+
+
+LORA_ADAPTERS_LABEL = "lora_adapters"
+"""Registration label: comma-separated LoRA adapter names an endpoint serves (vLLM's ``--lora-modules``
+names); the router sends a request whose ``model`` names one to its base model's pool under it."""
+
+DATA_PARALLEL_RANK_HEADER = "X-data-parallel-rank"
+"""vLLM's request header that sends a request to one data-parallel rank of a server."""
+
+
+def data_parallel_rank_of(endpoint_id: str) -> int | None:
+    """The rank of a :func:`dp_endpoint_id` (``host:port#dp<r>`` -> r), None for a bare ``host:port``."""
+    _, sep, rank = endpoint_id.rpartition("#dp")
+    return int(rank) if sep and rank.isdigit() else None
 
 
 @dataclass(frozen=True, slots=True)

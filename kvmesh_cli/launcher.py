@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -29,7 +30,11 @@ LOOPBACK = "127.0.0.1"
 
 
 def free_port() -> int:
-    """A currently free TCP port on 127.0.0.1 (the OS may reuse it later; bind promptly)."""
+    """A currently free TCP port on 127.0.0.1 (the OS may reuse it later; bind promptly).
+
+    Racy by nature (another process may take it before the caller binds): the mesh harness does not
+    use it for kvmesh processes, which bind port 0 and report it (:func:`wait_ports_file`).
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((LOOPBACK, 0))
         return int(sock.getsockname()[1])
@@ -90,6 +95,29 @@ def wait_http_ok(url: str, timeout_seconds: float = 30.0) -> None:
     if _poll_until(ok, timeout_seconds):
         return
     raise TimeoutError(f"{url} not ready after {timeout_seconds}s (last: {last})")
+
+
+def wait_ports_file(path: Path, process: ManagedProcess, timeout_seconds: float) -> dict[str, int]:
+    """The ports a process bound, from the JSON it writes to ``--ports-file`` (``ProcessConfig.ports_file``).
+
+    The process binds port 0 (the kernel hands each bind a distinct free port) and writes what it
+    got, atomically, once listening; so no two processes can be handed the same port.
+
+    Raises:
+        RuntimeError: the process exited first (with its log tail).
+        TimeoutError: no file within ``timeout_seconds``.
+    """
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        try:
+            return {str(k): int(v) for k, v in json.loads(path.read_text()).items()}
+        except FileNotFoundError:
+            pass
+        if not process.alive():
+            raise RuntimeError(f"{process.name} exited before reporting its ports:\n{process.log_tail()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{process.name} did not report its ports in {timeout_seconds:g}s:\n{process.log_tail()}")
+        time.sleep(0.02)
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -189,11 +217,24 @@ def start_etcd(
 ) -> tuple[ManagedProcess, str]:
     """Start a single-member etcd with its data under ``run_dir/etcd``; returns it and ``host:port``.
 
+    etcd cannot report a port it picked, so its two ports come from :func:`free_port`; a port taken
+    in between makes etcd exit at once ("address already in use": Go sets no ``SO_REUSEPORT``), and
+    then fresh ports are tried, up to 5 times (only when the ports were not given).
+
     Raises:
         TimeoutError: when it is not healthy within 20 s.
     """
-    client_port = client_port or free_port()
-    peer_port = peer_port or free_port()
+    chosen = client_port is not None or peer_port is not None
+    for _attempt in range(1 if chosen else 5):
+        proc, address = _start_etcd_once(run_dir, client_port or free_port(), peer_port or free_port(), die_with_parent)
+        if proc.alive() or chosen:
+            return proc, address
+        if "address already in use" not in proc.log_tail():
+            break
+    raise RuntimeError(f"etcd did not start:\n{proc.log_tail()}")
+
+
+def _start_etcd_once(run_dir: Path, client_port: int, peer_port: int, die_with_parent: bool) -> tuple[ManagedProcess, str]:
     client_url = f"http://{LOOPBACK}:{client_port}"
     peer_url = f"http://{LOOPBACK}:{peer_port}"
     proc = ManagedProcess(
@@ -212,12 +253,17 @@ def start_etcd(
         run_dir / "etcd.log",
         die_with_parent=die_with_parent,
     ).start()
-    try:
-        wait_http_ok(f"{client_url}/health", 20.0)
-    except TimeoutError:
-        proc.stop()
-        raise
-    return proc, f"{LOOPBACK}:{client_port}"
+    deadline = time.monotonic() + 20.0
+    while True:
+        if not proc.alive():  # e.g. a port taken in the meantime: the caller may retry
+            return proc, f"{LOOPBACK}:{client_port}"
+        try:
+            wait_http_ok(f"{client_url}/health", 0.5)
+            return proc, f"{LOOPBACK}:{client_port}"
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                proc.stop()
+                raise
 
 
 def python_module(module: str, *args: str) -> list[str]:

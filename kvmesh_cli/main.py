@@ -1,7 +1,8 @@
 """The ``kvmesh`` command: ``up``, ``replay`` and ``compare``.
 
 - ``kvmesh up`` starts a whole mesh in the foreground (etcd, the five services, N simulated
-  engines), prints where everything listens, and stops it all on Ctrl-C or SIGTERM.
+  engines), prints where everything listens, and stops it all on Ctrl-C, SIGINT, SIGTERM or SIGHUP
+  (also when started in the background from a script, where the shell sets SIGINT to ignored).
 - ``kvmesh replay`` sends a workload (a Mooncake trace or a built-in generator) through a router,
   either one given with ``--router`` or a mesh it starts itself, and prints TTFT, end-to-end
   latency, throughput and the prefix-cache hit rate measured at the engines.
@@ -420,6 +421,74 @@ def compare(
             console.print(f"wrote {plot}")
         else:
             console.print("matplotlib is not installed; no plot (pip install matplotlib)")
+
+
+def flows_tables(stats: object) -> list[Table]:
+    """Rich tables of a flow_control ``StatsResponse``: summary, bands, flows (``kvmesh flows``)."""
+    st = stats  # kvmesh.flow_control.v1.StatsResponse
+    sat = st.saturation  # type: ignore[attr-defined]
+    summary = Table(title="flow_control")
+    for col in ("in flight", "queued", "queued bytes", "dispatched", "rejected", "saturation", f"Jain ({st.fairness_window_seconds:g} s)"):  # type: ignore[attr-defined]
+        summary.add_column(col)
+    if not sat.enabled:
+        pool = "no pool signal (max_in_flight only)"
+    elif sat.stale:
+        age = "none yet" if sat.metrics_age_seconds > 1e9 else f"{sat.metrics_age_seconds:.1f} s old"
+        pool = f"STALE metrics ({age}): failing open"
+    else:
+        pool = f"{sat.saturation:.2f}{' SATURATED' if sat.saturated else ''} (headroom {sat.headroom:.0f}, unseen {sat.unseen_dispatches})"
+    summary.add_row(f"{st.in_flight}/{st.max_in_flight}", str(st.queued), str(st.queued_bytes), str(st.dispatched_total),  # type: ignore[attr-defined]
+                    str(st.rejected_total), pool, f"{st.jain_index:.3f}")  # type: ignore[attr-defined]
+    bands = Table(title="bands (highest first)")
+    for col in ("priority", "name", "queued", "queued bytes", "in flight", "flows"):
+        bands.add_column(col)
+    for b in st.bands:  # type: ignore[attr-defined]
+        bands.add_row(str(b.priority), b.name, str(b.queued), str(b.queued_bytes), str(b.in_flight), str(b.flows))
+    flows = Table(title="flows")
+    for col in ("fairness id", "priority", "queued", "in flight", "oldest wait s", "served tokens", "share"):
+        flows.add_column(col)
+    for f in sorted(st.flows, key=lambda f: (-f.priority, -f.served_tokens, f.flow_id)):  # type: ignore[attr-defined]
+        flows.add_row(f.flow_id, str(f.priority), str(f.queued), str(f.in_flight), f"{f.oldest_wait_seconds:.2f}",
+                      str(f.served_tokens), f"{f.share:.1%}")
+    return [summary, bands, flows]
+
+
+async def _flow_stats(address: str, timeout: float) -> object:
+    from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2, flow_control_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await flow_control_pb2_grpc.FlowControlStub(channel).Stats(flow_control_pb2.StatsRequest(), timeout=timeout)
+
+
+@app.command()
+def flows(
+    flow_control: Annotated[str, typer.Option("--flow-control", help="host:port of flow_control's gRPC API.")] = "127.0.0.1:50060",
+    watch: Annotated[float, typer.Option("--watch", help="Refresh every SECONDS (0: print once).", min=0)] = 0.0,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the Stats reply as JSON.")] = False,
+) -> None:
+    """Bands, flows, saturation and fairness (each flow's share, Jain's index) of a running flow_control."""
+    from google.protobuf.json_format import MessageToDict
+    from rich.live import Live
+
+    def fetch() -> object:
+        try:
+            return asyncio.run(_flow_stats(flow_control, 5.0))
+        except grpc.RpcError as exc:
+            fail(f"flow_control at {flow_control} did not answer Stats: {exc.code().name}")
+
+    if json_out:
+        console.print_json(json.dumps(MessageToDict(fetch(), always_print_fields_with_no_presence=True)))
+        return
+    if not watch:
+        for table in flows_tables(fetch()):
+            console.print(table)
+        return
+    from rich.console import Group
+
+    with Live(Group(*flows_tables(fetch())), console=console, refresh_per_second=4) as live:
+        while True:
+            time.sleep(watch)
+            live.update(Group(*flows_tables(fetch())))
 
 
 if __name__ == "__main__":

@@ -6,12 +6,20 @@
     with Mesh(MeshSpec(engines=2, policy="precise-prefix", run_dir=tmp)) as mesh:
         httpx.post(f"{mesh.router_url}/v1/completions", json={...})
 
-Start order (each process on free 127.0.0.1 ports, output in ``<run_dir>/<name>.log``):
-etcd (unless ``spec.etcd`` names one) -> kv_indexer (binds the ZMQ SUB socket the engines connect
-to) -> kv_store, flow_control, epp, router and the engines, all spawned at once and then awaited in
-parallel: gRPC health for services, ``GET /health`` for engines, then until epp's ``ListEndpoints``
-shows all N engines and the router's ``/v1/models`` lists the model. A process that exits while
-being awaited fails the start at once with its log tail.
+Start order (output in ``<run_dir>/<name>.log``): etcd (unless ``spec.etcd`` names one) ->
+kv_indexer (binds the ZMQ SUB socket the engines connect to) -> kv_store, flow_control, epp and
+the engines -> the router (given flow_control's and epp's addresses), then all awaited in parallel:
+gRPC health for services, ``GET /health`` for engines, then until epp's ``ListEndpoints`` shows all N
+engines and the router's ``/v1/models`` lists the model. A process that exits while being awaited
+fails the start at once with its log tail.
+
+Ports cannot collide, by construction: every kvmesh process (services and simulated engines) is
+started with port 0 and ``--ports-file``; the kernel hands each bind a distinct free port (no
+server sets ``SO_REUSEPORT``, so none can share one), and the process writes what it bound
+atomically once listening; the harness reads that file (:func:`~kvmesh_cli.launcher.wait_ports_file`)
+before starting anyone who needs the address. Only etcd, kv_indexer's ZMQ port and vLLM are given a
+port (they cannot report one); each fails loudly when it is taken, and etcd and kv_indexer are then
+started again on fresh ports. :meth:`Mesh.restart` brings a killed member back on the ports it had.
 
 Stop order is the reverse (router, engines, epp, flow_control and kv_store, kv_indexer, etcd):
 SIGTERM to each process group, SIGKILL after a grace period. Orphans are prevented three ways:
@@ -50,6 +58,7 @@ from kvmesh_cli.launcher import (
     start_etcd,
     wait_grpc_healthy,
     wait_http_ok,
+    wait_ports_file,
 )
 
 logger = logging.getLogger(__name__)
@@ -124,6 +133,11 @@ class Member:
     grpc: str | None = None
     http: str | None = None
     metrics: str | None = None
+    argv: Callable[[dict[str, int]], list[str]] | None = None
+    """Builds the argv with some ports fixed (name -> port; missing ones are 0); None: not restartable."""
+    ports_file: Path | None = None
+    ports: dict[str, int] = field(default_factory=dict)
+    """What the process reported binding (``grpc``, ``metrics``, ``http``)."""
 
     @property
     def log_path(self) -> Path:
@@ -141,9 +155,13 @@ def _stop_all() -> None:
 
 
 @contextlib.contextmanager
-def exit_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)) -> Iterator[None]:
+def exit_on_signals(
+    signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP),
+) -> Iterator[None]:
     """Within the block, the given signals raise KeyboardInterrupt (so ``with Mesh`` unwinds).
 
+    SIGINT is set explicitly too: a shell starts a background job (``kvmesh up &`` in a script)
+    with SIGINT *ignored*, and Python keeps an inherited ignore, so ``kill -INT`` did nothing.
     Only effective in the main thread; elsewhere a no-op.
     """
     if threading.current_thread() is not threading.main_thread():
@@ -218,30 +236,45 @@ class Mesh:
 
         tokenizer_path = ensure_tokenizer(None)
 
-        events_port = free_port()
-        events_bind = f"tcp://{LOOPBACK}:{events_port}"
+        # kv_indexer binds the SUB socket before engines connect and publish. ZMQ cannot report a
+        # port it picked through the ports file, so that one port is chosen here; ZMQ binds without
+        # SO_REUSEPORT, so a port taken meanwhile fails kv_indexer at once and another is tried.
+        for attempt in range(5):
+            events_bind = f"tcp://{LOOPBACK}:{free_port()}"
+            kv_indexer = self._service("kv_indexer", "--events-bind-endpoint", events_bind)
+            try:
+                self._resolve(kv_indexer, deadline)
+                break
+            except MeshStartError:
+                if attempt == 4 or "Address already in use" not in kv_indexer.process.log_tail():
+                    raise
+                self.members.remove(kv_indexer)
         self.events_bind_endpoint = events_bind
-        kv_indexer = self._service("kv_indexer", "--events-bind-endpoint", events_bind)
         self.kv_indexer_address = kv_indexer.grpc or ""
-        # kv_indexer binds the SUB socket before engines connect and publish.
-        self._await([kv_indexer], deadline, lambda m: self._grpc_ready(m))
-
-        others = [self._service("kv_store"), self._service("flow_control")]
+        # The others bind port 0 and report; each waits only for the addresses it is given.
+        kv_store = self._service("kv_store")
         epp = self._service("epp", "--kv-indexer-address", self.kv_indexer_address,
                             "--scheduling-config", spec.policy)
-        self.epp_address = epp.grpc or ""
-        http_port = spec.router_http_port or free_port()
-        router = self._service("router", "--http-port", str(http_port),
-                               "--flow-control-address", others[1].grpc or "",
-                               "--epp-address", self.epp_address, grpc_port=spec.router_grpc_port)
-        router.http = f"http://{LOOPBACK}:{http_port}"
-        self.router_url = router.http
         if spec.engine == "vllm":
             engines = [self._vllm_engine(i, events_bind) for i in range(spec.engines)]
         else:
-            engines = [self._engine(i, events_bind, tokenizer_path) for i in range(spec.engines)]
+            engines = [self._engine(i, spec.engine_events_endpoint or events_bind, tokenizer_path)
+                       for i in range(spec.engines)]
+        for member in [kv_store, epp]:
+            self._resolve(member, deadline)
+        self.epp_address = epp.grpc or ""
+        # flow_control reads the engines' load (its saturation signal) from epp's ListEndpoints (docs/flow-control.md)
+        others = [kv_store, self._service("flow_control", "--epp-address", self.epp_address)]
+        self._resolve(others[1], deadline)
+        router = self._service("router", "--http-port", str(spec.router_http_port or 0),
+                               "--flow-control-address", others[1].grpc or "",
+                               "--epp-address", self.epp_address, grpc_port=spec.router_grpc_port)
+        for member in [router, *engines]:
+            if member.ports_file is not None:  # a vLLM engine is given its port (it cannot report one)
+                self._resolve(member, deadline)
+        self.router_url = router.http or ""
         self.engine_urls = [e.http or "" for e in engines]
-        self._await([*others, epp, router], deadline, self._grpc_ready)
+        self._await([kv_indexer, *others, epp, router], deadline, self._grpc_ready)
         self._await(engines, deadline, self._http_ready)
         self._wait_until(deadline, "epp to list all engines", [epp], self._epp_sees_all_engines)
         if spec.engines:
@@ -297,33 +330,67 @@ class Mesh:
             "--shutdown-grace-seconds", "1",
         ]
 
-    def _service(self, name: str, *flags: str, grpc_port: int | None = None) -> Member:
-        port = grpc_port or free_port()
-        metrics = free_port()
-        proc = ManagedProcess(
-            name,
-            python_module(f"services.{name}", *self._common_flags(port, metrics), *flags),
-            self.spec.run_dir / f"{name}.log",
+    def _spawn(self, member: Member, ports: dict[str, int]) -> ManagedProcess:
+        """(Re)start ``member``'s process: its argv with ``ports`` fixed (empty: port 0, reported)."""
+        assert member.argv is not None
+        ports_file = self.spec.run_dir / f"{member.name}.ports.json"
+        ports_file.unlink(missing_ok=True)
+        member.ports_file = ports_file
+        return ManagedProcess(
+            member.name,
+            member.argv(ports) + ["--ports-file", str(ports_file)],
+            self.spec.run_dir / f"{member.name}.log",
             env=dict(self.spec.extra_env),
             die_with_parent=True,
         ).start()
-        member = Member(name, proc, grpc=f"{LOOPBACK}:{port}", metrics=f"http://{LOOPBACK}:{metrics}/metrics")
+
+    def _resolve(self, member: Member, deadline: float) -> None:
+        """Wait for ``member``'s ports file and fill in its addresses.
+
+        Raises:
+            MeshStartError: it exited or reported nothing before ``deadline``.
+        """
+        assert member.ports_file is not None
+        try:
+            ports = wait_ports_file(member.ports_file, member.process, max(0.1, deadline - time.monotonic()))
+        except RuntimeError:
+            raise MeshStartError(f"{member.name} exited during start-up:\n{member.process.log_tail()}") from None
+        except TimeoutError:
+            raise MeshStartError(f"{member.name} not ready in time:\n{member.process.log_tail()}") from None
+        member.ports = ports
+        if "grpc" in ports:
+            member.grpc = f"{LOOPBACK}:{ports['grpc']}"
+        if "http" in ports:
+            member.http = f"http://{LOOPBACK}:{ports['http']}"
+        if "metrics" in ports:
+            member.metrics = f"http://{LOOPBACK}:{ports['metrics']}/metrics"
+        elif member.http:
+            member.metrics = f"{member.http}/metrics"
+
+    def _service(self, name: str, *flags: str, grpc_port: int | None = None) -> Member:
+        def argv(ports: dict[str, int]) -> list[str]:
+            return python_module(f"services.{name}", *self._common_flags(ports.get("grpc", grpc_port or 0),
+                                                                        ports.get("metrics", 0)), *flags,
+                                 *(["--http-port", str(ports["http"])] if "http" in ports else []))
+
+        member = Member(name, None, argv=argv)  # type: ignore[arg-type]
+        member.process = self._spawn(member, {})
         self.members.append(member)
         return member
 
     def _engine(self, i: int, events_endpoint: str, tokenizer_path: Path) -> Member:
         spec = self.spec
-        port = free_port()
         name = f"engine-{i}"
-        proc = ManagedProcess(
-            name,
-            python_module(
+
+        def argv(ports: dict[str, int]) -> list[str]:
+            return python_module(
                 "engine_simulator",
                 *self._process_flags(),
-                "--port", str(port),
+                "--port", str(ports.get("http", 0)),
                 "--model", spec.model,
                 "--num-gpu-blocks", str(spec.num_gpu_blocks),
                 "--events-endpoint", events_endpoint,
+                "--events-replay-endpoint", "tcp://127.0.0.1:*",  # vLLM's replay ROUTER: kv_indexer recovers gaps
                 "--tokenizer-path", str(tokenizer_path),
                 *_flags(
                     block_size_tokens=spec.block_size_tokens,
@@ -332,14 +399,45 @@ class Mesh:
                     max_model_len=spec.max_model_len,
                     time_scale=None if spec.time_scale is None else float(spec.time_scale),
                 ),
-            ),
-            spec.run_dir / f"{name}.log",
-            env=dict(spec.extra_env),
-            die_with_parent=True,
-        ).start()
-        url = f"http://{LOOPBACK}:{port}"
-        member = Member(name, proc, http=url, metrics=f"{url}/metrics")
+            )
+
+        member = Member(name, None, argv=argv)  # type: ignore[arg-type]
+        member.process = self._spawn(member, {})
         self.members.append(member)
+        return member
+
+    # -- faults ----------------------------------------------------------------------------
+
+    def member(self, name: str) -> Member:
+        """The member called ``name`` (``"flow_control"``, ``"engine-0"``).
+
+        Raises:
+            KeyError: no such member.
+        """
+        for m in self.members:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL a member's process group (a crash)."""
+        self.member(name).process.kill()
+
+    def restart(self, name: str, timeout_seconds: float = 60.0) -> Member:
+        """Start a stopped or killed kvmesh member again on the ports it had (peers keep its address)
+        and wait until it reports them. The old ports were just released, so this is the one place
+        the harness names a port itself.
+
+        Raises:
+            ValueError: the member cannot be restarted (etcd, a vLLM engine).
+            MeshStartError: it did not come back.
+        """
+        member = self.member(name)
+        if member.argv is None:
+            raise ValueError(f"{name} cannot be restarted by the mesh")
+        member.process.kill()
+        member.process = self._spawn(member, dict(member.ports))
+        self._resolve(member, time.monotonic() + timeout_seconds)
         return member
 
     def _vllm_engine(self, i: int, events_bind: str) -> Member:
@@ -370,7 +468,7 @@ class Mesh:
         registered = dataclasses.replace(engine, events_endpoint=events_bind)
         sidecar = ManagedProcess(
             f"registration-{i}",
-            python_module("services.registration_sidecar", "--host", LOOPBACK, "--metrics-port", str(free_port()),
+            python_module("services.registration_sidecar", "--host", LOOPBACK, "--metrics-port", "0",
                           *sidecar_args(registered, self.etcd_address, spec.lease_ttl_seconds, spec.log_level)),
             spec.run_dir / f"registration-{i}.log",
             env=dict(spec.extra_env),

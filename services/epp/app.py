@@ -47,7 +47,12 @@ def build_service(config: EppConfig) -> GrpcService:
     handle = PluginHandle(
         rng=random.Random(config.random_seed),
         prefix_index=prefix_index,
-        tokenizer=EngineTokenizer(http, config.tokenize_timeout_seconds, config.tokenize_cache_entries),
+        tokenizer=EngineTokenizer(
+            http, config.tokenize_timeout_seconds, config.tokenize_cache_entries,
+            max_prompt_chars=config.tokenize_max_prompt_chars,
+            max_concurrency_per_endpoint=config.tokenize_max_concurrency_per_endpoint,
+            max_attempts=config.tokenize_max_attempts,
+        ),
     )
     profile = build_profile(data, default_registry(), handle, source=source)
     datastore = Datastore()

@@ -28,7 +28,13 @@ class EppConfig(GrpcServiceConfig):
     max_consecutive_scrape_failures: int = Field(3, ge=1, le=1000)
     """An endpoint whose scrape failed this many times in a row is not a candidate."""
     tokenize_timeout_seconds: float = Field(2.0, gt=0, le=60)
-    """Timeout of one engine POST /tokenize call."""
+    """Deadline of one tokenization (all attempts); past it the pick is scored by load."""
+    tokenize_max_prompt_chars: int = Field(262_144, ge=1, le=100_000_000)
+    """Longer prompts (characters; chat: the messages' contents) are never sent to /tokenize: scored by load."""
+    tokenize_max_concurrency_per_endpoint: int = Field(4, ge=1, le=1024)
+    """Tokenize calls in flight per engine; past it a pick does not wait (scored by load)."""
+    tokenize_max_attempts: int = Field(2, ge=1, le=16)
+    """Engines asked at most per tokenization; only a refused connection moves on (never a timeout)."""
     tokenize_cache_entries: int = Field(4096, ge=0, le=10_000_000)
     """Prompts whose token ids are kept (LRU); 0 disables the cache."""
     random_seed: int | None = None

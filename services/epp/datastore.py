@@ -52,7 +52,27 @@ FINISHED = "vllm:request_success"
 """Family name as ``prometheus_client`` parses it; the sample is ``vllm:request_success_total``."""
 FIRST_TOKENS = "vllm:time_to_first_token_seconds"
 """Histogram; its ``_count`` sample is the number of requests that got their first token."""
-_WANTED = (WAITING, RUNNING, KV_USAGE, CACHE_CONFIG, FINISHED + "_total", FIRST_TOKENS + "_count")
+SGLANG_WAITING = "sglang:num_queue_reqs"
+SGLANG_RUNNING = "sglang:num_running_reqs"
+SGLANG_KV_USAGE = "sglang:token_usage"
+"""A fraction in [0, 1], as ``vllm:kv_cache_usage_perc``."""
+SGLANG_PAGE_SIZE = "sglang:page_size"
+SGLANG_FINISHED = "sglang:num_requests"
+"""Family name as parsed; the sample is ``sglang:num_requests_total`` (requests finished, by ``is_streaming``)."""
+SGLANG_FIRST_TOKENS = "sglang:time_to_first_token_seconds"
+SGLANG_NAMES = {
+    SGLANG_WAITING: WAITING,
+    SGLANG_RUNNING: RUNNING,
+    SGLANG_KV_USAGE: KV_USAGE,
+    SGLANG_FINISHED + "_total": FINISHED + "_total",
+    SGLANG_FIRST_TOKENS + "_count": FIRST_TOKENS + "_count",
+}
+"""SGLang 0.5.23's sample names (``sglang/srt/observability/metrics_collector.py``) -> the vLLM ones they stand for."""
+_WANTED = (
+    WAITING, RUNNING, KV_USAGE, CACHE_CONFIG, FINISHED + "_total", FIRST_TOKENS + "_count",
+    SGLANG_WAITING, SGLANG_RUNNING, SGLANG_KV_USAGE, SGLANG_PAGE_SIZE, SGLANG_FINISHED + "_total",
+    SGLANG_FIRST_TOKENS + "_count",
+)
 DEFAULT_PENDING_PICK_TTL_SECONDS = 5.0
 DEFAULT_PREFILL_TTL_SECONDS = 120.0
 _PICK_HISTORY = 4096
@@ -75,7 +95,10 @@ class ScrapeSample:
 
 
 def parse_vllm_metrics(text: str) -> ScrapeSample:
-    """Parse vLLM's Prometheus exposition.
+    """Parse an engine's Prometheus exposition: vLLM 0.32's ``vllm:*`` names, or SGLang 0.5.23's
+    (``sglang:num_queue_reqs``, ``sglang:num_running_reqs``, ``sglang:token_usage``,
+    ``sglang:page_size``, ``sglang:num_requests_total``, ``sglang:time_to_first_token_seconds_count``;
+    summed / averaged over their ``dp_rank`` and other labels as vLLM's over ``engine``).
 
     Only the lines of the metrics above (and ``vllm:request_success_total``, optional) are handed to ``prometheus_client``'s parser (the full
     exposition is ~50 KB of histograms; parsing all of it every 100 ms per engine would cost a core).
@@ -89,8 +112,11 @@ def parse_vllm_metrics(text: str) -> ScrapeSample:
     finished: float | None = None
     first_tokens: float | None = None
     for family in text_string_to_metric_families("\n".join(lines) + "\n"):
-        for sample in family.samples:
-            if sample.name in values:
+        for raw_sample in family.samples:
+            sample = raw_sample._replace(name=SGLANG_NAMES.get(raw_sample.name, raw_sample.name))
+            if sample.name == SGLANG_PAGE_SIZE and block_size is None and math.isfinite(sample.value) and sample.value > 0:
+                block_size = int(sample.value)
+            elif sample.name in values:
                 values[sample.name].append(float(sample.value))
             elif sample.name == FINISHED + "_total" and math.isfinite(sample.value) and sample.value >= 0:
                 finished = (finished or 0.0) + float(sample.value)

@@ -8,6 +8,7 @@ import grpc
 
 from kvmesh._proto.kvmesh.kv_indexer.v1 import kv_indexer_pb2, kv_indexer_pb2_grpc
 from kvmesh.channels import insecure_channel
+from kvmesh.hashing import DEFAULT_SCOPE, KeyScope
 from services.epp.framework.interfaces import PrefixMatch
 
 
@@ -29,10 +30,25 @@ class GrpcPrefixIndex:
 
     async def score(self, model: str, token_ids: Sequence[int], endpoint_ids: Sequence[str]) -> PrefixMatch:
         """Raises grpc.aio.AioRpcError on failure or timeout (the ``prefix-match`` step degrades to no match)."""
+        return await self.score_scoped(model, token_ids, endpoint_ids, DEFAULT_SCOPE)
+
+    async def score_scoped(
+        self, model: str, token_ids: Sequence[int], endpoint_ids: Sequence[str], scope: KeyScope
+    ) -> PrefixMatch:
+        """``Score`` in the request's key scope (LoRA adapter, cache_salt). Raises as :meth:`score`."""
         reply = await self._ensure_stub().Score(
-            kv_indexer_pb2.ScoreRequest(model=model, token_ids=token_ids, endpoint_ids=endpoint_ids),
+            kv_indexer_pb2.ScoreRequest(
+                model=model,
+                token_ids=token_ids,
+                endpoint_ids=endpoint_ids,
+                lora_name=scope.lora_name or "",
+                cache_salt=scope.cache_salt or "",
+            ),
             timeout=self._timeout,
         )
+        if reply.state in (kv_indexer_pb2.INDEX_STATE_WARMING, kv_indexer_pb2.INDEX_STATE_LOAD_ONLY):
+            # an unready indexer (health NOT_SERVING) or a load-only model: no prefix data, not an error
+            return PrefixMatch(reply.total_blocks, {})
         return PrefixMatch(reply.total_blocks, {s.endpoint_id: s.matched_blocks for s in reply.scores})
 
     async def close(self) -> None:

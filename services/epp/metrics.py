@@ -6,6 +6,7 @@
 | ``kvmesh_epp_plugin_duration_seconds`` | histogram | ``extension_point`` (filter, prepare, scorer, picker), ``plugin_type`` |
 | ``kvmesh_epp_pick_total`` | counter | ``outcome`` (:class:`PickOutcome`) |
 | ``kvmesh_epp_metrics_scrape_total`` | counter | ``result`` (ok, error) |
+| ``kvmesh_epp_prefix_match_degraded_total`` | counter | ``reason`` (too_large, busy, error, kv_indexer_busy, kv_indexer_error): picks scored without a prefix match |
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ PLUGIN_DURATION = Histogram(
 )
 PICK_TOTAL = Counter("kvmesh_epp_pick_total", "Picks by outcome.", ["outcome"])
 SCRAPE_TOTAL = Counter("kvmesh_epp_metrics_scrape_total", "Engine /metrics scrapes by result.", ["result"])
+PREFIX_MATCH_DEGRADED = Counter(
+    "kvmesh_epp_prefix_match_degraded_total",
+    "Picks the prefix-match step left without a match (scored by load), by reason.",
+    ["reason"],
+)
 
 
 def record_plugin(extension_point: ExtensionPoint, plugin_type: str, seconds: float) -> None:
@@ -54,3 +60,7 @@ def record_pick(outcome: PickOutcome, seconds: float) -> None:
 
 def record_scrape(result: str) -> None:
     SCRAPE_TOTAL.labels(result).inc()
+
+
+def record_prefix_match_degraded(reason: str) -> None:
+    PREFIX_MATCH_DEGRADED.labels(reason).inc()

@@ -8,8 +8,10 @@ UnknownModel -> NOT_FOUND, NoEndpointsAvailable -> UNAVAILABLE, anything else ->
 from __future__ import annotations
 
 import grpc
+from opentelemetry import trace
 
 from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
+from kvmesh.hashing import KeyScope
 from kvmesh.wire import endpoint_to_proto
 from services.epp.framework.interfaces import ChatMessage, SchedulingRequest
 from services.epp.scheduler import Scheduler
@@ -26,6 +28,7 @@ def request_from_proto(request: epp_pb2.PickRequest) -> SchedulingRequest:
         prompt=request.prompt,
         messages=tuple(ChatMessage(m.role, m.content) for m in request.messages),
         exclude_endpoint_ids=frozenset(request.exclude_endpoint_ids),
+        scope=KeyScope(request.lora_name or None, request.cache_salt or None),
     )
 
 
@@ -35,6 +38,7 @@ class EndpointPickerServicer(epp_pb2_grpc.EndpointPickerServicer):
 
     async def Pick(self, request: epp_pb2.PickRequest, context: grpc.aio.ServicerContext) -> epp_pb2.PickResponse:
         decision = await self._scheduler.pick(request_from_proto(request))
+        _annotate_pick(request, decision)
         return epp_pb2.PickResponse(
             target=endpoint_to_proto(decision.target),
             fallbacks=[endpoint_to_proto(e) for e in decision.fallbacks],
@@ -67,3 +71,23 @@ class EndpointPickerServicer(epp_pb2_grpc.EndpointPickerServicer):
         """Whether the configured profile reads the prompt, and the profile names (fixed for the process)."""
         profile = self._scheduler.profile
         return epp_pb2.PickerInfo(needs_prompt=profile.needs_prompt, profiles=[profile.name])
+
+
+def _annotate_pick(request: epp_pb2.PickRequest, decision: object) -> None:
+    """Trace attributes on the Pick span (issue 11): request id, model, the chosen endpoint, its
+    fallbacks, the profile, the prompt's token count and each scorer's score for the winner."""
+    span = trace.get_current_span()
+    if not span.is_recording():
+        return
+    target = getattr(decision, "target", None)
+    span.set_attribute("kvmesh.request_id", request.request_id)
+    span.set_attribute("kvmesh.model", request.model)
+    span.set_attribute("kvmesh.endpoint", str(getattr(target, "id", "")))
+    span.set_attribute("kvmesh.fallbacks", [str(e.id) for e in getattr(decision, "fallbacks", ())])
+    span.set_attribute("kvmesh.profile", str(getattr(decision, "profile", "")))
+    span.set_attribute("kvmesh.prompt_tokens", int(getattr(decision, "prompt_tokens", 0) or 0))
+    for row in getattr(decision, "breakdown", ()):
+        if target is not None and row.id == target.id:
+            for scorer, value in row.scores.items():
+                span.set_attribute(f"kvmesh.score.{scorer}", float(value))
+            span.set_attribute("kvmesh.score.total", float(row.total))

@@ -1,18 +1,33 @@
-"""Tokenizes prompts through the engine's own vLLM-compatible ``POST /tokenize``, with an LRU cache.
+"""Tokenizes prompts through the engine's own vLLM-compatible ``POST /tokenize``: bounded, never fanned out.
 
-Request bodies (vLLM's ``vllm/entrypoints/serve/tokenize/protocol.py``)::
+Request bodies (vLLM 0.32's ``vllm/entrypoints/serve/tokenize/protocol.py``)::
 
     {"model": M, "prompt": TEXT}                                              # completions
     {"model": M, "messages": [{"role", "content"}], "add_generation_prompt": true}   # chat
 
 Reply: ``{"count", "max_model_len", "tokens": [int]}``. Asking the engine guarantees the token ids
-(BOS and chat template included) are exactly those it will hash into KV blocks. The live candidates
-of the model are tried in order until one answers. The cache key is the model plus the prompt (or the
-messages' JSON), so repeated prompts (multi-turn chats resend history) skip the round trip.
+(BOS and chat template included) are exactly those it will hash into KV blocks. The cache key is the
+model plus the prompt (or the messages' JSON), so repeated prompts (multi-turn chats resend history)
+skip the round trip.
+
+Bounds (issue 14: nothing one request does may stall an engine or epp):
+
+* **size first**: a prompt (or the sum of the messages' contents) longer than ``max_prompt_chars``
+  characters is never sent (:class:`TokenizeSkipped` ``too_large``); the caller scores by load.
+* **one engine, not the pool**: the least-loaded live candidate of the model is asked. Another one
+  is tried only when the first could not be *connected* (the request never reached it); a timeout,
+  an HTTP error status or a malformed reply ends the attempt (the same prompt would cost every
+  engine the same). At most ``max_attempts`` engines are contacted.
+* **time**: the whole call (all attempts) has one deadline, ``timeout_seconds``; the HTTP request
+  is cancelled with the pick (the servicer's task is cancelled when the caller goes away).
+* **per-engine concurrency**: at most ``max_concurrency_per_endpoint`` tokenize calls in flight per
+  engine; a full engine is skipped without waiting, and when every eligible engine is full the call
+  fails at once (:class:`TokenizeSkipped` ``busy``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -23,15 +38,61 @@ from services.epp.framework.interfaces import Candidate, SchedulingRequest
 
 
 class TokenizeError(RuntimeError):
-    """No endpoint could tokenize the prompt."""
+    """No endpoint could tokenize the prompt (each failure is in the message)."""
+
+    reason = "error"
+
+
+class TokenizeSkipped(TokenizeError):
+    """Tokenization was not attempted: ``reason`` is ``too_large`` or ``busy`` (a closed set, a metric label)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def prompt_chars(request: SchedulingRequest) -> int:
+    """Characters the engine would tokenize: the prompt's, or the sum of the messages' contents and roles."""
+    if request.messages:
+        return sum(len(m.content) + len(m.role) for m in request.messages)
+    return len(request.prompt)
+
+
+def _load(candidate: Candidate) -> float:
+    m = candidate.metrics
+    return m.num_requests_waiting + m.num_requests_running + m.pending_picks
 
 
 class EngineTokenizer:
-    def __init__(self, client: httpx.AsyncClient, timeout_seconds: float, cache_entries: int) -> None:
+    """The engine-side tokenizer behind the framework's ``Tokenizer`` protocol.
+
+    Args:
+        client: shared httpx client (its connection pool bounds sockets per engine).
+        timeout_seconds: deadline of one ``tokenize`` call, all attempts included (seconds).
+        cache_entries: LRU entries kept (0 disables the cache).
+        max_prompt_chars: longer prompts are not tokenized (characters).
+        max_concurrency_per_endpoint: tokenize calls in flight per engine.
+        max_attempts: engines contacted at most per call (only connect failures move on).
+    """
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        timeout_seconds: float,
+        cache_entries: int,
+        max_prompt_chars: int = 262_144,
+        max_concurrency_per_endpoint: int = 4,
+        max_attempts: int = 2,
+    ) -> None:
         self._client = client
         self._timeout = timeout_seconds
         self._cache_entries = cache_entries
+        self._max_chars = max_prompt_chars
+        self._max_concurrency = max_concurrency_per_endpoint
+        self._max_attempts = max(1, max_attempts)
         self._cache: OrderedDict[tuple[str, str, str], list[int]] = OrderedDict()
+        self._in_flight: dict[str, int] = {}
+        self._rotation = 0
 
     @staticmethod
     def _body_and_key(request: SchedulingRequest) -> tuple[dict[str, object], tuple[str, str, str]]:
@@ -41,33 +102,79 @@ class EngineTokenizer:
             return body, (request.model, "chat", json.dumps(messages, sort_keys=True))
         return {"model": request.model, "prompt": request.prompt}, (request.model, "text", request.prompt)
 
+    def in_flight(self, endpoint_id: str) -> int:
+        """Tokenize calls now in flight to ``endpoint_id``."""
+        return self._in_flight.get(endpoint_id, 0)
+
+    def _order(self, request: SchedulingRequest, candidates: Sequence[Candidate]) -> list[Candidate]:
+        """Candidates of the model, least loaded first (ties rotate so equal engines share the work)."""
+        own = [c for c in candidates if c.endpoint.model == request.model]
+        if not own:
+            return []
+        self._rotation = (self._rotation + 1) % len(own)
+        rotated = own[self._rotation:] + own[: self._rotation]
+        return sorted(rotated, key=_load)
+
     async def tokenize(self, request: SchedulingRequest, candidates: Sequence[Candidate]) -> list[int]:
         """Token ids of the request's prompt or messages.
 
         Raises:
-            TokenizeError: no candidate answered with token ids (each failure is in the message).
+            TokenizeSkipped: ``too_large`` (over ``max_prompt_chars``, nothing sent) or ``busy`` (every
+                eligible engine already has ``max_concurrency_per_endpoint`` calls in flight).
+            TokenizeError: the engine failed, timed out or answered something that is not token ids.
         """
+        chars = prompt_chars(request)
+        if chars > self._max_chars:
+            raise TokenizeSkipped("too_large", f"prompt of {chars} characters exceeds {self._max_chars}")
         body, key = self._body_and_key(request)
         cached = self._cache.get(key)
         if cached is not None:
             self._cache.move_to_end(key)
             return cached
+        ordered = self._order(request, candidates)
+        if not ordered:
+            raise TokenizeError(f"no endpoint of model {request.model!r} to tokenize with")
+        try:
+            async with asyncio.timeout(self._timeout):
+                tokens = await self._ask(ordered, body)
+        except TimeoutError as exc:
+            raise TokenizeError(f"tokenize timed out after {self._timeout}s") from exc
+        if self._cache_entries > 0:
+            self._cache[key] = tokens
+            while len(self._cache) > self._cache_entries:
+                self._cache.popitem(last=False)
+        return tokens
+
+    async def _ask(self, ordered: Sequence[Candidate], body: dict[str, object]) -> list[int]:
         errors: list[str] = []
-        for cand in candidates:
-            if cand.endpoint.model != request.model:
+        attempts = 0
+        for cand in ordered:
+            if attempts >= self._max_attempts:
+                break
+            if self.in_flight(cand.id) >= self._max_concurrency:
+                errors.append(f"{cand.id}: busy")
                 continue
+            attempts += 1
+            self._in_flight[cand.id] = self.in_flight(cand.id) + 1
             try:
-                reply = await self._client.post(
-                    cand.endpoint.url.rstrip("/") + "/tokenize", json=body, timeout=self._timeout
-                )
-                reply.raise_for_status()
-                tokens = [int(t) for t in reply.json()["tokens"]]
-            except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+                reply = await self._client.post(cand.endpoint.url.rstrip("/") + "/tokenize", json=body)
+            except httpx.ConnectError as exc:  # never reached the engine: the next one may answer
                 errors.append(f"{cand.id}: {exc!r}")
                 continue
-            if self._cache_entries > 0:
-                self._cache[key] = tokens
-                while len(self._cache) > self._cache_entries:
-                    self._cache.popitem(last=False)
-            return tokens
-        raise TokenizeError("; ".join(errors) or f"no endpoint of model {request.model!r} to tokenize with")
+            except httpx.HTTPError as exc:
+                raise TokenizeError(f"{cand.id}: {exc!r}") from exc
+            finally:
+                left = self._in_flight.get(cand.id, 1) - 1
+                if left > 0:
+                    self._in_flight[cand.id] = left
+                else:
+                    self._in_flight.pop(cand.id, None)
+            if reply.status_code != 200:
+                raise TokenizeError(f"{cand.id}: HTTP {reply.status_code}: {reply.text[:200]}")
+            try:
+                return [int(t) for t in reply.json()["tokens"]]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise TokenizeError(f"{cand.id}: malformed /tokenize reply: {exc!r}") from exc
+        if attempts == 0:
+            raise TokenizeSkipped("busy", "; ".join(errors))
+        raise TokenizeError("; ".join(errors))

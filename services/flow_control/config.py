@@ -1,29 +1,106 @@
-"""FlowControlConfig: every knob of the flow_control service (flags > env > file > defaults)."""
+"""FlowControlConfig: every knob of the flow_control service (flags > env > file > defaults).
+
+Bands and policies follow GIE's ``FlowControlConfig`` / ``PriorityBandConfig``; a YAML file
+(``--config``) is the natural place for ``bands``::
+
+    fairness_policy: round-robin-fairness-policy
+    bands:
+      - {priority: 10, name: interactive, ordering_policy: slo-deadline-ordering-policy}
+      - {priority: 0, name: standard, max_requests: 5000}
+      - {priority: -10, name: batch, ttl_seconds: 120}
+      - {priority: 1, name: agents, max_saturation: 0.8}   # leaves headroom to higher bands
+"""
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import SettingsConfigDict
 
 from kvmesh.config import GrpcServiceConfig
+from services.flow_control.bands import BandConfig
 from services.flow_control.controller import ControllerLimits
+from services.flow_control.policies import DEFAULT_FAIRNESS_POLICY, DEFAULT_ORDERING_POLICY
+from services.flow_control.saturation import SaturationDetector
+
+
+class BandSpec(BaseModel):
+    """One priority band (GIE ``PriorityBandConfig``); limits of 0 mean "none"."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    priority: int = Field(ge=-(2**31), le=2**31 - 1)
+    name: str = Field("", max_length=64)
+    max_requests: int = Field(0, ge=0)
+    max_bytes: int = Field(0, ge=0)
+    ttl_seconds: float = Field(0.0, ge=0, le=3600)
+    fairness_policy: str = ""
+    ordering_policy: str = ""
+    max_saturation: float = Field(0.0, ge=0, le=10)
+
+    def band(self) -> BandConfig:
+        return BandConfig(self.priority, self.name, self.max_requests, self.max_bytes, self.ttl_seconds,
+                          self.fairness_policy, self.ordering_policy, self.max_saturation)
 
 
 class FlowControlConfig(GrpcServiceConfig):
-    """Admission control: FCFS queue, global in-flight limit, queue TTL."""
+    """Admission control: priority bands, fairness across flows, pool saturation, TTLs, shedding."""
 
     model_config = SettingsConfigDict(env_prefix="KVMESH_FLOW_CONTROL_")
 
     max_in_flight: int = Field(256, ge=1, le=1_000_000)
-    """Requests dispatched and not yet released, across all flows; the next ones queue."""
+    """Requests dispatched and not yet released, across all flows: a hard cap beside the saturation detector."""
     queue_ttl_seconds: float = Field(30.0, gt=0, le=3600)
-    """How long a request may wait in the queue before it is evicted (EVICTED_TTL)."""
+    """Global queue TTL: a request waits at most min(this, its band's TTL, its own TTL), then EVICTED_TTL."""
     max_queue_size: int = Field(10_000, ge=0, le=10_000_000)
-    """Requests that may wait at once; more are rejected (REJECTED_CAPACITY). 0 disables queueing."""
+    """Requests that may wait at once, all bands; more are rejected (REJECTED_CAPACITY). 0 disables queueing."""
+    max_queue_bytes: int = Field(0, ge=0)
+    """Request-body bytes that may wait at once, all bands (GIE's global MaxBytes); 0 = no limit."""
+    fairness_policy: str = DEFAULT_FAIRNESS_POLICY
+    """Fairness policy of bands that name none: global-strict-fairness-policy, round-robin-fairness-policy,
+    least-attained-service-fairness-policy."""
+    ordering_policy: str = DEFAULT_ORDERING_POLICY
+    """Ordering policy of bands that name none: fcfs-ordering-policy, edf-ordering-policy, slo-deadline-ordering-policy."""
+    fairness_weights: dict[str, float] = Field(default_factory=dict)
+    """Fairness id -> weight for least-attained-service-fairness-policy (default 1)."""
+    bands: list[BandSpec] = Field(default_factory=list)
+    """Configured priority bands; requests of other priorities get a band like default_band."""
+    default_band: BandSpec = Field(default_factory=lambda: BandSpec.model_validate({"priority": 0}))
+    """Template of bands created on first use (its priority and name are ignored)."""
+    fairness_window_seconds: float = Field(10.0, gt=0, le=3600)
+    """Window of each flow's served-token share and Jain's index (metrics, Stats)."""
+    max_flow_labels: int = Field(1000, ge=1, le=100_000)
+    """Distinct fairness ids given their own ``flow`` metric label; later ones share ``_other``."""
+    epp_address: str = ""
+    """host:port of epp, whose ListEndpoints gives the engines' scraped metrics (the saturation signal);
+    empty = no pool signal (max_in_flight alone)."""
+    pool_poll_interval_seconds: float = Field(0.05, gt=0, le=60)
+    """How often epp's endpoint metrics are read."""
+    queue_depth_threshold: float = Field(5.0, gt=0, le=100_000)
+    """An endpoint has room while vllm:num_requests_waiting is below this (GIE utilization-detector's QueueDepthThreshold)."""
+    kv_cache_util_threshold: float = Field(0.8, gt=0, le=1)
+    """... and vllm:kv_cache_usage_perc is below this (KVCacheUtilThreshold)."""
+    metrics_staleness_seconds: float = Field(1.0, gt=0, le=600)
+    """Metrics older than this are stale: dispatch fails open (MetricsStalenessThreshold)."""
+    dispatch_visibility_seconds: float = Field(0.05, ge=0, le=10)
+    """A dispatch counts against the pool's room until a sample taken this long after it arrives."""
 
     def limits(self) -> ControllerLimits:
         return ControllerLimits(
             max_in_flight=self.max_in_flight,
             queue_ttl_seconds=self.queue_ttl_seconds,
             max_queue_size=self.max_queue_size,
+            max_queue_bytes=self.max_queue_bytes,
+            bands=tuple(b.band() for b in self.bands),
+            default_band=self.default_band.band(),
+            fairness_policy=self.fairness_policy,
+            ordering_policy=self.ordering_policy,
+            fairness_weights=dict(self.fairness_weights),
+            fairness_window_seconds=self.fairness_window_seconds,
         )
+
+    def detector(self) -> SaturationDetector | None:
+        """The saturation detector, or None without ``epp_address``."""
+        if not self.epp_address:
+            return None
+        return SaturationDetector(self.queue_depth_threshold, self.kv_cache_util_threshold,
+                                  self.metrics_staleness_seconds, self.dispatch_visibility_seconds)

@@ -1,67 +1,97 @@
-"""The flow controller: FCFS admission with a global in-flight limit and a queue TTL.
+"""The flow controller: priority bands, fairness across flows, pool saturation, TTLs, shedding, quotas.
 
-Algorithm (one event loop, no locks: every method runs to completion without awaiting):
+The layering is GIE's (``pkg/epp/flowcontrol``): *whether* anything may be dispatched (the
+in-flight limit AND the saturation detector), *which band* (strict priority, highest first),
+*which flow* inside the band (the band's fairness policy) and *which request* of the flow (the
+flow's ordering policy) are separate decisions. One event loop, no locks: every method runs to
+completion without awaiting.
 
-* ``enqueue(request)`` creates a :class:`Ticket`. If nothing is waiting and fewer than
-  ``max_in_flight`` requests are in flight, the request is dispatched at once. Otherwise, when
-  ``max_queue_size`` requests already wait, it is rejected (``REJECTED_CAPACITY``); else it
-  joins the queue.
-* ``release(ticket)`` is called exactly when the request's admission stream closes, for any
-  reason (normal close, client cancel, error). A dispatched ticket gives its slot back and the
-  oldest waiting request is dispatched; a queued ticket leaves the queue
-  (``EVICTED_CANCELLED``); a rejected or already released ticket changes nothing. Every ticket
-  moves ``QUEUED -> DISPATCHED | REJECTED -> RELEASED`` once, so a slot cannot be released
-  twice and ``in_flight`` is exact.
-* A request that waited ``queue_ttl_seconds`` is evicted (``EVICTED_TTL``) with a reason.
-  ``expire_due()`` does this for every due request (called before each dispatch and by the
-  ``run_expiry()`` background loop, which sleeps on the injected clock until the next deadline).
-  The TTL is global, so arrival order is deadline order and the sweep only looks at the head.
+* ``enqueue(request)``: the request joins flow ``(flow_id, priority)`` of band ``priority``
+  (bands not configured are created from the default band, as GIE's dynamic bands). In order:
+  no endpoint serves the model (fresh pool snapshot) -> ``REJECTED_NO_ENDPOINTS``; the tenant's
+  rate quota is spent -> ``REJECTED_RATE_LIMITED``; it is dispatched at once when no request of
+  its band or a higher one waits, the pool has room and its flow is under its concurrency quota;
+  else a sheddable band (priority < 0) -> ``SHED``; else a full queue (global or band, in
+  requests or bytes) -> ``REJECTED_CAPACITY``; else it waits.
+* ``release(ticket)`` (the admission stream closed, for any reason): a dispatched ticket frees its
+  slot and the next request is dispatched; a queued one leaves its queue (``EVICTED_CANCELLED``);
+  anything else changes nothing. Every ticket moves ``QUEUED -> DISPATCHED | REJECTED -> RELEASED``
+  once, so ``in_flight`` is exact.
+* ``complete(ticket, served)``: the tokens the request actually used feed the fairness policy and
+  the served-token window (shares, Jain's index).
+* TTL: effective TTL = min(global ``queue_ttl_seconds``, band TTL, request TTL). ``expire_due()``
+  pops every due request from a deadline heap (``EVICTED_TTL``; ``REJECTED_NO_ENDPOINTS`` when a
+  fresh snapshot shows no endpoint for its model); it runs before every dispatch and in
+  ``run_expiry()``, and a request found expired at dispatch is evicted instead: an expired request
+  is never dispatched.
+* ``update_pool(snapshot)``: new engine metrics for the :class:`SaturationDetector`; dispatches
+  whatever the new room allows.
 
 Parameters: ``max_in_flight`` >= 1 (requests), ``queue_ttl_seconds`` > 0 (clock seconds),
-``max_queue_size`` >= 0 (requests; 0 means "never queue").
-
-Extension points (the shape follows GIE's flow controller, ``pkg/epp/flowcontrol``):
-
-* ``queue_factory`` builds a :class:`~services.flow_control.queues.base.QueueOrdering`;
-  other orderings plug in there.
-* :meth:`FlowController._has_capacity` is the only place that decides whether anything may be
-  dispatched now: a saturation detector joins the in-flight limit there.
-* :meth:`FlowController._select_queue` is the only place that decides which queue the next
-  request comes from: priority bands (one queue per ``priority``, strictly ordered) and
-  fairness across ``flow_id`` inside a band (round robin over per-flow queues) replace it.
-* ``Ticket.request`` keeps ``flow_id`` and ``priority`` for those policies.
-* :class:`ControllerObserver` receives every outcome and state change (metrics, logging).
+``max_queue_size`` >= 0 (requests; 0 means "never queue"), ``max_queue_bytes`` >= 0 (0 = no limit).
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import heapq
 import itertools
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from kvmesh.clock import Clock, SystemClock
+from services.flow_control.bands import Band, BandConfig, FlowQueue, TokenBucket
+from services.flow_control.fairness.window import ServedWindow
+from services.flow_control.policies import (
+    DEFAULT_FAIRNESS_POLICY,
+    DEFAULT_ORDERING_POLICY,
+    fairness_policy,
+    ordering_factory,
+)
 from services.flow_control.queues.base import QueuedItem, QueueOrdering
-from services.flow_control.queues.fcfs import FcfsQueue
-from services.flow_control.types import AdmissionDecision, AdmissionRequest, QueueOutcome
+from services.flow_control.saturation import PoolSnapshot, SaturationDetector, SaturationState
+from services.flow_control.types import (
+    DEFAULT_FLOW_ID,
+    AdmissionDecision,
+    AdmissionRequest,
+    QueueOutcome,
+    ServedTokens,
+)
 
 logger = logging.getLogger(__name__)
+
+_MAX_BUCKETS = 10_000
+"""Rate buckets kept before full ones (tenants idle long enough to refill) are forgotten."""
 
 
 @dataclass(frozen=True, slots=True)
 class ControllerLimits:
     """The controller's knobs (see the module docstring for meaning and ranges).
 
-    No defaults here: they live once, in :class:`~services.flow_control.config.FlowControlConfig`
-    (``FlowControlConfig.limits()`` builds this).
+    Their defaults live once, in :class:`~services.flow_control.config.FlowControlConfig`
+    (``FlowControlConfig.limits()`` builds this); the ones here only let tests name fewer.
+
+    Attributes:
+        bands: configured bands (others are created from ``default_band`` on first use).
+        default_band: template of unconfigured bands (its ``priority`` is ignored).
+        fairness_policy, ordering_policy: defaults of bands that name none.
+        fairness_weights: flow id -> weight for ``least-attained-service-fairness-policy``.
+        fairness_window_seconds: window of the served-token shares and Jain's index.
     """
 
     max_in_flight: int
     queue_ttl_seconds: float
     max_queue_size: int
+    max_queue_bytes: int = 0
+    bands: tuple[BandConfig, ...] = ()
+    default_band: BandConfig = field(default_factory=lambda: BandConfig(0))
+    fairness_policy: str = DEFAULT_FAIRNESS_POLICY
+    ordering_policy: str = DEFAULT_ORDERING_POLICY
+    fairness_weights: Mapping[str, float] = field(default_factory=dict)
+    fairness_window_seconds: float = 10.0
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
@@ -70,14 +100,47 @@ class ControllerLimits:
             raise ValueError(f"queue_ttl_seconds must be > 0, got {self.queue_ttl_seconds}")
         if self.max_queue_size < 0:
             raise ValueError(f"max_queue_size must be >= 0, got {self.max_queue_size}")
+        if self.max_queue_bytes < 0:
+            raise ValueError(f"max_queue_bytes must be >= 0, got {self.max_queue_bytes}")
+        priorities = [b.priority for b in self.bands]
+        if len(set(priorities)) != len(priorities):
+            raise ValueError(f"duplicate band priority in {sorted(priorities)}")
+        for band in (*self.bands, self.default_band):
+            fairness_policy(band.fairness_policy or self.fairness_policy, self.fairness_weights)
+            ordering_factory(band.ordering_policy or self.ordering_policy)
+            if band.max_requests < 0 or band.max_bytes < 0 or band.ttl_seconds < 0:
+                raise ValueError(f"band {band.label}: limits must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class BandStats:
+    priority: int
+    name: str
+    queued: int
+    queued_bytes: int
+    in_flight: int
+    flows: int
+
+
+@dataclass(frozen=True, slots=True)
+class FlowStats:
+    flow_id: str
+    priority: int
+    queued: int
+    in_flight: int
+    oldest_wait_seconds: float
+    served_tokens: int
+    """Prompt + completion tokens of its requests that ended in the fairness window."""
+    share: float
+    """``served_tokens`` / all tokens served in the window."""
 
 
 @dataclass(frozen=True, slots=True)
 class ControllerStats:
-    """A snapshot: requests in flight and queued, the limit, and lifetime totals.
+    """A snapshot: requests in flight and queued, the limit, lifetime totals, per band and flow.
 
-    ``rejected_total`` counts every request that got a rejection (capacity, TTL, shed, other);
-    requests whose client left while queued are in neither total.
+    ``rejected_total`` counts every request that got a rejection (capacity, TTL, shed, quota,
+    no endpoints, other); requests whose client left while queued are in neither total.
     """
 
     in_flight: int
@@ -85,6 +148,12 @@ class ControllerStats:
     max_in_flight: int
     dispatched_total: int
     rejected_total: int
+    queued_bytes: int = 0
+    bands: tuple[BandStats, ...] = ()
+    flows: tuple[FlowStats, ...] = ()
+    saturation: SaturationState | None = None
+    jain_index: float = 1.0
+    fairness_window_seconds: float = 0.0
 
 
 class ControllerObserver(Protocol):
@@ -119,7 +188,7 @@ class TicketState(enum.Enum):
 class Ticket:
     """One request's place in the controller; ``await ticket.wait()`` yields its :class:`AdmissionDecision`."""
 
-    __slots__ = ("_decided", "decision", "enqueued_at", "id", "request", "state")
+    __slots__ = ("_decided", "band", "decision", "enqueued_at", "flow", "id", "item", "request", "state")
 
     def __init__(self, ticket_id: int, request: AdmissionRequest, enqueued_at: float) -> None:
         self.id = ticket_id
@@ -128,6 +197,9 @@ class Ticket:
         self.state = TicketState.QUEUED
         self.decision: AdmissionDecision | None = None
         self._decided = asyncio.Event()
+        self.band: Band | None = None
+        self.flow: FlowQueue | None = None
+        self.item: QueuedItem | None = None
 
     @property
     def decided(self) -> bool:
@@ -149,25 +221,73 @@ class Ticket:
 
 
 class FlowController:
-    """FCFS admission with a global in-flight limit and a queue TTL (see the module docstring)."""
+    """Bands, flows, fairness, saturation, TTLs and shedding (see the module docstring).
+
+    Args:
+        limits: the knobs.
+        clock: injected time (``ManualClock`` in tests).
+        queue_factory: overrides the ordering policy of every flow queue (tests).
+        observer: metrics/logging hooks.
+        detector: the pool saturation detector; None = no pool signal (the in-flight limit alone).
+    """
 
     def __init__(
         self,
         limits: ControllerLimits,
         clock: Clock | None = None,
-        queue_factory: Callable[[], QueueOrdering] = FcfsQueue,
+        queue_factory: Callable[[], QueueOrdering] | None = None,
         observer: ControllerObserver | None = None,
+        detector: SaturationDetector | None = None,
     ) -> None:
         self.limits = limits
         self._clock = clock or SystemClock()
-        self._queue = queue_factory()
+        self._queue_factory = queue_factory
         self._observer = observer or NullObserver()
+        self.detector = detector
         self._ids = itertools.count(1)
-        self._waiting: dict[int, Ticket] = {}  # queued tickets in arrival (= deadline) order
+        self._bands: dict[int, Band] = {}
+        self._order: list[Band] = []  # highest priority first
+        for config in limits.bands:
+            self._add_band(config)
+        self._waiting: dict[int, Ticket] = {}
+        self._deadlines: list[tuple[float, int]] = []  # (deadline, ticket id); lazy removal
+        self._queued = 0
+        self._queued_bytes = 0
         self._in_flight = 0
         self._dispatched_total = 0
         self._rejected_total = 0
+        self._window = ServedWindow(limits.fairness_window_seconds)
+        self._tenant_in_flight: dict[str, int] = {}
+        self._buckets: dict[str, TokenBucket] = {}
         self._wake = asyncio.Event()
+
+    # -- bands ------------------------------------------------------------------------------------
+
+    def _add_band(self, config: BandConfig) -> Band:
+        limits = self.limits
+        factory = self._queue_factory or ordering_factory(config.ordering_policy or limits.ordering_policy)
+        policy = fairness_policy(config.fairness_policy or limits.fairness_policy, limits.fairness_weights)
+        band = Band(config, policy, factory)
+        self._bands[config.priority] = band
+        self._order = sorted(self._bands.values(), key=lambda b: -b.priority)
+        return band
+
+    def band(self, priority: int) -> Band:
+        """Band ``priority``, created from the default band on first use."""
+        band = self._bands.get(priority)
+        if band is None:
+            template = self.limits.default_band
+            name = str(priority)
+            band = self._add_band(BandConfig(
+                priority, name, template.max_requests, template.max_bytes, template.ttl_seconds,
+                template.fairness_policy, template.ordering_policy, template.max_saturation,
+            ))
+        return band
+
+    def band_label(self, priority: int) -> str:
+        """The ``band`` metric label of ``priority``."""
+        band = self._bands.get(priority)
+        return band.label if band is not None else str(priority)
 
     # -- the contract ---------------------------------------------------------------------------
 
@@ -177,21 +297,41 @@ class FlowController:
         The caller must call :meth:`release` with the ticket when the request's stream closes.
         """
         now = self._clock.now()
+        if not request.flow_id:
+            request = _with_flow(request, DEFAULT_FLOW_ID)
         ticket = Ticket(next(self._ids), request, now)
         self.expire_due()
-        if not self._queue and self._has_capacity():
+        band = self.band(request.priority)
+        flow = band.flow(request.flow_id)
+        flow.quota = request.quota
+        ticket.band, ticket.flow = band, flow
+        if self.detector is not None and self.detector.has_endpoints(request.model, now) is False:
+            self._reject(ticket, QueueOutcome.REJECTED_NO_ENDPOINTS, f"no endpoint serves model {request.model!r}", now)
+        elif (bucket := self._take_rate_token(request, now)) is not None:
+            self._reject(ticket, QueueOutcome.REJECTED_RATE_LIMITED,
+                         f"flow {request.flow_id!r} is over its rate quota ({request.quota.rate_per_second:g} requests/s)",
+                         now, bucket.retry_after())
+        elif (not self._waiting_at_or_above(band.priority) and self._eligible(flow) and self._has_capacity(now)
+              and self._band_has_room(band, now)):
+            ticket.item = QueuedItem(ticket.id, request, now, now + self._ttl(band, request))
             self._dispatch(ticket, now)
-        elif len(self._queue) >= self.limits.max_queue_size:
-            reason = (
-                f"queue full: {len(self._queue)} requests waiting (max_queue_size={self.limits.max_queue_size}),"
-                f" {self._in_flight} in flight (max_in_flight={self.limits.max_in_flight})"
-            )
-            self._reject(ticket, QueueOutcome.REJECTED_CAPACITY, reason, now)
+        elif band.config.sheddable:
+            self._reject(ticket, QueueOutcome.SHED, self._shed_reason(band, now), now)
+        elif (full := self._capacity_exceeded(band, request)) is not None:
+            self._reject(ticket, QueueOutcome.REJECTED_CAPACITY, full, now)
         else:
-            self._queue.push(QueuedItem(ticket.id, request, now))
+            item = QueuedItem(ticket.id, request, now, now + self._ttl(band, request))
+            ticket.item = item
+            band.push(flow, item)
+            self._queued += 1
+            self._queued_bytes += request.byte_size
             self._waiting[ticket.id] = ticket
+            heapq.heappush(self._deadlines, (item.deadline, ticket.id))
             self._wake.set()
-            logger.debug("queued request_id=%s flow=%s queued=%d", request.request_id, request.flow_id, len(self._queue))
+            if self._in_flight < self.limits.max_in_flight:
+                self._dispatch_ready()  # room, but something older waits (e.g. behind a concurrency quota)
+        if ticket.state is not TicketState.DISPATCHED:
+            band.forget_if_idle(flow)
         self._publish_state()
         return ticket
 
@@ -203,40 +343,71 @@ class FlowController:
             queued, rejected or already released).
         """
         freed = False
+        band, flow = ticket.band, ticket.flow
         if ticket.state is TicketState.DISPATCHED:
             self._in_flight -= 1
             assert self._in_flight >= 0, "in-flight count went negative"
+            if band is not None and flow is not None:
+                band.in_flight -= 1
+                flow.in_flight -= 1
+                self._tenant_gone(flow.flow_id)
             freed = True
         elif ticket.state is TicketState.QUEUED:
-            self._queue.remove(ticket.id)
-            self._waiting.pop(ticket.id, None)
+            self._unqueue(ticket)
             now = self._clock.now()
+            waited = now - ticket.enqueued_at
             ticket._decide(
-                AdmissionDecision(
-                    QueueOutcome.EVICTED_CANCELLED, "client closed the stream while queued", now - ticket.enqueued_at
-                ),
+                AdmissionDecision(QueueOutcome.EVICTED_CANCELLED, "client closed the stream while queued", waited),
                 TicketState.RELEASED,
             )
-            self._observer.on_outcome(ticket.request, QueueOutcome.EVICTED_CANCELLED, now - ticket.enqueued_at)
+            self._observer.on_outcome(ticket.request, QueueOutcome.EVICTED_CANCELLED, waited)
         ticket.state = TicketState.RELEASED
+        if band is not None and flow is not None:
+            band.forget_if_idle(flow)
         if freed:
             self._dispatch_ready()
         self._publish_state()
         return freed
 
-    def expire_due(self) -> int:
-        """Evict every queued request older than ``queue_ttl_seconds``; returns how many."""
+    def complete(self, ticket: Ticket, served: ServedTokens) -> None:
+        """The dispatched request of ``ticket`` ended having used ``served`` tokens (fairness accounting)."""
+        if ticket.decision is None or ticket.decision.outcome is not QueueOutcome.DISPATCHED or ticket.item is None:
+            return
         now = self._clock.now()
-        ttl = self.limits.queue_ttl_seconds
+        prompt = served.prompt_tokens or ticket.request.prompt_tokens
+        self._window.record(now, ticket.request.flow_id, prompt + served.completion_tokens)
+        if ticket.band is not None:
+            ticket.band.fairness.on_served(
+                ticket.band, ticket.request.flow_id, ticket.item, served.prompt_tokens, served.completion_tokens
+            )
+
+    def update_pool(self, snapshot: PoolSnapshot) -> None:
+        """New engine metrics: update the detector and dispatch what the new room allows."""
+        if self.detector is None:
+            return
+        self.detector.update(snapshot)
+        if self._queued:
+            self._dispatch_ready()
+            self._publish_state()
+
+    def refresh(self) -> None:
+        """Dispatch what the current state allows (after a failed poll: stale metrics fail open)."""
+        if self._queued:
+            self._dispatch_ready()
+            self._publish_state()
+
+    def expire_due(self) -> int:
+        """Evict every queued request whose effective TTL ran out; returns how many."""
+        now = self._clock.now()
+        deadlines = self._deadlines
         expired = 0
-        while self._waiting:
-            ticket = next(iter(self._waiting.values()))
-            if ticket.enqueued_at + ttl > now:
-                break
-            del self._waiting[ticket.id]
-            self._queue.remove(ticket.id)
-            reason = f"waited {now - ticket.enqueued_at:.3f} s in the queue (queue_ttl_seconds={ttl:g})"
-            self._reject(ticket, QueueOutcome.EVICTED_TTL, reason, now)
+        while deadlines and deadlines[0][0] <= now:
+            _, ticket_id = heapq.heappop(deadlines)
+            ticket = self._waiting.get(ticket_id)
+            if ticket is None:
+                continue  # dispatched or cancelled meanwhile
+            self._unqueue(ticket)
+            self._evict_expired(ticket, now)
             expired += 1
         if expired:
             self._publish_state()
@@ -244,8 +415,10 @@ class FlowController:
 
     def next_expiry(self) -> float | None:
         """Clock time of the next TTL eviction, ``None`` when nothing waits."""
-        ticket = next(iter(self._waiting.values()), None)
-        return None if ticket is None else ticket.enqueued_at + self.limits.queue_ttl_seconds
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][1] not in self._waiting:
+            heapq.heappop(deadlines)
+        return deadlines[0][0] if deadlines else None
 
     async def run_expiry(self) -> None:
         """Background loop: evict requests at their TTL deadline, on the injected clock. Cancel to stop."""
@@ -256,57 +429,214 @@ class FlowController:
                 self._wake.clear()
                 await self._wake.wait()
             else:
-                await self._clock.sleep(max(deadline - self._clock.now(), 0.001))
+                self._wake.clear()
+                sleep = asyncio.ensure_future(self._clock.sleep(max(deadline - self._clock.now(), 0.001)))
+                woken = asyncio.ensure_future(self._wake.wait())
+                try:  # an arrival with an earlier deadline (a short request TTL) wakes the loop
+                    await asyncio.wait({sleep, woken}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    sleep.cancel()
+                    woken.cancel()
+
+    def saturation(self) -> SaturationState | None:
+        return self.detector.state(self._clock.now()) if self.detector is not None else None
 
     def stats(self) -> ControllerStats:
+        now = self._clock.now()
+        totals = self._window.totals(now)
+        whole = sum(totals.values())
+        bands = tuple(
+            BandStats(b.priority, b.label, b.queued, b.queued_bytes, b.in_flight, len(b.flows)) for b in self._order
+        )
+        flows = []
+        for band in self._order:
+            for flow in band.flows.values():
+                head = flow.queue.peek()
+                served = totals.get(flow.flow_id, 0)
+                flows.append(FlowStats(
+                    flow.flow_id, band.priority, len(flow.queue), flow.in_flight,
+                    now - head.enqueued_at if head is not None else 0.0, served, served / whole if whole else 0.0,
+                ))
         return ControllerStats(
             in_flight=self._in_flight,
-            queued=len(self._queue),
+            queued=self._queued,
             max_in_flight=self.limits.max_in_flight,
             dispatched_total=self._dispatched_total,
             rejected_total=self._rejected_total,
+            queued_bytes=self._queued_bytes,
+            bands=bands,
+            flows=tuple(flows),
+            saturation=self.saturation(),
+            jain_index=self._window.jain_index(now),
+            fairness_window_seconds=self._window.window_seconds,
         )
 
-    # -- extension points -----------------------------------------------------------------------
+    # -- decisions ------------------------------------------------------------------------------
 
-    def _has_capacity(self) -> bool:
-        """Whether one more request may be dispatched now (later: and the pool is not saturated)."""
-        return self._in_flight < self.limits.max_in_flight
+    def _has_capacity(self, now: float) -> bool:
+        """Whether one more request may be dispatched now: under ``max_in_flight`` and the pool has room."""
+        if self._in_flight >= self.limits.max_in_flight:
+            return False
+        return self.detector is None or not self.detector.state(now).saturated
 
-    def _select_queue(self) -> QueueOrdering | None:
-        """The queue the next request comes from (later: highest non-empty band, then fairness)."""
-        return self._queue if self._queue else None
+    def _band_has_room(self, band: Band, now: float) -> bool:
+        """A band with ``max_saturation`` dispatches only while the pool's saturation is below it (fails open when stale)."""
+        limit = band.config.max_saturation
+        if limit <= 0 or self.detector is None:
+            return True
+        state = self.detector.state(now)
+        return state.stale or state.saturation < limit
+
+    def _waiting_at_or_above(self, priority: int) -> bool:
+        for band in self._order:
+            if band.priority < priority:
+                return False
+            if band.queued:
+                return True
+        return False
+
+    def _ttl(self, band: Band, request: AdmissionRequest) -> float:
+        ttl = self.limits.queue_ttl_seconds
+        if band.config.ttl_seconds > 0:
+            ttl = min(ttl, band.config.ttl_seconds)
+        if request.ttl_seconds > 0:
+            ttl = min(ttl, request.ttl_seconds)
+        return ttl
+
+    def _capacity_exceeded(self, band: Band, request: AdmissionRequest) -> str | None:
+        limits, config = self.limits, band.config
+        size = request.byte_size
+        if self._queued >= limits.max_queue_size:
+            return (f"queue full: {self._queued} requests waiting (max_queue_size={limits.max_queue_size}),"
+                    f" {self._in_flight} in flight (max_in_flight={limits.max_in_flight})")
+        if limits.max_queue_bytes and self._queued_bytes + size > limits.max_queue_bytes:
+            return f"queue full: {self._queued_bytes} + {size} bytes waiting > max_queue_bytes={limits.max_queue_bytes}"
+        if config.max_requests and band.queued >= config.max_requests:
+            return f"band {band.label} full: {band.queued} requests waiting (max_requests={config.max_requests})"
+        if config.max_bytes and band.queued_bytes + size > config.max_bytes:
+            return f"band {band.label} full: {band.queued_bytes} + {size} bytes waiting > max_bytes={config.max_bytes}"
+        return None
+
+    def _shed_reason(self, band: Band, now: float) -> str:
+        if self._in_flight >= self.limits.max_in_flight:
+            why = f"{self._in_flight} in flight (max_in_flight={self.limits.max_in_flight})"
+        elif self.detector is not None and (state := self.detector.state(now)).saturated:
+            why = f"pool saturated (saturation={state.saturation:.2f})"
+        else:
+            why = "requests of higher or equal priority are waiting"
+        return f"shed: band {band.label} is sheddable and {why}"
+
+    def _select(self) -> tuple[Band, FlowQueue] | None:
+        """Strict band order, then the band's fairness policy over flows under their concurrency quota."""
+        now = self._clock.now()
+        for band in self._order:
+            if band.queued and self._band_has_room(band, now):
+                flow = band.fairness.pick(band, self._eligible)
+                if flow is not None:
+                    return band, flow
+        return None
+
+    def _eligible(self, flow: FlowQueue) -> bool:
+        """False while the flow's tenant (fairness id, all bands) is at its concurrency quota."""
+        limit = flow.quota.max_concurrency
+        return limit <= 0 or self._tenant_in_flight.get(flow.flow_id, 0) < limit
+
+    def _take_rate_token(self, request: AdmissionRequest, now: float) -> TokenBucket | None:
+        """None when the request may pass the tenant's rate quota, else the (empty) bucket."""
+        quota = request.quota
+        if quota.rate_per_second <= 0:
+            return None
+        bucket = self._buckets.get(request.flow_id)
+        if bucket is None:
+            if len(self._buckets) >= _MAX_BUCKETS:  # forget tenants whose bucket refilled
+                for flow_id in [f for f, b in self._buckets.items() if b.full(now)]:
+                    del self._buckets[flow_id]
+            bucket = self._buckets[request.flow_id] = TokenBucket(quota.rate_per_second, 0.0, now)
+            bucket.tokens = float(quota.burst or max(1.0, quota.rate_per_second))
+        return None if bucket.take(now, quota) else bucket
+
+    def _tenant_gone(self, flow_id: str) -> None:
+        left = self._tenant_in_flight.get(flow_id, 0) - 1
+        if left > 0:
+            self._tenant_in_flight[flow_id] = left
+        else:
+            self._tenant_in_flight.pop(flow_id, None)
 
     # -- internals ------------------------------------------------------------------------------
+
+    def _unqueue(self, ticket: Ticket) -> None:
+        self._waiting.pop(ticket.id, None)
+        self._compact_deadlines()
+        if ticket.band is not None and ticket.flow is not None:
+            ticket.band.remove(ticket.flow, ticket.id)
+        self._queued -= 1
+        self._queued_bytes -= ticket.request.byte_size
+
+    def _compact_deadlines(self) -> None:
+        """Drop the heap entries of requests no longer waiting once they outnumber the live ones (amortized O(1))."""
+        if len(self._deadlines) > 2 * len(self._waiting) + 1024:
+            self._deadlines = [e for e in self._deadlines if e[1] in self._waiting]
+            heapq.heapify(self._deadlines)
+
+    def _evict_expired(self, ticket: Ticket, now: float) -> None:
+        """TTL eviction, or ``REJECTED_NO_ENDPOINTS`` when a fresh snapshot shows no endpoint for the model."""
+        if self.detector is not None and self.detector.has_endpoints(ticket.request.model, now) is False:
+            self._reject(ticket, QueueOutcome.REJECTED_NO_ENDPOINTS,
+                         f"no endpoint serves model {ticket.request.model!r} (waited {now - ticket.enqueued_at:.3f} s)", now)
+        else:
+            ttl = ticket.item.deadline - ticket.enqueued_at if ticket.item is not None else self.limits.queue_ttl_seconds
+            reason = (f"waited {now - ticket.enqueued_at:.3f} s in the queue (effective TTL {ttl:g} s;"
+                      f" queue_ttl_seconds={self.limits.queue_ttl_seconds:g})")
+            self._reject(ticket, QueueOutcome.EVICTED_TTL, reason, now)
+        if ticket.band is not None and ticket.flow is not None:
+            ticket.band.forget_if_idle(ticket.flow)
 
     def _dispatch_ready(self) -> None:
         self.expire_due()
         now = self._clock.now()
-        while self._has_capacity():
-            queue = self._select_queue()
-            if queue is None:
+        while self._queued and self._has_capacity(now):
+            chosen = self._select()
+            if chosen is None:
                 break
-            item = queue.pop()
+            band, flow = chosen
+            item = band.pop(flow)
             ticket = self._waiting.pop(item.ticket_id)
+            self._compact_deadlines()
+            self._queued -= 1
+            self._queued_bytes -= item.request.byte_size
+            if item.deadline <= now or (  # TTL re-checked at dispatch; an emptied pool answers at once
+                self.detector is not None and self.detector.has_endpoints(item.request.model, now) is False
+            ):
+                self._evict_expired(ticket, now)
+                continue
             self._dispatch(ticket, now)
 
     def _dispatch(self, ticket: Ticket, now: float) -> None:
         self._in_flight += 1
         self._dispatched_total += 1
+        band, flow = ticket.band, ticket.flow
+        if band is not None and flow is not None:
+            band.in_flight += 1
+            flow.in_flight += 1
+            self._tenant_in_flight[flow.flow_id] = self._tenant_in_flight.get(flow.flow_id, 0) + 1
+            if ticket.item is not None:
+                band.fairness.on_dispatch(band, flow, ticket.item)
+        if self.detector is not None:
+            self.detector.note_dispatch(now)
         waited = now - ticket.enqueued_at
         ticket._decide(AdmissionDecision(QueueOutcome.DISPATCHED, "", waited), TicketState.DISPATCHED)
         self._observer.on_outcome(ticket.request, QueueOutcome.DISPATCHED, waited)
-        logger.debug(
-            "dispatched request_id=%s flow=%s queue_seconds=%.4f in_flight=%d",
-            ticket.request.request_id, ticket.request.flow_id, waited, self._in_flight,
-        )
 
-    def _reject(self, ticket: Ticket, outcome: QueueOutcome, reason: str, now: float) -> None:
+    def _reject(self, ticket: Ticket, outcome: QueueOutcome, reason: str, now: float, retry_after: float = 0.0) -> None:
         self._rejected_total += 1
         waited = now - ticket.enqueued_at
-        ticket._decide(AdmissionDecision(outcome, reason, waited), TicketState.REJECTED)
+        ticket._decide(AdmissionDecision(outcome, reason, waited, retry_after), TicketState.REJECTED)
         self._observer.on_outcome(ticket.request, outcome, waited)
         logger.debug("rejected request_id=%s outcome=%s reason=%s", ticket.request.request_id, outcome.value, reason)
 
     def _publish_state(self) -> None:
-        self._observer.on_state(len(self._queue), self._in_flight)
+        self._observer.on_state(self._queued, self._in_flight)
+
+
+def _with_flow(request: AdmissionRequest, flow_id: str) -> AdmissionRequest:
+    return replace(request, flow_id=flow_id)

@@ -1,4 +1,6 @@
-"""Prometheus metrics of flow_control, written only through :class:`PrometheusObserver`.
+"""Prometheus metrics of flow_control: an observer for events, a collector for state read at scrape time.
+
+Events (:class:`PrometheusObserver`, written as they happen):
 
 | name | type | labels |
 |---|---|---|
@@ -6,21 +8,68 @@
 | ``kvmesh_flow_control_in_flight`` | gauge | |
 | ``kvmesh_flow_control_outcome_total`` | counter | ``outcome`` (:class:`QueueOutcome` values) |
 | ``kvmesh_flow_control_queue_duration_seconds`` | histogram | ``outcome`` |
+| ``kvmesh_flow_control_band_outcome_total`` | counter | ``band``, ``outcome`` |
+| ``kvmesh_flow_control_flow_queue_wait_seconds`` | histogram | ``band``, ``flow`` (wait of dispatched requests) |
+| ``kvmesh_flow_control_pool_poll_total`` | counter | ``result``: ok, error (epp ``ListEndpoints``) |
+
+State (:class:`ControllerCollector`, computed from ``FlowController.stats()`` at each scrape):
+
+| name | type | labels |
+|---|---|---|
+| ``kvmesh_flow_control_band_queue_size`` / ``_band_queue_bytes`` / ``_band_in_flight`` | gauge | ``band`` |
+| ``kvmesh_flow_control_flow_queue_size`` / ``_flow_in_flight`` / ``_flow_oldest_wait_seconds`` | gauge | ``band``, ``flow`` |
+| ``kvmesh_flow_control_flow_served_tokens`` / ``_flow_share`` | gauge | ``flow`` (over the fairness window) |
+| ``kvmesh_flow_control_jain_index`` | gauge | (Jain's index of served tokens over the window) |
+| ``kvmesh_flow_control_pool_saturation`` / ``_saturated`` / ``_saturation_stale`` / ``_saturation_headroom`` | gauge | |
+
+A flow label is the fairness id for the first ``max_flow_labels`` ids seen, then ``_other``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from services.flow_control.types import AdmissionRequest, QueueOutcome
 
+if TYPE_CHECKING:
+    from services.flow_control.controller import FlowController
+
 QUEUE_DURATION_BUCKETS_SECONDS = (0.0, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+OTHER_FLOWS = "_other"
+
+
+class FlowLabels:
+    """Bounded flow label values: the first ``limit`` fairness ids, then ``_other``."""
+
+    def __init__(self, limit: int = 1000) -> None:
+        self.limit = limit
+        self._known: set[str] = set()
+
+    def __call__(self, flow_id: str) -> str:
+        if flow_id in self._known:
+            return flow_id
+        if len(self._known) < self.limit:
+            self._known.add(flow_id)
+            return flow_id
+        return OTHER_FLOWS
 
 
 class PrometheusObserver:
-    """A :class:`~services.flow_control.controller.ControllerObserver` that records metrics."""
+    """A :class:`~services.flow_control.controller.ControllerObserver` that records metrics.
 
-    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+    ``band_label`` maps a priority to its band name (``FlowController.band_label``).
+    """
+
+    def __init__(
+        self, registry: CollectorRegistry = REGISTRY, band_label: Callable[[int], str] = str, max_flow_labels: int = 1000,
+    ) -> None:
+        self.band_label = band_label
+        self.flow_label = FlowLabels(max_flow_labels)
         self.queue_size = Gauge(
             "kvmesh_flow_control_queue_size", "Requests waiting in the admission queue.", registry=registry
         )
@@ -37,13 +86,96 @@ class PrometheusObserver:
             buckets=QUEUE_DURATION_BUCKETS_SECONDS,
             registry=registry,
         )
+        self.band_outcomes = Counter(
+            "kvmesh_flow_control_band_outcome", "Requests by priority band and admission outcome.",
+            ["band", "outcome"], registry=registry,
+        )
+        self.flow_wait = Histogram(
+            "kvmesh_flow_control_flow_queue_wait_seconds", "Seconds dispatched requests waited, by band and flow.",
+            ["band", "flow"], buckets=QUEUE_DURATION_BUCKETS_SECONDS, registry=registry,
+        )
+        self.pool_polls = Counter(
+            "kvmesh_flow_control_pool_poll", "Reads of epp's endpoint metrics (the saturation signal).",
+            ["result"], registry=registry,
+        )
         for outcome in QueueOutcome:  # export every series from the start
             self.outcomes.labels(outcome.value)
+        for result in ("ok", "error"):
+            self.pool_polls.labels(result)
 
     def on_outcome(self, request: AdmissionRequest, outcome: QueueOutcome, queue_seconds: float) -> None:
+        waited = max(queue_seconds, 0.0)
+        band = self.band_label(request.priority)
         self.outcomes.labels(outcome.value).inc()
-        self.queue_duration.labels(outcome.value).observe(max(queue_seconds, 0.0))
+        self.queue_duration.labels(outcome.value).observe(waited)
+        self.band_outcomes.labels(band, outcome.value).inc()
+        if outcome is QueueOutcome.DISPATCHED:
+            self.flow_wait.labels(band, self.flow_label(request.flow_id)).observe(waited)
 
     def on_state(self, queued: int, in_flight: int) -> None:
         self.queue_size.set(queued)
         self.in_flight.set(in_flight)
+
+    def pool_poll(self, result: str) -> None:
+        self.pool_polls.labels(result).inc()
+
+
+class ControllerCollector(Collector):
+    """Per-band and per-flow state, fairness shares and saturation, read from the controller at scrape time."""
+
+    def __init__(self, controller: FlowController, flow_label: Callable[[str], str]) -> None:
+        self._controller = controller
+        self._flow_label = flow_label
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        stats = self._controller.stats()
+        p = "kvmesh_flow_control_"
+        band_q = GaugeMetricFamily(p + "band_queue_size", "Requests waiting per band.", labels=["band"])
+        band_b = GaugeMetricFamily(p + "band_queue_bytes", "Request bytes waiting per band.", labels=["band"])
+        band_f = GaugeMetricFamily(p + "band_in_flight", "Requests in flight per band.", labels=["band"])
+        names = {}
+        for b in stats.bands:
+            names[b.priority] = b.name
+            band_q.add_metric([b.name], b.queued)
+            band_b.add_metric([b.name], b.queued_bytes)
+            band_f.add_metric([b.name], b.in_flight)
+        flow_q = GaugeMetricFamily(p + "flow_queue_size", "Requests waiting per flow.", labels=["band", "flow"])
+        flow_f = GaugeMetricFamily(p + "flow_in_flight", "Requests in flight per flow.", labels=["band", "flow"])
+        flow_w = GaugeMetricFamily(p + "flow_oldest_wait_seconds", "Age of the oldest waiting request per flow.",
+                                   labels=["band", "flow"])
+        served: dict[str, float] = {}
+        queued: dict[tuple[str, str], list[float]] = {}
+        for f in stats.flows:
+            key = (names.get(f.priority, str(f.priority)), self._flow_label(f.flow_id))
+            row = queued.setdefault(key, [0, 0, 0.0])
+            row[0] += f.queued
+            row[1] += f.in_flight
+            row[2] = max(row[2], f.oldest_wait_seconds)
+        for (band, flow), (q, inflight, wait) in queued.items():
+            flow_q.add_metric([band, flow], q)
+            flow_f.add_metric([band, flow], inflight)
+            flow_w.add_metric([band, flow], wait)
+        for f in stats.flows:
+            label = self._flow_label(f.flow_id)
+            served[label] = max(served.get(label, 0), f.served_tokens)
+        whole = sum(served.values())
+        tokens = GaugeMetricFamily(p + "flow_served_tokens", "Prompt + completion tokens served per flow over the "
+                                   "fairness window.", labels=["flow"])
+        share = GaugeMetricFamily(p + "flow_share", "Each flow's share of the tokens served over the fairness window.",
+                                  labels=["flow"])
+        for flow, value in served.items():
+            tokens.add_metric([flow], value)
+            share.add_metric([flow], value / whole if whole else 0.0)
+        jain = GaugeMetricFamily(p + "jain_index", "Jain's fairness index of served tokens over the fairness window.",
+                                 value=stats.jain_index)
+        yield from (band_q, band_b, band_f, flow_q, flow_f, flow_w, tokens, share, jain)
+        sat = stats.saturation
+        if sat is not None:
+            yield GaugeMetricFamily(p + "pool_saturation", "Pool load vs the detector's thresholds (1 = full).",
+                                    value=sat.saturation)
+            yield GaugeMetricFamily(p + "saturated", "1 while the pool has no room (dispatch holds).",
+                                    value=float(sat.saturated))
+            yield GaugeMetricFamily(p + "saturation_stale", "1 while engine metrics are stale (dispatch fails open).",
+                                    value=float(sat.stale))
+            yield GaugeMetricFamily(p + "saturation_headroom", "Requests the pool can still take (capped at 1e9).",
+                                    value=min(sat.headroom, 1e9))

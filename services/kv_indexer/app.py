@@ -17,7 +17,7 @@ from services.kv_indexer.servicer import SERVICE_NAME, add_servicer
 
 def build_service(config: KvIndexerConfig) -> GrpcService:
     """The kv_indexer as a GrpcService: the instrumented in-memory index fed by the event pipeline."""
-    pipeline = IndexerPipeline(config, InstrumentedIndex(InMemoryIndex(config.recent_removed_blocks)))
+    pipeline = IndexerPipeline(config, InstrumentedIndex(InMemoryIndex(config.recent_removed_blocks, config.orphan_blocks)))
 
     def add_servicers(server: grpc.aio.Server) -> None:
         add_servicer(server, pipeline.indexer)
@@ -27,7 +27,8 @@ def build_service(config: KvIndexerConfig) -> GrpcService:
         service_names=[SERVICE_NAME],
         add_servicers=add_servicers,
         on_start=[pipeline.start],
-        background=[pipeline.receive],
+        background=[pipeline.receive, pipeline.maintain],
         on_stop=[pipeline.stop],
+        ready=pipeline.ready,
     )
     return GrpcService(config, spec)

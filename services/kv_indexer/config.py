@@ -27,3 +27,18 @@ class KvIndexerConfig(GrpcServiceConfig):
     """How long such held messages stay applicable."""
     recent_removed_blocks: int = Field(4096, ge=0, le=10_000_000)
     """Per endpoint, removed block hashes remembered to place later chains whose parent was evicted."""
+    orphan_blocks: int = Field(65536, ge=0, le=10_000_000)
+    """Per endpoint, blocks kept by engine hash while their parent's key is unknown (oldest forgotten beyond)."""
+    replay_timeout_seconds: float = Field(5.0, gt=0, le=600)
+    """Deadline of one replay request to a publisher's replay endpoint; past it the endpoint is unreliable."""
+    recovery_buffer_messages: int = Field(100_000, ge=1, le=10_000_000)
+    """Live messages buffered per endpoint while its gap is replayed; overflowing marks it unreliable."""
+    departed_retention_seconds: float = Field(120.0, ge=0, le=86400)
+    """A departed endpoint (lease gone) is not scored, but its entries are kept this long for a rejoin
+    of the same incarnation (an etcd pause); then purged."""
+    snapshot_path: str = ""
+    """Snapshot file for warm restarts (empty: no snapshots, every start is cold)."""
+    snapshot_interval_seconds: float = Field(30.0, gt=0, le=86400)
+    """Seconds between periodic snapshots (one is also written on SIGTERM)."""
+    warmup_timeout_seconds: float = Field(30.0, gt=0, le=3600)
+    """Longest time health stays NOT_SERVING while startup recoveries run; then serving regardless."""

@@ -1,28 +1,42 @@
-"""The kv_indexer core: membership changes and queries over one index, free of I/O.
+"""The kv_indexer core: membership, incarnations, recovery states and queries over one index, free of I/O.
 
 :class:`BlockIndexer` applies etcd membership (as plain ``joined``/``left`` dicts) to the index,
-the event pool and the event feed, in the order that keeps the membership fence:
+the event pool and the event feed:
 
-- a leave: stop following the endpoint, purge it from the index (fence closes), drop its pool state;
-- a join: register it in the index (fresh state, fence opens), apply the messages the pool held for
-  it, then start following its events.
+- a join of a *new incarnation* (an address never seen, or seen with another
+  ``Endpoint.instance_id``): the old entries are purged, the endpoint starts empty, its held
+  messages are sequenced, its events followed;
+- a join of the *same incarnation* (a lease that expired during an etcd pause, re-granted): its
+  entries, which kept following its events while it was away, are scored again;
+- a leave: the endpoint stops being scored at once, but its entries and its event stream are kept
+  for ``departed_retention_seconds`` (a lease lost to an etcd outage is not an engine lost);
+  after that :meth:`expire_departed` purges it and closes the fence.
 
-Queries (``score`` / ``lookup`` / ``stats``) are what the gRPC servicer exposes. The transport (ZMQ)
-and the etcd watch are plugged in by :mod:`services.kv_indexer.pipeline`; here the feed is only the
-:class:`EventFeed` port. Everything runs on one asyncio loop and the index is synchronous, so a
-membership change and an event never interleave mid-update.
+Score answers per model with an :class:`IndexState`: ``WARMING`` until the indexer is warm
+(snapshot loaded and startup recoveries done), ``LOAD_ONLY`` while the model has a parity mismatch,
+else ``READY``; endpoints whose stream is ``recovering`` or ``unreliable`` are returned as
+*unknown* rather than scored (their entries cannot be vouched for).
+
+The transport (ZMQ) and the etcd watch are plugged in by :mod:`services.kv_indexer.pipeline`;
+here the feed is only the :class:`EventFeed` port. Everything runs on one asyncio loop.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvmesh.hashing import DEFAULT_SCOPE, KeyScope
 from kvmesh.types import Endpoint, EndpointId
-from services.kv_indexer.events.pool import EventPool, IngestStats
+from services.kv_indexer import metrics
+from services.kv_indexer.events.pool import EndpointState, EventPool, IngestStats
 from services.kv_indexer.index.base import BlockLocation, IndexStats, KVBlockIndex, ScoreResult
+from services.kv_indexer.parity import ParityMonitor
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +51,35 @@ class EventFeed(Protocol):
         """Stop receiving the endpoint's events (disconnect when the feed connected to it)."""
 
 
+class IndexState(enum.StrEnum):
+    """What a Score answer is worth (mirrors ``kvmesh.kv_indexer.v1.IndexState``)."""
+
+    READY = "ready"
+    WARMING = "warming"
+    LOAD_ONLY = "load_only"
+
+
+DEPARTED = "departed"
+"""Recovery-state label of an endpoint that left etcd and is retained, not scored."""
+
+
+@dataclass(frozen=True, slots=True)
+class IndexerScore:
+    """A Score answer: the index's result, the state it was given in, and the endpoints whose
+    entries are unknown (recovering or unreliable streams, not scored)."""
+
+    result: ScoreResult
+    state: IndexState
+    unknown: list[EndpointId] = field(default_factory=list)
+
+
 @dataclass(frozen=True, slots=True)
 class IndexerStats:
     index: IndexStats
     ingest: IngestStats
+    states: dict[EndpointId, str] = field(default_factory=dict)
+    ready: bool = True
+    parity_mismatches: dict[EndpointId, str] = field(default_factory=dict)
 
 
 class BlockIndexer:
@@ -50,34 +89,128 @@ class BlockIndexer:
         index: the block index queries read and events are applied to.
         pool: the ordered event workers feeding ``index`` (started and stopped by the caller).
         feed: the event source to follow and unfollow endpoints on.
+        parity: the parity monitor the pool reports to (a fresh one when None).
+        departed_retention_seconds: how long a departed endpoint's entries are kept for a rejoin.
+        clock: monotonic seconds.
     """
 
-    def __init__(self, index: KVBlockIndex, pool: EventPool, feed: EventFeed) -> None:
+    def __init__(
+        self,
+        index: KVBlockIndex,
+        pool: EventPool,
+        feed: EventFeed,
+        parity: ParityMonitor | None = None,
+        departed_retention_seconds: float = 120.0,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         self.index = index
         self.pool = pool
         self.feed = feed
+        self.parity = parity or ParityMonitor()
+        self._retention = departed_retention_seconds
+        self._clock = clock or time.monotonic
+        self._departed: dict[EndpointId, float] = {}
+        self.ready = True
 
     def on_membership(self, joined: dict[EndpointId, Endpoint], left: dict[EndpointId, Endpoint]) -> None:
-        """Leaves first (purge, fence closes), then joins (fresh state, fence opens, held messages applied)."""
+        """Leaves first (no longer scored, retained), then joins (same incarnation: kept; new: fresh)."""
+        now = self._clock()
         for endpoint_id in left:
-            self.feed.unfollow(endpoint_id)
-            self.index.remove_endpoint(endpoint_id)
-            self.pool.endpoint_left(endpoint_id)
-            logger.info("purged endpoint=%s", endpoint_id)
-        for endpoint_id, endpoint in joined.items():
-            self.index.register_endpoint(endpoint)
-            self.pool.endpoint_joined(endpoint_id)
-            self.feed.follow(endpoint)
+            if endpoint_id in joined or not self.index.is_registered(endpoint_id):
+                continue
+            self._departed[endpoint_id] = now
+            logger.info("endpoint departed id=%s: not scored, entries kept %.0fs for a rejoin", endpoint_id, self._retention)
+        for endpoint in joined.values():
+            self.join(endpoint)
+
+    def join(self, endpoint: Endpoint) -> bool:
+        """Register ``endpoint``; True when it is a new incarnation (it starts empty)."""
+        endpoint_id = endpoint.id
+        previous = self.index.registered().get(endpoint_id)
+        same = (
+            previous is not None
+            and previous.instance_id == endpoint.instance_id
+            and previous.model == endpoint.model
+            and previous.block_size_tokens == endpoint.block_size_tokens
+        )
+        if previous is not None and not same and previous.instance_id != endpoint.instance_id:
+            metrics.record_incarnation("instance_id")
             logger.info(
-                "indexing endpoint=%s model=%s block_size_tokens=%d events_endpoint=%s",
-                endpoint_id, endpoint.model, endpoint.block_size_tokens, endpoint.events_endpoint or "-",
+                "endpoint=%s new incarnation instance_id=%s (was %s): old entries purged",
+                endpoint_id, endpoint.instance_id or "-", previous.instance_id or "-",
             )
+        self._departed.pop(endpoint_id, None)
+        self.index.register_endpoint(endpoint)
+        self.parity.register(endpoint)
+        self.pool.endpoint_joined(endpoint, new_incarnation=not same)
+        self.feed.follow(endpoint)
+        logger.info(
+            "indexing endpoint=%s model=%s block_size_tokens=%d instance_id=%s events=%s replay=%s (%s)",
+            endpoint_id, endpoint.model, endpoint.block_size_tokens, endpoint.instance_id or "-",
+            endpoint.events_endpoint or "-", endpoint.replay_endpoint or "-", "same incarnation" if same else "fresh",
+        )
+        return not same
 
-    def score(self, model: str, token_ids: Sequence[int], endpoint_ids: Sequence[EndpointId] | None = None) -> ScoreResult:
-        return self.index.score(model, token_ids, endpoint_ids)
+    def purge(self, endpoint_id: EndpointId) -> None:
+        """Forget an endpoint now: entries, stream, parity state; its late events are dropped."""
+        self._departed.pop(endpoint_id, None)
+        self.feed.unfollow(endpoint_id)
+        self.index.remove_endpoint(endpoint_id)
+        self.pool.endpoint_left(endpoint_id)
+        self.parity.forget(endpoint_id)
+        logger.info("purged endpoint=%s", endpoint_id)
 
-    def lookup(self, model: str, token_ids: Sequence[int]) -> list[BlockLocation]:
-        return self.index.lookup(model, token_ids)
+    def expire_departed(self) -> list[EndpointId]:
+        """Purge departed endpoints older than the retention; returns them."""
+        now = self._clock()
+        expired = [eid for eid, since in self._departed.items() if now - since >= self._retention]
+        for endpoint_id in expired:
+            self.purge(endpoint_id)
+        return expired
+
+    def departed(self) -> set[EndpointId]:
+        return set(self._departed)
+
+    def score(
+        self,
+        model: str,
+        token_ids: Sequence[int],
+        endpoint_ids: Sequence[EndpointId] | None = None,
+        scope: KeyScope = DEFAULT_SCOPE,
+    ) -> IndexerScore:
+        if not self.ready:
+            return IndexerScore(ScoreResult([], 0, 0), IndexState.WARMING)
+        if self.parity.load_only(model):
+            return IndexerScore(ScoreResult([], 0, 0), IndexState.LOAD_ONLY)
+        registered = self.index.registered()
+        states = self.pool.states()
+        candidates = list(endpoint_ids) if endpoint_ids else [e for e, ep in registered.items() if ep.model == model]
+        unknown = [
+            e for e in candidates
+            if e in registered and states.get(e, EndpointState.LIVE) is not EndpointState.LIVE and e not in self._departed
+        ]
+        excluded = set(unknown) | self._departed.keys()
+        if excluded.intersection(candidates):
+            allowed = [e for e in candidates if e not in excluded]
+            if not allowed:
+                result = self.index.score(model, token_ids, [EndpointId("")], scope)
+                return IndexerScore(ScoreResult([], result.total_blocks, result.block_size_tokens), IndexState.READY, unknown)
+            return IndexerScore(self.index.score(model, token_ids, allowed, scope), IndexState.READY, unknown)
+        return IndexerScore(self.index.score(model, token_ids, endpoint_ids, scope), IndexState.READY, unknown)
+
+    def lookup(self, model: str, token_ids: Sequence[int], scope: KeyScope = DEFAULT_SCOPE) -> list[BlockLocation]:
+        return self.index.lookup(model, token_ids, scope)
+
+    def state_counts(self) -> Counter[str]:
+        counts: Counter[str] = Counter()
+        for endpoint_id, state in self.pool.states().items():
+            counts[DEPARTED if endpoint_id in self._departed else str(state)] += 1
+        return counts
 
     def stats(self) -> IndexerStats:
-        return IndexerStats(self.index.stats(), self.pool.stats)
+        states: dict[EndpointId, str] = {e: str(s) for e, s in self.pool.states().items()}
+        for endpoint_id in self._departed:
+            states[endpoint_id] = DEPARTED
+        return IndexerStats(
+            self.index.stats(), self.pool.stats, states, self.ready, self.parity.mismatches()
+        )

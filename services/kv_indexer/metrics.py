@@ -10,6 +10,17 @@
 | ``kvmesh_kv_indexer_endpoints`` | gauge | | endpoints whose events are applied |
 | ``kvmesh_kv_indexer_lookup_hit_blocks_total`` | counter | ``medium`` | matched blocks returned by Score |
 | ``kvmesh_kv_indexer_score_duration_seconds`` | histogram | | Score time in the index (keys + walk) |
+| ``kvmesh_kv_indexer_event_fields_ignored_total`` | counter | ``event_type``, ``field`` | event fields kvmesh does not act on (``kvmesh.kv_events.FIELD_HANDLING``), and events of non-full-attention KV groups skipped |
+| ``kvmesh_kv_indexer_endpoint_states`` | gauge | ``state`` | endpoints per recovery state (``live``, ``recovering``, ``unreliable``, ``departed``) |
+| ``kvmesh_kv_indexer_recoveries_total`` | counter | ``trigger``, ``result`` | gap recoveries: ``trigger`` gap / first_batch / startup; ``result`` recovered / unreliable |
+| ``kvmesh_kv_indexer_recovery_duration_seconds`` | histogram | | gap detected -> live again (or marked unreliable) |
+| ``kvmesh_kv_indexer_replayed_messages_total`` | counter | | messages applied from publishers' replay buffers |
+| ``kvmesh_kv_indexer_incarnations_total`` | counter | ``signal`` | old incarnations purged: ``instance_id`` (registration) or ``sequence_reset`` |
+| ``kvmesh_kv_indexer_orphan_blocks`` | gauge | | blocks held by engine hash whose parent's key is unknown yet |
+| ``kvmesh_kv_indexer_parity_checks_total`` | counter | ``result`` | parity checks: ok / unverifiable / skipped_extra_keys / mismatch_* |
+| ``kvmesh_kv_indexer_parity_mismatch`` | gauge | ``model``, ``reason`` | 1 while the model is load-only for a block_size / hash_algo mismatch |
+| ``kvmesh_kv_indexer_ready`` | gauge | | 1 once warm (snapshot loaded, startup recoveries done) |
+| ``kvmesh_kv_indexer_snapshot_seconds`` | histogram | ``op`` | snapshot ``save`` / ``load`` time |
 """
 
 from __future__ import annotations
@@ -46,6 +57,78 @@ SCORE_DURATION = Histogram(
     "Time to score one prompt in the index (block keys and prefix walk).",
     buckets=FAST_BUCKETS_SECONDS,
 )
+
+
+ENDPOINT_STATES = Gauge("kvmesh_kv_indexer_endpoint_states", "Endpoints per recovery state.", ["state"])
+RECOVERIES = Counter(
+    "kvmesh_kv_indexer_recoveries_total", "Sequence-gap recoveries by trigger and result.", ["trigger", "result"]
+)
+RECOVERY_DURATION = Histogram(
+    "kvmesh_kv_indexer_recovery_duration_seconds",
+    "From a detected gap to the endpoint being live again (or marked unreliable).",
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)
+REPLAYED = Counter("kvmesh_kv_indexer_replayed_messages_total", "Messages applied from replay buffers.")
+INCARNATIONS = Counter(
+    "kvmesh_kv_indexer_incarnations_total", "Old endpoint incarnations purged, by the signal that revealed them.", ["signal"]
+)
+ORPHAN_BLOCKS = Gauge("kvmesh_kv_indexer_orphan_blocks", "Blocks held by engine hash awaiting their parent's key.")
+PARITY_CHECKS = Counter("kvmesh_kv_indexer_parity_checks_total", "Parity checks of events against registrations.", ["result"])
+PARITY_MISMATCH = Gauge(
+    "kvmesh_kv_indexer_parity_mismatch", "1 while a model is load-only for a parity mismatch.", ["model", "reason"]
+)
+READY = Gauge("kvmesh_kv_indexer_ready", "1 once the index is warm (snapshot loaded, startup recoveries done).")
+SNAPSHOT_SECONDS = Histogram(
+    "kvmesh_kv_indexer_snapshot_seconds", "Snapshot save/load time.", ["op"],
+    buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30),
+)
+
+
+def record_recovery(trigger: str, result: str, duration_seconds: float, replayed: int) -> None:
+    RECOVERIES.labels(trigger=trigger, result=result).inc()
+    RECOVERY_DURATION.observe(duration_seconds)
+    REPLAYED.inc(replayed)
+
+
+def record_incarnation(signal: str) -> None:
+    INCARNATIONS.labels(signal=signal).inc()
+
+
+def record_parity_check(result: str) -> None:
+    PARITY_CHECKS.labels(result=result).inc()
+
+
+def set_parity_mismatch(model: str, reason: str, on: bool) -> None:
+    PARITY_MISMATCH.labels(model=model, reason=reason).set(1 if on else 0)
+
+
+def set_ready(ready: bool) -> None:
+    READY.set(1 if ready else 0)
+
+
+def record_snapshot(op: str, seconds: float) -> None:
+    SNAPSHOT_SECONDS.labels(op=op).observe(seconds)
+
+
+def track_states(counts: Callable[[], Mapping[str, int]], orphans: Callable[[], float]) -> None:
+    """Read the per-state endpoint counts and the orphan count at scrape time."""
+    def reader(state: str) -> Callable[[], float]:
+        return lambda: float(counts().get(state, 0))
+
+    for state in ("live", "recovering", "unreliable", "departed"):
+        ENDPOINT_STATES.labels(state=state).set_function(reader(state))
+    ORPHAN_BLOCKS.set_function(orphans)
+
+
+FIELDS_IGNORED = Counter(
+    "kvmesh_kv_indexer_event_fields_ignored_total",
+    "Event fields kvmesh does not act on (attribution-only fields set, non-full-attention KV groups).",
+    ["event_type", "field"],
+)
+
+
+def record_field_ignored(event_type: str, field: str) -> None:
+    FIELDS_IGNORED.labels(event_type=event_type, field=field).inc()
 
 
 def record_event(event_type: str, outcome: str) -> None:

@@ -1,25 +1,108 @@
-"""Wires kv_store together: config -> tiers, store, metrics, servicer -> a GrpcService."""
+"""Wires kv_store together: config -> tiers, store, metrics, servicer -> a GrpcService.
+
+Tier order (fastest first): ``cpu``; ``disk`` when ``disk_path`` is set; ``sharedfs`` when
+``shared_path`` is set; ``mooncake`` when ``mooncake_master`` is set. The Mooncake client is
+Mooncake's own binding (``mooncake.store``, from ``make mooncake-venv``), set up lazily: while the
+master cannot be reached the tier is unavailable (a degraded mode with a metric) and setup is
+retried at most every ``MOONCAKE_RETRY_S`` seconds.
+"""
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
 import grpc
 
-from kvmesh._proto.kvmesh.kv_store.v1 import kv_store_pb2_grpc
 from kvmesh.server import GrpcService, ServiceSpec
 from services.kv_store.config import KvStoreConfig
 from services.kv_store.metrics import register_metrics
-from services.kv_store.servicer import SERVICE_NAME, KVStoreServicer
+from services.kv_store.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
 from services.kv_store.store import BlockStore
+from services.kv_store.tiers.base import StoreTier
 from services.kv_store.tiers.cpu import CpuTier
+from services.kv_store.tiers.files import DiskTier, SharedFsTier
+from services.kv_store.tiers.mooncake import MooncakeTier
+
+log = logging.getLogger(__name__)
+MOONCAKE_RETRY_S = 5.0
+
+
+class LazyMooncakeClient:
+    """``MooncakeDistributedStore`` set up on first use; raises RuntimeError while the cluster is unreachable."""
+
+    def __init__(self, config: KvStoreConfig) -> None:
+        self._config = config
+        self._client: Any = None
+        self._next_try = 0.0
+        self._lock = threading.Lock()
+
+    def _get(self) -> Any:
+        with self._lock:
+            if self._client is not None:
+                return self._client
+            now = time.monotonic()
+            if now < self._next_try:
+                raise RuntimeError(f"mooncake master {self._config.mooncake_master} unreachable (retrying)")
+            self._next_try = now + MOONCAKE_RETRY_S
+            try:
+                from mooncake.store import MooncakeDistributedStore
+            except ImportError as exc:
+                raise RuntimeError(f"the mooncake client is not installed (make mooncake-venv): {exc}") from exc
+            c = self._config
+            client = MooncakeDistributedStore()
+            code = client.setup(
+                c.mooncake_local_hostname,
+                c.mooncake_metadata,
+                c.mooncake_segment_bytes,
+                c.mooncake_buffer_bytes,
+                "tcp",
+                "",
+                c.mooncake_master,
+            )
+            if code != 0:
+                raise RuntimeError(f"mooncake setup against {c.mooncake_master} returned {code}")
+            log.info("mooncake client set up against %s", c.mooncake_master)
+            self._client = client
+            return client
+
+    def upsert_parts(self, key: str, *parts: bytes) -> int:
+        return int(self._get().upsert_parts(key, *parts))
+
+    def get(self, key: str) -> bytes:
+        return bytes(self._get().get(key))
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        return list(self._get().batch_is_exist(keys))
+
+    def remove(self, key: str, force: bool = False) -> int:
+        return int(self._get().remove(key, force))
+
+
+def build_tiers(config: KvStoreConfig) -> list[StoreTier]:
+    """The configured tiers, fastest first (see the module docstring)."""
+    tiers: list[StoreTier] = [CpuTier(config.cpu_capacity_bytes)]
+    if config.disk_path:
+        instance = (config.instance_id or "default").replace("/", "_").replace(":", "_")
+        tiers.append(DiskTier(Path(config.disk_path) / instance, config.disk_capacity_bytes, config.disk_fsync))
+    if config.shared_path:
+        tiers.append(SharedFsTier(config.shared_path, config.shared_capacity_bytes, config.shared_fsync))
+    if config.mooncake_master:
+        client = LazyMooncakeClient(config)
+        tiers.append(MooncakeTier(client, config.mooncake_capacity_bytes, config.mooncake_namespace))
+    return tiers
 
 
 def build_service(config: KvStoreConfig) -> GrpcService:
-    """The kv_store as a GrpcService: one CPU tier of ``cpu_capacity_bytes`` behind the servicer."""
-    store = BlockStore([CpuTier(config.cpu_capacity_bytes)])
+    """The kv_store as a GrpcService: the configured tiers behind one BlockStore and the servicer."""
+    store = BlockStore(build_tiers(config), write_through=config.write_through, promote_on_hit=config.promote_on_hit)
     register_metrics(store)
-    servicer = KVStoreServicer(store, config.get_chunk_bytes)
+    servicer = KVStoreServicer(store, config.get_chunk_bytes, config.max_inflight_put_bytes)
 
     def add_servicers(server: grpc.aio.Server) -> None:
-        kv_store_pb2_grpc.add_KVStoreServicer_to_server(servicer, server)
+        add_to_server(servicer, server)
 
     return GrpcService(config, ServiceSpec(name="kv_store", service_names=[SERVICE_NAME], add_servicers=add_servicers))

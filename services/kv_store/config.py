@@ -6,16 +6,50 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from kvmesh.config import GrpcServiceConfig
+from services.kv_store.tiers.files import FsyncPolicy
 
 MIB = 1024 * 1024
 
 
 class KvStoreConfig(GrpcServiceConfig):
-    """The tiered KV store: an in-memory CPU tier with LRU eviction."""
+    """The tiered KV store: CPU first, then optional disk (NVMe), shared filesystem and Mooncake tiers."""
 
     model_config = SettingsConfigDict(env_prefix="KVMESH_KV_STORE_")
 
     cpu_capacity_bytes: int = Field(1024 * MIB, gt=0)
     """Budget of the in-memory tier for value bytes; least recently used keys are evicted beyond it."""
-    get_chunk_bytes: int = Field(1 * MIB, ge=1024, le=3 * MIB)
+    get_chunk_bytes: int = Field(2 * MIB, ge=1024, le=3 * MIB)
     """Size of each data chunk a Get streams back (below gRPC's default 4 MiB message limit)."""
+    max_inflight_put_bytes: int = Field(1024 * MIB, gt=0)
+    """Cap on value bytes buffered by concurrent Puts; a Put that does not fit waits (flow control)."""
+
+    disk_path: str = ""
+    """Local NVMe tier: parent directory; the tier lives in ``<disk_path>/<instance_id or 'default'>``. Empty: no disk tier."""
+    disk_capacity_bytes: int = Field(16 * 1024 * MIB, gt=0)
+    """Budget of the disk tier for value bytes (LRU eviction beyond it)."""
+    disk_fsync: FsyncPolicy = FsyncPolicy.NONE
+    """``none`` (a cache: checksums catch torn files), ``data`` (fsync each value), ``all`` (and its directory)."""
+    shared_path: str = ""
+    """Shared filesystem tier (Lustre-style): a directory every instance mounts; must exist. Empty: none."""
+    shared_capacity_bytes: int = Field(64 * 1024 * MIB, gt=0)
+    """This instance's budget in the shared namespace (soft across instances; use an FS quota for a hard one)."""
+    shared_fsync: FsyncPolicy = FsyncPolicy.NONE
+    """fsync policy of the shared tier."""
+    mooncake_master: str = ""
+    """``host:port`` of a ``mooncake_master``; empty: no Mooncake tier. The client binds 0.0.0.0 (see docs)."""
+    mooncake_metadata: str = "P2PHANDSHAKE"
+    """Mooncake metadata server URL (``http://host:port/metadata``) or ``P2PHANDSHAKE``."""
+    mooncake_local_hostname: str = "127.0.0.1"
+    """Address this instance's Mooncake segment is advertised under."""
+    mooncake_segment_bytes: int = Field(512 * MIB, gt=0)
+    """Memory this instance contributes to the Mooncake cluster (its global segment)."""
+    mooncake_buffer_bytes: int = Field(64 * MIB, gt=0)
+    """Mooncake client's local transfer buffer."""
+    mooncake_capacity_bytes: int = Field(4 * 1024 * MIB, gt=0)
+    """This instance's budget of value bytes in the Mooncake cluster."""
+    mooncake_namespace: str = "kvmesh/"
+    """Key prefix in Mooncake; instances with the same namespace share values."""
+    write_through: list[str] = Field(default_factory=list)
+    """Slower tiers (``disk``, ``sharedfs``, ``mooncake``) that receive every put synchronously."""
+    promote_on_hit: bool = True
+    """Copy a value found in a slower tier into the first (CPU) tier."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvmesh.errors import InvalidRequest, NotFound
+from kvmesh.errors import InvalidRequest, NotFound, NotReady, Saturated
 
 
 class KeyNotFound(NotFound):
@@ -11,3 +11,14 @@ class KeyNotFound(NotFound):
 
 class ValueTooLarge(InvalidRequest):
     """A value larger than the capacity of the tier it must go to (gRPC ``INVALID_ARGUMENT``)."""
+
+
+class TierUnavailable(NotReady):
+    """A tier's medium cannot be reached: a missing or read-only shared path, Mooncake down (``UNAVAILABLE``).
+
+    The store treats it as a degraded tier (a miss, a metric) unless it is the only place a value can go.
+    """
+
+
+class StorageFull(Saturated):
+    """The medium ran out of space before the tier's byte budget did (ENOSPC; ``RESOURCE_EXHAUSTED``)."""

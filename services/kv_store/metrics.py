@@ -1,16 +1,23 @@
-"""Prometheus metrics of kv_store, read from the tiers' own counters at scrape time.
+"""Prometheus metrics of kv_store, read from the tiers' and the store's own counters at scrape time.
 
 | name | type | labels |
 |---|---|---|
-| ``kvmesh_kv_store_capacity_bytes`` | gauge | ``medium`` |
-| ``kvmesh_kv_store_used_bytes`` | gauge | ``medium`` |
-| ``kvmesh_kv_store_keys`` | gauge | ``medium`` |
-| ``kvmesh_kv_store_hits_total`` | counter | ``medium`` |
-| ``kvmesh_kv_store_misses_total`` | counter | ``medium`` |
-| ``kvmesh_kv_store_evictions_total`` | counter | ``medium`` |
+| ``kvmesh_kv_store_capacity_bytes`` | gauge | ``tier``, ``medium`` |
+| ``kvmesh_kv_store_used_bytes`` | gauge | ``tier``, ``medium`` |
+| ``kvmesh_kv_store_keys`` | gauge | ``tier``, ``medium`` |
+| ``kvmesh_kv_store_hits_total`` | counter | ``tier``, ``medium`` |
+| ``kvmesh_kv_store_misses_total`` | counter | ``tier``, ``medium`` |
+| ``kvmesh_kv_store_evictions_total`` | counter | ``tier``, ``medium`` |
+| ``kvmesh_kv_store_corrupted_total`` | counter | ``tier``, ``medium`` (checksum mismatches served as misses) |
+| ``kvmesh_kv_store_moved_bytes_total`` | counter | ``tier``, ``reason`` (put, demote, promote, write_through) |
+| ``kvmesh_kv_store_degraded_operations_total`` | counter | ``tier`` (the tier was unavailable or full and skipped) |
+| ``kvmesh_kv_store_dropped_total`` | counter | ``tier`` (demotions / write-throughs the tier could not take) |
+| ``kvmesh_kv_store_operation_seconds`` | histogram | ``tier``, ``op`` (put, get, contains, evict) |
 
-A collector (rather than gauges set on every operation) keeps the numbers exactly equal to the
-tiers' state and adds no work to the data path.
+``tier`` is the tier's kind (``cpu``, ``disk``, ``sharedfs``, ``mooncake``); ``medium`` is vLLM's
+medium string (``CPU``, ``DISK``, ``SHARED``; two shared tiers share a medium). A collector (rather
+than metrics updated on every operation) keeps the numbers exactly equal to the tiers' state and
+adds no work to the data path.
 """
 
 from __future__ import annotations
@@ -18,10 +25,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import REGISTRY, CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from services.kv_store.store import BlockStore
+from services.kv_store.store import LATENCY_BUCKETS_S, BlockStore
 
 _GAUGES = (
     ("capacity_bytes", "Budget of the tier for value bytes."),
@@ -32,11 +39,12 @@ _COUNTERS = (
     ("hits", "Gets answered by the tier."),
     ("misses", "Gets the tier could not answer."),
     ("evictions", "Keys the tier evicted to make room."),
+    ("corrupted", "Values that failed their checksum on read (served as misses and removed)."),
 )
 
 
 class KvStoreCollector(Collector):
-    """Exports each tier's :class:`~services.kv_store.tiers.base.TierStats`."""
+    """Exports each tier's :class:`~services.kv_store.tiers.base.TierStats` and the store's movement."""
 
     def __init__(self, store: BlockStore) -> None:
         self._store = store
@@ -44,15 +52,46 @@ class KvStoreCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = self._store.stats()
         for field, doc in _GAUGES:
-            gauge = GaugeMetricFamily(f"kvmesh_kv_store_{field}", doc, labels=["medium"])
+            gauge = GaugeMetricFamily(f"kvmesh_kv_store_{field}", doc, labels=["tier", "medium"])
             for tier in stats:
-                gauge.add_metric([tier.medium.value], getattr(tier, field))
+                gauge.add_metric([tier.name, tier.medium.value], getattr(tier, field))
             yield gauge
         for field, doc in _COUNTERS:
-            counter = CounterMetricFamily(f"kvmesh_kv_store_{field}", doc, labels=["medium"])
+            counter = CounterMetricFamily(f"kvmesh_kv_store_{field}", doc, labels=["tier", "medium"])
             for tier in stats:
-                counter.add_metric([tier.medium.value], getattr(tier, field))
+                counter.add_metric([tier.name, tier.medium.value], getattr(tier, field))
             yield counter
+        metrics = self._store.metrics
+        moved = CounterMetricFamily(
+            "kvmesh_kv_store_moved_bytes", "Value bytes written into a tier, by reason.", labels=["tier", "reason"]
+        )
+        for (tier_name, reason), size in sorted(metrics.moved_bytes.items()):
+            moved.add_metric([tier_name, reason], size)
+        yield moved
+        degraded = CounterMetricFamily(
+            "kvmesh_kv_store_degraded_operations",
+            "Operations skipped because the tier was unavailable or full.",
+            labels=["tier"],
+        )
+        dropped = CounterMetricFamily(
+            "kvmesh_kv_store_dropped", "Demotions or write-throughs a failed tier could not take.", labels=["tier"]
+        )
+        for tier in stats:
+            degraded.add_metric([tier.name], metrics.failures.get(tier.name, 0))
+            dropped.add_metric([tier.name], metrics.dropped.get(tier.name, 0))
+        yield degraded
+        yield dropped
+        latency = HistogramMetricFamily(
+            "kvmesh_kv_store_operation_seconds", "Latency of tier operations in seconds.", labels=["tier", "op"]
+        )
+        for (tier_name, op), hist in sorted(metrics.latency.items()):
+            cumulative = 0
+            buckets: list[tuple[str, float]] = []
+            for bound, count in zip((*map(str, LATENCY_BUCKETS_S), "+Inf"), hist.counts, strict=True):
+                cumulative += count
+                buckets.append((bound, cumulative))
+            latency.add_metric([tier_name, op], buckets, hist.total)
+        yield latency
 
 
 def register_metrics(store: BlockStore, registry: CollectorRegistry = REGISTRY) -> KvStoreCollector:

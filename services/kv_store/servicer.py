@@ -2,68 +2,240 @@
 
 ``Put`` is a client stream: the first message carries ``key`` and ``total_bytes``, every message
 a chunk of ``data``; the sizes must add up exactly. ``Get`` streams the value back in chunks of
-``get_chunk_bytes``, the first message carrying ``total_bytes`` and ``medium``. Every size or key
-problem is ``INVALID_ARGUMENT``; a missing key is ``NOT_FOUND`` (both via the shared interceptor).
+``get_chunk_bytes``, the first message carrying ``total_bytes`` and ``medium``; ``BatchGet`` does
+the same for a list of keys (a prefix of KV blocks), tagging each chunk with the key's index.
+Every size or key problem is ``INVALID_ARGUMENT``; a missing key is ``NOT_FOUND``; a failed first
+tier is ``UNAVAILABLE`` or ``RESOURCE_EXHAUSTED`` (all via the shared interceptor).
+
+**Copies.** A value is assembled once from its Put chunks: ``parse_put_request`` reads each
+message's ``data`` as a view into the received bytes and one ``b"".join`` builds the value
+(protobuf's parser would copy each chunk twice: into its arena, then into a ``bytes`` attribute). Get and BatchGet
+responses are encoded here (:func:`encode_get_chunk`): the protobuf wire form of a data chunk is a
+few header bytes plus the bytes themselves, so one ``join`` over a ``memoryview`` slice of the
+stored value builds each message, instead of slicing into a new ``bytes`` and serialising it
+again (protobuf's ``bytes`` fields take no ``memoryview``). ``add_to_server`` registers the
+methods with a serializer that passes such pre-encoded messages through.
+
+**Flow control.** gRPC's HTTP/2 windows pace a single stream (a Get yields one chunk at a time and
+awaits the transport; a Put reads the next chunk only when it has taken the last). Across streams,
+the bytes buffered by Puts in flight are capped by ``max_inflight_put_bytes``: a Put whose
+``total_bytes`` does not fit waits for others to finish before it reads its data, so many
+concurrent large values cannot exhaust memory.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 
+from kvmesh._proto.kvmesh.common.v1 import common_pb2
 from kvmesh._proto.kvmesh.kv_store.v1 import kv_store_pb2, kv_store_pb2_grpc
 from kvmesh.errors import InvalidRequest
 from kvmesh.wire import medium_to_proto
-from services.kv_store.store import BlockStore
+from services.kv_store.errors import KeyNotFound
+from services.kv_store.store import MAX_CONTAINS_KEYS, BlockStore
 
 SERVICE_NAME = kv_store_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name
+_GET_DATA_FIELD = kv_store_pb2.GetResponse.DESCRIPTOR.fields_by_name["data"].number
+_BATCH_DATA_FIELD = kv_store_pb2.BatchGetResponse.DESCRIPTOR.fields_by_name["data"].number
+_BATCH_INDEX_FIELD = kv_store_pb2.BatchGetResponse.DESCRIPTOR.fields_by_name["index"].number
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        bits = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(bits | 0x80)
+        else:
+            out.append(bits)
+            return bytes(out)
+
+
+def encode_get_chunk(head: bytes, field: int, chunk: memoryview) -> bytes:
+    """``head`` (already-encoded leading fields) + field ``field`` = ``chunk`` in protobuf wire form, one copy."""
+    return b"".join((head, _varint(field << 3 | 2), _varint(len(chunk)), chunk))
+
+
+class PutChunk:
+    """A parsed ``PutRequest`` whose ``data`` is a view into the received message (no copy)."""
+
+    __slots__ = ("data", "key", "total_bytes")
+
+    def __init__(self, key: str, total_bytes: int, data: memoryview) -> None:
+        self.key = key
+        self.total_bytes = total_bytes
+        self.data = data
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf):
+            raise ValueError("truncated varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+def parse_put_request(raw: bytes) -> PutChunk:
+    """``PutRequest`` from its wire form, ``data`` as a ``memoryview`` of ``raw`` (protobuf would copy it twice).
+
+    Field numbers and types are the proto's (1 key string, 2 total_bytes uint64, 3 data bytes);
+    unknown fields are skipped as protobuf does. Raises ValueError on malformed input, which the
+    gRPC layer reports as a failed deserialization (``INTERNAL``), as for protobuf's own parser.
+    """
+    buf = memoryview(raw)
+    key, total, data = "", 0, memoryview(b"")
+    pos = 0
+    while pos < len(buf):
+        tag, pos = _read_varint(buf, pos)
+        field, wire = tag >> 3, tag & 7
+        if wire == 0:
+            value, pos = _read_varint(buf, pos)
+            if field == 2:
+                total = value
+        elif wire == 2:
+            size, pos = _read_varint(buf, pos)
+            if pos + size > len(buf):
+                raise ValueError("truncated length-delimited field")
+            if field == 1:
+                key = bytes(buf[pos : pos + size]).decode()
+            elif field == 3:
+                data = buf[pos : pos + size]
+            pos += size
+        elif wire == 1:
+            pos += 8
+        elif wire == 5:
+            pos += 4
+        else:
+            raise ValueError(f"unsupported wire type {wire}")
+    if pos != len(buf):
+        raise ValueError("truncated fixed-width field")
+    return PutChunk(key, total, data)
+
+
+class ByteBudget:
+    """An async byte semaphore: ``acquire(n)`` waits until ``n`` more bytes fit under ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_use = 0
+        self._cond = asyncio.Condition()
+
+    async def acquire(self, size: int) -> None:
+        size = min(size, self.limit)  # a single value larger than the budget waits for an idle server
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.in_use + size <= self.limit)
+            self.in_use += size
+
+    async def release(self, size: int) -> None:
+        size = min(size, self.limit)
+        async with self._cond:
+            self.in_use -= size
+            self._cond.notify_all()
 
 
 class KVStoreServicer(kv_store_pb2_grpc.KVStoreServicer):
-    def __init__(self, store: BlockStore, get_chunk_bytes: int) -> None:
+    def __init__(self, store: BlockStore, get_chunk_bytes: int, max_inflight_put_bytes: int = 1 << 30) -> None:
         self._store = store
         self._chunk = get_chunk_bytes
+        self._put_budget = ByteBudget(max_inflight_put_bytes)
 
     async def Put(
-        self, request_iterator: AsyncIterator[kv_store_pb2.PutRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[PutChunk], context: grpc.aio.ServicerContext
     ) -> kv_store_pb2.PutResponse:
-        key: str | None = None
-        total = 0
-        received = 0
-        chunks: list[bytes] = []
-        async for message in request_iterator:
-            if key is None:
-                key, total = message.key, message.total_bytes
-                self._store.check_value_size(key, total)
-            elif (message.key and message.key != key) or (message.total_bytes and message.total_bytes != total):
-                raise InvalidRequest("key and total_bytes belong on the first Put message only")
-            received += len(message.data)
+        stream = request_iterator.__aiter__()
+        try:
+            first = await stream.__anext__()
+        except StopAsyncIteration:
+            raise InvalidRequest("Put stream closed before its first message") from None
+        key, total = first.key, first.total_bytes
+        self._store.check_value_size(key, total)
+        await self._put_budget.acquire(total)
+        try:
+            received = len(first.data)
+            chunks: list[memoryview] = [first.data] if first.data else []
             if received > total:
                 raise InvalidRequest(f"Put for key {key!r} sent more than total_bytes={total} bytes")
-            if message.data:
-                chunks.append(message.data)
-        if key is None:
-            raise InvalidRequest("Put stream closed before its first message")
-        if received != total:
-            raise InvalidRequest(f"Put for key {key!r} sent {received} bytes, total_bytes={total}")
-        outcome = await self._store.put(key, b"".join(chunks))
+            async for message in stream:
+                if (message.key and message.key != key) or (message.total_bytes and message.total_bytes != total):
+                    raise InvalidRequest("key and total_bytes belong on the first Put message only")
+                received += len(message.data)
+                if received > total:
+                    raise InvalidRequest(f"Put for key {key!r} sent more than total_bytes={total} bytes")
+                if message.data:
+                    chunks.append(message.data)
+            if received != total:
+                raise InvalidRequest(f"Put for key {key!r} sent {received} bytes, total_bytes={total} (truncated)")
+            value = b"".join(chunks)  # the one copy: views into the received messages -> one value
+            del chunks
+            outcome = await self._store.put(key, value)
+        finally:
+            await self._put_budget.release(total)
         return kv_store_pb2.PutResponse(medium=medium_to_proto(outcome.medium), evicted=outcome.evicted)
 
-    async def Get(
-        self, request: kv_store_pb2.GetRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[kv_store_pb2.GetResponse]:
-        stored = await self._store.get(request.key)
-        view = memoryview(stored.value)
-        medium = medium_to_proto(stored.medium)
-        yield kv_store_pb2.GetResponse(total_bytes=len(view), data=bytes(view[: self._chunk]), medium=medium)
+    def _chunks(self, value: bytes, first_head: bytes, field: int, later_head: bytes) -> list[bytes]:
+        view = memoryview(value)
+        out = [encode_get_chunk(first_head, field, view[: self._chunk])]
         for offset in range(self._chunk, len(view), self._chunk):
-            yield kv_store_pb2.GetResponse(data=bytes(view[offset : offset + self._chunk]))
+            out.append(encode_get_chunk(later_head, field, view[offset : offset + self._chunk]))
+        return out
+
+    async def Get(self, request: kv_store_pb2.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        stored = await self._store.get(request.key)
+        head = kv_store_pb2.GetResponse(total_bytes=len(stored.value), medium=medium_to_proto(stored.medium))
+        view = memoryview(stored.value)
+        yield encode_get_chunk(head.SerializeToString(), _GET_DATA_FIELD, view[: self._chunk])
+        for offset in range(self._chunk, len(view), self._chunk):
+            yield encode_get_chunk(b"", _GET_DATA_FIELD, view[offset : offset + self._chunk])
+
+    async def BatchGet(
+        self, request: kv_store_pb2.BatchGetRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        if len(request.keys) > MAX_CONTAINS_KEYS:
+            raise InvalidRequest(f"{len(request.keys)} keys in one BatchGet call, at most {MAX_CONTAINS_KEYS}")
+        for index, key in enumerate(request.keys):
+            try:
+                stored = await self._store.get(key)
+            except KeyNotFound:
+                yield kv_store_pb2.BatchGetResponse(index=index, found=False)
+                if request.stop_at_first_miss:
+                    return
+                continue
+            head = kv_store_pb2.BatchGetResponse(
+                index=index, found=True, total_bytes=len(stored.value), medium=medium_to_proto(stored.medium)
+            ).SerializeToString()
+            later = _varint(_BATCH_INDEX_FIELD << 3) + _varint(index) if index else b""
+            view = memoryview(stored.value)
+            yield encode_get_chunk(head, _BATCH_DATA_FIELD, view[: self._chunk])
+            for offset in range(self._chunk, len(view), self._chunk):
+                yield encode_get_chunk(later, _BATCH_DATA_FIELD, view[offset : offset + self._chunk])
 
     async def Contains(
         self, request: kv_store_pb2.ContainsRequest, context: grpc.aio.ServicerContext
     ) -> kv_store_pb2.ContainsResponse:
         return kv_store_pb2.ContainsResponse(present=await self._store.contains(list(request.keys)))
+
+    async def Lookup(
+        self, request: kv_store_pb2.LookupRequest, context: grpc.aio.ServicerContext
+    ) -> kv_store_pb2.LookupResponse:
+        media = await self._store.media(list(request.keys))
+        prefix = next((i for i, m in enumerate(media) if m is None), len(media))
+        return kv_store_pb2.LookupResponse(
+            present=[m is not None for m in media],
+            medium=[medium_to_proto(m) if m is not None else common_pb2.MEDIUM_UNSPECIFIED for m in media],
+            prefix_hits=prefix,
+        )
 
     async def Delete(
         self, request: kv_store_pb2.DeleteRequest, context: grpc.aio.ServicerContext
@@ -83,7 +255,50 @@ class KVStoreServicer(kv_store_pb2_grpc.KVStoreServicer):
                     hits=t.hits,
                     misses=t.misses,
                     evictions=t.evictions,
+                    name=t.name,
+                    corrupted=t.corrupted,
+                    errors=t.errors,
                 )
                 for t in self._store.stats()
             ]
         )
+
+
+def _pass_encoded(serialize: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
+    def serializer(message: Any) -> bytes:
+        return message if isinstance(message, bytes) else serialize(message)
+
+    return serializer
+
+
+def add_to_server(servicer: KVStoreServicer, server: grpc.aio.Server) -> None:
+    """Register the KVStore service; Get and BatchGet accept pre-encoded response messages."""
+    handlers = {
+        "Put": grpc.stream_unary_rpc_method_handler(
+            servicer.Put,
+            request_deserializer=parse_put_request,
+            response_serializer=kv_store_pb2.PutResponse.SerializeToString,
+        ),
+        "Get": grpc.unary_stream_rpc_method_handler(
+            servicer.Get,
+            request_deserializer=kv_store_pb2.GetRequest.FromString,
+            response_serializer=_pass_encoded(kv_store_pb2.GetResponse.SerializeToString),
+        ),
+        "BatchGet": grpc.unary_stream_rpc_method_handler(
+            servicer.BatchGet,
+            request_deserializer=kv_store_pb2.BatchGetRequest.FromString,
+            response_serializer=_pass_encoded(kv_store_pb2.BatchGetResponse.SerializeToString),
+        ),
+    }
+    for name, request_type, response_type in (
+        ("Contains", kv_store_pb2.ContainsRequest, kv_store_pb2.ContainsResponse),
+        ("Lookup", kv_store_pb2.LookupRequest, kv_store_pb2.LookupResponse),
+        ("Delete", kv_store_pb2.DeleteRequest, kv_store_pb2.DeleteResponse),
+        ("Stats", kv_store_pb2.StatsRequest, kv_store_pb2.StatsResponse),
+    ):
+        handlers[name] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, name),
+            request_deserializer=request_type.FromString,
+            response_serializer=response_type.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

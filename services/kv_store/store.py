@@ -1,29 +1,55 @@
-"""The KV store core: validation, placement and lookup across an ordered list of tiers.
+"""The KV store core: validation, placement and movement across an ordered list of tiers.
 
-Tiers are ordered fastest first. Today there is one (CPU), so the policy is simple:
+Tiers are ordered fastest first (``cpu``, ``disk``, then shared ones: ``sharedfs``, ``mooncake``).
+Placement follows vLLM's OffloadingConnector and LMCache's storage manager (write to the fastest
+medium, spill the least recently used downwards):
 
-* ``put`` validates the key and writes to the first tier (placement); any older copy in a
-  slower tier is dropped so a key lives in exactly one tier.
-* ``get`` searches the tiers in order and returns the first hit with its medium
-  (promotion to a faster tier comes with the second tier).
+* ``put`` writes to the first tier. Values that tier evicts are **demoted** to the next tier (and
+  so on down: a demotion that evicts there cascades); the last tier drops its victims. A stale
+  copy of the key in a slower tier is removed, unless ``write_through`` names that tier, which then
+  receives the same value synchronously (a shared tier written through makes a value visible to
+  every instance at once).
+* ``get`` searches the tiers in order. A hit in a slower tier is **promoted** to the first tier
+  (``promote_on_hit``); it leaves a private tier (local tiers are exclusive, so one copy per
+  instance) and stays in a shared one (other instances read it too).
 * ``contains`` is true when any tier holds the key; ``delete`` drops it everywhere.
 
+A tier that fails (:class:`TierUnavailable`, :class:`StorageFull`: a missing or read-only shared
+path, a full disk, Mooncake down) is a **degraded mode**: a get or contains there counts as a
+miss, a demotion or write-through there is dropped (``dropped`` in the stats), and the error is
+counted; only a failure of the first tier on ``put`` reaches the caller. Corrupt values are misses
+inside the tiers. Nothing is ever served from a tier that failed.
+
+Per tier the store measures ``StoreMetrics``: latency of each verb (a fixed-bucket histogram,
+seconds) and bytes moved into it by reason (``put``, ``demote``, ``promote``, ``write_through``).
+
 Keys are non-empty strings of at most :data:`MAX_KEY_BYTES` UTF-8 bytes. No grpc here: the
-servicer assembles chunk streams into ``bytes`` and maps the domain errors raised below.
+servicer assembles chunk streams into ``bytes`` and maps the domain errors raised below. With
+only the CPU tier no operation suspends.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import bisect
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 from kvmesh.errors import InvalidRequest
 from kvmesh.types import Medium
-from services.kv_store.errors import KeyNotFound, ValueTooLarge
+from services.kv_store.errors import KeyNotFound, StorageFull, TierUnavailable, ValueTooLarge
 from services.kv_store.tiers.base import StoreTier, TierStats
 
 MAX_KEY_BYTES = 4096
 MAX_CONTAINS_KEYS = 100_000
+LATENCY_BUCKETS_S = (
+    0.00001, 0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0,
+)  # fmt: skip
+"""Histogram bounds in seconds: 10 µs (a CPU hit) to 3 s (a large value on a slow shared FS)."""
+MOVE_REASONS = ("put", "demote", "promote", "write_through")
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,14 +58,41 @@ class StoredValue:
 
     value: bytes
     medium: Medium
+    tier: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class PutOutcome:
-    """Where a put landed and how many keys were evicted to make room."""
+    """Where a put landed and how many keys the first tier evicted (demoted or dropped) to make room."""
 
     medium: Medium
     evicted: int
+
+
+@dataclass(slots=True)
+class Histogram:
+    """Cumulative-ready bucket counts over :data:`LATENCY_BUCKETS_S` (last slot is +Inf) and a sum."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
+        self.total += seconds
+
+
+@dataclass(slots=True)
+class StoreMetrics:
+    """Per-tier movement and latency, keyed by tier name."""
+
+    latency: dict[tuple[str, str], Histogram] = field(default_factory=dict)
+    """(tier, verb) -> histogram of seconds; verbs: put, get, contains, evict."""
+    moved_bytes: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(tier, reason) -> bytes written into the tier for that reason."""
+    dropped: dict[str, int] = field(default_factory=dict)
+    """tier -> values a demotion or write-through could not place there (tier failed)."""
+    failures: dict[str, int] = field(default_factory=dict)
+    """tier -> operations that raised TierUnavailable / StorageFull (the tier was skipped)."""
 
 
 def validate_key(key: str) -> None:
@@ -51,12 +104,36 @@ def validate_key(key: str) -> None:
 
 
 class BlockStore:
-    """Values by key over ordered tiers (see the module docstring)."""
+    """Values by key over ordered tiers (see the module docstring).
 
-    def __init__(self, tiers: Sequence[StoreTier]) -> None:
+    Args:
+        tiers: fastest first; names must be unique.
+        write_through: names of (usually shared) tiers that receive every put synchronously.
+        promote_on_hit: copy a hit in a slower tier into the first tier.
+        clock: seconds for latency histograms (``time.perf_counter``; tests pass a deterministic one).
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[StoreTier],
+        *,
+        write_through: Sequence[str] = (),
+        promote_on_hit: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         if not tiers:
             raise ValueError("a BlockStore needs at least one tier")
+        names = [tier.name for tier in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be unique, got {names}")
+        unknown = set(write_through) - set(names[1:])
+        if unknown:
+            raise ValueError(f"write_through names {sorted(unknown)} that are not slower tiers of {names}")
         self.tiers = list(tiers)
+        self.write_through = frozenset(write_through)
+        self.promote_on_hit = promote_on_hit
+        self.metrics = StoreMetrics()
+        self._clock = clock
 
     @property
     def max_value_bytes(self) -> int:
@@ -76,44 +153,159 @@ class BlockStore:
                 f" {self.max_value_bytes} bytes"
             )
 
-    async def put(self, key: str, value: bytes) -> PutOutcome:
-        """Store ``value`` in the first tier. Raises InvalidRequest / ValueTooLarge."""
-        self.check_value_size(key, len(value))
-        target = self.tiers[0]
-        result = await target.put(key, value)
-        for tier in self.tiers[1:]:
-            await tier.evict(key)
-        return PutOutcome(target.medium, len(result.evicted))
+    # -- instrumentation -------------------------------------------------------------------
 
-    async def get(self, key: str) -> StoredValue:
-        """The value from the fastest tier holding it.
+    async def _timed(self, tier: StoreTier, verb: str, op: Awaitable[T]) -> T:
+        start = self._clock()
+        try:
+            return await op
+        finally:
+            hist = self.metrics.latency.get((tier.name, verb))
+            if hist is None:
+                hist = self.metrics.latency[(tier.name, verb)] = Histogram()
+            hist.observe(self._clock() - start)
+
+    def _moved(self, tier: StoreTier, reason: str, size: int) -> None:
+        key = (tier.name, reason)
+        self.metrics.moved_bytes[key] = self.metrics.moved_bytes.get(key, 0) + size
+
+    def _failed(self, tier: StoreTier) -> None:
+        self.metrics.failures[tier.name] = self.metrics.failures.get(tier.name, 0) + 1
+
+    def _dropped(self, tier: StoreTier) -> None:
+        self.metrics.dropped[tier.name] = self.metrics.dropped.get(tier.name, 0) + 1
+
+    # -- placement ---------------------------------------------------------------------------
+
+    async def _place(self, index: int, key: str, value: bytes, reason: str) -> int:
+        """Put into ``tiers[index]`` and demote its victims downwards; returns its eviction count.
+
+        Raises what ``tiers[index].put`` raises (callers below the first tier guard it).
+        """
+        tier = self.tiers[index]
+        last = index + 1 >= len(self.tiers)
+        result = await self._timed(tier, "put", tier.put(key, value, keep_victims=not last))
+        self._moved(tier, reason, len(value))
+        for victim, victim_value in result.victims:
+            await self._demote(index + 1, victim, victim_value)
+        return len(result.evicted)
+
+    async def _demote(self, index: int, key: str, value: bytes) -> None:
+        tier = self.tiers[index]
+        if tier.name in self.write_through and (await self._safe_contains(tier, [key]))[0]:
+            return  # already there: written through at put time
+        try:
+            await self._place(index, key, value, "demote")
+        except (TierUnavailable, StorageFull, ValueTooLarge):
+            self._failed(tier)
+            self._dropped(tier)
+
+    async def _safe_contains(self, tier: StoreTier, keys: Sequence[str]) -> list[bool]:
+        try:
+            return await self._timed(tier, "contains", tier.contains(keys))
+        except (TierUnavailable, StorageFull):
+            self._failed(tier)
+            return [False] * len(keys)
+
+    async def put(self, key: str, value: bytes) -> PutOutcome:
+        """Store ``value`` in the first tier (see the module docstring).
 
         Raises:
-            InvalidRequest: bad key. KeyNotFound: no tier holds ``key``.
+            InvalidRequest: bad key. ValueTooLarge: larger than the first tier.
+            TierUnavailable / StorageFull: the first tier failed (nothing stored).
+        """
+        self.check_value_size(key, len(value))
+        evicted = await self._place(0, key, value, "put")
+        for tier in self.tiers[1:]:
+            try:
+                if tier.name in self.write_through:
+                    await self._timed(tier, "put", tier.put(key, value))
+                    self._moved(tier, "write_through", len(value))
+                else:
+                    await self._timed(tier, "evict", tier.evict(key))
+            except (TierUnavailable, StorageFull, ValueTooLarge):
+                self._failed(tier)
+                if tier.name in self.write_through:
+                    self._dropped(tier)
+        return PutOutcome(self.tiers[0].medium, evicted)
+
+    async def get(self, key: str) -> StoredValue:
+        """The value from the fastest tier holding it, promoted to the first tier on a slower hit.
+
+        Raises:
+            InvalidRequest: bad key. KeyNotFound: no reachable tier holds ``key``.
         """
         validate_key(key)
-        for tier in self.tiers:
-            value = await tier.get(key)
-            if value is not None:
-                return StoredValue(value, tier.medium)
+        for index, tier in enumerate(self.tiers):
+            try:
+                value = await self._timed(tier, "get", tier.get(key))
+            except (TierUnavailable, StorageFull):
+                self._failed(tier)
+                continue
+            if value is None:
+                continue
+            if index > 0 and self.promote_on_hit and len(value) <= self.max_value_bytes:
+                await self._promote(index, key, value)
+            return StoredValue(value, tier.medium, tier.name)
         raise KeyNotFound(f"key {key!r} not found")
 
+    async def _promote(self, index: int, key: str, value: bytes) -> None:
+        try:
+            await self._place(0, key, value, "promote")
+        except (TierUnavailable, StorageFull):
+            self._failed(self.tiers[0])
+            return
+        # exclusive private tiers between the first tier and the hit (the hit's own copy included)
+        for tier in self.tiers[1 : index + 1]:
+            if tier.shared:
+                continue
+            try:
+                await self._timed(tier, "evict", tier.evict(key))
+            except (TierUnavailable, StorageFull):
+                self._failed(tier)
+
     async def contains(self, keys: Sequence[str]) -> list[bool]:
-        """One flag per key, in order (empty keys are simply absent)."""
+        """One flag per key, in order (empty keys are simply absent); no LRU effect.
+
+        Raises:
+            InvalidRequest: more than :data:`MAX_CONTAINS_KEYS` keys.
+        """
         if len(keys) > MAX_CONTAINS_KEYS:
             raise InvalidRequest(f"{len(keys)} keys in one Contains call, at most {MAX_CONTAINS_KEYS}")
         present = [False] * len(keys)
         for tier in self.tiers:
-            for i, found in enumerate(await tier.contains(keys)):
-                present[i] = present[i] or found
+            pending = [i for i, found in enumerate(present) if not found]
+            if not pending:
+                break
+            flags = await self._safe_contains(tier, [keys[i] for i in pending])
+            for i, found in zip(pending, flags, strict=True):
+                present[i] = found
         return present
 
+    async def media(self, keys: Sequence[str]) -> list[Medium | None]:
+        """For each key the medium of the fastest tier holding it, ``None`` when absent; no LRU effect."""
+        if len(keys) > MAX_CONTAINS_KEYS:
+            raise InvalidRequest(f"{len(keys)} keys in one call, at most {MAX_CONTAINS_KEYS}")
+        found: list[Medium | None] = [None] * len(keys)
+        for tier in self.tiers:
+            pending = [i for i, medium in enumerate(found) if medium is None]
+            if not pending:
+                break
+            flags = await self._safe_contains(tier, [keys[i] for i in pending])
+            for i, hit in zip(pending, flags, strict=True):
+                if hit:
+                    found[i] = tier.medium
+        return found
+
     async def delete(self, key: str) -> bool:
-        """Drop ``key`` from every tier; ``True`` when any held it. Raises InvalidRequest."""
+        """Drop ``key`` from every reachable tier; ``True`` when any held it. Raises InvalidRequest."""
         validate_key(key)
         deleted = False
         for tier in self.tiers:
-            deleted = await tier.evict(key) or deleted
+            try:
+                deleted = await self._timed(tier, "evict", tier.evict(key)) or deleted
+            except (TierUnavailable, StorageFull):
+                self._failed(tier)
         return deleted
 
     def stats(self) -> list[TierStats]:

@@ -2,7 +2,9 @@
 
 Loop (every ``health_interval_seconds``): ``GET <engine_url><health_path>`` with
 ``health_timeout_seconds``; a 200 is a success, anything else (status, refused connection,
-timeout) a failure. :class:`HealthTracker` turns the results into actions: REGISTER grants a
+timeout) a failure; a timeout is an *unresponsive* failure, which deregisters only after
+``unresponsive_grace_seconds`` (a busy engine keeps its registration; the lease itself is refreshed
+by this process, whatever the engine's loop does). :class:`HealthTracker` turns the results into actions: REGISTER grants a
 lease and puts :func:`build_endpoint`'s JSON under ``endpoint_key`` (a new
 :class:`kvmesh.membership.LeaseRegistration` each time, so a recovered engine reappears as a
 fresh join); DEREGISTER revokes the lease (watchers see the leave at once; kv_indexer purges the
@@ -22,6 +24,8 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
+import uuid
 
 import httpx
 
@@ -33,6 +37,7 @@ from services.registration_sidecar.health import (
     Action,
     HealthTracker,
     build_endpoint,
+    engine_identity_from_metrics,
     max_model_len_from_models,
 )
 
@@ -48,7 +53,8 @@ class Sidecar:
 
     def __init__(self, config: SidecarConfig) -> None:
         self.config = config
-        self.tracker = HealthTracker(config.failure_threshold, config.success_threshold)
+        self.tracker = HealthTracker(config.failure_threshold, config.success_threshold,
+                                     config.unresponsive_grace_seconds)
         self.registration: LeaseRegistration | None = None
         self._stop = asyncio.Event()
         self._client = httpx.AsyncClient(timeout=config.health_timeout_seconds)
@@ -56,14 +62,18 @@ class Sidecar:
     def stop(self) -> None:
         self._stop.set()
 
-    async def _healthy(self) -> bool:
+    async def _healthy(self) -> tuple[bool, bool]:
+        """(healthy, unresponsive): unresponsive when the poll timed out after the connection was accepted."""
         url = self.config.engine_url.rstrip("/") + self.config.health_path
         try:
             reply = await self._client.get(url)
+        except (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout) as exc:
+            logger.debug("health poll timed out url=%s error=%r", url, exc)
+            return False, True
         except httpx.HTTPError as exc:
             logger.debug("health poll failed url=%s error=%r", url, exc)
-            return False
-        return reply.status_code == 200
+            return False, False
+        return reply.status_code == 200, False
 
     async def _max_model_len(self) -> int | None:
         if self.config.max_model_len:
@@ -75,10 +85,23 @@ class Sidecar:
             logger.warning("could not read max_model_len from /v1/models error=%r", exc)
             return None
 
+    async def _identity(self) -> tuple[str, str]:
+        """The engine's incarnation and hash algorithm from its /metrics; a fresh id when unreadable
+        (each registration after the engine was down is then a new incarnation)."""
+        try:
+            reply = await self._client.get(self.config.engine_url.rstrip("/") + "/metrics")
+            instance_id, hash_algo = engine_identity_from_metrics(reply.text) if reply.status_code == 200 else ("", "")
+        except httpx.HTTPError as exc:
+            logger.warning("could not read the engine's /metrics for its incarnation error=%r", exc)
+            instance_id, hash_algo = "", ""
+        return instance_id or f"reg-{uuid.uuid4().hex[:12]}", hash_algo
+
     async def _register(self) -> None:
         cfg = self.config
+        instance_id, hash_algo = await self._identity()
         ep = build_endpoint(cfg.endpoint_id, cfg.engine_url, cfg.model, cfg.block_size_tokens,
-                            cfg.events_endpoint, cfg.role, cfg.engine_label, await self._max_model_len())
+                            cfg.events_endpoint, cfg.role, cfg.engine_label, await self._max_model_len(),
+                            instance_id=instance_id, replay_endpoint=cfg.replay_endpoint, hash_algo=hash_algo)
         self.registration = LeaseRegistration(cfg.etcd_endpoints, endpoint_key(ep), ep.to_json(),
                                               cfg.lease_ttl_seconds)
         await self.registration.start()
@@ -99,13 +122,14 @@ class Sidecar:
         metrics.REGISTERED.set(0)
         try:
             while not self._stop.is_set():
-                healthy = await self._healthy()
-                metrics.HEALTH_CHECKS.labels("ok" if healthy else "failed").inc()
-                action = self.tracker.observe(healthy)
+                healthy, unresponsive = await self._healthy()
+                metrics.HEALTH_CHECKS.labels("ok" if healthy else "timeout" if unresponsive else "failed").inc()
+                action = self.tracker.observe(healthy, unresponsive=unresponsive, now=time.monotonic())
                 if action is Action.REGISTER:
                     await self._register()
                 elif action is Action.DEREGISTER:
-                    await self._deregister(f"unhealthy ({self.tracker.failures} failed polls)")
+                    await self._deregister(f"unhealthy ({self.tracker.failures} failed polls"
+                                           f"{', unresponsive past the grace' if unresponsive else ''})")
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), self.config.health_interval_seconds)
         finally:

@@ -28,6 +28,8 @@ class SidecarConfig(ProcessConfig):
     """The engine's KV block size in tokens (vLLM's --block-size)."""
     events_endpoint: str = ""
     """ZMQ endpoint of the engine's KV-event publisher (its kv-events-config endpoint); empty: none."""
+    replay_endpoint: str = ""
+    """ZMQ endpoint of the engine's KV-event replay ROUTER (its kv-events-config replay_endpoint); empty: none."""
     role: EndpointRole = EndpointRole.BOTH
     """Role registered in etcd (prefill/decode disaggregation)."""
     engine_label: str = "vllm"
@@ -41,7 +43,9 @@ class SidecarConfig(ProcessConfig):
     health_timeout_seconds: float = Field(2.0, gt=0, le=60)
     """Timeout of one health poll (a timeout counts as a failure)."""
     failure_threshold: int = Field(3, ge=1, le=100)
-    """Consecutive failed polls that deregister the engine."""
+    """Consecutive failed polls that deregister the engine (refused connection or non-200 status)."""
+    unresponsive_grace_seconds: float = Field(30.0, ge=0, le=3600)
+    """A busy engine (polls time out, connection accepted) stays registered this long before deregistering."""
     success_threshold: int = Field(1, ge=1, le=100)
     """Consecutive good polls that (re-)register it."""
 

@@ -5,12 +5,21 @@ registration should change. Like Kubernetes probes (``successThreshold``/``failu
 ``failure_threshold`` consecutive failures take a registered engine out, ``success_threshold``
 consecutive successes put an unregistered one (back) in. The first registration needs the same
 ``success_threshold`` successes as a recovery.
+
+A busy engine is not a dead one (issue 14): a poll that *timed out* (the engine accepted the
+connection but did not answer in time: its event loop is busy, e.g. encoding a long prompt) counts
+as a failure, but deregisters only once the engine has been unresponsive for
+``unresponsive_grace_seconds`` in a row (and ``failure_threshold`` polls). A refused connection or a
+non-200 status is a plain failure (the engine is down or says it is unhealthy) and deregisters after
+``failure_threshold`` polls, as before.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.types import Endpoint, EndpointId, EndpointRole
 
@@ -35,9 +44,11 @@ class HealthTracker:
 
     failure_threshold: int = 3
     success_threshold: int = 1
+    unresponsive_grace_seconds: float = 0.0
     registered: bool = False
     successes: int = 0
     failures: int = 0
+    unresponsive_since: float | None = None
 
     def __post_init__(self) -> None:
         if self.failure_threshold < 1 or self.success_threshold < 1:
@@ -45,20 +56,34 @@ class HealthTracker:
                 f"thresholds must be >= 1 (failure={self.failure_threshold}, success={self.success_threshold})"
             )
 
-    def observe(self, healthy: bool) -> Action:
-        """Record one poll result; return the registration change it calls for (at most one)."""
+    def observe(self, healthy: bool, *, unresponsive: bool = False, now: float = 0.0) -> Action:
+        """Record one poll result; return the registration change it calls for (at most one).
+
+        Args:
+            healthy: the poll answered 200.
+            unresponsive: a failed poll timed out (connection accepted, no answer); ignored when healthy.
+            now: monotonic time of the poll (seconds), for ``unresponsive_grace_seconds``.
+        """
         if healthy:
             self.successes += 1
             self.failures = 0
+            self.unresponsive_since = None
             if not self.registered and self.successes >= self.success_threshold:
                 self.registered = True
                 return Action.REGISTER
+            return Action.NONE
+        self.failures += 1
+        self.successes = 0
+        if unresponsive:
+            if self.unresponsive_since is None:
+                self.unresponsive_since = now
+            within_grace = now - self.unresponsive_since < self.unresponsive_grace_seconds
         else:
-            self.failures += 1
-            self.successes = 0
-            if self.registered and self.failures >= self.failure_threshold:
-                self.registered = False
-                return Action.DEREGISTER
+            self.unresponsive_since = None
+            within_grace = False
+        if self.registered and self.failures >= self.failure_threshold and not within_grace:
+            self.registered = False
+            return Action.DEREGISTER
         return Action.NONE
 
 
@@ -71,6 +96,9 @@ def build_endpoint(
     role: EndpointRole,
     engine_label: str,
     max_model_len: int | None,
+    instance_id: str = "",
+    replay_endpoint: str = "",
+    hash_algo: str = "",
 ) -> Endpoint:
     """The etcd registration of an engine: ``Endpoint`` with labels ``engine`` and ``max_model_len``.
 
@@ -87,7 +115,27 @@ def build_endpoint(
         events_endpoint=events_endpoint,
         role=EndpointRole(role),
         labels=labels,
+        instance_id=instance_id,
+        replay_endpoint=replay_endpoint,
+        hash_algo=hash_algo,
     )
+
+
+def engine_identity_from_metrics(text: str) -> tuple[str, str]:
+    """``(instance id, hash algorithm)`` from a vLLM ``/metrics`` body: the incarnation is the
+    process start time (``process_start_time_seconds``, in ms), the algorithm
+    ``vllm:cache_config_info{prefix_caching_hash_algo}``; ``""`` for what is absent."""
+    instance_id = hash_algo = ""
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "process_start_time_seconds":
+                    instance_id = f"start-{int(sample.value * 1000)}"
+                elif sample.name == "vllm:cache_config_info":
+                    hash_algo = sample.labels.get("prefix_caching_hash_algo", "")
+    except ValueError:
+        return "", ""
+    return instance_id, hash_algo
 
 
 def max_model_len_from_models(body: object, model: str) -> int | None:

@@ -10,7 +10,7 @@ REGISTERED = Gauge(
 )
 HEALTH_CHECKS = Counter(
     "kvmesh_registration_sidecar_health_checks_total",
-    "Health polls of the engine, by result (ok, failed).",
+    "Health polls of the engine, by result (ok, failed, timeout).",
     ["result"],
 )
 TRANSITIONS = Counter(

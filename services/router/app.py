@@ -63,13 +63,16 @@ def build_service(config: RouterConfig) -> GrpcService:
     )
     picker = PickerClient(config.epp_address, config.pick_timeout_seconds)
     http_client = build_http_client(config)
-    flow = RequestFlow(config, catalog, admission, picker, http_client)
+    flow = RequestFlow(config, catalog, admission, picker, http_client,
+                       endpoints=lambda model: watcher.snapshot().values() if watcher is not None else ())
     readiness = ReadinessProbe(
         {"flow_control": admission.health, "epp": picker.health},
         catalog.endpoint_count,
         config.health_check_timeout_seconds,
         config.health_cache_seconds,
         time.monotonic,
+        degradable=frozenset(name for name, mode in (("flow_control", config.flow_control_failure_mode),
+                                                     ("epp", config.epp_failure_mode)) if mode == "open"),
     )
     api = RouterHttpApi(config, flow, catalog, readiness)
     http_server = HttpServer(api.app(), config.host, config.http_port, config.shutdown_http_grace_seconds,
@@ -92,6 +95,7 @@ def build_service(config: RouterConfig) -> GrpcService:
 
     async def start_http() -> None:
         await http_server.start()
+        service.extra_ports["http"] = http_server.port  # reported in the ports file with grpc and metrics
         logger.info("router http listening address=%s:%d", config.host, http_server.port)
 
     async def close_clients() -> None:
@@ -101,7 +105,7 @@ def build_service(config: RouterConfig) -> GrpcService:
         await admission.close()
         await picker.close()
 
-    return GrpcService(
+    service = GrpcService(
         config,
         ServiceSpec(
             name="router",
@@ -111,3 +115,4 @@ def build_service(config: RouterConfig) -> GrpcService:
             on_stop=[http_server.stop, close_clients],
         ),
     )
+    return service

@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvmesh.types import Endpoint
+from kvmesh.types import LORA_ADAPTERS_LABEL, Endpoint
 
 MAX_MODEL_LEN_LABEL = "max_model_len"
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,12 +32,15 @@ class ModelCatalog:
     """An immutable view: model name -> :class:`ModelInfo`."""
 
     models: dict[str, ModelInfo] = field(default_factory=dict)
+    lora_adapters: dict[str, str] = field(default_factory=dict)
+    """LoRA adapter name -> the base model whose endpoints serve it."""
 
     @classmethod
     def from_endpoints(cls, endpoints: Iterable[Endpoint]) -> ModelCatalog:
         lens: dict[str, int | None] = {}
         counts: dict[str, int] = {}
-        for ep in endpoints:
+        endpoints_list = list(endpoints)
+        for ep in endpoints_list:
             counts[ep.model] = counts.get(ep.model, 0) + 1
             raw = ep.labels.get(MAX_MODEL_LEN_LABEL)
             value: int | None = None
@@ -52,7 +56,16 @@ class ModelCatalog:
                 lens[ep.model] = value
             else:
                 lens.setdefault(ep.model, current)
-        return cls({name: ModelInfo(name, lens.get(name), n) for name, n in sorted(counts.items())})
+        adapters: dict[str, str] = {}
+        for ep in endpoints_list:
+            for name in ep.labels.get(LORA_ADAPTERS_LABEL, "").split(","):
+                if name.strip() and name.strip() not in counts:
+                    adapters.setdefault(name.strip(), ep.model)
+        return cls({name: ModelInfo(name, lens.get(name), n) for name, n in sorted(counts.items())}, adapters)
+
+    def base_model(self, name: str) -> str | None:
+        """The base model serving LoRA adapter ``name`` (None when it is no adapter)."""
+        return self.lora_adapters.get(name)
 
     def names(self) -> list[str]:
         return list(self.models)

@@ -6,8 +6,8 @@ request flow and both front doors see one vocabulary.
 
 Admission (``FlowControl.Admit``, a bidirectional stream whose life is the request's slot):
 ``admit()`` opens the stream, sends ``Enqueue`` and waits for the one ``AdmitResponse``;
-``DISPATCHED`` returns an :class:`AdmissionTicket`, rejections raise (capacity/shed/other -> 429,
-TTL -> 504). ``AdmissionTicket.close()`` sends ``Complete`` (when given), half-closes, waits
+``DISPATCHED`` returns an :class:`AdmissionTicket`, rejections raise (capacity, TTL expiry, shed,
+rate quota, other -> 429 as llm-d; no endpoint for the model -> 503). ``AdmissionTicket.close()`` sends ``Complete`` (when given), half-closes, waits
 briefly for flow_control to end the call and then cancels it: either way the slot is released.
 
 Pick (``EndpointPicker.Pick``): the prompt (token ids, text or messages) travels only when epp's
@@ -17,6 +17,10 @@ implement it or the call fails, the prompt is sent (the safe default: behaviour 
 
 Remote statuses become domain errors through :data:`kvmesh.errors.REMOTE_ERRORS`, with the
 per-call overrides below (what ``UNAVAILABLE`` or ``DEADLINE_EXCEEDED`` means from each peer).
+A status the peer *answered* (it carries the ``kvmesh-error-class`` trailer,
+:func:`kvmesh.channels.answered`) goes through the table; one it did not (unreachable, reset,
+crashed, a bug) becomes :class:`~services.router.degraded.FlowControlUnreachable` /
+:class:`~services.router.degraded.PickerUnreachable`, which the request flow's degraded modes handle.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -34,9 +39,10 @@ from kvmesh._proto.kvmesh.common.v1 import common_pb2
 from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
 from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2 as fc_pb2
 from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2_grpc as fc_pb2_grpc
-from kvmesh.channels import insecure_channel, to_domain_error
+from kvmesh.channels import answered, insecure_channel, to_domain_error
 from kvmesh.types import Endpoint
 from kvmesh.wire import endpoint_from_proto
+from services.router.degraded import FlowControlUnreachable, PickerUnreachable
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +67,19 @@ async def check_health(channel: grpc.aio.Channel | None, timeout_seconds: float)
 
 
 @dataclass(frozen=True, slots=True)
+class AdmitOptions:
+    """The rest of an ``Enqueue``: body bytes, the request's queue TTL and TTFT objective (seconds,
+    0 = none) and its tenant's quotas (0 = unlimited; :mod:`services.router.tenants`)."""
+
+    byte_size: int = 0
+    ttl_seconds: float = 0.0
+    ttft_slo_seconds: float = 0.0
+    max_concurrency: int = 0
+    rate_per_second: float = 0.0
+    burst: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class AdmitQuery:
     """What flow_control's ``Admit`` needs to queue a request (sizes in tokens); becomes an ``Enqueue``."""
 
@@ -70,6 +89,8 @@ class AdmitQuery:
     prompt_tokens: int
     max_tokens: int
     model: str
+    options: AdmitOptions | None = None
+    """Body size, TTL, TTFT objective and the tenant's quotas (None: none of them)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,21 +106,41 @@ class CompletionReport:
 
 _REJECTIONS: dict[int, type[errors.KvmeshError]] = {
     fc_pb2.QUEUE_OUTCOME_REJECTED_CAPACITY: errors.QueueFull,
-    fc_pb2.QUEUE_OUTCOME_EVICTED_TTL: errors.QueueTTLExpired,
+    fc_pb2.QUEUE_OUTCOME_EVICTED_TTL: errors.AdmissionTTLExpired,  # 429 + Retry-After, as llm-d
     fc_pb2.QUEUE_OUTCOME_SHED: errors.Shed,
+    fc_pb2.QUEUE_OUTCOME_REJECTED_RATE_LIMITED: errors.RateLimited,
+    fc_pb2.QUEUE_OUTCOME_REJECTED_NO_ENDPOINTS: errors.NoEndpointsAvailable,  # 503: the model has no endpoint
     fc_pb2.QUEUE_OUTCOME_REJECTED_OTHER: errors.Saturated,
 }
 
 _ADMIT_STATUS_OVERRIDES: dict[grpc.StatusCode, type[errors.KvmeshError]] = {
-    grpc.StatusCode.UNAVAILABLE: errors.NotReady,  # flow_control down or crashing: the router is not ready (503)
-    grpc.StatusCode.UNKNOWN: errors.NotReady,
-    grpc.StatusCode.INTERNAL: errors.NotReady,
+    # flow_control down, crashing or cut off: the degraded mode decides (services.router.degraded)
+    grpc.StatusCode.UNAVAILABLE: FlowControlUnreachable,
+    grpc.StatusCode.UNKNOWN: FlowControlUnreachable,
+    grpc.StatusCode.INTERNAL: FlowControlUnreachable,
+    grpc.StatusCode.CANCELLED: FlowControlUnreachable,
+    grpc.StatusCode.UNIMPLEMENTED: FlowControlUnreachable,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.QueueTTLExpired,  # a deadline on Admit is the queue's (504)
 }
 _PICK_STATUS_OVERRIDES: dict[grpc.StatusCode, type[errors.KvmeshError]] = {
-    grpc.StatusCode.UNAVAILABLE: errors.NoEndpointsAvailable,  # epp down or past pick_timeout: nothing to route to (503)
-    grpc.StatusCode.DEADLINE_EXCEEDED: errors.NoEndpointsAvailable,
+    # epp down, crashing or past pick_timeout: the router picks from its own view (services.router.degraded)
+    grpc.StatusCode.UNAVAILABLE: PickerUnreachable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: PickerUnreachable,
+    grpc.StatusCode.UNKNOWN: PickerUnreachable,
+    grpc.StatusCode.INTERNAL: PickerUnreachable,
+    grpc.StatusCode.CANCELLED: PickerUnreachable,
+    grpc.StatusCode.UNIMPLEMENTED: PickerUnreachable,
 }
+
+
+def _enqueue_options(options: AdmitOptions | None) -> dict[str, Any]:
+    if options is None:
+        return {}
+    return {
+        "byte_size": max(0, options.byte_size), "ttl_seconds": max(0.0, options.ttl_seconds),
+        "ttft_slo_seconds": max(0.0, options.ttft_slo_seconds), "max_concurrency": max(0, options.max_concurrency),
+        "rate_per_second": max(0.0, options.rate_per_second), "burst": max(0, options.burst),
+    }
 
 
 class AdmissionTicket:
@@ -152,12 +193,16 @@ class AdmissionClient:
         """Enqueue and wait for dispatch.
 
         Raises:
-            QueueFull | Shed | Saturated: flow_control rejected it (-> 429), with its reason.
-            QueueTTLExpired: it waited past the queue TTL or the admission timeout (-> 504).
-            NotReady: flow_control is unreachable (-> 503).
+            QueueFull | Shed | RateLimited | AdmissionTTLExpired | Saturated: flow_control rejected it
+                (-> 429 with Retry-After and x-llm-d-request-dropped-reason), with its reason and retry hint.
+            NoEndpointsAvailable: flow_control sees no endpoint for the model (-> 503).
+            QueueTTLExpired: not dispatched within the router's admission timeout (a hung flow_control; -> 504).
+            FlowControlUnreachable: flow_control is unreachable, or the call failed without a
+                decision (closed stream, a write to a finished call: "RPC already finished") (-> the
+                degraded mode, else 503).
         """
         if self._stub is None:
-            raise errors.NotReady("admission client not connected")
+            raise FlowControlUnreachable("admission client not connected")
         call = self._stub.Admit()
         admitted = False
         try:
@@ -171,21 +216,30 @@ class AdmissionClient:
                             prompt_tokens=max(0, request.prompt_tokens),
                             max_tokens=max(0, request.max_tokens),
                             model=request.model,
+                            **_enqueue_options(request.options),
                         )
                     )
                 )
                 reply = await call.read()
             if reply is grpc.aio.EOF:
-                raise errors.Saturated("flow_control closed the admission stream without a decision")
+                raise FlowControlUnreachable("flow_control closed the admission stream without a decision")
             if reply.outcome == fc_pb2.QUEUE_OUTCOME_DISPATCHED:
                 admitted = True
                 return AdmissionTicket(call, reply.queue_seconds, self._close_timeout)
             error_cls = _REJECTIONS.get(reply.outcome, errors.Saturated)
-            raise error_cls(f"rejected by admission: {reply.reason or fc_pb2.QueueOutcome.Name(reply.outcome)}")
+            message = f"rejected by admission: {reply.reason or fc_pb2.QueueOutcome.Name(reply.outcome)}"
+            if issubclass(error_cls, errors.Saturated):
+                raise error_cls(message, reply.retry_after_seconds)
+            raise error_cls(message)
         except TimeoutError as exc:
             raise errors.QueueTTLExpired(f"not dispatched within {self._timeout:g}s") from exc
         except grpc.aio.AioRpcError as exc:
+            if answered(exc) and exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # flow_control's own answer
+                raise to_domain_error(exc) from exc
             raise to_domain_error(exc, _ADMIT_STATUS_OVERRIDES, remote="flow_control unavailable") from exc
+        except (grpc.aio.UsageError, asyncio.InvalidStateError, grpc.RpcError) as exc:
+            # the call ended under us (flow_control died between open and write): no decision
+            raise FlowControlUnreachable(f"flow_control unavailable: admission call failed ({exc})") from exc
         finally:
             if not admitted:
                 call.cancel()
@@ -215,6 +269,8 @@ class PickQuery:
     prompt: str = ""
     messages: tuple[tuple[str, str], ...] = ()
     exclude_endpoint_ids: tuple[str, ...] = ()
+    lora_name: str | None = None
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,7 +360,9 @@ class PickerClient:
         """Ask epp where to send the request (within ``timeout_seconds`` in all, the info call included).
 
         Raises:
-            NoEndpointsAvailable: epp has no candidate, is unreachable or did not answer in time (-> 503).
+            NoEndpointsAvailable: epp has no candidate (-> 503).
+            PickerUnreachable: epp is unreachable, failed, or did not answer in time (-> the
+                degraded mode's local pick, else 503).
             UnknownModel: epp serves no such model (-> 404).
             NotReady: :meth:`connect` has not run.
         """
@@ -313,7 +371,11 @@ class PickerClient:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout
         request = epp_pb2.PickRequest(
-            request_id=query.request_id, model=query.model, exclude_endpoint_ids=query.exclude_endpoint_ids
+            request_id=query.request_id,
+            model=query.model,
+            exclude_endpoint_ids=query.exclude_endpoint_ids,
+            lora_name=query.lora_name or "",
+            cache_salt=query.cache_salt or "",
         )
         if await self.needs_prompt(self._timeout):
             request.prompt_token_ids.extend(query.prompt_token_ids)
@@ -321,11 +383,15 @@ class PickerClient:
             request.messages.extend(common_pb2.ChatMessage(role=r, content=c) for r, c in query.messages)
         remaining = deadline - loop.time()
         if remaining <= 0:  # the info call used the whole budget: epp hangs
-            raise errors.NoEndpointsAvailable("endpoint picker: Deadline Exceeded")
+            raise PickerUnreachable("endpoint picker: Deadline Exceeded")
         try:
             reply = await self._stub.Pick(request, timeout=remaining)
         except grpc.aio.AioRpcError as exc:
+            if answered(exc):  # epp's own answer (UNAVAILABLE: no endpoint) goes through the table
+                raise to_domain_error(exc) from exc
             raise to_domain_error(exc, _PICK_STATUS_OVERRIDES, remote="endpoint picker") from exc
+        except (grpc.aio.UsageError, grpc.RpcError) as exc:
+            raise PickerUnreachable(f"endpoint picker: call failed ({exc})") from exc
         candidates = [endpoint_from_proto(reply.target)] if reply.HasField("target") and reply.target.url else []
         candidates += [endpoint_from_proto(ep) for ep in reply.fallbacks if ep.url]
         if not candidates:

@@ -5,10 +5,13 @@ Precedence (from :func:`kvmesh.config.load_config`): flags > env ``KVMESH_ROUTER
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from kvmesh.config import GrpcServiceConfig
+from services.router.tenants import TenantSpec
 
 
 def _default_objective_priorities() -> dict[str, int]:
@@ -29,8 +32,10 @@ class RouterConfig(GrpcServiceConfig):
     """host:port of the epp gRPC service (Pick)."""
     request_timeout_seconds: float = Field(600.0, gt=0, le=86400)
     """Upper bound on one proxied engine request (read/write/pool timeouts of the HTTP client)."""
-    connect_timeout_seconds: float = Field(2.0, gt=0, le=120)
-    """TCP connect timeout to an engine; a failed connect moves on to the next fallback."""
+    connect_timeout_seconds: float = Field(10.0, gt=0, le=120)
+    """TCP connect timeout to an engine; a failed connect moves on to the next fallback. Sized for
+    a loaded host: on a starved machine an accept can take seconds (2 s lost requests under a
+    replay on 2 busy cores); a dead engine refuses at once and is not waited for."""
     admission_timeout_seconds: float = Field(35.0, gt=0, le=86400)
     """Longest wait for flow_control's dispatch decision, then 504. A few seconds above flow_control's
     default queue TTL (30 s), which normally fires first; this one bounds a hung flow_control."""
@@ -54,8 +59,23 @@ class RouterConfig(GrpcServiceConfig):
     max_tokens_limit: int = Field(1_048_576, ge=1)
     """Absolute cap on ``max_tokens`` regardless of the model's context (rejects absurd values)."""
     default_flow_id: str = "default"
-    """Flow (fairness id) of requests without ``x-llm-d-inference-fairness-id``."""
+    """Flow (fairness id) of requests without ``x-gateway-inference-fairness-id`` (or an API key's tenant)."""
     objective_priorities: dict[str, int] = Field(default_factory=_default_objective_priorities)
     """``x-llm-d-inference-objective`` name -> priority band (a numeric objective is used as the priority)."""
+    flow_control_failure_mode: Literal["open", "closed"] = "open"
+    """flow_control unreachable: ``open`` admits requests locally while fewer than
+    ``degraded_max_in_flight`` are admitted that way (then 503 + ``retry-after``); ``closed``: 503 at once."""
+    degraded_max_in_flight: int = Field(256, ge=0, le=1_000_000)
+    """Cap on requests admitted without flow_control at once (the fail-open mode's local in-flight limit)."""
+    epp_failure_mode: Literal["open", "closed"] = "open"
+    """epp unreachable: ``open`` picks the least-loaded live endpoint (router's own in-flight count,
+    from its etcd view); ``closed``: 503."""
+    tenants: list[TenantSpec] = Field(default_factory=list)
+    """Tenants: API keys -> fairness id, maximum priority, rate and concurrency quotas
+    (:mod:`services.router.tenants`); empty = headers are trusted (open mode)."""
+    require_api_key: bool = False
+    """With tenants configured: answer 401 to requests without an API key (else they get the default flow)."""
+    anonymous_max_priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    """With tenants configured: the highest priority a request without an API key may ask for."""
     shutdown_http_grace_seconds: float = Field(5.0, ge=0, le=300)
     """On stop, how long open HTTP requests may finish before uvicorn force-closes them."""

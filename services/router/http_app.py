@@ -9,11 +9,22 @@
 
 Request headers: ``x-request-id`` (kept, truncated to 128 characters, else generated; one with a
 character outside printable ASCII is a 400, since it is forwarded to the engine),
-``x-llm-d-inference-fairness-id`` (flow, default ``default``), priority from ``x-kvmesh-priority``
-(an integer; wins when both are sent) or ``x-llm-d-inference-objective`` (an integer, or a name in
-``objective_priorities``: critical 10, standard 0, sheddable -10; unknown names are a 400). Integers
-are plain decimal (``[+-]?[0-9]+``: no spaces, no ``_``) within int32, else 400. W3C ``traceparent``.
-Response headers: ``x-request-id`` and ``x-kvmesh-endpoint`` (the endpoint id that served it).
+``x-gateway-inference-fairness-id`` (GIE/llm-d's current name) or ``x-llm-d-inference-fairness-id``
+(flow, default ``default``; over 256 characters is a 400), priority from ``x-kvmesh-priority`` (an
+integer; wins when both are sent) or ``x-gateway-inference-objective`` / ``x-llm-d-inference-objective``
+(an integer, or a name in ``objective_priorities``: critical 10, standard 0, sheddable -10; unknown
+names are a 400). Integers are plain decimal (``[+-]?[0-9]+``: no spaces, no ``_``) within int32,
+else 400. ``x-slo-ttft-ms`` (GIE's TTFT objective, read by the slo-deadline ordering) and
+``x-kvmesh-queue-ttl-ms`` (this request's queue TTL; flow_control uses the minimum of it, the band's
+and the global one): positive integers of milliseconds up to 3,600,000, else 400. W3C ``traceparent``.
+API keys (``Authorization: Bearer <key>`` or ``x-api-key``) bind the request to a tenant's fairness
+id, maximum priority and quotas once tenants are configured (:mod:`services.router.tenants`); a
+malformed or unknown key is a 401 with an OpenAI error body.
+Response headers: ``x-request-id`` and ``x-kvmesh-endpoint`` (the endpoint id that served it). An
+admission rejection (429) carries ``retry-after`` (flow_control's hint, at least
+``retry_after_seconds``) and ``x-llm-d-request-dropped-reason`` (llm-d's header:
+``rejected-saturated`` for a full queue, ``rejected-ttl-expired``, ``rejected-shed``,
+``rejected-rate-limited``).
 
 Bodies: a ``content-type`` other than JSON (``application/json`` or ``*/*+json``), when sent with a
 body, is a 400 (as vLLM/OpenAI reject non-JSON bodies with a 4xx JSON error); no content-type is read as
@@ -39,15 +50,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
@@ -57,6 +70,7 @@ from kvmesh.openai_stream import DONE_EVENT, sse_event
 from kvmesh.tracing import extract_http_context
 from services.router import metrics
 from services.router.catalog import ModelCatalog
+from services.router.clients import AdmitOptions
 from services.router.config import RouterConfig
 from services.router.http_errors import RequestTooLarge, error_body, http_error, render_json
 from services.router.readiness import ReadinessProbe
@@ -69,13 +83,21 @@ from services.router.request_flow import (
     RequestFlow,
     RequestMeta,
 )
+from services.router.tenants import TenantDirectory, api_key_from_headers
 from services.router.validation import RequestKind, RouterRequest, parse_json_body, validate_request
 
 logger = logging.getLogger(__name__)
 
 FAIRNESS_HEADER = "x-llm-d-inference-fairness-id"
 OBJECTIVE_HEADER = "x-llm-d-inference-objective"
+GIE_FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
+GIE_OBJECTIVE_HEADER = "x-gateway-inference-objective"
 PRIORITY_HEADER = "x-kvmesh-priority"
+TTFT_SLO_HEADER = "x-slo-ttft-ms"
+QUEUE_TTL_HEADER = "x-kvmesh-queue-ttl-ms"
+DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
+MAX_FLOW_ID_CHARS = 256
+MAX_HEADER_MS = 3_600_000
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 _DECIMAL = re.compile(r"[+-]?[0-9]+")
@@ -103,28 +125,52 @@ def _int32_header(name: str, raw: str) -> int | None:
     return None
 
 
-def request_meta(headers: dict[str, str] | Any, config: RouterConfig, trace_context: Any = None) -> RequestMeta:
-    """Flow, priority and request id from request headers (see the module docstring).
+def _ms_header(headers: dict[str, str] | Any, name: str) -> float:
+    """A positive millisecond header as seconds (0.0 when absent).
 
     Raises:
-        InvalidRequest: a priority header that is neither an int32 nor a known objective name, or an
+        InvalidRequest: not a plain decimal integer in [1, 3,600,000].
+    """
+    raw = headers.get(name)
+    if raw is None:
+        return 0.0
+    value = _int32_header(name, raw)
+    if value is None or not 1 <= value <= MAX_HEADER_MS:
+        raise errors.InvalidRequest(f"'{name}' header must be an integer of milliseconds in [1, {MAX_HEADER_MS}], got {raw[:40]!r}")
+    return value / 1000.0
+
+
+def request_meta(
+    headers: dict[str, str] | Any, config: RouterConfig, trace_context: Any = None, tenants: TenantDirectory | None = None,
+) -> RequestMeta:
+    """Flow, priority, request id and admission options from request headers (see the module docstring).
+
+    Raises:
+        InvalidRequest: a priority header that is neither an int32 nor a known objective name, a
+            fairness id over 256 characters, a bad ``x-slo-ttft-ms`` / ``x-kvmesh-queue-ttl-ms``, or an
             ``x-request-id`` with characters outside printable ASCII.
+        Unauthenticated: a malformed or unknown API key, or none while ``require_api_key`` (tenants configured).
     """
     raw_id = headers.get(REQUEST_ID_HEADER)
     if raw_id and not _REQUEST_ID.fullmatch(raw_id):
         raise errors.InvalidRequest(f"'{REQUEST_ID_HEADER}' header must be printable ASCII without spaces")
     request_id = raw_id or uuid.uuid4().hex
-    flow_id = headers.get(FAIRNESS_HEADER) or config.default_flow_id
-    priority = 0
+    for name in (GIE_FAIRNESS_HEADER, FAIRNESS_HEADER):
+        value_of = headers.get(name)
+        if value_of is not None and len(value_of) > MAX_FLOW_ID_CHARS:
+            raise errors.InvalidRequest(f"'{name}' header is {len(value_of)} characters (at most {MAX_FLOW_ID_CHARS})")
+    header_flow = headers.get(GIE_FAIRNESS_HEADER) or headers.get(FAIRNESS_HEADER)
+    priority: int | None = None
     raw_priority = headers.get(PRIORITY_HEADER)
-    objective = headers.get(OBJECTIVE_HEADER)
+    objective = headers.get(GIE_OBJECTIVE_HEADER) or headers.get(OBJECTIVE_HEADER)
     if raw_priority is not None:
         value = _int32_header(PRIORITY_HEADER, raw_priority)
         if value is None:
             raise errors.InvalidRequest(f"'{PRIORITY_HEADER}' header must be an integer, got {raw_priority[:40]!r}")
         priority = value
     elif objective:
-        value = _int32_header(OBJECTIVE_HEADER, objective)
+        objective_header = GIE_OBJECTIVE_HEADER if headers.get(GIE_OBJECTIVE_HEADER) else OBJECTIVE_HEADER
+        value = _int32_header(objective_header, objective)
         if value is not None:
             priority = value
         elif objective.lower() in config.objective_priorities:
@@ -132,9 +178,17 @@ def request_meta(headers: dict[str, str] | Any, config: RouterConfig, trace_cont
         else:
             known = ", ".join(sorted(config.objective_priorities))
             raise errors.InvalidRequest(f"unknown inference objective {objective[:40]!r} (known: {known})")
+    ttft_slo = _ms_header(headers, TTFT_SLO_HEADER)
+    queue_ttl = _ms_header(headers, QUEUE_TTL_HEADER)
+    directory = tenants if tenants is not None else TenantDirectory([], config.default_flow_id)
+    binding = directory.bind(api_key_from_headers(headers) if directory.enabled else None, header_flow, priority)
+    options = AdmitOptions(
+        ttl_seconds=queue_ttl, ttft_slo_seconds=ttft_slo, max_concurrency=binding.max_concurrency,
+        rate_per_second=binding.rate_per_second, burst=binding.burst,
+    )
     return RequestMeta(
-        request_id=request_id[:MAX_REQUEST_ID_CHARS], flow_id=flow_id[:256], priority=priority,
-        trace_context=trace_context, server_span=True,
+        request_id=request_id[:MAX_REQUEST_ID_CHARS], flow_id=binding.flow_id or config.default_flow_id,
+        priority=binding.priority, trace_context=trace_context, server_span=True, admit_options=options,
     )
 
 
@@ -270,8 +324,10 @@ class _ProxiedAnswer(Response):
             await guard.run(self._answer(scope, receive, guard))
         except ClientGone:
             if not guard.response_started:
-                logger.info("client disconnected request_id=%s", self._meta.request_id)
+                logger.info("client disconnected request_id=%s before the answer started", self._meta.request_id)
                 await Response(status_code=499)(scope, receive, send)
+            else:
+                logger.info("client disconnected request_id=%s mid-answer", self._meta.request_id)
 
     async def _answer(self, scope: Scope, receive: Receive, guard: _DisconnectGuard) -> None:
         try:
@@ -333,6 +389,8 @@ class RouterHttpApi:
         self._flow = flow
         self._catalog = catalog
         self._readiness = readiness
+        self._tenants = TenantDirectory(config.tenants, config.default_flow_id, config.require_api_key,
+                                        config.anonymous_max_priority)
 
     def app(self) -> Starlette:
         return Starlette(
@@ -359,8 +417,18 @@ class RouterHttpApi:
         return OpenAIJSONResponse(error_body(message, etype, status), status_code=status, headers=dict(exc.headers or {}))
 
     async def _unhandled(self, request: Request, exc: Exception) -> Response:
-        """Last resort (Starlette's ServerErrorMiddleware): a 500 OpenAI body instead of plain text."""
-        return self.error_response(exc, _valid_request_id(request.headers.get(REQUEST_ID_HEADER)))
+        """Last resort (Starlette's ServerErrorMiddleware): a 500 OpenAI body instead of plain text
+        (a client gone mid-request is logged as such instead)."""
+        request_id = _valid_request_id(request.headers.get(REQUEST_ID_HEADER))
+        if isinstance(exc, ClientDisconnect):
+            return self._client_disconnected(request_id)
+        return self.error_response(exc, request_id)
+
+    def _client_disconnected(self, request_id: str | None) -> Response:
+        """The client went away while sending its request: one log line, outcome ``cancelled``, a 499 nobody reads."""
+        logger.info("client disconnected request_id=%s while sending the request", request_id)
+        metrics.record_outcome(metrics.RequestOutcome.CANCELLED)
+        return Response(status_code=499)
 
     def error_response(self, exc: BaseException, request_id: str | None = None) -> Response:
         """The OpenAI error response for ``exc`` (one table), its outcome counted; a 500 logs the traceback."""
@@ -369,6 +437,11 @@ class RouterHttpApi:
             logger.error("unhandled error request_id=%s", request_id, exc_info=exc)
         metrics.record_outcome(metrics.outcome_for_status(err.status))
         headers = dict(err.headers)
+        if err.status == 429 and isinstance(exc, errors.Saturated):
+            headers[DROPPED_REASON_HEADER] = exc.dropped_reason
+            hint = getattr(exc, "retry_after_seconds", 0.0)
+            if hint > 0:
+                headers["retry-after"] = str(max(self._config.retry_after_seconds, math.ceil(hint)))
         if request_id:
             headers[REQUEST_ID_HEADER] = request_id
         return OpenAIJSONResponse(err.body, status_code=err.status, headers=headers)
@@ -383,12 +456,16 @@ class RouterHttpApi:
         """Check the request here; its answer (admission to close) is a :class:`_ProxiedAnswer`."""
         request_id = _valid_request_id(request.headers.get(REQUEST_ID_HEADER))
         try:
-            meta = request_meta(request.headers, self._config, extract_http_context(request.headers))
+            meta = request_meta(request.headers, self._config, extract_http_context(request.headers), self._tenants)
             request_id = meta.request_id
             raw = await read_body(request, self._config.max_request_body_bytes)
+            if meta.admit_options is not None:
+                meta = replace(meta, admit_options=replace(meta.admit_options, byte_size=len(raw)))
             check_content_type(request.headers.get("content-type"), raw)
             body = parse_json_body(raw)
             routed = validate_request(kind, body, self._catalog(), self._config.max_tokens_limit)
+        except ClientDisconnect:
+            return self._client_disconnected(request_id)
         except Exception as exc:
             return self.error_response(exc, request_id)
         return _ProxiedAnswer(self._flow, self.error_response, routed, meta)

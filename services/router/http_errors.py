@@ -5,7 +5,7 @@ Body shape, as OpenAI and vLLM send it::
     {"error": {"message": str, "type": str, "param": str | None, "code": int}}
 
 ``type`` comes from :data:`kvmesh.errors.ERROR_TABLE`; ``code`` is the HTTP status (vLLM's
-convention). Rate-limit answers (429) carry ``retry-after``. :class:`RequestTooLarge` (an
+convention). Rate-limit answers (429) and unavailable ones (503: a dependency down, nothing live) carry ``retry-after``. :class:`RequestTooLarge` (an
 ``InvalidRequest``, so INVALID_ARGUMENT over gRPC) is a 413. Anything outside the table is a
 500 with a generic message (the caller logs the traceback). Bodies are rendered with
 :func:`render_json` (ASCII-escaped, so a string from the request can never break the encoding).
@@ -67,7 +67,7 @@ def http_error(exc: BaseException, retry_after_seconds: int = 1) -> HttpError:
     message = str(exc) or type(exc).__name__
     match = _PARAM.match(message)
     status = _STATUS_OVERRIDES.get(type(exc), row.http_status)
-    headers = {"retry-after": str(retry_after_seconds)} if status == 429 else {}
+    headers = {"retry-after": str(retry_after_seconds)} if status in (429, 503) else {}
     return HttpError(status, error_body(message, row.openai_type, status, match and match.group(1)), headers)
 
 

@@ -73,5 +73,17 @@ def record_e2e(model: str, seconds: float) -> None:
     REQUEST_E2E.labels(model_name=model or "unknown").observe(seconds)
 
 
+DEGRADED = Counter(
+    "kvmesh_router_degraded",
+    "Requests decided by a degraded mode: dependency (flow_control, epp) unreachable; action "
+    "admitted_locally / picked_locally (served without it) or refused (503).",
+    ["dependency", "action"],
+)
+
+
+def record_degraded(dependency: str, action: str) -> None:
+    DEGRADED.labels(dependency=dependency, action=action).inc()
+
+
 def record_retry() -> None:
     RETRIES.inc()

@@ -8,6 +8,13 @@ Ready means all of:
 | ``epp`` | same | same |
 | ``endpoints`` | at least one live endpoint (etcd) serves a model | ``0`` |
 
+A dependency with a degraded mode (``degradable``: flow_control and epp when their failure mode
+is ``open``, see ``docs/degraded-modes.md``) that is *unreachable* (``UNAVAILABLE``,
+``NOT_CONNECTED``) does not make the router unready: the answer is 200 with ``"status": "degraded"``
+and ``"degraded": [names]``, since requests are still served (a readiness probe that failed here
+would turn one dead dependency into an outage of every router). A hung one (``DEADLINE_EXCEEDED``)
+or one that says ``NOT_SERVING`` still fails readiness.
+
 Both gRPC checks run concurrently; one result is reused for ``health_cache_seconds`` (1 s by
 default), and concurrent probes share one in-flight check, so a load balancer probing often costs
 at most one pair of health RPCs per second.
@@ -20,6 +27,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 SERVING = "SERVING"
+UNREACHABLE = frozenset({"UNAVAILABLE", "NOT_CONNECTED"})
+"""Check results that mean "cannot be reached" (as opposed to hung or not serving)."""
 
 HealthCheck = Callable[[float], Awaitable[str]]
 """``check(timeout_seconds) -> status name`` (``"SERVING"`` when healthy); must not raise."""
@@ -31,11 +40,19 @@ class Readiness:
 
     dependencies: dict[str, str]
     endpoints: int
+    degradable: frozenset[str] = frozenset()
+
+    @property
+    def degraded(self) -> list[str]:
+        """Unreachable dependencies the router serves without (their degraded mode is on)."""
+        return [name for name, status in self.dependencies.items()
+                if status in UNREACHABLE and name in self.degradable]
 
     @property
     def failing(self) -> list[str]:
         """Names of what is not ready (dependencies first, then ``endpoints``)."""
-        bad = [name for name, status in self.dependencies.items() if status != SERVING]
+        degraded = self.degraded
+        bad = [name for name, status in self.dependencies.items() if status != SERVING and name not in degraded]
         if self.endpoints <= 0:
             bad.append("endpoints")
         return bad
@@ -48,10 +65,12 @@ class Readiness:
         """The /health JSON: ``{"status": "ok"|"unavailable", "endpoints", "dependencies"}`` plus, when
         not ready, an OpenAI ``error`` naming what fails (type ``service_unavailable``, code 503)."""
         out: dict[str, object] = {
-            "status": "ok" if self.ready else "unavailable",
+            "status": ("degraded" if self.degraded else "ok") if self.ready else "unavailable",
             "endpoints": self.endpoints,
             "dependencies": dict(self.dependencies),
         }
+        if self.degraded:
+            out["degraded"] = self.degraded
         if not self.ready:
             reasons = [
                 "no live endpoint serves any model" if name == "endpoints" else f"{name} is {self.dependencies[name]}"
@@ -71,7 +90,9 @@ class ReadinessProbe:
         timeout_seconds: float,
         cache_seconds: float,
         clock: Callable[[], float],
+        degradable: frozenset[str] = frozenset(),
     ) -> None:
+        self._degradable = degradable
         self._checks = checks
         self._endpoints = endpoints
         self._timeout = timeout_seconds
@@ -96,6 +117,6 @@ class ReadinessProbe:
     async def _evaluate(self) -> Readiness:
         names = list(self._checks)
         statuses = await asyncio.gather(*(self._checks[n](self._timeout) for n in names))
-        result = Readiness(dict(zip(names, statuses, strict=True)), self._endpoints())
+        result = Readiness(dict(zip(names, statuses, strict=True)), self._endpoints(), self._degradable)
         self._last, self._last_at = result, self._clock()
         return result

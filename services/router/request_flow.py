@@ -39,7 +39,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -51,11 +51,12 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from kvmesh import errors
 from kvmesh.openai_stream import SseFramer, StreamPiece, Usage, parse_completion, parse_event
 from kvmesh.tracing import inject_http_headers, tracer
-from kvmesh.types import Endpoint
+from kvmesh.types import DATA_PARALLEL_RANK_HEADER, Endpoint, data_parallel_rank_of
 from services.router import metrics
 from services.router.catalog import ModelCatalog
-from services.router.clients import AdmissionTicket, AdmitQuery, CompletionReport, PickQuery, PickReply
+from services.router.clients import AdmissionTicket, AdmitOptions, AdmitQuery, CompletionReport, PickQuery, PickReply
 from services.router.config import RouterConfig
+from services.router.degraded import DegradedLog, FlowControlUnreachable, LocalAdmission, LocalPicker, PickerUnreachable
 from services.router.metrics import RequestOutcome
 from services.router.validation import RouterRequest, check_context
 
@@ -80,8 +81,29 @@ class EngineFailed(errors.NoEndpointsAvailable):
 _CLIENT_GONE = (asyncio.CancelledError, GeneratorExit, ClientGone)
 
 
+class Ticket(Protocol):
+    """An admitted request's slot: flow_control's stream, or a local one in the degraded mode."""
+
+    async def close(self, report: CompletionReport | None = None) -> None: ...
+
+
 class SupportsAdmit(Protocol):
     async def admit(self, request: AdmitQuery) -> AdmissionTicket: ...
+
+
+class LocalTicket:
+    """A slot taken from :class:`~services.router.degraded.LocalAdmission` (flow_control unreachable)."""
+
+    queue_seconds = 0.0
+
+    def __init__(self, admission: LocalAdmission) -> None:
+        self._admission = admission
+        self._closed = False
+
+    async def close(self, report: CompletionReport | None = None) -> None:
+        if not self._closed:
+            self._closed = True
+            self._admission.release()
 
 
 class SupportsPick(Protocol):
@@ -101,6 +123,8 @@ class RequestMeta:
     priority: int
     trace_context: Context | None = None
     server_span: bool = False
+    admit_options: AdmitOptions | None = None
+    """Body size, TTL, TTFT objective and tenant quotas for flow_control (:mod:`services.router.tenants`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +236,9 @@ class _Lifetime:
     clock: Callable[[], float]
     started: float
     span: trace.Span
-    ticket: AdmissionTicket | None = None
+    ticket: Ticket | None = None
+    on_end: Callable[[], None] | None = None
+    """Called once when the request ends after an endpoint was chosen (the local picker's count)."""
     proxy_span: trace.Span | None = None
     session: FlowSession | None = None
     exception: BaseException | None = None
@@ -245,6 +271,8 @@ class _Lifetime:
             await session._response.aclose()
         except Exception:
             logger.debug("closing engine response failed request_id=%s", self.meta.request_id, exc_info=True)
+        if self.on_end is not None:
+            self.on_end()
         e2e = self.clock() - self.started
         success = session._finished and not self.client_gone and self.exception is None and session.status_code < 400
         if self.client_gone:
@@ -271,6 +299,12 @@ class _Lifetime:
                 metrics.record_e2e(self.request.model, e2e)
             metrics.record_outcome(outcome)
             metrics.IN_FLIGHT.dec()
+            if self.span is not None:  # what an operator looks for on the request's root span (issue 11)
+                self.span.set_attributes({
+                    "kvmesh.ttft_seconds": session.ttft_seconds, "kvmesh.e2e_seconds": e2e,
+                    "kvmesh.queue_seconds": float(getattr(self.ticket, "queue_seconds", 0.0)),
+                    "kvmesh.prompt_tokens": report.prompt_tokens, "kvmesh.completion_tokens": report.completion_tokens,
+                })
             for span in (self.proxy_span, self.span):
                 if span is None:
                     continue
@@ -295,13 +329,80 @@ class RequestFlow:
         picker: SupportsPick,
         http: httpx.AsyncClient,
         clock: Callable[[], float] = time.monotonic,
+        endpoints: Callable[[str], Iterable[Endpoint]] = lambda model: (),
     ) -> None:
+        """``endpoints(model)``: the live endpoints serving ``model`` from the router's own etcd
+        view, for the local pick when epp is unreachable (none: that mode answers 503)."""
         self._config = config
         self._catalog = catalog
         self._admission = admission
         self._picker = picker
         self._http = http
         self._clock = clock
+        self._endpoints = endpoints
+        self.local_admission = LocalAdmission(config.degraded_max_in_flight, config.flow_control_failure_mode == "open")
+        self.local_picker = LocalPicker()
+        self._degraded_log = DegradedLog(clock)
+
+    async def _admit(self, request: RouterRequest, meta: RequestMeta) -> Ticket:
+        """flow_control's decision; when it is unreachable, the degraded mode's (a local slot or 503)."""
+        try:
+            return await self._admission.admit(
+                AdmitQuery(
+                    request_id=meta.request_id,
+                    flow_id=meta.flow_id,
+                    priority=meta.priority,
+                    prompt_tokens=request.prompt_tokens_estimate,
+                    max_tokens=request.max_tokens or 0,
+                    model=request.model,
+                    options=meta.admit_options,
+                )
+            )
+        except FlowControlUnreachable as exc:
+            local = self.local_admission
+            if local.try_admit():
+                metrics.record_degraded("flow_control", "admitted_locally")
+                self._degraded_log.warn("flow_control", "action=admitted_locally in_flight=%d cap=%d error=%s",
+                                        local.in_flight, local.max_in_flight, exc)
+                return LocalTicket(local)
+            metrics.record_degraded("flow_control", "refused")
+            self._degraded_log.warn("flow_control", "action=refused in_flight=%d cap=%d error=%s",
+                                    local.in_flight, local.max_in_flight, exc)
+            if not local.fail_open:
+                raise
+            raise FlowControlUnreachable(
+                f"{exc}; {local.in_flight} requests already admitted without it (limit {local.max_in_flight})"
+            ) from exc
+
+    async def _pick(self, request: RouterRequest, meta: RequestMeta, tried: list[str]) -> PickReply:
+        """epp's pick; when epp is unreachable, the local least-request pick over the etcd view."""
+        query = PickQuery(
+            request_id=meta.request_id,
+            model=request.model,
+            prompt_token_ids=request.prompt_token_ids,
+            prompt=request.prompt_text,
+            messages=request.messages,
+            exclude_endpoint_ids=tuple(tried),
+            lora_name=request.lora_name,
+            cache_salt=request.cache_salt,
+        )
+        try:
+            return await self._picker.pick(query)
+        except PickerUnreachable as exc:
+            if self._config.epp_failure_mode != "open":
+                metrics.record_degraded("epp", "refused")
+                raise
+            candidates = self.local_picker.order(
+                (ep for ep in self._endpoints(request.model) if ep.model == request.model), tried
+            )
+            if not candidates:
+                metrics.record_degraded("epp", "refused")
+                self._degraded_log.warn("epp", "action=refused model=%s reason=no live endpoint error=%s", request.model, exc)
+                raise
+            metrics.record_degraded("epp", "picked_locally")
+            self._degraded_log.warn("epp", "action=picked_locally model=%s target=%s error=%s",
+                                    request.model, candidates[0].id, exc)
+            return PickReply(tuple(candidates), 0, "router-local-least-request")
 
     @contextlib.asynccontextmanager
     async def session(self, request: RouterRequest, meta: RequestMeta) -> AsyncIterator[FlowSession]:
@@ -329,18 +430,11 @@ class RequestFlow:
         metrics.IN_FLIGHT.inc()
         try:
             with trace.use_span(life.span, end_on_exit=False):
-                life.ticket = await self._admission.admit(
-                    AdmitQuery(
-                        request_id=meta.request_id,
-                        flow_id=meta.flow_id,
-                        priority=meta.priority,
-                        prompt_tokens=request.prompt_tokens_estimate,
-                        max_tokens=request.max_tokens or 0,
-                        model=request.model,
-                    )
-                )
+                life.ticket = await self._admit(request, meta)
                 response, endpoint, life.proxy_span, attempts = await self._connect(request, meta)
             life.span.set_attribute("kvmesh.endpoint", endpoint.id)
+            self.local_picker.note_start(endpoint.id)
+            life.on_end = lambda: self.local_picker.note_end(endpoint.id)
             life.session = FlowSession(
                 request=request,
                 meta=meta,
@@ -368,16 +462,7 @@ class RequestFlow:
         max_attempts = self._config.max_fallback_attempts
         while len(tried) < max_attempts:
             try:
-                pick = await self._picker.pick(
-                    PickQuery(
-                        request_id=meta.request_id,
-                        model=request.model,
-                        prompt_token_ids=request.prompt_token_ids,
-                        prompt=request.prompt_text,
-                        messages=request.messages,
-                        exclude_endpoint_ids=tuple(tried),
-                    )
-                )
+                pick = await self._pick(request, meta, tried)
             except errors.NoEndpointsAvailable:
                 if last_error is None:
                     raise
@@ -424,6 +509,9 @@ class RequestFlow:
             "accept": "text/event-stream" if request.stream else "application/json",
             REQUEST_ID_HEADER: meta.request_id,
         }
+        dp_rank = data_parallel_rank_of(endpoint.id)
+        if dp_rank is not None:  # one rank of a data-parallel server (kvmesh.types.dp_endpoint_id)
+            headers[DATA_PARALLEL_RANK_HEADER] = str(dp_rank)
         with trace.use_span(span, end_on_exit=False):
             inject_http_headers(headers)
         try:

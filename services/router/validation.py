@@ -74,6 +74,9 @@ class RouterRequest:
         messages: chat messages as ``(role, text content)`` (empty otherwise).
         max_tokens: requested max new tokens, None for the engine default.
         prompt_tokens_estimate: prompt length in tokens (exact for token ids).
+        lora_name: the LoRA adapter the body's ``model`` names (then ``model`` is its base model,
+            whose pool serves it; the body still names the adapter, as vLLM expects), else None.
+        cache_salt: the body's ``cache_salt`` (vLLM/SGLang: isolates the request's prefix cache), else None.
     """
 
     kind: RequestKind
@@ -85,20 +88,48 @@ class RouterRequest:
     messages: tuple[tuple[str, str], ...] = field(default=())
     max_tokens: int | None = None
     prompt_tokens_estimate: int = 0
+    lora_name: str | None = None
+    cache_salt: str | None = None
+
+
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays/objects accepted in a request body (OpenAI bodies, tool schemas
+included, stay far below; deeper bodies are a 400 before anything walks them recursively)."""
+
+
+def json_depth_exceeds(data: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``data`` nests containers deeper than ``limit`` (iterative: no recursion limit)."""
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value
+        for child in children:
+            if isinstance(child, dict | list):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
     """Decode a request body.
 
     Raises:
-        InvalidRequest: when it is not UTF-8 JSON or not an object.
+        InvalidRequest: when it is not UTF-8 JSON, not an object, or nested deeper than
+            :data:`MAX_JSON_DEPTH` (also when the parser's own recursion limit is hit first).
     """
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+    except ValueError as exc:  # an integer longer than Python's int-string limit (4300 digits)
+        raise InvalidRequest(f"request body is not acceptable JSON: {str(exc)[:200]}") from exc
+    except RecursionError:
+        raise InvalidRequest(f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels") from None
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and json_depth_exceeds(data):
+        raise InvalidRequest(f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels")
     if _SURROGATE_ESCAPE.search(raw):  # paired escapes (emoji) decode fine; lone ones cannot be re-encoded
         where = find_lone_surrogate(data)
         if where is not None:
@@ -230,9 +261,18 @@ def validate_request(kind: RequestKind, body: dict[str, Any], catalog: ModelCata
     _utf8_or_invalid(model, "model")
     if not catalog.models:
         raise NoEndpointsAvailable("no model endpoints are live")
+    lora_name: str | None = None
     info = catalog.get(model)
+    if info is None and catalog.base_model(model) is not None:
+        lora_name, model = model, catalog.base_model(model) or model
+        info = catalog.get(model)
     if info is None:
         raise UnknownModel(f"The model '{model}' does not exist (served: {', '.join(catalog.names())})")
+    cache_salt = body.get("cache_salt")
+    if cache_salt is not None:
+        if not isinstance(cache_salt, str) or not cache_salt:
+            raise InvalidRequest("'cache_salt' must be a non-empty string if provided")
+        _utf8_or_invalid(cache_salt, "cache_salt")
 
     prompt_text, token_ids, messages = _validate_prompt(kind, body)
 
@@ -286,6 +326,8 @@ def validate_request(kind: RequestKind, body: dict[str, Any], catalog: ModelCata
         messages=messages,
         max_tokens=max_tokens,
         prompt_tokens_estimate=estimate,
+        lora_name=lora_name,
+        cache_salt=cache_salt,
     )
 
 

@@ -70,12 +70,20 @@ def kv_indexer() -> bytes:
 
     metrics.record_event("BlockStored", "applied")
     metrics.record_event("BlockRemoved", "applied")
-    metrics.record_event("BlockStored", "unknown_parent")
+    metrics.record_event("BlockStored", "orphaned")
     metrics.record_batch_dropped("bad_msgpack")
     metrics.record_batch_dropped("")
     metrics.record_sequence_gap(3)
     metrics.record_score(0.0002, {"GPU": 4, "CPU": 1, "DISK": 0})
     metrics.track_index_size(lambda: 7, lambda: 2)
+    metrics.record_recovery("gap", "recovered", 0.02, 3)
+    metrics.record_recovery("first_batch", "unreliable", 3.0, 0)
+    metrics.record_incarnation("instance_id")
+    metrics.record_parity_check("ok")
+    metrics.set_parity_mismatch("tiny", "hash_algo", True)
+    metrics.set_ready(True)
+    metrics.record_snapshot("save", 0.004)
+    metrics.track_states(lambda: {"live": 2, "unreliable": 1}, lambda: 5.0)
     return generate_latest(REGISTRY)
 
 
@@ -91,7 +99,8 @@ def kv_store() -> bytes:
         await store.get("b")
         await store.tiers[0].get("a")  # a miss
 
-    store = BlockStore([CpuTier(100)])
+    ticks = iter(i * 0.0002 for i in range(1000))  # every operation takes 0.2 ms
+    store = BlockStore([CpuTier(100)], clock=lambda: next(ticks))
     asyncio.run(observe(store))
     registry = CollectorRegistry()
     register_metrics(store, registry)

@@ -138,14 +138,14 @@ def test_duplicates_are_idempotent(index: KVBlockIndex) -> None:
 @pytest.mark.parametrize(
     ("event", "outcome"),
     [
-        (stored([1], PROMPT[:4], parent=999), ApplyOutcome.UNKNOWN_PARENT),
+        (stored([1], PROMPT[:4], parent=999), ApplyOutcome.ORPHANED),
         (stored([1, 2], PROMPT[:4]), ApplyOutcome.INVALID),
         (stored([1], PROMPT[:4], medium="TAPE"), ApplyOutcome.INVALID),
         (stored([1], [2**32] * 4), ApplyOutcome.INVALID),
         (BlockRemoved(block_hashes=[12345]), ApplyOutcome.APPLIED),
         (AllBlocksCleared(), ApplyOutcome.APPLIED),
     ],
-    ids=["unknown-parent", "token-count", "unknown-medium", "token-over-uint32", "remove-unknown", "clear-empty"],
+    ids=["orphan", "token-count", "unknown-medium", "token-over-uint32", "remove-unknown", "clear-empty"],
 )
 def test_bad_or_unplaceable_events_are_counted_not_raised(index: KVBlockIndex, event: object, outcome: ApplyOutcome) -> None:
     assert index.apply(A, event) is outcome  # type: ignore[arg-type]
@@ -166,7 +166,9 @@ def test_all_blocks_cleared_only_touches_that_endpoint(index: KVBlockIndex) -> N
     index.apply(C, stored([1, 2], PROMPT[:8]))
     index.apply(A, AllBlocksCleared())
     assert matches(index) == {C: 2}
-    assert index.apply(A, stored([3], PROMPT[8:12], parent=2)) is ApplyOutcome.UNKNOWN_PARENT
+    # C still holds hash 2: engines hashing alike agree, so A's chain is keyed through C's
+    assert index.apply(A, stored([3], PROMPT[8:12], parent=2)) is ApplyOutcome.APPLIED
+    assert [set(b.holders) for b in index.lookup(M, PROMPT)] == [{C}, {C}, {A}, set()]
 
 
 def test_remove_endpoint_purges_and_fences(index: KVBlockIndex) -> None:
@@ -179,7 +181,7 @@ def test_remove_endpoint_purges_and_fences(index: KVBlockIndex) -> None:
     assert matches(index) == {C: 1}
     index.register_endpoint(ep(A))  # a rejoin starts empty
     assert matches(index) == {C: 1}
-    assert index.apply(A, stored([3], PROMPT[8:12], parent=2)) is ApplyOutcome.UNKNOWN_PARENT
+    assert index.apply(A, stored([3], PROMPT[8:12], parent=2)) is ApplyOutcome.ORPHANED
 
 
 def test_reregistration_with_another_block_size_purges(index: KVBlockIndex) -> None:
@@ -216,12 +218,59 @@ def test_dump_replays_into_an_equal_index(index: KVBlockIndex, make_index: Index
     replica = make_index()
     replica.register_endpoint(ep(A))
     replica.register_endpoint(ep(C))
+    index.apply(C, stored([77], PROMPT[12:16], parent=66))  # an orphan survives the round trip too
     for endpoint_id, event in index.dump():
-        assert replica.apply(endpoint_id, event) is ApplyOutcome.APPLIED
+        assert replica.apply(endpoint_id, event) in (ApplyOutcome.APPLIED, ApplyOutcome.ORPHANED)
+    assert replica.held_blocks(C) == index.held_blocks(C) == {9: frozenset({Medium.GPU}), 77: frozenset({Medium.GPU})}
     assert replica.score(M, PROMPT) == index.score(M, PROMPT)
     assert replica.dump() == index.dump()
     replica.apply(A, BlockRemoved(block_hashes=[2]))  # engine hashes survive the round trip
     assert {s.endpoint_id: s.matched_blocks for s in replica.score(M, PROMPT).scores} == {A: 1, C: 1}
+
+
+def test_a_new_incarnation_starts_empty_the_same_one_keeps(make_index: IndexFactory) -> None:
+    index = make_index()
+    first = Endpoint(id=A, url=f"http://{A}", model=M, block_size_tokens=B, instance_id="one")
+    index.register_endpoint(first)
+    index.apply(A, stored([1, 2], PROMPT[:8]))
+    index.register_endpoint(first)  # the same incarnation rejoins (its lease expired): kept
+    assert matches(index) == {A: 2}
+    index.register_endpoint(Endpoint(id=A, url=f"http://{A}", model=M, block_size_tokens=B, instance_id="two"))
+    assert matches(index) == {} and index.held_blocks(A) == {}
+
+
+def test_chain_without_its_parent_is_held_then_keyed_when_the_parent_arrives(index: KVBlockIndex) -> None:
+    assert index.apply(A, stored([3, 4], PROMPT[8:16], parent=2)) is ApplyOutcome.ORPHANED
+    assert set(index.held_blocks(A)) == {3, 4}  # indexed by its own (engine) hashes
+    assert matches(index) == {}
+    assert index.apply(A, stored([1, 2], PROMPT[:8])) is ApplyOutcome.APPLIED
+    assert matches(index) == {A: 4}  # the orphans were keyed under their parent
+    assert index.stats().per_endpoint[0].blocks == 4
+    index.apply(A, BlockRemoved(block_hashes=[4]))
+    assert matches(index) == {A: 3}
+
+
+def test_orphan_removed_before_its_parent_is_known(index: KVBlockIndex) -> None:
+    index.apply(A, stored([3], PROMPT[8:12], parent=2))
+    index.apply(A, BlockRemoved(block_hashes=[3]))
+    assert index.held_blocks(A) == {}
+    index.apply(A, stored([1, 2], PROMPT[:8]))
+    assert matches(index) == {A: 2}
+
+
+def test_orphans_are_keyed_by_a_scored_prompt_when_the_hash_algorithm_is_computable(make_index: IndexFactory) -> None:
+    """vLLM 0.32's sha256_cbor (kvmesh.hashing): the index computes the prompt's engine hashes itself."""
+    from kvmesh.hashing import external_hash_to_int, sha256_cbor_block_hashes
+
+    index = make_index()
+    index.register_endpoint(Endpoint(id=A, url=f"http://{A}", model=M, block_size_tokens=B, hash_algo="sha256_cbor"))
+    hashes = [external_hash_to_int(d) for d in sha256_cbor_block_hashes(PROMPT, B)]
+    # the indexer missed blocks 0-1 (restart): blocks 2-3 arrive chained to an unknown parent
+    assert index.apply(A, stored(hashes[2:], PROMPT[8:], parent=hashes[1])) is ApplyOutcome.ORPHANED
+    index.score(M, PROMPT)
+    assert [set(b.holders) for b in index.lookup(M, PROMPT)] == [set(), set(), {A}, {A}]
+    index.apply(A, stored(hashes[:2], PROMPT[:8]))
+    assert matches(index) == {A: 4}
 
 
 # -- invariants -------------------------------------------------------------------------------

@@ -1,25 +1,71 @@
-"""The StoreTier contract, run against every tier implementation (add new tiers to TIERS)."""
+"""The StoreTier contract, run against every tier implementation (add new tiers to TIER_NAMES).
+
+Tiers: ``cpu`` (process memory), ``disk`` (a directory per instance), ``sharedfs`` (one shared
+namespace directory), ``mooncake`` (the real Mooncake 0.3.13.post1 master and client). Mooncake's
+client binds 0.0.0.0, so it runs only inside a private network namespace: the mooncake cases run
+when ``KVMESH_MOONCAKE_MASTER`` names a master (set by ``tests/integration/test_kv_store_mooncake.py``,
+which re-runs this file under ``unshare -n`` with a fresh ``mooncake_master``) and are skipped
+otherwise with that reason.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvmesh.errors import InvalidRequest
 from services.kv_store.tiers.base import StoreTier
 from services.kv_store.tiers.cpu import CpuTier
+from services.kv_store.tiers.files import DiskTier, SharedFsTier
+from services.kv_store.tiers.mooncake import MooncakeTier
 
 TierFactory = Callable[[int], StoreTier]
 
-TIERS: dict[str, TierFactory] = {
-    "cpu": CpuTier,
-}
+TIER_NAMES = ["cpu", "disk", "sharedfs", "mooncake"]
+MOONCAKE_MASTER_ENV = "KVMESH_MOONCAKE_MASTER"
 
 
-@pytest.fixture(params=list(TIERS), ids=list(TIERS))
-def make_tier(request: pytest.FixtureRequest) -> TierFactory:
-    return TIERS[request.param]
+def mooncake_client() -> Any:
+    """A set-up ``MooncakeDistributedStore`` against ``$KVMESH_MOONCAKE_MASTER`` (P2P handshake, TCP)."""
+    from mooncake.store import MooncakeDistributedStore  # the real client; only inside the netns
+
+    client = MooncakeDistributedStore()
+    code = client.setup("127.0.0.1", "P2PHANDSHAKE", 64 << 20, 16 << 20, "tcp", "", os.environ[MOONCAKE_MASTER_ENV])
+    assert code == 0, f"mooncake setup returned {code}"
+    return client
+
+
+@pytest.fixture(scope="module")
+def shared_mooncake_client() -> Iterator[Any]:
+    """One client for the module (a setup and close cost seconds); tiers differ by namespace."""
+    client = mooncake_client()
+    yield client
+    client.close()
+
+
+@pytest.fixture(params=TIER_NAMES, ids=TIER_NAMES)
+def make_tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TierFactory]:
+    name = request.param
+    if name == "cpu":
+        yield CpuTier
+    elif name == "disk":
+        yield lambda capacity: DiskTier(tmp_path / "nvme" / "instance-a", capacity)
+    elif name == "sharedfs":
+        (tmp_path / "lustre").mkdir()
+        yield lambda capacity: SharedFsTier(tmp_path / "lustre", capacity)
+    else:
+        if not os.environ.get(MOONCAKE_MASTER_ENV):
+            pytest.skip(
+                "mooncake: its client binds 0.0.0.0, so it runs only in a private network namespace;"
+                " tests/integration/test_kv_store_mooncake.py runs these cases there"
+            )
+        client = request.getfixturevalue("shared_mooncake_client")
+        yield lambda capacity: MooncakeTier(client, capacity, namespace=f"contract-{uuid.uuid4().hex}/")
 
 
 async def test_put_get_roundtrip(make_tier: TierFactory) -> None:
@@ -98,3 +144,36 @@ async def test_contains_batch_keeps_order(make_tier: TierFactory) -> None:
     await tier.put("b", b"1")
     assert await tier.contains(["a", "b", "c", "b"]) == [False, True, False, True]
     assert await tier.contains([]) == []
+
+
+async def test_values_are_exact_bytes(make_tier: TierFactory) -> None:
+    tier = make_tier(4 << 20)
+    value = os.urandom(2 << 20)
+    await tier.put("blob", value)
+    assert await tier.get("blob") == value
+    assert await tier.evict("blob") is True
+    assert await tier.get("blob") is None
+
+
+async def test_delete_then_put_again(make_tier: TierFactory) -> None:
+    tier = make_tier(100)
+    await tier.put("a", b"1" * 10)
+    await tier.evict("a")
+    await tier.put("a", b"2" * 20)
+    assert await tier.get("a") == b"2" * 20
+    assert tier.stats().used_bytes == 20
+
+
+async def test_keep_victims_returns_evicted_values(make_tier: TierFactory) -> None:
+    tier = make_tier(20)
+    await tier.put("a", b"a" * 10)
+    await tier.put("b", b"b" * 10)
+    result = await tier.put("c", b"c" * 15, keep_victims=True)
+    assert result.evicted == ("a", "b")
+    assert result.victims == (("a", b"a" * 10), ("b", b"b" * 10))
+
+
+async def test_tier_names_itself(make_tier: TierFactory) -> None:
+    tier = make_tier(10)
+    assert tier.stats().name == tier.name and tier.name in TIER_NAMES
+    assert isinstance(tier.shared, bool)

@@ -45,6 +45,8 @@ class FakeEngine:
     usage: float = 0.0
     port: int = field(default_factory=free_port)
     tokenize_calls: int = 0
+    tokenize_delay: float = 0.0
+    """Seconds each /tokenize blocks the engine's event loop (a busy engine)."""
     _server: uvicorn.Server | None = None
     _thread: threading.Thread | None = None
 
@@ -68,6 +70,7 @@ class FakeEngine:
     async def _tokenize(self, request: Request) -> Response:
         self.tokenize_calls += 1
         body = await request.json()
+        time.sleep(self.tokenize_delay)  # noqa: ASYNC251 - blocks the loop on purpose, as a long CPU-bound encode does
         text = body.get("prompt") or " ".join(m["content"] for m in body.get("messages", []))
         tokens = [1, *(ord(ch) for ch in text)]
         return JSONResponse({"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
@@ -258,3 +261,75 @@ async def test_get_picker_info_says_whether_the_prompt_is_needed(start_service, 
         info = await epp_pb2_grpc.EndpointPickerStub(channel).GetPickerInfo(epp_pb2.GetPickerInfoRequest(), timeout=5)
     assert info.needs_prompt is needs_prompt
     assert list(info.profiles) == ["default"]
+
+
+async def _precise_epp(start_service, *flags: str) -> str:  # type: ignore[no-untyped-def]
+    _, address = start_service(
+        "epp", "--scheduling-config", "precise-prefix", "--kv-indexer-address", f"127.0.0.1:{free_port()}",
+        *SCRAPE, *flags,
+    )
+    return address  # type: ignore[no-any-return]
+
+
+async def test_oversized_prompts_are_scored_by_load_without_tokenizing(start_service, engines) -> None:  # type: ignore[no-untyped-def]
+    """Issue 14: a 2,000,000-byte prompt (and its siblings: huge chat messages, huge token-id lists)
+    never reaches any engine's /tokenize; the pick answers at once, by load."""
+    address = await _precise_epp(start_service, "--tokenize-max-prompt-chars", "100000")
+    model = _model()
+    busy, _ = await engines(model, waiting=4, usage=0.5)
+    idle, _ = await engines(model)
+    cases: list[dict[str, object]] = [
+        {"prompt": "a" * 2_000_000},
+        {"messages": [{"role": "system", "content": "x " * 300_000}, {"role": "user", "content": "y" * 600_000}]},
+        {"prompt_token_ids": list(range(200_000))},  # over prefix-match's max_prompt_tokens (131072)
+    ]
+    async with grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", 16 << 20)]) as channel:
+        stub = epp_pb2_grpc.EndpointPickerStub(channel)
+        await _wait_scraped(stub, {busy.endpoint.id, idle.endpoint.id})
+        for case in cases:
+            started = time.perf_counter()
+            reply = await _pick(stub, model, **case)
+            elapsed = time.perf_counter() - started
+            assert reply.target.id == idle.endpoint.id, case.keys()
+            assert all(b.scores["prefix"] == 0.0 for b in reply.breakdown)
+            assert elapsed < 2.0, (case.keys(), elapsed)
+        assert busy.tokenize_calls + idle.tokenize_calls == 0
+        small = await _pick(stub, model, prompt="hello " * 10)  # a normal prompt still tokenizes
+        assert small.prompt_tokens == 61
+        assert busy.tokenize_calls + idle.tokenize_calls == 1
+
+
+async def test_slow_tokenizer_is_asked_once_within_the_deadline(start_service, engines) -> None:  # type: ignore[no-untyped-def]
+    """A /tokenize that blocks its engine for 3 s: the pick falls back to load after the 0.5 s deadline
+    and the prompt is never sent to a second engine (no fan-out across the pool)."""
+    address = await _precise_epp(start_service, "--tokenize-timeout-seconds", "0.5")
+    model = _model()
+    slow = [(await engines(model, tokenize_delay=3.0))[0] for _ in range(3)]
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = epp_pb2_grpc.EndpointPickerStub(channel)
+        await _wait_scraped(stub, {e.endpoint.id for e in slow})
+        started = time.perf_counter()
+        reply = await _pick(stub, model, prompt="tell me a story " * 20)
+        elapsed = time.perf_counter() - started
+        assert reply.target.id in {e.endpoint.id for e in slow}
+        assert 0.4 < elapsed < 1.5, elapsed
+        assert sum(e.tokenize_calls for e in slow) == 1
+
+
+async def test_many_concurrent_big_prompts_are_bounded_per_engine(start_service, engines) -> None:  # type: ignore[no-untyped-def]
+    """20 concurrent distinct 50,000-character prompts against engines whose /tokenize takes 1 s: at most
+    ``--tokenize-max-concurrency-per-endpoint`` calls reach each engine, the rest are scored by load at once."""
+    address = await _precise_epp(
+        start_service, "--tokenize-max-concurrency-per-endpoint", "2", "--tokenize-timeout-seconds", "3"
+    )
+    model = _model()
+    pool = [(await engines(model, tokenize_delay=1.0))[0] for _ in range(2)]
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = epp_pb2_grpc.EndpointPickerStub(channel)
+        await _wait_scraped(stub, {e.endpoint.id for e in pool})
+        started = time.perf_counter()
+        replies = await asyncio.gather(*(_pick(stub, model, prompt=f"{i} " + "z" * 50_000) for i in range(20)))
+        elapsed = time.perf_counter() - started
+        assert {r.target.id for r in replies} <= {e.endpoint.id for e in pool}
+        assert sum(e.tokenize_calls for e in pool) <= 4
+        assert elapsed < 4.0, elapsed

@@ -1,9 +1,11 @@
-"""flow_control as a process: the limit, FCFS queueing, release on close and on cancel, TTL, bad input."""
+"""flow_control as a process: the limit, FCFS queueing, release on close and on cancel, TTL, bad input;
+bands, fairness, quotas, shedding, saturation read from a real epp, a restart under load (issue 12)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from typing import Any
 
 import grpc
@@ -14,6 +16,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2 as pb
 from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2_grpc as pb_grpc
+from kvmesh_cli.launcher import ManagedProcess, free_port, python_module, wait_grpc_healthy
+from tests.integration.test_epp import engines  # noqa: F401 (the fixture: real /metrics servers in etcd)
 from tests.support import wait_until_async
 
 pytestmark = pytest.mark.integration
@@ -25,7 +29,8 @@ def metrics_url(proc) -> str:
 
 
 def enqueue(request_id: str, **kw: Any) -> pb.AdmitRequest:
-    return pb.AdmitRequest(enqueue=pb.Enqueue(request_id=request_id, model="m", prompt_tokens=10, **kw))
+    kw.setdefault("model", "m")
+    return pb.AdmitRequest(enqueue=pb.Enqueue(request_id=request_id, prompt_tokens=10, **kw))
 
 
 async def admit(stub: pb_grpc.FlowControlStub, request_id: str) -> grpc.aio.StreamStreamCall:
@@ -199,3 +204,159 @@ async def test_many_streams_with_random_cancels_release_every_slot(start_service
                 await watcher
         await stats_become(stub, in_flight=0, queued=0)
         assert 1 <= peak <= 3
+
+
+# -- issue 12: bands, fairness, quotas, shedding, saturation from epp, restart ---------------------
+
+
+async def _dispatched(call: grpc.aio.StreamStreamCall) -> bool:
+    return (await call.read()).outcome == pb.QUEUE_OUTCOME_DISPATCHED
+
+
+async def test_bands_then_round_robin_over_grpc(start_service) -> None:
+    proc, address = start_service("flow_control", "--max-in-flight", "1", "--fairness-policy", "round-robin-fairness-policy")
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.FlowControlStub(channel)
+        holder = stub.Admit()
+        await holder.write(enqueue("hold"))
+        assert await _dispatched(holder)
+        calls = {}
+        for rid, flow, prio in [("a0", "a", 0), ("a1", "a", 0), ("a2", "a", 0), ("b0", "b", 0), ("hi", "c", 5)]:
+            call = stub.Admit()
+            await call.write(enqueue(rid, flow_id=flow, priority=prio))
+            calls[rid] = call
+        await stats_become(stub, in_flight=1, queued=5)
+        stats = await stub.Stats(pb.StatsRequest())
+        assert [(b.priority, b.queued) for b in stats.bands] == [(5, 1), (0, 4)]
+        assert {(f.flow_id, f.priority, f.queued) for f in stats.flows} >= {("a", 0, 3), ("b", 0, 1), ("c", 5, 1)}
+        order: list[str] = []
+        current = holder
+        reads = {rid: asyncio.ensure_future(c.read()) for rid, c in calls.items()}  # one read per stream
+        for _ in range(5):
+            await current.done_writing()
+            pending = [f for r, f in reads.items() if r not in order]
+            await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED, timeout=10)
+            await asyncio.sleep(0.2)  # a wrongly freed second slot would show up here
+            (rid,) = [r for r, f in reads.items() if r not in order and f.done()]
+            assert reads[rid].result().outcome == pb.QUEUE_OUTCOME_DISPATCHED
+            order.append(rid)
+            current = calls[rid]
+        assert order == ["hi", "a0", "b0", "a1", "a2"]  # strict band order, then one turn per flow
+        await current.done_writing()
+        await stats_become(stub, in_flight=0, queued=0)
+    async with httpx.AsyncClient(timeout=5) as http:
+        text = (await http.get(metrics_url(proc))).text
+    assert 'kvmesh_flow_control_band_outcome_total{band="5",outcome="dispatched"} 1.0' in text
+    assert 'kvmesh_flow_control_flow_queue_wait_seconds_count{band="0",flow="a"} 3.0' in text
+    assert "kvmesh_flow_control_jain_index" in text
+
+
+async def test_shed_rate_quota_and_bad_enqueue(start_service) -> None:
+    _, address = start_service("flow_control", "--max-in-flight", "1")
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.FlowControlStub(channel)
+        holder = stub.Admit()
+        await holder.write(enqueue("hold", flow_id="q", rate_per_second=1.0, burst=1))
+        assert await _dispatched(holder)
+        shed = stub.Admit()
+        await shed.write(enqueue("batch", priority=-10))
+        reply = await shed.read()
+        assert reply.outcome == pb.QUEUE_OUTCOME_SHED and "sheddable" in reply.reason
+        limited = stub.Admit()
+        await limited.write(enqueue("again", flow_id="q", rate_per_second=1.0, burst=1))
+        reply = await limited.read()
+        assert reply.outcome == pb.QUEUE_OUTCOME_REJECTED_RATE_LIMITED
+        assert 0 < reply.retry_after_seconds <= 1.0
+        for bad in (enqueue("long", flow_id="x" * 257), enqueue("ttl", ttl_seconds=-1.0)):
+            call = stub.Admit()
+            await call.write(bad)
+            await call.done_writing()
+            with pytest.raises(grpc.aio.AioRpcError) as exc_info:
+                await call.read()
+            assert exc_info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        await holder.done_writing()
+        await stats_become(stub, in_flight=0, queued=0)
+
+
+async def test_saturation_from_epp_scrapes_and_fails_open(start_service, engines) -> None:  # noqa: F811
+    """Real epp scraping a vLLM-format /metrics; flow_control reads it through ListEndpoints."""
+    model = f"m-{uuid.uuid4().hex[:8]}"
+    engine, _ = await engines(model, waiting=9, running=4, usage=0.5)  # over the queue-depth threshold: saturated
+    epp_proc, epp_address = start_service("epp", "--scheduling-config", "load-only", "--metrics-scrape-interval-seconds", "0.05")
+    proc, address = start_service(
+        "flow_control", "--max-in-flight", "50", "--epp-address", epp_address, "--queue-depth-threshold", "4",
+        "--metrics-staleness-seconds", "1.0",
+    )
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.FlowControlStub(channel)
+
+        async def saturation() -> pb.Saturation:
+            return (await stub.Stats(pb.StatsRequest())).saturation
+
+        await wait_until_async(saturation, 15, "saturated", until=lambda s: s.saturated, interval=0.05)
+        held = stub.Admit()
+        await held.write(enqueue("held", model=model))
+        await stats_become(stub, in_flight=0, queued=1)
+        # Unknown model while the pool is known: 503-class rejection at once.
+        nobody = stub.Admit()
+        await nobody.write(enqueue("nobody", model="no-such-model"))
+        assert (await nobody.read()).outcome == pb.QUEUE_OUTCOME_REJECTED_NO_ENDPOINTS
+        engine.waiting = 2  # room for 2 (threshold 4): the queued one goes, then 1 more, then saturated again
+        assert (await held.read()).outcome == pb.QUEUE_OUTCOME_DISPATCHED
+        more = [stub.Admit() for _ in range(3)]
+        for i, call in enumerate(more):
+            await call.write(enqueue(f"more{i}", model=model))
+        await stats_become(stub, in_flight=2, queued=2)  # in-flight accounting: no overshoot before the next scrape
+        # epp goes away: metrics go stale, dispatch fails open.
+        epp_proc.stop()
+        await wait_until_async(saturation, 10, "stale", until=lambda s: s.stale and not s.saturated, interval=0.05)
+        await stats_become(stub, in_flight=4, queued=0)
+        for call in (held, *more):
+            call.cancel()
+        await stats_become(stub, in_flight=0, queued=0)
+    async with httpx.AsyncClient(timeout=5) as http:
+        text = (await http.get(metrics_url(proc))).text
+    assert "kvmesh_flow_control_saturation_stale 1.0" in text
+    assert 'kvmesh_flow_control_pool_poll_total{result="error"}' in text
+
+
+async def test_restart_under_load_leaks_no_slot(start_service, etcd: str, run_dir) -> None:
+    """flow_control killed with streams dispatched and queued: clients see UNAVAILABLE; a new process starts empty."""
+    proc, address = start_service("flow_control", "--max-in-flight", "2")
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.FlowControlStub(channel)
+        calls = []
+        for i in range(4):
+            call = stub.Admit()
+            await call.write(enqueue(f"r{i}"))
+            calls.append(call)
+        await stats_become(stub, in_flight=2, queued=2)
+        proc.kill()
+        for call in calls:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+            assert await call.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
+    port = address.rsplit(":", 1)[1]
+    again = ManagedProcess(
+        "flow_control",
+        python_module("services.flow_control", "--grpc-port", port, "--metrics-port", str(free_port()),
+                      "--etcd-endpoints", etcd, "--lease-ttl-seconds", "3", "--max-in-flight", "2"),
+        run_dir / f"flow_control-restart-{port}.log",
+    ).start()
+    try:
+        wait_grpc_healthy(address, 30.0)
+        await _fresh_process_is_empty(address)
+    finally:
+        again.stop()
+
+
+async def _fresh_process_is_empty(address: str) -> None:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.FlowControlStub(channel)
+        await stats_become(stub, in_flight=0, queued=0)
+        fresh = stub.Admit()
+        await fresh.write(enqueue("fresh"))
+        assert await _dispatched(fresh)
+        await fresh.done_writing()
+        await stats_become(stub, in_flight=0, queued=0)

@@ -1,9 +1,11 @@
-"""kv_store as a process: chunked put/get of large values, LRU under the budget, errors, reflection."""
+"""kv_store as a process: chunked put/get of large values, LRU under the budget, tiers, batch calls, errors."""
 
 from __future__ import annotations
 
 import os
+import urllib.request
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -13,6 +15,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from kvmesh._proto.kvmesh.common.v1 import common_pb2
 from kvmesh._proto.kvmesh.kv_store.v1 import kv_store_pb2 as pb
 from kvmesh._proto.kvmesh.kv_store.v1 import kv_store_pb2_grpc as pb_grpc
+from kvmesh_cli.launcher import free_port
+from services.kv_store.tiers.files import file_name
 
 pytestmark = pytest.mark.integration
 
@@ -57,7 +61,10 @@ async def test_large_values_lru_and_not_found(start_service) -> None:
 
         (tier,) = (await stub.Stats(pb.StatsRequest())).tiers
         assert (tier.medium, tier.capacity_bytes, tier.used_bytes, tier.keys) == (
-            common_pb2.MEDIUM_CPU, 24 * MIB, 10 * MIB, 1,
+            common_pb2.MEDIUM_CPU,
+            24 * MIB,
+            10 * MIB,
+            1,
         )
         assert (tier.hits, tier.misses, tier.evictions) == (2, 1, 1)
 
@@ -94,4 +101,93 @@ def test_reflection_lists_methods(start_service) -> None:
         database = ProtoReflectionDescriptorDatabase(channel)
         assert "kvmesh.kv_store.v1.KVStore" in database.get_services()
         service = DescriptorPool(database).FindServiceByName("kvmesh.kv_store.v1.KVStore")
-        assert {m.name for m in service.methods} == {"Put", "Get", "Contains", "Delete", "Stats"}
+        assert {m.name for m in service.methods} == {
+            "Put", "Get", "BatchGet", "Contains", "Lookup", "Delete", "Stats",
+        }  # fmt: skip
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("kvmesh_kv_store_"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+async def test_tiers_batch_calls_restart_and_corruption(start_service, tmp_path: Path) -> None:
+    """CPU (5 MiB) -> disk -> shared FS written through; 2 MiB blocks demote, promote, survive a restart."""
+    shared = tmp_path / "lustre"
+    shared.mkdir()
+    metrics_port = free_port()
+    args = (
+        "--cpu-capacity-bytes", str(5 * MIB),
+        "--disk-path", str(tmp_path / "nvme"), "--instance-id", "kvs-a",
+        "--shared-path", str(shared), "--write-through", "sharedfs",
+    )  # fmt: skip
+    proc, address = start_service("kv_store", *args, "--metrics-port", str(metrics_port))
+    blocks = {f"blk-{i}": os.urandom(2 * MIB) for i in range(4)}
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.KVStoreStub(channel)
+        for key, value in blocks.items():
+            await stub.Put(chunks(key, value))
+        # CPU holds blk-2, blk-3; blk-0, blk-1 were demoted to disk; every block is on the shared FS
+        lookup = await stub.Lookup(pb.LookupRequest(keys=[*blocks, "absent", "blk-0"]))
+        assert list(lookup.present) == [True] * 4 + [False, True]
+        assert list(lookup.medium) == [common_pb2.MEDIUM_DISK] * 2 + [common_pb2.MEDIUM_CPU] * 2 + [0, 3]
+        assert lookup.prefix_hits == 4
+        replies = [r async for r in stub.BatchGet(pb.BatchGetRequest(keys=["blk-0", "nope", "blk-3"]))]
+        got: dict[int, bytes] = {}
+        firsts: list[pb.BatchGetResponse] = []
+        for r in replies:
+            if r.index not in got:
+                firsts.append(r)
+            got[r.index] = got.get(r.index, b"") + r.data
+        assert got == {0: blocks["blk-0"], 1: b"", 2: blocks["blk-3"]}
+        assert [(r.index, r.found, r.medium) for r in firsts] == [
+            (0, True, common_pb2.MEDIUM_DISK), (1, False, 0), (2, True, common_pb2.MEDIUM_CPU),
+        ]  # fmt: skip
+        prefix = [r async for r in stub.BatchGet(pb.BatchGetRequest(keys=["nope", "blk-1"], stop_at_first_miss=True))]
+        assert [(r.index, r.found) for r in prefix] == [(0, False)]
+        samples = scrape(metrics_port)
+        assert samples['kvmesh_kv_store_moved_bytes_total{reason="demote",tier="disk"}'] >= 4 * MIB
+        assert samples['kvmesh_kv_store_moved_bytes_total{reason="write_through",tier="sharedfs"}'] == 8 * MIB
+        assert samples['kvmesh_kv_store_operation_seconds_count{op="get",tier="disk"}'] >= 1
+
+    proc.stop()
+    # corrupt blk-1 on disk and on the shared FS: it must be a miss, never wrong bytes
+    for root in (tmp_path / "nvme" / "kvs-a", shared):
+        name = file_name("blk-1")
+        path = root / name[:2] / name
+        data = bytearray(path.read_bytes())
+        data[-5] ^= 0x01
+        path.write_bytes(bytes(data))
+    metrics_port = free_port()
+    _, address = start_service("kv_store", *args, "--metrics-port", str(metrics_port))
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.KVStoreStub(channel)
+        assert (await get(stub, "blk-0"))[0] == blocks["blk-0"]  # rescan: the disk tier serves it again
+        assert (await get(stub, "blk-3"))[0] == blocks["blk-3"]  # from the shared FS
+        with pytest.raises(grpc.aio.AioRpcError) as exc_info:
+            await get(stub, "blk-1")
+        assert exc_info.value.code() == grpc.StatusCode.NOT_FOUND
+        tiers = {t.name: t for t in (await stub.Stats(pb.StatsRequest())).tiers}
+        assert (tiers["disk"].corrupted, tiers["sharedfs"].corrupted) == (1, 1)
+        samples = scrape(metrics_port)
+        assert samples['kvmesh_kv_store_corrupted_total{medium="DISK",tier="disk"}'] == 1
+
+
+async def test_a_missing_shared_mount_degrades_and_the_service_stays_up(start_service, tmp_path: Path) -> None:
+    args = ("--cpu-capacity-bytes", str(3 * MIB), "--shared-path", str(tmp_path / "unmounted"))
+    _, address = start_service("kv_store", *args, "--write-through", "sharedfs")
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.KVStoreStub(channel)
+        await stub.Put(chunks("a", b"a" * (2 * MIB)))
+        await stub.Put(chunks("b", b"b" * (2 * MIB)))  # a's demotion has nowhere to go
+        assert (await get(stub, "b"))[0] == b"b" * (2 * MIB)
+        with pytest.raises(grpc.aio.AioRpcError) as exc_info:
+            await get(stub, "a")
+        assert exc_info.value.code() == grpc.StatusCode.NOT_FOUND
+        tiers = {t.name: t for t in (await stub.Stats(pb.StatsRequest())).tiers}
+        assert tiers["sharedfs"].errors >= 1

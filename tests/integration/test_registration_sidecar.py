@@ -1,12 +1,14 @@
 """The registration sidecar as a process, against a real etcd and a real engine process.
 
 The engine is the simulator started with ``--etcd-endpoints ""`` (it does not register itself),
-so the only registration is the sidecar's. SIGSTOP freezes the engine (its /health times out:
-deregistered), SIGCONT thaws it (re-registered), SIGTERM to the sidecar revokes the lease.
+so the only registration is the sidecar's. SIGSTOP freezes the engine (its /health times out):
+shorter than ``--unresponsive-grace-seconds`` it is a busy engine and stays registered (issue 14),
+longer it is deregistered; SIGCONT thaws it (re-registered), SIGTERM to the sidecar revokes the lease.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from pathlib import Path
@@ -37,7 +39,8 @@ async def test_sidecar_follows_engine_health(run_dir: Path, etcd: str) -> None:
         python_module("services.registration_sidecar", "--engine-url", url, "--model", MODEL,
                       "--block-size-tokens", "32", "--events-endpoint", "tcp://127.0.0.1:5999",
                       "--etcd-endpoints", etcd, "--lease-ttl-seconds", "3", "--health-interval-seconds", "0.2",
-                      "--health-timeout-seconds", "0.3", "--failure-threshold", "2"),
+                      "--health-timeout-seconds", "0.3", "--failure-threshold", "2",
+                      "--unresponsive-grace-seconds", "3"),
         run_dir / f"sidecar-{port}.log",
     )
     watcher = EndpointWatcher([etcd], model=MODEL)
@@ -51,7 +54,14 @@ async def test_sidecar_follows_engine_health(run_dir: Path, etcd: str) -> None:
         assert ep.url == url and ep.block_size_tokens == 32 and ep.events_endpoint == "tcp://127.0.0.1:5999"
         assert ep.labels == {"engine": "vllm", "max_model_len": "1024"}  # from the engine's /v1/models
 
-        os.killpg(engine.pid, signal.SIGSTOP)  # /health stops answering
+        os.killpg(engine.pid, signal.SIGSTOP)  # busy for 1.5 s (< the 3 s grace): stays registered
+        seen_leave = await watcher.wait_for(lambda s: ep_id not in s, 1.5)
+        os.killpg(engine.pid, signal.SIGCONT)
+        assert not seen_leave, sidecar.log_tail()
+        await asyncio.sleep(1.0)  # a few good polls reset the grace
+        assert ep_id in watcher.snapshot()
+
+        os.killpg(engine.pid, signal.SIGSTOP)  # frozen past the grace: deregistered
         assert await watcher.wait_for(lambda s: ep_id not in s, 10), sidecar.log_tail()
         os.killpg(engine.pid, signal.SIGCONT)
         assert await watcher.wait_for(lambda s: ep_id in s, 10), sidecar.log_tail()

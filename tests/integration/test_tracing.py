@@ -2,11 +2,17 @@
 
 An in-process OTLP receiver (``opentelemetry-proto``'s TraceService on a real gRPC server) collects
 what the services export when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set, as a user's collector would.
+
+The spans carry what an operator looks for (issue 11, docs/tracing.md): on the router's
+``router.request`` the request id, model, chosen endpoint, queue time and TTFT; on the engine hop
+(``router.proxy``) the URL and status; on flow_control's Admit the admission and queue time; on
+epp's Pick the chosen endpoint and its scores; on kv_indexer's Score the prefix match per medium.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from concurrent import futures
@@ -28,6 +34,7 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
 
     def __init__(self) -> None:
         self.spans: list[tuple[str, str, bytes]] = []
+        self.attributes: list[dict[str, object]] = []  # parallel to spans
         self.lock = threading.Lock()
 
     def Export(self, request, context):
@@ -40,7 +47,15 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
                 for scope_spans in resource_spans.scope_spans:
                     for span in scope_spans.spans:
                         self.spans.append((service, span.name, span.trace_id))
+                        self.attributes.append({a.key: _value(a.value) for a in span.attributes})
         return trace_service_pb2.ExportTraceServiceResponse()
+
+
+def _value(v) -> object:
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(x) for x in v.array_value.values]
+    return getattr(v, kind) if kind else None
 
 
 @pytest.fixture
@@ -111,5 +126,48 @@ def test_one_request_one_trace_across_services(start_service, etcd: str, run_dir
             names = {(s, n) for s, n, t in receiver.spans if t == complete[0]}
         assert any(s == "kvmesh-epp" and "Pick" in n for s, n in names), names
         assert any(s == "kvmesh-kv_indexer" and "Score" in n for s, n in names), names
+
+        # The same prompt again, with its own request id: its prefix is now cached on the engine,
+        # and the trace says so per medium.
+        def span_attrs(trace_id: bytes) -> dict[tuple[str, str], dict[str, object]]:
+            with receiver.lock:
+                return {(s, n): a for (s, n, t), a in zip(receiver.spans, receiver.attributes, strict=True) if t == trace_id}
+
+        def second_trace() -> dict[tuple[str, str], dict[str, object]] | None:
+            reply = httpx.post(
+                f"{base}/v1/completions", headers={"x-request-id": "trace-attrs-2"},
+                json={"model": "sim", "prompt": "hello tracing " * 40, "max_tokens": 4}, timeout=30,
+            )
+            assert reply.status_code == 200, reply.text
+            time.sleep(0.5)  # the batch span processor's schedule delay is 100 ms
+            with receiver.lock:
+                ids = [t for (s, n, t), a in zip(receiver.spans, receiver.attributes, strict=True)
+                       if n == "router.request" and a.get("kvmesh.request_id") == "trace-attrs-2"]
+            for trace_id in ids[-1:]:
+                spans = span_attrs(trace_id)
+                score = next((a for (s, n), a in spans.items() if s == "kvmesh-kv_indexer" and "Score" in n), {})
+                if int(score.get("kvmesh.prefix.matched_blocks.GPU", 0) or 0) > 0:
+                    return spans
+            return None
+
+        spans = wait_until(second_trace, 30, "a trace whose Score span shows a GPU prefix match", interval=0.2)
+        root = next(a for (s, n), a in spans.items() if s == "kvmesh-router" and n == "router.request")
+        assert root["kvmesh.request_id"] == "trace-attrs-2" and root["kvmesh.model"] == "sim"
+        endpoint = root["kvmesh.endpoint"]
+        assert endpoint == f"127.0.0.1:{engine_port}"
+        assert float(root["kvmesh.ttft_seconds"]) > 0 and float(root["kvmesh.queue_seconds"]) >= 0
+        assert root["kvmesh.outcome"] == "success" and int(root["kvmesh.completion_tokens"]) == 4
+        hop = next(a for (s, n), a in spans.items() if s == "kvmesh-router" and n == "router.proxy")
+        assert hop["kvmesh.endpoint"] == endpoint and hop["http.response.status_code"] == 200
+        assert str(hop["url.full"]).endswith("/v1/completions")
+        admit = next(a for (s, n), a in spans.items() if s == "kvmesh-flow_control" and "Admit" in n)
+        assert admit["kvmesh.request_id"] == "trace-attrs-2" and admit["kvmesh.admission"] == "dispatched"
+        assert float(admit["kvmesh.queue_seconds"]) >= 0
+        pick = next(a for (s, n), a in spans.items() if s == "kvmesh-epp" and "Pick" in n)
+        assert pick["kvmesh.request_id"] == "trace-attrs-2" and pick["kvmesh.endpoint"] == endpoint
+        assert "kvmesh.score.total" in pick
+        score = next(a for (s, n), a in spans.items() if s == "kvmesh-kv_indexer" and "Score" in n)
+        assert score["kvmesh.prefix.best_endpoint"] == endpoint
+        assert 0 < int(score["kvmesh.prefix.matched_blocks.GPU"]) <= int(score["kvmesh.prefix.total_blocks"])
     finally:
         engine.stop()

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from kvmesh.errors import KvmeshError
+from kvmesh.hashing import DEFAULT_SCOPE, KeyScope
 from kvmesh.types import Endpoint, EndpointId
 from services.epp.framework.cycle_state import CycleState, StateKey
 
@@ -68,6 +69,8 @@ class SchedulingRequest:
         prompt: completion prompt text ("" when absent).
         messages: chat messages (empty when absent).
         exclude_endpoint_ids: endpoints not to pick (e.g. one that just failed).
+        scope: the LoRA adapter and ``cache_salt`` the request runs under (default: neither);
+            prefix matches count only blocks cached in the same scope.
     """
 
     model: str
@@ -76,6 +79,7 @@ class SchedulingRequest:
     prompt: str = ""
     messages: tuple[ChatMessage, ...] = ()
     exclude_endpoint_ids: frozenset[str] = frozenset()
+    scope: KeyScope = DEFAULT_SCOPE
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,7 +251,11 @@ class PrefixIndex(Protocol):
     """The global KV-block index (kv_indexer's ``Score``), as the ``prefix-match`` step needs it."""
 
     async def score(self, model: str, token_ids: Sequence[int], endpoint_ids: Sequence[str]) -> PrefixMatch:
-        """Raises any exception on failure (timeout, unreachable); the step degrades to no match."""
+        """Raises any exception on failure (timeout, unreachable); the step degrades to no match.
+
+        A request with a non-default :class:`~kvmesh.hashing.KeyScope` is scored through
+        ``score_scoped(model, token_ids, endpoint_ids, scope)`` when the index has it (kv_indexer's
+        client does), else it gets no match (never another scope's blocks)."""
         ...
 
 

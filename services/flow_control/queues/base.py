@@ -1,9 +1,10 @@
 """The queue contract: one ordering of waiting requests, with O(1) removal by ticket id.
 
-An ordering only decides *which* waiting request comes next. *Whether* anything may be
-dispatched (the in-flight limit, later saturation detection) and *which queue* to draw from
-(later: priority bands, then fairness across flows inside a band) are the controller's
-decisions, so new orderings (FCFS, earliest deadline, shortest prompt first) are one file here.
+An ordering only decides *which* waiting request of one flow comes next (GIE's
+``OrderingPolicy``). *Whether* anything may be dispatched (in-flight limit, saturation) and
+*which flow* to draw from (strict band order, then a fairness policy) are the controller's
+decisions, so new orderings are one file here, registered by name in
+:mod:`services.flow_control.policies`.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ class QueuedItem:
         ticket_id: the controller's unique id of the request.
         request: what the router sent (flow_id and priority are kept for bands and fairness).
         enqueued_at: clock seconds at arrival.
+        deadline: clock seconds of its TTL expiry (arrival + the effective TTL).
     """
 
     ticket_id: int
     request: AdmissionRequest
     enqueued_at: float
+    deadline: float = float("inf")
 
 
 class QueueOrdering(Protocol):

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 from services.flow_control.queues.base import QueuedItem
 
-TYPE_NAME = "fcfs"
+TYPE_NAME = "fcfs-ordering-policy"
 
 
 class FcfsQueue:

@@ -1,45 +1,83 @@
-"""The event pool: applies each endpoint's KV-event messages in order, sharded over N workers.
+"""The event pool: applies each endpoint's KV-event messages exactly once and in sequence order.
 
 Follows llm-d's ``pkg/kvcache/kvevents/pool.go``: a message is routed to worker
-``crc32(endpoint id) % N``, so one endpoint's messages are always handled by one worker, in
-arrival order, while endpoints spread over workers. ``start()`` does not block; ``shutdown()``
-lets the workers drain their queues, then stops them. Workers are asyncio tasks on the service's
-loop (the index is synchronous and does no I/O), so membership changes made on the same loop
-never race with an event being applied.
+``crc32(endpoint id) % N``, so one endpoint's messages are handled by one worker, in arrival
+order, while endpoints spread over workers. ``start()`` does not block; ``shutdown()`` lets the
+workers drain, then stops them. Workers are asyncio tasks on the service's loop (the index is
+synchronous and does no I/O), so membership changes never race with an event being applied.
 
-Per message a worker: tracks the publisher's sequence number (a jump forward is a gap: logged and
-counted, since vLLM's replay endpoint is not used yet; a jump backward is a publisher restart),
-decodes the msgpack payload (:func:`kvmesh.kv_events.decode_batch`; a bad payload is dropped and
-counted), and applies its events to the index.
+**Sequence.** Per endpoint the pool knows the next sequence number it expects (vLLM numbers its
+messages 0, 1, 2, ... per publisher). A message with
 
-Registration race: an engine may publish before the indexer's etcd watch has seen it join. A
+* the expected seq is decoded and applied;
+* a higher seq is a *gap*: the endpoint enters ``recovering``, its live messages are buffered, and
+  the missing range is asked of the publisher's replay buffer (:class:`Replayer`, vLLM's ROUTER
+  protocol); replayed and buffered messages are then applied in order, each seq once. A range the
+  replay did not cover (no replay endpoint, timeout past ``replay_timeout_seconds``, buffer already
+  rolled over, too many live messages buffered meanwhile) marks the endpoint ``unreliable``;
+* a lower seq means the publisher restarted (a new incarnation the registration did not reveal):
+  the endpoint's entries are purged and the count starts again.
+
+An endpoint whose start is unknown (the indexer restarted without its snapshot of it) recovers from
+seq 0 on its first message with seq > 0; :meth:`recover` does the same at once (startup).
+``unreliable`` lasts until a fresh state is known: an ``AllBlocksCleared`` or a new incarnation.
+
+**Registration race.** An engine may publish before the indexer's etcd watch sees it join. A
 message for an endpoint that was never registered is held (at most ``pending_batches`` per
-endpoint, for ``pending_ttl_seconds``) and applied, in order, when the endpoint joins. Messages
-for an endpoint that left are dropped (the fence), and a rejoin starts from an empty state.
+endpoint, for ``pending_ttl_seconds``) and sequenced when it joins. Messages for an endpoint
+purged after leaving are dropped (the fence).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import time
 import zlib
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import msgspec
 
-from kvmesh.kv_events import EventBatch, decode_batch
-from kvmesh.types import EndpointId
+from kvmesh.kv_events import AllBlocksCleared, BlockStored, EventBatch, decode_batch
+from kvmesh.types import Endpoint, EndpointId
 from services.kv_indexer import metrics
+from services.kv_indexer.events.fields import EventFieldFilter
 from services.kv_indexer.index.base import KVBlockIndex
 
 logger = logging.getLogger(__name__)
 
 _MAX_PENDING_ENDPOINTS = 1024
 """At most this many never-registered endpoints have messages held at once."""
+_APPLY_CHUNK = 2000
+"""Replayed messages applied between yields to the loop."""
+
+
+class EndpointState(enum.StrEnum):
+    """Recovery state of an endpoint's event stream (a metric label)."""
+
+    LIVE = "live"
+    """Every message so far applied once, in order."""
+    RECOVERING = "recovering"
+    """A gap is being replayed; live messages are buffered."""
+    UNRELIABLE = "unreliable"
+    """Messages were lost for good: its entries are scored as unknown until a fresh state."""
+
+
+class Replayer(Protocol):
+    """Fetches buffered messages from a publisher (vLLM's replay ROUTER in production)."""
+
+    async def replay(self, endpoint: Endpoint, from_seq: int, timeout_seconds: float) -> list[tuple[int, bytes]]:
+        """Every buffered ``(seq, payload)`` with ``seq >= from_seq``, in order; raises on failure."""
+        ...
+
+
+class ParityCheck(Protocol):
+    def check(self, endpoint_id: EndpointId, event: BlockStored) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +111,31 @@ class IngestStats:
         return sum(self.dropped.values())
 
 
+@dataclass
+class _Recovery:
+    from_seq: int
+    trigger: str
+    started: float
+    buffer: list[RawMessage] = field(default_factory=list)
+    overflowed: bool = False
+
+
+@dataclass
+class _Track:
+    """Sequencing state of one registered endpoint."""
+
+    endpoint: Endpoint
+    next_seq: int | None = None
+    reliable: bool = True
+    recovery: _Recovery | None = None
+
+    @property
+    def state(self) -> EndpointState:
+        if self.recovery is not None:
+            return EndpointState.RECOVERING
+        return EndpointState.LIVE if self.reliable else EndpointState.UNRELIABLE
+
+
 class EventPool:
     """N ordered workers between the subscriber and the index.
 
@@ -82,6 +145,10 @@ class EventPool:
         queue_size: messages each worker may queue; beyond it a message is dropped (``queue_full``).
         pending_batches: per never-registered endpoint, messages held until it joins.
         pending_ttl_seconds: how long such messages are held.
+        replayer: where missed messages are fetched from (None: every gap marks the endpoint unreliable).
+        replay_timeout_seconds: deadline of one replay request.
+        recovery_buffer_messages: live messages buffered per recovering endpoint before giving up.
+        parity: checks each ``BlockStored`` against the registration (optional).
         clock: monotonic seconds (injectable for tests).
     """
 
@@ -92,6 +159,10 @@ class EventPool:
         queue_size: int = 10000,
         pending_batches: int = 256,
         pending_ttl_seconds: float = 10.0,
+        replayer: Replayer | None = None,
+        replay_timeout_seconds: float = 5.0,
+        recovery_buffer_messages: int = 100_000,
+        parity: ParityCheck | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if workers < 1:
@@ -99,11 +170,20 @@ class EventPool:
         self._index = index
         self._queues: list[asyncio.Queue[RawMessage | None]] = [asyncio.Queue(queue_size) for _ in range(workers)]
         self._tasks: list[asyncio.Task[None]] = []
-        self._pending: dict[EndpointId, deque[tuple[float, EventBatch]]] = {}
+        self._recoveries: set[asyncio.Task[None]] = set()
+        self._pending: dict[EndpointId, deque[tuple[float, RawMessage]]] = {}
         self._pending_batches = pending_batches
         self._pending_ttl = pending_ttl_seconds
         self._departed: set[EndpointId] = set()
+        self._tracks: dict[EndpointId, _Track] = {}
+        self._replayer = replayer
+        self._replay_timeout = replay_timeout_seconds
+        self._recovery_buffer = recovery_buffer_messages
+        self._parity = parity
+        self._fields = EventFieldFilter()
         self._clock = clock
+        self._settled = asyncio.Event()
+        self._settled.set()
         self.stats = IngestStats()
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -114,7 +194,9 @@ class EventPool:
             self._tasks.append(asyncio.create_task(self._work(queue), name=f"kv-events-worker-{i}"))
 
     async def shutdown(self, timeout_seconds: float = 5.0) -> None:
-        """Let the workers drain what is queued, then stop them."""
+        """Let the workers drain what is queued, then stop them (recoveries in flight are cancelled)."""
+        for task in list(self._recoveries):
+            task.cancel()
         for queue in self._queues:
             with contextlib.suppress(asyncio.QueueFull):
                 queue.put_nowait(None)
@@ -143,31 +225,80 @@ class EventPool:
         metrics.record_batch_dropped(reason)
 
     async def drained(self) -> None:
-        """Wait until every queued message has been handled (for tests and shutdown)."""
-        for queue in self._queues:
-            await queue.join()
+        """Wait until every queued message has been handled and no recovery is running."""
+        while True:
+            for queue in self._queues:
+                await queue.join()
+            if not self._recoveries:
+                return
+            await asyncio.wait(set(self._recoveries))
 
     # -- membership -------------------------------------------------------------------------
 
-    def endpoint_joined(self, endpoint_id: EndpointId) -> None:
-        """The endpoint was registered in the index: apply its held messages, in order."""
+    def endpoint_joined(self, endpoint: Endpoint, new_incarnation: bool = True) -> None:
+        """The endpoint was registered in the index: sequence its held messages, in order.
+
+        ``new_incarnation``: its stream starts afresh (sequence unknown, reliable); False when the
+        same incarnation rejoins (its sequencing carries on).
+        """
+        endpoint_id = endpoint.id
         self._departed.discard(endpoint_id)
+        track = self._tracks.get(endpoint_id)
+        if track is None or new_incarnation:
+            if track is not None:
+                track.recovery = None
+            track = self._tracks[endpoint_id] = _Track(endpoint)
+        else:
+            track.endpoint = endpoint
         held = self._pending.pop(endpoint_id, None)
         if not held:
             return
         now = self._clock()
-        applied = 0
-        for received, batch in held:
-            if now - received <= self._pending_ttl:
-                self._apply(endpoint_id, batch)
-                applied += 1
-        logger.info("applied held event messages endpoint=%s messages=%d expired=%d", endpoint_id, applied, len(held) - applied)
+        fresh = [message for received, message in held if now - received <= self._pending_ttl]
+        for message in fresh:
+            self._sequence(track, message)
+        logger.info("sequenced held event messages endpoint=%s messages=%d expired=%d", endpoint_id, len(fresh), len(held) - len(fresh))
 
     def endpoint_left(self, endpoint_id: EndpointId) -> None:
         """The endpoint was purged: its late messages are dropped from now on."""
         self._departed.add(endpoint_id)
         self._pending.pop(endpoint_id, None)
         self.stats.per_endpoint.pop(endpoint_id, None)
+        track = self._tracks.pop(endpoint_id, None)
+        if track is not None:
+            track.recovery = None
+        self._update_settled()
+
+    def restore(self, endpoint: Endpoint, next_seq: int | None, reliable: bool) -> None:
+        """Sequencing state of an endpoint restored from a snapshot (before it is confirmed by etcd)."""
+        self._tracks[endpoint.id] = _Track(endpoint, next_seq, reliable)
+
+    def export(self) -> dict[EndpointId, tuple[int | None, bool]]:
+        """Per tracked endpoint ``(next expected seq, reliable)``, for a snapshot. A recovering
+        endpoint exports the seq its recovery starts from (what was applied before the gap)."""
+        return {
+            eid: (t.recovery.from_seq if t.recovery is not None else t.next_seq, t.reliable and t.recovery is None)
+            for eid, t in self._tracks.items()
+        }
+
+    def state(self, endpoint_id: EndpointId) -> EndpointState | None:
+        track = self._tracks.get(endpoint_id)
+        return None if track is None else track.state
+
+    def states(self) -> dict[EndpointId, EndpointState]:
+        return {eid: t.state for eid, t in self._tracks.items()}
+
+    def recover(self, endpoint: Endpoint, trigger: str = "startup") -> None:
+        """Ask ``endpoint``'s replay buffer for everything after the last applied message now
+        (from seq 0 when its start is unknown); no-op when it has no replay endpoint or is recovering."""
+        track = self._tracks.get(endpoint.id)
+        if track is None or track.recovery is not None or not endpoint.replay_endpoint or self._replayer is None:
+            return
+        self._start_recovery(track, track.next_seq or 0, trigger, None)
+
+    async def settled(self) -> None:
+        """Return once no recovery is running."""
+        await self._settled.wait()
 
     # -- workers ----------------------------------------------------------------------------
 
@@ -186,44 +317,167 @@ class EventPool:
 
     def _handle(self, message: RawMessage) -> None:
         endpoint_id = message.endpoint_id
-        if endpoint_id in self._departed and not self._index.is_registered(endpoint_id):
-            self.record_drop("endpoint_left")
+        track = self._tracks.get(endpoint_id)
+        if track is None or not self._index.is_registered(endpoint_id):
+            if endpoint_id in self._departed:
+                self.record_drop("endpoint_left")
+            else:
+                self._hold(message)
             return
-        stats = self.stats.per_endpoint.setdefault(endpoint_id, EndpointIngestStats())
+        self._sequence(track, message)
+
+    def _sequence(self, track: _Track, message: RawMessage) -> None:
+        stats = self.stats.per_endpoint.setdefault(message.endpoint_id, EndpointIngestStats())
         stats.messages += 1
-        if stats.last_seq is not None:
-            if message.seq > stats.last_seq + 1:
-                missed = message.seq - stats.last_seq - 1
-                stats.sequence_gaps += missed
-                metrics.record_sequence_gap(missed)
-                logger.warning(
-                    "kv event sequence gap endpoint=%s expected=%d got=%d missed=%d",
-                    endpoint_id, stats.last_seq + 1, message.seq, missed,
-                )
-            elif message.seq <= stats.last_seq:
-                logger.info(
-                    "kv event sequence restarted endpoint=%s last=%d got=%d (publisher restart or repeat)",
-                    endpoint_id, stats.last_seq, message.seq,
-                )
-        stats.last_seq = message.seq
+        if track.recovery is not None:
+            self._buffer(track, message)
+            return
+        seq = message.seq
+        expected = track.next_seq
+        if expected is not None and seq < expected:
+            logger.warning(
+                "kv event sequence went back endpoint=%s expected=%d got=%d: publisher restarted, purging its entries",
+                message.endpoint_id, expected, seq,
+            )
+            metrics.record_incarnation("sequence_reset")
+            self._index.apply(message.endpoint_id, AllBlocksCleared())
+            track.reliable = True
+            expected = 0
+        elif expected is None:
+            expected = 0
+        if seq > expected:
+            missed = seq - expected
+            stats.sequence_gaps += missed
+            metrics.record_sequence_gap(missed)
+            trigger = "gap" if track.next_seq is not None else "first_batch"
+            logger.warning(
+                "kv event sequence gap endpoint=%s expected=%d got=%d missed=%d: replaying",
+                message.endpoint_id, expected, seq, missed,
+            )
+            self._start_recovery(track, expected, trigger, message)
+            return
+        self._apply_message(track, message)
+
+    def _apply_message(self, track: _Track, message: RawMessage) -> bool:
+        """Decode and apply one in-order message; False when its payload was undecodable."""
+        track.next_seq = message.seq + 1
+        self.stats.per_endpoint.setdefault(message.endpoint_id, EndpointIngestStats()).last_seq = message.seq
         try:
             batch = decode_batch(message.payload)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-            logger.warning("dropping undecodable event message endpoint=%s seq=%d error=%s", endpoint_id, message.seq, exc)
+            logger.warning(
+                "dropping undecodable event message endpoint=%s seq=%d error=%s", message.endpoint_id, message.seq, exc
+            )
             self.record_drop("bad_payload")
-            return
-        if not self._index.is_registered(endpoint_id):
-            self._hold(endpoint_id, batch)
-            return
-        self._apply(endpoint_id, batch)
+            return False
+        self._apply(track, batch)
+        return True
 
-    def _hold(self, endpoint_id: EndpointId, batch: EventBatch) -> None:
+    def _apply(self, track: _Track, batch: EventBatch) -> None:
+        endpoint_id = track.endpoint.id
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                if self._parity is not None:
+                    self._parity.check(endpoint_id, event)
+            elif isinstance(event, AllBlocksCleared) and not track.reliable:
+                track.reliable = True
+                logger.info("endpoint=%s cleared its cache: reliable again", endpoint_id)
+            if self._fields.admit(endpoint_id, event):  # KV groups, ignored fields (events/fields.py)
+                self._index.apply(endpoint_id, event)
+
+    # -- recovery ---------------------------------------------------------------------------
+
+    def _buffer(self, track: _Track, message: RawMessage) -> None:
+        recovery = track.recovery
+        assert recovery is not None
+        if len(recovery.buffer) >= self._recovery_buffer:
+            recovery.overflowed = True
+            recovery.buffer.pop(0)
+        recovery.buffer.append(message)
+
+    def _start_recovery(self, track: _Track, from_seq: int, trigger: str, first: RawMessage | None) -> None:
+        recovery = _Recovery(from_seq, trigger, self._clock())
+        if first is not None:
+            recovery.buffer.append(first)
+        track.recovery = recovery
+        task = asyncio.create_task(self._recover(track, recovery), name=f"kv-replay-{track.endpoint.id}")
+        self._recoveries.add(task)
+        self._settled.clear()
+        task.add_done_callback(self._recovery_done)
+
+    def _recovery_done(self, task: asyncio.Task[None]) -> None:
+        self._recoveries.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("recovery failed", exc_info=task.exception())
+        self._update_settled()
+
+    def _update_settled(self) -> None:
+        if not self._recoveries:
+            self._settled.set()
+
+    async def _recover(self, track: _Track, recovery: _Recovery) -> None:
+        endpoint = track.endpoint
+        replies: list[tuple[int, bytes]] = []
+        failure = ""
+        if self._replayer is None or not endpoint.replay_endpoint:
+            failure = "no replay endpoint"
+        else:
+            try:
+                replies = await self._replayer.replay(endpoint, recovery.from_seq, self._replay_timeout)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                failure = f"{type(exc).__name__}: {exc}"
+        if track.recovery is not recovery:
+            return  # the endpoint left or restarted meanwhile
+        expected = recovery.from_seq
+        complete = not failure and not recovery.overflowed
+        replayed = 0
+        for i, (seq, payload) in enumerate(replies):
+            if seq < expected:
+                continue
+            if seq > expected:
+                complete = False
+            self._apply_message(track, RawMessage(endpoint.id, endpoint.model, seq, payload))
+            expected = seq + 1
+            replayed += 1
+            if i % _APPLY_CHUNK == _APPLY_CHUNK - 1:
+                await asyncio.sleep(0)
+                if track.recovery is not recovery:
+                    return
+        while recovery.buffer:  # live messages that arrived meanwhile (more may come while we yield)
+            buffered, recovery.buffer = recovery.buffer, []
+            for message in sorted(buffered, key=lambda m: m.seq):
+                if message.seq < expected:
+                    continue
+                if message.seq > expected:
+                    complete = False
+                self._apply_message(track, message)
+                expected = message.seq + 1
+        track.recovery = None
+        track.next_seq = expected
+        if not complete:
+            track.reliable = False
+        result = "recovered" if complete else "unreliable"
+        duration = self._clock() - recovery.started
+        metrics.record_recovery(recovery.trigger, result, duration, replayed)
+        log = logger.info if complete else logger.warning
+        log(
+            "kv event recovery endpoint=%s trigger=%s from=%d to=%d replayed=%d result=%s%s duration=%.3fs",
+            endpoint.id, recovery.trigger, recovery.from_seq, expected, replayed, result,
+            f" ({failure})" if failure else "", duration,
+        )
+
+    # -- held messages ----------------------------------------------------------------------
+
+    def _hold(self, message: RawMessage) -> None:
+        endpoint_id = message.endpoint_id
         held = self._pending.get(endpoint_id)
         if held is None:
             if len(self._pending) >= _MAX_PENDING_ENDPOINTS:
                 self.record_drop("unregistered")
                 return
-            held = self._pending[endpoint_id] = deque(maxlen=self._pending_batches)
+            held = self._pending[endpoint_id] = deque(maxlen=max(self._pending_batches, 1))
             logger.info("holding event messages of unregistered endpoint=%s until it joins", endpoint_id)
         if self._pending_batches == 0:
             self.record_drop("unregistered")
@@ -234,8 +488,7 @@ class EventPool:
         while held and now - held[0][0] > self._pending_ttl:
             held.popleft()
             self.record_drop("unregistered")
-        held.append((now, batch))
+        held.append((now, message))
 
-    def _apply(self, endpoint_id: EndpointId, batch: EventBatch) -> None:
-        for event in batch.events:
-            self._index.apply(endpoint_id, event)
+    def tracked(self) -> Iterable[EndpointId]:
+        return self._tracks.keys()

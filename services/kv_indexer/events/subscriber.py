@@ -24,8 +24,8 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.asyncio
 
-from kvmesh.kv_events import decode_seq, parse_topic
-from kvmesh.types import Endpoint, EndpointId
+from kvmesh.kv_events import decode_seq, parse_topic, peek_data_parallel_rank
+from kvmesh.types import Endpoint, EndpointId, dp_endpoint_id
 from services.kv_indexer.events.pool import EventPool, RawMessage
 
 logger = logging.getLogger(__name__)
@@ -44,12 +44,15 @@ def parse_frames(frames: list[bytes]) -> RawMessage | str:
         seq = decode_seq(seq_frame)
     except ValueError:
         return "bad_seq"
-    return RawMessage(EndpointId(endpoint_id), model, seq, payload)
+    # one server may front several data-parallel ranks, each with its own cache: the rank is part
+    # of the endpoint identity (rank 0 / none keeps the bare host:port)
+    return RawMessage(dp_endpoint_id(endpoint_id, peek_data_parallel_rank(payload)), model, seq, payload)
 
 
-def connect_target(endpoint: Endpoint) -> str:
-    """Where to connect for an engine that binds its publisher: ``*``/``0.0.0.0`` become its URL's host."""
-    target = endpoint.events_endpoint
+def connect_target(endpoint: Endpoint, address: str | None = None) -> str:
+    """Where to connect for an engine that binds ``address`` (default: its events endpoint):
+    ``*``/``0.0.0.0`` become its URL's host."""
+    target = endpoint.events_endpoint if address is None else address
     host = urlsplit(endpoint.url).hostname or "127.0.0.1"
     for wildcard in ("://*:", "://0.0.0.0:"):
         target = target.replace(wildcard, f"://{host}:")

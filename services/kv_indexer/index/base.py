@@ -12,10 +12,16 @@ metrics as a decorator) and Dynamo's ``lib/kv-router/src/indexer/traits.rs`` (ap
 remove a worker, dump state as replayable events). Unlike llm-d's, the contract is synchronous:
 the in-memory backend does no I/O and its callers (one asyncio loop) never block on it.
 
-Fence: only endpoints registered with :meth:`KVBlockIndex.register_endpoint` (i.e. present in
-etcd) have their events applied; :meth:`KVBlockIndex.remove_endpoint` purges one, and events
-arriving for it later are ignored (:attr:`ApplyOutcome.UNREGISTERED`) until it registers again,
-which starts it from an empty state.
+Fence: only endpoints registered with :meth:`KVBlockIndex.register_endpoint` have their events
+applied; :meth:`KVBlockIndex.remove_endpoint` purges one, and events arriving for it later are
+ignored (:attr:`ApplyOutcome.UNREGISTERED`) until it registers again, which starts it from an
+empty state. Entries belong to one *incarnation* (``Endpoint.instance_id``): registering the same
+address with another instance id purges the old entries first.
+
+Chains without their parents: a ``BlockStored`` whose parent hash nobody is known to hold is kept
+by its engine hashes (:attr:`ApplyOutcome.ORPHANED`); its kvmesh keys resolve as soon as the
+parent's key is known (the parent stored by any endpoint of the key space, or a prompt scored
+whose engine hashes the index can compute from the registration's ``hash_algo``).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from kvmesh.hashing import DEFAULT_SCOPE, KeyScope
 from kvmesh.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.types import Endpoint, EndpointId, Medium
 
@@ -60,8 +67,8 @@ class ApplyOutcome(enum.StrEnum):
     """The event was applied (including an idempotent repeat of a known block)."""
     UNREGISTERED = "unregistered"
     """The endpoint is not registered (never joined, or left): ignored."""
-    UNKNOWN_PARENT = "unknown_parent"
-    """A ``BlockStored`` whose parent hash this endpoint never stored: its chain cannot be placed."""
+    ORPHANED = "orphaned"
+    """A ``BlockStored`` whose parent's key is unknown: held by engine hash, keyed once the parent is."""
     INVALID = "invalid"
     """Unusable content: unknown medium, token count not ``len(block_hashes) * block_size``, ..."""
 
@@ -137,8 +144,9 @@ class KVBlockIndex(Protocol):
     def register_endpoint(self, endpoint: Endpoint) -> None:
         """Start accepting events for ``endpoint`` (model and block size from its registration).
 
-        Called when it joins etcd. Registering an already registered endpoint with the same model
-        and block size keeps its state; with a different one it is purged first.
+        Called when it joins etcd. Registering an already registered endpoint with the same model,
+        block size and ``instance_id`` keeps its state; otherwise it is purged first (a new
+        incarnation starts empty).
         """
         ...
 
@@ -170,17 +178,26 @@ class KVBlockIndex(Protocol):
         ...
 
     def score(
-        self, model: str, token_ids: Sequence[int], endpoint_ids: Sequence[EndpointId] | None = None
+        self,
+        model: str,
+        token_ids: Sequence[int],
+        endpoint_ids: Sequence[EndpointId] | None = None,
+        scope: KeyScope = DEFAULT_SCOPE,
     ) -> ScoreResult:
         """Per endpoint of ``model`` (or of ``endpoint_ids`` only), the longest consecutive
-        prefix of the prompt's full blocks it holds. An unknown model gives an empty result."""
+        prefix of the prompt's full blocks it holds, in the request's key ``scope`` (LoRA adapter,
+        ``cache_salt``: :class:`kvmesh.hashing.KeyScope`). An unknown model gives an empty result."""
         ...
 
-    def lookup(self, model: str, token_ids: Sequence[int]) -> list[BlockLocation]:
-        """One :class:`BlockLocation` per full block of the prompt, in order."""
+    def lookup(self, model: str, token_ids: Sequence[int], scope: KeyScope = DEFAULT_SCOPE) -> list[BlockLocation]:
+        """One :class:`BlockLocation` per full block of the prompt (in ``scope``), in order."""
         ...
 
     def stats(self) -> IndexStats:
+        ...
+
+    def held_blocks(self, endpoint_id: EndpointId) -> dict[EngineBlockHash, frozenset[Medium]]:
+        """Engine block hashes the index holds for ``endpoint_id`` (orphans included), with their media."""
         ...
 
     def dump(self) -> list[tuple[EndpointId, IndexEvent]]:

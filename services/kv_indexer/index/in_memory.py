@@ -9,6 +9,12 @@ Layout (``E`` = endpoint id, ``M`` = medium):
 * per registered endpoint: ``blocks: engine hash -> [key, media]`` (what ``BlockRemoved`` needs),
   and ``recent``: a bounded LRU of removed ``engine hash -> key`` pairs, so a chain stored after
   its parent was evicted can still be placed.
+* per registered endpoint, ``orphans: engine hash -> (parent hash, tokens, media)``: blocks whose
+  parent's key is not known yet (the index restarted, or lost the parent); ``waiting[(model,
+  block size)]: parent hash -> endpoints with orphans under it``. An orphan is keyed (moved into
+  ``blocks``) when its parent's key becomes known: the parent stored by any endpoint of the key
+  space, or, for endpoints whose registration says ``hash_algo="sha256_cbor"``, a scored prompt
+  whose vLLM hashes (:func:`kvmesh.hashing.sha256_cbor_block_hashes`) name it.
 
 Costs: ``BlockStored`` of ``b`` blocks is O(b) hashing + O(b) dict writes; ``BlockRemoved`` O(b);
 ``AllBlocksCleared`` and ``remove_endpoint`` O(blocks of that endpoint); ``score`` see
@@ -22,8 +28,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.hashing import block_keys, external_hash_to_int
-from kvmesh.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvmesh.hashing import DEFAULT_SCOPE, KeyScope, block_keys, external_hash_to_int, sha256_cbor_block_hashes
+from kvmesh.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, stored_block_keys, stored_key_scope
 from kvmesh.types import Endpoint, EndpointId, Medium
 from services.kv_indexer.index.base import (
     ApplyOutcome,
@@ -43,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 Table = dict[BlockKey, dict[EndpointId, dict[Medium, int]]]
 
+COMPUTABLE_HASH_ALGOS = frozenset({"sha256_cbor"})
+"""Engine hash algorithms the index can compute itself (unseeded, so any process agrees)."""
+
 
 class _Held:
     """One engine block held by an endpoint: its kvmesh key and the media holding it."""
@@ -52,6 +61,19 @@ class _Held:
     def __init__(self, key: BlockKey, medium: Medium) -> None:
         self.key = key
         self.media = {medium}
+
+
+class _Orphan:
+    """A stored block whose parent's key is unknown: its parent hash, its tokens, its media."""
+
+    __slots__ = ("extra", "media", "parent", "tokens")
+
+    def __init__(self, parent: EngineBlockHash, tokens: list[int], medium: Medium, extra: bytes | None) -> None:
+        self.parent = parent
+        self.tokens = tokens
+        self.media = {medium}
+        self.extra = extra
+        """The block's content extra (multimodal, embeddings: :func:`kvmesh.kv_events.stored_key_scope`)."""
 
 
 @dataclass
@@ -64,6 +86,9 @@ class _EndpointState:
     medium_blocks: Counter[Medium] = field(default_factory=Counter)
     """Blocks held per medium: with one medium in use, Score needs no per-medium walk."""
     events_applied: int = 0
+    orphans: dict[EngineBlockHash, _Orphan] = field(default_factory=dict)
+    children: dict[EngineBlockHash, set[EngineBlockHash]] = field(default_factory=dict)
+    """Orphans by parent hash."""
 
 
 class InMemoryIndex:
@@ -74,9 +99,11 @@ class InMemoryIndex:
             for placing later chains whose parent was evicted (0 disables).
     """
 
-    def __init__(self, recent_removed_blocks: int = 4096) -> None:
+    def __init__(self, recent_removed_blocks: int = 4096, orphan_blocks: int = 65536) -> None:
         self._recent_limit = recent_removed_blocks
+        self._orphan_limit = orphan_blocks
         self._tables: dict[tuple[str, int], Table] = {}
+        self._waiting: dict[tuple[str, int], dict[EngineBlockHash, set[EndpointId]]] = {}
         self._endpoints: dict[EndpointId, _EndpointState] = {}
         self._outcomes: Counter[ApplyOutcome] = Counter()
 
@@ -85,7 +112,11 @@ class InMemoryIndex:
     def register_endpoint(self, endpoint: Endpoint) -> None:
         state = self._endpoints.get(endpoint.id)
         if state is not None:
-            if state.endpoint.model == endpoint.model and state.block_size == endpoint.block_size_tokens:
+            if (
+                state.endpoint.model == endpoint.model
+                and state.endpoint.block_size_tokens == endpoint.block_size_tokens
+                and state.endpoint.instance_id == endpoint.instance_id
+            ):
                 state.endpoint = endpoint
                 return
             self.remove_endpoint(endpoint.id)
@@ -135,23 +166,26 @@ class InMemoryIndex:
             return ApplyOutcome.INVALID
         if not self._adopt_block_size(state, event.block_size):
             return ApplyOutcome.INVALID
-        parent_key = 0
-        if event.parent_block_hash is not None:
-            parent_hash = external_hash_to_int(event.parent_block_hash)
-            held = state.blocks.get(parent_hash)
-            if held is not None:
-                parent_key = held.key
-            else:
-                recent = state.recent.get(parent_hash)
-                if recent is None:
-                    return ApplyOutcome.UNKNOWN_PARENT
-                parent_key = recent
         hashes = [external_hash_to_int(h) for h in event.block_hashes]
         if len(event.token_ids) != len(hashes) * state.block_size:
             return ApplyOutcome.INVALID
+        parent_key: int | None = None  # None: the chain starts a prompt (its key scope's root)
+        if event.parent_block_hash is not None:
+            parent_hash = external_hash_to_int(event.parent_block_hash)
+            known = self._key_of(state, parent_hash)
+            if known is None:
+                if any(t < 0 or t > 0xFFFFFFFF for t in event.token_ids):
+                    return ApplyOutcome.INVALID
+                try:
+                    _, extras = stored_key_scope(event)
+                except (ValueError, TypeError):
+                    return ApplyOutcome.INVALID
+                self._orphan(state, parent_hash, hashes, list(event.token_ids), medium, extras)
+                return ApplyOutcome.ORPHANED
+            parent_key = known
         try:
-            keys = block_keys(event.token_ids, state.block_size, parent_key)
-        except (OverflowError, ValueError, TypeError):  # token ids outside uint32
+            keys = stored_block_keys(event, state.block_size, parent_key)  # LoRA / cache_salt scoped
+        except (OverflowError, ValueError, TypeError):  # token ids outside uint32, unencodable extra keys
             return ApplyOutcome.INVALID
         self._store(state, hashes, keys, medium)
         return ApplyOutcome.APPLIED
@@ -172,13 +206,134 @@ class InMemoryIndex:
             held = state.blocks.get(block_hash)
             if held is not None and medium in held.media:
                 self._drop(state, block_hash, held, medium)
+                continue
+            orphan = state.orphans.get(block_hash)
+            if orphan is not None:
+                orphan.media.discard(medium)
+                if not orphan.media:
+                    self._forget_orphan(state, block_hash)
         return ApplyOutcome.APPLIED
+
+    # -- chains without their parents -------------------------------------------------------
+
+    def _key_of(self, state: _EndpointState, block_hash: EngineBlockHash) -> BlockKey | None:
+        """The kvmesh key of an engine hash: this endpoint's blocks, its recent removals, then any
+        endpoint of the same key space (engines hashing alike agree on hashes)."""
+        held = state.blocks.get(block_hash)
+        if held is not None:
+            return held.key
+        recent = state.recent.get(block_hash)
+        if recent is not None:
+            return recent
+        for other in self._endpoints.values():
+            if other is not state and other.table is state.table:
+                held = other.blocks.get(block_hash)
+                if held is not None:
+                    return held.key
+        return None
+
+    def _orphan(
+        self,
+        state: _EndpointState,
+        parent: EngineBlockHash,
+        hashes: list[int],
+        tokens: list[int],
+        medium: Medium,
+        extras: Sequence[bytes | None] | None = None,
+    ) -> None:
+        size = state.block_size
+        waiting = self._waiting.setdefault((state.endpoint.model, size), {})
+        for i, block_hash in enumerate(hashes):
+            if block_hash in state.blocks:  # already keyed: only the medium may be new
+                key = state.blocks[block_hash].key
+                self._store(state, [block_hash], [key], medium)
+                parent = block_hash
+                continue
+            orphan = state.orphans.get(block_hash)
+            if orphan is None:
+                while len(state.orphans) >= self._orphan_limit > 0:
+                    oldest = next(iter(state.orphans))
+                    logger.warning("orphan limit reached endpoint=%s; forgetting hash=%x", state.endpoint.id, oldest)
+                    self._forget_orphan(state, oldest)
+                extra = extras[i] if extras is not None else None
+                state.orphans[block_hash] = _Orphan(parent, tokens[i * size : (i + 1) * size], medium, extra)
+                state.children.setdefault(parent, set()).add(block_hash)
+                waiting.setdefault(parent, set()).add(state.endpoint.id)
+            else:
+                orphan.media.add(medium)
+            parent = block_hash
+
+    def _forget_orphan(self, state: _EndpointState, block_hash: EngineBlockHash) -> _Orphan | None:
+        orphan = state.orphans.pop(block_hash, None)
+        if orphan is None:
+            return None
+        siblings = state.children.get(orphan.parent)
+        if siblings is not None:
+            siblings.discard(block_hash)
+            if not siblings:
+                del state.children[orphan.parent]
+                waiting = self._waiting.get((state.endpoint.model, state.block_size))
+                if waiting is not None and orphan.parent in waiting:
+                    waiting[orphan.parent].discard(state.endpoint.id)
+                    if not waiting[orphan.parent]:
+                        del waiting[orphan.parent]
+        return orphan
+
+    def _resolve(self, state: _EndpointState, parent: EngineBlockHash, parent_key: BlockKey) -> None:
+        """Key every orphan of ``state`` chained under ``parent`` (whose key is now known)."""
+        work = [(parent, parent_key)]
+        while work:
+            block_hash, key = work.pop()
+            for child in list(state.children.get(block_hash, ())):
+                orphan = self._forget_orphan(state, child)
+                if orphan is None:
+                    continue
+                extras = None if orphan.extra is None else [orphan.extra]
+                child_key = block_keys(orphan.tokens, state.block_size, key, extras)[0]
+                for medium in orphan.media:
+                    self._store(state, [child], [child_key], medium, resolve=False)
+                work.append((child, child_key))
+                if state.endpoint.id not in self._waiting.get((state.endpoint.model, state.block_size), {}).get(child, ()):
+                    self._wake_waiters(state, [child], [child_key])
+
+    def _wake_waiters(self, state: _EndpointState, hashes: list[int], keys: list[int]) -> None:
+        waiting = self._waiting.get((state.endpoint.model, state.block_size))
+        if not waiting:
+            return
+        for block_hash, key in zip(hashes, keys, strict=True):
+            endpoints = waiting.get(block_hash)
+            if not endpoints:
+                continue
+            for endpoint_id in list(endpoints):
+                waiter = self._endpoints.get(endpoint_id)
+                if waiter is not None and waiter.table is state.table:
+                    self._resolve(waiter, block_hash, key)
+
+    def _resolve_from_prompt(self, model: str, size: int, token_ids: Sequence[int], keys: list[int]) -> None:
+        """Key orphans named by the prompt's engine hashes (endpoints whose hash algorithm the index computes)."""
+        table = self._tables.get((model, size))
+        states = [
+            st for st in self._endpoints.values()
+            if st.orphans and st.table is table and st.endpoint.hash_algo in COMPUTABLE_HASH_ALGOS
+        ]
+        if not states:
+            return
+        digests = sha256_cbor_block_hashes(token_ids[: len(keys) * size], size)
+        for i, digest in enumerate(digests):
+            block_hash = external_hash_to_int(digest)
+            for st in states:
+                orphan = st.orphans.get(block_hash)
+                if orphan is None:
+                    continue
+                self._forget_orphan(st, block_hash)
+                for medium in orphan.media:
+                    self._store(st, [block_hash], [keys[i]], medium)
 
     def _adopt_block_size(self, state: _EndpointState, block_size: int) -> bool:
         """The event's block size wins over the registration's while the endpoint holds nothing."""
         if block_size == state.block_size:
             return True
-        if block_size <= 0 or state.blocks:
+        if block_size <= 0 or state.blocks or state.orphans:
             logger.warning(
                 "block size mismatch endpoint=%s registered=%d event=%d; event skipped",
                 state.endpoint.id, state.block_size, block_size,
@@ -197,7 +352,17 @@ class InMemoryIndex:
     def _table(self, model: str, block_size: int) -> Table:
         return self._tables.setdefault((model, block_size), {})
 
-    def _store(self, state: _EndpointState, hashes: list[int], keys: list[int], medium: Medium) -> None:
+    def _store(
+        self, state: _EndpointState, hashes: list[int], keys: list[int], medium: Medium, resolve: bool = True
+    ) -> None:
+        self._store_keyed(state, hashes, keys, medium)
+        if resolve and (state.children or self._waiting.get((state.endpoint.model, state.block_size))):
+            for block_hash, key in zip(hashes, keys, strict=True):
+                if block_hash in state.children:
+                    self._resolve(state, block_hash, key)
+            self._wake_waiters(state, hashes, keys)
+
+    def _store_keyed(self, state: _EndpointState, hashes: list[int], keys: list[int], medium: Medium) -> None:
         endpoint_id = state.endpoint.id
         table = state.table
         blocks = state.blocks
@@ -264,6 +429,8 @@ class InMemoryIndex:
         state.blocks.clear()
         state.recent.clear()
         state.medium_blocks.clear()
+        for block_hash in list(state.orphans):
+            self._forget_orphan(state, block_hash)
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -273,7 +440,11 @@ class InMemoryIndex:
         return [size for size, _ in sorted(sizes.items(), key=lambda item: (-item[1], item[0]))]
 
     def score(
-        self, model: str, token_ids: Sequence[int], endpoint_ids: Sequence[EndpointId] | None = None
+        self,
+        model: str,
+        token_ids: Sequence[int],
+        endpoint_ids: Sequence[EndpointId] | None = None,
+        scope: KeyScope = DEFAULT_SCOPE,
     ) -> ScoreResult:
         sizes = self._block_sizes(model)
         if not sizes:
@@ -282,7 +453,9 @@ class InMemoryIndex:
         scores: list[EndpointScore] = []
         primary_blocks = 0
         for size in sizes:
-            keys = block_keys(token_ids, size)
+            keys = block_keys(token_ids, size, scope.root_key())
+            if scope.is_default and self._waiting.get((model, size)):
+                self._resolve_from_prompt(model, size, token_ids, keys)
             if size == sizes[0]:
                 primary_blocks = len(keys)
             table = self._tables.get((model, size), {})
@@ -296,13 +469,13 @@ class InMemoryIndex:
         scores.sort(key=lambda s: (-s.matched_blocks, s.endpoint_id))
         return ScoreResult(scores, primary_blocks, sizes[0])
 
-    def lookup(self, model: str, token_ids: Sequence[int]) -> list[BlockLocation]:
+    def lookup(self, model: str, token_ids: Sequence[int], scope: KeyScope = DEFAULT_SCOPE) -> list[BlockLocation]:
         sizes = self._block_sizes(model)
         if not sizes:
             return []
         table = self._tables.get((model, sizes[0]), {})
         locations = []
-        for key in block_keys(token_ids, sizes[0]):
+        for key in block_keys(token_ids, sizes[0], scope.root_key()):
             holders = table.get(key, {})
             locations.append(BlockLocation(key, {eid: frozenset(media) for eid, media in holders.items()}))
         return locations
@@ -313,7 +486,7 @@ class InMemoryIndex:
 
     def stats(self) -> IndexStats:
         per_endpoint = [
-            EndpointIndexStats(eid, st.endpoint.model, st.block_size, len(st.blocks), st.events_applied)
+            EndpointIndexStats(eid, st.endpoint.model, st.block_size, len(st.blocks) + len(st.orphans), st.events_applied)
             for eid, st in sorted(self._endpoints.items())
         ]
         return IndexStats(
@@ -323,6 +496,17 @@ class InMemoryIndex:
             outcomes=dict(self._outcomes),
             per_endpoint=per_endpoint,
         )
+
+    def held_blocks(self, endpoint_id: EndpointId) -> dict[EngineBlockHash, frozenset[Medium]]:
+        state = self._endpoints.get(endpoint_id)
+        if state is None:
+            return {}
+        held = {h: frozenset(b.media) for h, b in state.blocks.items()}
+        held.update((h, frozenset(o.media)) for h, o in state.orphans.items())
+        return held
+
+    def orphan_count(self) -> int:
+        return sum(len(st.orphans) for st in self._endpoints.values())
 
     def dump(self) -> list[tuple[EndpointId, IndexEvent]]:
         events: list[tuple[EndpointId, IndexEvent]] = []
@@ -337,4 +521,10 @@ class InMemoryIndex:
                 events.append(
                     (endpoint_id, KeyedBlockStored(tuple(hashes), tuple(keys), state.block_size, medium))
                 )
+            for block_hash, orphan in state.orphans.items():  # parents before children (insertion order)
+                for medium in sorted(orphan.media):
+                    events.append((endpoint_id, BlockStored(
+                        block_hashes=[block_hash], parent_block_hash=orphan.parent, token_ids=orphan.tokens,
+                        block_size=state.block_size, medium=str(medium),
+                    )))
         return events

@@ -11,11 +11,13 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
-from kvmesh.types import Endpoint, EndpointId
+from kvmesh.hashing import DEFAULT_SCOPE, KeyScope
+from kvmesh.types import Endpoint, EndpointId, Medium
 from services.kv_indexer import metrics
 from services.kv_indexer.index.base import (
     ApplyOutcome,
     BlockLocation,
+    EngineBlockHash,
     IndexEvent,
     IndexStats,
     KVBlockIndex,
@@ -52,10 +54,14 @@ class InstrumentedIndex:
         return outcome
 
     def score(
-        self, model: str, token_ids: Sequence[int], endpoint_ids: Sequence[EndpointId] | None = None
+        self,
+        model: str,
+        token_ids: Sequence[int],
+        endpoint_ids: Sequence[EndpointId] | None = None,
+        scope: KeyScope = DEFAULT_SCOPE,
     ) -> ScoreResult:
         start = time.perf_counter()
-        result = self.inner.score(model, token_ids, endpoint_ids)
+        result = self.inner.score(model, token_ids, endpoint_ids, scope)
         hits: Counter[str] = Counter()
         for score in result.scores:
             for medium, count in score.matched_blocks_by_medium.items():
@@ -63,11 +69,14 @@ class InstrumentedIndex:
         metrics.record_score(time.perf_counter() - start, hits)
         return result
 
-    def lookup(self, model: str, token_ids: Sequence[int]) -> list[BlockLocation]:
-        return self.inner.lookup(model, token_ids)
+    def lookup(self, model: str, token_ids: Sequence[int], scope: KeyScope = DEFAULT_SCOPE) -> list[BlockLocation]:
+        return self.inner.lookup(model, token_ids, scope)
 
     def stats(self) -> IndexStats:
         return self.inner.stats()
+
+    def held_blocks(self, endpoint_id: EndpointId) -> dict[EngineBlockHash, frozenset[Medium]]:
+        return self.inner.held_blocks(endpoint_id)
 
     def dump(self) -> list[tuple[EndpointId, IndexEvent]]:
         return self.inner.dump()

@@ -20,9 +20,15 @@ from kvmesh.types import Medium
 
 @dataclass(frozen=True, slots=True)
 class PutResult:
-    """What a ``put`` did: the keys the tier evicted to make room (oldest first)."""
+    """What a ``put`` did: the keys the tier evicted to make room (oldest first).
+
+    ``victims`` holds ``(key, value)`` of the evicted keys that could still be read, in the same
+    order, when the put was called with ``keep_victims=True`` (the store demotes them to the next
+    tier); empty otherwise.
+    """
 
     evicted: tuple[str, ...] = ()
+    victims: tuple[tuple[str, bytes], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +42,12 @@ class TierStats:
     hits: int
     misses: int
     evictions: int
+    name: str = ""
+    """The tier's kind (``cpu``, ``disk``, ``sharedfs``, ``mooncake``): two tiers may share a medium."""
+    corrupted: int = 0
+    """Reads that found a value failing its checksum (served as misses, the value dropped)."""
+    errors: int = 0
+    """Operations that failed because the medium was unavailable or full."""
 
 
 class StoreTier(Protocol):
@@ -43,19 +55,31 @@ class StoreTier(Protocol):
 
     medium: Medium
     """Where the values live (``CPU``, ``DISK``, ``SHARED``)."""
+    name: str
+    """The tier's kind, unique within a store (``cpu``, ``disk``, ``sharedfs``, ``mooncake``)."""
+    shared: bool
+    """True when other kv_store instances read the same values (shared FS, Mooncake)."""
     capacity_bytes: int
     """Budget for value bytes; ``used_bytes`` never exceeds it."""
 
-    async def put(self, key: str, value: bytes) -> PutResult:
+    async def put(self, key: str, value: bytes, *, keep_victims: bool = False) -> PutResult:
         """Store ``value`` under ``key`` (replacing any old value), evicting as needed.
+
+        With ``keep_victims`` the evicted values are returned in ``PutResult.victims``.
 
         Raises:
             services.kv_store.errors.ValueTooLarge: ``len(value) > capacity_bytes`` (nothing changes).
+            services.kv_store.errors.TierUnavailable: the medium cannot be reached (disk tiers, Mooncake).
+            services.kv_store.errors.StorageFull: the medium ran out of space before the budget did.
         """
         ...
 
     async def get(self, key: str) -> bytes | None:
-        """The value, or ``None`` when absent; a hit counts as a use for eviction order."""
+        """The value, or ``None`` when absent or corrupt; a hit counts as a use for eviction order.
+
+        Raises:
+            services.kv_store.errors.TierUnavailable: the medium cannot be reached.
+        """
         ...
 
     async def contains(self, keys: Sequence[str]) -> list[bool]:

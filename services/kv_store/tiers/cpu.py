@@ -23,6 +23,8 @@ class CpuTier:
     """:class:`~services.kv_store.tiers.base.StoreTier` in process memory with LRU eviction."""
 
     medium = Medium.CPU
+    name = TYPE_NAME
+    shared = False
 
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes <= 0:
@@ -34,7 +36,7 @@ class CpuTier:
         self._misses = 0
         self._evictions = 0
 
-    async def put(self, key: str, value: bytes) -> PutResult:
+    async def put(self, key: str, value: bytes, *, keep_victims: bool = False) -> PutResult:
         size = len(value)
         if size > self.capacity_bytes:
             raise ValueTooLarge(
@@ -45,14 +47,17 @@ class CpuTier:
         if old is not None:
             self._used_bytes -= len(old)
         evicted: list[str] = []
+        victims: list[tuple[str, bytes]] = []
         while self._used_bytes + size > self.capacity_bytes:
             victim, victim_value = self._values.popitem(last=False)
             self._used_bytes -= len(victim_value)
             evicted.append(victim)
+            if keep_victims:
+                victims.append((victim, victim_value))
         self._evictions += len(evicted)
         self._values[key] = value
         self._used_bytes += size
-        return PutResult(tuple(evicted))
+        return PutResult(tuple(evicted), tuple(victims))
 
     async def get(self, key: str) -> bytes | None:
         value = self._values.get(key)
@@ -82,6 +87,7 @@ class CpuTier:
             hits=self._hits,
             misses=self._misses,
             evictions=self._evictions,
+            name=self.name,
         )
 
     def lru_order(self) -> list[str]:

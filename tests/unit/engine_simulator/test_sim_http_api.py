@@ -33,6 +33,8 @@ ROUTES = {
     ("/health", "GET"),
     ("/metrics", "GET"),
     ("/reset_prefix_cache", "POST"),
+    ("/debug/kv_cache", "GET"),
+    ("/debug/kv_events/drop", "POST"),
 }
 
 
@@ -59,6 +61,14 @@ def test_route_table_is_the_documented_one(sim: EngineSimulator) -> None:
     api = EngineHttpApi(ServerState(None, sim.renderer, MODEL, MAX_MODEL_LEN, "", 0))  # type: ignore[arg-type]
     routes = {(r.path, m) for r in api.app().routes if isinstance(r, Route) for m in (r.methods or ()) if m != "HEAD"}
     assert routes == ROUTES
+
+
+async def test_debug_kv_cache_reports_the_exact_cached_hashes(client: httpx.AsyncClient, sim: EngineSimulator) -> None:
+    reply = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hello there " * 40, "max_tokens": 1})
+    assert reply.status_code == 200
+    body = (await client.get("/debug/kv_cache")).json()
+    assert body["block_hashes"] == sim.core.cache.cached_hashes() and body["block_hashes"]
+    assert (await client.post("/debug/kv_events/drop", json={"count": 1})).status_code == 400  # publishes nothing
 
 
 async def test_completion_and_stream_shapes(client: httpx.AsyncClient) -> None:

@@ -7,10 +7,12 @@ import asyncio
 import pytest
 import zmq
 
-from kvmesh.kv_events import BlockStored, EventBatch, KVEvent, encode_batch, encode_seq, make_topic
+from engine_simulator.publisher import ZmqEventPublisher
+from kvmesh.kv_events import AllBlocksCleared, BlockStored, EventBatch, KVEvent, encode_batch, encode_seq, make_topic
 from kvmesh.types import Endpoint, EndpointId
 from kvmesh_cli.launcher import free_port
-from services.kv_indexer.events.pool import EventPool, RawMessage
+from services.kv_indexer.events.pool import EndpointState, EventPool, RawMessage
+from services.kv_indexer.events.replay import ZmqReplayer
 from services.kv_indexer.events.subscriber import ZmqSubscriber, connect_target, parse_frames
 from services.kv_indexer.index import InMemoryIndex
 from tests.support import wait_until_async
@@ -57,19 +59,106 @@ def test_connect_target(events: str, target: str) -> None:
     assert connect_target(endpoint(events=events)) == target
 
 
-async def test_pool_orders_counts_gaps_and_drops_bad_payloads() -> None:
+def joined(index: InMemoryIndex, pool: EventPool, ep: Endpoint | None = None) -> Endpoint:
+    ep = ep or endpoint()
+    index.register_endpoint(ep)
+    pool.endpoint_joined(ep)
+    return ep
+
+
+def scores(index: InMemoryIndex) -> dict[str, int]:
+    return {s.endpoint_id: s.matched_blocks for s in index.score("m", TOKENS).scores}
+
+
+async def test_pool_applies_in_order_and_drops_bad_payloads() -> None:
     index = InMemoryIndex()
-    index.register_endpoint(endpoint())
     pool = EventPool(index, workers=3)
+    joined(index, pool)
     pool.start()
     pool.submit(RawMessage(A, "m", 0, payload((1, None))))
     pool.submit(RawMessage(A, "m", 1, payload((2, 1))))  # needs message 0 applied first
-    pool.submit(RawMessage(A, "m", 5, b"\xc1garbage"))
+    pool.submit(RawMessage(A, "m", 2, b"\xc1garbage"))
     await pool.drained()
-    assert {s.endpoint_id: s.matched_blocks for s in index.score("m", TOKENS).scores} == {A: 2}
+    assert scores(index) == {A: 2}
     per = pool.stats.per_endpoint[A]
-    assert (per.messages, per.last_seq, per.sequence_gaps) == (3, 5, 3)
+    assert (per.messages, per.last_seq, per.sequence_gaps) == (3, 2, 0)
     assert pool.stats.dropped == {"bad_payload": 1}
+    assert pool.state(A) is EndpointState.LIVE
+    await pool.shutdown()
+
+
+async def test_gap_without_replay_endpoint_marks_unreliable_until_all_blocks_cleared() -> None:
+    index = InMemoryIndex()
+    pool = EventPool(index, workers=1, replayer=ZmqReplayer())
+    joined(index, pool)
+    pool.start()
+    pool.submit(RawMessage(A, "m", 0, payload((1, None))))
+    pool.submit(RawMessage(A, "m", 3, payload((2, 1))))  # seq 1-2 lost, nobody can replay them
+    await pool.drained()
+    assert pool.state(A) is EndpointState.UNRELIABLE
+    assert pool.stats.per_endpoint[A].sequence_gaps == 2
+    assert scores(index) == {A: 2}  # applied (never silently partial: the state says unreliable)
+    pool.submit(RawMessage(A, "m", 4, encode_batch(EventBatch(ts=1.0, events=[AllBlocksCleared()]))))
+    await pool.drained()
+    assert pool.state(A) is EndpointState.LIVE and scores(index) == {}
+    await pool.shutdown()
+
+
+async def test_gap_is_replayed_from_a_real_vllm_style_replay_socket_exactly_once_in_order() -> None:
+    """vLLM 0.32's protocol (ZmqEventPublisher's ROUTER): served by the simulator's publisher."""
+    replay = f"tcp://127.0.0.1:{free_port()}"
+    publisher = ZmqEventPublisher(f"tcp://127.0.0.1:{free_port()}", TOPIC.decode(), replay_endpoint=replay)
+    payloads = [payload((1, None)), payload((2, 1)), payload((3, 2)), payload((2, 1))]
+    for p in payloads:
+        publisher.publish_payload(p)  # buffered for replay (no subscriber on the PUB side)
+    index = InMemoryIndex()
+    pool = EventPool(index, workers=1, replayer=ZmqReplayer(), replay_timeout_seconds=5)
+    joined(index, pool, Endpoint(id=A, url=f"http://{A}", model="m", block_size_tokens=4, replay_endpoint=replay))
+    pool.start()
+    try:
+        pool.submit(RawMessage(A, "m", 0, payloads[0]))
+        pool.submit(RawMessage(A, "m", 3, payloads[3]))  # 1 and 2 were lost on PUB
+        pool.submit(RawMessage(A, "m", 3, payloads[3]))  # a duplicate: applied once
+        await pool.drained()
+        assert pool.state(A) is EndpointState.LIVE
+        assert set(index.held_blocks(A)) == {1, 2, 3}
+        assert index.stats().per_endpoint[0].events_applied == 4  # seq 0..3, each once
+        assert pool.export()[A] == (4, True)
+    finally:
+        publisher.shutdown()
+        await pool.shutdown()
+
+
+async def test_first_batch_after_an_indexer_restart_recovers_from_zero_or_is_unreliable() -> None:
+    replay = f"tcp://127.0.0.1:{free_port()}"
+    publisher = ZmqEventPublisher(f"tcp://127.0.0.1:{free_port()}", TOPIC.decode(), replay_endpoint=replay, buffer_steps=2)
+    for p in (payload((1, None)), payload((2, 1)), payload((3, 2))):
+        publisher.publish_payload(p)  # the buffer keeps seq 1-2 only: seq 0 is gone
+    index = InMemoryIndex()
+    pool = EventPool(index, workers=1, replayer=ZmqReplayer())
+    joined(index, pool, Endpoint(id=A, url=f"http://{A}", model="m", block_size_tokens=4, replay_endpoint=replay))
+    pool.start()
+    try:
+        pool.submit(RawMessage(A, "m", 2, payload((3, 2))))
+        await pool.drained()
+        assert pool.state(A) is EndpointState.UNRELIABLE  # seq 0 could not be replayed
+        assert set(index.held_blocks(A)) == {2, 3}  # chains without their parent are still held
+    finally:
+        publisher.shutdown()
+        await pool.shutdown()
+
+
+async def test_sequence_going_back_is_a_new_incarnation_and_purges() -> None:
+    index = InMemoryIndex()
+    pool = EventPool(index, workers=1)
+    joined(index, pool)
+    pool.start()
+    pool.submit(RawMessage(A, "m", 0, payload((1, None))))
+    pool.submit(RawMessage(A, "m", 1, payload((2, 1))))
+    pool.submit(RawMessage(A, "m", 0, payload((9, None))))  # the engine restarted: its seq is 0 again
+    await pool.drained()
+    assert set(index.held_blocks(A)) == {9}
+    assert pool.state(A) is EndpointState.LIVE
     await pool.shutdown()
 
 
@@ -82,16 +171,14 @@ async def test_pool_holds_messages_until_first_join_and_fences_after_leave() -> 
     pool.submit(RawMessage(A, "m", 1, payload((2, 1))))
     await pool.drained()
     assert index.score("m", TOKENS).scores == []
-    index.register_endpoint(endpoint())
-    pool.endpoint_joined(A)
+    joined(index, pool)
     assert index.score("m", TOKENS).scores[0].matched_blocks == 2
     index.remove_endpoint(A)
     pool.endpoint_left(A)
     pool.submit(RawMessage(A, "m", 2, payload((1, None))))
     await pool.drained()
     assert pool.stats.dropped == {"endpoint_left": 1}
-    index.register_endpoint(endpoint())
-    pool.endpoint_joined(A)
+    joined(index, pool)
     assert index.score("m", TOKENS).scores == []
     await pool.shutdown()
 
@@ -104,8 +191,7 @@ async def test_held_messages_expire() -> None:
     pool.submit(RawMessage(A, "m", 0, payload((1, None))))
     await pool.drained()
     now[0] = 6.0
-    index.register_endpoint(endpoint())
-    pool.endpoint_joined(A)
+    joined(index, pool)
     assert index.score("m", TOKENS).scores == []
     await pool.shutdown()
 
@@ -121,8 +207,7 @@ async def test_subscriber_binds_for_connecting_engines_and_connects_to_binding_o
     ctx = zmq.Context()
     try:
         # engine 1 connects to our bound SUB (vLLM with a plain tcp://host:port)
-        e1 = endpoint(9001, events=bind)
-        index.register_endpoint(e1)
+        e1 = joined(index, pool, endpoint(9001, events=bind))
         sub.follow(e1)  # same as the bind endpoint: no connect
         pub1 = ctx.socket(zmq.PUB)
         pub1.connect(bind)
@@ -138,8 +223,7 @@ async def test_subscriber_binds_for_connecting_engines_and_connects_to_binding_o
         port = free_port()
         pub2 = ctx.socket(zmq.PUB)
         pub2.bind(f"tcp://127.0.0.1:{port}")
-        e2 = endpoint(9002, events=f"tcp://127.0.0.1:{port}")
-        index.register_endpoint(e2)
+        e2 = joined(index, pool, endpoint(9002, events=f"tcp://127.0.0.1:{port}"))
         sub.follow(e2)
         topic2 = make_topic(e2.id, "m").encode()
         await wait_until_async(

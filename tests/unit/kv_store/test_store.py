@@ -87,13 +87,16 @@ async def test_metrics_collector_reports_tiers() -> None:
     with pytest.raises(KeyNotFound):
         await store.get("a")
     value = registry.get_sample_value
-    labels = {"medium": "CPU"}
+    labels = {"tier": "cpu", "medium": "CPU"}
     assert value("kvmesh_kv_store_capacity_bytes", labels) == 10
     assert value("kvmesh_kv_store_used_bytes", labels) == 6
     assert value("kvmesh_kv_store_keys", labels) == 1
     assert value("kvmesh_kv_store_hits_total", labels) == 1
     assert value("kvmesh_kv_store_misses_total", labels) == 1
     assert value("kvmesh_kv_store_evictions_total", labels) == 1
+    assert value("kvmesh_kv_store_moved_bytes_total", {"tier": "cpu", "reason": "put"}) == 12
+    assert value("kvmesh_kv_store_operation_seconds_count", {"tier": "cpu", "op": "get"}) == 2
+    assert value("kvmesh_kv_store_operation_seconds_bucket", {"tier": "cpu", "op": "put", "le": "+Inf"}) == 2
 
 
 KEYS = st.sampled_from([f"k{i}" for i in range(6)])

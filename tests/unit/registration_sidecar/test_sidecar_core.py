@@ -79,3 +79,15 @@ def test_build_service_needs_etcd_and_starts_nothing() -> None:
     assert isinstance(sidecar, Sidecar) and sidecar.registration is None
     with pytest.raises(SystemExit, match="--etcd-endpoints is required"):
         build_service(SidecarConfig(engine_url="http://127.0.0.1:8011", model="tiny", etcd_endpoints=[]))
+
+
+def test_tracker_busy_engine_keeps_registration_within_grace() -> None:
+    """Timed-out polls (a busy engine) deregister only past the grace; refused ones after the threshold."""
+    tracker = HealthTracker(2, 1, unresponsive_grace_seconds=10.0)
+    assert tracker.observe(True, now=0.0) is R
+    assert [tracker.observe(False, unresponsive=True, now=t) for t in (1.0, 2.0, 9.0)] == [N, N, N]
+    assert tracker.observe(True, now=9.5) is N  # answered again: still registered, grace reset
+    assert [tracker.observe(False, unresponsive=True, now=t) for t in (10.0, 15.0, 20.0)] == [N, N, D]
+    tracker = HealthTracker(2, 1, unresponsive_grace_seconds=10.0)
+    tracker.observe(True, now=0.0)
+    assert [tracker.observe(False, unresponsive=True, now=1.0), tracker.observe(False, now=1.5)] == [N, D]

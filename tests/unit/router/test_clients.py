@@ -13,7 +13,9 @@ from kvmesh import errors
 from kvmesh._proto.kvmesh.common.v1 import common_pb2
 from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
 from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2, flow_control_pb2_grpc
+from kvmesh.channels import ERROR_CLASS_TRAILER
 from services.router.clients import AdmissionClient, AdmitQuery, PickerClient, PickQuery
+from services.router.degraded import FlowControlUnreachable, PickerUnreachable
 from tests.support import wait_until_async
 
 QUERY = PickQuery(request_id="r1", model="tiny", prompt_token_ids=(1, 2, 3), prompt="hello",
@@ -24,7 +26,8 @@ TARGET = common_pb2.Endpoint(id="a:1", url="http://a:1/", model="tiny")
 class FakeEpp(epp_pb2_grpc.EndpointPickerServicer):
     """Answers Pick with TARGET; ``needs_prompt`` None leaves GetPickerInfo unimplemented (an older epp)."""
 
-    def __init__(self, needs_prompt: bool | None, abort: grpc.StatusCode | None = None) -> None:
+    def __init__(self, needs_prompt: bool | None, abort: grpc.StatusCode | None = None, answered: bool = True) -> None:
+        self.answered = answered
         self.needs_prompt = needs_prompt
         self.abort = abort
         self.picks: list[epp_pb2.PickRequest] = []
@@ -33,7 +36,9 @@ class FakeEpp(epp_pb2_grpc.EndpointPickerServicer):
     async def Pick(self, request: epp_pb2.PickRequest, context: grpc.aio.ServicerContext) -> epp_pb2.PickResponse:
         self.picks.append(request)
         if self.abort is not None:
-            await context.abort(self.abort, "no endpoint for model tiny")
+            # as a kvmesh server answers (the shared interceptor's trailer); without it: a failed call
+            trailer = ((ERROR_CLASS_TRAILER, "KvmeshError"),) if self.answered else ()
+            await context.abort(self.abort, "no endpoint for model tiny", trailing_metadata=trailer)
         return epp_pb2.PickResponse(target=TARGET, profile="default")
 
     async def GetPickerInfo(self, request: epp_pb2.GetPickerInfoRequest, context: grpc.aio.ServicerContext) -> epp_pb2.PickerInfo:
@@ -131,6 +136,27 @@ async def test_pick_errors_go_through_the_table(picker_for, code: grpc.StatusCod
     assert type(info.value) is error_cls
 
 
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+                                  grpc.StatusCode.DEADLINE_EXCEEDED], ids=lambda c: c.name)
+async def test_pick_failures_without_an_answer_are_unreachable(picker_for, code: grpc.StatusCode) -> None:
+    """A status no kvmesh interceptor answered (crash, bug, proxy) is "epp unreachable": the degraded mode applies."""
+    picker: PickerClient = await picker_for(FakeEpp(needs_prompt=True, abort=code, answered=False))
+    with pytest.raises(PickerUnreachable):
+        await picker.pick(QUERY)
+
+
+async def test_pick_with_epp_down_is_unreachable() -> None:
+    from kvmesh_cli.launcher import free_port
+
+    picker = PickerClient(f"127.0.0.1:{free_port()}", timeout_seconds=2)  # nothing listens there
+    await picker.connect()
+    try:
+        with pytest.raises(PickerUnreachable):
+            await picker.pick(QUERY)
+    finally:
+        await picker.close()
+
+
 class DownFlowControl(flow_control_pb2_grpc.FlowControlServicer):
     def __init__(self, code: grpc.StatusCode) -> None:
         self.code = code
@@ -141,8 +167,8 @@ class DownFlowControl(flow_control_pb2_grpc.FlowControlServicer):
 
 
 @pytest.mark.parametrize(("code", "error_cls", "message"), [
-    (grpc.StatusCode.UNAVAILABLE, errors.NotReady, "flow_control unavailable: shutting down"),
-    (grpc.StatusCode.INTERNAL, errors.NotReady, "flow_control unavailable: shutting down"),
+    (grpc.StatusCode.UNAVAILABLE, FlowControlUnreachable, "flow_control unavailable: shutting down"),
+    (grpc.StatusCode.INTERNAL, FlowControlUnreachable, "flow_control unavailable: shutting down"),
     (grpc.StatusCode.DEADLINE_EXCEEDED, errors.QueueTTLExpired, "flow_control unavailable: shutting down"),
     (grpc.StatusCode.INVALID_ARGUMENT, errors.InvalidRequest, "shutting down"),
 ], ids=lambda v: getattr(v, "name", getattr(v, "__name__", "")))

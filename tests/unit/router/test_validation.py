@@ -106,7 +106,7 @@ def test_catalog_takes_smallest_max_model_len() -> None:
 ERROR_CASES = [
     ("invalid", errors.InvalidRequest("'max_tokens' must be at least 1"), 400, "invalid_request_error", "max_tokens", {}),
     ("unknown-model", errors.UnknownModel("The model 'x' does not exist"), 404, "not_found_error", None, {}),
-    ("no-endpoints", errors.NoEndpointsAvailable("none"), 503, "service_unavailable", None, {}),
+    ("no-endpoints", errors.NoEndpointsAvailable("none"), 503, "service_unavailable", None, {"retry-after": "7"}),
     ("queue-full", errors.QueueFull("rejected by admission: capacity"), 429, "rate_limit_exceeded", None, {"retry-after": "7"}),
     ("shed", errors.Shed("shed"), 429, "rate_limit_exceeded", None, {"retry-after": "7"}),
     ("ttl", errors.QueueTTLExpired("waited"), 504, "timeout", None, {}),

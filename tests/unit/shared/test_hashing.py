@@ -61,3 +61,17 @@ def test_chaining_from_parent() -> None:
     tokens = list(range(96))
     whole = block_keys(tokens, 32)
     assert block_keys(tokens[32:], 32, parent_key=whole[0]) == whole[1:]
+
+
+def test_key_scope_roots_separate_lora_and_salt_and_keep_the_default_unchanged() -> None:
+    from kvmesh.hashing import DEFAULT_SCOPE, KeyScope, block_keys
+
+    tokens = list(range(64))
+    assert DEFAULT_SCOPE.root_key() == 0 and KeyScope("", "").is_default
+    assert block_keys(tokens, 16, DEFAULT_SCOPE.root_key()) == block_keys(tokens, 16)
+    roots = {KeyScope(lora, salt).root_key() for lora in (None, "a", "ab") for salt in (None, "c", "bc")}
+    assert len(roots) == 9  # presence bytes and length prefixes: ("a", "bc") != ("ab", "c")
+    chains = [block_keys(tokens, 16, KeyScope(lora, salt).root_key()) for lora in (None, "x") for salt in (None, "s")]
+    assert len({k for chain in chains for k in chain}) == 4 * 4  # no key shared across scopes
+    assert block_keys(tokens, 16, 0, [None, b"img"])[0] == block_keys(tokens, 16)[0]
+    assert block_keys(tokens, 16, 0, [None, b"img"])[1] != block_keys(tokens, 16)[1]

@@ -17,13 +17,22 @@ Produces:
 Parameters:
     ``tokenize`` (bool, default true): tokenize text/messages when no token ids are given; when false,
     such requests have no tokens (and no match).
+    ``max_prompt_tokens`` (int, default 131072): a prompt with more token ids (given or tokenized) is
+    not sent to kv_indexer; the pick is scored by load.
+    ``max_concurrent_scores`` (int, default 64): kv_indexer ``Score`` calls in flight from this step;
+    a pick arriving when all are taken does not wait, it is scored by load.
 Example YAML::
 
     - type: prefix-match
-      parameters: {tokenize: true}
+      parameters: {tokenize: true, max_prompt_tokens: 131072, max_concurrent_scores: 64}
 Failure modes:
-    kv_indexer unreachable or slow (past its timeout), or tokenization failing: logged (at most once per
-    10 s per kind) and written as no match, so consumers degrade (prefix scores 0, prefill cost by load).
+    Every one is a degraded pick (no match: prefix scores 0, prefill cost by load), never an error,
+    counted in ``kvmesh_epp_prefix_match_degraded_total{reason}`` and logged at most once per 10 s per
+    kind: ``too_large`` (prompt over the tokenizer's character bound or ``max_prompt_tokens``: checked
+    before any tokenization or kv_indexer call), ``busy`` (every engine's tokenize slots taken),
+    ``error`` (tokenization failed or timed out), ``kv_indexer_busy``, ``kv_indexer_error`` (unreachable,
+    or past its timeout). The tokenizer's own bounds (size, one engine, deadline, per-engine
+    concurrency) are in ``services/epp/tokenize_client.py``.
 
 :func:`uncached_prompt_tokens` is the one formula for the prompt tokens an endpoint would have to
 prefill given the match; the scheduler (for the datastore's queued-prefill accounting) and
@@ -51,6 +60,7 @@ from services.epp.framework.interfaces import (
     Tokenizer,
 )
 from services.epp.framework.registry import parse_params
+from services.epp.metrics import record_prefix_match_degraded
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +77,21 @@ PREFIX_MATCH: StateKey[PrefixMatch | None] = StateKey("prefix-match", producer=T
 class PrefixMatchParams(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
     tokenize: bool = True
+    max_prompt_tokens: int = pydantic.Field(131_072, ge=1)
+    max_concurrent_scores: int = pydantic.Field(64, ge=1)
 
 
 def factory(name: str, params: Mapping[str, Any], handle: PluginHandle) -> PrefixMatchStep:
     parsed = parse_params(PrefixMatchParams, TYPE, name, params)
     if handle.prefix_index is None:
         raise ConfigError(f"plugin {name!r} (type {TYPE}) needs kv_indexer: set --kv-indexer-address")
-    return PrefixMatchStep(name, handle.prefix_index, handle.tokenizer if parsed.tokenize else None)
+    return PrefixMatchStep(
+        name,
+        handle.prefix_index,
+        handle.tokenizer if parsed.tokenize else None,
+        max_prompt_tokens=parsed.max_prompt_tokens,
+        max_concurrent_scores=parsed.max_concurrent_scores,
+    )
 
 
 def prompt_token_ids(state: CycleState, request: SchedulingRequest) -> Sequence[int]:
@@ -101,13 +119,24 @@ class PrefixMatchStep(PrepareStep):
     produces = frozenset({TOKEN_IDS, PREFIX_MATCH})
     reads_prompt = True
 
-    def __init__(self, name: str, prefix_index: PrefixIndex, tokenizer: Tokenizer | None) -> None:
+    def __init__(
+        self,
+        name: str,
+        prefix_index: PrefixIndex,
+        tokenizer: Tokenizer | None,
+        max_prompt_tokens: int = 131_072,
+        max_concurrent_scores: int = 64,
+    ) -> None:
         super().__init__(name)
         self._index = prefix_index
         self._tokenizer = tokenizer
+        self._max_tokens = max_prompt_tokens
+        self._max_scores = max_concurrent_scores
+        self._scores_in_flight = 0
         self._last_warning: dict[str, float] = {}
 
-    def _warn(self, what: str, request: SchedulingRequest, exc: BaseException) -> None:
+    def _warn(self, what: str, request: SchedulingRequest, exc: BaseException | str, reason: str) -> None:
+        record_prefix_match_degraded(reason)
         now = time.monotonic()
         if now - self._last_warning.get(what, -_WARN_EVERY_SECONDS) >= _WARN_EVERY_SECONDS:
             self._last_warning[what] = now
@@ -122,17 +151,42 @@ class PrefixMatchStep(PrepareStep):
             try:
                 tokens = await self._tokenizer.tokenize(request, candidates)
             except Exception as exc:
-                self._warn("tokenize", request, exc)
+                self._warn("tokenize", request, exc, str(getattr(exc, "reason", "error")))
                 return []
         return tokens
 
+    async def _score(self, request: SchedulingRequest, tokens: list[int], candidates: Sequence[Candidate]) -> PrefixMatch | None:
+        if len(tokens) > self._max_tokens:
+            self._warn("prefix match", request, f"{len(tokens)} tokens exceed {self._max_tokens}", "too_large")
+            return None
+        if self._scores_in_flight >= self._max_scores:
+            self._warn("kv_indexer score", request, f"{self._max_scores} calls in flight", "kv_indexer_busy")
+            return None
+        self._scores_in_flight += 1
+        try:
+            if request.scope.is_default:
+                return await self._index.score(request.model, tokens, [c.id for c in candidates])
+            scoped = getattr(self._index, "score_scoped", None)
+            if scoped is None:  # an index that cannot scope: no match rather than another tenant's blocks
+                return PrefixMatch(0, {})
+            match: PrefixMatch = await scoped(request.model, tokens, [c.id for c in candidates], request.scope)
+            return match
+        except Exception as exc:
+            self._warn("kv_indexer score", request, exc, "kv_indexer_error")
+            return None
+        finally:
+            self._scores_in_flight -= 1
+
     async def prepare(self, state: CycleState, request: SchedulingRequest, candidates: Sequence[Candidate]) -> None:
-        tokens = await self._token_ids(request, candidates)
+        """Bounded: a too-long prompt is refused before any tokenization or kv_indexer call."""
         match: PrefixMatch | None = None
-        if tokens:
-            try:
-                match = await self._index.score(request.model, tokens, [c.id for c in candidates])
-            except Exception as exc:
-                self._warn("kv_indexer score", request, exc)
+        if len(request.token_ids) > self._max_tokens:
+            self._warn("prefix match", request, f"{len(request.token_ids)} token ids exceed {self._max_tokens}",
+                       "too_large")
+            tokens: list[int] = []
+        else:
+            tokens = await self._token_ids(request, candidates)
+            if tokens:
+                match = await self._score(request, tokens, candidates)
         state.set(TOKEN_IDS, tokens)
         state.set(PREFIX_MATCH, match)

@@ -1,5 +1,6 @@
 from kvmesh._proto.kvmesh.common.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -7,15 +8,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class IndexState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    INDEX_STATE_UNSPECIFIED: _ClassVar[IndexState]
+    INDEX_STATE_READY: _ClassVar[IndexState]
+    INDEX_STATE_WARMING: _ClassVar[IndexState]
+    INDEX_STATE_LOAD_ONLY: _ClassVar[IndexState]
+INDEX_STATE_UNSPECIFIED: IndexState
+INDEX_STATE_READY: IndexState
+INDEX_STATE_WARMING: IndexState
+INDEX_STATE_LOAD_ONLY: IndexState
+
 class ScoreRequest(_message.Message):
-    __slots__ = ("model", "token_ids", "endpoint_ids")
+    __slots__ = ("model", "token_ids", "endpoint_ids", "lora_name", "cache_salt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_IDS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     model: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     endpoint_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., endpoint_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    lora_name: str
+    cache_salt: str
+    def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., endpoint_ids: _Optional[_Iterable[str]] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class EndpointScore(_message.Message):
     __slots__ = ("endpoint_id", "matched_blocks", "matched_tokens", "matched_blocks_by_medium")
@@ -37,22 +53,30 @@ class EndpointScore(_message.Message):
     def __init__(self, endpoint_id: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., matched_blocks_by_medium: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("scores", "total_blocks", "block_size_tokens")
+    __slots__ = ("scores", "total_blocks", "block_size_tokens", "state", "unknown_endpoint_ids")
     SCORES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_ENDPOINT_IDS_FIELD_NUMBER: _ClassVar[int]
     scores: _containers.RepeatedCompositeFieldContainer[EndpointScore]
     total_blocks: int
     block_size_tokens: int
-    def __init__(self, scores: _Optional[_Iterable[_Union[EndpointScore, _Mapping]]] = ..., total_blocks: _Optional[int] = ..., block_size_tokens: _Optional[int] = ...) -> None: ...
+    state: IndexState
+    unknown_endpoint_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, scores: _Optional[_Iterable[_Union[EndpointScore, _Mapping]]] = ..., total_blocks: _Optional[int] = ..., block_size_tokens: _Optional[int] = ..., state: _Optional[_Union[IndexState, str]] = ..., unknown_endpoint_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("model", "token_ids")
+    __slots__ = ("model", "token_ids", "lora_name", "cache_salt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     model: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    lora_name: str
+    cache_salt: str
+    def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class BlockHolder(_message.Message):
     __slots__ = ("endpoint_id", "medium")
@@ -81,27 +105,56 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EndpointIndexStats(_message.Message):
-    __slots__ = ("endpoint_id", "blocks", "events_applied", "last_seq")
+    __slots__ = ("endpoint_id", "blocks", "events_applied", "last_seq", "state", "instance_id")
     ENDPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_APPLIED_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     endpoint_id: str
     blocks: int
     events_applied: int
     last_seq: int
-    def __init__(self, endpoint_id: _Optional[str] = ..., blocks: _Optional[int] = ..., events_applied: _Optional[int] = ..., last_seq: _Optional[int] = ...) -> None: ...
+    state: str
+    instance_id: str
+    def __init__(self, endpoint_id: _Optional[str] = ..., blocks: _Optional[int] = ..., events_applied: _Optional[int] = ..., last_seq: _Optional[int] = ..., state: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("blocks", "endpoints", "events_applied", "batches_dropped", "per_endpoint")
+    __slots__ = ("blocks", "endpoints", "events_applied", "batches_dropped", "per_endpoint", "ready", "parity_mismatches")
+    class ParityMismatchesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_APPLIED_FIELD_NUMBER: _ClassVar[int]
     BATCHES_DROPPED_FIELD_NUMBER: _ClassVar[int]
     PER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    PARITY_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
     blocks: int
     endpoints: int
     events_applied: int
     batches_dropped: int
     per_endpoint: _containers.RepeatedCompositeFieldContainer[EndpointIndexStats]
-    def __init__(self, blocks: _Optional[int] = ..., endpoints: _Optional[int] = ..., events_applied: _Optional[int] = ..., batches_dropped: _Optional[int] = ..., per_endpoint: _Optional[_Iterable[_Union[EndpointIndexStats, _Mapping]]] = ...) -> None: ...
+    ready: bool
+    parity_mismatches: _containers.ScalarMap[str, str]
+    def __init__(self, blocks: _Optional[int] = ..., endpoints: _Optional[int] = ..., events_applied: _Optional[int] = ..., batches_dropped: _Optional[int] = ..., per_endpoint: _Optional[_Iterable[_Union[EndpointIndexStats, _Mapping]]] = ..., ready: _Optional[bool] = ..., parity_mismatches: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class EndpointBlocksRequest(_message.Message):
+    __slots__ = ("endpoint_id",)
+    ENDPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    endpoint_id: str
+    def __init__(self, endpoint_id: _Optional[str] = ...) -> None: ...
+
+class EndpointBlocksResponse(_message.Message):
+    __slots__ = ("block_hashes", "state")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    state: str
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., state: _Optional[str] = ...) -> None: ...

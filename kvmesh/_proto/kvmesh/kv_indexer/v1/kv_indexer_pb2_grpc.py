@@ -49,6 +49,11 @@ class KVIndexerStub:
                 request_serializer=kvmesh_dot_kv__indexer_dot_v1_dot_kv__indexer__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_kv__indexer_dot_v1_dot_kv__indexer__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.EndpointBlocks = channel.unary_unary(
+                '/kvmesh.kv_indexer.v1.KVIndexer/EndpointBlocks',
+                request_serializer=kvmesh_dot_kv__indexer_dot_v1_dot_kv__indexer__pb2.EndpointBlocksRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_kv__indexer_dot_v1_dot_kv__indexer__pb2.EndpointBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class KVIndexerServicer:
@@ -74,6 +79,13 @@ class KVIndexerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EndpointBlocks(self, request, context):
+        """The engine block hashes the index holds for one endpoint (to compare with the engine's own cache).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVIndexerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +103,11 @@ def add_KVIndexerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvmesh_dot_kv__indexer_dot_v1_dot_kv__indexer__pb2.StatsRequest.FromString,
                     response_serializer=kvmesh_dot_kv__indexer_dot_v1_dot_kv__indexer__pb2.StatsResponse.SerializeToString,
+            ),
+            'EndpointBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndpointBlocks,
+                    request_deserializer=kvmesh_dot_kv__indexer_dot_v1_dot_kv__indexer__pb2.EndpointBlocksRequest.FromString,
+                    response_serializer=kvmesh_dot_kv__indexer_dot_v1_dot_kv__indexer__pb2.EndpointBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -174,6 +191,33 @@ class KVIndexer:
             '/kvmesh.kv_indexer.v1.KVIndexer/Stats',
             kvmesh_dot_kv__indexer_dot_v1_dot_kv__indexer__pb2.StatsRequest.SerializeToString,
             kvmesh_dot_kv__indexer_dot_v1_dot_kv__indexer__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndpointBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.kv_indexer.v1.KVIndexer/EndpointBlocks',
+            kvmesh_dot_kv__indexer_dot_v1_dot_kv__indexer__pb2.EndpointBlocksRequest.SerializeToString,
+            kvmesh_dot_kv__indexer_dot_v1_dot_kv__indexer__pb2.EndpointBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

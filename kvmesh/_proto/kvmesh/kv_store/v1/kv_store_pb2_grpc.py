@@ -49,6 +49,16 @@ class KVStoreStub:
                 request_serializer=kvmesh_dot_kv__store_dot_v1_dot_kv__store__pb2.ContainsRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_kv__store_dot_v1_dot_kv__store__pb2.ContainsResponse.FromString,
                 _registered_method=True)
+        self.BatchGet = channel.unary_stream(
+                '/kvmesh.kv_store.v1.KVStore/BatchGet',
+                request_serializer=kvmesh_dot_kv__store_dot_v1_dot_kv__store__pb2.BatchGetRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_kv__store_dot_v1_dot_kv__store__pb2.BatchGetResponse.FromString,
+                _registered_method=True)
+        self.Lookup = channel.unary_unary(
+                '/kvmesh.kv_store.v1.KVStore/Lookup',
+                request_serializer=kvmesh_dot_kv__store_dot_v1_dot_kv__store__pb2.LookupRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_kv__store_dot_v1_dot_kv__store__pb2.LookupResponse.FromString,
+                _registered_method=True)
         self.Delete = channel.unary_unary(
                 '/kvmesh.kv_store.v1.KVStore/Delete',
                 request_serializer=kvmesh_dot_kv__store_dot_v1_dot_kv__store__pb2.DeleteRequest.SerializeToString,
@@ -84,6 +94,21 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BatchGet(self, request, context):
+        """Server stream: the values of many keys in request order (a prefix of KV blocks), each as the
+        chunks of one Get tagged with the key's index; a missing key is one message with found = false.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Lookup(self, request, context):
+        """Where each key lives (fastest tier holding it) and how many leading keys are present, no LRU effect.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Delete(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -113,6 +138,16 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Contains,
                     request_deserializer=kvmesh_dot_kv__store_dot_v1_dot_kv__store__pb2.ContainsRequest.FromString,
                     response_serializer=kvmesh_dot_kv__store_dot_v1_dot_kv__store__pb2.ContainsResponse.SerializeToString,
+            ),
+            'BatchGet': grpc.unary_stream_rpc_method_handler(
+                    servicer.BatchGet,
+                    request_deserializer=kvmesh_dot_kv__store_dot_v1_dot_kv__store__pb2.BatchGetRequest.FromString,
+                    response_serializer=kvmesh_dot_kv__store_dot_v1_dot_kv__store__pb2.BatchGetResponse.SerializeToString,
+            ),
+            'Lookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=kvmesh_dot_kv__store_dot_v1_dot_kv__store__pb2.LookupRequest.FromString,
+                    response_serializer=kvmesh_dot_kv__store_dot_v1_dot_kv__store__pb2.LookupResponse.SerializeToString,
             ),
             'Delete': grpc.unary_unary_rpc_method_handler(
                     servicer.Delete,
@@ -206,6 +241,60 @@ class KVStore:
             '/kvmesh.kv_store.v1.KVStore/Contains',
             kvmesh_dot_kv__store_dot_v1_dot_kv__store__pb2.ContainsRequest.SerializeToString,
             kvmesh_dot_kv__store_dot_v1_dot_kv__store__pb2.ContainsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BatchGet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.kv_store.v1.KVStore/BatchGet',
+            kvmesh_dot_kv__store_dot_v1_dot_kv__store__pb2.BatchGetRequest.SerializeToString,
+            kvmesh_dot_kv__store_dot_v1_dot_kv__store__pb2.BatchGetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.kv_store.v1.KVStore/Lookup',
+            kvmesh_dot_kv__store_dot_v1_dot_kv__store__pb2.LookupRequest.SerializeToString,
+            kvmesh_dot_kv__store_dot_v1_dot_kv__store__pb2.LookupResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,1 @@
+"""Fairness policies: which flow of a priority band is served next (GIE ``FairnessPolicy``)."""

@@ -1,0 +1,414 @@
+"""File-backed tiers: local NVMe (``DiskTier``) and a shared filesystem such as Lustre (``SharedFsTier``).
+
+On-disk layout (both tiers): one file per value under ``<root>/<hh>/<sha256(key)>`` where ``hh`` is
+the first two hex digits (256 fan-out directories keep directories small). A file is
+
+    header  struct "<8sIQI": magic b"KVMSV001", key length (u32), value length (u64), CRC-32 of the value
+    key     UTF-8 bytes (checked on read, so a hash collision is a miss, never another key's bytes)
+    value   the bytes
+
+**Atomic writes.** A value is written to ``.<name>.<random>.tmp`` in the same directory and then
+``os.replace``-d onto its name, so a reader opens either the old complete file or the new complete
+file, never a partial one (POSIX rename is atomic within a filesystem, Lustre included). A reader
+that opened a file keeps reading that inode even if a writer replaces or unlinks the name.
+
+**Checksums.** Every read recomputes CRC-32 (``zlib.crc32``, ~3 GB/s here) over the value and
+compares key and lengths; a mismatch (bit rot, a torn write after a crash, a foreign file) is
+counted in ``corrupted``, the file is removed and the read is a *miss*: wrong bytes are never
+returned.
+
+**fsync policy** (``FsyncPolicy``): ``none`` (default; values are a cache, a crash may lose recent
+values and a torn file is caught by its checksum), ``data`` (fsync the file before the rename: a
+value that was acknowledged survives a crash), ``all`` (also fsync the directory after the rename,
+so the name survives too).
+
+**Capacity.** Value bytes (not headers) count against ``capacity_bytes``; least recently used
+values are evicted (their files unlinked) before a put that needs room, exactly as the CPU tier.
+Use order is kept in memory and persisted as the file's mtime (touched on every hit), so a
+**rescan on restart** (``open`` at construction) serves what was on disk again, in LRU order by
+mtime, dropping leftover temp files and anything over the budget.
+
+**Shared namespace** (``SharedFsTier``): many kv_store instances mount the same ``root``. Names
+are derived from the key alone (content addressing: KV block keys are hashes of their tokens), so
+concurrent writers of one key race only on a rename, and the last complete file wins. Each
+instance keeps its own view of the namespace (rescanned at start, extended on every hit), looks a
+key up on the filesystem when its view lacks it, and enforces ``capacity_bytes`` over its view;
+with N instances the namespace-wide budget is soft (each evicts what it knows; use a filesystem
+quota for a hard limit). A read-only mount still serves reads; writes to it raise
+TierUnavailable. The root must exist (a missing mount point is *not* created, so a
+missing mount never silently fills the local disk).
+
+Errors: a missing, unreadable or read-only root raises
+:class:`~services.kv_store.errors.TierUnavailable`; ENOSPC raises
+:class:`~services.kv_store.errors.StorageFull`; both leave the index consistent.
+
+All file I/O runs in worker threads (``asyncio.to_thread``); puts and evictions are serialised by
+one ``asyncio.Lock`` per tier, reads run concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import errno
+import hashlib
+import os
+import struct
+import uuid
+import zlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvmesh.types import Medium
+from services.kv_store.errors import StorageFull, TierUnavailable, ValueTooLarge
+from services.kv_store.tiers.base import PutResult, TierStats
+
+MAGIC = b"KVMSV001"
+HEADER = struct.Struct("<8sIQI")
+_TMP_SUFFIX = ".tmp"
+
+
+class FsyncPolicy(enum.StrEnum):
+    """When a write is forced to stable storage (see the module docstring)."""
+
+    NONE = "none"
+    DATA = "data"
+    ALL = "all"
+
+
+def file_name(key: str) -> str:
+    """``sha256(key)`` in hex: the content-addressed file name of ``key``."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def encode_header(key: bytes, value: bytes | memoryview) -> bytes:
+    """The header plus key bytes that precede ``value`` in a file."""
+    return HEADER.pack(MAGIC, len(key), len(value), zlib.crc32(value)) + key
+
+
+class _Corrupt(Exception):
+    """A file whose header, key, length or checksum does not match."""
+
+
+def _read_value(path: Path, key: bytes, touch: bool) -> bytes | None:
+    """The verified value in ``path``; ``None`` when absent. Raises _Corrupt.
+
+    The whole file is announced to the kernel (``POSIX_FADV_WILLNEED``: one readahead of all of it
+    rather than a window growing from 128 KiB) and the value is read by one ``os.read`` straight
+    into its ``bytes`` (no buffered-reader copy).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        file_size = os.fstat(fd).st_size
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        head = os.read(fd, HEADER.size + len(key))
+        if len(head) < HEADER.size:
+            raise _Corrupt(f"{path}: truncated header")
+        magic, key_len, value_len, crc = HEADER.unpack_from(head)
+        if magic != MAGIC or key_len != len(key) or head[HEADER.size :] != key:
+            raise _Corrupt(f"{path}: not a value of this key")
+        if file_size != HEADER.size + key_len + value_len:
+            raise _Corrupt(f"{path}: {file_size} bytes on disk, header says {HEADER.size + key_len + value_len}")
+        value = os.read(fd, value_len) if value_len else b""
+        while len(value) < value_len:  # a short read (signals, some network filesystems)
+            more = os.read(fd, value_len - len(value))
+            if not more:
+                break
+            value += more
+    finally:
+        os.close(fd)
+    if len(value) != value_len or zlib.crc32(value) != crc:
+        raise _Corrupt(f"{path}: length or checksum mismatch")
+    if touch:
+        with contextlib.suppress(OSError):  # a read-only mount: LRU order is then this process's alone
+            os.utime(path)
+    return value
+
+
+def _read_header(path: Path) -> tuple[str, int] | None:
+    """``(key, value_len)`` from a file's header, or ``None`` when it is not a value file."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEADER.size)
+            if len(head) < HEADER.size:
+                return None
+            magic, key_len, value_len, _ = HEADER.unpack(head)
+            if magic != MAGIC:
+                return None
+            key = f.read(key_len).decode()
+        if os.path.getsize(path) != HEADER.size + key_len + value_len:
+            return None
+        return key, value_len
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+class FileTier:
+    """A :class:`~services.kv_store.tiers.base.StoreTier` of one file per value under ``root``."""
+
+    medium: Medium = Medium.DISK
+    name = "disk"
+    shared = False
+
+    def __init__(
+        self, root: str | os.PathLike[str], capacity_bytes: int, fsync: FsyncPolicy = FsyncPolicy.NONE
+    ) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
+        self.root = Path(root)
+        self.capacity_bytes = capacity_bytes
+        self.fsync = FsyncPolicy(fsync)
+        self._index: OrderedDict[str, int] = OrderedDict()
+        self._used_bytes = 0
+        self._hits = 0
+        self._misses = 0
+        self._evictions = 0
+        self._corrupted = 0
+        self._errors = 0
+        self._lock = asyncio.Lock()
+        self._available = False
+        self._rescan()
+
+    # -- paths and startup ---------------------------------------------------------------
+
+    def path_of(self, key: str) -> Path:
+        name = file_name(key)
+        return self.root / name[:2] / name
+
+    def _prepare_root(self) -> None:
+        """Make sure ``root`` is usable (created for a local disk, required for a shared mount)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _check_root(self) -> None:
+        """Raise TierUnavailable when the root is missing or not writable."""
+        if not self._available:
+            try:
+                self._prepare_root()
+            except OSError as exc:
+                self._errors += 1
+                raise TierUnavailable(f"{self.name} tier root {self.root} is unavailable: {exc}") from exc
+            self._available = True
+
+    def _rescan(self) -> None:
+        """Rebuild the index from the files under root (LRU order by mtime), dropping temp files."""
+        try:
+            self._prepare_root()
+        except OSError:
+            return  # degraded: every operation retries and reports TierUnavailable
+        self._available = True
+        found: list[tuple[float, str, int]] = []
+        for sub in self.root.iterdir() if self.root.is_dir() else ():
+            if not sub.is_dir() or len(sub.name) != 2:
+                continue
+            for entry in os.scandir(sub):
+                if entry.name.endswith(_TMP_SUFFIX):
+                    if not self.shared:  # a shared tmp may be another instance's write in flight
+                        _unlink(Path(entry.path))
+                    continue
+                head = _read_header(Path(entry.path))
+                if head is None or file_name(head[0]) != entry.name:
+                    continue
+                try:
+                    mtime = entry.stat().st_mtime
+                except OSError:
+                    continue
+                found.append((mtime, head[0], head[1]))
+        found.sort()
+        for _, key, size in found:
+            self._index[key] = size
+            self._used_bytes += size
+        while self._used_bytes > self.capacity_bytes and self._index:
+            key, size = self._index.popitem(last=False)
+            self._used_bytes -= size
+            _unlink(self.path_of(key))
+
+    # -- the StoreTier verbs ---------------------------------------------------------------
+
+    async def put(self, key: str, value: bytes, *, keep_victims: bool = False) -> PutResult:
+        size = len(value)
+        if size > self.capacity_bytes:
+            raise ValueTooLarge(
+                f"value of {size} bytes for key {key!r} exceeds the {self.name} tier's"
+                f" capacity_bytes={self.capacity_bytes}"
+            )
+        async with self._lock:
+            self._check_root()
+            old = self._index.pop(key, None)
+            if old is not None:
+                self._used_bytes -= old
+            victims: list[str] = []
+            while self._used_bytes + size > self.capacity_bytes:
+                victim, victim_size = self._index.popitem(last=False)
+                self._used_bytes -= victim_size
+                victims.append(victim)
+            self._evictions += len(victims)
+            victim_values: list[tuple[str, bytes]] = []
+            try:
+                victim_values = await asyncio.to_thread(self._write, key, value, victims, keep_victims)
+            except OSError as exc:
+                self._errors += 1
+                if old is not None and self.path_of(key).exists():
+                    self._index[key] = old
+                    self._used_bytes += old
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise StorageFull(f"{self.name} tier at {self.root} is full: {exc}") from exc
+                self._available = False
+                raise TierUnavailable(f"{self.name} tier at {self.root} cannot store {key!r}: {exc}") from exc
+            self._index[key] = size
+            self._used_bytes += size
+            return PutResult(tuple(victims), tuple(victim_values))
+
+    def _write(self, key: str, value: bytes, victims: list[str], keep_victims: bool) -> list[tuple[str, bytes]]:
+        kept: list[tuple[str, bytes]] = []
+        for victim in victims:
+            path = self.path_of(victim)
+            if keep_victims:
+                try:
+                    data = _read_value(path, victim.encode(), touch=False)
+                except _Corrupt:
+                    data = None
+                    self._corrupted += 1
+                if data is not None:
+                    kept.append((victim, data))
+            _unlink(path)
+        path = self.path_of(key)
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}{_TMP_SUFFIX}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                _write_all(fd, encode_header(key.encode(), value))
+                _write_all(fd, value)
+                if self.fsync is not FsyncPolicy.NONE:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            _unlink(tmp)
+            raise
+        if self.fsync is FsyncPolicy.ALL:
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        return kept
+
+    async def get(self, key: str) -> bytes | None:
+        known = key in self._index
+        if not known and not self.shared:
+            self._misses += 1
+            return None
+        self._check_root()
+        try:
+            value = await asyncio.to_thread(_read_value, self.path_of(key), key.encode(), True)
+        except _Corrupt:
+            self._corrupted += 1
+            await self._forget(key, unlink=True)
+            self._misses += 1
+            return None
+        except OSError as exc:
+            self._errors += 1
+            self._available = False
+            raise TierUnavailable(f"{self.name} tier at {self.root} cannot read {key!r}: {exc}") from exc
+        if value is None:
+            await self._forget(key, unlink=False)
+            self._misses += 1
+            return None
+        self._hits += 1
+        if key in self._index:
+            self._index.move_to_end(key)
+        else:  # another instance's value: adopt it into this instance's view
+            self._index[key] = len(value)
+            self._used_bytes += len(value)
+        return value
+
+    async def contains(self, keys: Sequence[str]) -> list[bool]:
+        present = [key in self._index for key in keys]
+        if self.shared and not all(present):
+            self._check_root()
+            missing = [i for i, found in enumerate(present) if not found]
+            exists = await asyncio.to_thread(lambda: [self.path_of(keys[i]).exists() for i in missing])
+            for i, found in zip(missing, exists, strict=True):
+                present[i] = found
+        return present
+
+    async def evict(self, key: str) -> bool:
+        async with self._lock:
+            self._check_root()
+            known = key in self._index
+            path = self.path_of(key)
+            removed = await asyncio.to_thread(_unlink, path)
+            if known:
+                self._used_bytes -= self._index.pop(key)
+            return known or removed
+
+    async def _forget(self, key: str, unlink: bool) -> None:
+        async with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._used_bytes -= size
+            if unlink:
+                await asyncio.to_thread(_unlink, self.path_of(key))
+
+    def stats(self) -> TierStats:
+        return TierStats(
+            medium=self.medium,
+            capacity_bytes=self.capacity_bytes,
+            used_bytes=self._used_bytes,
+            keys=len(self._index),
+            hits=self._hits,
+            misses=self._misses,
+            evictions=self._evictions,
+            name=self.name,
+            corrupted=self._corrupted,
+            errors=self._errors,
+        )
+
+    def lru_order(self) -> list[str]:
+        """Keys from least to most recently used (for tests and debugging)."""
+        return list(self._index)
+
+
+class DiskTier(FileTier):
+    """Local NVMe: a directory per kv_store instance (``<path>/<instance_id>``), medium ``DISK``."""
+
+    medium = Medium.DISK
+    name = "disk"
+    shared = False
+
+
+class SharedFsTier(FileTier):
+    """A shared filesystem namespace (Lustre-style) that many instances mount, medium ``SHARED``."""
+
+    medium = Medium.SHARED
+    name = "sharedfs"
+    shared = True
+
+    def _prepare_root(self) -> None:
+        if not self.root.is_dir():
+            raise FileNotFoundError(
+                errno.ENOENT, "shared filesystem root does not exist (not mounted?)", str(self.root)
+            )
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _unlink(path: Path) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False

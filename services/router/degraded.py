@@ -1,0 +1,127 @@
+"""The router's degraded modes when flow_control or epp cannot be reached (pure: no I/O, no gRPC).
+
+See ``docs/degraded-modes.md`` for every dependency's mode. The two the router itself carries:
+
+* **flow_control unreachable** (the admission call fails: refused connection, reset, the stream
+  ended without a decision): the request is admitted *locally* while the router's own
+  degraded-admitted in-flight count is below ``degraded_max_in_flight`` (fail-open with a cap,
+  like Envoy's ``failure_mode_allow`` for ext_authz/ext_proc, bounded so a dead flow_control does
+  not turn into unbounded load on the engines); past the cap, 503 with ``retry-after``. With
+  ``flow_control_failure_mode = "closed"`` every such request is the 503. A *hung* flow_control
+  (no answer) is not this mode: that request waits for the admission timeout (504), since queueing
+  is flow_control's job and a slow answer is indistinguishable from a long queue.
+* **epp unreachable** (``Pick`` fails with ``UNAVAILABLE``, ``DEADLINE_EXCEEDED``, ``UNKNOWN`` or
+  ``INTERNAL``): :class:`LocalPicker` orders the model's live endpoints from the router's own etcd
+  membership view by the router's own in-flight requests per endpoint (least first; ties by
+  rotation), the least-request policy Envoy uses without an external picker. epp's ``NOT_FOUND``
+  (unknown model) and an empty answer (no candidate) are answers, not failures: they are kept.
+
+Both are counted in ``kvmesh_router_degraded_total{dependency, action}`` and logged (the first
+time a dependency is found unreachable, and then at most once per ``log_interval_seconds``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+from kvmesh import errors
+from kvmesh.types import Endpoint, EndpointRole
+
+logger = logging.getLogger(__name__)
+
+
+class FlowControlUnreachable(errors.NotReady):
+    """flow_control could not be reached or failed the admission call without a decision (503 when
+    not admitted locally)."""
+
+
+class PickerUnreachable(errors.NoEndpointsAvailable):
+    """epp could not be reached or failed the Pick call (503 when no local pick is possible)."""
+
+
+class LocalAdmission:
+    """Counts requests admitted without flow_control; admits while under ``max_in_flight``.
+
+    Args:
+        max_in_flight: most requests admitted this way at once (0 with ``fail_open`` False: none).
+        fail_open: False turns every unreachable-flow_control request into a 503.
+    """
+
+    def __init__(self, max_in_flight: int, fail_open: bool = True) -> None:
+        self.max_in_flight = max_in_flight
+        self.fail_open = fail_open
+        self.in_flight = 0
+
+    def try_admit(self) -> bool:
+        """Take a local slot (True) or refuse (False: the cap is reached, or fail-closed)."""
+        if not self.fail_open or self.in_flight >= self.max_in_flight:
+            return False
+        self.in_flight += 1
+        return True
+
+    def release(self) -> None:
+        """Give a slot taken by :meth:`try_admit` back."""
+        self.in_flight = max(0, self.in_flight - 1)
+
+
+class LocalPicker:
+    """Least-request ordering of live endpoints by the router's own in-flight count per endpoint.
+
+    ``note_start(id)`` / ``note_end(id)`` are called for every request the router forwards (not
+    only degraded ones), so the counts are current when epp disappears.
+    """
+
+    def __init__(self) -> None:
+        self._in_flight: Counter[str] = Counter()
+        self._rotation = itertools.count()
+
+    def note_start(self, endpoint_id: str) -> None:
+        self._in_flight[endpoint_id] += 1
+
+    def note_end(self, endpoint_id: str) -> None:
+        self._in_flight[endpoint_id] -= 1
+        if self._in_flight[endpoint_id] <= 0:
+            del self._in_flight[endpoint_id]
+
+    def in_flight(self, endpoint_id: str) -> int:
+        return self._in_flight.get(endpoint_id, 0)
+
+    def order(self, endpoints: Iterable[Endpoint], exclude: Iterable[str] = ()) -> list[Endpoint]:
+        """``endpoints`` minus ``exclude``, least in-flight first; equal loads rotate request by request.
+
+        Prefill-only endpoints (``role == "prefill"``) are left out: they cannot answer alone.
+        """
+        skip = set(exclude)
+        live = sorted(
+            (ep for ep in endpoints if ep.id not in skip and ep.role is not EndpointRole.PREFILL),
+            key=lambda ep: ep.id,
+        )
+        if not live:
+            return []
+        shift = next(self._rotation) % len(live)
+        rotated = live[shift:] + live[:shift]
+        return sorted(rotated, key=lambda ep: self._in_flight.get(ep.id, 0))  # stable: rotation breaks ties
+
+
+class DegradedLog:
+    """Rate-limited warning lines for degraded decisions (first one at once, then one per interval)."""
+
+    def __init__(self, clock: Callable[[], float], log_interval_seconds: float = 10.0) -> None:
+        self._clock = clock
+        self._interval = log_interval_seconds
+        self._last: dict[str, float] = {}
+        self._suppressed: Counter[str] = Counter()
+
+    def warn(self, dependency: str, message: str, *args: object) -> None:
+        now = self._clock()
+        last = self._last.get(dependency)
+        if last is not None and now - last < self._interval:
+            self._suppressed[dependency] += 1
+            return
+        self._last[dependency] = now
+        more = self._suppressed.pop(dependency, 0)
+        suffix = f" (+{more} more since the last line)" if more else ""
+        logger.warning("degraded mode dependency=%s " + message + suffix, dependency, *args)
