@@ -51,7 +51,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-test: setup lint
+test: setup mooncake-venv lint
 	$(PY) -m pytest -q
 
 # The fault suite alone (tests/faults/, marker `faults`): kill -9/restart, etcd paused, flapping and

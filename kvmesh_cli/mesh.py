@@ -460,6 +460,7 @@ class Mesh:
             enforce_eager=spec.vllm_enforce_eager,
             dev_mode=spec.vllm_dev_mode,
             extra_args=spec.vllm_extra_args,
+            replay_port=free_port(),
         )
         name = f"engine-{i}"
         proc = ManagedProcess(name, engine.argv(), spec.run_dir / f"{name}.log",

@@ -86,6 +86,14 @@ class VllmEngineSpec:
     dev_mode: bool = False
     """``VLLM_SERVER_DEV_MODE=1``: enables ``POST /reset_prefix_cache``."""
     extra_args: tuple[str, ...] = ()
+    replay_port: int | None = None
+    """Port of vLLM's KV-event replay ROUTER (``KVEventsConfig.replay_endpoint``), which kv_indexer asks
+    for the batches it missed; None: no replay (a gap then marks the engine unreliable until it clears)."""
+
+    @property
+    def replay_endpoint(self) -> str:
+        """``tcp://host:port`` of the replay ROUTER, or ``""`` without one."""
+        return f"tcp://{self.host}:{self.replay_port}" if self.replay_port is not None else ""
 
     @property
     def endpoint_id(self) -> str:
@@ -101,6 +109,7 @@ class VllmEngineSpec:
             "publisher": "zmq",
             "endpoint": self.events_endpoint,
             "topic": make_topic(self.endpoint_id, self.model),
+            **({"replay_endpoint": f"tcp://*:{self.replay_port}"} if self.replay_port is not None else {}),
         }
 
     def argv(self) -> list[str]:
@@ -166,6 +175,8 @@ def sidecar_args(spec: VllmEngineSpec, etcd_address: str, lease_ttl_seconds: int
         "--engine-label", "vllm",
         "--health-interval-seconds", "0.5",
     ]
+    if spec.replay_endpoint:
+        args += ["--replay-endpoint", spec.replay_endpoint]
     if lease_ttl_seconds is not None:
         args += ["--lease-ttl-seconds", str(lease_ttl_seconds)]
     if log_level is not None:

@@ -139,6 +139,7 @@ async def test_recorded_frames_through_the_pool() -> None:
     index.register_endpoint(ENDPOINT)
     pool = EventPool(index, workers=2)
     pool.start()
+    pool.endpoint_joined(ENDPOINT)  # the pool sequences an endpoint's stream once membership names it
     topic = f"kv@{ENDPOINT.id}@tiny".encode()
     bare_topic_drops = 0
     for i, (record, payload) in enumerate(_messages("kv_events_int_hashes.jsonl")):

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 
+import aetcd
 import httpx
 import pytest
 
-from kvmesh.membership import EndpointWatcher
+from kvmesh.lease_thread import ThreadedLeaseRegistration
+from kvmesh.membership import EndpointWatcher, LeaseRegistration
 from kvmesh.types import Endpoint, EndpointId
 from kvmesh_cli.fault_load import OK, Load
 from kvmesh_cli.mesh import Mesh
@@ -93,4 +96,43 @@ async def test_many_concurrent_big_prompts(mesh: Mesh, leaves: list[EndpointId])
     assert set(statuses) <= {200, 400}, results
     assert slowest < 2 * BOUND_SECONDS
     assert set(bystanders.classes()) == {OK}, bystanders.classes()
+    assert not leaves, f"engines left etcd: {leaves}"
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+async def test_lease_keepalive_survives_a_blocked_owner_loop(etcd: str, threaded: bool) -> None:
+    """The owner's event loop blocked for 2.5 lease TTLs (a long CPU-bound call holding the loop):
+    the threaded registration (the simulator's) keeps its key; the plain one, refreshed from the
+    blocked loop, loses it (which is what purged both engines in issue 14)."""
+    key = f"/kvmesh/v1/test-lease/{uuid.uuid4().hex}"
+    cls = ThreadedLeaseRegistration if threaded else LeaseRegistration
+    registration = cls([etcd], key, "v", ttl_seconds=2)
+    await registration.start()
+    try:
+        time.sleep(5.0)  # noqa: ASYNC251 - blocking the owner's loop is the fault under test
+        host, _, port = etcd.rpartition(":")
+        async with aetcd.Client(host=host, port=int(port)) as client:
+            present = await client.get(key.encode()) is not None
+        assert present is threaded
+    finally:
+        await registration.stop()
+
+
+async def test_engine_answers_health_while_tokenizing_two_megabytes(mesh: Mesh, leaves: list[EndpointId]) -> None:
+    """A direct /tokenize of 2,000,000 bytes (vLLM applies no context check there): the engine encodes it
+    off its event loop, so /health answers promptly meanwhile, and it stays registered."""
+    url = mesh.engine_urls[0]
+    async with httpx.AsyncClient(timeout=60) as client:
+        big = asyncio.create_task(client.post(f"{url}/tokenize", json={"model": mesh.spec.model,
+                                                                       "prompt": _words(2_000_000, 5)}))
+        health: list[float] = []
+        while not big.done():
+            started = time.monotonic()
+            assert (await client.get(f"{url}/health", timeout=5)).status_code == 200
+            health.append(time.monotonic() - started)
+            await asyncio.sleep(0.05)
+        reply = await big
+    assert reply.status_code == 200 and reply.json()["count"] > 100_000
+    print(f"/tokenize 2 MB: {len(health)} health polls meanwhile, slowest {max(health):.3f}s")
+    assert len(health) >= 3 and max(health) < 1.0, health
     assert not leaves, f"engines left etcd: {leaves}"

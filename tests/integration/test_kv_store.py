@@ -44,7 +44,7 @@ async def test_large_values_lru_and_not_found(start_service) -> None:
         assert (put.medium, put.evicted) == (common_pb2.MEDIUM_CPU, 0)
         value, replies = await get(stub, "a")
         assert value == a
-        assert len(replies) == 10  # 1 MiB chunks
+        assert len(replies) == 5  # 2 MiB chunks (--get-chunk-bytes default)
         assert (replies[0].total_bytes, replies[0].medium) == (10 * MIB, common_pb2.MEDIUM_CPU)
 
         assert (await stub.Put(chunks("b", b, chunk=3 * MIB))).evicted == 0

@@ -17,7 +17,10 @@ import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
+from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2
 from kvmesh._proto.kvmesh.kv_indexer.v1 import kv_indexer_pb2, kv_indexer_pb2_grpc
+from kvmesh._proto.kvmesh.kv_store.v1 import kv_store_pb2
+from kvmesh._proto.kvmesh.router.v1 import router_pb2
 from kvmesh_cli.launcher import ManagedProcess, free_port, python_module, wait_http_ok
 from tests.support import wait_until
 
@@ -153,14 +156,20 @@ def test_killed_engine_is_never_picked(mesh: Mesh) -> None:
     )
 
 
+def _contract(module: object, service: str) -> dict[str, set[str]]:
+    """Every method of ``service`` as the generated contract (``proto/``) defines it."""
+    descriptor = module.DESCRIPTOR.services_by_name[service]  # type: ignore[attr-defined]
+    return {descriptor.full_name: {m.name for m in descriptor.methods}}
+
+
 @pytest.mark.parametrize(
     ("service", "expected"),
     [
-        ("indexer", {"kvmesh.kv_indexer.v1.KVIndexer": {"Score", "Lookup", "Stats"}}),
-        ("flow", {"kvmesh.flow_control.v1.FlowControl": {"Admit", "Stats"}}),
-        ("epp", {"kvmesh.epp.v1.EndpointPicker": {"Pick", "ListEndpoints", "GetPickerInfo"}}),
-        ("store", {"kvmesh.kv_store.v1.KVStore": {"Put", "Get", "Contains", "Delete", "Stats"}}),
-        ("router_grpc", {"kvmesh.router.v1.Inference": {"Complete", "CompleteStream", "ListModels"}}),
+        ("indexer", _contract(kv_indexer_pb2, "KVIndexer")),
+        ("flow", _contract(flow_control_pb2, "FlowControl")),
+        ("epp", _contract(epp_pb2, "EndpointPicker")),
+        ("store", _contract(kv_store_pb2, "KVStore")),
+        ("router_grpc", _contract(router_pb2, "Inference")),
     ],
     ids=["kv_indexer", "flow_control", "epp", "kv_store", "router"],
 )

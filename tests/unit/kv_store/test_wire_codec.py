@@ -48,5 +48,11 @@ async def test_byte_budget_makes_a_put_wait_until_bytes_are_released() -> None:
     await budget.release(80)
     await asyncio.wait_for(waiter, 1)
     assert budget.in_use == 30
-    await budget.acquire(500)  # larger than the budget: capped, waits for an idle server only
-    assert budget.in_use == 130 or budget.in_use <= 130
+    big = asyncio.ensure_future(budget.acquire(500))  # larger than the budget: waits for an idle server
+    await asyncio.sleep(0.01)
+    assert not big.done()
+    await budget.release(30)
+    await asyncio.wait_for(big, 1)
+    assert budget.in_use == 100
+    await budget.release(500)
+    assert budget.in_use == 0
