@@ -114,3 +114,31 @@ $(MOONCAKE_STAMP):
 
 test-mooncake: setup mooncake-venv
 	$(PY) -m pytest -q tests/integration/test_kv_store_mooncake.py
+
+# --- the router hop against the Rust routers (issue 10; docs/BENCHMARKS.md §3); not part of `make test` ---
+# sglang-router and vllm-router from PyPI in their own venv; wrk from Debian (only this target needs it).
+PEERS_VENV := .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.installed
+BENCH_ARGS ?= --requests 300 --policy precise-prefix
+
+.PHONY: peers-env bench-deps bench-router
+
+peers-env: $(PEERS_STAMP)
+
+$(PEERS_STAMP):
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install -q sglang-router==0.3.2 vllm-router==0.1.17
+	touch $(PEERS_STAMP)
+
+bench-deps:
+	@if ! command -v wrk >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = "0" ]; then \
+	    echo "installing wrk (apt)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk >/dev/null; \
+	  else \
+	    echo "wrk is missing; run: sudo apt-get install -y wrk"; exit 1; \
+	  fi; \
+	fi
+
+bench-router: setup bench-deps peers-env
+	$(PY) bench/router_overhead.py $(BENCH_ARGS)

@@ -1,39 +1,82 @@
-"""What the mesh adds to a request's latency: direct to an engine vs through the router.
+"""What the mesh adds to a request: direct to an engine vs kvmesh's router vs the Rust routers, in one run.
 
-Starts a mesh (etcd, the five services, one simulated engine running ``--time-scale 1000`` so the
-engine's own model time is negligible), then sends the same small non-streamed completions
-sequentially, first straight to the engine, then through the router (admission, Pick with the
-given policy, proxy). Prints p50/p90/p99 of both and their difference, and the command line.
+Starts a mesh (etcd, the five services, one simulated engine at ``--time-scale 1000`` so the
+engine's own model time is negligible), and, when ``.venv-peers`` holds them (``make peers-env``),
+sglang-router and vllm-router in front of the *same* engine. Then, all in this one run:
+
+1. **sequential latency**: the same small non-streamed completion (256-token prompt, 1 output
+   token) one at a time, interleaved (one request to each target in turn, ``--requests`` rounds),
+   direct and through each router; p50/p90/p99 and what each adds over direct
+   (token ids for all but sglang-router, which rejects them: it gets the same prompt as text and is
+   compared with direct text);
+2. **stages**: the router's ``kvmesh_router_stage_duration_seconds`` (admission, pick,
+   engine_headers, proxy, release) and epp's plugin durations (the prefix-match step's tokenize +
+   Score) over the sequential run, mean per request;
+3. **throughput**: ``wrk`` at ``--connections`` (64) for ``--duration`` s, direct and through each
+   router (vllm-router ``cache_aware`` and round-robin), with the CPU time of every kvmesh process per
+   request (``/proc/<pid>/stat``);
+4. **idle cost**: a second mesh with ``--idle-engines`` (4) engines, no traffic, CPU of every process
+   over ``--idle-seconds``.
 
     .venv/bin/python bench/router_overhead.py --requests 300 --policy precise-prefix [--plot out.png]
+
+Options ``--env KEY=VALUE`` pass settings to every mesh process (e.g.
+``KVMESH_ROUTER_ENGINE_HTTP_CLIENT=httpx``, ``KVMESH_EVENT_LOOP=asyncio``: the A/B of
+docs/BENCHMARKS.md §3).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import re
+import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
 from kvmesh_cli.mesh import Mesh, MeshSpec
 
+PEERS_VENV = Path(__file__).resolve().parent.parent / ".venv-peers"
+PROMPT_IDS = [3 + (i * 7919) % 2000 for i in range(256)]
+PROMPT_TEXT = " ".join(f"w{i}" for i in PROMPT_IDS)
+_TCK = os.sysconf("SC_CLK_TCK")
+
 
 def _percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
-def _measure(client: httpx.Client, url: str, model: str, n: int, label: str) -> list[float]:
-    prompt = [3 + (i * 7919) % 2000 for i in range(256)]
-    body = {"model": model, "prompt": prompt, "max_tokens": 1}
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TCK
+
+
+def _body(model: str, text: bool) -> dict[str, object]:
+    return {"model": model, "prompt": PROMPT_TEXT if text else PROMPT_IDS, "max_tokens": 1}
+
+
+def _measure(client: httpx.Client, url: str, body: dict[str, object], n: int, label: str) -> list[float]:
     latencies: list[float] = []
-    for _ in track(range(n), description=label):
+    for _ in track(range(n), description=label, transient=True):
         t0 = time.perf_counter()
         reply = client.post(url, json=body)
         latencies.append(time.perf_counter() - t0)
@@ -41,31 +84,236 @@ def _measure(client: httpx.Client, url: str, model: str, n: int, label: str) -> 
     return latencies
 
 
+def _interleaved(client: httpx.Client, model: str, targets: list[tuple[str, str, bool]], n: int) -> dict[str, list[float]]:
+    """``n`` rounds of one request to each target in turn (so the machine's noise hits all alike)."""
+    latencies: dict[str, list[float]] = {name: [] for name, _, _ in targets}
+    bodies = {text: _body(model, text) for text in (False, True)}
+    for _ in track(range(n), description="sequential, interleaved", transient=True):
+        for name, url, text in targets:
+            t0 = time.perf_counter()
+            reply = client.post(f"{url}/v1/completions", json=bodies[text])
+            latencies[name].append(time.perf_counter() - t0)
+            reply.raise_for_status()
+    return latencies
+
+
+@contextlib.contextmanager
+def _peer(kind: str, engine: str, policy: str, log_dir: Path) -> Iterator[str | None]:
+    """A peer router in front of ``engine``; yields its base URL (None when not installed or not up)."""
+    port, prom = _free_port(), _free_port()
+    if kind == "sglang":
+        argv = [str(PEERS_VENV / "bin/python"), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                "--port", str(port), "--worker-urls", engine, "--policy", policy,
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)]
+    else:
+        argv = [str(PEERS_VENV / "bin/vllm-router"), "--host", "127.0.0.1", "--port", str(port),
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom),
+                "--worker-urls", engine, "--policy", policy]
+    if not Path(argv[0]).exists():
+        yield None
+        return
+    log = (log_dir / f"{kind}-{policy}.log").open("wb")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        up = False
+        while time.monotonic() < deadline and proc.poll() is None:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.post(url + "/v1/completions", json=_body("m", kind == "sglang"), timeout=2).status_code < 500:
+                    up = True
+                    break
+            time.sleep(0.5)
+        yield url if up else None
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def _wrk(url: str, body_lua: Path, connections: int, seconds: int) -> float:
+    out = subprocess.run(["wrk", "-t2", f"-c{connections}", f"-d{seconds}s", "-s", str(body_lua), url + "/v1/completions"],
+                         capture_output=True, text=True, check=True).stdout
+    match = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    if errors:
+        print(f"  wrk {url}: {errors.group(1)} non-2xx answers")
+    return float(match.group(1)) if match else 0.0
+
+
+def _wrk_script(path: Path, body: dict[str, object]) -> Path:
+    import json
+
+    path.write_text('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+                    f"wrk.body = {json.dumps(json.dumps(body))}\n")
+    return path
+
+
+def _scrape(url: str) -> dict[tuple[str, str], float]:
+    """(sample name, label values joined) -> value of a /metrics page."""
+    out: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(httpx.get(url, timeout=5).text):
+        for s in family.samples:
+            out[(s.name, ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _stage_rows(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float],
+                metric: str, requests: int) -> list[tuple[str, float]]:
+    rows = []
+    for (name, labels), value in after.items():
+        if name == metric + "_sum":
+            rows.append((labels, 1000 * (value - before.get((name, labels), 0.0)) / max(1, requests)))
+    return sorted(rows)
+
+
+def _mesh_cpu(mesh: Mesh) -> dict[str, float]:
+    return {m.name: _cpu_seconds(m.process.pid) for m in mesh.members if m.process.proc is not None}
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--policy", default="precise-prefix")
+    parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument("--duration", type=int, default=10, help="seconds of each wrk run")
+    parser.add_argument("--idle-engines", type=int, default=4)
+    parser.add_argument("--idle-seconds", type=float, default=20.0)
+    parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for every mesh process")
+    parser.add_argument("--skip-peers", action="store_true")
     parser.add_argument("--plot", type=Path, help="write a latency CDF PNG here")
     ns = parser.parse_args()
+    env = dict(item.split("=", 1) for item in ns.env)
     console = Console()
+    if shutil.which("wrk") is None:
+        console.print("wrk is missing: `make bench-deps` (apt-get install wrk)")
+        return 2
+    latency: dict[str, list[float]] = {}
+    added: dict[str, float] = {}
+    throughput: dict[str, float] = {}
+    cpu_rows: list[tuple[str, dict[str, float]]] = []
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-") as tmp:
-        spec = MeshSpec(run_dir=Path(tmp), engines=1, policy=ns.policy, time_scale=1000.0)
+        run_dir = Path(tmp)
+        spec = MeshSpec(run_dir=run_dir / "mesh", engines=1, policy=ns.policy, time_scale=1000.0, extra_env=env)
+        ids_lua = _wrk_script(run_dir / "ids.lua", _body(spec.model, False))
+        text_lua = _wrk_script(run_dir / "text.lua", _body(spec.model, True))
         with Mesh(spec) as mesh, httpx.Client(timeout=30) as client:
             engine = mesh.engine_urls[0]
-            _measure(client, f"{engine}/v1/completions", spec.model, 20, "warm-up")
-            direct = _measure(client, f"{engine}/v1/completions", spec.model, ns.requests, "direct")
-            _measure(client, f"{mesh.router_url}/v1/completions", spec.model, 20, "warm-up")
-            routed = _measure(client, f"{mesh.router_url}/v1/completions", spec.model, ns.requests, "router")
-    table = Table(title=f"router overhead, {ns.requests} sequential requests, policy {ns.policy} (ms)")
-    for column in ("path", "p50", "p90", "p99", "mean"):
+            router_metrics = str(mesh.member("router").metrics)
+            epp_metrics = str(mesh.member("epp").metrics)
+            peers: list[tuple[str, str, str]] = [] if ns.skip_peers else [
+                ("sglang", "cache_aware", "sglang-router cache_aware"),
+                ("vllm", "cache_aware", "vllm-router cache_aware"),
+                ("vllm", "round_robin", "vllm-router round_robin"),
+            ]
+            with contextlib.ExitStack() as stack:
+                peer_urls: dict[str, str] = {}
+                for kind, policy, label in peers:
+                    peer_url = stack.enter_context(_peer(kind, engine, policy, run_dir))
+                    if peer_url is None:
+                        console.print(f"{label}: not available (make peers-env)")
+                        continue
+                    peer_urls[label] = peer_url
+                # (name, base url, text prompt): sglang-router rejects token ids, so it and a direct
+                # baseline get the same prompt as text
+                targets = [("direct to engine", engine, False), (f"kvmesh router ({ns.policy})", mesh.router_url, False)]
+                if any(label.startswith("sglang") for label in peer_urls):
+                    targets.append(("direct to engine (text prompt)", engine, True))
+                targets += [(label, url, label.startswith("sglang")) for label, url in peer_urls.items()]
+                for name, url, text in targets:
+                    _measure(client, f"{url}/v1/completions", _body(spec.model, text), 30, f"warm-up {name}")
+                before = (_scrape(router_metrics), _scrape(epp_metrics))
+                latency.update(_interleaved(client, spec.model, targets, ns.requests))
+                after = (_scrape(router_metrics), _scrape(epp_metrics))
+                stages = _stage_rows(before[0], after[0], "kvmesh_router_stage_duration_seconds", ns.requests)
+                epp_stages = _stage_rows(before[1], after[1], "kvmesh_epp_plugin_duration_seconds", ns.requests)
+                epp_stages += [("scheduler e2e", v) for _, v in _stage_rows(
+                    before[1], after[1], "kvmesh_epp_scheduler_e2e_duration_seconds", ns.requests)]
+                direct = latency["direct to engine"]
+                direct_text = latency.get("direct to engine (text prompt)")
+                for name, values in latency.items():
+                    if name.startswith("direct"):
+                        continue
+                    base = direct_text if name.startswith("sglang") and direct_text else direct
+                    added[name] = _percentile(values, 50) - _percentile(base, 50)
+                # throughput, every target on the same engine
+                throughput["direct to engine"] = _wrk(engine, ids_lua, ns.connections, ns.duration)
+                c0 = _mesh_cpu(mesh)
+                served0 = after[0].get(("kvmesh_router_requests_total", "outcome=success"), 0.0)
+                throughput[f"kvmesh router ({ns.policy})"] = _wrk(mesh.router_url, ids_lua, ns.connections, ns.duration)
+                c1 = _mesh_cpu(mesh)
+                served = _scrape(router_metrics).get(("kvmesh_router_requests_total", "outcome=success"), 0.0) - served0
+                cpu_rows.append((f"{ns.policy}, {ns.connections} connections",
+                                 {k: 1000 * (c1[k] - c0[k]) / max(1.0, served) for k in c1}))
+                for label, url in peer_urls.items():
+                    lua = text_lua if label.startswith("sglang") else ids_lua
+                    throughput[label] = _wrk(url, lua, ns.connections, ns.duration)
+        # round-robin beside it (its own mesh, same engine settings)
+        rr = MeshSpec(run_dir=run_dir / "rr", engines=1, policy="round-robin", time_scale=1000.0, extra_env=env)
+        with Mesh(rr) as mesh:
+            c0 = _mesh_cpu(mesh)
+            throughput["kvmesh router (round-robin)"] = _wrk(mesh.router_url, ids_lua, ns.connections, ns.duration)
+            c1 = _mesh_cpu(mesh)
+            served = _scrape(str(mesh.member("router").metrics)).get(("kvmesh_router_requests_total", "outcome=success"), 0.0)
+            cpu_rows.append((f"round-robin, {ns.connections} connections",
+                             {k: 1000 * (c1[k] - c0[k]) / max(1.0, served) for k in c1}))
+            throughput["direct to engine (round-robin mesh)"] = _wrk(mesh.engine_urls[0], ids_lua, ns.connections, ns.duration)
+        idle_spec = MeshSpec(run_dir=run_dir / "idle", engines=ns.idle_engines, policy=ns.policy, extra_env=env)
+        with Mesh(idle_spec) as mesh:
+            time.sleep(3.0)
+            c0, t0 = _mesh_cpu(mesh), time.monotonic()
+            time.sleep(ns.idle_seconds)
+            c1, elapsed = _mesh_cpu(mesh), time.monotonic() - t0
+            idle = {k: 100 * (c1[k] - c0[k]) / elapsed for k in c1}
+
+    table = Table(title=f"sequential latency, {ns.requests} requests, 256-token prompt, 1 output token (ms)")
+    for column in ("path", "p50", "p90", "p99", "mean", "added p50", "added p99"):
         table.add_column(column, justify="right" if column != "path" else "left")
-    rows = {"direct to engine": direct, "through router": routed}
-    for name, values in rows.items():
+    for name, values in latency.items():
+        base = direct_text if name.startswith("sglang") and direct_text else direct
+        add = "" if name.startswith("direct") else f"{1000 * added[name]:.2f}"
+        add99 = "" if name.startswith("direct") else f"{1000 * (_percentile(values, 99) - _percentile(base, 99)):.2f}"
         table.add_row(name, *(f"{1000 * v:.2f}" for v in (
-            _percentile(values, 50), _percentile(values, 90), _percentile(values, 99), statistics.fmean(values))))
-    table.add_row("added by the mesh", *(f"{1000 * (_percentile(routed, q) - _percentile(direct, q)):.2f}" for q in (50, 90, 99)),
-                  f"{1000 * (statistics.fmean(routed) - statistics.fmean(direct)):.2f}")
+            _percentile(values, 50), _percentile(values, 90), _percentile(values, 99), statistics.fmean(values))), add, add99)
     console.print(table)
+    stage_table = Table(title=f"where the kvmesh hop's time goes (mean ms per request, {ns.policy})")
+    stage_table.add_column("process")
+    stage_table.add_column("stage")
+    stage_table.add_column("mean ms", justify="right")
+    for labels, ms in stages:
+        stage_table.add_row("router", labels.removeprefix("stage="), f"{ms:.3f}")
+    for labels, ms in epp_stages:
+        stage_table.add_row("epp", labels, f"{ms:.3f}")
+    console.print(stage_table)
+    tput = Table(title=f"throughput, wrk {ns.connections} connections, {ns.duration} s each (req/s)")
+    for column in ("target", "req/s", "/ direct"):
+        tput.add_column(column, justify="right" if column != "target" else "left")
+    for name, rps in throughput.items():
+        ref = throughput["direct to engine (round-robin mesh)"] if "round-robin" in name else throughput["direct to engine"]
+        tput.add_row(name, f"{rps:.0f}", f"{rps / ref:.2f}" if ref else "-")
+    console.print(tput)
+    cpu = Table(title="CPU per request of every kvmesh process (ms)")
+    names = list(cpu_rows[0][1]) if cpu_rows else []
+    cpu.add_column("run")
+    for n in names:
+        cpu.add_column(n, justify="right")
+    for label, row in cpu_rows:
+        cpu.add_row(label, *(f"{row.get(n, 0.0):.2f}" for n in names))
+    console.print(cpu)
+    idle_table = Table(title=f"idle cost, {ns.idle_engines} engines, {ns.idle_seconds:.0f} s (% of one core)")
+    idle_table.add_column("process")
+    idle_table.add_column("% core", justify="right")
+    services = 0.0
+    for name, pct in idle.items():
+        idle_table.add_row(name, f"{pct:.2f}")
+        if not name.startswith("engine") and name != "etcd":
+            services += pct
+    idle_table.add_row("kvmesh services (router, epp, flow_control, kv_indexer, kv_store)", f"{services:.2f}")
+    idle_table.add_row("all, engines and etcd included", f"{sum(idle.values()):.2f}")
+    console.print(idle_table)
     console.print("command: " + " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
     if ns.plot:
         import matplotlib
@@ -73,14 +321,15 @@ def main() -> int:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for name, values in rows.items():
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for name, values in latency.items():
             xs = sorted(1000 * v for v in values)
             ax.plot(xs, [i / len(xs) for i in range(1, len(xs) + 1)], label=name)
+        ax.set_xscale("log")
         ax.set_xlabel("latency (ms)")
         ax.set_ylabel("fraction of requests")
-        ax.set_title("kvmesh router overhead")
-        ax.legend()
+        ax.set_title("router hop: kvmesh vs sglang-router / vllm-router")
+        ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(ns.plot)
         console.print(f"wrote {ns.plot}")

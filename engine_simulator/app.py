@@ -24,6 +24,7 @@ from engine_simulator.config import SimulatorConfig
 from engine_simulator.engine import AsyncEngine
 from engine_simulator.latency_model import LatencyModel, get_profile
 from engine_simulator.metrics import EngineMetrics
+from engine_simulator.offload import OffloadConfig, OffloadManager, OffloadMode
 from engine_simulator.prefix_cache import PrefixCache
 from engine_simulator.publisher import EventPublisher, make_publisher
 from engine_simulator.rendering import Renderer
@@ -31,14 +32,14 @@ from engine_simulator.scheduler import EngineCore, LoraAdapter, SchedulerConfig
 from engine_simulator.server import EngineHttpApi, ServerState
 from engine_simulator.sglang import SGLangEventPublisher, SGLangHttpApi, SGLangMetrics
 from engine_simulator.sglang import server_args as sglang_server_args
-from engine_simulator.tokenizer import ensure_tokenizer, load_tokenizer
+from engine_simulator.tokenizer import ensure_tokenizer, load_chat_template, load_tokenizer
 from kvmesh.clock import ScaledClock
 from kvmesh.http_server import HttpServer, bind_tcp
 from kvmesh.kv_events import make_topic
 from kvmesh.lease_thread import ThreadedLeaseRegistration
 from kvmesh.membership import endpoint_key
 from kvmesh.server import write_ports_file
-from kvmesh.types import LORA_ADAPTERS_LABEL, Endpoint, EndpointId
+from kvmesh.types import KV_STORES_LABEL, LORA_ADAPTERS_LABEL, Endpoint, EndpointId
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,10 @@ class EngineSimulator:
         self.instance_id = uuid.uuid4().hex
         """This process's incarnation: a restart on the same address registers a new one."""
         self.latency: LatencyModel = get_profile(config.latency_profile)
-        cache = PrefixCache(config.num_gpu_blocks, config.block_size_tokens, config.enable_prefix_caching)
+        self.offload = offload_manager(config)
+        """The offload connector (``--offload``), None when off."""
+        cache = PrefixCache(config.num_gpu_blocks, config.block_size_tokens, config.enable_prefix_caching,
+                            offload=self.offload)
         self.core = EngineCore(
             SchedulerConfig(
                 config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len, renderer.vocab_size
@@ -138,12 +142,17 @@ class EngineSimulator:
             labels={
                 "engine": "simulator" if config.personality == "vllm" else f"simulator-{config.personality}",
                 "max_model_len": str(config.max_model_len),
+                "tokenizer": self.tokenizer_dir,  # epp tokenizes in-process from these files
                 **({LORA_ADAPTERS_LABEL: ",".join(self.lora_adapters)} if self.lora_adapters else {}),
+                **({KV_STORES_LABEL: self._kv_stores()} if config.offload == OffloadMode.CPU_KV_STORE else {}),
             },
             instance_id=self.instance_id,
             replay_endpoint=self.replay_endpoint or config.events_replay_endpoint,
             hash_algo="sha256_cbor",
         )
+
+    def _kv_stores(self) -> str:
+        return ",".join(a.strip() for a in self.config.kv_stores.split(",") if a.strip())
 
     async def run(self) -> None:
         """Serve until SIGTERM/SIGINT (or until HTTP ends on its own), then shut down in order."""
@@ -164,9 +173,15 @@ class EngineSimulator:
         self.replay_endpoint = getattr(publisher, "replay_endpoint", "")
         engine = AsyncEngine(self.core, self.latency, ScaledClock(config.time_scale), publisher, self.metrics)
         engine.start()
+        uploader = None
+        if self.offload is not None and self.offload.config.uses_kv_store:
+            from engine_simulator.offload_client import KVStoreUploader  # gRPC only when kv_store is used
+
+            uploader = KVStoreUploader(self.offload, self._kv_stores().split(",")[0], config.offload_put_value_bytes)
+            uploader.start()
         state = ServerState(engine, self.renderer, config.model, config.max_model_len, self.tokenizer_dir,
                             int(time.time()), metrics_delay_seconds=config.fault_metrics_delay_seconds,
-                            lora_adapters=self.lora_adapters)
+                            lora_adapters=self.lora_adapters, api_key=config.api_key, runner=config.runner)
         api = EngineHttpApi(state)
         if config.personality == "sglang":
             api = SGLangHttpApi(state, sglang_server_args(
@@ -214,8 +229,29 @@ class EngineSimulator:
             with contextlib.suppress(Exception):
                 await http.stop()
             await engine.stop()
+            if uploader is not None:
+                await uploader.stop()
             publisher.shutdown()
             logger.info("stopped")
+
+
+def offload_manager(config: SimulatorConfig) -> OffloadManager | None:
+    """The offload connector ``--offload`` and the ``--offload-*`` flags describe; None for ``off``."""
+    mode = OffloadMode(config.offload)
+    if mode == OffloadMode.OFF:
+        return None
+    return OffloadManager(
+        OffloadConfig(
+            mode=mode,
+            cpu_capacity_blocks=config.offload_cpu_blocks,
+            bytes_per_block=config.offload_bytes_per_block or config.block_size_tokens * 131_072,
+            pcie_bandwidth=config.offload_pcie_bandwidth,
+            nvme_bandwidth=config.offload_nvme_bandwidth,
+            network_bandwidth=config.offload_network_bandwidth,
+        ),
+        config.block_size_tokens,
+        config.model,
+    )
 
 
 def build_service(config: SimulatorConfig) -> EngineSimulator:
@@ -226,4 +262,5 @@ def build_service(config: SimulatorConfig) -> EngineSimulator:
         OSError: the tokenizer directory cannot be created or read.
     """
     tokenizer_dir = ensure_tokenizer(config.tokenizer_path or None)
-    return EngineSimulator(config, Renderer(load_tokenizer(str(tokenizer_dir))), str(tokenizer_dir))
+    renderer = Renderer(load_tokenizer(str(tokenizer_dir)), load_chat_template(tokenizer_dir))
+    return EngineSimulator(config, renderer, str(tokenizer_dir))

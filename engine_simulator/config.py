@@ -58,6 +58,30 @@ class SimulatorConfig(ProcessConfig):
     personality: str = Field("vllm", pattern="^(vllm|sglang)$")
     """Which engine to stand in for: ``vllm`` (0.32) or ``sglang`` (0.5.23: ``/generate``,
     ``/server_info``, ``sglang:*`` metrics, SGLang's KV-event shape; ``engine_simulator/sglang.py``)."""
+    api_key: str = ""
+    """vLLM's ``--api-key``: requests to ``/v1/*`` need ``Authorization: Bearer <key>`` (401 otherwise); empty: open."""
+    runner: str = Field("generate", pattern="^(generate|pooling)$")
+    """vLLM's ``--runner``: ``generate`` (completions, chat, responses) or ``pooling`` (``/v1/embeddings`` only)."""
+    offload: str = Field("off", pattern=r"^(off|cpu|cpu\+kv_store)$")
+    """KV offload connector (vLLM 0.32's OffloadingConnector semantics, ``engine_simulator/offload.py``):
+    ``off``; ``cpu`` (blocks copied to a local CPU tier as they fill, loaded back over PCIe on a GPU miss);
+    ``cpu+kv_store`` (also written to kv_store at ``--kv-stores`` and loaded from it over the network)."""
+    offload_cpu_blocks: int = Field(16384, ge=1)
+    """Capacity of the CPU tier in blocks (vLLM's ``kv_connector_extra_config.num_cpu_blocks``), LRU."""
+    offload_bytes_per_block: int = Field(0, ge=0)
+    """Modeled KV bytes of one block; 0: 131,072 B/token (Llama-3.1-8B BF16) x ``--block-size-tokens``."""
+    offload_pcie_bandwidth: float = Field(50e9, gt=0)
+    """Host<->GPU bytes/s (PCIe 5.0 x16, 64 GB/s per direction, at ~80 %)."""
+    offload_nvme_bandwidth: float = Field(7e9, gt=0)
+    """Bytes/s of a kv_store value on disk (PCIe 4.0 x4 datacenter NVMe sequential read)."""
+    offload_network_bandwidth: float = Field(25e9, gt=0)
+    """Bytes/s to kv_store (one 200 Gb/s NIC per GPU)."""
+    kv_stores: str = ""
+    """Comma-separated gRPC addresses of the kv_store instances the connector writes to (the first one) and
+    registers in the ``kv_stores`` label; needed by ``--offload cpu+kv_store``."""
+    offload_put_value_bytes: int = Field(4096, ge=1, le=64 << 20)
+    """Bytes actually sent per block in a kv_store Put (a stand-in payload: the simulator holds no KV; the
+    modeled transfer uses ``--offload-bytes-per-block``)."""
     fault_metrics_delay_seconds: float = Field(0.0, ge=0, le=600)
     """Fault injection (tests/faults): every GET /metrics answers this many seconds late; 0 = off."""
 
@@ -68,4 +92,6 @@ class SimulatorConfig(ProcessConfig):
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs})"
             )
+        if self.offload == "cpu+kv_store" and not self.kv_stores.strip():
+            raise ValueError("--offload cpu+kv_store needs --kv-stores (kv_store gRPC addresses)")
         return self

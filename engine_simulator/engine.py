@@ -115,6 +115,10 @@ class AsyncEngine:
                 # nothing fits (e.g. every block is held by preempted work); wait for a change
                 self._publish()
                 self._record_step(0, core.num_preemptions - p0, 0)
+                ready = core.next_load_ready()  # offload loads in flight (engine_simulator/offload.py)
+                if ready is not None:
+                    await clock.sleep(max(ready - clock.now(), 0.0))
+                    continue
                 self._wake.clear()
                 await self._wake.wait()
                 continue

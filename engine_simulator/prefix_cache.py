@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvmesh.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -44,6 +44,9 @@ class LoraLike(Protocol):
     @property
     def adapter_id(self) -> int: ...
 
+if TYPE_CHECKING:
+    from engine_simulator.offload import OffloadManager
+
 NULL_BLOCK = 0
 MEDIUM = "GPU"
 
@@ -55,12 +58,17 @@ class PrefixCache:
         num_gpu_blocks: total blocks including the null block (>= 2).
         block_size: tokens per block (> 0).
         enable_caching: False disables hits and events (``--no-enable-prefix-caching``).
+        offload: the offload connector (``engine_simulator/offload.py``): every newly full block is
+            offered to it as it is cached, and its CPU-tier events follow the GPU ones; None: no offload.
 
     Raises:
         ValueError: for out-of-range arguments.
     """
 
-    def __init__(self, num_gpu_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_gpu_blocks: int, block_size: int, enable_caching: bool = True,
+        offload: OffloadManager | None = None,
+    ) -> None:
         if num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be >= 2 (one is the null block), got {num_gpu_blocks}")
         if block_size <= 0:
@@ -74,6 +82,7 @@ class PrefixCache:
         self._cached: dict[int, dict[int, None]] = {}
         self._events: list[KVEvent] = []
         self._ref[NULL_BLOCK] = 1
+        self.offload = offload
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -176,19 +185,20 @@ class PrefixCache:
             if self._hash[b] is None:
                 self._hash[b] = h
                 self._cached.setdefault(h, {})[b] = None
-        self._events.append(
-            BlockStored(
-                block_hashes=list(block_hashes),
-                parent_block_hash=parent_hash,
-                token_ids=list(token_ids),
-                block_size=self.block_size,
-                lora_id=None if lora is None else lora.adapter_id,
-                medium=MEDIUM,
-                lora_name=None if lora is None else lora.name,
-                extra_keys=list(extra_keys) if extra_keys is not None else [None] * len(block_ids),
-            )
+        stored = BlockStored(
+            block_hashes=list(block_hashes),
+            parent_block_hash=parent_hash,
+            token_ids=list(token_ids),
+            block_size=self.block_size,
+            lora_id=None if lora is None else lora.adapter_id,
+            medium=MEDIUM,
+            lora_name=None if lora is None else lora.name,
+            extra_keys=list(extra_keys) if extra_keys is not None else [None] * len(block_ids),
         )
-
+        self._events.append(stored)
+        if self.offload is not None:
+            self.offload.store(stored)
+            self._events.extend(self.offload.take_events())
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference from each of a sequence's blocks (given in sequence order).
@@ -217,6 +227,9 @@ class PrefixCache:
         self._hash = [None] * self.num_gpu_blocks
         if self.enable_caching:
             self._events.append(AllBlocksCleared())
+        if self.offload is not None:
+            self.offload.reset()
+            self._events.extend(self.offload.take_events())
         return True
 
     def pending_events(self) -> int:

@@ -2,14 +2,14 @@
 
 * Text prompts are encoded with the tokenizer's post-processor, which prepends ``<s>`` (id 1),
   as vLLM does with ``add_special_tokens=True``. Token-id prompts are used as given.
-* Chat messages go through a fixed, documented template (the tiny tokenizer has none)::
-
-      <s><|system|>\\n{content}</s>\\n<|user|>\\n{content}</s>\\n ... <|assistant|>\\n
-
-  ``<s>`` and ``</s>`` in the template are the special tokens; the rest is ordinary text. The
-  template text is encoded *without* adding special tokens (vLLM's chat default), so the ids
-  start with exactly one ``<s>``. The trailing ``<|assistant|>\\n`` appears when
-  ``add_generation_prompt`` is true (the default).
+* Chat bodies are rendered as vLLM 0.32 renders them (``kvmesh.chat_template``: vLLM's message
+  parsing — text parts joined with ``"\\n"``, tool calls with parsed arguments, ``tool_call_id`` —
+  then the model's jinja template with ``tools``, ``documents``, ``chat_template_kwargs``,
+  ``add_generation_prompt``, ``continue_final_message``). The tiny model's template is
+  ``engine_simulator.tokenizer.CHAT_TEMPLATE`` (also written as ``chat_template.jinja`` so real vLLM
+  serves the same one). The text is encoded with ``add_special_tokens`` (vLLM's chat default False:
+  the template's own ``<s>`` is the only one), then ``truncate_prompt_tokens`` keeps the last k.
+  Media content parts are a 400 (a text-only model).
 * Output text is the concatenation of each token's own decoded string (a table built once), so
   streamed chunks concatenate to the non-streamed text.
 * Encoding goes through ``encode_batch``, which releases the GIL while the Rust tokenizer works (the
@@ -21,49 +21,32 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tokenizers import Tokenizer
 
+from engine_simulator.tokenizer import BOS, CHAT_TEMPLATE, EOS, UNK
+from kvmesh.chat_template import ChatTemplate, render_request
 from kvmesh.errors import InvalidRequest
 
+BOS_ID = 1
 
-def _content_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # OpenAI content parts: keep the text parts
-        parts = []
-        for part in content:
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                raise InvalidRequest("only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise InvalidRequest("message content must be a string or a list of text parts")
+SPECIAL_TOKENS = {"bos_token": BOS, "eos_token": EOS, "unk_token": UNK}
+"""The template's special-token variables (transformers passes the tokenizer's special tokens map)."""
+
+
+def _default_template() -> ChatTemplate:
+    return ChatTemplate(CHAT_TEMPLATE, SPECIAL_TOKENS)
 
 
 def apply_chat_template(messages: Any, add_generation_prompt: bool = True) -> str:
-    """The chat template above.
+    """The tiny model's template applied to plain ``messages`` (see :func:`Renderer.chat_text` for whole bodies).
 
     Raises:
-        InvalidRequest: when ``messages`` is not a non-empty list of ``{"role", "content"}`` maps.
+        InvalidRequest: when ``messages`` is not a non-empty list of messages with a string ``role``.
     """
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("messages must be a non-empty list")
-    out = ["<s>"]
-    for msg in messages:
-        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-            raise InvalidRequest("each message needs a string 'role'")
-        out.append(f"<|{msg['role']}|>\n{_content_text(msg.get('content'))}</s>\n")
-    if add_generation_prompt:
-        out.append("<|assistant|>\n")
-    return "".join(out)
+    return render_request(_default_template(), {"messages": messages, "add_generation_prompt": add_generation_prompt})
 
 
 class Renderer:
@@ -71,10 +54,16 @@ class Renderer:
 
     Args:
         tokenizer: the loaded ``tokenizers.Tokenizer``.
+        chat_template: the model's chat template text (default: the tiny model's, :data:`CHAT_TEMPLATE`).
+        trust_request_chat_template: honour a request's ``chat_template`` (vLLM's
+            ``--trust-request-chat-template``; without it such a request is a 400, as in vLLM 0.32).
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, chat_template: str = CHAT_TEMPLATE,
+                 trust_request_chat_template: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.chat_template = ChatTemplate(chat_template, SPECIAL_TOKENS)
+        self.trust_request_chat_template = trust_request_chat_template
         self.vocab_size = tokenizer.get_vocab_size()
         self._token_text = [tokenizer.decode([i], skip_special_tokens=False) for i in range(self.vocab_size)]
         self.max_token_chars = max(len(tokenizer.id_to_token(i) or "") for i in range(self.vocab_size)) or 1
@@ -114,14 +103,64 @@ class Renderer:
         return ids
 
     def chat_ids(self, messages: Any, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of chat ``messages`` through the template.
+        """Token ids of plain chat ``messages`` through the template (see :meth:`chat_request_ids`)."""
+        return self.chat_request_ids({"messages": messages, "add_generation_prompt": add_generation_prompt})
+
+    def chat_text(self, body: Mapping[str, Any]) -> str:
+        """A chat body's prompt text as vLLM 0.32 renders it (``kvmesh.chat_template``).
+
+        Reads ``messages``, ``tools``, ``documents``, ``add_generation_prompt``, ``continue_final_message``,
+        ``chat_template_kwargs`` and ``chat_template``.
 
         Raises:
-            InvalidRequest: for malformed messages.
+            InvalidRequest: malformed messages/fields, media content parts (a text-only model), or a
+                request ``chat_template`` without ``trust_request_chat_template``.
         """
-        return self.encode_text(
-            apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
-        )
+        template = self.chat_template
+        override = body.get("chat_template")
+        if override is not None:
+            if not self.trust_request_chat_template:
+                raise InvalidRequest(
+                    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+                    "Refused request with untrusted chat template."
+                )
+            if not isinstance(override, str):
+                raise InvalidRequest("chat_template must be a string")
+            template = ChatTemplate(override, SPECIAL_TOKENS)
+        return render_request(template, body)
+
+    def chat_request_ids(self, body: Mapping[str, Any]) -> list[int]:
+        """Token ids of a chat body: :meth:`chat_text` encoded with ``add_special_tokens`` (default False),
+        then ``truncate_prompt_tokens`` (:meth:`truncate`)."""
+        ids = self.encode_text(self.chat_text(body), add_special_tokens=_flag(body, "add_special_tokens", False))
+        return self.truncate(ids, body, _flag(body, "add_special_tokens", False))
+
+    def completion_request_ids(self, body: Mapping[str, Any]) -> list[int]:
+        """Token ids of a completions body: ``prompt`` (:meth:`prompt_ids`, ``add_special_tokens`` default
+        True) then ``truncate_prompt_tokens``.
+
+        Raises:
+            InvalidRequest: see :meth:`prompt_ids`; ``truncate_prompt_tokens`` not an int.
+        """
+        if "prompt" not in body:
+            raise InvalidRequest("'prompt' is required")
+        add = _flag(body, "add_special_tokens", True)
+        ids = self.prompt_ids(body["prompt"], add)
+        return self.truncate(ids, body, add and isinstance(_single(body["prompt"]), str))
+
+    def truncate(self, ids: list[int], body: Mapping[str, Any], with_special: bool) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens`` = k: keep the last k tokens (left truncation); when the
+        special tokens were added, they are kept and count against k (HF truncation)."""
+        k = body.get("truncate_prompt_tokens")
+        if k is None:
+            return ids
+        if not isinstance(k, int) or isinstance(k, bool) or k < -1:
+            raise InvalidRequest("truncate_prompt_tokens must be an integer >= -1")
+        if k == -1 or len(ids) <= k:
+            return ids
+        if with_special and ids and ids[0] == BOS_ID:
+            return [BOS_ID, *ids[len(ids) - max(k - 1, 0):]][:k] if k > 0 else []
+        return ids[len(ids) - k:] if k > 0 else []
 
     def detokenize(self, ids: Sequence[int]) -> str:
         table = self._token_text
@@ -129,3 +168,16 @@ class Renderer:
 
     def token_strs(self, ids: Sequence[int]) -> list[str]:
         return [self.tokenizer.id_to_token(i) or "" for i in ids]
+
+
+def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"{name} must be a boolean")
+    return value
+
+
+def _single(prompt: Any) -> Any:
+    return prompt[0] if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)) else prompt

@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from engine_simulator.offload import LoadPlan
 from engine_simulator.prefix_cache import PrefixCache
 from engine_simulator.tokenizer import EOS_ID
 from kvmesh.hashing import external_hash_to_int, sha256_cbor_block_hashes
@@ -99,6 +100,10 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    load_ready_time: float | None = None
+    """While its prefix loads from an offloaded tier: the model time the load completes (else None)."""
+    load_plan: LoadPlan | None = None
+    """The last offload load of this request (blocks per tier, modeled seconds)."""
     first_token_time: float | None = None
     last_token_time: float | None = None
     _digests: list[bytes] = field(default_factory=list, repr=False)
@@ -211,6 +216,10 @@ class EngineCore:
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
         self.num_preemptions = 0
+        self.loading: list[Request] = []
+        """Requests waiting for an offload load (vLLM's ``WAITING_FOR_REMOTE_KVS``): blocks held, not running."""
+        self.external_hits_tokens = 0
+        """Prompt tokens loaded from offloaded tiers instead of computed (vLLM's external prefix-cache hits)."""
 
     # -- requests ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -248,6 +257,8 @@ class EngineCore:
             return None
         if req in self.running:
             self.running.remove(req)
+        elif req in self.loading:
+            self.loading.remove(req)
         else:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(req)
@@ -256,7 +267,11 @@ class EngineCore:
         return req
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
+
+    def next_load_ready(self) -> float | None:
+        """Model time the earliest offload load completes; None when nothing loads."""
+        return min((r.load_ready_time for r in self.loading if r.load_ready_time is not None), default=None)
 
     @property
     def num_waiting(self) -> int:
@@ -286,7 +301,7 @@ class EngineCore:
             return []
         return self.cache.lookup(req.block_hashes(max_blocks, self.block_size))
 
-    def _allocate(self, req: Request, num_new_tokens: int, hit_blocks: Sequence[int] = ()) -> bool:
+    def _allocate(self, req: Request, num_new_tokens: int, hit_blocks: Sequence[int] = (), cache: bool = True) -> bool:
         """vLLM ``allocate_slots``: reference hits, allocate blocks for the new tokens, cache full ones."""
         bs = self.block_size
         total = req.num_computed_tokens + len(hit_blocks) * bs + num_new_tokens
@@ -301,7 +316,13 @@ class EngineCore:
             new = self.cache.allocate(need)
             assert new is not None
             req.blocks.extend(new)
-        # cache blocks that are full once this step's tokens are in (known tokens only)
+        if cache:
+            self._cache_full(req, total)
+        return True
+
+    def _cache_full(self, req: Request, total: int) -> None:
+        """Cache the blocks that are full once ``total`` tokens are in (known tokens only)."""
+        bs = self.block_size
         num_full = min(total, req.num_tokens) // bs
         if num_full > req.num_cached_blocks:
             start = req.num_cached_blocks
@@ -315,7 +336,6 @@ class EngineCore:
                 extra_keys=req.event_extra_keys(start, num_full),
             )
             req.num_cached_blocks = num_full
-        return True
 
     def _preempt(self, req: Request) -> None:
         self._free(req)
@@ -325,8 +345,45 @@ class EngineCore:
         self.waiting.appendleft(req)
 
     # -- the step ----------------------------------------------------------------------
+    def _finish_loads(self, now: float) -> None:
+        """Loads done by ``now``: the loaded blocks count as computed and enter the GPU prefix cache (as vLLM
+        caches them once the connector reports the load finished); the request goes back to the waiting head."""
+        done = [r for r in self.loading if r.load_ready_time is not None and r.load_ready_time <= now]
+        for req in reversed(done):
+            self.loading.remove(req)
+            req.load_ready_time = None
+            self._cache_full(req, req.num_computed_tokens)
+            self.waiting.appendleft(req)
+
+    def _start_load(self, req: Request, hits: list[int], now: float) -> bool | None:
+        """Offload lookup after the GPU hit (vLLM's ``get_num_new_matched_tokens``): None when no offloaded block
+        follows the hit; False when the GPU has no blocks for the load; True when the load started."""
+        offload = self.cache.offload
+        if offload is None or not self.cache.enable_caching:
+            return None
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hashes = req.block_hashes(max_blocks, self.block_size) if max_blocks > 0 else []
+        ext = offload.lookup(hashes[len(hits):])
+        if ext == 0:
+            return None
+        if not self._allocate(req, ext * self.block_size, hits, cache=False):
+            return False
+        req.num_cached_blocks = len(hits)
+        req.load_plan = offload.start_load(hashes[len(hits):len(hits) + ext])
+        req.load_ready_time = now + req.load_plan.seconds
+        req.num_computed_tokens = (len(hits) + ext) * self.block_size
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = req.num_computed_tokens
+            req.first_scheduled_time = now
+            self.prefix_queries_tokens += req.num_tokens
+            self.prefix_hits_tokens += len(hits) * self.block_size
+            self.external_hits_tokens += ext * self.block_size
+        return True
+
     def schedule(self, now: float) -> ScheduledStep:
         """Pick this step's work within the token budget and ``max_num_seqs``."""
+        if self.loading:
+            self._finish_loads(now)
         budget = self.config.max_num_batched_tokens
         step = ScheduledStep([])
         scheduled_ids: set[int] = set()
@@ -350,11 +407,23 @@ class EngineCore:
         if not step.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
-                hits = self._computed_blocks(req)
-                hit_tokens = len(hits) * self.block_size
-                n = min(req.num_tokens - hit_tokens, budget)
-                if not self._allocate(req, n, hits):
-                    break
+                if req.blocks:  # its prefix was loaded from an offloaded tier: already computed
+                    hit_tokens = req.num_computed_tokens
+                    n = min(req.num_tokens - hit_tokens, budget)
+                    if not self._allocate(req, n):
+                        break
+                else:
+                    hits = self._computed_blocks(req)
+                    loading = self._start_load(req, hits, now)
+                    if loading is False:
+                        break
+                    if loading:
+                        self.loading.append(self.waiting.popleft())
+                        continue
+                    hit_tokens = len(hits) * self.block_size
+                    n = min(req.num_tokens - hit_tokens, budget)
+                    if not self._allocate(req, n, hits):
+                        break
                 self.waiting.popleft()
                 req.num_computed_tokens = hit_tokens
                 if req.num_cached_tokens < 0:

@@ -4,6 +4,7 @@
 | --- | --- |
 | ``POST /v1/completions`` | ``prompt`` text or token ids; ``stream`` (SSE, ``data: [DONE]``) or not |
 | ``POST /v1/chat/completions`` | ``messages`` through the documented template (``rendering.py``) |
+| ``POST /v1/embeddings`` (``--runner pooling``), ``POST /v1/responses``, ``POST /detokenize`` | ``engine_simulator/openai_extras.py`` |
 | ``POST /tokenize`` | ``{"model","prompt"}`` or ``{"model","messages","add_generation_prompt"}`` -> ``{"count","max_model_len","tokens","token_strs"}`` |
 | ``POST /v1/completions/render``, ``POST /v1/chat/completions/render`` | token ids the engine would run, without running |
 | ``GET /v1/models``, ``GET /health``, ``GET /metrics`` | as vLLM (``vllm:*`` families) |
@@ -36,13 +37,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine_simulator.engine import AsyncEngine
-from engine_simulator.rendering import Renderer, apply_chat_template
+from engine_simulator.openai_extras import ApiKeyMiddleware, ExtraRoutes, choices_per_prompt, split_batch
+from engine_simulator.rendering import Renderer
 from engine_simulator.scheduler import LoraAdapter, Request, RequestOutput
 from kvmesh.errors import InvalidRequest, UnknownModel
 
@@ -83,6 +86,10 @@ class ServerState:
     """Fault injection: /metrics answers this late (seconds)."""
     lora_adapters: dict[str, LoraAdapter] = field(default_factory=dict)
     """Served LoRA adapters by name (``--lora-adapters``): a body naming one as ``model`` runs under it."""
+    api_key: str = ""
+    """vLLM's ``--api-key``: ``/v1/*`` needs ``Authorization: Bearer <key>`` (``openai_extras.ApiKeyMiddleware``)."""
+    runner: str = "generate"
+    """vLLM's ``--runner``: ``generate`` serves completions, chat and responses; ``pooling`` serves embeddings."""
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -151,13 +158,17 @@ def _max_tokens(state: ServerState, body: dict[str, Any], n_prompt: int, chat: b
     return value
 
 
-def _usage(req: Request) -> dict[str, Any]:
-    n_out = len(req.output_token_ids)
+def summed_usage(reqs: list[Request], n: int = 1) -> dict[str, Any]:
+    """vLLM's usage over a request's choices: each prompt's tokens (and cached tokens) once, the
+    outputs of every choice summed (``reqs`` are prompt-major, ``n`` per prompt)."""
+    prompts = reqs[::n]
+    n_prompt = sum(req.num_prompt_tokens for req in prompts)
+    n_out = sum(len(req.output_token_ids) for req in reqs)
     return {
-        "prompt_tokens": req.num_prompt_tokens,
-        "total_tokens": req.num_prompt_tokens + n_out,
+        "prompt_tokens": n_prompt,
+        "total_tokens": n_prompt + n_out,
         "completion_tokens": n_out,
-        "prompt_tokens_details": {"cached_tokens": max(req.num_cached_tokens, 0)},
+        "prompt_tokens_details": {"cached_tokens": sum(max(req.num_cached_tokens, 0) for req in prompts)},
     }
 
 
@@ -188,13 +199,22 @@ class EngineHttpApi:
         self._renderer = state.renderer
 
     def app(self) -> Starlette:
-        return Starlette(
-            routes=[
+        extras = ExtraRoutes(self._state, self._prepare_bounded, self._run_one)
+        if self._state.runner == "pooling":  # vLLM registers the routes of the tasks the model supports
+            task_routes = [Route("/v1/embeddings", extras.embeddings, methods=["POST"])]
+        else:
+            task_routes = [
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/responses", extras.responses, methods=["POST"]),
+            ]
+        return Starlette(
+            routes=[
+                *task_routes,
                 Route("/v1/completions/render", self.completions_render, methods=["POST"]),
                 Route("/v1/chat/completions/render", self.chat_render, methods=["POST"]),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/detokenize", extras.detokenize, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
@@ -204,7 +224,27 @@ class EngineHttpApi:
             ],
             exception_handlers={InvalidRequest: self._invalid_request, UnknownModel: self._unknown_model,
                                 ClientDisconnect: self._client_disconnected},
+            middleware=[Middleware(ApiKeyMiddleware, api_key=self._state.api_key)] if self._state.api_key else None,
         )
+
+    async def _run_one(self, ids: list[int], max_tokens: int, body: dict[str, Any]) -> AsyncIterator[tuple[list[int], Request]]:
+        """Run one sequence; yield ``(new token ids, request)`` per step until it finishes (aborted if abandoned)."""
+        lora, salt = request_scope(self._state, body)
+        req = Request("resp-" + uuid.uuid4().hex, ids, max_tokens, ignore_eos=bool(body.get("ignore_eos", False)),
+                      lora=lora, cache_salt=salt)
+        try:
+            queue = self._engine.submit(req)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                yield list(out.new_token_ids), req
+        finally:
+            if not finished:
+                self._engine.abort(req.request_id)
 
     # -- errors (vLLM's bodies) ---------------------------------------------------------------
 
@@ -258,15 +298,7 @@ class EngineHttpApi:
             InvalidRequest: no prompt, ``n`` != 1, or a length/``max_tokens`` vLLM would refuse.
         """
         _check_model(self._state, body)
-        if chat:
-            ids = self._renderer.chat_ids(body.get("messages"), bool(body.get("add_generation_prompt", True)))
-        else:
-            if "prompt" not in body:
-                raise InvalidRequest("'prompt' is required")
-            ids = self._renderer.prompt_ids(body["prompt"], bool(body.get("add_special_tokens", True)))
-        n = body.get("n", 1)
-        if n != 1:
-            raise InvalidRequest("only n=1 is supported")
+        ids = self._renderer.chat_request_ids(body) if chat else self._renderer.completion_request_ids(body)
         return ids, _max_tokens(self._state, body, len(ids), chat)
 
     async def completions(self, request: HttpRequest) -> Response:
@@ -276,47 +308,58 @@ class EngineHttpApi:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: HttpRequest, chat: bool) -> Response:
+        """One completions/chat request: every prompt of a batch times ``n`` choices (vLLM 0.32's shapes:
+        choice ``index`` = ``prompt_index * n + i``; usage summed, a prompt's tokens counted once)."""
         body = await _json_body(request)
-        ids, max_tokens = await self._prepare_bounded(body, chat)
+        n = choices_per_prompt(body)
+        prepared = [await self._prepare_bounded(sub, chat) for sub in split_batch(body, chat)]
         prefix = "chatcmpl-" if chat else "cmpl-"
         rid = prefix + uuid.uuid4().hex
         lora, salt = request_scope(self._state, body)
-        req = Request(rid, ids, max_tokens, ignore_eos=bool(body.get("ignore_eos", False)), lora=lora, cache_salt=salt)
+        reqs: list[Request] = []
+        queues: list[asyncio.Queue[RequestOutput]] = []
         try:
-            queue = self._engine.submit(req)
+            for p_idx, (ids, max_tokens) in enumerate(prepared):
+                for j in range(n):
+                    sub_id = rid if len(prepared) * n == 1 else f"{rid}-{p_idx}-{j}"
+                    req = Request(sub_id, ids, max_tokens, ignore_eos=bool(body.get("ignore_eos", False)), lora=lora,
+                                  cache_salt=salt)
+                    queues.append(self._engine.submit(req))
+                    reqs.append(req)
         except ValueError as exc:
+            for req in reqs:
+                self._engine.abort(req.request_id)
             raise InvalidRequest(str(exc)) from exc
         created = int(time.time())
         if body.get("stream"):
             opts = body.get("stream_options") or {}
             include_usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
             return StreamingResponse(
-                self._stream(req, queue, chat, created, include_usage),
+                self._stream(rid, reqs, queues, chat, created, include_usage, n),
                 media_type="text/event-stream",
                 headers=_SSE_HEADERS,
             )
-        waiter = asyncio.create_task(_collect(queue))
+        waiter: asyncio.Future[list[None]] = asyncio.ensure_future(asyncio.gather(*(_collect(q) for q in queues)))
         disconnect = asyncio.create_task(_wait_disconnect(request))
         try:
-            await asyncio.wait({waiter, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([waiter, disconnect], return_when=asyncio.FIRST_COMPLETED)  # type: ignore[type-var]
         finally:
             disconnect.cancel()
             if not waiter.done():
                 waiter.cancel()
-                self._engine.abort(rid)
+                for req in reqs:
+                    self._engine.abort(req.request_id)
         if not waiter.done() or waiter.cancelled():
             logger.info("client disconnected request_id=%s: request aborted", rid)
             return Response(status_code=499)
-        return JSONResponse(self._completion_body(req, chat, created))
+        return JSONResponse(self._completion_body(rid, reqs, chat, created, n))
 
-    def _completion_body(self, req: Request, chat: bool, created: int) -> dict[str, Any]:
-        """The non-streaming answer of a finished request (vLLM 0.32's field set)."""
+    def _choice(self, req: Request, index: int, chat: bool) -> dict[str, Any]:
         text = self._renderer.detokenize(req.output_token_ids)
         finish = str(req.finish_reason)
-        choice: dict[str, Any]
         if chat:
-            choice = {
-                "index": 0,
+            return {
+                "index": index,
                 "message": {
                     "role": "assistant",
                     "content": text,
@@ -331,84 +374,84 @@ class EngineHttpApi:
                 "finish_reason": finish,
                 "stop_reason": None,
             }
-            obj = "chat.completion"
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": finish,
-                "stop_reason": None,
-                "prompt_logprobs": None,
-            }
-            obj = "text_completion"
         return {
-            "id": req.request_id,
-            "object": obj,
+            "index": index,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": finish,
+            "stop_reason": None,
+            "prompt_logprobs": None,
+        }
+
+    def _completion_body(self, rid: str, reqs: list[Request], chat: bool, created: int, n: int) -> dict[str, Any]:
+        """The non-streaming answer of finished requests (vLLM 0.32's field set)."""
+        return {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
             "created": created,
             "model": self._state.model,
-            "choices": [choice],
-            "usage": _usage(req),
+            "choices": [self._choice(req, i, chat) for i, req in enumerate(reqs)],
+            "usage": summed_usage(reqs, n),
             "kv_transfer_params": None,
         }
 
     async def _stream(
         self,
-        req: Request,
-        queue: asyncio.Queue[RequestOutput],
+        rid: str,
+        reqs: list[Request],
+        queues: list[asyncio.Queue[RequestOutput]],
         chat: bool,
         created: int,
         include_usage: bool,
+        n: int,
     ) -> AsyncIterator[str]:
-        """SSE chunks as vLLM writes them; a client gone before the end aborts the request."""
+        """SSE chunks as vLLM writes them, one choice per chunk (its ``index``), the usage chunk summed;
+        a client gone before the end aborts every unfinished choice."""
         obj = "chat.completion.chunk" if chat else "text_completion"
-        head = {"id": req.request_id, "object": obj, "created": created, "model": self._state.model}
-        finished = False
+        head = {"id": rid, "object": obj, "created": created, "model": self._state.model}
+        merged: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+
+        async def pump(index: int, queue: asyncio.Queue[RequestOutput]) -> None:
+            while True:
+                out = await queue.get()
+                await merged.put((index, out))
+                if out.finished:
+                    return
+
+        pumps = [asyncio.create_task(pump(i, q)) for i, q in enumerate(queues)]
+        open_choices = len(queues)
         try:
             if chat:
-                first = {
-                    **head,
-                    "choices": [
-                        {
-                            "index": 0,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
-                }
-                yield f"data: {_dumps(first)}\n\n"
-            while not finished:
-                out = await queue.get()
-                finished = out.finished
+                for i in range(len(reqs)):
+                    first = {**head, "choices": [
+                        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                    ]}
+                    yield f"data: {_dumps(first)}\n\n"
+            while open_choices:
+                index, out = await merged.get()
+                req = reqs[index]
+                if out.finished:
+                    open_choices -= 1
                 text = self._renderer.detokenize(out.new_token_ids)
-                reason = str(req.finish_reason) if finished else None
+                reason = str(req.finish_reason) if out.finished else None
                 choice: dict[str, Any]
                 if chat:
-                    choice = {
-                        "index": 0,
-                        "delta": {"content": text},
-                        "logprobs": None,
-                        "finish_reason": reason,
-                    }
-                    if finished:
+                    choice = {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": reason}
+                    if out.finished:
                         choice["stop_reason"] = None
                 else:
-                    choice = {
-                        "index": 0,
-                        "text": text,
-                        "logprobs": None,
-                        "finish_reason": reason,
-                        "stop_reason": None,
-                    }
+                    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason, "stop_reason": None}
                 yield f"data: {_dumps({**head, 'choices': [choice]})}\n\n"
             if include_usage:
-                yield f"data: {_dumps({**head, 'choices': [], 'usage': _usage(req)})}\n\n"
+                yield f"data: {_dumps({**head, 'choices': [], 'usage': summed_usage(reqs, n)})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            if not finished:  # the client went away mid-stream (the response was cancelled)
-                logger.info("client disconnected request_id=%s: stream aborted", req.request_id)
-                self._engine.abort(req.request_id)
+            for task in pumps:
+                task.cancel()
+            if open_choices:  # the client went away mid-stream (the response was cancelled)
+                logger.info("client disconnected request_id=%s: stream aborted", rid)
+                for req in reqs:
+                    self._engine.abort(req.request_id)
 
     # -- render and tokenize ------------------------------------------------------------------
 
@@ -445,14 +488,11 @@ class EngineHttpApi:
         """The ``/tokenize`` answer as JSON bytes (runs in a worker thread for long prompts)."""
         renderer = self._renderer
         if "messages" in body:
-            ids = renderer.encode_text(
-                apply_chat_template(body["messages"], bool(body.get("add_generation_prompt", True))),
-                add_special_tokens=bool(body.get("add_special_tokens", False)),
-            )
+            ids = renderer.chat_request_ids(body)
         elif "prompt" in body:
             if not isinstance(body["prompt"], str):
                 raise InvalidRequest("'prompt' must be a string")
-            ids = renderer.encode_text(body["prompt"], bool(body.get("add_special_tokens", True)))
+            ids = renderer.completion_request_ids(body)
         else:
             raise InvalidRequest("either 'prompt' or 'messages' is required")
         strs = renderer.token_strs(ids) if body.get("return_token_strs") else None

@@ -8,7 +8,8 @@ prepends ``<s>``. It is trained on a corpus generated in code from a fixed seed 
 sentences and Python-like code), so every machine builds the byte-identical ``tokenizer.json``
 without any download.
 
-:func:`ensure_tokenizer` builds ``tokenizer.json`` and ``tokenizer_config.json`` once, under
+:func:`ensure_tokenizer` builds ``tokenizer.json``, ``tokenizer_config.json`` and the chat template
+(``chat_template.jinja``, :data:`CHAT_TEMPLATE`) once, under
 ``~/.cache/kvmesh/tokenizer-v1/`` by default, and returns the directory. Builds go to a temporary
 directory beside the target, then move into place with an atomic ``rename``, so parallel processes
 never see a half-written file (the loser of a race drops its copy).
@@ -46,6 +47,33 @@ TOKENIZER_CONFIG = {
     "unk_token": UNK,
 }
 """Same keys and values as the recording's ``tokenizer_config.json``."""
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if tools %}{{ '<|tools|>\\n' + (tools | tojson) + eos_token + '\\n' }}{% endif %}"
+    "{%- if documents %}{% for doc in documents %}"
+    "{{ '<|document|>\\n' + (doc | tojson) + eos_token + '\\n' }}{% endfor %}{% endif %}"
+    "{%- for message in messages %}"
+    "{{- '<|' + message['role'] + '|>\\n' }}"
+    "{%- if message.get('tool_call_id') %}{{ '[' + message['tool_call_id'] + '] ' }}{% endif %}"
+    "{%- if message['content'] is string %}{{ message['content'] }}{% endif %}"
+    "{%- if message.get('tool_calls') %}{% for call in message['tool_calls'] %}"
+    "{{ '<|tool_call|>' + ({'id': call.get('id', ''), 'name': call['function']['name'],"
+    " 'arguments': call['function']['arguments']} | tojson) }}{% endfor %}{% endif %}"
+    "{{- eos_token + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|assistant|>\\n' }}"
+    "{%- if enable_thinking is defined and not enable_thinking %}{{ '<think></think>\\n' }}{% endif %}"
+    "{%- endif %}"
+)
+"""The tiny model's chat template (``chat_template.jinja`` beside ``tokenizer.json``, which transformers
+and vLLM load): ``<s>``, then ``<|tools|>\\n{tools as JSON}</s>\\n`` when tools are given (likewise each
+document), then per message ``<|{role}|>\\n`` + ``[{tool_call_id}] `` (tool results) + its string
+content + one ``<|tool_call|>{"id","name","arguments"}`` per tool call + ``</s>\\n``, then
+``<|assistant|>\\n`` when ``add_generation_prompt`` (and ``<think></think>\\n`` after it when the
+``enable_thinking`` kwarg is false). For plain ``{role, content}`` chats this is the fixed format the
+simulator always used."""
 
 _WORDS = [
     "the",
@@ -383,6 +411,8 @@ def ensure_tokenizer(path: str | os.PathLike[str] | None = None) -> Path:
     if target.name == "tokenizer.json":
         target = target.parent
     if (target / "tokenizer.json").is_file():
+        if not (target / CHAT_TEMPLATE_FILE).is_file():  # a directory from before the template existed
+            _write_atomic(target / CHAT_TEMPLATE_FILE, CHAT_TEMPLATE)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
@@ -392,9 +422,10 @@ def ensure_tokenizer(path: str | os.PathLike[str] | None = None) -> Path:
         (tmp / "tokenizer_config.json").write_text(
             json.dumps(TOKENIZER_CONFIG, indent=2, sort_keys=True) + "\n"
         )
+        (tmp / CHAT_TEMPLATE_FILE).write_text(CHAT_TEMPLATE)
         if target.exists():
             # an empty or partial directory given by the caller: fill it file by file (atomic per file)
-            for name in ("tokenizer_config.json", "tokenizer.json"):
+            for name in (CHAT_TEMPLATE_FILE, "tokenizer_config.json", "tokenizer.json"):
                 os.replace(tmp / name, target / name)
         else:
             try:
@@ -407,6 +438,22 @@ def ensure_tokenizer(path: str | os.PathLike[str] | None = None) -> Path:
         with contextlib.suppress(OSError):
             shutil.rmtree(tmp)
     return target
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def load_chat_template(path: str | os.PathLike[str] | None = None) -> str:
+    """The chat template text of :func:`ensure_tokenizer`'s directory."""
+    return (ensure_tokenizer(path) / CHAT_TEMPLATE_FILE).read_text()
 
 
 @lru_cache(maxsize=4)

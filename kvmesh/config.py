@@ -62,6 +62,9 @@ class ProcessConfig(BaseSettings):
     """On SIGTERM, how long running requests may finish before they are cancelled."""
     log_level: LogLevel = "INFO"
     """Root log level."""
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
+    """The process's event loop: uvloop (libuv; less CPU per request on every hop, docs/BENCHMARKS.md §3)
+    or the standard library's asyncio loop."""
     ports_file: str = ""
     """Where to write the ports this process bound, as JSON (``{"grpc": 41234, "metrics": 41235}``),
     once they are listening (written atomically); empty writes nothing. With port 0 this is how a

@@ -29,11 +29,18 @@ logger = logging.getLogger(__name__)
 
 ENDPOINTS_PREFIX = "/kvmesh/v1/endpoints/"
 SERVICES_PREFIX = "/kvmesh/v1/services/"
+KV_SOURCES_PREFIX = "/kvmesh/v1/kv_sources/"
+"""KV-event sources that are not engines (kv_store instances): ``<prefix><model>/<id>``, the same
+``Endpoint`` JSON; kv_indexer follows them, routing (epp, router) never sees them."""
 _RETRY_SECONDS = 1.0
 
 
 def endpoint_key(endpoint: Endpoint) -> str:
     return f"{ENDPOINTS_PREFIX}{endpoint.model}/{endpoint.id}"
+
+
+def kv_source_key(source: Endpoint) -> str:
+    return f"{KV_SOURCES_PREFIX}{source.model}/{source.id}"
 
 
 def service_key(service: str, instance_id: str) -> str:
@@ -150,9 +157,9 @@ class EndpointWatcher:
     registration counts as a leave then a join only when its identity fields change).
     """
 
-    def __init__(self, etcd_endpoints: list[str], model: str | None = None) -> None:
+    def __init__(self, etcd_endpoints: list[str], model: str | None = None, root: str = ENDPOINTS_PREFIX) -> None:
         self._etcd_endpoints = etcd_endpoints
-        self.prefix = ENDPOINTS_PREFIX + (f"{model}/" if model else "")
+        self.prefix = root + (f"{model}/" if model else "")
         self._view: dict[str, Endpoint] = {}  # etcd key -> endpoint
         self._listeners: list[MembershipListener] = []
         self._task: asyncio.Task[None] | None = None

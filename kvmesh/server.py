@@ -275,4 +275,14 @@ def main(
     except ValueError as exc:
         sys.stderr.write(f"{name}: {exc}\n")
         raise SystemExit(2) from None
-    asyncio.run(process.run())
+    with asyncio.Runner(loop_factory=event_loop_factory(config.event_loop)) as runner:
+        runner.run(process.run())
+
+
+def event_loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The loop factory of ``ProcessConfig.event_loop``: uvloop's (``"uvloop"``) or None (asyncio's default)."""
+    if kind == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop
+    return None

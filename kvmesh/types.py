@@ -140,6 +140,18 @@ LORA_ADAPTERS_LABEL = "lora_adapters"
 """Registration label: comma-separated LoRA adapter names an endpoint serves (vLLM's ``--lora-modules``
 names); the router sends a request whose ``model`` names one to its base model's pool under it."""
 
+KV_STORES_LABEL = "kv_stores"
+"""Engine registration label: comma-separated ids (gRPC ``host:port``) of the kv_store instances its
+offload connector writes to and loads from; blocks those instances publish count for the engine."""
+
+KV_SOURCE_LABEL = "kv_source"
+"""Label of a registration under ``/kvmesh/v1/kv_sources/``: the kind of KV-event source (``kv_store``)."""
+
+SHARED_DOMAINS_LABEL = "shared_domains"
+"""kv_store source label: comma-separated names of its shared tiers' namespaces (``sharedfs:<path>``,
+``mooncake:<master>/<namespace>``); a ``SHARED`` block of one source is reachable through every
+source naming the same domain."""
+
 DATA_PARALLEL_RANK_HEADER = "X-data-parallel-rank"
 """vLLM's request header that sends a request to one data-parallel rank of a server."""
 

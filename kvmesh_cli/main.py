@@ -30,6 +30,7 @@ import asyncio
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -48,6 +49,7 @@ from kvmesh_cli.options import (
     AutoBlocksOpt,
     BlockSizeOpt,
     BlocksOpt,
+    BlockTokensOpt,
     ConcurrencyOpt,
     EnginesOpt,
     EtcdOpt,
@@ -55,32 +57,45 @@ from kvmesh_cli.options import (
     MaxInOpt,
     MaxOutOpt,
     MaxSeqsOpt,
+    MaxThinkOpt,
+    RateScaleOpt,
     RequestsOpt,
     RunDirOpt,
     SeedOpt,
+    SessionGapOpt,
+    SessionsOpt,
+    SloTtftOpt,
     TimeScaleOpt,
     TraceOpt,
     VerboseOpt,
     WorkloadOpt,
 )
-from kvmesh_cli.plotting import write_plot
+from kvmesh_cli.peers import PEERS, peer_missing_reason
+from kvmesh_cli.plotting import write_plot, write_sweep_plot
 from kvmesh_cli.replay import ReplayOutcome, engines_from_epp, engines_from_etcd, replay
 from kvmesh_cli.report import (
     RequestResult,
+    SweepPoint,
     compare_document,
     fmt,
     hit_rate,
+    load_split,
     per_engine,
+    slo_throughput,
     summarize,
     summary_table,
+    sweep_table,
     usage_cached_fraction,
 )
 from kvmesh_cli.workloads import (
     DEFAULT_MAX_OUTPUT_TOKENS,
+    AgenticParams,
     Workload,
     WorkloadError,
     default_num_gpu_blocks,
     load_workload,
+    oracle_hits,
+    scale_load,
     workload_stats,
 )
 
@@ -88,6 +103,18 @@ DEFAULT_ENGINES = 4
 DEFAULT_REQUESTS = 240
 DEFAULT_TIME_SCALE = 1.0
 DEFAULT_CONCURRENCY = 64
+DEFAULT_WORKLOAD = "agentic"
+DEFAULT_SLO_TTFT_S = 2.0
+OFFLOAD_MODES = ("off", "cpu", "cpu+kv_store")
+OffloadOpt = Annotated[str, typer.Option(
+    "--offload", help="Simulated engines' KV offload (vLLM's OffloadingConnector): off, cpu (a local CPU tier), "
+    "cpu+kv_store (and the mesh's kv_store, published to kv_indexer). See engine_simulator/README.md.")]
+
+
+def _offload_mode(value: str) -> str:
+    if value not in OFFLOAD_MODES:
+        raise typer.BadParameter(f"{value!r}: expected one of {', '.join(OFFLOAD_MODES)}", param_hint="--offload")
+    return value
 
 app = typer.Typer(
     help="kvmesh: run a local mesh with simulated engines, replay workloads, compare routing policies.",
@@ -110,11 +137,12 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def build_workload(
-    trace: Path | None, workload: str, requests: int, seed: int, max_input_tokens: int | None, max_output_tokens: int
+    trace: Path | None, workload: str, requests: int, seed: int, max_input_tokens: int | None, max_output_tokens: int,
+    agentic: AgenticParams | None = None,
 ) -> Workload:
     """:func:`kvmesh_cli.workloads.load_workload`, its errors as ``typer.BadParameter`` naming the option."""
     try:
-        return load_workload(trace, workload, requests, seed, max_input_tokens, max_output_tokens)
+        return load_workload(trace, workload, requests, seed, max_input_tokens, max_output_tokens, agentic)
     except WorkloadError as exc:
         raise typer.BadParameter(str(exc), param_hint=exc.option) from None
 
@@ -128,7 +156,7 @@ def _workload_line(wl: Workload, label: str) -> str:
 
 def _run_replay(
     wl: Workload, router_url: str, engine_urls: list[str], time_scale: float, concurrency: int,
-    model: str | None, label: str,
+    model: str | None, label: str, *, sessions: int | None = None, prompt_format: str = "tokens",
 ) -> ReplayOutcome:
     with Progress(
         TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn("errors {task.fields[errors]}"),
@@ -145,7 +173,8 @@ def _run_replay(
         try:
             return asyncio.run(replay(
                 wl, router_url=router_url, engine_urls=engine_urls, time_scale=time_scale,
-                concurrency_limit=concurrency, model=model, on_done=on_done,
+                concurrency_limit=concurrency, model=model, on_done=on_done, max_sessions=sessions,
+                prompt_format=prompt_format,
             ))
         except httpx.HTTPError as exc:  # discovering the model; requests themselves never raise
             progress.stop()
@@ -155,10 +184,23 @@ def _run_replay(
             fail(str(exc))
 
 
-def _summary(outcome: ReplayOutcome, time_scale: float) -> dict[str, float | int | None]:
+def _summary(
+    outcome: ReplayOutcome, time_scale: float, *, wl: Workload | None = None, slo_ttft_s: float | None = None,
+    engine_urls: list[str] | None = None, block_size: int | None = None,
+) -> dict[str, object]:
+    """Summary of one replay; with ``wl`` the oracle hit rate over the requests in the order they were sent."""
+    oracle: float | None = None
+    if wl is not None and block_size:
+        by_index = {r.index: r for r in wl.requests}
+        sent = sorted((r for r in outcome.results if r.sent_at is not None), key=lambda r: r.sent_at or 0.0)
+        hits, queries = oracle_hits((by_index[r.index] for r in sent), block_size)
+        oracle = hits / queries if queries else None
+    split = load_split(outcome.counters_before, outcome.counters_after, engine_urls) if engine_urls or \
+        outcome.counters_after else None
     return summarize(
         outcome.results, wall_duration_s=outcome.wall_duration_s, time_scale=time_scale,
-        prefix_hit_rate=hit_rate(outcome.counters_before, outcome.counters_after),
+        prefix_hit_rate=hit_rate(outcome.counters_before, outcome.counters_after), slo_ttft_s=slo_ttft_s,
+        oracle_hit_rate=oracle, split=split,
     )
 
 
@@ -233,6 +275,7 @@ def up(
         "--engine", help="simulator (default) or vllm: real vLLM CPU servers on the tiny model, each with a "
         "registration sidecar (needs `make vllm-env model`; ~30-60 s to start, ~3 GB RAM and 2 cores each). "
         "--time-scale and --num-gpu-blocks apply to the simulator only.")] = "simulator",
+    offload: OffloadOpt = "off",
     verbose: VerboseOpt = False,
 ) -> None:
     """Start etcd, the five services and N engines (simulated, or real vLLM) in the foreground; Ctrl-C stops all."""
@@ -256,7 +299,8 @@ def up(
         run_dir=(run_dir or _default_run_dir("up")).resolve(), engines=engines, policy=policy,
         time_scale=time_scale, model=model or DEFAULT_MODEL, num_gpu_blocks=num_gpu_blocks,
         block_size_tokens=block_size_tokens, max_num_seqs=max_num_seqs, etcd=etcd,
-        router_http_port=router_port, router_grpc_port=router_grpc_port, **extra,  # type: ignore[arg-type]
+        router_http_port=router_port, router_grpc_port=router_grpc_port, offload=_offload_mode(offload),
+        **extra,  # type: ignore[arg-type]
     )
     console.print(f"starting mesh in {spec.run_dir} ...", soft_wrap=True)
     with exit_on_signals(), mesh_errors():
@@ -358,12 +402,77 @@ def replay_cmd(
 # --- compare ----------------------------------------------------------------------------------
 
 
+@dataclass
+class RunSettings:
+    """What every run of a ``compare`` shares (one mesh per policy, peer or sweep point)."""
+
+    engines: int
+    num_gpu_blocks: int
+    block_size_tokens: int | None
+    max_num_seqs: int | None
+    time_scale: float
+    concurrency: int
+    sessions: int | None
+    slo_ttft_s: float
+    etcd: str | None
+    offload: str
+
+
+def _run_one(wl: Workload, rs: RunSettings, run_dir: Path, name: str, policy: str | None, peer: str | None,
+             label: str) -> dict[str, object]:
+    """One fresh mesh; the replay through its router (``policy``) or through a peer router over its engines."""
+    spec = MeshSpec(
+        run_dir=run_dir, engines=rs.engines, policy=policy or "round-robin", time_scale=rs.time_scale,
+        num_gpu_blocks=rs.num_gpu_blocks, block_size_tokens=rs.block_size_tokens, max_num_seqs=rs.max_num_seqs,
+        etcd=rs.etcd, offload=rs.offload,
+    )
+    t0 = time.monotonic()
+    with Mesh(spec) as mesh:
+        if peer is None:
+            console.print(f"[bold]{name}[/bold]: mesh up in {time.monotonic() - t0:.1f}s", soft_wrap=True)
+            outcome = _run_replay(wl, mesh.router_url, mesh.engine_urls, rs.time_scale, rs.concurrency, None, label,
+                                  sessions=rs.sessions)
+        else:
+            from engine_simulator.tokenizer import ensure_tokenizer
+            from kvmesh_cli.peers import PeerRouter
+
+            try:
+                router = PeerRouter(peer, mesh.engine_urls, run_dir, ensure_tokenizer(None))
+                router.__enter__()
+            except RuntimeError as exc:
+                fail(str(exc))
+            try:
+                console.print(f"[bold]{name}[/bold]: engines and {peer} up in {time.monotonic() - t0:.1f}s",
+                              soft_wrap=True)
+                outcome = _run_replay(wl, router.url, mesh.engine_urls, rs.time_scale, rs.concurrency, mesh.spec.model,
+                                      label, sessions=rs.sessions, prompt_format=router.spec.prompt_format)
+            finally:
+                router.__exit__()
+        engine_urls = list(mesh.engine_urls)
+    _first_errors(outcome)
+    _engine_line(outcome)
+    return _summary(outcome, rs.time_scale, wl=wl, slo_ttft_s=rs.slo_ttft_s, engine_urls=engine_urls,
+                    block_size=rs.block_size_tokens or SIMULATOR_DEFAULTS.block_size_tokens)
+
+
+def _parse_scales(value: str | None) -> list[float]:
+    if not value:
+        return []
+    try:
+        scales = sorted({float(x) for x in value.split(",") if x.strip()})
+    except ValueError:
+        raise typer.BadParameter(f"{value!r}: expected comma-separated numbers", param_hint="--sweep") from None
+    if not scales or scales[0] <= 0:
+        raise typer.BadParameter("rate scales must be > 0", param_hint="--sweep")
+    return scales
+
+
 @app.command()
 def compare(
     policies: Annotated[str, typer.Option("--policies", help="Comma-separated epp scheduling configs.")] =
         "round-robin,precise-prefix",
     trace: TraceOpt = None,
-    workload: WorkloadOpt = "multi-turn",
+    workload: WorkloadOpt = DEFAULT_WORKLOAD,
     requests: RequestsOpt = DEFAULT_REQUESTS,
     seed: SeedOpt = 0,
     engines: EnginesOpt = DEFAULT_ENGINES,
@@ -374,53 +483,84 @@ def compare(
     concurrency_limit: ConcurrencyOpt = DEFAULT_CONCURRENCY,
     max_input_tokens: MaxInOpt = None,
     max_output_tokens: MaxOutOpt = DEFAULT_MAX_OUTPUT_TOKENS,
+    rate_scale: RateScaleOpt = 1.0,
+    sessions: SessionsOpt = None,
+    slo_ttft: SloTtftOpt = DEFAULT_SLO_TTFT_S,
+    block_tokens: BlockTokensOpt = AgenticParams.block_tokens,
+    session_gap: SessionGapOpt = AgenticParams.session_gap_s,
+    max_think: MaxThinkOpt = AgenticParams.max_think_s or 60.0,
+    peers: Annotated[str, typer.Option("--peers", help="Comma-separated peer routers over the same simulated engines "
+                                       f"(`make peers-env`): {', '.join(PEERS)}.")] = "",
+    sweep: Annotated[str | None, typer.Option("--sweep", help="Comma-separated rate scales: run every policy and peer "
+                                              "at each, print throughput vs TTFT and each one's goodput (the "
+                                              "throughput where TTFT p90 crosses --slo-ttft); --plot draws the curve."
+                                              )] = None,
     etcd: EtcdOpt = None,
     run_dir: RunDirOpt = None,
     json_out: JsonOutOpt = None,
-    plot: Annotated[Path | None, typer.Option("--plot", help="Write a bar chart PNG (needs matplotlib).")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG (needs matplotlib): bars per policy, or the "
+                                              "sweep's curve.")] = None,
+    offload: OffloadOpt = "off",
     verbose: VerboseOpt = False,
 ) -> None:
-    """Replay one workload against a fresh mesh per routing policy and print the policies side by side."""
+    """Replay one workload against a fresh mesh per routing policy (and peer router) and print them side by side."""
     _setup_logging(verbose)
     names = [p.strip() for p in policies.split(",") if p.strip()]
-    if not names:
+    peer_names = [p.strip() for p in peers.split(",") if p.strip()]
+    if not names and not peer_names:
         raise typer.BadParameter("no policy given", param_hint="--policies")
     resolved = {name: resolve_policy(name, param_hint="--policies") for name in names}
-    wl = build_workload(trace, workload, requests, seed, max_input_tokens, max_output_tokens)
-    label = trace.name if trace else workload
-    num_gpu_blocks = num_gpu_blocks or default_num_gpu_blocks(trace)
+    for peer_name in peer_names:
+        missing = peer_missing_reason(peer_name)
+        if missing:
+            raise typer.BadParameter(missing, param_hint="--peers")
+    scales = _parse_scales(sweep)
+    agentic = AgenticParams(block_tokens=block_tokens, session_gap_s=session_gap, max_think_s=max_think)
+    base_wl = build_workload(trace, workload, requests, seed, max_input_tokens, max_output_tokens, agentic)
+    label = base_wl.name if trace is None else trace.name
+    rs = RunSettings(engines, num_gpu_blocks or default_num_gpu_blocks(trace, workload), block_size_tokens,
+                     max_num_seqs, time_scale, concurrency_limit, sessions, slo_ttft, etcd, _offload_mode(offload))
+    bs = block_size_tokens or SIMULATOR_DEFAULTS.block_size_tokens
+    longest = max((r.input_length + 1 + r.max_tokens for r in base_wl.requests), default=0)
+    if -(-longest // bs) > rs.num_gpu_blocks - 1:
+        raise typer.BadParameter(
+            f"the longest request needs {-(-longest // bs)} KV blocks of {bs} tokens; an engine has "
+            f"{rs.num_gpu_blocks - 1}: raise it or lower --max-input-tokens", param_hint="--num-gpu-blocks")
     base = (run_dir or _default_run_dir("compare")).resolve()
-    console.print(_workload_line(wl, label), soft_wrap=True)
-    console.print(f"{engines} engines x {num_gpu_blocks} blocks of "
+    console.print(_workload_line(base_wl, label), soft_wrap=True)
+    console.print(f"{engines} engines x {rs.num_gpu_blocks} blocks of "
                   f"{block_size_tokens or SIMULATOR_DEFAULTS.block_size_tokens} tokens, time scale "
-                  f"{time_scale}, logs in {base}", soft_wrap=True)
-    summaries: dict[str, dict[str, float | int | None]] = {}
+                  f"{time_scale}, rate scale {rate_scale}{f', {sessions} sessions' if sessions else ''}, "
+                  f"logs in {base}", soft_wrap=True)
+    columns: list[tuple[str, str | None, str | None]] = [(n, resolved[n], None) for n in names]
+    columns += [(p, None, p) for p in peer_names]
+    summaries: dict[str, dict[str, object]] = {}
+    curves: dict[str, list[SweepPoint]] = {}
     with exit_on_signals(), mesh_errors():
-        for i, name in enumerate(names):
-            spec = MeshSpec(
-                run_dir=base / f"{i}-{Path(name).stem}", engines=engines, policy=resolved[name],
-                time_scale=time_scale,
-                num_gpu_blocks=num_gpu_blocks, block_size_tokens=block_size_tokens, max_num_seqs=max_num_seqs,
-                etcd=etcd,
-            )
-            t0 = time.monotonic()
-            with Mesh(spec) as mesh:
-                console.print(f"[bold]{name}[/bold]: mesh up in {time.monotonic() - t0:.1f}s", soft_wrap=True)
-                outcome = _run_replay(wl, mesh.router_url, mesh.engine_urls, time_scale, concurrency_limit, None,
-                                      name)
-            _first_errors(outcome)
-            _engine_line(outcome)
-            summaries[name] = _summary(outcome, time_scale)
-    doc = compare_document(label, engines, len(wl.requests), summaries)
-    console.print(summary_table(doc["policies"], f"{label}: {len(wl.requests)} requests, {engines} engines"))  # type: ignore[arg-type]
+        for k, scale in enumerate(scales or [rate_scale]):
+            wl = scale_load(base_wl, scale)
+            for i, (name, col_policy, col_peer) in enumerate(columns):
+                tag = f"{name} x{scale:g}" if scales else name
+                summary = _run_one(wl, rs, base / f"{k}-{i}-{Path(name).stem}", tag, col_policy, col_peer, tag)
+                summaries[tag if scales else name] = summary
+                curves.setdefault(name, []).append(SweepPoint(
+                    scale, float(summary.get("requests_per_s") or 0.0), summary.get("ttft_p90_s"),  # type: ignore[arg-type]
+                    summary.get("ttft_p50_s"), summary.get("output_tokens_per_s")))  # type: ignore[arg-type]
+    extra: dict[str, object] = {"rate_scale": rate_scale, "sessions": sessions, "slo_ttft_s": slo_ttft}
+    if scales:
+        extra["sweep"] = {name: {"points": [p.__dict__ for p in pts], "goodput_rps": slo_throughput(pts, slo_ttft)}
+                          for name, pts in curves.items()}
+    doc = compare_document(label, engines, len(base_wl.requests), summaries, **extra)
+    title = f"{label}: {len(base_wl.requests)} requests, {engines} engines"
+    print_table(console, summary_table(doc["policies"], title))  # type: ignore[arg-type]
+    if scales:
+        print_table(console, sweep_table(curves, slo_ttft, f"{title}: load sweep"))
     if json_out is not None:
         json_out.write_text(json.dumps(doc, indent=2) + "\n")
         console.print(f"wrote {json_out}")
     if plot is not None:
-        if write_plot(doc, plot):
-            console.print(f"wrote {plot}")
-        else:
-            console.print("matplotlib is not installed; no plot (pip install matplotlib)")
+        written = write_sweep_plot(curves, slo_ttft, title, plot) if scales else write_plot(doc, plot)
+        console.print(f"wrote {plot}" if written else "matplotlib is not installed; no plot (pip install matplotlib)")
 
 
 def flows_tables(stats: object) -> list[Table]:

@@ -121,6 +121,9 @@ class MeshSpec:
     """``VLLM_SERVER_DEV_MODE=1`` (``POST /reset_prefix_cache``)."""
     vllm_extra_args: tuple[str, ...] = ()
     engine_events_endpoint: str | None = None
+    offload: str = "off"
+    """Simulated engines' KV offload connector (``--offload``): ``off``, ``cpu`` or ``cpu+kv_store`` (the
+    mesh's kv_store then publishes to kv_indexer and each engine names it in ``--kv-stores``)."""
     """Where engines publish KV events; None: kv_indexer's bind endpoint (a test may put a tap between)."""
 
 
@@ -252,7 +255,17 @@ class Mesh:
         self.events_bind_endpoint = events_bind
         self.kv_indexer_address = kv_indexer.grpc or ""
         # The others bind port 0 and report; each waits only for the addresses it is given.
-        kv_store = self._service("kv_store")
+        if spec.offload == "cpu+kv_store" and spec.engine == "simulator":
+            # engines put their blocks there: it publishes what it holds, and is up before they start
+            from engine_simulator.config import SimulatorConfig  # the simulator's defaults, not the mesh
+
+            kv_store = self._service(
+                "kv_store", "--events-endpoint", events_bind, "--events-model", spec.model,
+                "--events-block-size-tokens",
+                str(spec.block_size_tokens or SimulatorConfig.model_construct().block_size_tokens))
+            self._resolve(kv_store, deadline)
+        else:
+            kv_store = self._service("kv_store")
         epp = self._service("epp", "--kv-indexer-address", self.kv_indexer_address,
                             "--scheduling-config", spec.policy)
         if spec.engine == "vllm":
@@ -392,6 +405,8 @@ class Mesh:
                 "--events-endpoint", events_endpoint,
                 "--events-replay-endpoint", "tcp://127.0.0.1:*",  # vLLM's replay ROUTER: kv_indexer recovers gaps
                 "--tokenizer-path", str(tokenizer_path),
+                *(["--offload", spec.offload] if spec.offload != "off" else []),
+                *(["--kv-stores", self.member("kv_store").grpc or ""] if spec.offload == "cpu+kv_store" else []),
                 *_flags(
                     block_size_tokens=spec.block_size_tokens,
                     max_num_seqs=spec.max_num_seqs,

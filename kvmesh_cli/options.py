@@ -10,6 +10,7 @@ import typer
 from engine_simulator.config import SimulatorConfig
 from kvmesh_cli.workloads import (
     BUILTIN_WORKLOADS,
+    DEFAULT_AGENTIC_BLOCKS,
     DEFAULT_MAX_INPUT_TOKENS,
     DEFAULT_NUM_GPU_BLOCKS,
     DEFAULT_TRACE_NUM_GPU_BLOCKS,
@@ -32,8 +33,9 @@ BlocksOpt = Annotated[int, typer.Option("--num-gpu-blocks", min=1, help="KV-cach
 AutoBlocksOpt = Annotated[
     int | None,
     typer.Option("--num-gpu-blocks", min=2,
-                 help=f"KV-cache blocks per engine (default {DEFAULT_NUM_GPU_BLOCKS} for built-in workloads, "
-                      f"{DEFAULT_TRACE_NUM_GPU_BLOCKS} with --trace)."),
+                 help=f"KV-cache blocks per engine (default {DEFAULT_NUM_GPU_BLOCKS} for multi-turn, "
+                      f"{DEFAULT_AGENTIC_BLOCKS} for agentic workloads, {DEFAULT_TRACE_NUM_GPU_BLOCKS} with a "
+                      "Mooncake --trace)."),
 ]
 BlockSizeOpt = Annotated[
     int | None,
@@ -47,9 +49,10 @@ ModelOpt = Annotated[str, typer.Option("--model", help="Served model name of the
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Log at INFO.")]
 TraceOpt = Annotated[
     Path | None,
-    typer.Option("--trace", exists=True, dir_okay=False,
+    typer.Option("--trace", exists=True, dir_okay=True,
                  help="Mooncake trace (JSONL: timestamp ms, input_length, output_length, hash_ids of 512-token "
-                      "blocks). Each hash id becomes a deterministic block of token ids."),
+                      "blocks), or kv-cache-tester agentic traces (.tar.gz, a directory of .json, one .json; replayed "
+                      "as closed-loop sessions). Each hash id becomes a deterministic block of token ids."),
 ]
 WorkloadOpt = Annotated[
     str, typer.Option("--workload", help=f"Built-in workload when no --trace: {', '.join(BUILTIN_WORKLOADS)}.")
@@ -69,3 +72,27 @@ ConcurrencyOpt = Annotated[
     int, typer.Option("--concurrency-limit", min=1, help="Most requests in flight at once.")
 ]
 JsonOutOpt = Annotated[Path | None, typer.Option("--json-out", help="Write the results as JSON here.")]
+RateScaleOpt = Annotated[
+    float,
+    typer.Option("--rate-scale", min=0.001, help="Offer the workload this many times faster (model time): open-loop "
+                 "arrivals and closed-loop session starts and think times divided by it."),
+]
+SessionsOpt = Annotated[
+    int | None,
+    typer.Option("--sessions", min=1, help="Closed-loop concurrency: at most this many sessions live at once (a "
+                 "session's first call waits for a slot); default: sessions start on their own schedule."),
+]
+SloTtftOpt = Annotated[
+    float, typer.Option("--slo-ttft", min=0.0, help="TTFT SLO in model seconds for goodput (requests/s within it).")
+]
+BlockTokensOpt = Annotated[
+    int,
+    typer.Option("--block-tokens", min=1, help="Agentic traces: tokens each 64-token trace hash block becomes "
+                 "(default 8: prompts an eighth of their recorded length, sharing kept)."),
+]
+SessionGapOpt = Annotated[
+    float, typer.Option("--session-gap", min=0.0, help="Agentic: mean gap between session starts (model s).")
+]
+MaxThinkOpt = Annotated[
+    float, typer.Option("--max-think", min=0.0, help="Agentic: cap on a recorded think time (model s).")
+]

@@ -1,11 +1,22 @@
 """Send a workload through the router and measure it (the I/O half of ``kvmesh replay``).
 
-Each request is a streaming ``POST /v1/completions`` with the prompt as token ids,
-``max_tokens`` from the workload, ``ignore_eos: true`` and ``stream_options.include_usage``.
-Request ``i`` is sent at ``arrival_s / time_scale`` wall seconds after the start, but never
-before the request it depends on (``after``, the previous turn) has completed, and never with
-more than ``concurrency_limit`` requests in flight. TTFT is the time to the first SSE chunk that
-carries text; end-to-end the time to ``data: [DONE]`` (or the stream's end). Output tokens come
+Each request is a streaming ``POST /v1/completions`` with the prompt as token ids (``<s>`` first)
+or, with ``prompt_format="text"``, as the text the engines tokenize to those same ids (for routers
+that refuse token ids: sglang-router), ``max_tokens`` from the workload, ``ignore_eos: true`` and
+``stream_options.include_usage``.
+
+When a request is sent:
+
+* open loop (``think_s`` None): at ``arrival_s / time_scale`` wall seconds after the start, but
+  never before the request it depends on (``after``, the previous turn) has completed;
+* closed loop (``think_s`` set, agentic sessions): ``think_s / time_scale`` after ``after``
+  completed, the way an agent sends its next call once it has the answer and ran its tools;
+* a session's first request waits for one of ``max_sessions`` session slots (closed-loop
+  concurrency; a slot frees when every request of its session has completed);
+* never with more than ``concurrency_limit`` requests in flight.
+
+TTFT is the time to the first SSE chunk that carries text; end-to-end the time to ``data: [DONE]``
+(or the stream's end); ITL the mean gap between the first and the last text chunk per later token. Output tokens come
 from the final ``usage`` (falling back to the number of text chunks). Events are decoded by
 ``httpx-sse`` and each chunk parsed by :mod:`kvmesh.openai_stream` (an in-stream ``error`` event
 fails the request).
@@ -33,7 +44,7 @@ from kvmesh_cli.report import (
     RequestResult,
     parse_prometheus_counter,
 )
-from kvmesh_cli.workloads import Workload, WorkloadRequest, prompt_tokens
+from kvmesh_cli.workloads import Workload, WorkloadRequest, request_text, request_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -111,13 +122,19 @@ async def engines_from_etcd(etcd_address: str) -> list[str]:
         await watcher.stop()
 
 
+PROMPT_FORMATS = ("tokens", "text")
+
+
 async def send_one(
-    client: httpx.AsyncClient, router_url: str, model: str, request: WorkloadRequest, seed: int
+    client: httpx.AsyncClient, router_url: str, model: str, request: WorkloadRequest, seed: int,
+    prompt_format: str = "tokens",
 ) -> RequestResult:
     """One streaming completion; never raises (errors become a failed result)."""
+    prompt: list[int] | str = (request_text(request, seed) if prompt_format == "text"
+                               else request_token_ids(request, seed))
     body = {
         "model": model,
-        "prompt": prompt_tokens(request, seed),
+        "prompt": prompt,
         "max_tokens": request.max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -126,7 +143,9 @@ async def send_one(
     }
     result = RequestResult(index=request.index, ok=False)
     t0 = time.monotonic()
+    result.sent_at = t0
     chunks_with_text = 0
+    last_text = t0
     try:
         async with aconnect_sse(client, "POST", f"{router_url}/v1/completions", json=body) as source:
             reply = source.response
@@ -148,8 +167,9 @@ async def send_one(
                     return result
                 if piece.text:
                     chunks_with_text += 1
+                    last_text = time.monotonic()
                     if result.ttft_s is None:
-                        result.ttft_s = time.monotonic() - t0
+                        result.ttft_s = last_text - t0
                 if piece.usage is not None:
                     result.output_tokens = piece.usage.completion_tokens
                     result.prompt_tokens = piece.usage.prompt_tokens
@@ -157,6 +177,8 @@ async def send_one(
         result.e2e_s = time.monotonic() - t0
         if result.output_tokens == 0:
             result.output_tokens = chunks_with_text
+        if result.ttft_s is not None and result.output_tokens > 1:
+            result.itl_s = (last_text - t0 - result.ttft_s) / (result.output_tokens - 1)
         result.ok = True
     except httpx.HTTPError as exc:  # httpx_sse.SSEError (not an event stream) is an httpx.TransportError
         result.e2e_s = time.monotonic() - t0
@@ -174,45 +196,81 @@ async def replay(
     model: str | None = None,
     on_done: Callable[[RequestResult], None] | None = None,
     request_timeout_s: float = 600.0,
+    max_sessions: int | None = None,
+    prompt_format: str = "tokens",
+    transport: httpx.AsyncBaseTransport | None = None,
 ) -> ReplayOutcome:
-    """Replay ``workload`` open-loop (with per-conversation ordering) and collect results.
+    """Replay ``workload`` (open or closed loop per request, see the module doc) and collect results.
 
     Raises:
-        ValueError: when ``time_scale`` <= 0 or ``concurrency_limit`` < 1.
+        ValueError: when ``time_scale`` <= 0, ``concurrency_limit`` < 1, ``max_sessions`` < 1 or
+            ``prompt_format`` is not one of :data:`PROMPT_FORMATS`.
     """
     if time_scale <= 0:
         raise ValueError(f"time_scale must be > 0, got {time_scale}")
     if concurrency_limit < 1:
         raise ValueError(f"concurrency_limit must be >= 1, got {concurrency_limit}")
+    if max_sessions is not None and max_sessions < 1:
+        raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+    if prompt_format not in PROMPT_FORMATS:
+        raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}, got {prompt_format!r}")
     limits = httpx.Limits(max_connections=concurrency_limit + 8, max_keepalive_connections=concurrency_limit + 8)
     timeout = httpx.Timeout(request_timeout_s, connect=10.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, transport=transport) as client:
         model = model or await discover_model(client, router_url)
         before = await scrape_counters(client, engine_urls)
         sem = asyncio.Semaphore(concurrency_limit)
         done: dict[int, asyncio.Event] = {r.index: asyncio.Event() for r in workload.requests}
+        session_slots = asyncio.Semaphore(max_sessions) if max_sessions is not None else None
+        left_in_session: dict[str, int] = {}
+        session_started: dict[str, asyncio.Event] = {}
+        for r in workload.requests:
+            if r.session is not None:
+                left_in_session[r.session] = left_in_session.get(r.session, 0) + 1
+                session_started.setdefault(r.session, asyncio.Event())
         results: list[RequestResult] = []
         start = time.monotonic()
         first_send: list[float] = []
         last_end = start
 
+        async def wait_turn(req: WorkloadRequest) -> None:
+            if req.think_s is not None and req.after in done:
+                await done[req.after].wait()
+                if req.think_s > 0:
+                    await asyncio.sleep(req.think_s / time_scale)
+                return
+            delay = start + req.arrival_s / time_scale - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if req.after is not None and req.after in done:
+                await done[req.after].wait()
+            if session_slots is not None and req.session is not None:
+                started = session_started[req.session]
+                if not started.is_set():
+                    if req.after is None or req.after not in done:  # the session's first request takes the slot
+                        await session_slots.acquire()
+                        started.set()
+                    else:
+                        await started.wait()
+
         async def run(req: WorkloadRequest) -> None:
             nonlocal last_end
             try:
-                delay = start + req.arrival_s / time_scale - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                if req.after is not None and req.after in done:
-                    await done[req.after].wait()
+                await wait_turn(req)
                 async with sem:
                     first_send.append(time.monotonic())
-                    res = await send_one(client, router_url, model, req, workload.seed)
+                    res = await send_one(client, router_url, model, req, workload.seed, prompt_format)
                 last_end = max(last_end, time.monotonic())
                 results.append(res)
                 if on_done is not None:
                     on_done(res)
             finally:
                 done[req.index].set()
+                if req.session is not None:
+                    left_in_session[req.session] -= 1
+                    if left_in_session[req.session] == 0 and session_slots is not None \
+                            and session_started[req.session].is_set():
+                        session_slots.release()
 
         await asyncio.gather(*(run(r) for r in workload.requests))
         after = await scrape_counters(client, engine_urls)

@@ -22,6 +22,18 @@ SUMMARY_KEYS = (
     "output_tokens_per_s", "prefix_hit_rate",
 )
 """Keys of one policy's entry in ``kvmesh compare --json-out`` (fixed by the spine issue)."""
+EXTRA_KEYS = (
+    "itl_p50_s", "itl_p90_s", "e2e_p90_s", "requests_per_s", "goodput_rps", "slo_ttft_s", "oracle_hit_rate",
+    "oracle_fraction", "load_imbalance", "engine_requests", "engine_prefill_tokens",
+)
+"""Keys added by issue 9 (after :data:`SUMMARY_KEYS`, which keep their meaning).
+
+``goodput_rps``: requests per model second that finished with TTFT at most ``slo_ttft_s``
+(DistServe's goodput, per run); ``oracle_hit_rate``: one infinite prefix cache serving the same
+requests in the order they were sent (:func:`kvmesh_cli.workloads.oracle_hits`), ``oracle_fraction``
+the engines' measured hit rate over it; ``load_imbalance``: max / mean of the engines' prefill
+tokens (prompt tokens not served from cache: ``queries - hits`` deltas), 1.0 = even;
+``engine_requests`` / ``engine_prefill_tokens``: per engine, in engine order."""
 
 
 @dataclass
@@ -37,6 +49,10 @@ class RequestResult:
     cached_tokens: int = 0
     status: int | None = None
     error: str | None = None
+    itl_s: float | None = None
+    """Mean inter-token latency: (last text chunk - first) / (output tokens - 1)."""
+    sent_at: float | None = None
+    """``time.monotonic()`` at send (orders requests for the oracle)."""
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -106,23 +122,58 @@ def per_engine(
     return out
 
 
+def load_split(
+    before: Mapping[str, Sequence[float]], after: Mapping[str, Sequence[float]], engines: Sequence[str] | None = None,
+) -> tuple[list[int], list[float], float | None]:
+    """``(requests per engine, prefill tokens per engine, imbalance)`` over a replay.
+
+    Prefill tokens are the prompt tokens an engine computed (``queries - hits`` deltas); imbalance is
+    their max over their mean (None when no engine prefilled anything). ``engines`` fixes the order
+    and counts engines that answered no scrape as 0; default: the scraped ones, sorted.
+    """
+    names = list(engines) if engines is not None else sorted(after)
+    reqs: list[int] = []
+    prefill: list[float] = []
+    for name in names:
+        h1, q1, r1 = (list(after.get(name, ())) + [0.0, 0.0, 0.0])[:3]
+        h0, q0, r0 = (list(before.get(name, ())) + [0.0, 0.0, 0.0])[:3]
+        reqs.append(int(max(0.0, r1 - r0)))
+        prefill.append(max(0.0, (q1 - q0) - (h1 - h0)))
+    mean = sum(prefill) / len(prefill) if prefill else 0.0
+    return reqs, prefill, (max(prefill) / mean if mean > 0 else None)
+
+
+def goodput_rps(results: Sequence[RequestResult], slo_ttft_s: float, model_duration_s: float,
+                time_scale: float = 1.0) -> float | None:
+    """Requests per model second that succeeded with TTFT <= ``slo_ttft_s`` (model seconds)."""
+    if model_duration_s <= 0:
+        return None
+    good = sum(1 for r in results if r.ok and r.ttft_s is not None and r.ttft_s * time_scale <= slo_ttft_s)
+    return good / model_duration_s
+
+
 def summarize(
     results: Sequence[RequestResult],
     *,
     wall_duration_s: float,
     time_scale: float,
     prefix_hit_rate: float | None,
-) -> dict[str, float | int | None]:
-    """The summary of one replay, keys :data:`SUMMARY_KEYS`, times in model seconds.
+    slo_ttft_s: float | None = None,
+    oracle_hit_rate: float | None = None,
+    split: tuple[list[int], list[float], float | None] | None = None,
+) -> dict[str, object]:
+    """The summary of one replay: :data:`SUMMARY_KEYS` then :data:`EXTRA_KEYS`, times in model seconds.
 
-    ``output_tokens_per_s`` is the output tokens of successful requests over the replay's
-    makespan (first send to last completion), in model seconds.
+    ``output_tokens_per_s`` and ``requests_per_s`` are over the replay's makespan (first send to
+    last completion), successful requests only. ``split`` is :func:`load_split`'s answer.
     """
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft_s * time_scale for r in ok if r.ttft_s is not None]
     e2es = [r.e2e_s * time_scale for r in ok if r.e2e_s is not None]
+    itls = [r.itl_s * time_scale for r in ok if r.itl_s is not None]
     out_tokens = sum(r.output_tokens for r in ok)
     model_duration = wall_duration_s * time_scale
+    reqs, prefill, imbalance = split if split is not None else (None, None, None)
     return {
         "requests": len(results),
         "errors": len(results) - len(ok),
@@ -132,6 +183,18 @@ def summarize(
         "e2e_p50_s": percentile(e2es, 50),
         "output_tokens_per_s": (out_tokens / model_duration) if model_duration > 0 else None,
         "prefix_hit_rate": prefix_hit_rate,
+        "itl_p50_s": percentile(itls, 50),
+        "itl_p90_s": percentile(itls, 90),
+        "e2e_p90_s": percentile(e2es, 90),
+        "requests_per_s": (len(ok) / model_duration) if model_duration > 0 else None,
+        "goodput_rps": goodput_rps(results, slo_ttft_s, model_duration, time_scale) if slo_ttft_s else None,
+        "slo_ttft_s": slo_ttft_s,
+        "oracle_hit_rate": oracle_hit_rate,
+        "oracle_fraction": (prefix_hit_rate / oracle_hit_rate
+                            if prefix_hit_rate is not None and oracle_hit_rate else None),
+        "load_imbalance": imbalance,
+        "engine_requests": reqs,
+        "engine_prefill_tokens": prefill,
     }
 
 
@@ -143,14 +206,17 @@ def usage_cached_fraction(results: Sequence[RequestResult]) -> float | None:
 
 
 def compare_document(
-    workload: str, engines: int, requests: int, policies: Mapping[str, Mapping[str, object]]
+    workload: str, engines: int, requests: int, policies: Mapping[str, Mapping[str, object]],
+    **extra: object,
 ) -> dict[str, object]:
-    """The ``kvmesh compare --json-out`` document."""
+    """The ``kvmesh compare --json-out`` document: today's keys, then ``extra`` (``rate_scale``, ``sweep`` ...)."""
     return {
         "workload": workload,
         "engines": engines,
         "requests": requests,
-        "policies": {name: {k: summary.get(k) for k in SUMMARY_KEYS} for name, summary in policies.items()},
+        "policies": {name: {k: summary.get(k) for k in (*SUMMARY_KEYS, *EXTRA_KEYS) if k in summary or
+                            k in SUMMARY_KEYS} for name, summary in policies.items()},
+        **extra,
     }
 
 
@@ -163,6 +229,14 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("end-to-end p50 (s)", "e2e_p50_s", "s"),
     ("output tokens/s", "output_tokens_per_s", "rate"),
     ("prefix-cache hit rate", "prefix_hit_rate", "pct"),
+    ("end-to-end p90 (s)", "e2e_p90_s", "s"),
+    ("ITL p50 (ms)", "itl_p50_s", "ms"),
+    ("requests/s", "requests_per_s", "rate2"),
+    ("goodput (req/s, TTFT <= SLO)", "goodput_rps", "rate2"),
+    ("oracle hit rate (1 infinite cache)", "oracle_hit_rate", "pct"),
+    ("captured of oracle", "oracle_fraction", "pct"),
+    ("load imbalance (max/mean prefill)", "load_imbalance", "x"),
+    ("requests per engine", "engine_requests", "list"),
 )
 
 
@@ -170,14 +244,22 @@ def fmt(value: object, kind: str) -> str:
     """One table cell: ``-`` for missing values."""
     if value is None:
         return "-"
-    if not isinstance(value, int | float) or kind not in ("int", "s", "rate", "pct"):
+    if kind == "list" and isinstance(value, list | tuple):
+        return "/".join(str(int(v)) for v in value)
+    if not isinstance(value, int | float) or kind not in ("int", "s", "ms", "rate", "rate2", "pct", "x"):
         return str(value)
     if kind == "int":
         return str(int(value))
     if kind == "s":
         return f"{float(value):.3f}"
+    if kind == "ms":
+        return f"{1000 * float(value):.1f}"
     if kind == "rate":
         return f"{float(value):.1f}"
+    if kind == "rate2":
+        return f"{float(value):.2f}"
+    if kind == "x":
+        return f"{float(value):.2f}"
     return f"{100 * float(value):.1f} %"
 
 
@@ -188,5 +270,68 @@ def summary_table(columns: Mapping[str, Mapping[str, object]], title: str) -> Ta
     for name in columns:
         table.add_column(name, justify="right")
     for label, key, kind in _ROWS:
+        if key not in SUMMARY_KEYS and all(summary.get(key) is None for summary in columns.values()):
+            continue  # a row no column measured (a replay against a router without engines to scrape)
+        if key == "goodput_rps":
+            slo = next((s.get("slo_ttft_s") for s in columns.values() if s.get("slo_ttft_s")), None)
+            label = f"goodput (req/s, TTFT <= {slo:g} s)" if isinstance(slo, int | float) else label
         table.add_row(label, *(fmt(summary.get(key), kind) for summary in columns.values()))
+    return table
+
+
+# ---------------------------------------------------------------------------------------------
+# Sweeps: throughput against TTFT, and goodput at an SLO
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One run of a sweep: the offered load and what it gave (model seconds)."""
+
+    rate_scale: float
+    requests_per_s: float
+    ttft_p90_s: float | None
+    ttft_p50_s: float | None = None
+    output_tokens_per_s: float | None = None
+
+
+def slo_throughput(points: Sequence[SweepPoint], slo_ttft_s: float) -> float | None:
+    """Goodput of a sweep: the highest throughput (requests/s) whose TTFT p90 is within ``slo_ttft_s``.
+
+    Points are taken in order of offered load; the curve is followed until TTFT p90 first crosses
+    the SLO, and the crossing is interpolated linearly between the last point under it and the first
+    over it (DistServe's "max rate under the SLO attainment", with p90 as the attainment). None when
+    even the lightest point misses the SLO; the heaviest point's throughput when none does.
+    """
+    pts = sorted(points, key=lambda p: p.rate_scale)
+    best: float | None = None
+    prev: SweepPoint | None = None
+    for p in pts:
+        if p.ttft_p90_s is None:
+            continue
+        if p.ttft_p90_s <= slo_ttft_s:
+            best = max(best or 0.0, p.requests_per_s)
+            prev = p
+            continue
+        if prev is not None and prev.ttft_p90_s is not None and p.ttft_p90_s > prev.ttft_p90_s:
+            frac = (slo_ttft_s - prev.ttft_p90_s) / (p.ttft_p90_s - prev.ttft_p90_s)
+            best = max(best or 0.0, prev.requests_per_s + frac * (p.requests_per_s - prev.requests_per_s))
+        break
+    return best
+
+
+def sweep_table(curves: Mapping[str, Sequence[SweepPoint]], slo_ttft_s: float, title: str) -> Table:
+    """One row per (policy, load): throughput and TTFT; then each policy's goodput at the SLO."""
+    table = Table(title=title)
+    for col, justify in (("policy", "left"), ("rate scale", "right"), ("requests/s", "right"),
+                         ("output tok/s", "right"), ("TTFT p50 (s)", "right"), ("TTFT p90 (s)", "right"),
+                         (f"p90 <= {slo_ttft_s:g} s", "right")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for name, pts in curves.items():
+        for p in sorted(pts, key=lambda x: x.rate_scale):
+            ok = p.ttft_p90_s is not None and p.ttft_p90_s <= slo_ttft_s
+            table.add_row(name, f"{p.rate_scale:g}", fmt(p.requests_per_s, "rate2"),
+                          fmt(p.output_tokens_per_s, "rate"), fmt(p.ttft_p50_s, "s"), fmt(p.ttft_p90_s, "s"),
+                          "yes" if ok else "no")
+    for name, pts in curves.items():
+        table.add_row(f"[bold]{name}[/bold]", "goodput", fmt(slo_throughput(pts, slo_ttft_s), "rate2"), "", "", "", "")
     return table

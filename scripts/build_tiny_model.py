@@ -55,7 +55,7 @@ def build(out: Path) -> dict[str, object]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from engine_simulator.tokenizer import BOS, EOS, UNK, ensure_tokenizer
+    from engine_simulator.tokenizer import BOS, EOS, UNK, ensure_tokenizer, load_chat_template
 
     t0 = time.perf_counter()
     out = out.resolve()
@@ -70,6 +70,7 @@ def build(out: Path) -> dict[str, object]:
             unk_token=UNK,
             model_max_length=2048,
         )
+        tokenizer.chat_template = load_chat_template(tok_dir)  # the simulator's template: vLLM renders chats alike
         model_dir = tmp / "model"
         tokenizer.save_pretrained(str(model_dir))
         torch.manual_seed(SEED)

@@ -12,13 +12,18 @@ import random
 
 import grpc
 import httpx
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvmesh._proto.kvmesh.epp.v1 import epp_pb2_grpc
+from kvmesh.interceptors import server_interceptors
 from kvmesh.membership import EndpointWatcher
 from kvmesh.server import GrpcService, ServiceSpec
 from services.epp.config import EppConfig
 from services.epp.datastore import Datastore
-from services.epp.framework.interfaces import PluginHandle
+from services.epp.ext_proc import SERVICE_NAME as EXT_PROC_SERVICE_NAME
+from services.epp.ext_proc import ExternalProcessorServicer, ExtProcSettings
+from services.epp.framework.interfaces import PluginHandle, Tokenizer
 from services.epp.framework.loader import build_profile, resolve_scheduling_config
 from services.epp.kv_indexer_client import GrpcPrefixIndex
 from services.epp.plugins import default_registry
@@ -26,6 +31,7 @@ from services.epp.plugins.filters.live_endpoint import LiveEndpointFilter, LiveE
 from services.epp.scheduler import Scheduler
 from services.epp.scraper import MetricsScraper
 from services.epp.servicer import SERVICE_NAME, EndpointPickerServicer
+from services.epp.tokenization.in_process import InProcessTokenizer
 from services.epp.tokenize_client import EngineTokenizer
 
 logger = logging.getLogger(__name__)
@@ -44,15 +50,21 @@ def build_service(config: EppConfig) -> GrpcService:
         if config.kv_indexer_address
         else None
     )
+    engine_tokenizer = EngineTokenizer(
+        http, config.tokenize_timeout_seconds, config.tokenize_cache_entries,
+        max_prompt_chars=config.tokenize_max_prompt_chars,
+        max_concurrency_per_endpoint=config.tokenize_max_concurrency_per_endpoint,
+        max_attempts=config.tokenize_max_attempts,
+    )
+    tokenizer: Tokenizer = (
+        InProcessTokenizer(config.tokenizer_paths, engine_tokenizer, config.tokenize_max_prompt_chars,
+                           config.tokenize_cache_max_tokens)
+        if config.tokenize_in_process else engine_tokenizer
+    )
     handle = PluginHandle(
         rng=random.Random(config.random_seed),
         prefix_index=prefix_index,
-        tokenizer=EngineTokenizer(
-            http, config.tokenize_timeout_seconds, config.tokenize_cache_entries,
-            max_prompt_chars=config.tokenize_max_prompt_chars,
-            max_concurrency_per_endpoint=config.tokenize_max_concurrency_per_endpoint,
-            max_attempts=config.tokenize_max_attempts,
-        ),
+        tokenizer=tokenizer,
     )
     profile = build_profile(data, default_registry(), handle, source=source)
     datastore = Datastore()
@@ -66,7 +78,9 @@ def build_service(config: EppConfig) -> GrpcService:
     scheduler = Scheduler(datastore, profile, live_filter)
     watcher = EndpointWatcher(config.etcd_endpoints)
     watcher.add_listener(datastore.apply_membership)
-    scraper = MetricsScraper(datastore, config.metrics_scrape_interval_seconds, config.metrics_scrape_timeout_seconds)
+    scraper = MetricsScraper(datastore, config.metrics_scrape_interval_seconds, config.metrics_scrape_timeout_seconds,
+                             idle_interval_seconds=min(config.metrics_idle_scrape_interval_seconds,
+                                                       config.max_metrics_age_seconds / 2))
     logger.info(
         "scheduling config=%s profile=%s filters=%s scorers=%s picker=%s",
         source, profile.name, [f.name for f in profile.filters],
@@ -86,12 +100,49 @@ def build_service(config: EppConfig) -> GrpcService:
     def add_servicers(server: grpc.aio.Server) -> None:
         epp_pb2_grpc.add_EndpointPickerServicer_to_server(EndpointPickerServicer(scheduler), server)
 
+    # GIE's endpoint-picker protocol (Envoy ext_proc) on its own port, as GIE serves it (9002), with
+    # its own gRPC health (GIE's names: the ext_proc service, liveness, readiness) so Envoy's
+    # health checks of the ext_proc cluster follow epp's drain.
+    ext_proc = ExternalProcessorServicer(
+        scheduler,
+        ExtProcSettings(
+            destination_endpoints=config.ext_proc_destination_endpoints,
+            max_body_bytes=config.ext_proc_max_body_bytes,
+            header_key=config.ext_proc_destination_header,
+            metadata_namespace=config.ext_proc_metadata_namespace,
+        ),
+        rng=random.Random(config.random_seed),
+    )
+    ext_proc_servers: list[tuple[grpc.aio.Server, health.aio.HealthServicer]] = []
+    ext_proc_names = ("", EXT_PROC_SERVICE_NAME, "liveness", "readiness")
+
+    async def start_ext_proc() -> None:
+        ext_proc_server = grpc.aio.server(interceptors=server_interceptors(), options=[("grpc.so_reuseport", 0)])
+        ext_proc_health = health.aio.HealthServicer()
+        ext_proc_servers.append((ext_proc_server, ext_proc_health))
+        external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(ext_proc, ext_proc_server)
+        health_pb2_grpc.add_HealthServicer_to_server(ext_proc_health, ext_proc_server)
+        port = ext_proc_server.add_insecure_port(f"{config.host}:{config.ext_proc_port}")
+        if port == 0:
+            raise OSError(f"cannot bind the ext_proc port {config.host}:{config.ext_proc_port}")
+        await ext_proc_server.start()
+        for name in ext_proc_names:
+            await ext_proc_health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        service.extra_ports["ext_proc"] = port
+        logger.info("ext_proc (GIE endpoint-picker protocol) serving on %s:%d", config.host, port)
+
+    async def stop_ext_proc() -> None:
+        for ext_proc_server, ext_proc_health in ext_proc_servers:
+            await ext_proc_health.enter_graceful_shutdown()
+            await ext_proc_server.stop(config.shutdown_grace_seconds)
+
     spec = ServiceSpec(
         name="epp",
         service_names=[SERVICE_NAME],
         add_servicers=add_servicers,
-        on_start=[start_watcher],
+        on_start=[start_watcher, start_ext_proc],
         background=[scraper.run],
-        on_stop=[stop_clients],
+        on_stop=[stop_ext_proc, stop_clients],
     )
-    return GrpcService(config, spec)
+    service = GrpcService(config, spec)
+    return service

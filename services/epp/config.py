@@ -20,7 +20,12 @@ class EppConfig(GrpcServiceConfig):
     kv_indexer_timeout_seconds: float = Field(0.25, gt=0, le=30)
     """Deadline of one kv_indexer Score call; past it the prefix scores are 0 for that pick."""
     metrics_scrape_interval_seconds: float = Field(0.1, gt=0, le=60)
-    """How often each engine's /metrics is scraped."""
+    """How often each engine's /metrics is scraped while it is busy (requests running or waiting, or
+    picked since the last scrape)."""
+    metrics_idle_scrape_interval_seconds: float = Field(1.0, gt=0, le=60)
+    """How often an idle engine (nothing running or waiting, no pick since the last scrape) is scraped;
+    a pick for it brings the next scrape forward to the busy cadence. Keep it under
+    ``max_metrics_age_seconds`` so idle engines stay candidates."""
     metrics_scrape_timeout_seconds: float = Field(0.5, gt=0, le=60)
     """Timeout of one /metrics scrape."""
     max_metrics_age_seconds: float = Field(2.0, gt=0, le=3600)
@@ -37,5 +42,24 @@ class EppConfig(GrpcServiceConfig):
     """Engines asked at most per tokenization; only a refused connection moves on (never a timeout)."""
     tokenize_cache_entries: int = Field(4096, ge=0, le=10_000_000)
     """Prompts whose token ids are kept (LRU); 0 disables the cache."""
+    tokenizer_paths: dict[str, str] = Field(default_factory=dict)
+    """Model -> local tokenizer directory (``tokenizer.json``, ``tokenizer_config.json``, chat template)
+    for in-process tokenization; models not listed use their endpoints' ``tokenizer`` label, else the
+    engine's /tokenize. CLI: ``--tokenizer-paths '{"tiny": "/models/tiny"}'``."""
+    tokenize_in_process: bool = True
+    """Tokenize with the model's own files in epp (the engine's /tokenize only as a fallback)."""
+    tokenize_cache_max_tokens: int = Field(2_000_000, ge=0, le=1_000_000_000)
+    """Token ids each model's incremental chat cache keeps (LRU by chat)."""
     random_seed: int | None = None
     """Seed of the pickers' tie-breaking random source (None: from the OS)."""
+    ext_proc_port: int = Field(0, ge=0, le=65535)
+    """Port of the Gateway API inference extension's endpoint-picker protocol (Envoy ext_proc gRPC,
+    services/epp/ext_proc.py); 0 picks a free one (reported as "ext_proc" in the ports file). GIE's is 9002."""
+    ext_proc_destination_endpoints: int = Field(1, ge=1, le=16)
+    """Endpoints in x-gateway-destination-endpoint: the target, then fallbacks (1 for Envoy ORIGINAL_DST clusters)."""
+    ext_proc_max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024)
+    """Largest request body epp collects from Envoy (bytes); a larger one is answered 413."""
+    ext_proc_metadata_namespace: str = "envoy.lb"
+    """Dynamic-metadata namespace of the picked endpoint (GIE's --destination-endpoint-hint-metadata-namespace)."""
+    ext_proc_destination_header: str = "x-gateway-destination-endpoint"
+    """Header (and metadata key) carrying the picked endpoint (GIE's --destination-endpoint-hint-key)."""

@@ -7,10 +7,14 @@ UnknownModel -> NOT_FOUND, NoEndpointsAvailable -> UNAVAILABLE, anything else ->
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
+import msgspec
 from opentelemetry import trace
 
 from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
+from kvmesh.errors import InvalidRequest
 from kvmesh.hashing import KeyScope
 from kvmesh.wire import endpoint_to_proto
 from services.epp.framework.interfaces import ChatMessage, SchedulingRequest
@@ -20,7 +24,20 @@ SERVICE_NAME = epp_pb2.DESCRIPTOR.services_by_name["EndpointPicker"].full_name
 """The full gRPC service name (``kvmesh.epp.v1.EndpointPicker``): health checks and reflection use it."""
 
 
+def _render_fields(raw: bytes) -> dict[str, Any]:
+    if not raw:
+        return {}
+    try:
+        fields = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"render_json is not JSON: {exc}") from exc
+    if not isinstance(fields, dict):
+        raise InvalidRequest("render_json must be a JSON object")
+    return fields
+
+
 def request_from_proto(request: epp_pb2.PickRequest) -> SchedulingRequest:
+    """Raises: InvalidRequest when ``render_json`` is not a JSON object."""
     return SchedulingRequest(
         model=request.model,
         request_id=request.request_id,
@@ -29,6 +46,7 @@ def request_from_proto(request: epp_pb2.PickRequest) -> SchedulingRequest:
         messages=tuple(ChatMessage(m.role, m.content) for m in request.messages),
         exclude_endpoint_ids=frozenset(request.exclude_endpoint_ids),
         scope=KeyScope(request.lora_name or None, request.cache_salt or None),
+        render=_render_fields(request.render_json),
     )
 
 

@@ -4,6 +4,7 @@ Request bodies (vLLM 0.32's ``vllm/entrypoints/serve/tokenize/protocol.py``)::
 
     {"model": M, "prompt": TEXT}                                              # completions
     {"model": M, "messages": [{"role", "content"}], "add_generation_prompt": true}   # chat
+    ... plus the request's token-changing fields (tools, chat_template_kwargs, add_special_tokens...)
 
 Reply: ``{"count", "max_model_len", "tokens": [int]}``. Asking the engine guarantees the token ids
 (BOS and chat template included) are exactly those it will hash into KV blocks. The cache key is the
@@ -52,7 +53,10 @@ class TokenizeSkipped(TokenizeError):
 
 
 def prompt_chars(request: SchedulingRequest) -> int:
-    """Characters the engine would tokenize: the prompt's, or the sum of the messages' contents and roles."""
+    """Characters the engine would tokenize: the prompt's, or the sum of the messages' contents and roles
+    (verbatim messages in ``request.render``: their JSON length)."""
+    if "messages" in request.render:
+        return len(json.dumps(request.render["messages"], default=str))
     if request.messages:
         return sum(len(m.content) + len(m.role) for m in request.messages)
     return len(request.prompt)
@@ -96,11 +100,17 @@ class EngineTokenizer:
 
     @staticmethod
     def _body_and_key(request: SchedulingRequest) -> tuple[dict[str, object], tuple[str, str, str]]:
-        if request.messages:
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        """vLLM's ``/tokenize`` body: the prompt or messages plus every token-changing field the client sent
+        (``tools``, ``chat_template_kwargs``, ``add_special_tokens``...: ``request.render``)."""
+        render = dict(request.render)
+        render.pop("truncate_prompt_tokens", None)  # not a /tokenize field: applied by the caller
+        if request.messages or "messages" in render:
+            messages = render.pop("messages", None) or [{"role": m.role, "content": m.content} for m in request.messages]
             body: dict[str, object] = {"model": request.model, "messages": messages, "add_generation_prompt": True}
-            return body, (request.model, "chat", json.dumps(messages, sort_keys=True))
-        return {"model": request.model, "prompt": request.prompt}, (request.model, "text", request.prompt)
+            body.update(render)
+            return body, (request.model, "chat", json.dumps(body, sort_keys=True, default=str))
+        body = {"model": request.model, "prompt": request.prompt, **render}
+        return body, (request.model, "text", request.prompt if not render else json.dumps(body, sort_keys=True))
 
     def in_flight(self, endpoint_id: str) -> int:
         """Tokenize calls now in flight to ``endpoint_id``."""

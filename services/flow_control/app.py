@@ -24,7 +24,9 @@ def build_service(config: FlowControlConfig) -> GrpcService:
     servicer = FlowControlServicer(controller)
     background: list[Background] = [controller.run_expiry]
     if config.epp_address:
-        source = EppPoolSource(config.epp_address, controller, config.pool_poll_interval_seconds, observer)
+        source = EppPoolSource(config.epp_address, controller, config.pool_poll_interval_seconds, observer,
+                               idle_interval_seconds=min(config.pool_idle_poll_interval_seconds,
+                                                         config.metrics_staleness_seconds / 2))
         background.append(source.run)
 
     def add_servicers(server: grpc.aio.Server) -> None:

@@ -73,8 +73,12 @@ class FlowControlConfig(GrpcServiceConfig):
     epp_address: str = ""
     """host:port of epp, whose ListEndpoints gives the engines' scraped metrics (the saturation signal);
     empty = no pool signal (max_in_flight alone)."""
-    pool_poll_interval_seconds: float = Field(0.05, gt=0, le=60)
-    """How often epp's endpoint metrics are read."""
+    pool_poll_interval_seconds: float = Field(0.1, gt=0, le=60)
+    """How often epp's endpoint metrics are read (epp scrapes a busy engine every 0.1 s: reading faster
+    only re-reads the same sample; docs/BENCHMARKS.md §3, idle cost)."""
+    pool_idle_poll_interval_seconds: float = Field(0.5, gt=0, le=60)
+    """How often epp is read while nothing is queued or in flight (capped at half of
+    ``metrics_staleness_seconds``, so an idle pool's snapshot never goes stale)."""
     queue_depth_threshold: float = Field(5.0, gt=0, le=100_000)
     """An endpoint has room while vllm:num_requests_waiting is below this (GIE utilization-detector's QueueDepthThreshold)."""
     kv_cache_util_threshold: float = Field(0.8, gt=0, le=1)

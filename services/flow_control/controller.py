@@ -188,7 +188,7 @@ class TicketState(enum.Enum):
 class Ticket:
     """One request's place in the controller; ``await ticket.wait()`` yields its :class:`AdmissionDecision`."""
 
-    __slots__ = ("_decided", "band", "decision", "enqueued_at", "flow", "id", "item", "request", "state")
+    __slots__ = ("_decided", "band", "decision", "dispatched_at", "enqueued_at", "flow", "id", "item", "request", "state")
 
     def __init__(self, ticket_id: int, request: AdmissionRequest, enqueued_at: float) -> None:
         self.id = ticket_id
@@ -196,6 +196,7 @@ class Ticket:
         self.enqueued_at = enqueued_at
         self.state = TicketState.QUEUED
         self.decision: AdmissionDecision | None = None
+        self.dispatched_at: float | None = None
         self._decided = asyncio.Event()
         self.band: Band | None = None
         self.flow: FlowQueue | None = None
@@ -347,6 +348,8 @@ class FlowController:
         if ticket.state is TicketState.DISPATCHED:
             self._in_flight -= 1
             assert self._in_flight >= 0, "in-flight count went negative"
+            if self.detector is not None and ticket.dispatched_at is not None:
+                self.detector.note_done(ticket.dispatched_at)
             if band is not None and flow is not None:
                 band.in_flight -= 1
                 flow.in_flight -= 1
@@ -437,6 +440,11 @@ class FlowController:
                 finally:
                     sleep.cancel()
                     woken.cancel()
+
+    @property
+    def busy(self) -> bool:
+        """Whether any request is queued or in flight (O(1))."""
+        return self._in_flight > 0 or self._queued > 0
 
     def saturation(self) -> SaturationState | None:
         return self.detector.state(self._clock.now()) if self.detector is not None else None
@@ -623,6 +631,7 @@ class FlowController:
                 band.fairness.on_dispatch(band, flow, ticket.item)
         if self.detector is not None:
             self.detector.note_dispatch(now)
+        ticket.dispatched_at = now
         waited = now - ticket.enqueued_at
         ticket._decide(AdmissionDecision(QueueOutcome.DISPATCHED, "", waited), TicketState.DISPATCHED)
         self._observer.on_outcome(ticket.request, QueueOutcome.DISPATCHED, waited)

@@ -1,4 +1,6 @@
-"""The saturation signal's source: epp's ``ListEndpoints`` polled every ``pool_poll_interval_seconds``.
+"""The saturation signal's source: epp's ``ListEndpoints`` polled every ``pool_poll_interval_seconds``
+while a request is queued or in flight, every ``pool_idle_poll_interval_seconds`` otherwise (the
+first request after an idle spell wakes the loop within ``pool_poll_interval_seconds``).
 
 Why epp and not a second scraper: epp already scrapes every engine's ``/metrics`` (vLLM 0.32 names,
 every 0.1 s by default) for the endpoints etcd lists, and ``ListEndpoints`` returns each one's
@@ -45,10 +47,12 @@ class EppPoolSource:
     def __init__(
         self, address: str, controller: FlowController, interval_seconds: float,
         observer: PrometheusObserver | None = None, clock: Clock | None = None,
+        idle_interval_seconds: float | None = None,
     ) -> None:
         self._address = address
         self._controller = controller
         self._interval = interval_seconds
+        self._idle_interval = max(interval_seconds, idle_interval_seconds or interval_seconds)
         self._observer = observer
         self._clock = clock or SystemClock()
 
@@ -76,5 +80,9 @@ class EppPoolSource:
                         self._observer.pool_poll("ok")
                     self._controller.update_pool(snapshot_from_proto(reply, self._clock.now()))
                 await asyncio.sleep(self._interval)
+                loop = asyncio.get_running_loop()
+                idle_until = loop.time() + self._idle_interval - self._interval
+                while not self._controller.busy and loop.time() < idle_until:  # noqa: ASYNC110 (an O(1) local check)
+                    await asyncio.sleep(self._interval)
         finally:
             await channel.close()

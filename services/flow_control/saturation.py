@@ -17,6 +17,7 @@ unreachable) or no endpoint scraped within it makes :meth:`SaturationDetector.st
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -144,6 +145,13 @@ class SaturationDetector:
         """A request was dispatched at ``now`` (the engines' metrics will show it later)."""
         if self._snapshot is not None:
             self._dispatches.append(now)
+
+    def note_done(self, dispatched_at: float) -> None:
+        """The request dispatched at ``dispatched_at`` finished: no later sample will show it, so it
+        stops counting against the room (otherwise a fast pool looks saturated by requests that are
+        already gone until the next scrape; docs/BENCHMARKS.md §3). O(unseen dispatches)."""
+        with contextlib.suppress(ValueError):  # already cleared by a sample taken after it
+            self._dispatches.remove(dispatched_at)
 
     def has_endpoints(self, model: str, now: float) -> bool | None:
         """Whether a fresh snapshot lists an endpoint for ``model`` (any, when ``""``); None when stale."""

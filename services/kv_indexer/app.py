@@ -17,7 +17,9 @@ from services.kv_indexer.servicer import SERVICE_NAME, add_servicer
 
 def build_service(config: KvIndexerConfig) -> GrpcService:
     """The kv_indexer as a GrpcService: the instrumented in-memory index fed by the event pipeline."""
-    pipeline = IndexerPipeline(config, InstrumentedIndex(InMemoryIndex(config.recent_removed_blocks, config.orphan_blocks)))
+    pipeline = IndexerPipeline(config, InstrumentedIndex(InMemoryIndex(
+        config.recent_removed_blocks, config.orphan_blocks, config.prompt_key_cache_mib << 20
+    )))
 
     def add_servicers(server: grpc.aio.Server) -> None:
         add_servicer(server, pipeline.indexer)

@@ -29,6 +29,8 @@ class KvIndexerConfig(GrpcServiceConfig):
     """Per endpoint, removed block hashes remembered to place later chains whose parent was evicted."""
     orphan_blocks: int = Field(65536, ge=0, le=10_000_000)
     """Per endpoint, blocks kept by engine hash while their parent's key is unknown (oldest forgotten beyond)."""
+    prompt_key_cache_mib: int = Field(64, ge=0, le=65536)
+    """MiB of recently scored prompts' block keys kept, so a prompt extending one hashes only its new blocks (0: off)."""
     replay_timeout_seconds: float = Field(5.0, gt=0, le=600)
     """Deadline of one replay request to a publisher's replay endpoint; past it the endpoint is unreliable."""
     recovery_buffer_messages: int = Field(100_000, ge=1, le=10_000_000)

@@ -37,6 +37,7 @@ from services.kv_indexer import metrics
 from services.kv_indexer.events.pool import EndpointState, EventPool, IngestStats
 from services.kv_indexer.index.base import BlockLocation, IndexStats, KVBlockIndex, ScoreResult
 from services.kv_indexer.parity import ParityMonitor
+from services.kv_indexer.reach import build_reach, fold_lookup, fold_scores, is_source
 
 logger = logging.getLogger(__name__)
 
@@ -178,13 +179,54 @@ class BlockIndexer:
         endpoint_ids: Sequence[EndpointId] | None = None,
         scope: KeyScope = DEFAULT_SCOPE,
     ) -> IndexerScore:
+        """Engines' prefix matches; kv_store sources are never scored themselves, their blocks count
+        for the engines that reach them (:mod:`services.kv_indexer.reach`)."""
+        answer = self._score(model, token_ids, endpoint_ids, scope)
+        sources = self._sources(model)
+        if not sources or answer.state is not IndexState.READY:
+            return answer
+        result = answer.result
+        engines = {s.endpoint_id: s for s in result.scores if s.endpoint_id not in sources}
+        registered = self.index.registered()
+        excluded = set(answer.unknown) | self._departed.keys()
+        allowed = [
+            e for e in (endpoint_ids or [e for e, ep in registered.items() if ep.model == model])
+            if e in registered and e not in sources and e not in excluded
+        ]
+        reach = build_reach(registered, self._live(sources))
+        if reach.reaches_any(allowed):
+            locations = self.index.lookup(model, token_ids, scope)
+            for folded in fold_scores(locations, reach, allowed, result.block_size_tokens):
+                own = engines.get(folded.endpoint_id)
+                if own is None or folded.matched_blocks >= own.matched_blocks:
+                    engines[folded.endpoint_id] = folded
+        scores = sorted(engines.values(), key=lambda s: (-s.matched_blocks, s.endpoint_id))
+        return IndexerScore(ScoreResult(scores, result.total_blocks, result.block_size_tokens), answer.state, answer.unknown)
+
+    def _sources(self, model: str) -> set[EndpointId]:
+        return {e for e, ep in self.index.registered().items() if ep.model == model and is_source(ep)}
+
+    def _live(self, ids: set[EndpointId]) -> set[EndpointId]:
+        states = self.pool.states()
+        return {e for e in ids if states.get(e, EndpointState.LIVE) is EndpointState.LIVE and e not in self._departed}
+
+    def _score(
+        self,
+        model: str,
+        token_ids: Sequence[int],
+        endpoint_ids: Sequence[EndpointId] | None = None,
+        scope: KeyScope = DEFAULT_SCOPE,
+    ) -> IndexerScore:
         if not self.ready:
             return IndexerScore(ScoreResult([], 0, 0), IndexState.WARMING)
         if self.parity.load_only(model):
             return IndexerScore(ScoreResult([], 0, 0), IndexState.LOAD_ONLY)
         registered = self.index.registered()
         states = self.pool.states()
-        candidates = list(endpoint_ids) if endpoint_ids else [e for e, ep in registered.items() if ep.model == model]
+        candidates = (
+            list(endpoint_ids) if endpoint_ids
+            else [e for e, ep in registered.items() if ep.model == model and not is_source(ep)]
+        )
         unknown = [
             e for e in candidates
             if e in registered and states.get(e, EndpointState.LIVE) is not EndpointState.LIVE and e not in self._departed
@@ -199,7 +241,14 @@ class BlockIndexer:
         return IndexerScore(self.index.score(model, token_ids, endpoint_ids, scope), IndexState.READY, unknown)
 
     def lookup(self, model: str, token_ids: Sequence[int], scope: KeyScope = DEFAULT_SCOPE) -> list[BlockLocation]:
-        return self.index.lookup(model, token_ids, scope)
+        """Holders of each block; kv_store sources' blocks folded into the engines that reach them."""
+        locations = self.index.lookup(model, token_ids, scope)
+        sources = self._sources(model)
+        if not sources:
+            return locations
+        registered = self.index.registered()
+        engines = [e for e, ep in registered.items() if ep.model == model and not is_source(ep) and e not in self._departed]
+        return fold_lookup(locations, build_reach(registered, self._live(sources)), sources, engines)
 
     def state_counts(self) -> Counter[str]:
         counts: Counter[str] = Counter()

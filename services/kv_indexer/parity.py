@@ -69,8 +69,8 @@ class ParityMonitor:
         if event.block_size != endpoint.block_size_tokens:
             self._mismatch(checked, "block_size", f"registered {endpoint.block_size_tokens}, events say {event.block_size}")
             return
-        if event.parent_block_hash is not None or not event.block_hashes:
-            return
+        if event.parent_block_hash is not None or not event.block_hashes or not event.token_ids:
+            return  # not a prompt's first block, or an offload connector's medium-only store
         checked.roots_seen += 1
         if (checked.roots_seen - 1) % self.sample_every:
             return

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 
-from kvmesh.membership import EndpointWatcher
+from kvmesh.membership import KV_SOURCES_PREFIX, EndpointWatcher
 from services.kv_indexer import metrics, snapshot
 from services.kv_indexer.config import KvIndexerConfig
 from services.kv_indexer.events.pool import EventPool
@@ -67,6 +67,8 @@ class IndexerPipeline:
             orphan_count = getattr(inner, "orphan_count", None)
         metrics.track_states(self.indexer.state_counts, orphan_count if callable(orphan_count) else (lambda: 0.0))
         self.watcher: EndpointWatcher | None = None
+        self.source_watcher: EndpointWatcher | None = None
+        """kv_store instances publishing KV events (``/kvmesh/v1/kv_sources/``): indexed like endpoints."""
 
     async def start(self) -> None:
         """Bind, start the pool, restore the snapshot, follow etcd, start the startup recoveries."""
@@ -77,7 +79,10 @@ class IndexerPipeline:
             self.watcher = EndpointWatcher(self.config.etcd_endpoints)
             self.watcher.add_listener(self.indexer.on_membership)
             await self.watcher.start()
-            live = self.watcher.snapshot()
+            self.source_watcher = EndpointWatcher(self.config.etcd_endpoints, root=KV_SOURCES_PREFIX)
+            self.source_watcher.add_listener(self.indexer.on_membership)
+            await self.source_watcher.start()
+            live = {**self.watcher.snapshot(), **self.source_watcher.snapshot()}
             for endpoint_id in restored - live.keys():
                 self.indexer.on_membership({}, {endpoint_id: self.indexer.index.registered()[endpoint_id]})
         else:
@@ -119,6 +124,8 @@ class IndexerPipeline:
     async def stop(self) -> None:
         if self.watcher is not None:
             await self.watcher.stop()
+        if self.source_watcher is not None:
+            await self.source_watcher.stop()
         self.subscriber.close()
         await self.pool.shutdown()
         if self.config.snapshot_path and self.indexer.ready:

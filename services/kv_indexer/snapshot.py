@@ -28,7 +28,8 @@ from services.kv_indexer.indexer import BlockIndexer
 
 logger = logging.getLogger(__name__)
 
-VERSION = 1
+VERSION = 2
+"""2: block keys are XXH3-64 (kvmesh.hashing, issue 10); version 1 held BLAKE2b keys, which a load refuses (cold start)."""
 
 
 class _EndpointRecord(msgspec.Struct, array_like=True):

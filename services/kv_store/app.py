@@ -9,16 +9,24 @@ retried at most every ``MOONCAKE_RETRY_S`` seconds.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import os
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from kvmesh.kv_events import KVEvent
+from kvmesh.membership import LeaseRegistration, kv_source_key
 from kvmesh.server import GrpcService, ServiceSpec
+from kvmesh.types import KV_SOURCE_LABEL, SHARED_DOMAINS_LABEL, Endpoint, EndpointId
 from services.kv_store.config import KvStoreConfig
+from services.kv_store.events import StoreEventPublisher
 from services.kv_store.metrics import register_metrics
 from services.kv_store.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
 from services.kv_store.store import BlockStore
@@ -96,13 +104,97 @@ def build_tiers(config: KvStoreConfig) -> list[StoreTier]:
     return tiers
 
 
+def shared_domains(config: KvStoreConfig) -> list[str]:
+    """Names of this instance's shared namespaces (``config.shared_domains``, else derived)."""
+    if config.shared_domains:
+        return list(config.shared_domains)
+    domains = []
+    if config.shared_path:
+        domains.append(f"sharedfs:{os.path.realpath(config.shared_path)}")
+    if config.mooncake_master:
+        domains.append(f"mooncake:{config.mooncake_master}/{config.mooncake_namespace}")
+    return domains
+
+
+class EventSink:
+    """Where the store's residency events go: buffered until the publisher exists (the gRPC port,
+    which names the source, is known only once the server started), then published as they come."""
+
+    def __init__(self) -> None:
+        self.publisher: StoreEventPublisher | None = None
+        self._early: list[list[KVEvent]] = []
+
+    def __call__(self, events: list[KVEvent]) -> None:
+        if self.publisher is None:
+            self._early.append(events)
+        else:
+            self.publisher.publish(events)
+
+    def attach(self, publisher: StoreEventPublisher) -> None:
+        self.publisher = publisher
+        for events in self._early:
+            publisher.publish(events)
+        self._early.clear()
+
+
 def build_service(config: KvStoreConfig) -> GrpcService:
-    """The kv_store as a GrpcService: the configured tiers behind one BlockStore and the servicer."""
-    store = BlockStore(build_tiers(config), write_through=config.write_through, promote_on_hit=config.promote_on_hit)
+    """The kv_store as a GrpcService: the configured tiers behind one BlockStore and the servicer.
+
+    With ``events_endpoint`` a background task publishes the store's residency (vLLM KV events)
+    and registers the instance as a KV-event source in etcd (:mod:`services.kv_store.events`).
+
+    Raises:
+        ValueError: ``events_endpoint`` without ``events_model``.
+    """
+    if config.events_endpoint and not config.events_model:
+        raise ValueError("--events-endpoint needs --events-model (the model whose blocks are published)")
+    sink = EventSink()
+    store = BlockStore(
+        build_tiers(config), write_through=config.write_through, promote_on_hit=config.promote_on_hit,
+        on_events=sink if config.events_endpoint else None,
+    )
     register_metrics(store)
-    servicer = KVStoreServicer(store, config.get_chunk_bytes, config.max_inflight_put_bytes)
+    servicer = KVStoreServicer(
+        store, config.get_chunk_bytes, config.max_inflight_put_bytes,
+        block_size_tokens=config.events_block_size_tokens,
+    )
 
     def add_servicers(server: grpc.aio.Server) -> None:
         add_to_server(servicer, server)
 
-    return GrpcService(config, ServiceSpec(name="kv_store", service_names=[SERVICE_NAME], add_servicers=add_servicers))
+    async def publish_residency() -> None:
+        publisher = StoreEventPublisher(
+            config.events_endpoint, service.address, config.events_model,
+            replay_endpoint=config.events_replay_endpoint, buffer_steps=config.events_buffer_steps,
+        )
+        sink.attach(publisher)
+        source = Endpoint(
+            id=EndpointId(service.address),
+            url=f"grpc://{service.address}",
+            model=config.events_model,
+            block_size_tokens=config.events_block_size_tokens,
+            events_endpoint=config.events_endpoint,
+            labels={KV_SOURCE_LABEL: "kv_store", SHARED_DOMAINS_LABEL: ",".join(shared_domains(config))},
+            instance_id=uuid.uuid4().hex,
+            replay_endpoint=publisher.replay_endpoint,
+        )
+        registration = None
+        if config.etcd_endpoints:
+            registration = LeaseRegistration(
+                config.etcd_endpoints, kv_source_key(source), source.to_json(), ttl_seconds=config.lease_ttl_seconds
+            )
+            await registration.start()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            if registration is not None:
+                with contextlib.suppress(Exception):
+                    await registration.stop()
+            publisher.shutdown()
+
+    spec = ServiceSpec(
+        name="kv_store", service_names=[SERVICE_NAME], add_servicers=add_servicers,
+        background=[publish_residency] if config.events_endpoint else [],
+    )
+    service = GrpcService(config, spec)
+    return service

@@ -53,3 +53,22 @@ class KvStoreConfig(GrpcServiceConfig):
     """Slower tiers (``disk``, ``sharedfs``, ``mooncake``) that receive every put synchronously."""
     promote_on_hit: bool = True
     """Copy a value found in a slower tier into the first (CPU) tier."""
+
+    events_endpoint: str = ""
+    """KV events for kv_indexer (vLLM 0.32 wire): ZMQ PUB endpoint, ``tcp://host:port`` of kv_indexer's
+    bound SUB (``--events-bind-endpoint``). Empty: residency is not published."""
+    events_replay_endpoint: str = "tcp://127.0.0.1:*"
+    """ROUTER endpoint of the replay buffer (vLLM's ``replay_endpoint``), registered so kv_indexer can
+    recover gaps; ``*`` picks a free port. Empty: no replay."""
+    events_model: str = ""
+    """The model whose blocks this instance publishes (one per instance, like an InferencePool's cache);
+    required with ``events_endpoint``."""
+    events_block_size_tokens: int = Field(64, gt=0)
+    """Block size of the published blocks (the engines'); a put whose ``block_stored_event`` has another
+    block size is refused (INVALID_ARGUMENT)."""
+    events_buffer_steps: int = Field(10_000, gt=0)
+    """Batches kept for replay (vLLM's ``buffer_steps``)."""
+    shared_domains: list[str] = Field(default_factory=list)
+    """Names of the shared namespaces this instance's shared tiers belong to (label ``shared_domains``).
+    Empty: derived, ``sharedfs:<realpath of shared_path>`` and ``mooncake:<master>/<namespace>``; set it
+    when instances mount one filesystem under different paths."""

@@ -36,6 +36,7 @@ from kvmesh._proto.kvmesh.kv_store.v1 import kv_store_pb2, kv_store_pb2_grpc
 from kvmesh.errors import InvalidRequest
 from kvmesh.wire import medium_to_proto
 from services.kv_store.errors import KeyNotFound
+from services.kv_store.residency import BadBlockEvent, parse_block_event
 from services.kv_store.store import MAX_CONTAINS_KEYS, BlockStore
 
 SERVICE_NAME = kv_store_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name
@@ -64,12 +65,13 @@ def encode_get_chunk(head: bytes, field: int, chunk: memoryview) -> bytes:
 class PutChunk:
     """A parsed ``PutRequest`` whose ``data`` is a view into the received message (no copy)."""
 
-    __slots__ = ("data", "key", "total_bytes")
+    __slots__ = ("block_stored_event", "data", "key", "total_bytes")
 
-    def __init__(self, key: str, total_bytes: int, data: memoryview) -> None:
+    def __init__(self, key: str, total_bytes: int, data: memoryview, block_stored_event: bytes = b"") -> None:
         self.key = key
         self.total_bytes = total_bytes
         self.data = data
+        self.block_stored_event = block_stored_event
 
 
 def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
@@ -90,12 +92,13 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
 def parse_put_request(raw: bytes) -> PutChunk:
     """``PutRequest`` from its wire form, ``data`` as a ``memoryview`` of ``raw`` (protobuf would copy it twice).
 
-    Field numbers and types are the proto's (1 key string, 2 total_bytes uint64, 3 data bytes);
+    Field numbers and types are the proto's (1 key string, 2 total_bytes uint64, 3 data bytes,
+    4 block_stored_event bytes);
     unknown fields are skipped as protobuf does. Raises ValueError on malformed input, which the
     gRPC layer reports as a failed deserialization (``INTERNAL``), as for protobuf's own parser.
     """
     buf = memoryview(raw)
-    key, total, data = "", 0, memoryview(b"")
+    key, total, data, event = "", 0, memoryview(b""), b""
     pos = 0
     while pos < len(buf):
         tag, pos = _read_varint(buf, pos)
@@ -112,6 +115,8 @@ def parse_put_request(raw: bytes) -> PutChunk:
                 key = bytes(buf[pos : pos + size]).decode()
             elif field == 3:
                 data = buf[pos : pos + size]
+            elif field == 4:
+                event = bytes(buf[pos : pos + size])
             pos += size
         elif wire == 1:
             pos += 8
@@ -121,7 +126,7 @@ def parse_put_request(raw: bytes) -> PutChunk:
             raise ValueError(f"unsupported wire type {wire}")
     if pos != len(buf):
         raise ValueError("truncated fixed-width field")
-    return PutChunk(key, total, data)
+    return PutChunk(key, total, data, event)
 
 
 class ByteBudget:
@@ -146,8 +151,15 @@ class ByteBudget:
 
 
 class KVStoreServicer(kv_store_pb2_grpc.KVStoreServicer):
-    def __init__(self, store: BlockStore, get_chunk_bytes: int, max_inflight_put_bytes: int = 1 << 30) -> None:
+    def __init__(
+        self,
+        store: BlockStore,
+        get_chunk_bytes: int,
+        max_inflight_put_bytes: int = 1 << 30,
+        block_size_tokens: int | None = None,
+    ) -> None:
         self._store = store
+        self._block_size = block_size_tokens
         self._chunk = get_chunk_bytes
         self._put_budget = ByteBudget(max_inflight_put_bytes)
 
@@ -161,6 +173,12 @@ class KVStoreServicer(kv_store_pb2_grpc.KVStoreServicer):
             raise InvalidRequest("Put stream closed before its first message") from None
         key, total = first.key, first.total_bytes
         self._store.check_value_size(key, total)
+        block = None
+        if first.block_stored_event:
+            try:
+                block = parse_block_event(first.block_stored_event, self._block_size)
+            except BadBlockEvent as exc:
+                raise InvalidRequest(f"Put for key {key!r}: {exc}") from None
         await self._put_budget.acquire(total)
         try:
             received = len(first.data)
@@ -168,8 +186,12 @@ class KVStoreServicer(kv_store_pb2_grpc.KVStoreServicer):
             if received > total:
                 raise InvalidRequest(f"Put for key {key!r} sent more than total_bytes={total} bytes")
             async for message in stream:
-                if (message.key and message.key != key) or (message.total_bytes and message.total_bytes != total):
-                    raise InvalidRequest("key and total_bytes belong on the first Put message only")
+                if (
+                    (message.key and message.key != key)
+                    or (message.total_bytes and message.total_bytes != total)
+                    or message.block_stored_event
+                ):
+                    raise InvalidRequest("key, total_bytes and block_stored_event belong on the first Put message only")
                 received += len(message.data)
                 if received > total:
                     raise InvalidRequest(f"Put for key {key!r} sent more than total_bytes={total} bytes")
@@ -179,7 +201,7 @@ class KVStoreServicer(kv_store_pb2_grpc.KVStoreServicer):
                 raise InvalidRequest(f"Put for key {key!r} sent {received} bytes, total_bytes={total} (truncated)")
             value = b"".join(chunks)  # the one copy: views into the received messages -> one value
             del chunks
-            outcome = await self._store.put(key, value)
+            outcome = await self._store.put(key, value, block)
         finally:
             await self._put_budget.release(total)
         return kv_store_pb2.PutResponse(medium=medium_to_proto(outcome.medium), evicted=outcome.evicted)

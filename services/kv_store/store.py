@@ -37,8 +37,10 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kvmesh.errors import InvalidRequest
+from kvmesh.kv_events import BlockStored, KVEvent
 from kvmesh.types import Medium
 from services.kv_store.errors import KeyNotFound, StorageFull, TierUnavailable, ValueTooLarge
+from services.kv_store.residency import Residency
 from services.kv_store.tiers.base import StoreTier, TierStats
 
 MAX_KEY_BYTES = 4096
@@ -111,6 +113,9 @@ class BlockStore:
         write_through: names of (usually shared) tiers that receive every put synchronously.
         promote_on_hit: copy a hit in a slower tier into the first tier.
         clock: seconds for latency histograms (``time.perf_counter``; tests pass a deterministic one).
+        on_events: called after each operation with the vLLM KV events of the residency changes
+            of described values (one batch; :mod:`services.kv_store.residency`), never with an
+            empty list. None: residency is still tracked, events are dropped.
     """
 
     def __init__(
@@ -120,6 +125,7 @@ class BlockStore:
         write_through: Sequence[str] = (),
         promote_on_hit: bool = True,
         clock: Callable[[], float] = time.perf_counter,
+        on_events: Callable[[list[KVEvent]], None] | None = None,
     ) -> None:
         if not tiers:
             raise ValueError("a BlockStore needs at least one tier")
@@ -134,6 +140,13 @@ class BlockStore:
         self.promote_on_hit = promote_on_hit
         self.metrics = StoreMetrics()
         self._clock = clock
+        self.residency = Residency({tier.name: tier.medium for tier in self.tiers})
+        self.on_events = on_events
+
+    def _flush(self) -> None:
+        events = self.residency.take_events()
+        if events and self.on_events is not None:
+            self.on_events(events)
 
     @property
     def max_value_bytes(self) -> int:
@@ -186,13 +199,17 @@ class BlockStore:
         last = index + 1 >= len(self.tiers)
         result = await self._timed(tier, "put", tier.put(key, value, keep_victims=not last))
         self._moved(tier, reason, len(value))
+        self.residency.added(key, tier.name)
         for victim, victim_value in result.victims:
             await self._demote(index + 1, victim, victim_value)
+        for victim in result.evicted:  # after the demotions: a move is a store, then a removal
+            self.residency.removed(victim, tier.name)
         return len(result.evicted)
 
     async def _demote(self, index: int, key: str, value: bytes) -> None:
         tier = self.tiers[index]
         if tier.name in self.write_through and (await self._safe_contains(tier, [key]))[0]:
+            self.residency.added(key, tier.name)
             return  # already there: written through at put time
         try:
             await self._place(index, key, value, "demote")
@@ -207,26 +224,37 @@ class BlockStore:
             self._failed(tier)
             return [False] * len(keys)
 
-    async def put(self, key: str, value: bytes) -> PutOutcome:
+    async def put(self, key: str, value: bytes, block: BlockStored | None = None) -> PutOutcome:
         """Store ``value`` in the first tier (see the module docstring).
+
+        ``block``: the engine's ``BlockStored`` for this value (one block, checked by
+        :func:`services.kv_store.residency.parse_block_event`); the value's residency is then
+        published as KV events.
 
         Raises:
             InvalidRequest: bad key. ValueTooLarge: larger than the first tier.
             TierUnavailable / StorageFull: the first tier failed (nothing stored).
         """
         self.check_value_size(key, len(value))
-        evicted = await self._place(0, key, value, "put")
-        for tier in self.tiers[1:]:
-            try:
-                if tier.name in self.write_through:
-                    await self._timed(tier, "put", tier.put(key, value))
-                    self._moved(tier, "write_through", len(value))
-                else:
-                    await self._timed(tier, "evict", tier.evict(key))
-            except (TierUnavailable, StorageFull, ValueTooLarge):
-                self._failed(tier)
-                if tier.name in self.write_through:
-                    self._dropped(tier)
+        if block is not None:
+            self.residency.describe(key, block)
+        try:
+            evicted = await self._place(0, key, value, "put")
+            for tier in self.tiers[1:]:
+                try:
+                    if tier.name in self.write_through:
+                        await self._timed(tier, "put", tier.put(key, value))
+                        self._moved(tier, "write_through", len(value))
+                        self.residency.added(key, tier.name)
+                    elif await self._timed(tier, "evict", tier.evict(key)):
+                        self.residency.removed(key, tier.name)
+                except (TierUnavailable, StorageFull, ValueTooLarge):
+                    self._failed(tier)
+                    if tier.name in self.write_through:
+                        self._dropped(tier)
+        finally:
+            self.residency.forget_if_absent(key)
+            self._flush()
         return PutOutcome(self.tiers[0].medium, evicted)
 
     async def get(self, key: str) -> StoredValue:
@@ -236,17 +264,22 @@ class BlockStore:
             InvalidRequest: bad key. KeyNotFound: no reachable tier holds ``key``.
         """
         validate_key(key)
-        for index, tier in enumerate(self.tiers):
-            try:
-                value = await self._timed(tier, "get", tier.get(key))
-            except (TierUnavailable, StorageFull):
-                self._failed(tier)
-                continue
-            if value is None:
-                continue
-            if index > 0 and self.promote_on_hit and len(value) <= self.max_value_bytes:
-                await self._promote(index, key, value)
-            return StoredValue(value, tier.medium, tier.name)
+        try:
+            for index, tier in enumerate(self.tiers):
+                try:
+                    value = await self._timed(tier, "get", tier.get(key))
+                except (TierUnavailable, StorageFull):
+                    self._failed(tier)
+                    continue
+                if value is None:
+                    self.residency.removed(key, tier.name)  # dropped behind our back (corrupt, Mooncake eviction)
+                    continue
+                self.residency.added(key, tier.name)  # a shared value another instance wrote is adopted
+                if index > 0 and self.promote_on_hit and len(value) <= self.max_value_bytes:
+                    await self._promote(index, key, value)
+                return StoredValue(value, tier.medium, tier.name)
+        finally:
+            self._flush()
         raise KeyNotFound(f"key {key!r} not found")
 
     async def _promote(self, index: int, key: str, value: bytes) -> None:
@@ -260,7 +293,8 @@ class BlockStore:
             if tier.shared:
                 continue
             try:
-                await self._timed(tier, "evict", tier.evict(key))
+                if await self._timed(tier, "evict", tier.evict(key)):
+                    self.residency.removed(key, tier.name)
             except (TierUnavailable, StorageFull):
                 self._failed(tier)
 
@@ -303,9 +337,12 @@ class BlockStore:
         deleted = False
         for tier in self.tiers:
             try:
-                deleted = await self._timed(tier, "evict", tier.evict(key)) or deleted
+                if await self._timed(tier, "evict", tier.evict(key)):
+                    deleted = True
+                    self.residency.removed(key, tier.name)
             except (TierUnavailable, StorageFull):
                 self._failed(tier)
+        self._flush()
         return deleted
 
     def stats(self) -> list[TierStats]:

@@ -15,7 +15,11 @@ dies, the lease expires after ``lease_ttl_seconds``.
 its ``/metrics`` and polls until SIGTERM/SIGINT.
 
 ``max_model_len`` 0 is asked from the engine's ``GET /v1/models`` before each registration
-(vLLM reports it there), so the router's context check matches the engine's.
+(vLLM reports it there), so the router's context check matches the engine's. When it cannot be
+read (a 401 from an engine started with ``--api-key`` and no ``--engine-api-key`` here, the model
+not listed, no answer) the engine is **not** registered: one ERROR line naming the cause,
+``kvmesh_registration_sidecar_transitions_total{action="refused"}``, and the next good poll tries
+again. ``--engine-api-key`` is sent as ``Authorization: Bearer`` on every probe.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from services.registration_sidecar.health import (
     HealthTracker,
     build_endpoint,
     engine_identity_from_metrics,
-    max_model_len_from_models,
+    max_model_len_or_reason,
 )
 
 logger = logging.getLogger(__name__)
@@ -57,7 +61,9 @@ class Sidecar:
                                      config.unresponsive_grace_seconds)
         self.registration: LeaseRegistration | None = None
         self._stop = asyncio.Event()
-        self._client = httpx.AsyncClient(timeout=config.health_timeout_seconds)
+        key = config.engine_api_key.get_secret_value() if config.engine_api_key is not None else ""
+        self._client = httpx.AsyncClient(timeout=config.health_timeout_seconds,
+                                         headers={"authorization": f"Bearer {key}"} if key else None)
 
     def stop(self) -> None:
         self._stop.set()
@@ -75,15 +81,16 @@ class Sidecar:
             return False, False
         return reply.status_code == 200, False
 
-    async def _max_model_len(self) -> int | None:
+    async def _max_model_len(self) -> int | str:
+        """The configured or probed context length, or why the probe failed (a message)."""
         if self.config.max_model_len:
             return self.config.max_model_len
         try:
             reply = await self._client.get(self.config.engine_url.rstrip("/") + "/v1/models")
-            return max_model_len_from_models(reply.json(), self.config.model) if reply.status_code == 200 else None
+            body = reply.json() if reply.status_code == 200 else None
         except (httpx.HTTPError, ValueError) as exc:
-            logger.warning("could not read max_model_len from /v1/models error=%r", exc)
-            return None
+            return f"GET /v1/models failed: {exc!r}"
+        return max_model_len_or_reason(reply.status_code, body, self.config.model)
 
     async def _identity(self) -> tuple[str, str]:
         """The engine's incarnation and hash algorithm from its /metrics; a fresh id when unreadable
@@ -98,9 +105,16 @@ class Sidecar:
 
     async def _register(self) -> None:
         cfg = self.config
+        max_model_len = await self._max_model_len()
+        if isinstance(max_model_len, str):  # never registered without its context length, silently
+            self.tracker.registered = False
+            self.tracker.successes = 0
+            metrics.TRANSITIONS.labels("refused").inc()
+            logger.error("engine not registered endpoint=%s: cannot read max_model_len: %s", cfg.endpoint_id, max_model_len)
+            return
         instance_id, hash_algo = await self._identity()
         ep = build_endpoint(cfg.endpoint_id, cfg.engine_url, cfg.model, cfg.block_size_tokens,
-                            cfg.events_endpoint, cfg.role, cfg.engine_label, await self._max_model_len(),
+                            cfg.events_endpoint, cfg.role, cfg.engine_label, max_model_len,
                             instance_id=instance_id, replay_endpoint=cfg.replay_endpoint, hash_algo=hash_algo)
         self.registration = LeaseRegistration(cfg.etcd_endpoints, endpoint_key(ep), ep.to_json(),
                                               cfg.lease_ttl_seconds)

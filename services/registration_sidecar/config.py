@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from kvmesh.config import ProcessConfig
@@ -35,7 +35,11 @@ class SidecarConfig(ProcessConfig):
     engine_label: str = "vllm"
     """Value of the ``engine`` label of the registration."""
     max_model_len: int = Field(0, ge=0)
-    """Context length registered as the ``max_model_len`` label; 0 asks the engine's GET /v1/models."""
+    """Context length registered as the ``max_model_len`` label; 0 asks the engine's GET /v1/models
+    (and an engine whose /v1/models cannot be read is *not* registered: ERROR log, transition ``refused``)."""
+    engine_api_key: SecretStr | None = None
+    """The engine's API key (vLLM ``--api-key``), sent as ``Authorization: Bearer`` on every probe
+    (vLLM checks it on ``/v1/*``, so ``/v1/models`` needs it). Env ``KVMESH_REGISTRATION_SIDECAR_ENGINE_API_KEY``."""
     health_path: str = "/health"
     """Health route polled on the engine (200 = healthy)."""
     health_interval_seconds: float = Field(1.0, gt=0, le=60)

@@ -151,3 +151,22 @@ def max_model_len_from_models(body: object, model: str) -> int | None:
             if isinstance(value, int) and value > 0:
                 return value
     return None
+
+
+def max_model_len_or_reason(status: int, body: object, model: str) -> int | str:
+    """``max_model_len`` of ``model`` from a ``GET /v1/models`` answer, or why it cannot be read (a message).
+
+    401 says the engine wants an API key (vLLM ``--api-key``: ``--engine-api-key``); a model missing
+    from the list, or listed without a positive ``max_model_len``, is named as such.
+    """
+    if status == 401:
+        return "GET /v1/models answered 401: the engine requires an API key (set --engine-api-key)"
+    if status != 200:
+        return f"GET /v1/models answered HTTP {status}"
+    value = max_model_len_from_models(body, model)
+    if value is not None:
+        return value
+    listed = [e.get("id") for e in (body.get("data") or []) if isinstance(e, dict)] if isinstance(body, dict) else []
+    if model not in listed:
+        return f"GET /v1/models does not list model {model!r} (listed: {listed}); check --model"
+    return f"GET /v1/models lists {model!r} without a positive max_model_len; set --max-model-len"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -18,12 +19,13 @@ from kvmesh.http_server import HttpServer
 from kvmesh.membership import EndpointWatcher
 from kvmesh.server import GrpcService, ServiceSpec
 from kvmesh.types import Endpoint, EndpointId
-from services.router.catalog import ModelCatalog
+from services.router.catalog import ModelCatalog, ModelMemory
 from services.router.clients import AdmissionClient, PickerClient
 from services.router.config import RouterConfig
 from services.router.http_app import RouterHttpApi
+from services.router.passthrough import Passthrough
 from services.router.readiness import ReadinessProbe
-from services.router.request_flow import RequestFlow, build_http_client
+from services.router.request_flow import RequestFlow, build_http_client, build_passthrough_client
 from services.router.servicer import SERVICE_NAME, InferenceServicer
 
 logger = logging.getLogger(__name__)
@@ -36,18 +38,27 @@ class WatchedCatalog:
     flow, the HTTP API and the servicer read); without a watcher it stays empty.
     """
 
-    def __init__(self, watcher: EndpointWatcher | None) -> None:
+    def __init__(self, watcher: EndpointWatcher | None, memory_seconds: float = 3600.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._watcher = watcher
         self._catalog = ModelCatalog()
+        self._memory = ModelMemory(memory_seconds)
+        self._clock = clock
+        self._expires_at: float | None = None
 
     def __call__(self) -> ModelCatalog:
+        if self._expires_at is not None and self._clock() >= self._expires_at:  # a departed name is forgotten
+            self._catalog = self._memory.current(self._catalog, self._clock())
+            self._expires_at = self._memory.next_expiry()
         return self._catalog
 
     def refresh(self, joined: dict[EndpointId, Endpoint] | None = None,
                 left: dict[EndpointId, Endpoint] | None = None) -> None:
         """Rebuild from the watcher's snapshot (a :data:`~kvmesh.membership.MembershipListener`)."""
         if self._watcher is not None:
-            self._catalog = ModelCatalog.from_endpoints(self._watcher.snapshot().values())
+            built = ModelCatalog.from_endpoints(self._watcher.snapshot().values())
+            self._catalog = self._memory.observe(built, self._clock())
+            self._expires_at = self._memory.next_expiry()
 
     def endpoint_count(self) -> int:
         """Live endpoints across all models."""
@@ -57,7 +68,7 @@ class WatchedCatalog:
 def build_service(config: RouterConfig) -> GrpcService:
     """The router as a GrpcService: catalog watcher, clients, flow, HTTP app and servicer."""
     watcher = EndpointWatcher(config.etcd_endpoints) if config.etcd_endpoints else None
-    catalog = WatchedCatalog(watcher)
+    catalog = WatchedCatalog(watcher, config.model_memory_seconds)
     admission = AdmissionClient(
         config.flow_control_address, config.admission_timeout_seconds, config.admission_close_timeout_seconds
     )
@@ -74,7 +85,10 @@ def build_service(config: RouterConfig) -> GrpcService:
         degradable=frozenset(name for name, mode in (("flow_control", config.flow_control_failure_mode),
                                                      ("epp", config.epp_failure_mode)) if mode == "open"),
     )
-    api = RouterHttpApi(config, flow, catalog, readiness)
+    passthrough_http = build_passthrough_client(config)  # /tokenize, /detokenize: off the hot path
+    passthrough = Passthrough(config, passthrough_http,
+                              lambda model: watcher.snapshot().values() if watcher is not None else (), flow.local_picker)
+    api = RouterHttpApi(config, flow, catalog, readiness, passthrough)
     http_server = HttpServer(api.app(), config.host, config.http_port, config.shutdown_http_grace_seconds,
                              name="router-http")
     servicer = InferenceServicer(config, flow, catalog)
@@ -102,6 +116,7 @@ def build_service(config: RouterConfig) -> GrpcService:
         if watcher is not None:
             await watcher.stop()
         await http_client.aclose()
+        await passthrough_http.aclose()
         await admission.close()
         await picker.close()
 

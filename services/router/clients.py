@@ -271,6 +271,8 @@ class PickQuery:
     exclude_endpoint_ids: tuple[str, ...] = ()
     lora_name: str | None = None
     cache_salt: str | None = None
+    render_json: bytes = b""
+    """The body's token-changing fields (``validation.render_fields_json``), sent with the prompt."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,6 +383,7 @@ class PickerClient:
             request.prompt_token_ids.extend(query.prompt_token_ids)
             request.prompt = query.prompt
             request.messages.extend(common_pb2.ChatMessage(role=r, content=c) for r, c in query.messages)
+            request.render_json = query.render_json
         remaining = deadline - loop.time()
         if remaining <= 0:  # the info call used the whole budget: epp hangs
             raise PickerUnreachable("endpoint picker: Deadline Exceeded")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
 from kvmesh.config import GrpcServiceConfig
@@ -47,6 +47,15 @@ class RouterConfig(GrpcServiceConfig):
     """Endpoints tried per request (target plus fallbacks, re-picking with exclusions when the list runs out)."""
     max_connections: int = Field(1024, ge=1, le=65536)
     """Size of the pooled HTTP client's connection pool to the engines."""
+    early_pick: bool = True
+    """Ask epp for the Pick while flow_control decides admission (one round trip less on the
+    request's path) as long as recent requests were dispatched at once; a request that was queued
+    longer than ``early_pick_max_queue_seconds`` is picked again at dispatch (late binding)."""
+    early_pick_max_queue_seconds: float = Field(0.01, ge=0, le=60)
+    """Queue time (flow_control's ``queue_seconds``) up to which an early pick is used."""
+    engine_http_client: Literal["aiohttp", "httpx"] = "aiohttp"
+    """HTTP client of the proxy hop (``services/router/engine_client.py``; aiohttp measured faster:
+    docs/BENCHMARKS.md §3)."""
     retry_after_seconds: int = Field(1, ge=0, le=3600)
     """Value of the ``retry-after`` header on 429 answers."""
     max_request_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, le=1024**3)
@@ -79,3 +88,21 @@ class RouterConfig(GrpcServiceConfig):
     """With tenants configured: the highest priority a request without an API key may ask for."""
     shutdown_http_grace_seconds: float = Field(5.0, ge=0, le=300)
     """On stop, how long open HTTP requests may finish before uvicorn force-closes them."""
+    engine_api_key: SecretStr | None = None
+    """API key kvmesh presents to engines started with vLLM's ``--api-key`` (``Authorization: Bearer``),
+    for every pool without its own entry in ``engine_api_keys``; never a client's key
+    (``docs/openai-compat.md``, "Headers and keys"). Env ``KVMESH_ROUTER_ENGINE_API_KEY``."""
+    engine_api_keys: dict[str, SecretStr] = Field(default_factory=dict)
+    """Per-pool engine API keys: served model name (the InferencePool) -> key; wins over ``engine_api_key``."""
+    model_memory_seconds: float = Field(3600.0, ge=0, le=30 * 86400)
+    """A model whose last endpoint left less than this long ago is *unavailable* (503 + ``retry-after``),
+    not unknown (404): a lease that expired, an engine restarting. 0 forgets at once."""
+    max_n: int = Field(128, ge=1, le=4096)
+    """Largest ``n`` (choices per prompt) accepted; vLLM has no limit of its own, this bounds one request's work."""
+    max_batch_prompts: int = Field(1024, ge=1, le=100_000)
+    """Most prompts in one batched completions ``prompt`` (a list of strings or of token-id lists)."""
+
+    def engine_key_for(self, model: str) -> str | None:
+        """The API key to present to the engines of ``model``'s pool, or None (send none of kvmesh's own)."""
+        key = self.engine_api_keys.get(model) or self.engine_api_key
+        return key.get_secret_value() if key is not None else None

@@ -4,7 +4,9 @@
 | --- | --- |
 | ``POST /v1/completions`` | proxied engine answer (JSON, or SSE passthrough ending ``data: [DONE]``) |
 | ``POST /v1/chat/completions`` | same, chat |
-| ``GET /v1/models`` | OpenAI model list from the live etcd endpoints (with ``max_model_len``) |
+| ``POST /v1/embeddings``, ``POST /v1/responses`` | same path (admission, pick, forward); a pool that does not serve the route: the engine's 404 as an OpenAI error |
+| ``POST /tokenize``, ``POST /detokenize`` | passed to the least-loaded live endpoint of the model, no admission (:mod:`services.router.passthrough`) |
+| ``GET /v1/models`` | OpenAI model list aggregated over the live etcd endpoints: models (``max_model_len``, endpoint count) and their LoRA adapters (``parent``) |
 | ``GET /health`` | 200 ``{"status": "ok", ...}`` when ready, else 503 naming what fails (:mod:`services.router.readiness`) |
 
 Request headers: ``x-request-id`` (kept, truncated to 128 characters, else generated; one with a
@@ -20,11 +22,15 @@ and the global one): positive integers of milliseconds up to 3,600,000, else 400
 API keys (``Authorization: Bearer <key>`` or ``x-api-key``) bind the request to a tenant's fairness
 id, maximum priority and quotas once tenants are configured (:mod:`services.router.tenants`); a
 malformed or unknown key is a 401 with an OpenAI error body.
+Headers to the engine: :mod:`services.router.headers` (hop-by-hop, kvmesh's own and credentials
+never; ``authorization``: the pool's engine key, else the client's in open mode only).
 Response headers: ``x-request-id`` and ``x-kvmesh-endpoint`` (the endpoint id that served it). An
 admission rejection (429) carries ``retry-after`` (flow_control's hint, at least
 ``retry_after_seconds``) and ``x-llm-d-request-dropped-reason`` (llm-d's header:
 ``rejected-saturated`` for a full queue, ``rejected-ttl-expired``, ``rejected-shed``,
-``rejected-rate-limited``).
+``rejected-rate-limited``). Every 429 and 503, the router's or an engine's, carries ``retry-after``.
+An engine error whose body is not an OpenAI error (FastAPI's ``{"detail": ...}`` for a route the
+pool does not serve, vLLM's ``{"error": "Unauthorized"}``) is rewritten to one, status kept.
 
 Bodies: a ``content-type`` other than JSON (``application/json`` or ``*/*+json``), when sent with a
 body, is a 400 (as vLLM/OpenAI reject non-JSON bodies with a 4xx JSON error); no content-type is read as
@@ -49,6 +55,7 @@ response is closed (the engine sees its request cancelled) and the flow-control 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import re
@@ -72,7 +79,9 @@ from services.router import metrics
 from services.router.catalog import ModelCatalog
 from services.router.clients import AdmitOptions
 from services.router.config import RouterConfig
+from services.router.headers import forwarded_headers
 from services.router.http_errors import RequestTooLarge, error_body, http_error, render_json
+from services.router.passthrough import Passthrough
 from services.router.readiness import ReadinessProbe
 from services.router.request_flow import (
     ENDPOINT_HEADER,
@@ -84,7 +93,7 @@ from services.router.request_flow import (
     RequestMeta,
 )
 from services.router.tenants import TenantDirectory, api_key_from_headers
-from services.router.validation import RequestKind, RouterRequest, parse_json_body, validate_request
+from services.router.validation import RequestKind, RouterRequest, parse_json_body, resolve_model, validate_request
 
 logger = logging.getLogger(__name__)
 
@@ -186,9 +195,11 @@ def request_meta(
         ttl_seconds=queue_ttl, ttft_slo_seconds=ttft_slo, max_concurrency=binding.max_concurrency,
         rate_per_second=binding.rate_per_second, burst=binding.burst,
     )
+    items: list[tuple[str, str]] = list(headers.items())
     return RequestMeta(
         request_id=request_id[:MAX_REQUEST_ID_CHARS], flow_id=binding.flow_id or config.default_flow_id,
         priority=binding.priority, trace_context=trace_context, server_span=True, admit_options=options,
+        forward_headers=forwarded_headers(items, pass_authorization=not directory.enabled),
     )
 
 
@@ -310,12 +321,14 @@ class _ProxiedAnswer(Response):
     """
 
     def __init__(
-        self, flow: RequestFlow, error_response: Callable[[BaseException, str | None], Response], routed: RouterRequest, meta: RequestMeta
+        self, flow: RequestFlow, error_response: Callable[[BaseException, str | None], Response], routed: RouterRequest,
+        meta: RequestMeta, retry_after_seconds: int = 1,
     ) -> None:
         self._flow = flow
         self._error_response = error_response
         self._routed = routed
         self._meta = meta
+        self._retry_after = retry_after_seconds
         self.background = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -332,7 +345,10 @@ class _ProxiedAnswer(Response):
     async def _answer(self, scope: Scope, receive: Receive, guard: _DisconnectGuard) -> None:
         try:
             async with self._flow.session(self._routed, self._meta) as session:
-                if self._routed.stream:
+                if session.status_code >= 400:
+                    payload = await session.read_all()
+                    await engine_error_response(session, payload, self._retry_after)(scope, receive, guard.send)
+                elif self._routed.stream:
                     await self._stream(session, guard.send)
                 else:
                     payload = await session.read_all()
@@ -366,6 +382,45 @@ class _ProxiedAnswer(Response):
             raise ClientGone() from exc
 
 
+def _is_openai_error(payload: bytes) -> bool:
+    try:
+        data = json.loads(payload)
+    except (UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("error"), dict) and "message" in data["error"]
+
+
+_ENGINE_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                       405: "invalid_request_error", 429: "rate_limit_exceeded", 503: "service_unavailable"}
+
+
+def engine_error_response(session: FlowSession, payload: bytes, retry_after_seconds: int) -> Response:
+    """An engine's error answer for the client: status kept, body an OpenAI error, ``retry-after`` on 429/503.
+
+    An OpenAI error body passes unchanged. Others are rewritten: a 404 with FastAPI's ``{"detail":
+    "Not Found"}`` means the engine does not serve the route (vLLM registers ``/v1/embeddings`` only
+    for pooling models, ``/v1/responses`` only for generative ones); a 401 means the engine refused
+    the credentials it was sent (kvmesh's pool key when one is configured, else the client's).
+    """
+    status = session.status_code
+    path, model = session.request.kind.value, session.request.model
+    headers = _response_headers(session)
+    if status in (429, 503):
+        headers["retry-after"] = session.engine_header("retry-after") or str(retry_after_seconds)
+    if _is_openai_error(payload):
+        return Response(payload, status, headers, session.content_type)
+    if status == 404:
+        message = f"the pool serving model '{model}' does not serve {path} (engine {session.endpoint.id} answered 404)"
+    elif status == 401:
+        message = f"engine {session.endpoint.id} refused the credentials for model '{model}' (engine_api_keys / Authorization)"
+        logger.warning("engine refused credentials request_id=%s endpoint=%s", session.meta.request_id, session.endpoint.id)
+    else:
+        message = f"engine {session.endpoint.id} answered HTTP {status}: {payload[:200].decode('utf-8', 'replace')}"
+    body = error_body(message, _ENGINE_ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error"),
+                      status)
+    return OpenAIJSONResponse(body, status_code=status, headers=headers)
+
+
 def _error_event(session: FlowSession, exc: EngineFailed) -> bytes:
     """The in-stream error (vLLM's convention): ``data: {"error": {...}}`` then ``data: [DONE]``."""
     cause = exc.__cause__ or exc
@@ -384,11 +439,13 @@ class RouterHttpApi:
         flow: RequestFlow,
         catalog: Callable[[], ModelCatalog],
         readiness: ReadinessProbe | None = None,
+        passthrough: Passthrough | None = None,
     ) -> None:
         self._config = config
         self._flow = flow
         self._catalog = catalog
         self._readiness = readiness
+        self._passthrough = passthrough
         self._tenants = TenantDirectory(config.tenants, config.default_flow_id, config.require_api_key,
                                         config.anonymous_max_priority)
 
@@ -397,6 +454,10 @@ class RouterHttpApi:
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+                Route("/v1/responses", self.responses, methods=["POST"]),
+                Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/detokenize", self.detokenize, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
             ],
@@ -452,6 +513,51 @@ class RouterHttpApi:
     async def chat_completions(self, request: Request) -> Response:
         return await self._proxy(request, RequestKind.CHAT)
 
+    async def embeddings(self, request: Request) -> Response:
+        return await self._proxy(request, RequestKind.EMBEDDINGS)
+
+    async def responses(self, request: Request) -> Response:
+        return await self._proxy(request, RequestKind.RESPONSES)
+
+    async def tokenize(self, request: Request) -> Response:
+        return await self._pass(request, "/tokenize")
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._pass(request, "/detokenize")
+
+    async def _pass(self, request: Request, path: str) -> Response:
+        """``/tokenize`` / ``/detokenize``: the body to one live endpoint of its model (no admission, no pick).
+
+        ``model`` may be left out when exactly one model is served (vLLM's field is optional).
+        """
+        request_id = _valid_request_id(request.headers.get(REQUEST_ID_HEADER))
+        try:
+            meta = request_meta(request.headers, self._config, None, self._tenants)
+            request_id = meta.request_id
+            raw = await read_body(request, self._config.max_request_body_bytes)
+            check_content_type(request.headers.get("content-type"), raw)
+            body = parse_json_body(raw)
+            catalog = self._catalog()
+            name = body.get("model")
+            if name is None and len(catalog.models) == 1:
+                name = catalog.names()[0]
+            elif name is None and catalog.models:
+                raise errors.InvalidRequest(f"'model' is required: {len(catalog.models)} models are served")
+            model, _ = resolve_model(name, catalog)
+            if self._passthrough is None:
+                raise errors.NoEndpointsAvailable(f"{path} is not passed through by this router")
+            answer = await self._passthrough.forward(path, model, body, request_id, meta.forward_headers)
+        except ClientDisconnect:
+            return self._client_disconnected(request_id)
+        except Exception as exc:
+            return self.error_response(exc, request_id)
+        metrics.record_outcome(metrics.outcome_for_status(answer.status_code) if answer.status_code >= 400
+                               else metrics.RequestOutcome.SUCCESS)
+        headers = {REQUEST_ID_HEADER: request_id, ENDPOINT_HEADER: answer.endpoint_id}
+        if answer.status_code in (429, 503):
+            headers["retry-after"] = str(self._config.retry_after_seconds)
+        return Response(answer.content, answer.status_code, headers, answer.content_type)
+
     async def _proxy(self, request: Request, kind: RequestKind) -> Response:
         """Check the request here; its answer (admission to close) is a :class:`_ProxiedAnswer`."""
         request_id = _valid_request_id(request.headers.get(REQUEST_ID_HEADER))
@@ -463,20 +569,35 @@ class RouterHttpApi:
                 meta = replace(meta, admit_options=replace(meta.admit_options, byte_size=len(raw)))
             check_content_type(request.headers.get("content-type"), raw)
             body = parse_json_body(raw)
-            routed = validate_request(kind, body, self._catalog(), self._config.max_tokens_limit)
+            routed = validate_request(kind, body, self._catalog(), self._config.max_tokens_limit,
+                                      self._config.max_n, self._config.max_batch_prompts)
         except ClientDisconnect:
             return self._client_disconnected(request_id)
         except Exception as exc:
             return self.error_response(exc, request_id)
-        return _ProxiedAnswer(self._flow, self.error_response, routed, meta)
+        return _ProxiedAnswer(self._flow, self.error_response, routed, meta, self._config.retry_after_seconds)
 
     async def models(self, request: Request) -> Response:
+        """vLLM's model list, aggregated over the pool: one card per served model (its smallest
+        ``max_model_len``, its live endpoint count) and one per LoRA adapter (``parent`` its base
+        model). With ``require_api_key`` it needs a tenant's key, as the generation routes do."""
+        try:
+            if self._tenants.enabled:
+                self._tenants.bind(api_key_from_headers(request.headers), None, None)
+        except Exception as exc:
+            return self.error_response(exc, _valid_request_id(request.headers.get(REQUEST_ID_HEADER)))
         created = int(time.time())
-        data = [
+        catalog = self._catalog()
+        data: list[dict[str, Any]] = [
             {"id": info.name, "object": "model", "created": created, "owned_by": "kvmesh", "root": info.name,
-             "max_model_len": info.max_model_len}
-            for info in self._catalog().models.values()
+             "parent": None, "max_model_len": info.max_model_len, "endpoints": info.endpoints}
+            for info in catalog.models.values()
         ]
+        for adapter, base in sorted(catalog.lora_adapters.items()):
+            info = catalog.get(base)
+            data.append({"id": adapter, "object": "model", "created": created, "owned_by": "kvmesh", "root": adapter,
+                         "parent": base, "max_model_len": info.max_model_len if info else None,
+                         "endpoints": info.endpoints if info else 0})
         return OpenAIJSONResponse({"object": "list", "data": data})
 
     def endpoint_count(self) -> int:
@@ -487,6 +608,8 @@ class RouterHttpApi:
         if self._readiness is None:
             return OpenAIJSONResponse({"status": "ok", "endpoints": self.endpoint_count()})
         state = await self._readiness.readiness()
-        return OpenAIJSONResponse(state.body(), status_code=200 if state.ready else 503)
+        if state.ready:
+            return OpenAIJSONResponse(state.body())
+        return OpenAIJSONResponse(state.body(), status_code=503, headers={"retry-after": str(self._config.retry_after_seconds)})
 
 

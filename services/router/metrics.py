@@ -7,6 +7,14 @@
 | ``kvmesh_router_requests_total`` | counter | outcome |
 | ``kvmesh_router_requests_in_flight`` | gauge | — |
 | ``kvmesh_router_upstream_retries_total`` | counter | — |
+| ``kvmesh_router_stage_duration_seconds`` | histogram (STAGE_BUCKETS_SECONDS) | stage |
+
+``stage`` (:data:`STAGES`, where a request's time goes in the router; epp's own stages, the
+prefix-match step's tokenize and Score included, are epp's ``kvmesh_epp_plugin_duration_seconds``):
+``admission`` (arrival to flow_control's DISPATCHED), ``pick`` (one epp Pick call, or the local
+pick), ``engine_headers`` (POST sent to the engine's response headers: pool acquire, connect when
+the pool has no idle connection, the engine's own time to its first byte), ``proxy`` (first to last
+answer byte, passed on to the client), ``release`` (Complete + closing the admission stream).
 
 ``outcome`` is one of :class:`RequestOutcome` (a closed set); ``model_name`` is the served model
 (closed: the models registered in etcd), "unknown" when empty.
@@ -51,6 +59,16 @@ REQUEST_E2E = Histogram(
 )
 REQUESTS = Counter("kvmesh_router_requests", "Requests by outcome.", ["outcome"])
 IN_FLIGHT = Gauge("kvmesh_router_requests_in_flight", "Requests admitted and not yet finished.")
+STAGES = ("admission", "pick", "engine_headers", "proxy", "release")
+STAGE_BUCKETS_SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05,
+                         0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+STAGE_DURATION = Histogram(
+    "kvmesh_router_stage_duration_seconds",
+    "Time a request spends in one stage of the router's hop (admission, pick, engine_headers, proxy, release).",
+    ["stage"],
+    buckets=STAGE_BUCKETS_SECONDS,
+)
+_STAGE_CHILDREN = {stage: STAGE_DURATION.labels(stage=stage) for stage in STAGES}
 RETRIES = Counter("kvmesh_router_upstream_retries", "Engine attempts that failed before the first byte and moved on.")
 
 
@@ -83,6 +101,11 @@ DEGRADED = Counter(
 
 def record_degraded(dependency: str, action: str) -> None:
     DEGRADED.labels(dependency=dependency, action=action).inc()
+
+
+def record_stage(stage: str, seconds: float) -> None:
+    """Observe ``seconds`` in ``stage`` (one of :data:`STAGES`; the label children are made once)."""
+    _STAGE_CHILDREN[stage].observe(seconds)
 
 
 def record_retry() -> None:

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import httpx
+import msgspec
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -57,8 +58,16 @@ from services.router.catalog import ModelCatalog
 from services.router.clients import AdmissionTicket, AdmitOptions, AdmitQuery, CompletionReport, PickQuery, PickReply
 from services.router.config import RouterConfig
 from services.router.degraded import DegradedLog, FlowControlUnreachable, LocalAdmission, LocalPicker, PickerUnreachable
+from services.router.engine_client import (
+    AiohttpEngineClient,
+    EngineClient,
+    EngineResponse,
+    EngineUnreachable,
+    HttpxEngineClient,
+)
+from services.router.headers import engine_authorization
 from services.router.metrics import RequestOutcome
-from services.router.validation import RouterRequest, check_context
+from services.router.validation import ModelUnavailable, RouterRequest, check_context, render_fields_json
 
 logger = logging.getLogger(__name__)
 _tracer = tracer("kvmesh.router")
@@ -125,6 +134,8 @@ class RequestMeta:
     server_span: bool = False
     admit_options: AdmitOptions | None = None
     """Body size, TTL, TTFT objective and tenant quotas for flow_control (:mod:`services.router.tenants`)."""
+    forward_headers: tuple[tuple[str, str], ...] = ()
+    """The client's headers that go on to the engine (:func:`services.router.headers.forwarded_headers`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +161,7 @@ class FlowSession:
     status_code: int
     content_type: str
     attempts: int
-    _response: httpx.Response
+    _response: EngineResponse
     _clock: Callable[[], float]
     _started: float
     _first_byte_at: float | None = None
@@ -163,6 +174,10 @@ class FlowSession:
     def ttft_seconds(self) -> float:
         """Seconds from the request's arrival to the engine's first answer byte (0 before it)."""
         return (self._first_byte_at - self._started) if self._first_byte_at is not None else 0.0
+
+    def engine_header(self, name: str) -> str | None:
+        """A header of the engine's answer (``retry-after``, ...), None when absent."""
+        return self._response.headers.get(name)
 
     @property
     def usage(self) -> Usage | None:
@@ -213,6 +228,8 @@ class FlowSession:
         if framer is not None and (rest := framer.flush()):
             yield EngineChunk(rest)
         self._finished = True
+        if self._first_byte_at is not None:
+            metrics.record_stage("proxy", self._clock() - self._first_byte_at)
         if framer is None:
             self._usage = parse_completion(bytes(self._body)).usage
 
@@ -293,7 +310,9 @@ class _Lifetime:
         )
         try:
             if self.ticket is not None:
+                closing = self.clock()
                 await self.ticket.close(report)
+                metrics.record_stage("release", self.clock() - closing)
         finally:
             if success:
                 metrics.record_e2e(self.request.model, e2e)
@@ -327,7 +346,7 @@ class RequestFlow:
         catalog: Callable[[], ModelCatalog],
         admission: SupportsAdmit,
         picker: SupportsPick,
-        http: httpx.AsyncClient,
+        http: EngineClient | httpx.AsyncClient,
         clock: Callable[[], float] = time.monotonic,
         endpoints: Callable[[str], Iterable[Endpoint]] = lambda model: (),
     ) -> None:
@@ -337,12 +356,14 @@ class RequestFlow:
         self._catalog = catalog
         self._admission = admission
         self._picker = picker
-        self._http = http
+        self._http: EngineClient = HttpxEngineClient(http) if isinstance(http, httpx.AsyncClient) else http
         self._clock = clock
         self._endpoints = endpoints
         self.local_admission = LocalAdmission(config.degraded_max_in_flight, config.flow_control_failure_mode == "open")
         self.local_picker = LocalPicker()
         self._degraded_log = DegradedLog(clock)
+        self._admitting_at_once = True
+        """Whether the last admission dispatched without queueing (or was rejected): early picks go on."""
 
     async def _admit(self, request: RouterRequest, meta: RequestMeta) -> Ticket:
         """flow_control's decision; when it is unreachable, the degraded mode's (a local slot or 503)."""
@@ -353,7 +374,7 @@ class RequestFlow:
                     flow_id=meta.flow_id,
                     priority=meta.priority,
                     prompt_tokens=request.prompt_tokens_estimate,
-                    max_tokens=request.max_tokens or 0,
+                    max_tokens=request.admission_max_tokens,
                     model=request.model,
                     options=meta.admit_options,
                 )
@@ -385,9 +406,12 @@ class RequestFlow:
             exclude_endpoint_ids=tuple(tried),
             lora_name=request.lora_name,
             cache_salt=request.cache_salt,
+            render_json=render_fields_json(request.kind, request.body),
         )
         try:
             return await self._picker.pick(query)
+        except errors.UnknownModel as exc:  # validated as served a moment ago: its endpoints just left
+            raise ModelUnavailable(f"model '{request.model}' has no live endpoint right now ({exc})") from exc
         except PickerUnreachable as exc:
             if self._config.epp_failure_mode != "open":
                 metrics.record_degraded("epp", "refused")
@@ -430,8 +454,17 @@ class RequestFlow:
         metrics.IN_FLIGHT.inc()
         try:
             with trace.use_span(life.span, end_on_exit=False):
-                life.ticket = await self._admit(request, meta)
-                response, endpoint, life.proxy_span, attempts = await self._connect(request, meta)
+                early_pick = self._start_early_pick(request, meta)
+                try:
+                    life.ticket = await self._admit(request, meta)
+                except BaseException as exc:
+                    if isinstance(exc, errors.KvmeshError):  # rejected: no early picks until one is dispatched at once
+                        self._admitting_at_once = False
+                    await _discard(early_pick)
+                    raise
+                metrics.record_stage("admission", self._clock() - life.started)
+                early_pick = await self._keep_early_pick(early_pick, life.ticket)
+                response, endpoint, life.proxy_span, attempts = await self._connect(request, meta, early_pick)
             life.span.set_attribute("kvmesh.endpoint", endpoint.id)
             self.local_picker.note_start(endpoint.id)
             life.on_end = lambda: self.local_picker.note_end(endpoint.id)
@@ -440,7 +473,7 @@ class RequestFlow:
                 meta=meta,
                 endpoint=endpoint,
                 status_code=response.status_code,
-                content_type=response.headers.get("content-type", "application/json"),
+                content_type=response.content_type,
                 attempts=attempts,
                 _response=response,
                 _clock=self._clock,
@@ -456,13 +489,41 @@ class RequestFlow:
         finally:
             await life.close()
 
-    async def _connect(self, request: RouterRequest, meta: RequestMeta) -> tuple[httpx.Response, Endpoint, trace.Span, int]:
+    def _start_early_pick(self, request: RouterRequest, meta: RequestMeta) -> asyncio.Task[PickReply] | None:
+        """The Pick, started beside admission while flow_control has been admitting at once
+        (``early_pick``; see :meth:`_keep_early_pick`); None when not speculating."""
+        if not self._config.early_pick or not self._admitting_at_once:
+            return None
+        return asyncio.ensure_future(self._timed_pick(request, meta, []))
+
+    async def _keep_early_pick(self, task: asyncio.Task[PickReply] | None, ticket: Ticket) -> asyncio.Task[PickReply] | None:
+        """Keep the early pick only when the request was not queued (late binding: a request that
+        waited in flow_control is picked again, against the pool as it is at dispatch)."""
+        queued = float(getattr(ticket, "queue_seconds", 0.0))
+        self._admitting_at_once = queued <= self._config.early_pick_max_queue_seconds
+        if task is not None and not self._admitting_at_once:
+            await _discard(task)
+            return None
+        return task
+
+    async def _timed_pick(self, request: RouterRequest, meta: RequestMeta, tried: list[str]) -> PickReply:
+        started = self._clock()
+        pick = await self._pick(request, meta, tried)
+        metrics.record_stage("pick", self._clock() - started)
+        return pick
+
+    async def _connect(
+        self, request: RouterRequest, meta: RequestMeta, early_pick: asyncio.Task[PickReply] | None = None
+    ) -> tuple[EngineResponse, Endpoint, trace.Span, int]:
         tried: list[str] = []
         last_error: Exception | None = None
         max_attempts = self._config.max_fallback_attempts
         while len(tried) < max_attempts:
             try:
-                pick = await self._pick(request, meta, tried)
+                if early_pick is not None:
+                    pick, early_pick = await early_pick, None
+                else:
+                    pick = await self._timed_pick(request, meta, tried)
             except errors.NoEndpointsAvailable:
                 if last_error is None:
                     raise
@@ -480,7 +541,7 @@ class RequestFlow:
                 try:
                     response, proxy_span = await self._send(request, meta, endpoint, len(tried))
                     return response, endpoint, proxy_span, len(tried)
-                except httpx.TransportError as exc:
+                except EngineUnreachable as exc:
                     last_error = exc
                     metrics.record_retry()
                     logger.warning(
@@ -493,7 +554,7 @@ class RequestFlow:
 
     async def _send(
         self, request: RouterRequest, meta: RequestMeta, endpoint: Endpoint, attempt: int
-    ) -> tuple[httpx.Response, trace.Span]:
+    ) -> tuple[EngineResponse, trace.Span]:
         span = _tracer.start_span(
             "router.proxy",
             kind=SpanKind.CLIENT,
@@ -506,19 +567,22 @@ class RequestFlow:
         )
         headers = {
             "content-type": "application/json",
-            "accept": "text/event-stream" if request.stream else "application/json",
+            "accept": _ACCEPT_SSE if request.stream else _ACCEPT_JSON,
             REQUEST_ID_HEADER: meta.request_id,
         }
         dp_rank = data_parallel_rank_of(endpoint.id)
         if dp_rank is not None:  # one rank of a data-parallel server (kvmesh.types.dp_endpoint_id)
             headers[DATA_PARALLEL_RANK_HEADER] = str(dp_rank)
+        headers.update(engine_authorization(self._config.engine_key_for(request.model)))
         with trace.use_span(span, end_on_exit=False):
             inject_http_headers(headers)
+        sent = self._clock()
         try:
-            outbound = self._http.build_request(
-                "POST", endpoint.url + request.kind.value, content=json.dumps(request.body).encode(), headers=headers
+            response = await self._http.post(
+                endpoint.url + request.kind.value, _encode_body(request.body),
+                [*((k, v) for k, v in meta.forward_headers if k not in headers), *headers.items()],
             )
-            response = await self._http.send(outbound, stream=True)
+            metrics.record_stage("engine_headers", self._clock() - sent)
         except BaseException as exc:
             span.record_exception(exc)
             span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
@@ -528,8 +592,44 @@ class RequestFlow:
         return response, span
 
 
-def build_http_client(config: RouterConfig) -> httpx.AsyncClient:
-    """The pooled engine client: connect timeout from config, everything else bounded by the request timeout."""
+async def _discard(task: asyncio.Task[PickReply] | None) -> None:
+    """Cancel an early pick that will not be used and wait for it (its error, if any, is dropped)."""
+    if task is None:
+        return
+    task.cancel()
+    await asyncio.wait([task])  # the caller's own cancellation still propagates
+    if not task.cancelled():
+        task.exception()  # retrieved: no "exception was never retrieved" warning
+
+
+_ACCEPT_SSE = "text/event-stream"
+_ACCEPT_JSON = "application/json"
+_JSON_ENCODER = msgspec.json.Encoder()
+
+
+def _encode_body(body: object) -> bytes:
+    """The request body as JSON bytes (msgspec; ``json`` for what msgspec cannot hold, e.g. integers
+    beyond 64 bits, which the engine then rejects itself)."""
+    try:
+        return _JSON_ENCODER.encode(body)
+    except (msgspec.EncodeError, OverflowError, TypeError):
+        return json.dumps(body).encode()
+
+
+def build_http_client(config: RouterConfig) -> EngineClient:
+    """The pooled engine client (``config.engine_http_client``: aiohttp or httpx; see
+    :mod:`services.router.engine_client`): pool of ``max_connections`` kept-alive connections,
+    connect timeout ``connect_timeout_seconds``, every read bounded by ``request_timeout_seconds``."""
+    if config.engine_http_client == "httpx":
+        timeout = httpx.Timeout(config.request_timeout_seconds, connect=config.connect_timeout_seconds)
+        limits = httpx.Limits(max_connections=config.max_connections,
+                              max_keepalive_connections=min(256, config.max_connections))
+        return HttpxEngineClient(httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False))
+    return AiohttpEngineClient(config.max_connections, config.connect_timeout_seconds, config.request_timeout_seconds)
+
+
+def build_passthrough_client(config: RouterConfig) -> httpx.AsyncClient:
+    """The httpx client of the routes without admission or pick (``/tokenize``, ``/detokenize``)."""
     timeout = httpx.Timeout(config.request_timeout_seconds, connect=config.connect_timeout_seconds)
-    limits = httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=min(256, config.max_connections))
-    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+    return httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=64, max_keepalive_connections=16),
+                             trust_env=False)

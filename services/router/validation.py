@@ -9,11 +9,13 @@ OpenAI body built from its protobuf. Checks, in order (the first failure wins):
 | every string is valid Unicode (no lone UTF-16 surrogate from a ``\\ud800`` escape) | InvalidRequest (400) |
 | ``model`` present, a non-empty string | InvalidRequest (400) |
 | no live endpoint at all | NoEndpointsAvailable (503) |
-| ``model`` served by a live endpoint | UnknownModel (404) |
-| completions: ``prompt`` is a string or a non-empty list of token ids; no ``messages`` | InvalidRequest (400) |
+| ``model`` served by a live endpoint | UnknownModel (404) for a name never served |
+| ``model`` served recently (its endpoints left less than ``model_memory_seconds`` ago) | ModelUnavailable (503 + ``retry-after``) |
+| completions: ``prompt`` is a string, a list of token ids, or a batch (a list of strings or of token-id lists, at most ``max_batch_prompts``); no ``messages`` | InvalidRequest (400) |
 | chat: ``messages`` a non-empty list of ``{role, content}``, ``role`` in :data:`CHAT_ROLES`; no ``prompt`` | InvalidRequest (400) |
-| ``max_tokens`` / ``max_completion_tokens``: an integer in [1, min(max_model_len, max_tokens_limit)] | InvalidRequest (400) |
-| ``temperature`` a number in [0, 2]; ``top_p`` in (0, 1]; ``n`` == 1 | InvalidRequest (400) |
+| embeddings: ``input`` a string, token ids, or a list of either; responses: ``input`` a string or a list of items | InvalidRequest (400) |
+| ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens``: an integer in [1, min(max_model_len, max_tokens_limit)] | InvalidRequest (400) |
+| ``temperature`` a number in [0, 2]; ``top_p`` in (0, 1]; ``n`` an integer in [1, ``max_n``] | InvalidRequest (400) |
 | ``stream`` a boolean | InvalidRequest (400) |
 | prompt (+ max_tokens) over the model's context | InvalidRequest (400) |
 
@@ -23,7 +25,10 @@ of its token count already exceeds the context, ``ceil(utf8_bytes / 16) + 1`` (B
 rejects a prompt the engine would accept with any byte-level BPE whose average token on the
 prompt is under 16 bytes. The exact check happens after Pick when epp reports the tokenized
 length (``PickResponse.prompt_tokens``), and otherwise at the engine, whose 400 passes through.
-Admission sizing uses the usual estimate of ``ceil(utf8_bytes / 4) + 1`` tokens. The over-context
+Admission sizing uses the usual estimate of ``ceil(utf8_bytes / 4) + 1`` tokens, summed over a
+batch's prompts; the output side is ``max_tokens x n x prompts`` (:attr:`RouterRequest.admission_max_tokens`).
+A batch or ``n`` > 1 is forwarded whole to one engine (vLLM answers it in one response: choices
+indexed ``prompt_index * n + i``, usage summed); epp picks by the first prompt. The over-context
 message says which it is: "at least N tokens (estimated)" for text, the exact count for token ids
 (and for epp's tokenized count).
 """
@@ -53,11 +58,17 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 """A JSON escape of a UTF-16 surrogate; only bodies containing one need the full Unicode walk."""
 
 
+class ModelUnavailable(NoEndpointsAvailable):
+    """The model was served recently but no endpoint of it is live now: 503 + ``retry-after`` (retryable)."""
+
+
 class RequestKind(enum.StrEnum):
     """Which OpenAI endpoint a request targets; the value is its path."""
 
     COMPLETION = "/v1/completions"
     CHAT = "/v1/chat/completions"
+    EMBEDDINGS = "/v1/embeddings"
+    RESPONSES = "/v1/responses"
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +88,8 @@ class RouterRequest:
         lora_name: the LoRA adapter the body's ``model`` names (then ``model`` is its base model,
             whose pool serves it; the body still names the adapter, as vLLM expects), else None.
         cache_salt: the body's ``cache_salt`` (vLLM/SGLang: isolates the request's prefix cache), else None.
+        n: choices per prompt (``n``).
+        prompt_count: prompts in the request (a completions batch; 1 otherwise).
     """
 
     kind: RequestKind
@@ -90,6 +103,13 @@ class RouterRequest:
     prompt_tokens_estimate: int = 0
     lora_name: str | None = None
     cache_salt: str | None = None
+    n: int = 1
+    prompt_count: int = 1
+
+    @property
+    def admission_max_tokens(self) -> int:
+        """Output tokens the request may produce in all: ``max_tokens x n x prompts`` (0 when unset)."""
+        return (self.max_tokens or 0) * self.n * self.prompt_count
 
 
 MAX_JSON_DEPTH = 64
@@ -193,43 +213,85 @@ def text_tokens_lower_bound(text: str) -> int:
 
 
 def _content_text(content: Any, index: int) -> str:
+    """The text of a message's content; text parts joined with a newline (vLLM's rule); other parts
+    (images, audio, files: the engine decides whether it serves them) contribute no text."""
     if isinstance(content, str):
         return _utf8_or_invalid(content, f"messages[{index}].content")
     if isinstance(content, list):
         parts: list[str] = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InvalidRequest(f"messages[{index}].content: only text parts are supported")
-            parts.append(part["text"])
-        return _utf8_or_invalid("".join(parts), f"messages[{index}].content")
+            if isinstance(part, str):  # vLLM also takes a bare string as a text part
+                parts.append(part)
+                continue
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise InvalidRequest(f"messages[{index}].content: each part must be an object with a 'type'")
+            if part["type"] in ("text", "input_text", "output_text", "refusal"):
+                text = part.get("text", part.get("refusal"))
+                if not isinstance(text, str):
+                    raise InvalidRequest(f"messages[{index}].content: a {part['type']} part needs a string 'text'")
+                parts.append(text)
+        return _utf8_or_invalid("\n".join(parts), f"messages[{index}].content")
     if content is None:
         return ""
     raise InvalidRequest(f"messages[{index}].content must be a string or a list of text parts")
 
 
-def _validate_prompt(kind: RequestKind, body: dict[str, Any]) -> tuple[str, tuple[int, ...], tuple[tuple[str, str], ...]]:
-    if kind is RequestKind.COMPLETION:
-        if "messages" in body:
-            raise InvalidRequest("'messages' belongs to /v1/chat/completions; send 'prompt' here")
-        if "prompt" not in body or body["prompt"] is None:
-            raise InvalidRequest("'prompt' is required")
-        prompt = body["prompt"]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequest("'prompt' must not be empty")
-            return _utf8_or_invalid(prompt, "prompt"), (), ()
-        if isinstance(prompt, list):
-            if not prompt:
-                raise InvalidRequest("'prompt' must not be empty")
-            if all(_is_int(t) for t in prompt):
-                if any(t < 0 or t >= 2**32 for t in prompt):
-                    raise InvalidRequest("'prompt' token ids must be in [0, 2^32)")
-                return "", tuple(prompt), ()
-            raise InvalidRequest("'prompt' must be a string or a list of token ids (batched prompts are not supported)")
-        raise InvalidRequest("'prompt' must be a string or a list of token ids")
-    if "prompt" in body:
-        raise InvalidRequest("'prompt' belongs to /v1/completions; send 'messages' here")
-    messages = body.get("messages")
+@dataclass(frozen=True, slots=True)
+class _Prompt:
+    """What a body asks the engine to read: the first prompt (for the pick), and sizes over all of them."""
+
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    messages: tuple[tuple[str, str], ...] = ()
+    count: int = 1
+    estimate: int = 0
+    """Admission-sizing estimate over every prompt (exact for token ids)."""
+    lower_bounds: tuple[tuple[int, bool], ...] = ()
+    """Per prompt: (token count lower bound, exact?) for the context check."""
+
+
+def _token_ids(value: list[Any], where: str) -> tuple[int, ...]:
+    if not value:
+        raise InvalidRequest(f"'{where}' must not be empty")
+    if not all(_is_int(t) for t in value):
+        raise InvalidRequest(f"'{where}' must be a string or a list of token ids")
+    if any(t < 0 or t >= 2**32 for t in value):
+        raise InvalidRequest(f"'{where}' token ids must be in [0, 2^32)")
+    return tuple(value)
+
+
+def _text_or_ids(value: Any, where: str, max_batch: int) -> _Prompt:
+    """A completions ``prompt`` / embeddings ``input``: text, token ids, or a batch of either (vLLM 0.32's
+    ``str | list[str] | list[int] | list[list[int]]``)."""
+    if isinstance(value, str):
+        if not value:
+            raise InvalidRequest(f"'{where}' must not be empty")
+        text = _utf8_or_invalid(value, where)
+        return _Prompt(text=text, estimate=estimate_text_tokens(text), lower_bounds=((text_tokens_lower_bound(text), False),))
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest(f"'{where}' must be a non-empty string or list (text, token ids, or a batch of either)")
+    if _is_int(value[0]):
+        ids = _token_ids(value, where)
+        return _Prompt(token_ids=ids, estimate=len(ids), lower_bounds=((len(ids), True),))
+    if len(value) > max_batch:
+        raise InvalidRequest(f"'{where}' holds {len(value)} prompts; at most {max_batch} per request")
+    items: list[_Prompt] = []
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            items.append(_text_or_ids(item, f"{where}[{i}]", max_batch))
+        elif isinstance(item, list):
+            ids = _token_ids(item, f"{where}[{i}]")
+            items.append(_Prompt(token_ids=ids, estimate=len(ids), lower_bounds=((len(ids), True),)))
+        else:
+            raise InvalidRequest(f"'{where}[{i}]' must be a string or a list of token ids")
+    if len({bool(p.text) for p in items}) > 1:
+        raise InvalidRequest(f"'{where}' must be a list of strings or a list of token-id lists, not a mix")
+    first = items[0]
+    return _Prompt(text=first.text, token_ids=first.token_ids, count=len(items), estimate=sum(p.estimate for p in items),
+                   lower_bounds=tuple(b for p in items for b in p.lower_bounds))
+
+
+def _chat_messages(messages: Any) -> tuple[tuple[str, str], ...]:
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list")
     out: list[tuple[str, str]] = []
@@ -242,42 +304,114 @@ def _validate_prompt(kind: RequestKind, body: dict[str, Any]) -> tuple[str, tupl
         if role not in CHAT_ROLES:
             raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(sorted(CHAT_ROLES))}, got {role!r}")
         out.append((role, _content_text(message.get("content"), i)))
-    return "", (), tuple(out)
+    return tuple(out)
 
 
-def validate_request(kind: RequestKind, body: dict[str, Any], catalog: ModelCatalog, max_tokens_limit: int) -> RouterRequest:
-    """Check ``body`` against the OpenAI schema subset kvmesh forwards and the served models.
+def _messages_prompt(messages: tuple[tuple[str, str], ...]) -> _Prompt:
+    text = "".join(content for _, content in messages)
+    estimate = estimate_text_tokens(text) + CHAT_TOKENS_PER_MESSAGE * len(messages)
+    return _Prompt(messages=messages, estimate=estimate, lower_bounds=((text_tokens_lower_bound(text), False),))
+
+
+def _responses_input(body: dict[str, Any]) -> _Prompt:
+    """``/v1/responses``: ``input`` a string or a list of items (messages with role/content, or other
+    item types the engine interprets); ``instructions`` a string (a system message)."""
+    value = body.get("input")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise InvalidRequest("'instructions' must be a string")
+    head: list[tuple[str, str]] = [("system", _utf8_or_invalid(instructions, "instructions"))] if instructions else []
+    if isinstance(value, str):
+        if not value and not head:
+            raise InvalidRequest("'input' must not be empty")
+        return _messages_prompt((*head, ("user", _utf8_or_invalid(value, "input"))))
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest("'input' must be a non-empty string or list of input items")
+    out = list(head)
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise InvalidRequest(f"input[{i}] must be an object")
+        role = item.get("role")
+        if isinstance(role, str) and item.get("type", "message") == "message":
+            if role not in CHAT_ROLES:
+                raise InvalidRequest(f"input[{i}].role must be one of {', '.join(sorted(CHAT_ROLES))}, got {role!r}")
+            out.append((role, _content_text(item.get("content"), i)))
+    return _messages_prompt(tuple(out))
+
+
+def _validate_prompt(kind: RequestKind, body: dict[str, Any], max_batch: int) -> _Prompt:
+    if kind is RequestKind.COMPLETION:
+        if "messages" in body:
+            raise InvalidRequest("'messages' belongs to /v1/chat/completions; send 'prompt' here")
+        if "prompt" not in body or body["prompt"] is None:
+            raise InvalidRequest("'prompt' is required")
+        return _text_or_ids(body["prompt"], "prompt", max_batch)
+    if kind is RequestKind.EMBEDDINGS:
+        if "messages" in body:  # vLLM's chat-style embeddings request
+            return _messages_prompt(_chat_messages(body["messages"]))
+        if body.get("input") is None:
+            raise InvalidRequest("'input' is required")
+        return _text_or_ids(body["input"], "input", max_batch)
+    if kind is RequestKind.RESPONSES:
+        if body.get("input") is None:
+            raise InvalidRequest("'input' is required")
+        return _responses_input(body)
+    if "prompt" in body:
+        raise InvalidRequest("'prompt' belongs to /v1/completions; send 'messages' here")
+    return _messages_prompt(_chat_messages(body.get("messages")))
+
+
+def resolve_model(model: Any, catalog: ModelCatalog) -> tuple[str, str | None]:
+    """``(served model, LoRA adapter or None)`` for a body's ``model``.
 
     Raises:
-        InvalidRequest: malformed or out-of-range fields, or a prompt over the model's context.
-        UnknownModel: the model is not served by any live endpoint.
-        NoEndpointsAvailable: no endpoint is live at all.
+        InvalidRequest: missing or not a non-empty string.
+        NoEndpointsAvailable: no endpoint is live at all (nothing is known yet).
+        ModelUnavailable: the model (or adapter) was served recently and has no live endpoint now.
+        UnknownModel: a name never served.
     """
-    model = body.get("model")
     if model is None:
         raise InvalidRequest("'model' is required")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("'model' must be a non-empty string")
     _utf8_or_invalid(model, "model")
+    if catalog.get(model) is not None:
+        return model, None
+    base = catalog.base_model(model)
+    if base is not None and catalog.get(base) is not None:
+        return base, model
+    if catalog.recently_served(model):
+        raise ModelUnavailable(f"model '{model}' has no live endpoint right now (it was served recently); retry later")
     if not catalog.models:
         raise NoEndpointsAvailable("no model endpoints are live")
-    lora_name: str | None = None
+    raise UnknownModel(f"The model '{model}' does not exist (served: {', '.join(catalog.names())})")
+
+
+def validate_request(
+    kind: RequestKind, body: dict[str, Any], catalog: ModelCatalog, max_tokens_limit: int, max_n: int = 128,
+    max_batch_prompts: int = 1024,
+) -> RouterRequest:
+    """Check ``body`` against the OpenAI schema subset kvmesh reads and the served models.
+
+    Raises:
+        InvalidRequest: malformed or out-of-range fields, or a prompt over the model's context.
+        UnknownModel: the model was never served by a live endpoint.
+        ModelUnavailable: the model was served recently, not now (503, retryable).
+        NoEndpointsAvailable: no endpoint is live at all.
+    """
+    model, lora_name = resolve_model(body.get("model"), catalog)
     info = catalog.get(model)
-    if info is None and catalog.base_model(model) is not None:
-        lora_name, model = model, catalog.base_model(model) or model
-        info = catalog.get(model)
-    if info is None:
-        raise UnknownModel(f"The model '{model}' does not exist (served: {', '.join(catalog.names())})")
+    assert info is not None
     cache_salt = body.get("cache_salt")
     if cache_salt is not None:
         if not isinstance(cache_salt, str) or not cache_salt:
             raise InvalidRequest("'cache_salt' must be a non-empty string if provided")
         _utf8_or_invalid(cache_salt, "cache_salt")
 
-    prompt_text, token_ids, messages = _validate_prompt(kind, body)
+    prompt = _validate_prompt(kind, body, max_batch_prompts)
 
     max_tokens: int | None = None
-    for name in ("max_tokens", "max_completion_tokens"):
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(name)
         if value is None:
             continue
@@ -297,37 +431,33 @@ def validate_request(kind: RequestKind, body: dict[str, Any], catalog: ModelCata
     if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
         raise InvalidRequest("'top_p' must be a number in (0, 1]")
     n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise InvalidRequest("'n' must be 1 (kvmesh forwards one choice per request)")
+    if n is None:
+        n = 1
+    if not _is_int(n) or not 1 <= n <= max_n:
+        raise InvalidRequest(f"'n' must be an integer in [1, {max_n}]")
     stream = body.get("stream", False)
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
         raise InvalidRequest("'stream' must be a boolean")
 
-    if token_ids:
-        estimate = lower = len(token_ids)
-    elif messages:
-        text = "".join(content for _, content in messages)
-        estimate = estimate_text_tokens(text) + CHAT_TOKENS_PER_MESSAGE * len(messages)
-        lower = text_tokens_lower_bound(text)
-    else:
-        estimate = estimate_text_tokens(prompt_text)
-        lower = text_tokens_lower_bound(prompt_text)
-    check_context(model, info.max_model_len, lower, max_tokens, exact=bool(token_ids))
+    for lower, exact in prompt.lower_bounds:
+        check_context(model, info.max_model_len, lower, max_tokens, exact=exact)
 
     return RouterRequest(
         kind=kind,
         model=model,
         body=body,
         stream=stream,
-        prompt_text=prompt_text,
-        prompt_token_ids=token_ids,
-        messages=messages,
+        prompt_text=prompt.text,
+        prompt_token_ids=prompt.token_ids,
+        messages=prompt.messages,
         max_tokens=max_tokens,
-        prompt_tokens_estimate=estimate,
+        prompt_tokens_estimate=prompt.estimate,
         lora_name=lora_name,
         cache_salt=cache_salt,
+        n=n,
+        prompt_count=prompt.count,
     )
 
 
@@ -350,3 +480,34 @@ def check_context(
             f"This model's maximum context length is {max_model_len} tokens; the request has "
             f"{count} and asks for {max_tokens or 0} completion tokens (model '{model}')"
         )
+
+
+_COMPLETION_RENDER_FIELDS = ("add_special_tokens", "truncate_prompt_tokens")
+_CHAT_RENDER_FIELDS = (
+    "tools", "documents", "chat_template", "chat_template_kwargs", "add_generation_prompt",
+    "continue_final_message", "add_special_tokens", "truncate_prompt_tokens",
+)
+
+
+def render_fields_json(kind: RequestKind, body: dict[str, Any]) -> bytes:
+    """``PickRequest.render_json``: the body's fields that change the engine's token sequence (vLLM 0.32).
+
+    Completions: ``add_special_tokens``, ``truncate_prompt_tokens``. Chat: those plus ``tools``,
+    ``documents``, ``chat_template``, ``chat_template_kwargs``, ``add_generation_prompt``,
+    ``continue_final_message``, and ``messages`` verbatim unless every message is exactly a string
+    ``role`` and a string ``content`` (those travel as ``PickRequest.messages``). Only keys present;
+    b"" when none (other kinds: always b"").
+    """
+    if kind is RequestKind.CHAT:
+        out = {k: body[k] for k in _CHAT_RENDER_FIELDS if k in body}
+        messages = body.get("messages")
+        if not (isinstance(messages, list) and all(
+            isinstance(m, dict) and len(m) == 2 and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        )):
+            out["messages"] = messages
+    elif kind is RequestKind.COMPLETION:
+        out = {k: body[k] for k in _COMPLETION_RENDER_FIELDS if k in body}
+    else:
+        return b""
+    return json.dumps(out, ensure_ascii=False, separators=(",", ":")).encode() if out else b""

@@ -46,6 +46,7 @@ def router() -> bytes:
     metrics.record_ttft("", 0.3)
     metrics.record_e2e("tiny", 1.5)
     metrics.record_retry()
+    metrics.record_stage("pick", 0.0004)
     metrics.IN_FLIGHT.inc()
     return generate_latest(REGISTRY)
 

@@ -21,7 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvmesh_cli.report import SUMMARY_KEYS
+from kvmesh_cli.peers import peer_missing_reason
+from kvmesh_cli.report import EXTRA_KEYS, SUMMARY_KEYS
 from tests.support import wait_until
 
 pytestmark = pytest.mark.integration
@@ -106,7 +107,7 @@ PIPED_ENV = {k: v for k, v in ENV.items() if k not in ("COLUMNS", "LINES")}
 def test_compare_tiny_writes_json_and_leaves_no_process(tmp_path: Path) -> None:
     out = tmp_path / "compare.json"
     proc = subprocess.Popen(
-        kvmesh("compare", "--engines", "2", "--requests", "20", "--num-gpu-blocks", "256",
+        kvmesh("compare", "--workload", "multi-turn", "--engines", "2", "--requests", "20", "--num-gpu-blocks", "256",
                "--time-scale", "2", "--json-out", str(out), "--run-dir", str(tmp_path / "run")),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV,
     )
@@ -126,13 +127,44 @@ def test_compare_tiny_writes_json_and_leaves_no_process(tmp_path: Path) -> None:
     assert doc["workload"] == "multi-turn" and doc["engines"] == 2 and doc["requests"] == 20
     assert list(doc["policies"]) == ["round-robin", "precise-prefix"]
     for name, entry in doc["policies"].items():
-        assert set(entry) == set(SUMMARY_KEYS), name
+        assert set(SUMMARY_KEYS) <= set(entry), name
         assert entry["requests"] == 20 and entry["errors"] == 0, (name, text[-3000:])
         assert 0 < entry["ttft_p50_s"] <= entry["ttft_p90_s"] <= entry["ttft_p99_s"]
         assert entry["e2e_p50_s"] >= entry["ttft_p50_s"]
         assert entry["output_tokens_per_s"] > 0
         assert 0.0 < entry["prefix_hit_rate"] <= 1.0  # shared system prompts hit under any policy
     assert "prefix-cache hit rate" in text
+
+
+def test_compare_sweep_agentic_with_peer_tiny(tmp_path: Path) -> None:
+    """A load sweep of closed-loop agentic sessions: two rate scales, kvmesh's round-robin and (when
+    ``make peers-env`` installed it) vllm-router in front of the same simulated engines; JSON, table, PNG."""
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    peer = [] if peer_missing_reason("vllm-router-round-robin") else ["--peers", "vllm-router-round-robin"]
+    proc = subprocess.run(
+        kvmesh("compare", "--workload", "agentic-synthetic", "--policies", "round-robin", *peer, "--engines", "2",
+               "--requests", "12", "--sessions", "3", "--max-input-tokens", "4096", "--max-output-tokens", "16",
+               "--time-scale", "4", "--sweep", "1,8", "--slo-ttft", "2", "--json-out", str(out),
+               "--plot", str(png), "--run-dir", str(tmp_path / "run")),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, timeout=400, check=False,
+    )
+    text = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, text[-4000:]
+    doc = json.loads(out.read_text())
+    assert doc["workload"] == "agentic-synthetic" and doc["requests"] == 12 and doc["slo_ttft_s"] == 2.0
+    names = ["round-robin"] + (["vllm-router-round-robin"] if peer else [])
+    assert list(doc["policies"]) == [f"{n} x{s}" for s in (1, 8) for n in names]
+    for name, entry in doc["policies"].items():
+        assert set(entry) == set(SUMMARY_KEYS) | set(EXTRA_KEYS), name
+        assert entry["requests"] == 12 and entry["errors"] == 0, (name, text[-3000:])
+        assert len(entry["engine_requests"]) == 2 and sum(entry["engine_requests"]) == 12
+        assert 0 < entry["oracle_hit_rate"] < 1 and entry["load_imbalance"] >= 1.0
+        assert entry["prefix_hit_rate"] <= entry["oracle_hit_rate"] + 1e-9
+    for name in names:
+        curve = doc["sweep"][name]
+        assert [p["rate_scale"] for p in curve["points"]] == [1.0, 8.0]
+        assert curve["goodput_rps"] is None or curve["goodput_rps"] > 0
+    assert "load sweep" in text and "goodput" in text and png.stat().st_size > 1000
 
 
 @pytest.fixture

@@ -34,7 +34,7 @@ from __future__ import annotations
 import abc
 import enum
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -71,6 +71,10 @@ class SchedulingRequest:
         exclude_endpoint_ids: endpoints not to pick (e.g. one that just failed).
         scope: the LoRA adapter and ``cache_salt`` the request runs under (default: neither);
             prefix matches count only blocks cached in the same scope.
+        render: the request's token-changing fields as the client sent them (``PickRequest.render_json``:
+            ``add_special_tokens``, ``truncate_prompt_tokens``; chat also ``messages`` verbatim, ``tools``,
+            ``documents``, ``chat_template``, ``chat_template_kwargs``, ``add_generation_prompt``,
+            ``continue_final_message``); empty: vLLM's defaults. Read only.
     """
 
     model: str
@@ -80,6 +84,7 @@ class SchedulingRequest:
     messages: tuple[ChatMessage, ...] = ()
     exclude_endpoint_ids: frozenset[str] = frozenset()
     scope: KeyScope = DEFAULT_SCOPE
+    render: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,10 +129,11 @@ class Candidate:
 
     endpoint: Endpoint
     metrics: EndpointMetrics = field(default_factory=EndpointMetrics)
+    id: EndpointId = field(init=False, compare=False, repr=False)
+    """``endpoint.id``, stored (a plain attribute: scorers read it once per candidate per pick)."""
 
-    @property
-    def id(self) -> EndpointId:
-        return self.endpoint.id
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "id", self.endpoint.id)
 
 
 class ScorerCategory(enum.StrEnum):

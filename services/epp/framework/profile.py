@@ -167,19 +167,26 @@ class SchedulerProfile:
                 )
         if not current:
             raise NoEndpointsAvailable(f"no endpoint for model {request.model!r}")
-        per_scorer: dict[str, dict[EndpointId, float]] = {}
+        per_scorer: list[tuple[str, dict[EndpointId, float]]] = []
+        ids = [c.id for c in current]
+        expected = set(ids)
+        totals = dict.fromkeys(ids, 0.0)
         for weighted in self.scorers:
             scorer = weighted.scorer
             started = time.perf_counter()
             scores = scorer.score(state, request, current)
             observer(ExtensionPoint.SCORER, scorer.type_name, time.perf_counter() - started)
-            self._check_scores(scorer, scores, current)
-            per_scorer[scorer.name] = scores
-        scored = []
-        for cand in current:
-            breakdown = {name: scores[cand.id] for name, scores in per_scorer.items()}
-            total = sum(w.weight * per_scorer[w.scorer.name][cand.id] for w in self.scorers)
-            scored.append(ScoredCandidate(cand, breakdown, total))
+            self._check_scores(scorer, scores, current, expected)
+            per_scorer.append((scorer.name, scores))
+            weight = weighted.weight
+            for endpoint_id in ids:  # same order of additions as sum() over scorers: identical totals
+                totals[endpoint_id] += weight * scores[endpoint_id]
+        names = [name for name, _ in per_scorer]
+        columns = [[scores[endpoint_id] for endpoint_id in ids] for _, scores in per_scorer]
+        scored = [
+            ScoredCandidate(cand, dict(zip(names, row, strict=True)), totals[cand.id])
+            for cand, row in zip(current, zip(*columns, strict=True) if columns else ((),) * len(ids), strict=True)
+        ]
         started = time.perf_counter()
         result = self.picker.pick(state, scored)
         observer(ExtensionPoint.PICKER, self.picker.type_name, time.perf_counter() - started)
@@ -188,8 +195,19 @@ class SchedulerProfile:
         return ProfileResult(self.name, result.ranked)
 
     @staticmethod
-    def _check_scores(plugin: Scorer, scores: dict[EndpointId, float], candidates: Sequence[Candidate]) -> None:
-        expected = {c.id for c in candidates}
+    def _check_scores(
+        plugin: Scorer, scores: dict[EndpointId, float], candidates: Sequence[Candidate],
+        expected: set[EndpointId] | None = None,
+    ) -> None:
+        if expected is None:
+            expected = {c.id for c in candidates}
+        if len(scores) == len(expected) and scores.keys() == expected:  # the common case, in C
+            values = scores.values()
+            try:  # min/max miss a NaN; their sum does not (NaN != NaN)
+                if min(values) >= 0.0 and max(values) <= 1.0 and (total := sum(values)) == total:
+                    return
+            except TypeError:
+                pass  # not comparable: the checks below name it
         problems: list[str] = []
         missing = expected - scores.keys()
         extra = scores.keys() - expected

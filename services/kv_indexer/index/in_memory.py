@@ -2,11 +2,13 @@
 
 Layout (``E`` = endpoint id, ``M`` = medium):
 
-* ``tables[(model, block_size)]``: ``block key -> {E: {M: refcount}}``. One key space per model
-  and block size, since a key chains the tokens of fixed-size blocks. The refcount counts engine
+* ``tables[(model, block_size)]``: ``block key -> {E: refcounts}``, ``refcounts`` one int packing a
+  32-bit count per medium (:data:`services.kv_indexer.scoring.Holders`). One key space per model
+  and block size, since a key chains the tokens of fixed-size blocks. A count is the number of engine
   hashes of ``E`` mapping to that key on ``M`` (normally 1; >1 only when an engine stores the same
   tokens under two hashes, e.g. two LoRA adapters).
-* per registered endpoint: ``blocks: engine hash -> [key, media]`` (what ``BlockRemoved`` needs),
+* per registered endpoint: ``blocks: engine hash -> key | media bitmask << 64`` (one int: what
+  ``BlockRemoved`` needs; bit ``i`` of the mask is ``Medium`` number ``i``),
   and ``recent``: a bounded LRU of removed ``engine hash -> key`` pairs, so a chain stored after
   its parent was evicted can still be placed.
 * per registered endpoint, ``orphans: engine hash -> (parent hash, tokens, media)``: blocks whose
@@ -28,7 +30,14 @@ from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.hashing import DEFAULT_SCOPE, KeyScope, block_keys, external_hash_to_int, sha256_cbor_block_hashes
+from kvmesh.hashing import (
+    DEFAULT_SCOPE,
+    KeyScope,
+    PrefixKeyCache,
+    block_keys,
+    external_hash_to_int,
+    sha256_cbor_block_hashes,
+)
 from kvmesh.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, stored_block_keys, stored_key_scope
 from kvmesh.types import Endpoint, EndpointId, Medium
 from services.kv_indexer.index.base import (
@@ -43,24 +52,40 @@ from services.kv_indexer.index.base import (
     KeyedBlockStored,
     ScoreResult,
 )
-from services.kv_indexer.scoring import longest_prefix_matches, media_counts
+from services.kv_indexer.scoring import (
+    LANE_MASK,
+    MEDIA,
+    MEDIUM_LANE,
+    MEDIUM_SHIFT,
+    longest_prefix_matches,
+    media_counts,
+    media_of,
+)
 
 logger = logging.getLogger(__name__)
 
-Table = dict[BlockKey, dict[EndpointId, dict[Medium, int]]]
+Table = dict[BlockKey, dict[EndpointId, int]]
+
+_KEY_MASK = 0xFFFFFFFFFFFFFFFF
+_MEDIUM_TAG: dict[Medium, int] = {m: 1 << (64 + i) for i, m in enumerate(MEDIA)}
+"""``blocks`` value bit of each medium (above the 64-bit key)."""
+_MASK_MEDIA: tuple[frozenset[Medium], ...] = tuple(
+    frozenset(m for i, m in enumerate(MEDIA) if mask >> i & 1) for mask in range(1 << len(MEDIA))
+)
+_MEDIUM_OF: dict[str | None, Medium] = {}
+"""Event medium strings already parsed (``Medium.parse`` per event is measurable at 1M blocks/s)."""
+
+
+def _parse_medium(value: str | None) -> Medium:
+    medium = _MEDIUM_OF.get(value)
+    if medium is None:
+        medium = Medium.parse(value)  # ValueError for an unknown medium: not cached
+        if len(_MEDIUM_OF) < 64:
+            _MEDIUM_OF[value] = medium
+    return medium
 
 COMPUTABLE_HASH_ALGOS = frozenset({"sha256_cbor"})
 """Engine hash algorithms the index can compute itself (unseeded, so any process agrees)."""
-
-
-class _Held:
-    """One engine block held by an endpoint: its kvmesh key and the media holding it."""
-
-    __slots__ = ("key", "media")
-
-    def __init__(self, key: BlockKey, medium: Medium) -> None:
-        self.key = key
-        self.media = {medium}
 
 
 class _Orphan:
@@ -81,7 +106,8 @@ class _EndpointState:
     endpoint: Endpoint
     block_size: int
     table: Table
-    blocks: dict[EngineBlockHash, _Held] = field(default_factory=dict)
+    blocks: dict[EngineBlockHash, int] = field(default_factory=dict)
+    """Engine hash -> ``key | media bitmask << 64``."""
     recent: OrderedDict[EngineBlockHash, BlockKey] = field(default_factory=OrderedDict)
     medium_blocks: Counter[Medium] = field(default_factory=Counter)
     """Blocks held per medium: with one medium in use, Score needs no per-medium walk."""
@@ -97,9 +123,15 @@ class InMemoryIndex:
     Args:
         recent_removed_blocks: per endpoint, how many removed ``engine hash -> key`` pairs to keep
             for placing later chains whose parent was evicted (0 disables).
+        orphan_blocks: per endpoint, blocks held by engine hash while their parent's key is unknown.
+        prompt_key_cache_bytes: bound of the :class:`~kvmesh.hashing.PrefixKeyCache` of scored
+            prompts' keys (a prompt extending a recent one hashes only its new blocks; 0 disables).
     """
 
-    def __init__(self, recent_removed_blocks: int = 4096, orphan_blocks: int = 65536) -> None:
+    def __init__(
+        self, recent_removed_blocks: int = 4096, orphan_blocks: int = 65536, prompt_key_cache_bytes: int = 64 << 20
+    ) -> None:
+        self._prompt_keys = PrefixKeyCache(prompt_key_cache_bytes)
         self._recent_limit = recent_removed_blocks
         self._orphan_limit = orphan_blocks
         self._tables: dict[tuple[str, int], Table] = {}
@@ -161,12 +193,17 @@ class InMemoryIndex:
 
     def _apply_stored(self, state: _EndpointState, event: BlockStored) -> ApplyOutcome:
         try:
-            medium = Medium.parse(event.medium)
+            medium = _parse_medium(event.medium)
         except ValueError:
             return ApplyOutcome.INVALID
-        if not self._adopt_block_size(state, event.block_size):
+        if event.block_size != state.block_size and not self._adopt_block_size(state, event.block_size):
             return ApplyOutcome.INVALID
-        hashes = [external_hash_to_int(h) for h in event.block_hashes]
+        try:
+            hashes = [h & _KEY_MASK for h in event.block_hashes]  # type: ignore[operator]  # uint64 / int64
+        except TypeError:  # 32-byte digests
+            hashes = [external_hash_to_int(h) for h in event.block_hashes]
+        if not event.token_ids and hashes:  # vLLM 0.32 OffloadingConnector's form: hashes only, a new medium
+            return self._apply_medium_only(state, hashes, medium)
         if len(event.token_ids) != len(hashes) * state.block_size:
             return ApplyOutcome.INVALID
         parent_key: int | None = None  # None: the chain starts a prompt (its key scope's root)
@@ -184,10 +221,26 @@ class InMemoryIndex:
                 return ApplyOutcome.ORPHANED
             parent_key = known
         try:
-            keys = stored_block_keys(event, state.block_size, parent_key)  # LoRA / cache_salt scoped
+            if (  # the common case: no LoRA, salt or content extras, so no scope to build
+                event.lora_name is None and event.lora_id is None and not event.extra_keys
+                and not isinstance(event.cache_salt, str)
+            ):
+                keys = block_keys(event.token_ids, state.block_size, parent_key or 0)
+            else:
+                keys = stored_block_keys(event, state.block_size, parent_key)  # LoRA / cache_salt scoped
         except (OverflowError, ValueError, TypeError):  # token ids outside uint32, unencodable extra keys
             return ApplyOutcome.INVALID
         self._store(state, hashes, keys, medium)
+        return ApplyOutcome.APPLIED
+
+    def _apply_medium_only(self, state: _EndpointState, hashes: list[int], medium: Medium) -> ApplyOutcome:
+        """``BlockStored`` without token ids (vLLM's OffloadingConnector ``take_events``: parent None,
+        ``token_ids=[]``, medium ``CPU``): blocks the endpoint already stored (their keys known from its
+        own events, recent removals or its key space) gain ``medium``; unknown hashes are skipped."""
+        known = [(h, k) for h in hashes if (k := self._key_of(state, h)) is not None]
+        if not known:
+            return ApplyOutcome.INVALID
+        self._store(state, [h for h, _ in known], [k for _, k in known], medium)
         return ApplyOutcome.APPLIED
 
     def _apply_keyed(self, state: _EndpointState, event: KeyedBlockStored) -> ApplyOutcome:
@@ -198,20 +251,55 @@ class InMemoryIndex:
 
     def _apply_removed(self, state: _EndpointState, event: BlockRemoved) -> ApplyOutcome:
         try:
-            medium = Medium.parse(event.medium)
+            medium = _parse_medium(event.medium)
         except ValueError:
             return ApplyOutcome.INVALID
-        for raw in event.block_hashes:
-            block_hash = external_hash_to_int(raw)
-            held = state.blocks.get(block_hash)
-            if held is not None and medium in held.media:
-                self._drop(state, block_hash, held, medium)
+        tag = _MEDIUM_TAG[medium]
+        lane = MEDIUM_LANE[medium]
+        blocks = state.blocks
+        table = state.table
+        endpoint_id = state.endpoint.id
+        recent = state.recent if self._recent_limit else None
+        removed = 0
+        for raw in event.block_hashes:  # _drop, inlined: one removal is the hottest path of ingest
+            block_hash = raw & _KEY_MASK if isinstance(raw, int) else external_hash_to_int(raw)
+            held = blocks.get(block_hash)
+            if held is not None and held & tag:
+                removed += 1
+                held ^= tag
+                key = held & _KEY_MASK
+                if held >> 64:
+                    blocks[block_hash] = held
+                else:
+                    del blocks[block_hash]
+                    if recent is not None:
+                        recent[block_hash] = key
+                        recent.move_to_end(block_hash)
+                holders = table.get(key)
+                if holders is not None:
+                    packed = holders.get(endpoint_id, 0)
+                    if packed & (LANE_MASK * lane):
+                        packed -= lane
+                        if packed:
+                            holders[endpoint_id] = packed
+                        else:
+                            del holders[endpoint_id]
+                            if not holders:
+                                del table[key]
                 continue
             orphan = state.orphans.get(block_hash)
             if orphan is not None:
                 orphan.media.discard(medium)
                 if not orphan.media:
                     self._forget_orphan(state, block_hash)
+        if removed:
+            counts = state.medium_blocks
+            counts[medium] -= removed
+            if counts[medium] <= 0:
+                del counts[medium]
+        if recent is not None:
+            while len(recent) > self._recent_limit:
+                recent.popitem(last=False)
         return ApplyOutcome.APPLIED
 
     # -- chains without their parents -------------------------------------------------------
@@ -221,7 +309,7 @@ class InMemoryIndex:
         endpoint of the same key space (engines hashing alike agree on hashes)."""
         held = state.blocks.get(block_hash)
         if held is not None:
-            return held.key
+            return held & _KEY_MASK
         recent = state.recent.get(block_hash)
         if recent is not None:
             return recent
@@ -229,7 +317,7 @@ class InMemoryIndex:
             if other is not state and other.table is state.table:
                 held = other.blocks.get(block_hash)
                 if held is not None:
-                    return held.key
+                    return held & _KEY_MASK
         return None
 
     def _orphan(
@@ -245,7 +333,7 @@ class InMemoryIndex:
         waiting = self._waiting.setdefault((state.endpoint.model, size), {})
         for i, block_hash in enumerate(hashes):
             if block_hash in state.blocks:  # already keyed: only the medium may be new
-                key = state.blocks[block_hash].key
+                key = state.blocks[block_hash] & _KEY_MASK
                 self._store(state, [block_hash], [key], medium)
                 parent = block_hash
                 continue
@@ -366,66 +454,72 @@ class InMemoryIndex:
         endpoint_id = state.endpoint.id
         table = state.table
         blocks = state.blocks
+        tag = _MEDIUM_TAG[medium]
+        lane = MEDIUM_LANE[medium]
+        added = 0
         for block_hash, key in zip(hashes, keys, strict=True):
             held = blocks.get(block_hash)
-            if held is not None:
-                if held.key == key:
-                    if medium in held.media:
-                        continue  # a repeat: idempotent
-                    held.media.add(medium)
-                else:  # the engine reused a hash for other content: replace
-                    for old_medium in list(held.media):
-                        self._drop(state, block_hash, held, old_medium)
-                    blocks[block_hash] = _Held(key, medium)
-            else:
-                blocks[block_hash] = _Held(key, medium)
-            state.medium_blocks[medium] += 1
+            if held is None:
+                blocks[block_hash] = key | tag
+            elif held & _KEY_MASK == key:
+                if held & tag:
+                    continue  # a repeat: idempotent
+                blocks[block_hash] = held | tag
+            else:  # the engine reused a hash for other content: replace
+                for old_medium in _MASK_MEDIA[held >> 64]:
+                    held = self._drop(state, block_hash, held, old_medium)
+                blocks[block_hash] = key | tag
+            added += 1
             holders = table.get(key)
             if holders is None:
-                table[key] = {endpoint_id: {medium: 1}}
-                continue
-            media = holders.get(endpoint_id)
-            if media is None:
-                holders[endpoint_id] = {medium: 1}
+                table[key] = {endpoint_id: lane}
             else:
-                media[medium] = media.get(medium, 0) + 1
+                holders[endpoint_id] = holders.get(endpoint_id, 0) + lane
+        if added:
+            state.medium_blocks[medium] += added
 
-    def _drop(self, state: _EndpointState, block_hash: EngineBlockHash, held: _Held, medium: Medium) -> None:
-        held.media.discard(medium)
-        state.medium_blocks[medium] -= 1
-        if state.medium_blocks[medium] <= 0:
-            del state.medium_blocks[medium]
-        if not held.media:
+    def _drop(self, state: _EndpointState, block_hash: EngineBlockHash, held: int, medium: Medium) -> int:
+        """``held`` (the block's ``blocks`` value) leaves ``medium``; returns its new value (0: gone)."""
+        held &= ~_MEDIUM_TAG[medium]
+        counts = state.medium_blocks
+        counts[medium] -= 1
+        if counts[medium] <= 0:
+            del counts[medium]
+        key = held & _KEY_MASK
+        if held >> 64:
+            state.blocks[block_hash] = held
+        else:
+            held = 0
             del state.blocks[block_hash]
             if self._recent_limit:
-                state.recent[block_hash] = held.key
-                state.recent.move_to_end(block_hash)
-                if len(state.recent) > self._recent_limit:
-                    state.recent.popitem(last=False)
-        self._unlink(state.table, held.key, state.endpoint.id, medium)
+                recent = state.recent
+                recent[block_hash] = key
+                recent.move_to_end(block_hash)
+                if len(recent) > self._recent_limit:
+                    recent.popitem(last=False)
+        self._unlink(state.table, key, state.endpoint.id, medium)
+        return held
 
     @staticmethod
     def _unlink(table: Table, key: BlockKey, endpoint_id: EndpointId, medium: Medium) -> None:
         holders = table.get(key)
         if holders is None:
             return
-        media = holders.get(endpoint_id)
-        if media is None:
+        packed = holders.get(endpoint_id)
+        if packed is None or not (packed >> MEDIUM_SHIFT[medium]) & LANE_MASK:
             return
-        count = media.get(medium, 0) - 1
-        if count > 0:
-            media[medium] = count
+        packed -= MEDIUM_LANE[medium]
+        if packed:
+            holders[endpoint_id] = packed
             return
-        media.pop(medium, None)
-        if not media:
-            del holders[endpoint_id]
-            if not holders:
-                del table[key]
+        del holders[endpoint_id]
+        if not holders:
+            del table[key]
 
     def _clear(self, state: _EndpointState) -> None:
         for held in state.blocks.values():
-            for medium in held.media:
-                self._unlink(state.table, held.key, state.endpoint.id, medium)
+            for medium in _MASK_MEDIA[held >> 64]:
+                self._unlink(state.table, held & _KEY_MASK, state.endpoint.id, medium)
         state.blocks.clear()
         state.recent.clear()
         state.medium_blocks.clear()
@@ -453,7 +547,7 @@ class InMemoryIndex:
         scores: list[EndpointScore] = []
         primary_blocks = 0
         for size in sizes:
-            keys = block_keys(token_ids, size, scope.root_key())
+            keys = self._prompt_keys.block_keys(token_ids, size, scope.root_key())
             if scope.is_default and self._waiting.get((model, size)):
                 self._resolve_from_prompt(model, size, token_ids, keys)
             if size == sizes[0]:
@@ -475,9 +569,9 @@ class InMemoryIndex:
             return []
         table = self._tables.get((model, sizes[0]), {})
         locations = []
-        for key in block_keys(token_ids, sizes[0], scope.root_key()):
+        for key in self._prompt_keys.block_keys(token_ids, sizes[0], scope.root_key()):
             holders = table.get(key, {})
-            locations.append(BlockLocation(key, {eid: frozenset(media) for eid, media in holders.items()}))
+            locations.append(BlockLocation(key, {eid: media_of(packed) for eid, packed in holders.items()}))
         return locations
 
     def block_count(self) -> int:
@@ -501,7 +595,7 @@ class InMemoryIndex:
         state = self._endpoints.get(endpoint_id)
         if state is None:
             return {}
-        held = {h: frozenset(b.media) for h, b in state.blocks.items()}
+        held = {h: _MASK_MEDIA[b >> 64] for h, b in state.blocks.items()}
         held.update((h, frozenset(o.media)) for h, o in state.orphans.items())
         return held
 
@@ -513,10 +607,10 @@ class InMemoryIndex:
         for endpoint_id, state in sorted(self._endpoints.items()):
             by_medium: dict[Medium, tuple[list[int], list[int]]] = {}
             for block_hash, held in state.blocks.items():
-                for medium in held.media:
+                for medium in _MASK_MEDIA[held >> 64]:
                     hashes, keys = by_medium.setdefault(medium, ([], []))
                     hashes.append(block_hash)
-                    keys.append(held.key)
+                    keys.append(held & _KEY_MASK)
             for medium, (hashes, keys) in sorted(by_medium.items()):
                 events.append(
                     (endpoint_id, KeyedBlockStored(tuple(hashes), tuple(keys), state.block_size, medium))

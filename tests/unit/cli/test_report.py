@@ -7,6 +7,7 @@ import json
 import pytest
 
 from kvmesh_cli.report import (
+    EXTRA_KEYS,
     SUMMARY_KEYS,
     RequestResult,
     compare_document,
@@ -77,7 +78,7 @@ def test_summarize_scales_to_model_time() -> None:
         RequestResult(2, False, e2e_s=0.01, error="HTTP 503", status=503),
     ]
     s = summarize(results, wall_duration_s=4.0, time_scale=2.0, prefix_hit_rate=0.25)
-    assert set(s) == set(SUMMARY_KEYS)
+    assert set(s) == set(SUMMARY_KEYS) | set(EXTRA_KEYS)
     assert s["requests"] == 3 and s["errors"] == 1
     assert s["ttft_p50_s"] == pytest.approx(0.4)  # (0.2 + 0.6) / 2
     assert s["ttft_p99_s"] == pytest.approx(0.2 + 0.4 * 0.99)
@@ -100,7 +101,7 @@ def test_compare_document_shape_is_json() -> None:
     assert back["engines"] == 4 and back["requests"] == 1 and back["workload"] == "multi-turn"
     assert list(back["policies"]) == ["round-robin", "precise-prefix"]
     for entry in back["policies"].values():
-        assert set(entry) == set(SUMMARY_KEYS)
+        assert set(SUMMARY_KEYS) <= set(entry) <= set(SUMMARY_KEYS) | set(EXTRA_KEYS)
 
 
 def test_table_and_cells() -> None:
@@ -108,4 +109,4 @@ def test_table_and_cells() -> None:
     assert fmt(0.12345, "s") == "0.123"
     assert fmt(0.5, "pct") == "50.0 %"
     table = summary_table({"a": {"requests": 1}, "b": {"requests": 2}}, "t")
-    assert len(table.columns) == 3 and table.row_count == len(SUMMARY_KEYS)
+    assert len(table.columns) == 3 and table.row_count == len(SUMMARY_KEYS)  # rows nobody measured are left out

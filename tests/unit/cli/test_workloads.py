@@ -150,7 +150,7 @@ def test_multi_turn_system_prompts_are_shared_across_conversations() -> None:
 
 
 def test_builtin_unknown_and_invalid() -> None:
-    with pytest.raises(ValueError, match="known: multi-turn"):
+    with pytest.raises(ValueError, match="known: agentic, agentic-synthetic, multi-turn"):
         builtin_workload("nope", 10)
     with pytest.raises(ValueError):
         multi_turn_workload(0)

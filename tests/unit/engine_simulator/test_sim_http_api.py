@@ -29,6 +29,8 @@ ROUTES = {
     ("/v1/completions/render", "POST"),
     ("/v1/chat/completions/render", "POST"),
     ("/tokenize", "POST"),
+    ("/detokenize", "POST"),
+    ("/v1/responses", "POST"),
     ("/v1/models", "GET"),
     ("/health", "GET"),
     ("/metrics", "GET"),
@@ -96,7 +98,7 @@ async def test_completion_and_stream_shapes(client: httpx.AsyncClient) -> None:
     [
         ("/v1/completions", {"model": "other", "prompt": "x"}, 404, "The model `other` does not exist."),
         ("/v1/completions", {"model": MODEL}, 400, "'prompt' is required"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "only n=1 is supported"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n must be an integer >= 1"),
         ("/tokenize", {"model": MODEL}, 400, "either 'prompt' or 'messages' is required"),
         ("/v1/chat/completions/render", {"model": "other", "messages": []}, 404, "does not exist"),
     ],

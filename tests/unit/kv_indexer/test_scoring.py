@@ -7,15 +7,16 @@ from collections.abc import Mapping
 import pytest
 
 from kvmesh.types import EndpointId, Medium
-from services.kv_indexer.scoring import longest_prefix_matches, media_counts
+from services.kv_indexer.scoring import MEDIUM_LANE, longest_prefix_matches, media_counts, media_of
 
 G, C = Medium.GPU, Medium.CPU
 a, b, c = EndpointId("a"), EndpointId("b"), EndpointId("c")
-TABLE: Mapping[int, Mapping[EndpointId, Mapping[Medium, int]]] = {
-    1: {a: {G: 1}, b: {G: 1}, c: {C: 1}},
-    2: {a: {G: 1, C: 1}, b: {G: 1}},
-    3: {a: {G: 1}},
-    5: {b: {G: 1}},  # after a hole: never reached for b
+g, cpu = MEDIUM_LANE[G], MEDIUM_LANE[C]  # holders pack one 32-bit refcount per medium into an int
+TABLE: Mapping[int, Mapping[EndpointId, int]] = {
+    1: {a: g, b: g, c: cpu},
+    2: {a: g + cpu, b: 2 * g},
+    3: {a: g},
+    5: {b: g},  # after a hole: never reached for b
 }
 
 
@@ -40,3 +41,9 @@ def test_longest_prefix_matches(keys: list[int], candidates: set[EndpointId] | N
 def test_media_counts() -> None:
     assert media_counts([1, 2, 3], TABLE, a) == {G: 3, C: 1}
     assert media_counts([1], TABLE, c) == {C: 1}
+    assert media_counts([1, 2], TABLE, b) == {G: 2}  # a refcount of 2 is still one block
+
+
+def test_packed_refcounts_name_their_media() -> None:
+    assert media_of(g + cpu) == {G, C} and media_of(3 * cpu) == {C} and media_of(0) == frozenset()
+    assert media_of(MEDIUM_LANE[Medium.SHARED]) == {Medium.SHARED}

@@ -75,3 +75,71 @@ def test_key_scope_roots_separate_lora_and_salt_and_keep_the_default_unchanged()
     assert len({k for chain in chains for k in chain}) == 4 * 4  # no key shared across scopes
     assert block_keys(tokens, 16, 0, [None, b"img"])[0] == block_keys(tokens, 16)[0]
     assert block_keys(tokens, 16, 0, [None, b"img"])[1] != block_keys(tokens, 16)[1]
+
+
+def test_block_keys_are_xxh3_chained_over_uint32_le_token_bytes() -> None:
+    """The key formula (issue 10): XXH3-64 of the block's uint32-LE tokens, seeded with the parent key.
+
+    Pinned so a change of formula is deliberate: snapshots hold keys (snapshot.VERSION) and every
+    index must agree with every scorer."""
+    import xxhash
+
+    tokens = list(range(40))
+    raw = b"".join(t.to_bytes(4, "little") for t in tokens)
+    k0 = xxhash.xxh3_64_intdigest(raw[:64], 0)
+    k1 = xxhash.xxh3_64_intdigest(raw[64:128], k0)
+    assert block_keys(tokens, 16) == [k0, k1]
+    assert block_keys(tokens, 16, 0, [None, b"img"])[1] == xxhash.xxh3_64_intdigest(raw[64:128] + b"\xffextra" + b"img", k0)
+
+
+def test_block_keys_accept_every_token_buffer_alike() -> None:
+    from array import array
+
+    import numpy as np
+
+    tokens = [7, 2**32 - 1, 0, 123456] * 40
+    expected = block_keys(tokens, 16)
+    assert len(expected) == 10
+    assert block_keys(array("I", tokens), 16) == expected
+    assert block_keys(np.array(tokens, dtype=np.int64), 16) == expected
+    assert block_keys(np.array(tokens, dtype=np.uint32).tobytes(), 16) == expected
+    assert block_keys(memoryview(np.array(tokens, dtype="<u4").tobytes()), 16) == expected
+    for bad in ([-1] * 16, [2**32] * 16, np.array([2**32] * 16)):
+        with pytest.raises(OverflowError):
+            block_keys(bad, 16)
+    with pytest.raises(ValueError, match="uint32"):
+        block_keys(b"\x00" * 7, 1)
+
+
+@given(
+    st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=120), min_size=1, max_size=8),
+    st.sampled_from([0, 12345]),
+)
+def test_prefix_key_cache_always_equals_block_keys(prompts: list[list[int]], parent: int) -> None:
+    """Prompts over a tiny alphabet share prefixes of every length: reuse must never change a key."""
+    from kvmesh.hashing import PrefixKeyCache
+
+    cache = PrefixKeyCache(max_bytes=4096, per_bucket=2)
+    for prompt in prompts + prompts[::-1]:
+        assert cache.block_keys(prompt, 4, parent) == block_keys(prompt, 4, parent)
+        assert cache.size_bytes <= 4096
+
+
+def test_prefix_key_cache_hashes_only_the_new_blocks_of_a_growing_prompt() -> None:
+    from kvmesh.hashing import PrefixKeyCache
+
+    cache = PrefixKeyCache()
+    history = list(range(64 * 100))
+    cache.block_keys(history, 64)
+    assert cache.hashed_blocks == 99  # block 0 is hashed to find the bucket
+    grown = history + list(range(10**6, 10**6 + 64 * 3))
+    assert cache.block_keys(grown, 64) == block_keys(grown, 64)
+    assert (cache.reused_blocks, cache.hashed_blocks) == (100, 102)
+    assert len(cache) == 1  # the grown prompt replaced the one it extends
+    edited = history[: 64 * 50] + [0] + history[64 * 50 + 1 :]  # one token changed in block 50
+    assert cache.block_keys(edited, 64) == block_keys(edited, 64)
+    assert cache.reused_blocks == 150 and len(cache) == 2
+    assert cache.block_keys(history[: 64 * 10], 64) == block_keys(history[: 64 * 10], 64)  # a prefix: no new entry
+    assert len(cache) == 2
+    off = PrefixKeyCache(max_bytes=0)
+    assert off.block_keys(grown, 64) == block_keys(grown, 64) and len(off) == 0

@@ -64,8 +64,13 @@ class LiveEndpointFilter(Filter):
     def filter(
         self, state: CycleState, request: SchedulingRequest, candidates: Sequence[Candidate]
     ) -> list[Candidate]:
-        return [
+        model, excluded = request.model, request.exclude_endpoint_ids
+        max_age = self.params.max_metrics_age_seconds
+        max_failures = self.params.max_consecutive_scrape_failures
+        return [  # is_live, inlined (100 candidates per pick)
             c
             for c in candidates
-            if c.endpoint.model == request.model and c.id not in request.exclude_endpoint_ids and self.is_live(c)
+            if c.endpoint.model == model and c.id not in excluded
+            and (age := c.metrics.age_seconds) is not None and age <= max_age
+            and c.metrics.consecutive_failures < max_failures
         ]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
+from operator import attrgetter
 from typing import Any
 
 from services.epp.framework.cycle_state import CycleState
@@ -36,11 +37,24 @@ def factory(name: str, params: Mapping[str, Any], handle: PluginHandle) -> MaxSc
 
 
 def rank_by_total(scored: Sequence[ScoredCandidate], rng: random.Random) -> list[ScoredCandidate]:
-    """Best total first; equal totals in random order."""
-    ranked = list(scored)
-    rng.shuffle(ranked)
-    ranked.sort(key=lambda s: s.total, reverse=True)
+    """Best total first; equal totals in random order (each run of equal totals shuffled: uniform
+    among ties, and O(ties) random draws instead of shuffling every candidate)."""
+    ranked = sorted(scored, key=_total, reverse=True)
+    i, n = 0, len(ranked)
+    while i < n:
+        total = ranked[i].total
+        j = i + 1
+        while j < n and ranked[j].total == total:
+            j += 1
+        if j - i > 1:
+            ties = ranked[i:j]
+            rng.shuffle(ties)
+            ranked[i:j] = ties
+        i = j
     return ranked
+
+
+_total = attrgetter("total")
 
 
 class MaxScorePicker(Picker):

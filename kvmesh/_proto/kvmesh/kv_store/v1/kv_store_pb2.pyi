@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PutRequest(_message.Message):
-    __slots__ = ("key", "total_bytes", "data")
+    __slots__ = ("key", "total_bytes", "data", "block_stored_event")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_STORED_EVENT_FIELD_NUMBER: _ClassVar[int]
     key: str
     total_bytes: int
     data: bytes
-    def __init__(self, key: _Optional[str] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    block_stored_event: bytes
+    def __init__(self, key: _Optional[str] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., block_stored_event: _Optional[bytes] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("medium", "evicted")

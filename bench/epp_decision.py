@@ -1,0 +1,255 @@
+"""epp's decision at 100 endpoints: ``python bench/epp_decision.py [--endpoints 100] [--tokens 32768] [--plot PNG]``.
+
+What one Pick costs epp, measured four ways on the same state (``--endpoints`` registered endpoints
+with fresh scraped load, ``--prompts`` 32k-token documents of which every endpoint caches a prefix of
+one, block size 64; the named config ``--config``, default ``precise-prefix``: prefix-match step,
+prefix / queue / kv-utilization scorers, max-score picker):
+
+* ``decision``: the synchronous part of a pick, given the request's prefix match (what kv_indexer or
+  a local replica answered for the request's keys): live-endpoint filter, the profile's filters,
+  weighted scorers and picker, and ``note_pick`` (``Scheduler`` from its fresh load snapshot on).
+* ``pick (match given)``: the whole ``Scheduler.pick`` in process (validation, candidates, live filter,
+  prepare step, decision, metrics), the prefix index answering the precomputed match at once.
+* ``pick (local index)``: the same, the prefix index a kv_indexer ``InMemoryIndex`` in the same
+  process (keys computed from the token ids, prefix walk): an event-fed local replica's cost.
+* ``gRPC Pick (match given)``: a real ``grpc.aio`` server (epp's servicer) on 127.0.0.1 and a
+  client in the same process sending ``PickRequest.prompt_token_ids``; client-side latency.
+
+Prints p50 / p90 / p99 in milliseconds per row against the targets (decision p50 <= 0.2 ms,
+p99 <= 1 ms, in process and over gRPC). Not a timed test: numbers move with machine load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import grpc
+
+from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
+from kvmesh.kv_events import BlockStored
+from kvmesh.types import Endpoint, EndpointId
+from kvmesh_cli.launcher import free_port
+from services.epp.datastore import Datastore, ScrapeSample
+from services.epp.framework.cycle_state import CycleState
+from services.epp.framework.interfaces import PluginHandle, PrefixMatch, SchedulingRequest
+from services.epp.framework.loader import build_profile, resolve_scheduling_config
+from services.epp.plugins import default_registry
+from services.epp.plugins.filters.live_endpoint import LiveEndpointFilter, LiveEndpointFilterParams
+from services.epp.plugins.prepare.prefix_match import PREFIX_MATCH, TOKEN_IDS
+from services.epp.scheduler import Scheduler
+from services.epp.servicer import EndpointPickerServicer
+from services.kv_indexer.index import InMemoryIndex
+
+MODEL = "m"
+BLOCK = 64
+
+
+class FrozenClock:
+    """The datastore's clock, held still so scraped metrics stay fresh for the whole run."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def now(self) -> float:
+        return self.t
+
+
+class GivenMatch:
+    """A prefix index answering the match the bench set for the next request (no suspension)."""
+
+    def __init__(self) -> None:
+        self.next: PrefixMatch | None = None
+
+    async def score(self, model: str, token_ids: Sequence[int], endpoint_ids: Sequence[str]) -> PrefixMatch:
+        assert self.next is not None
+        return self.next
+
+
+class LocalIndex:
+    """kv_indexer's in-memory index in epp's process (what an event-fed local replica would cost)."""
+
+    def __init__(self, index: InMemoryIndex) -> None:
+        self.index = index
+
+    async def score(self, model: str, token_ids: Sequence[int], endpoint_ids: Sequence[str]) -> PrefixMatch:
+        result = self.index.score(model, token_ids, [EndpointId(e) for e in endpoint_ids])
+        return PrefixMatch(result.total_blocks, {s.endpoint_id: s.matched_blocks for s in result.scores})
+
+
+def build_state(endpoints: int, prompts: int, tokens: int, seed: int) -> tuple[Datastore, InMemoryIndex, list[list[int]]]:
+    rnd = random.Random(seed)
+    docs = [[rnd.randrange(150000) for _ in range(tokens)] for _ in range(prompts)]
+    datastore = Datastore(clock=FrozenClock())  # type: ignore[arg-type]
+    index = InMemoryIndex()
+    eps = {
+        EndpointId(f"10.0.{i // 250}.{i % 250}:8000"): Endpoint(
+            id=EndpointId(f"10.0.{i // 250}.{i % 250}:8000"), url=f"http://10.0.{i // 250}.{i % 250}:8000",
+            model=MODEL, block_size_tokens=BLOCK,
+        )
+        for i in range(endpoints)
+    }
+    datastore.apply_membership(eps, {})
+    blocks = tokens // BLOCK
+    for n, (eid, ep) in enumerate(eps.items()):
+        index.register_endpoint(ep)
+        doc = docs[n % prompts]
+        held = rnd.randint(1, blocks)
+        index.apply(eid, BlockStored(block_hashes=list(range(n << 32, (n << 32) + held)), parent_block_hash=None,
+                                     token_ids=doc[: held * BLOCK], block_size=BLOCK))
+    scrape(datastore, rnd)
+    return datastore, index, docs
+
+
+def scrape(datastore: Datastore, rnd: random.Random) -> None:
+    for ep in datastore.endpoints():
+        datastore.record_scrape(ep.id, ScrapeSample(
+            num_requests_waiting=rnd.randint(0, 8), num_requests_running=rnd.randint(0, 32),
+            kv_cache_usage_perc=rnd.random(), block_size_tokens=BLOCK,
+        ))
+
+
+def make_scheduler(datastore: Datastore, prefix_index: object, config: str) -> Scheduler:
+    source, data = resolve_scheduling_config(config)
+    profile = build_profile(data, default_registry(), PluginHandle(rng=random.Random(0), prefix_index=prefix_index),  # type: ignore[arg-type]
+                            source=source)
+    live = LiveEndpointFilter("live-endpoints", LiveEndpointFilterParams())
+    return Scheduler(datastore, profile, live)
+
+
+def percentiles(samples: list[float]) -> tuple[float, float, float]:
+    ordered = sorted(samples)
+    at = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3  # noqa: E731
+    return statistics.median(ordered) * 1e3, at(0.9), at(0.99)
+
+
+async def run(args: argparse.Namespace) -> list[tuple[str, float, float, float]]:
+    datastore, index, docs = build_state(args.endpoints, args.prompts, args.tokens, 0)
+    rnd = random.Random(1)
+    requests = []
+    for r in range(args.picks):
+        doc = docs[r % len(docs)]
+        tokens = tuple(doc[: args.tokens - rnd.randrange(BLOCK)])  # 32k-ish, a partial last block
+        result = index.score(MODEL, tokens)
+        match = PrefixMatch(result.total_blocks, {s.endpoint_id: s.matched_blocks for s in result.scores})
+        requests.append((SchedulingRequest(model=MODEL, request_id=f"r{r}", token_ids=tokens), match))
+    given = GivenMatch()
+    rows: list[tuple[str, float, float, float]] = []
+
+    # decision only: the scheduler's synchronous part, from the fresh snapshot on
+    scheduler = make_scheduler(datastore, given, args.config)
+    times = []
+    for r, (request, match) in enumerate(requests):
+        if r % 50 == 0:
+            scrape(datastore, rnd)  # load moves between scrapes (outside the timing)
+        state = CycleState()
+        state.set(TOKEN_IDS, list(request.token_ids))
+        state.set(PREFIX_MATCH, match)
+        start = time.perf_counter()
+        candidates = scheduler._live_candidates(state, request, datastore.candidates(MODEL))
+        ranked = scheduler.profile.run(state, request, candidates).ranked
+        datastore.note_pick(ranked[0].id, 0)
+        times.append(time.perf_counter() - start)
+    rows.append(("decision (match given)", *percentiles(times)))
+
+    for label, prefix_index in (("pick (match given)", given), ("pick (local index)", LocalIndex(index))):
+        scheduler = make_scheduler(datastore, prefix_index, args.config)
+        times = []
+        for r, (request, match) in enumerate(requests):
+            if r % 50 == 0:
+                scrape(datastore, rnd)
+            given.next = match
+            start = time.perf_counter()
+            await scheduler.pick(request)
+            times.append(time.perf_counter() - start)
+        rows.append((label, *percentiles(times)))
+
+    # over gRPC: epp's servicer on a real server, a client in this process
+    scheduler = make_scheduler(datastore, given, args.config)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    epp_pb2_grpc.add_EndpointPickerServicer_to_server(EndpointPickerServicer(scheduler), server)
+    port = free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = epp_pb2_grpc.EndpointPickerStub(channel)
+            protos = [epp_pb2.PickRequest(request_id=req.request_id, model=MODEL, prompt_token_ids=req.token_ids)
+                      for req, _ in requests]
+            for warm in range(20):
+                given.next = requests[warm][1]
+                await stub.Pick(protos[warm], timeout=10)
+            times = []
+            for r, (proto, (_, match)) in enumerate(zip(protos, requests, strict=True)):
+                if r % 50 == 0:
+                    scrape(datastore, rnd)
+                given.next = match
+                start = time.perf_counter()
+                await stub.Pick(proto, timeout=10)
+                times.append(time.perf_counter() - start)
+            rows.append(("gRPC Pick (match given)", *percentiles(times)))
+            small = [epp_pb2.PickRequest(request_id=p.request_id, model=MODEL) for p in protos]
+            none = PrefixMatch(0, {})
+            times = []
+            for proto in small:
+                given.next = none
+                start = time.perf_counter()
+                await stub.Pick(proto, timeout=10)
+                times.append(time.perf_counter() - start)
+            rows.append(("gRPC Pick (no prompt: transport floor)", *percentiles(times)))
+    finally:
+        await server.stop(None)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--endpoints", type=int, default=100)
+    parser.add_argument("--tokens", type=int, default=32768)
+    parser.add_argument("--prompts", type=int, default=20, help="distinct documents endpoints cache prefixes of")
+    parser.add_argument("--picks", type=int, default=2000)
+    parser.add_argument("--config", default="precise-prefix", help="named scheduling config or YAML path")
+    parser.add_argument("--plot", type=Path, default=None, help="write a PNG of the rows (matplotlib)")
+    args = parser.parse_args()
+    rows = asyncio.run(run(args))
+    print(f"epp decision: {args.endpoints} endpoints, {args.tokens}-token prompts (block {BLOCK}), "
+          f"config {args.config}, {args.picks} picks per row")
+    print(f"{'row':<40} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}  target p50<=0.2 / p99<=1")
+    for label, p50, p90, p99 in rows:
+        verdict = "met" if p50 <= 0.2 and p99 <= 1.0 else "MISSED"
+        print(f"{label:<40} {p50:>8.3f} {p90:>8.3f} {p99:>8.3f}  {verdict}")
+    if args.plot:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("matplotlib not installed (pip install -e .[bench]): no plot")
+            return
+        fig, ax = plt.subplots(figsize=(9, 4))
+        labels = [r[0] for r in rows]
+        x = range(len(rows))
+        ax.bar([i - 0.2 for i in x], [r[1] for r in rows], width=0.4, label="p50")
+        ax.bar([i + 0.2 for i in x], [r[3] for r in rows], width=0.4, label="p99")
+        ax.axhline(0.2, linestyle="--", color="grey")
+        ax.axhline(1.0, linestyle=":", color="grey")
+        ax.set_xticks(list(x), labels, rotation=20, ha="right")
+        ax.set_ylabel("ms")
+        ax.set_title(f"epp Pick at {args.endpoints} endpoints, {args.tokens}-token prompts")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot)
+        print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""A model's own tokenizer and chat template, in-process, with an incremental per-prefix cache. Pure after load.
+
+Files (a HF model directory, as vLLM loads it): ``tokenizer.json`` (HF ``tokenizers``),
+``tokenizer_config.json`` (special tokens: ``bos_token``, ``eos_token``, ``unk_token``, ``pad_token``;
+an inline ``chat_template``), and ``chat_template.jinja`` (preferred over the inline one, as in
+transformers). Rendering is ``kvmesh.chat_template`` (vLLM 0.32's rules); encoding is the tokenizer's
+``encode`` with ``add_special_tokens`` as the request says (chat default False, completions True).
+
+**Incremental chats.** Added tokens (``<s>``, ``</s>``, ``<|im_start|>``...) are matched in the text
+*before* normalisation and pre-tokenisation, and the pieces between them are encoded independently
+(HF ``tokenizers``' ``AddedVocabulary``). So where an added token without ``lstrip``/``rstrip``/
+``single_word`` starts at character ``c`` of a cached text ``S`` and a new text ``T`` agrees with ``S``
+up to ``c`` plus the longest added token, ``encode(T) = ids(S)[:k] + encode(T[c:])`` exactly (``k``:
+that token's index). A chat whose history grew by a turn therefore encodes only from the last
+template special token before the change: the new turn. Entries are found by a chain of per-message
+hashes of the request (model, template, tools... then each message), verified by comparing the texts
+themselves, so a hash collision can only cost a miss, never a wrong token. The cache is bounded by
+total tokens held (LRU).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from kvmesh.chat_template import ChatTemplate, render_request
+from kvmesh.errors import InvalidRequest
+
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+class TemplateUnavailable(InvalidRequest):
+    """The model has no chat template (vLLM answers such a chat with 400)."""
+
+
+@dataclass(slots=True)
+class _Entry:
+    text: str
+    ids: list[int]
+    cuts: list[tuple[int, int]]  # (char offset, token index) of safe added tokens, ascending
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix (C-speed slice compares, then a short scan)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo]; a[:hi] != b[:hi]
+    while hi - lo > 32:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    while lo < hi and a[lo] == b[lo]:
+        lo += 1
+    return lo
+
+
+class LocalTokenizer:
+    """One model's tokenizer + chat template.
+
+    Args:
+        path: the model (or tokenizer) directory.
+        cache_max_tokens: token ids kept in the incremental chat cache (LRU by entry).
+
+    Raises:
+        OSError: ``tokenizer.json`` missing or unreadable.
+        InvalidRequest: the chat template does not parse.
+    """
+
+    def __init__(self, path: str | Path, cache_max_tokens: int = 2_000_000) -> None:
+        directory = Path(path)
+        if directory.name == "tokenizer.json":
+            directory = directory.parent
+        self.path = directory
+        self.tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
+        config: dict[str, Any] = {}
+        config_file = directory / "tokenizer_config.json"
+        if config_file.is_file():
+            config = json.loads(config_file.read_text())
+        self.special_tokens = {k: t for k in SPECIAL_TOKEN_KEYS if (t := _token_text(config.get(k))) is not None}
+        source: str | None = None
+        if (directory / "chat_template.jinja").is_file():
+            source = (directory / "chat_template.jinja").read_text()
+        elif isinstance(config.get("chat_template"), str):
+            source = config["chat_template"]
+        elif isinstance(config.get("chat_template"), list):  # named templates: the "default" one
+            named = {t.get("name"): t.get("template") for t in config["chat_template"] if isinstance(t, dict)}
+            source = named.get("default")
+        self.template = ChatTemplate(source, self.special_tokens) if source else None
+        added = self.tokenizer.get_added_tokens_decoder()
+        self._cut_ids = frozenset(i for i, t in added.items() if not (t.lstrip or t.rstrip or t.single_word)
+                                  and not t.normalized)
+        self._margin = max((len(t.content) for t in added.values()), default=0) + 1
+        probe = self.tokenizer.encode("a", add_special_tokens=False).ids
+        full = self.tokenizer.encode("a", add_special_tokens=True).ids
+        at = next((i for i in range(len(full) - len(probe) + 1) if full[i:i + len(probe)] == probe), 0)
+        self._prefix_ids, self._suffix_ids = full[:at], full[at + len(probe):]
+        self._cache: OrderedDict[int, _Entry] = OrderedDict()
+        self._cached_tokens = 0
+        self._max_tokens = cache_max_tokens
+        self.stats = {"hit": 0, "incremental": 0, "full": 0, "encoded_chars": 0}
+
+    # -- encoding ---------------------------------------------------------------------------------
+
+    def special_count(self) -> int:
+        """Tokens ``add_special_tokens=True`` adds (e.g. 1 for a BOS-only template)."""
+        return len(self._prefix_ids) + len(self._suffix_ids)
+
+    def _raw(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        self.stats["encoded_chars"] += len(text)
+        enc = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = enc.ids
+        cut_ids = self._cut_ids
+        at = [i for i, t in enumerate(ids) if t in cut_ids]
+        if not at:
+            return ids, []
+        offsets = enc.offsets
+        return ids, [(offsets[i][0], i) for i in at]
+
+    def with_specials(self, ids: list[int], add_special_tokens: bool) -> list[int]:
+        """``ids`` with the post-processor's special tokens around them when asked (as ``encode`` adds them)."""
+        if not add_special_tokens or not (self._prefix_ids or self._suffix_ids):
+            return ids
+        return [*self._prefix_ids, *ids, *self._suffix_ids]
+
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``tokenizer.encode(text, add_special_tokens)`` ids (no cache)."""
+        return self.with_specials(self._raw(text)[0], add_special_tokens)
+
+    def chat_text(self, body: Mapping[str, Any]) -> str:
+        """The rendered prompt of a chat body (``messages`` and the rendering fields).
+
+        Raises:
+            TemplateUnavailable: the model has no template and the body gives none.
+            kvmesh.chat_template.MultimodalContent, InvalidRequest: see ``kvmesh.chat_template``.
+        """
+        template = self.template
+        override = body.get("chat_template")
+        if override is not None:
+            if not isinstance(override, str):
+                raise InvalidRequest("chat_template must be a string")
+            template = ChatTemplate(override, self.special_tokens)
+        if template is None:
+            raise TemplateUnavailable(f"no chat template for the tokenizer in {self.path}")
+        return render_request(template, body)
+
+    def chat_ids(self, body: Mapping[str, Any], chain: list[int] | None = None) -> list[int]:
+        """Token ids of a chat body (before ``truncate_prompt_tokens``), incrementally when possible.
+
+        Args:
+            body: ``messages`` plus the fields of ``services.epp.tokenization.fields.CHAT_FIELDS``.
+            chain: per-message cache keys (:func:`message_chain`); None disables the cache.
+        """
+        text = self.chat_text(body)
+        add = body.get("add_special_tokens") is True
+        if not chain:
+            return self.with_specials(self._raw(text)[0], add)
+        key = chain[-1]
+        entry = self._cache.get(key)
+        if entry is not None and entry.text == text:
+            self._cache.move_to_end(key)
+            self.stats["hit"] += 1
+            return self.with_specials(entry.ids, add)
+        base = None
+        for k in reversed(chain):
+            found = self._cache.get(k)
+            if found is not None and found.cuts:
+                base = found
+                break
+        new = self._extend(base, text) if base is not None else None
+        if new is None:
+            self.stats["full"] += 1
+            ids, cuts = self._raw(text)
+            new = _Entry(text, ids, cuts)
+        else:
+            self.stats["incremental"] += 1
+        self._store(key, new)
+        return self.with_specials(new.ids, add)
+
+    def has_cached_prefix(self, chain: list[int]) -> bool:
+        """Whether some prefix of ``chain`` has a cache entry (the next :meth:`chat_ids` is then cheap)."""
+        cache = self._cache
+        return any(k in cache for k in chain)
+
+    def _extend(self, base: _Entry, text: str) -> _Entry | None:
+        same = _common_prefix(base.text, text)
+        limit = same - self._margin
+        cuts = base.cuts
+        lo, hi = 0, len(cuts)  # the last cut with offset <= limit
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if cuts[mid][0] <= limit:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo == 0:
+            return None
+        offset, index = cuts[lo - 1]
+        ids, tail_cuts = self._raw(text[offset:])
+        return _Entry(
+            text,
+            base.ids[:index] + ids,
+            cuts[: lo - 1] + [(o + offset, i + index) for o, i in tail_cuts],
+        )
+
+    def _store(self, key: int, entry: _Entry) -> None:
+        old = self._cache.pop(key, None)
+        if old is not None:
+            self._cached_tokens -= len(old.ids)
+        if len(entry.ids) > self._max_tokens:
+            return
+        self._cache[key] = entry
+        self._cached_tokens += len(entry.ids)
+        while self._cached_tokens > self._max_tokens and self._cache:
+            _, dropped = self._cache.popitem(last=False)
+            self._cached_tokens -= len(dropped.ids)
+
+
+def message_chain(root: Any, messages: Any) -> list[int]:
+    """Cache keys of each message prefix: ``h_i = hash((h_{i-1}, message_i))``, ``h_{-1} = hash(root)``.
+
+    Plain messages hash their role and content strings; others their canonical JSON. In-process
+    only (Python's ``hash``); texts are compared before any cached ids are reused.
+    """
+    h = hash(root)
+    out = []
+    for m in messages:
+        if isinstance(m, Mapping) and len(m) == 2 and isinstance(m.get("content"), str):
+            h = hash((h, m.get("role"), m["content"]))
+        elif isinstance(m, (tuple, list)) and len(m) == 2:
+            h = hash((h, m[0], m[1]))
+        else:
+            h = hash((h, json.dumps(m, sort_keys=True, default=str)))
+        out.append(h)
+    return out

@@ -1,0 +1,88 @@
+"""Engine routes passed through without admission or a pick: vLLM's ``POST /tokenize`` and ``POST /detokenize``.
+
+These run no inference (the engine's API process tokenizes; vLLM 0.32 does not queue them), so
+they skip flow_control and epp: the router sends the body, unchanged, to the least-loaded live
+endpoint of the body's ``model`` (the router's own in-flight count over its etcd view, as the
+degraded pick does), with the pool's engine key and the forwarded client headers
+(:mod:`services.router.headers`); a refused connection moves to the next endpoint, at most
+``max_fallback_attempts``. The engine's status and body come back unchanged.
+
+Errors: no live endpoint of a model served recently is :class:`~services.router.validation.ModelUnavailable`
+(503); every endpoint failing at the transport is ``NoEndpointsAvailable`` (503).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from kvmesh import errors
+from kvmesh.types import Endpoint
+from services.router.config import RouterConfig
+from services.router.degraded import LocalPicker
+from services.router.headers import engine_authorization
+from services.router.request_flow import REQUEST_ID_HEADER
+from services.router.validation import ModelUnavailable
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PassedAnswer:
+    """An engine's answer to a passed-through route: status, body bytes, content type and who answered."""
+
+    status_code: int
+    content: bytes
+    content_type: str
+    endpoint_id: str
+
+
+class Passthrough:
+    """Sends a body to one live endpoint of a model (see the module docstring)."""
+
+    def __init__(
+        self, config: RouterConfig, http: httpx.AsyncClient, endpoints: Callable[[str], Iterable[Endpoint]],
+        picker: LocalPicker,
+    ) -> None:
+        self._config = config
+        self._http = http
+        self._endpoints = endpoints
+        self._picker = picker
+
+    async def forward(
+        self, path: str, model: str, body: dict[str, Any], request_id: str, forward_headers: tuple[tuple[str, str], ...] = (),
+    ) -> PassedAnswer:
+        """POST ``body`` to ``path`` on the least-loaded live endpoint of ``model``.
+
+        Raises:
+            ModelUnavailable: no endpoint of ``model`` is live.
+            NoEndpointsAvailable: every endpoint tried failed before answering.
+        """
+        tried: list[str] = []
+        last_error: Exception | None = None
+        own = {"content-type": "application/json", "accept": "application/json", REQUEST_ID_HEADER: request_id,
+               **engine_authorization(self._config.engine_key_for(model))}
+        headers = [*((k, v) for k, v in forward_headers if k not in own), *own.items()]
+        content = json.dumps(body).encode()
+        candidates = self._picker.order([ep for ep in self._endpoints(model) if ep.model == model], tried)
+        if not candidates:
+            raise ModelUnavailable(f"model '{model}' has no live endpoint right now; retry later")
+        for endpoint in candidates[: self._config.max_fallback_attempts]:
+            tried.append(endpoint.id)
+            self._picker.note_start(endpoint.id)
+            try:
+                reply = await self._http.post(endpoint.url + path, content=content, headers=headers)
+            except httpx.TransportError as exc:
+                last_error = exc
+                logger.warning("engine failed request_id=%s endpoint=%s path=%s error=%r", request_id, endpoint.id, path, exc)
+                continue
+            finally:
+                self._picker.note_end(endpoint.id)
+            return PassedAnswer(reply.status_code, reply.content, reply.headers.get("content-type", "application/json"),
+                                endpoint.id)
+        raise errors.NoEndpointsAvailable(f"no endpoint answered {path} for model '{model}' after {len(tried)} attempt(s): {last_error!r}")

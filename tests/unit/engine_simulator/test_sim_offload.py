@@ -1,0 +1,247 @@
+"""The engine simulator's offload connector (vLLM 0.32 OffloadingConnector semantics; engine_simulator/offload.py).
+
+Upstream: vLLM 0.32 ``vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py`` and
+``vllm/v1/kv_offload/`` (LRU CPU tier; ``take_events``: ``BlockStored`` with ``token_ids=[]``,
+``parent_block_hash=None``, ``medium="CPU"`` and ``BlockRemoved(medium="CPU")``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from engine_simulator.config import SimulatorConfig
+from engine_simulator.engine import AsyncEngine
+from engine_simulator.latency_model import LatencyModel
+from engine_simulator.offload import OffloadConfig, OffloadManager, OffloadMode, kv_store_key
+from engine_simulator.prefix_cache import PrefixCache
+from engine_simulator.publisher import NullEventPublisher
+from engine_simulator.scheduler import EngineCore, Request, SchedulerConfig
+from kvmesh.clock import ManualClock
+from kvmesh.hashing import external_hash_to_int, sha256_cbor_block_hashes
+from kvmesh.kv_events import BlockRemoved, BlockStored, KVEvent
+
+B = 16
+BYTES = 1_000_000
+
+
+def _hashes(tokens: list[int]) -> list[int]:
+    return [external_hash_to_int(d) for d in sha256_cbor_block_hashes(tokens, B)]
+
+
+def _offload(mode: OffloadMode = OffloadMode.CPU, cpu_blocks: int = 1024, **kw: float) -> OffloadManager:
+    cfg = OffloadConfig(mode=mode, cpu_capacity_blocks=cpu_blocks, bytes_per_block=BYTES, pcie_bandwidth=1e9,
+                        nvme_bandwidth=1e8, network_bandwidth=5e8, load_latency_seconds=0.0,
+                        network_latency_seconds=0.0, **kw)
+    return OffloadManager(cfg, B, "m")
+
+
+def _core(blocks: int, offload: OffloadManager | None) -> EngineCore:
+    return EngineCore(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512),
+                      PrefixCache(blocks, B, offload=offload))
+
+
+def _stored_event(tokens: list[int]) -> BlockStored:
+    hashes = _hashes(tokens)
+    return BlockStored(block_hashes=list(hashes), parent_block_hash=None, token_ids=tokens, block_size=B,
+                       medium="GPU", extra_keys=[None] * len(hashes))
+
+
+def _drive(core: EngineCore, *requests: Request, now: float = 0.0) -> float:
+    """Run to completion on model time (each step 1 s; loads wait their modeled time)."""
+    for r in requests:
+        core.add_request(r)
+    for _ in range(10_000):
+        if not core.has_work():
+            return now
+        step = core.schedule(now)
+        if step.empty:
+            ready = core.next_load_ready()
+            assert ready is not None
+            now = max(now, ready)
+            continue
+        now += 1.0
+        core.update(step)
+    raise AssertionError("did not finish")
+
+
+def test_store_emits_vllm_offload_events_and_lru_evicts() -> None:
+    """Token-less CPU BlockStored for new blocks; LRU eviction is one BlockRemoved(CPU) per block."""
+    off = _offload(cpu_blocks=3)
+    a = list(range(2 * B))
+    off.store(_stored_event(a))
+    events = off.take_events()
+    assert events == [BlockStored(block_hashes=_hashes(a), parent_block_hash=None, token_ids=[], block_size=B,
+                                  medium="CPU")]
+    off.store(_stored_event(a))  # already there: refreshed, no event
+    assert off.take_events() == []
+    b = list(range(100, 100 + 2 * B))
+    off.store(_stored_event(b))
+    ev = off.take_events()
+    assert ev[0] == BlockRemoved(block_hashes=[_hashes(a)[0]], medium="CPU")  # least recently used first
+    assert isinstance(ev[1], BlockStored) and ev[1].block_hashes == _hashes(b) and ev[1].medium == "CPU"
+    assert off.cpu_hashes() == [_hashes(a)[1], *_hashes(b)]
+    assert off.stats.evicted_blocks == 1 and off.stats.stored_blocks == 4
+
+
+def test_lookup_and_transfer_model() -> None:
+    """The longest offloaded run; CPU over PCIe, kv_store over the network (and NVMe for DISK/SHARED)."""
+    off = _offload(OffloadMode.CPU_KV_STORE, cpu_blocks=2)
+    tokens = list(range(4 * B))
+    h = _hashes(tokens)
+    off.store(_stored_event(tokens))  # CPU keeps the last two
+    for x in h[:2]:
+        off.remote_stored(x, "DISK")
+    off.remote_stored(h[2], "CPU")
+    assert off.lookup(h) == 4 and off.lookup(h[1:]) == 3 and off.lookup([123]) == 0
+    plan = off.plan_load(h)
+    assert (plan.cpu_blocks, plan.remote_blocks) == (2, 2)
+    assert plan.seconds == pytest.approx(2 * BYTES / 1e9 + 2 * BYTES / 1e8)  # DISK: min(nvme, network)
+    off.remote_missing(h[:2])
+    assert off.lookup(h) == 0
+    cpu_only = _offload()
+    cpu_only.remote_stored(h[0], "CPU")
+    assert cpu_only.plan_load(h[:1]).seconds == pytest.approx(BYTES / 5e8)  # network slower than PCIe
+
+
+def test_kv_store_puts_carry_one_block_events_with_tokens() -> None:
+    """Each block is queued once with key vllm:<model>:<block_size>:<hash hex> and its own chained BlockStored."""
+    off = _offload(OffloadMode.CPU_KV_STORE)
+    tokens = list(range(3 * B))
+    h = _hashes(tokens)
+    off.store(_stored_event(tokens))
+    off.store(_stored_event(tokens))  # queued already: not twice
+    puts = off.take_puts()
+    assert [p.key for p in puts] == [kv_store_key("m", B, x) for x in h]
+    assert puts[0].key == f"vllm:m:{B}:{h[0]:016x}"
+    for i, p in enumerate(puts):
+        assert p.event.block_hashes == [h[i]]
+        assert p.event.parent_block_hash == (h[i - 1] if i else None)
+        assert p.event.token_ids == tokens[i * B:(i + 1) * B] and p.event.block_size == B
+        decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(p.event), type=BlockStored)
+        assert decoded == p.event
+    off.remote_failed(h[0])
+    off.store(_stored_event(tokens))  # a failed put is retried on the next store
+    assert [p.block_hash for p in off.take_puts()] == [h[0]]
+    with pytest.raises(ValueError):
+        OffloadManager(OffloadConfig(), B)
+    with pytest.raises(ValueError):
+        OffloadConfig(pcie_bandwidth=0)
+
+
+def _evicting_workload(core: EngineCore) -> tuple[Request, Request]:
+    """A 4-block conversation, then another that evicts it from a 6-block GPU pool, then the first again."""
+    a_tokens = list(range(4 * B + 3))
+    first = Request("a1", a_tokens, max_tokens=1, ignore_eos=True)
+    other = Request("b", list(range(1000, 1000 + 4 * B + 3)), max_tokens=1, ignore_eos=True)
+    now = _drive(core, first)
+    now = _drive(core, other, now=now)
+    again = Request("a2", a_tokens, max_tokens=1, ignore_eos=True)
+    _drive(core, again, now=now)
+    return first, again
+
+
+def test_gpu_miss_loads_from_cpu_instead_of_recomputing() -> None:
+    """The repeat misses the GPU pool, loads 4 blocks from CPU with the modeled time, computes only the rest."""
+    off = _offload()
+    core = _core(6, off)
+    _, again = _evicting_workload(core)
+    assert again.num_cached_tokens == 4 * B
+    assert again.load_plan is not None and again.load_plan.cpu_blocks == 4
+    assert again.load_plan.seconds == pytest.approx(4 * BYTES / 1e9)
+    assert core.external_hits_tokens == 4 * B and off.stats.loaded_cpu_blocks == 4
+    events = core.cache.take_events()
+    # the loaded blocks re-enter the GPU prefix cache with their tokens (vLLM caches them once loaded)
+    gpu_stores = [e for e in events if isinstance(e, BlockStored) and e.medium == "GPU"]
+    assert gpu_stores[-1].block_hashes == _hashes(again.prompt_token_ids[:4 * B])
+    cpu = [e for e in events if isinstance(e, (BlockStored, BlockRemoved)) and e.medium == "CPU"]
+    assert cpu and all(isinstance(e, BlockStored) and e.token_ids == [] and e.parent_block_hash is None
+                       for e in cpu)
+
+    plain = _core(6, None)
+    _, recomputed = _evicting_workload(plain)
+    assert recomputed.num_cached_tokens == 0  # without offload the eviction costs the whole prefix
+
+
+def test_load_waits_modeled_time_and_does_not_block_others() -> None:
+    """While a load is in flight the request is not scheduled (WAITING_FOR_REMOTE_KVS); others run."""
+    off = _offload()
+    core = _core(16, off)
+    tokens = list(range(4 * B + 3))
+    off.store(_stored_event(tokens[:4 * B]))
+    off.take_events()
+    loaded = Request("l", tokens, max_tokens=1, ignore_eos=True)
+    other = Request("o", list(range(500, 520)), max_tokens=1, ignore_eos=True)
+    core.add_request(loaded)
+    core.add_request(other)
+    step = core.schedule(0.0)
+    assert [r.request_id for r, _ in step.scheduled] == ["o"]
+    assert core.loading == [loaded] and core.next_load_ready() == pytest.approx(4 * BYTES / 1e9)
+    core.update(step)
+    assert [r.request_id for r, _ in core.schedule(0.001).scheduled] == []
+    step = core.schedule(0.01)
+    assert step.scheduled == [(loaded, 3)] and step.prefill_tokens == 3  # only the unaligned tail is computed
+    assert core.abort_request("l") is loaded
+    assert core.cache.num_free_blocks == 15
+
+
+async def test_async_engine_sleeps_through_a_load_on_manual_clock() -> None:
+    """The engine loop waits for the load's model time when nothing else can run."""
+    latency = LatencyModel(base_seconds=0.01, prefill_seconds_per_token=0.0, decode_seconds_per_seq=0.0,
+                           decode_seconds_per_context_token=0.0)
+    off = _offload()
+    core = _core(16, off)
+    tokens = list(range(4 * B + 3))
+    off.store(_stored_event(tokens[:4 * B]))
+    clock = ManualClock()
+    engine = AsyncEngine(core, latency, clock, NullEventPublisher())
+    engine.start()
+    try:
+        req = Request("a", tokens, max_tokens=1, ignore_eos=True)
+        out = await asyncio.wait_for(engine.submit(req).get(), 5)
+        assert out.finished
+        assert req.first_token_time == pytest.approx(4 * BYTES / 1e9 + 0.01)
+    finally:
+        await engine.stop()
+
+
+def test_reset_drops_cpu_tier() -> None:
+    off = _offload()
+    core = _core(16, off)
+    _drive(core, Request("a", list(range(2 * B + 1)), max_tokens=1, ignore_eos=True))
+    core.cache.take_events()
+    assert core.reset_prefix_cache()
+    events: list[KVEvent] = core.cache.take_events()
+    assert isinstance(events[-1], BlockRemoved) and events[-1].medium == "CPU" and off.num_cpu_blocks == 0
+
+
+def test_config_flags() -> None:
+    """``--offload`` takes off|cpu|cpu+kv_store; kv_store needs --kv-stores; the app builds the manager."""
+    from engine_simulator.app import offload_manager
+
+    assert offload_manager(SimulatorConfig()) is None
+    mgr = offload_manager(SimulatorConfig(offload="cpu", block_size_tokens=32, offload_cpu_blocks=7))
+    assert mgr is not None and mgr.config.bytes_per_block == 32 * 131_072 and mgr.config.cpu_capacity_blocks == 7
+    with pytest.raises(ValueError):
+        SimulatorConfig(offload="disk")
+    with pytest.raises(ValueError):
+        SimulatorConfig(offload="cpu+kv_store")
+    cfg = SimulatorConfig(offload="cpu+kv_store", kv_stores="127.0.0.1:1")
+    mgr = offload_manager(cfg)
+    assert mgr is not None and mgr.config.uses_kv_store
+
+
+@pytest.mark.parametrize("command", ["up", "compare"])
+def test_cli_takes_offload_and_refuses_unknown_modes(command: str) -> None:
+    """``kvmesh up|compare --offload`` takes off|cpu|cpu+kv_store; anything else is a usage error before a mesh starts."""
+    from typer.testing import CliRunner
+
+    from kvmesh_cli.main import OFFLOAD_MODES, app
+
+    assert OFFLOAD_MODES == ("off", "cpu", "cpu+kv_store")
+    result = CliRunner().invoke(app, [command, "--offload", "disk"])
+    assert result.exit_code == 2
+    assert "--offload" in result.output and "cpu+kv_store" in result.output
+    assert "--offload" in CliRunner().invoke(app, [command, "--help"]).output
