@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
 	$(PY) -m pip install -q -e '.[test,bench]'
+	@# xds-protos (Envoy's ext_proc protos, for epp) ships an old copy of opentelemetry-proto's modules in
+	@# the same paths; put OpenTelemetry's own back (tests/unit/shared/test_dependencies.py checks it)
+	$(PY) -m pip install -q --force-reinstall --no-deps "opentelemetry-proto==$$($(PY) -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 	touch $(STAMP)
 
 # etcd is a system binary; redis-server joins it when a later issue needs it.

@@ -32,7 +32,6 @@ import contextlib
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,9 +46,10 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
+from engine_simulator.tokenizer import ensure_tokenizer
 from kvmesh_cli.mesh import Mesh, MeshSpec
+from kvmesh_cli.peers import PeerRouter, peer_missing_reason
 
-PEERS_VENV = Path(__file__).resolve().parent.parent / ".venv-peers"
 PROMPT_IDS = [3 + (i * 7919) % 2000 for i in range(256)]
 PROMPT_TEXT = " ".join(f"w{i}" for i in PROMPT_IDS)
 _TCK = os.sysconf("SC_CLK_TCK")
@@ -57,12 +57,6 @@ _TCK = os.sysconf("SC_CLK_TCK")
 
 def _percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -98,40 +92,15 @@ def _interleaved(client: httpx.Client, model: str, targets: list[tuple[str, str,
 
 
 @contextlib.contextmanager
-def _peer(kind: str, engine: str, policy: str, log_dir: Path) -> Iterator[str | None]:
-    """A peer router in front of ``engine``; yields its base URL (None when not installed or not up)."""
-    port, prom = _free_port(), _free_port()
-    if kind == "sglang":
-        argv = [str(PEERS_VENV / "bin/python"), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                "--port", str(port), "--worker-urls", engine, "--policy", policy,
-                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)]
-    else:
-        argv = [str(PEERS_VENV / "bin/vllm-router"), "--host", "127.0.0.1", "--port", str(port),
-                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom),
-                "--worker-urls", engine, "--policy", policy]
-    if not Path(argv[0]).exists():
+def _peer(name: str, engine: str, log_dir: Path, console: Console) -> Iterator[str | None]:
+    """A peer router (:mod:`kvmesh_cli.peers`) in front of ``engine``; its URL, None when not installed."""
+    missing = peer_missing_reason(name)
+    if missing:
+        console.print(f"{name}: {missing}")
         yield None
         return
-    log = (log_dir / f"{kind}-{policy}.log").open("wb")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        up = False
-        while time.monotonic() < deadline and proc.poll() is None:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.post(url + "/v1/completions", json=_body("m", kind == "sglang"), timeout=2).status_code < 500:
-                    up = True
-                    break
-            time.sleep(0.5)
-        yield url if up else None
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+    with PeerRouter(name, [engine], log_dir, ensure_tokenizer(None)) as router:
+        yield router.url
 
 
 def _wrk(url: str, body_lua: Path, connections: int, seconds: int) -> float:
@@ -184,6 +153,9 @@ def main() -> int:
     parser.add_argument("--idle-seconds", type=float, default=20.0)
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for every mesh process")
     parser.add_argument("--skip-peers", action="store_true")
+    parser.add_argument("--idle-only", action="store_true", help="only the idle-cost mesh")
+    parser.add_argument("--ab", action="store_true",
+                        help="kvmesh only (no peers, no round-robin mesh, no idle mesh): for A/B runs with --env")
     parser.add_argument("--plot", type=Path, help="write a latency CDF PNG here")
     ns = parser.parse_args()
     env = dict(item.split("=", 1) for item in ns.env)
@@ -195,6 +167,11 @@ def main() -> int:
     added: dict[str, float] = {}
     throughput: dict[str, float] = {}
     cpu_rows: list[tuple[str, dict[str, float]]] = []
+    if ns.idle_only:
+        with tempfile.TemporaryDirectory(prefix="kvmesh-bench-") as tmp:
+            _print_idle(console, ns, _idle_cost(Path(tmp), ns, env))
+        console.print("command: " + " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
+        return 0
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-") as tmp:
         run_dir = Path(tmp)
         spec = MeshSpec(run_dir=run_dir / "mesh", engines=1, policy=ns.policy, time_scale=1000.0, extra_env=env)
@@ -204,19 +181,17 @@ def main() -> int:
             engine = mesh.engine_urls[0]
             router_metrics = str(mesh.member("router").metrics)
             epp_metrics = str(mesh.member("epp").metrics)
-            peers: list[tuple[str, str, str]] = [] if ns.skip_peers else [
-                ("sglang", "cache_aware", "sglang-router cache_aware"),
-                ("vllm", "cache_aware", "vllm-router cache_aware"),
-                ("vllm", "round_robin", "vllm-router round_robin"),
+            peers = [] if ns.skip_peers or ns.ab else [
+                ("sglang-router", "sglang-router cache_aware"),
+                ("vllm-router-cache-aware", "vllm-router cache_aware"),
+                ("vllm-router-round-robin", "vllm-router round_robin"),
             ]
             with contextlib.ExitStack() as stack:
                 peer_urls: dict[str, str] = {}
-                for kind, policy, label in peers:
-                    peer_url = stack.enter_context(_peer(kind, engine, policy, run_dir))
-                    if peer_url is None:
-                        console.print(f"{label}: not available (make peers-env)")
-                        continue
-                    peer_urls[label] = peer_url
+                for name, label in peers:
+                    peer_url = stack.enter_context(_peer(name, engine, run_dir, console))
+                    if peer_url is not None:
+                        peer_urls[label] = peer_url
                 # (name, base url, text prompt): sglang-router rejects token ids, so it and a direct
                 # baseline get the same prompt as text
                 targets = [("direct to engine", engine, False), (f"kvmesh router ({ns.policy})", mesh.router_url, False)]
@@ -251,6 +226,10 @@ def main() -> int:
                 for label, url in peer_urls.items():
                     lua = text_lua if label.startswith("sglang") else ids_lua
                     throughput[label] = _wrk(url, lua, ns.connections, ns.duration)
+        idle: dict[str, float] = {}
+        if ns.ab:
+            _print_tables(console, ns, latency, added, stages, epp_stages, throughput, cpu_rows, idle)
+            return 0
         # round-robin beside it (its own mesh, same engine settings)
         rr = MeshSpec(run_dir=run_dir / "rr", engines=1, policy="round-robin", time_scale=1000.0, extra_env=env)
         with Mesh(rr) as mesh:
@@ -261,14 +240,17 @@ def main() -> int:
             cpu_rows.append((f"round-robin, {ns.connections} connections",
                              {k: 1000 * (c1[k] - c0[k]) / max(1.0, served) for k in c1}))
             throughput["direct to engine (round-robin mesh)"] = _wrk(mesh.engine_urls[0], ids_lua, ns.connections, ns.duration)
-        idle_spec = MeshSpec(run_dir=run_dir / "idle", engines=ns.idle_engines, policy=ns.policy, extra_env=env)
-        with Mesh(idle_spec) as mesh:
-            time.sleep(3.0)
-            c0, t0 = _mesh_cpu(mesh), time.monotonic()
-            time.sleep(ns.idle_seconds)
-            c1, elapsed = _mesh_cpu(mesh), time.monotonic() - t0
-            idle = {k: 100 * (c1[k] - c0[k]) / elapsed for k in c1}
+        idle = _idle_cost(run_dir, ns, env)
 
+    _print_tables(console, ns, latency, added, stages, epp_stages, throughput, cpu_rows, idle)
+    return 0
+
+
+def _print_tables(console: Console, ns: argparse.Namespace, latency: dict[str, list[float]], added: dict[str, float],
+                  stages: list[tuple[str, float]], epp_stages: list[tuple[str, float]], throughput: dict[str, float],
+                  cpu_rows: list[tuple[str, dict[str, float]]], idle: dict[str, float]) -> None:
+    direct = latency["direct to engine"]
+    direct_text = latency.get("direct to engine (text prompt)")
     table = Table(title=f"sequential latency, {ns.requests} requests, 256-token prompt, 1 output token (ms)")
     for column in ("path", "p50", "p90", "p99", "mean", "added p50", "added p99"):
         table.add_column(column, justify="right" if column != "path" else "left")
@@ -292,7 +274,7 @@ def main() -> int:
     for column in ("target", "req/s", "/ direct"):
         tput.add_column(column, justify="right" if column != "target" else "left")
     for name, rps in throughput.items():
-        ref = throughput["direct to engine (round-robin mesh)"] if "round-robin" in name else throughput["direct to engine"]
+        ref = throughput.get("direct to engine (round-robin mesh)", 0.0) if "round-robin" in name else throughput["direct to engine"]
         tput.add_row(name, f"{rps:.0f}", f"{rps / ref:.2f}" if ref else "-")
     console.print(tput)
     cpu = Table(title="CPU per request of every kvmesh process (ms)")
@@ -303,6 +285,27 @@ def main() -> int:
     for label, row in cpu_rows:
         cpu.add_row(label, *(f"{row.get(n, 0.0):.2f}" for n in names))
     console.print(cpu)
+    if not idle:
+        console.print("command: " + " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
+        return
+    _print_idle(console, ns, idle)
+    console.print("command: " + " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
+    if ns.plot:
+        _plot(console, ns.plot, latency)
+
+
+def _idle_cost(run_dir: Path, ns: argparse.Namespace, env: dict[str, str]) -> dict[str, float]:
+    """% of one core each process of an idle ``--idle-engines`` mesh burns over ``--idle-seconds``."""
+    spec = MeshSpec(run_dir=run_dir / "idle", engines=ns.idle_engines, policy=ns.policy, extra_env=env)
+    with Mesh(spec) as mesh:
+        time.sleep(3.0)
+        c0, t0 = _mesh_cpu(mesh), time.monotonic()
+        time.sleep(ns.idle_seconds)
+        c1, elapsed = _mesh_cpu(mesh), time.monotonic() - t0
+    return {k: 100 * (c1[k] - c0[k]) / elapsed for k in c1}
+
+
+def _print_idle(console: Console, ns: argparse.Namespace, idle: dict[str, float]) -> None:
     idle_table = Table(title=f"idle cost, {ns.idle_engines} engines, {ns.idle_seconds:.0f} s (% of one core)")
     idle_table.add_column("process")
     idle_table.add_column("% core", justify="right")
@@ -314,26 +317,26 @@ def main() -> int:
     idle_table.add_row("kvmesh services (router, epp, flow_control, kv_indexer, kv_store)", f"{services:.2f}")
     idle_table.add_row("all, engines and etcd included", f"{sum(idle.values()):.2f}")
     console.print(idle_table)
-    console.print("command: " + " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
-    if ns.plot:
-        import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for name, values in latency.items():
-            xs = sorted(1000 * v for v in values)
-            ax.plot(xs, [i / len(xs) for i in range(1, len(xs) + 1)], label=name)
-        ax.set_xscale("log")
-        ax.set_xlabel("latency (ms)")
-        ax.set_ylabel("fraction of requests")
-        ax.set_title("router hop: kvmesh vs sglang-router / vllm-router")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(ns.plot)
-        console.print(f"wrote {ns.plot}")
-    return 0
+def _plot(console: Console, path: Path, latency: dict[str, list[float]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, values in latency.items():
+        xs = sorted(1000 * v for v in values)
+        ax.plot(xs, [i / len(xs) for i in range(1, len(xs) + 1)], label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("latency (ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("router hop: kvmesh vs sglang-router / vllm-router")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    console.print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,12 @@ FROM ${BASE_IMAGE}
 COPY docker/requirements.txt wheelhouse* /tmp/deps/
 RUN python3 -m venv /opt/venv && if ls /tmp/deps/*.whl >/dev/null 2>&1; then \
       /opt/venv/bin/pip install --no-cache-dir --no-index --find-links /tmp/deps -r /tmp/deps/requirements.txt; \
-    else /opt/venv/bin/pip install --no-cache-dir -r /tmp/deps/requirements.txt; fi && rm -rf /tmp/deps
+    else /opt/venv/bin/pip install --no-cache-dir -r /tmp/deps/requirements.txt; fi \
+    && OTEL_PROTO=$(/opt/venv/bin/python -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))') \
+    && if ls /tmp/deps/*.whl >/dev/null 2>&1; then FIND="--no-index --find-links /tmp/deps"; else FIND=""; fi \
+    && /opt/venv/bin/pip install --no-cache-dir $FIND --force-reinstall --no-deps "opentelemetry-proto==$OTEL_PROTO" \
+    && rm -rf /tmp/deps
+# (xds-protos, Envoy's ext_proc protos, ships an old copy of opentelemetry-proto's modules: OTel's own go back.)
 ENV PATH=/opt/venv/bin:$PATH PYTHONPATH=/app PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 WORKDIR /app
 COPY kvmesh /app/kvmesh

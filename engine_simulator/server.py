@@ -179,6 +179,12 @@ async def _wait_disconnect(request: HttpRequest) -> None:
             return
 
 
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark ``future``'s outcome as seen, so asyncio logs no "exception was never retrieved" traceback."""
+    if not future.cancelled():
+        future.exception()
+
+
 async def _collect(queue: asyncio.Queue[RequestOutput]) -> None:
     while True:
         out = await queue.get()
@@ -349,6 +355,7 @@ class EngineHttpApi:
                 waiter.cancel()
                 for req in reqs:
                     self._engine.abort(req.request_id)
+            waiter.add_done_callback(_retrieve)  # a gather cancelled here finishes with CancelledError: read it
         if not waiter.done() or waiter.cancelled():
             logger.info("client disconnected request_id=%s: request aborted", rid)
             return Response(status_code=499)

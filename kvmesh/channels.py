@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import grpc
+from opentelemetry import propagate
 from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
 from kvmesh.errors import KvmeshError, from_grpc_status
@@ -17,14 +18,18 @@ RECONNECT_BACKOFF_MS = (100, 1000)
 would keep a client away from a restarted dependency for up to two minutes)."""
 
 
-def insecure_channel(target: str) -> grpc.aio.Channel:
+def insecure_channel(target: str, *, client_spans: bool = True) -> grpc.aio.Channel:
     """An aio channel to ``host:port`` whose calls carry the W3C trace context in metadata.
+
+    ``client_spans=False``: no client interceptors (no CLIENT span per call; the caller puts the
+    trace context in each call's metadata itself, :func:`trace_metadata`). On a hot path that saves
+    the interceptor's per-call task and, for streams, its request queue (``bench/grpc_hop.py``).
 
     Reconnects within :data:`RECONNECT_BACKOFF_MS` (a restarted dependency is used again within a second).
     """
     return grpc.aio.insecure_channel(
         target,
-        interceptors=aio_client_interceptors(),
+        interceptors=aio_client_interceptors() if client_spans else None,
         options=[
             ("grpc.enable_retries", 0),
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -33,6 +38,13 @@ def insecure_channel(target: str) -> grpc.aio.Channel:
             ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
         ],
     )
+
+
+def trace_metadata() -> tuple[tuple[str, str], ...]:
+    """The current span's W3C ``traceparent``/``tracestate`` as gRPC call metadata (empty without a span)."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return tuple(carrier.items())
 
 
 def answered(err: grpc.aio.AioRpcError) -> bool:

@@ -51,7 +51,19 @@ def _client(etcd_endpoints: list[str], timeout_seconds: float = 3.0) -> aetcd.Cl
     if not etcd_endpoints:
         raise ValueError("no etcd endpoints configured")
     host, _, port = etcd_endpoints[0].rpartition(":")
-    return aetcd.Client(host=host or "127.0.0.1", port=int(port), timeout=timeout_seconds)
+    return aetcd.Client(host=host or "127.0.0.1", port=int(port), timeout=timeout_seconds, options=ETCD_CHANNEL_OPTIONS)
+
+
+ETCD_CHANNEL_OPTIONS = {
+    # gRPC shares subchannels process-wide by default: a new client to an etcd that just came back would
+    # inherit the failed subchannel's backoff (1 s growing to 120 s) and fail at once with the old
+    # "connection refused". Each client gets its own, reconnecting within a second.
+    "grpc.use_local_subchannel_pool": 1,
+    "grpc.initial_reconnect_backoff_ms": 100,
+    "grpc.min_reconnect_backoff_ms": 100,
+    "grpc.max_reconnect_backoff_ms": 1000,
+}
+"""gRPC channel options of every etcd client kvmesh makes (membership, leases, watches)."""
 
 
 class LeaseRegistration:

@@ -13,15 +13,17 @@ All times are reported in *model* seconds: the engines' simulated clock runs ``-
 times faster than the wall clock, arrivals are replayed that much faster, and measured wall
 times are multiplied back.
 
-Defaults of ``compare`` (chosen so ``make run`` finishes in well under 6 minutes on 2 cores and
-shows the effect of prefix-aware routing): 4 engines of 64-token blocks with only
-``DEFAULT_NUM_GPU_BLOCKS`` blocks each (each engine can hold about a quarter of the workload's
-live conversations, so round-robin, which spreads every conversation over all engines, keeps
-evicting; precise-prefix keeps each conversation on one engine, whose cache then holds it), the
-built-in ``multi-turn`` workload with ``DEFAULT_REQUESTS`` requests (~44 model seconds of arrivals),
-and ``--time-scale`` ``DEFAULT_TIME_SCALE`` (1.0: faster replays multiply the mesh's own Python
-overhead into model time and load the 2 cores harder). One policy takes ~6 s to start and ~50 s
-to replay on 2 cores, so ``make run`` takes about 2 minutes.
+Defaults of ``compare`` (chosen so ``make run`` finishes in under 6 minutes on 2 cores and shows
+the effect of prefix-aware routing): the ``agentic`` workload (the kv-cache-tester traces when the
+checkout's sibling ``shared/data/traces/`` has them, else sessions generated in their shape), its
+first ``DEFAULT_REQUESTS`` calls replayed closed loop at ``DEFAULT_RATE_SCALE`` (think times a
+tenth of the recorded ones) with ``DEFAULT_AGENTIC_SESSIONS_PER_ENGINE`` live sessions per engine, on 4 engines of 64-token blocks with ``DEFAULT_AGENTIC_BLOCKS`` each
+(about three live sessions per engine, fewer than the sessions live: round-robin, which spreads
+every session over all engines, keeps evicting; precise-prefix keeps a session where its history
+is), and ``--time-scale`` ``DEFAULT_TIME_SCALE`` (1.0: faster replays multiply the mesh's own
+Python overhead into model time). ``--workload multi-turn`` is issue 2's chat workload. ``--peers`` adds
+the Rust peer routers (``kvmesh_cli/peers.py``) over the same engines; ``--sweep`` runs every
+column at several rate scales and finds each one's goodput at ``--slo-ttft``.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ from kvmesh_cli.options import (
 )
 from kvmesh_cli.peers import PEERS, peer_missing_reason
 from kvmesh_cli.plotting import write_plot, write_sweep_plot
-from kvmesh_cli.replay import ReplayOutcome, engines_from_epp, engines_from_etcd, replay
+from kvmesh_cli.replay import PROMPT_FORMATS, ReplayOutcome, engines_from_epp, engines_from_etcd, replay
 from kvmesh_cli.report import (
     RequestResult,
     SweepPoint,
@@ -81,6 +83,7 @@ from kvmesh_cli.report import (
     hit_rate,
     load_split,
     per_engine,
+    slo_crossed,
     slo_throughput,
     summarize,
     summary_table,
@@ -104,6 +107,11 @@ DEFAULT_REQUESTS = 240
 DEFAULT_TIME_SCALE = 1.0
 DEFAULT_CONCURRENCY = 64
 DEFAULT_WORKLOAD = "agentic"
+DEFAULT_RATE_SCALE = 10.0
+"""``compare``'s default load: the sessions' recorded think times (and start gaps) a tenth as long."""
+DEFAULT_AGENTIC_SESSIONS_PER_ENGINE = 4
+"""``compare``'s default ``--sessions`` for agentic workloads, per engine: about a third more live history
+than the default pools (:data:`~kvmesh_cli.workloads.DEFAULT_AGENTIC_BLOCKS`) hold."""
 DEFAULT_SLO_TTFT_S = 2.0
 OFFLOAD_MODES = ("off", "cpu", "cpu+kv_store")
 OffloadOpt = Annotated[str, typer.Option(
@@ -339,6 +347,10 @@ def replay_cmd(
     concurrency_limit: ConcurrencyOpt = DEFAULT_CONCURRENCY,
     max_input_tokens: MaxInOpt = None,
     max_output_tokens: MaxOutOpt = DEFAULT_MAX_OUTPUT_TOKENS,
+    rate_scale: RateScaleOpt = 1.0,
+    sessions: SessionsOpt = None,
+    prompt_format: Annotated[str, typer.Option("--prompt-format", help="tokens (ids, <s> first) or text (the same "
+                                               "ids as text, for routers that refuse ids).")] = "tokens",
     json_out: JsonOutOpt = None,
     model: Annotated[str | None, typer.Option("--model", help="Model name; default: the router's first.")] = None,
     engines: EnginesOpt = DEFAULT_ENGINES,
@@ -359,9 +371,12 @@ def replay_cmd(
         router = check_router_url(router)
     else:
         policy = resolve_policy(policy)
-    wl = build_workload(trace, workload, requests, seed, max_input_tokens, max_output_tokens)
+    if prompt_format not in PROMPT_FORMATS:
+        raise typer.BadParameter(f"{prompt_format!r}: expected one of {', '.join(PROMPT_FORMATS)}",
+                                 param_hint="--prompt-format")
+    wl = scale_load(build_workload(trace, workload, requests, seed, max_input_tokens, max_output_tokens), rate_scale)
     label = trace.name if trace else workload
-    num_gpu_blocks = num_gpu_blocks or default_num_gpu_blocks(trace)
+    num_gpu_blocks = num_gpu_blocks or default_num_gpu_blocks(trace, workload)
     console.print(_workload_line(wl, label), soft_wrap=True)
     if router is not None:
         probe_router(router)
@@ -378,13 +393,15 @@ def replay_cmd(
         else:
             engine_urls = []
             console.print("no --epp/--etcd: the engine prefix-cache hit rate is not measured", soft_wrap=True)
-        outcome = _run_replay(wl, router, engine_urls, time_scale, concurrency_limit, model, label)
+        outcome = _run_replay(wl, router, engine_urls, time_scale, concurrency_limit, model, label,
+                              sessions=sessions, prompt_format=prompt_format)
         column = router
     else:
         spec = MeshSpec(run_dir=(run_dir or _default_run_dir("replay")).resolve(), engines=engines, policy=policy,
                         time_scale=time_scale, num_gpu_blocks=num_gpu_blocks, etcd=etcd)
         with exit_on_signals(), mesh_errors(), Mesh(spec) as mesh:
-            outcome = _run_replay(wl, mesh.router_url, mesh.engine_urls, time_scale, concurrency_limit, model, label)
+            outcome = _run_replay(wl, mesh.router_url, mesh.engine_urls, time_scale, concurrency_limit, model, label,
+                                  sessions=sessions, prompt_format=prompt_format)
         column = policy
     summary = _summary(outcome, time_scale)
     _first_errors(outcome)
@@ -483,7 +500,7 @@ def compare(
     concurrency_limit: ConcurrencyOpt = DEFAULT_CONCURRENCY,
     max_input_tokens: MaxInOpt = None,
     max_output_tokens: MaxOutOpt = DEFAULT_MAX_OUTPUT_TOKENS,
-    rate_scale: RateScaleOpt = 1.0,
+    rate_scale: RateScaleOpt = DEFAULT_RATE_SCALE,
     sessions: SessionsOpt = None,
     slo_ttft: SloTtftOpt = DEFAULT_SLO_TTFT_S,
     block_tokens: BlockTokensOpt = AgenticParams.block_tokens,
@@ -518,6 +535,8 @@ def compare(
     agentic = AgenticParams(block_tokens=block_tokens, session_gap_s=session_gap, max_think_s=max_think)
     base_wl = build_workload(trace, workload, requests, seed, max_input_tokens, max_output_tokens, agentic)
     label = base_wl.name if trace is None else trace.name
+    if sessions is None and base_wl.name.startswith("agentic"):
+        sessions = DEFAULT_AGENTIC_SESSIONS_PER_ENGINE * engines
     rs = RunSettings(engines, num_gpu_blocks or default_num_gpu_blocks(trace, workload), block_size_tokens,
                      max_num_seqs, time_scale, concurrency_limit, sessions, slo_ttft, etcd, _offload_mode(offload))
     bs = block_size_tokens or SIMULATOR_DEFAULTS.block_size_tokens
@@ -530,7 +549,8 @@ def compare(
     console.print(_workload_line(base_wl, label), soft_wrap=True)
     console.print(f"{engines} engines x {rs.num_gpu_blocks} blocks of "
                   f"{block_size_tokens or SIMULATOR_DEFAULTS.block_size_tokens} tokens, time scale "
-                  f"{time_scale}, rate scale {rate_scale}{f', {sessions} sessions' if sessions else ''}, "
+                  f"{time_scale}, rate scale {sweep if scales else rate_scale}"
+                  f"{f', {sessions} sessions' if sessions else ''}, "
                   f"logs in {base}", soft_wrap=True)
     columns: list[tuple[str, str | None, str | None]] = [(n, resolved[n], None) for n in names]
     columns += [(p, None, p) for p in peer_names]
@@ -548,7 +568,8 @@ def compare(
                     summary.get("ttft_p50_s"), summary.get("output_tokens_per_s")))  # type: ignore[arg-type]
     extra: dict[str, object] = {"rate_scale": rate_scale, "sessions": sessions, "slo_ttft_s": slo_ttft}
     if scales:
-        extra["sweep"] = {name: {"points": [p.__dict__ for p in pts], "goodput_rps": slo_throughput(pts, slo_ttft)}
+        extra["sweep"] = {name: {"points": [p.__dict__ for p in pts], "goodput_rps": slo_throughput(pts, slo_ttft),
+                                 "slo_crossed": slo_crossed(pts, slo_ttft)}
                           for name, pts in curves.items()}
     doc = compare_document(label, engines, len(base_wl.requests), summaries, **extra)
     title = f"{label}: {len(base_wl.requests)} requests, {engines} engines"

@@ -80,7 +80,8 @@ RateScaleOpt = Annotated[
 SessionsOpt = Annotated[
     int | None,
     typer.Option("--sessions", min=1, help="Closed-loop concurrency: at most this many sessions live at once (a "
-                 "session's first call waits for a slot); default: sessions start on their own schedule."),
+                 "session's first call waits for a slot); default for compare on agentic workloads: 4 per engine, "
+                 "else none (sessions start on their own schedule)."),
 ]
 SloTtftOpt = Annotated[
     float, typer.Option("--slo-ttft", min=0.0, help="TTFT SLO in model seconds for goodput (requests/s within it).")

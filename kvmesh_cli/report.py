@@ -333,5 +333,13 @@ def sweep_table(curves: Mapping[str, Sequence[SweepPoint]], slo_ttft_s: float, t
                           fmt(p.output_tokens_per_s, "rate"), fmt(p.ttft_p50_s, "s"), fmt(p.ttft_p90_s, "s"),
                           "yes" if ok else "no")
     for name, pts in curves.items():
-        table.add_row(f"[bold]{name}[/bold]", "goodput", fmt(slo_throughput(pts, slo_ttft_s), "rate2"), "", "", "", "")
+        good = fmt(slo_throughput(pts, slo_ttft_s), "rate2")
+        crossed = slo_crossed(pts, slo_ttft_s)
+        table.add_row(f"[bold]{name}[/bold]", "goodput", good if crossed else f">= {good}", "", "", "",
+                      "" if crossed else "SLO never crossed: a lower bound")
     return table
+
+
+def slo_crossed(points: Sequence[SweepPoint], slo_ttft_s: float) -> bool:
+    """Whether some point's TTFT p90 exceeds the SLO (else :func:`slo_throughput` is only a lower bound)."""
+    return any(p.ttft_p90_s is not None and p.ttft_p90_s > slo_ttft_s for p in points)

@@ -34,6 +34,7 @@ the ``block_size`` label of ``vllm:cache_config_info``.
 from __future__ import annotations
 
 import math
+import re
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -78,6 +79,9 @@ DEFAULT_PREFILL_TTL_SECONDS = 120.0
 _PICK_HISTORY = 4096
 """Most picks remembered per endpoint (for their prefill tokens)."""
 _WANTED_PREFIXES = tuple(_WANTED) + tuple(f"# HELP {n} " for n in _WANTED) + tuple(f"# TYPE {n} " for n in _WANTED)
+_BLOCK_SIZE_LABEL = re.compile(r'[{,]block_size="([0-9]+)"')
+_SKIPPED_PREFIXES = tuple(f"{n}{suffix}" for n in (FIRST_TOKENS, SGLANG_FIRST_TOKENS) for suffix in ("_bucket", "_sum", "_created"))
+"""Of the TTFT histogram only ``_count`` is read: its bucket lines are most of the text to parse (idle cost, issue 10)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,9 +110,17 @@ def parse_vllm_metrics(text: str) -> ScrapeSample:
     Raises:
         ValueError: a required gauge is missing, not finite, negative, or usage outside [0, 1].
     """
-    lines = [line for line in text.splitlines() if line.startswith(_WANTED_PREFIXES)]
-    values: dict[str, list[float]] = {WAITING: [], RUNNING: [], KV_USAGE: []}
+    lines: list[str] = []
     block_size: int | None = None
+    for line in text.splitlines():
+        if not line.startswith(_WANTED_PREFIXES) or line.startswith(_SKIPPED_PREFIXES):
+            continue
+        if line.startswith(CACHE_CONFIG):  # ~40 labels; only block_size is read (prometheus_client's label parser is the cost)
+            if block_size is None and (label := _BLOCK_SIZE_LABEL.search(line)) is not None:
+                block_size = int(label.group(1))
+            continue
+        lines.append(line)
+    values: dict[str, list[float]] = {WAITING: [], RUNNING: [], KV_USAGE: []}
     finished: float | None = None
     first_tokens: float | None = None
     for family in text_string_to_metric_families("\n".join(lines) + "\n"):
@@ -122,10 +134,6 @@ def parse_vllm_metrics(text: str) -> ScrapeSample:
                 finished = (finished or 0.0) + float(sample.value)
             elif sample.name == FIRST_TOKENS + "_count" and math.isfinite(sample.value) and sample.value >= 0:
                 first_tokens = (first_tokens or 0.0) + float(sample.value)
-            elif sample.name == CACHE_CONFIG and block_size is None:
-                raw = sample.labels.get("block_size")
-                if raw is not None and raw.isdigit():
-                    block_size = int(raw)
     for name, found in values.items():
         if not found:
             raise ValueError(f"{name} missing from /metrics")

@@ -8,6 +8,8 @@ when no endpoint has room. kvmesh counts room in requests, ``spare = sum(queue_d
 waiting)`` over endpoints under the KV threshold, and subtracts every request it dispatched that
 the metrics cannot show yet (dispatched after the sample was taken, minus a
 ``dispatch_visibility_seconds`` grace for the router hop), so a burst never overshoots between scrapes.
+A request that finished before any sample showed it stops counting when it is released
+(:meth:`SaturationDetector.note_done`): no later sample will show it either.
 
 Stale metrics fail open: no snapshot, a snapshot older than ``metrics_staleness_seconds`` (epp
 unreachable) or no endpoint scraped within it makes :meth:`SaturationDetector.state` answer

@@ -1,6 +1,10 @@
 """gRPC clients of flow_control (the admission stream) and epp (Pick), translated to domain types/errors.
 
-This is the only router module that imports grpc besides the servicer. Every call has a deadline
+This is the only router module that imports grpc besides the servicer. Both channels are long-lived
+and carry no client interceptors (``bench/grpc_hop.py``: the OpenTelemetry interceptor costs a task
+and, on the admission stream, a request queue per call); each Admit and Pick puts the W3C trace
+context in its metadata itself, so flow_control's and epp's server spans stay children of the
+router's request span. Every call has a deadline
 from :class:`~services.router.config.RouterConfig`; remote failures become domain errors so the
 request flow and both front doors see one vocabulary.
 
@@ -39,7 +43,7 @@ from kvmesh._proto.kvmesh.common.v1 import common_pb2
 from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
 from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2 as fc_pb2
 from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2_grpc as fc_pb2_grpc
-from kvmesh.channels import answered, insecure_channel, to_domain_error
+from kvmesh.channels import answered, insecure_channel, to_domain_error, trace_metadata
 from kvmesh.types import Endpoint
 from kvmesh.wire import endpoint_from_proto
 from services.router.degraded import FlowControlUnreachable, PickerUnreachable
@@ -203,7 +207,7 @@ class AdmissionClient:
         """
         if self._stub is None:
             raise FlowControlUnreachable("admission client not connected")
-        call = self._stub.Admit()
+        call = self._stub.Admit(metadata=trace_metadata())
         admitted = False
         try:
             async with asyncio.timeout(self._timeout):
@@ -245,8 +249,9 @@ class AdmissionClient:
                 call.cancel()
 
     async def connect(self) -> None:
-        """Create the channel (inside the running event loop: grpc.aio channels are bound to it)."""
-        self._channel = insecure_channel(self._address)
+        """Create the channel (inside the running event loop: grpc.aio channels are bound to it);
+        long-lived, without client interceptors: each call carries the trace context itself."""
+        self._channel = insecure_channel(self._address, client_spans=False)
         self._stub = fc_pb2_grpc.FlowControlStub(self._channel)
 
     async def health(self, timeout_seconds: float) -> str:
@@ -300,8 +305,9 @@ class PickerClient:
         self._asking: asyncio.Future[bool] | None = None  # the GetPickerInfo call in flight, shared
 
     async def connect(self) -> None:
-        """Create the channel (inside the running event loop) and watch its connectivity."""
-        self._channel = insecure_channel(self._address)
+        """Create the channel (inside the running event loop; long-lived, no client interceptors:
+        each Pick carries the trace context itself) and watch its connectivity."""
+        self._channel = insecure_channel(self._address, client_spans=False)
         self._stub = epp_pb2_grpc.EndpointPickerStub(self._channel)
         self._watch_task = asyncio.create_task(self._forget_on_reconnect(self._channel), name="router-epp-watch")
 
@@ -388,7 +394,7 @@ class PickerClient:
         if remaining <= 0:  # the info call used the whole budget: epp hangs
             raise PickerUnreachable("endpoint picker: Deadline Exceeded")
         try:
-            reply = await self._stub.Pick(request, timeout=remaining)
+            reply = await self._stub.Pick(request, timeout=remaining, metadata=trace_metadata())
         except grpc.aio.AioRpcError as exc:
             if answered(exc):  # epp's own answer (UNAVAILABLE: no endpoint) goes through the table
                 raise to_domain_error(exc) from exc

@@ -410,7 +410,13 @@ class RequestFlow:
         )
         try:
             return await self._picker.pick(query)
-        except errors.UnknownModel as exc:  # validated as served a moment ago: its endpoints just left
+        except errors.UnknownModel as exc:
+            # Validated as served a moment ago: either its endpoints just left (503), or epp has not
+            # learnt them yet (a restarted epp before its first etcd sync), when the router's own view
+            # still has them: then the degraded mode's local pick serves it, as for an unreachable epp.
+            local = self._local_pick(request, tried, exc) if self._config.epp_failure_mode == "open" else None
+            if local is not None:
+                return local
             raise ModelUnavailable(f"model '{request.model}' has no live endpoint right now ({exc})") from exc
         except PickerUnreachable as exc:
             if self._config.epp_failure_mode != "open":
@@ -427,6 +433,18 @@ class RequestFlow:
             self._degraded_log.warn("epp", "action=picked_locally model=%s target=%s error=%s",
                                     request.model, candidates[0].id, exc)
             return PickReply(tuple(candidates), 0, "router-local-least-request")
+
+    def _local_pick(self, request: RouterRequest, tried: list[str], exc: Exception) -> PickReply | None:
+        """The local least-request pick over the router's etcd view; None when that view has no endpoint."""
+        candidates = self.local_picker.order(
+            (ep for ep in self._endpoints(request.model) if ep.model == request.model), tried
+        )
+        if not candidates:
+            return None
+        metrics.record_degraded("epp", "picked_locally")
+        self._degraded_log.warn("epp", "action=picked_locally model=%s target=%s reason=epp does not know the model "
+                                "error=%s", request.model, candidates[0].id, exc)
+        return PickReply(tuple(candidates), 0, "router-local-least-request")
 
     @contextlib.asynccontextmanager
     async def session(self, request: RouterRequest, meta: RequestMeta) -> AsyncIterator[FlowSession]:

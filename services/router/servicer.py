@@ -8,11 +8,25 @@ answer becomes the matching domain error; an engine failing mid-answer is ``UNAV
 A cancelled RPC (or a stream its client closed) ends the session as cancelled: the engine
 request is cancelled and the flow-control slot released. ``CompleteStream`` reads the parsed
 chunks the session already has (:meth:`~services.router.request_flow.FlowSession.iter_events`).
+
+Who is asking comes from the call's metadata, read by the HTTP front door's own
+:func:`~services.router.http_app.request_meta` (one implementation): an API key
+(``authorization: Bearer <key>`` or ``x-api-key``) binds the call to its tenant's fairness id,
+maximum priority and quotas (:mod:`services.router.tenants`); ``x-gateway-inference-fairness-id`` /
+``x-llm-d-inference-fairness-id``, ``x-kvmesh-priority``, ``x-gateway-inference-objective`` /
+``x-llm-d-inference-objective``, ``x-slo-ttft-ms`` and ``x-kvmesh-queue-ttl-ms`` mean what the HTTP
+headers mean, and the SLO, TTL and quotas go to flow_control in the ``Enqueue``. The message's
+``flow_id`` and (non-zero) ``priority`` stand for the fairness and priority headers when the
+metadata names none. Outcomes through the one error table: a malformed or unknown key (or none
+while ``require_api_key``) is ``UNAUTHENTICATED``, bad metadata ``INVALID_ARGUMENT``, an admission
+rejection ``RESOURCE_EXHAUSTED`` (its class in the ``kvmesh-error-class`` trailer). ``ListModels``
+needs a key exactly when ``GET /v1/models`` does. No client metadata is forwarded to the engine.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -24,8 +38,17 @@ from kvmesh.interceptors import current_request_id
 from kvmesh.openai_stream import Usage, parse_completion
 from services.router.catalog import ModelCatalog
 from services.router.config import RouterConfig
+from services.router.http_app import (
+    FAIRNESS_HEADER,
+    GIE_FAIRNESS_HEADER,
+    GIE_OBJECTIVE_HEADER,
+    OBJECTIVE_HEADER,
+    PRIORITY_HEADER,
+    request_meta,
+)
 from services.router.http_errors import error_from_engine
-from services.router.request_flow import RequestFlow, RequestMeta
+from services.router.request_flow import REQUEST_ID_HEADER, RequestFlow, RequestMeta
+from services.router.tenants import TenantDirectory, api_key_from_headers
 from services.router.validation import RequestKind, RouterRequest, validate_request
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -58,6 +81,32 @@ def openai_body(request: router_pb2.CompletionRequest, stream: bool) -> tuple[Re
     return kind, body
 
 
+def metadata_headers(
+    metadata: Any, request: router_pb2.CompletionRequest | None = None, request_id: str = "",
+) -> dict[str, str]:
+    """gRPC invocation metadata as the header mapping :func:`request_meta` reads.
+
+    ``metadata``: ``(key, value)`` pairs (keys arrive lowercase); the first value of a key wins (as
+    an HTTP header lookup), binary (``-bin``) keys are left out. ``request``'s ``flow_id`` becomes
+    ``x-gateway-inference-fairness-id`` unless a fairness key is sent, its non-zero ``priority``
+    ``x-kvmesh-priority`` unless a priority or objective key is sent (proto3 cannot tell 0 from
+    unset: ask for 0 through metadata). ``request_id`` (the interceptor's) fills ``x-request-id``.
+    """
+    headers: dict[str, str] = {}
+    for key, value in metadata or ():
+        name = str(key).lower()
+        if not name.endswith("-bin") and isinstance(value, str):
+            headers.setdefault(name, value)
+    if request is not None:
+        if request.flow_id and not any(n in headers for n in (GIE_FAIRNESS_HEADER, FAIRNESS_HEADER)):
+            headers[GIE_FAIRNESS_HEADER] = request.flow_id
+        if request.priority and not any(n in headers for n in (PRIORITY_HEADER, GIE_OBJECTIVE_HEADER, OBJECTIVE_HEADER)):
+            headers[PRIORITY_HEADER] = str(request.priority)
+    if request_id:
+        headers.setdefault(REQUEST_ID_HEADER, request_id)
+    return headers
+
+
 def _usage_pb(usage: Usage | None, fallback_completion: int = 0) -> router_pb2.Usage:
     usage = usage or Usage(completion_tokens=fallback_completion)
     return router_pb2.Usage(
@@ -72,20 +121,29 @@ class InferenceServicer(router_pb2_grpc.InferenceServicer):
         self._config = config
         self._flow = flow
         self._catalog = catalog
+        self._tenants = TenantDirectory(config.tenants, config.default_flow_id, config.require_api_key,
+                                        config.anonymous_max_priority)
 
-    def _prepare(self, request: router_pb2.CompletionRequest, stream: bool) -> tuple[RouterRequest, RequestMeta]:
+    def _prepare(
+        self, request: router_pb2.CompletionRequest, context: grpc.aio.ServicerContext, stream: bool,
+    ) -> tuple[RouterRequest, RequestMeta]:
+        """The validated request and who is asking (the module docstring), the key checked first as over HTTP.
+
+        Raises:
+            Unauthenticated: a malformed or unknown API key, or none while ``require_api_key``.
+            InvalidRequest: bad metadata (as the HTTP 400s) or a bad request message.
+        """
+        headers = metadata_headers(context.invocation_metadata(), request, current_request_id())
+        meta = request_meta(headers, self._config, otel_context.get_current(), self._tenants)
+        options = meta.admit_options
+        meta = replace(meta, server_span=False, forward_headers=(),
+                       admit_options=replace(options, byte_size=request.ByteSize()) if options is not None else None)
         kind, body = openai_body(request, stream)
         routed = validate_request(kind, body, self._catalog(), self._config.max_tokens_limit)
-        meta = RequestMeta(
-            request_id=current_request_id() or "grpc",
-            flow_id=request.flow_id or self._config.default_flow_id,
-            priority=request.priority,
-            trace_context=otel_context.get_current(),
-        )
         return routed, meta
 
     async def Complete(self, request: router_pb2.CompletionRequest, context: grpc.aio.ServicerContext) -> router_pb2.CompletionResponse:
-        routed, meta = self._prepare(request, stream=False)
+        routed, meta = self._prepare(request, context, stream=False)
         async with self._flow.session(routed, meta) as session:
             body = await session.read_all()
         if session.status_code >= 400:
@@ -103,7 +161,7 @@ class InferenceServicer(router_pb2_grpc.InferenceServicer):
     async def CompleteStream(
         self, request: router_pb2.CompletionRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.CompletionChunk]:
-        routed, meta = self._prepare(request, stream=True)
+        routed, meta = self._prepare(request, context, stream=True)
         async with self._flow.session(routed, meta) as session:
             if session.status_code >= 400:
                 raise error_from_engine(session.status_code, await session.read_all())
@@ -125,4 +183,6 @@ class InferenceServicer(router_pb2_grpc.InferenceServicer):
                     yield out
 
     async def ListModels(self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> router_pb2.ListModelsResponse:
+        if self._tenants.enabled:  # as GET /v1/models: a key is checked, and needed with require_api_key
+            self._tenants.bind(api_key_from_headers(metadata_headers(context.invocation_metadata())), None, None)
         return router_pb2.ListModelsResponse(models=self._catalog().names())

@@ -164,6 +164,7 @@ def test_compare_sweep_agentic_with_peer_tiny(tmp_path: Path) -> None:
         curve = doc["sweep"][name]
         assert [p["rate_scale"] for p in curve["points"]] == [1.0, 8.0]
         assert curve["goodput_rps"] is None or curve["goodput_rps"] > 0
+        assert isinstance(curve["slo_crossed"], bool)
     assert "load sweep" in text and "goodput" in text and png.stat().st_size > 1000
 
 

@@ -142,7 +142,7 @@ def _sse(text: str) -> list:
     return [json.loads(x) for x in lines[:-1]]
 
 
-async def test_registers_in_etcd_with_the_pinned_endpoint(sim: Sim, etcd: str) -> None:
+async def test_registers_in_etcd_with_the_pinned_endpoint(sim: Sim, etcd: str, run_dir: Path) -> None:
     watcher = EndpointWatcher([etcd], model=MODEL)
     await watcher.start()
     try:
@@ -151,7 +151,8 @@ async def test_registers_in_etcd_with_the_pinned_endpoint(sim: Sim, etcd: str) -
         ep = watcher.snapshot()[ep_id]
         assert ep.url == sim.url and ep.model == MODEL and ep.block_size_tokens == BLOCK
         assert ep.events_endpoint == sim.events_endpoint and ep.role == "both"
-        assert ep.labels == {"engine": "simulator", "max_model_len": "2048"}
+        # tokenizer: where epp finds the files to tokenize in-process exactly as this engine does
+        assert ep.labels == {"engine": "simulator", "max_model_len": "2048", "tokenizer": str(run_dir / "tokenizer")}
     finally:
         await watcher.stop()
 

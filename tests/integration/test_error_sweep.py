@@ -119,7 +119,7 @@ def _router_routes() -> list[tuple[str, set[str]]]:
 
 
 def _engine_routes() -> list[tuple[str, set[str]]]:
-    state = types.SimpleNamespace(engine=None, renderer=None)
+    state = types.SimpleNamespace(engine=None, renderer=None, runner="generate")
     return _routes(EngineHttpApi(state).app())  # type: ignore[arg-type]
 
 

@@ -6,9 +6,9 @@ import asyncio
 
 import aetcd
 
-from kvmesh.membership import EndpointWatcher, LeaseRegistration, endpoint_key
+from kvmesh.membership import ETCD_CHANNEL_OPTIONS, EndpointWatcher, LeaseRegistration, endpoint_key
 from kvmesh.types import Endpoint, EndpointId
-from kvmesh_cli.launcher import start_etcd
+from kvmesh_cli.launcher import free_port, start_etcd
 
 
 def _endpoint(port: int, model: str = "m") -> Endpoint:
@@ -83,8 +83,10 @@ async def test_bad_registration_value_is_ignored(etcd: str) -> None:
 
 async def test_watcher_keeps_last_view_through_an_etcd_outage(tmp_path) -> None:
     """etcd dies: the view stays as it was; etcd returns: the watcher resynchronises."""
-    proc, address = start_etcd(tmp_path)
-    client_port = int(address.rpartition(":")[2])
+    # Both ports pinned: the restart below reuses them, as a restarted etcd member keeps its peer URL.
+    client_port, peer_port = free_port(), free_port()
+    proc, address = start_etcd(tmp_path, client_port=client_port, peer_port=peer_port)
+    assert proc.alive(), proc.log_tail()
     watcher = EndpointWatcher([address])
     await watcher.start()
     ep = _endpoint(1006)
@@ -98,9 +100,10 @@ async def test_watcher_keeps_last_view_through_an_etcd_outage(tmp_path) -> None:
     # The watch stream breaks and retries every second; the view must not change meanwhile.
     assert not await watcher.wait_for(lambda view: ep.id not in view, 2.5)
     # Restart on the same data and port: the key is still there, a new one appears.
-    proc2, _ = start_etcd(tmp_path, client_port=client_port)
+    proc2, _ = start_etcd(tmp_path, client_port=client_port, peer_port=peer_port)
     try:
-        client = aetcd.Client(host=host, port=int(port))
+        assert proc2.alive(), f"etcd did not restart on its ports:\n{proc2.log_tail()}"
+        client = aetcd.Client(host=host, port=int(port), options=ETCD_CHANNEL_OPTIONS)
         await client.connect()
         late = _endpoint(1007)
         await client.put(endpoint_key(late).encode(), late.to_json().encode())

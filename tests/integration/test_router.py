@@ -410,6 +410,40 @@ async def test_grpc_stream_cancel_releases_slot_and_cancels_engine(mesh: Mesh) -
     await _until(lambda: engine.cancelled > cancelled_before, 5, "engine request cancelled")
 
 
+async def test_grpc_binds_api_keys_to_tenants(mesh: Mesh, start_service, tmp_path: Path) -> None:
+    """A router with tenants: gRPC metadata binds as HTTP headers do (flows seen in flow_control's Stats)."""
+    key = "sk-acme-grpc-0001"
+    config = tmp_path / "router.yaml"  # JSON is YAML
+    config.write_text(json.dumps({"tenants": [{"name": "acme", "api_keys": [key], "max_priority": 5}],
+                                  "anonymous_max_priority": 1}))
+    _, address = start_service("router", "--config", str(config), "--shutdown-grace-seconds", "0.5",
+                               "--shutdown-http-grace-seconds", "0.5", "--http-port", str(free_port()),
+                               "--flow-control-address", mesh.flow_control, "--epp-address", mesh.epp_address)
+    mesh.engines[0].token_delay = 0.05
+    held = router_pb2.CompletionRequest(model=MODEL, prompt="hold", max_tokens=200, flow_id="spoof", priority=50)
+    async with grpc.aio.insecure_channel(address) as channel, grpc.aio.insecure_channel(mesh.flow_control) as fc:
+        stub = router_pb2_grpc.InferenceStub(channel)
+
+        async def listed() -> bool:
+            return MODEL in (await stub.ListModels(router_pb2.ListModelsRequest(), timeout=2)).models
+
+        await _until(listed, 15, "router to see the engines")
+        anonymous = stub.CompleteStream(held, metadata=(("x-gateway-inference-objective", "critical"),), timeout=20)
+        keyed = stub.CompleteStream(held, metadata=(("authorization", f"Bearer {key}"),
+                                                    ("x-gateway-inference-fairness-id", "spoof")), timeout=20)
+        assert (await anonymous.read()).text == "tok0 " and (await keyed.read()).text == "tok0 "
+        stats = await flow_control_pb2_grpc.FlowControlStub(fc).Stats(flow_control_pb2.StatsRequest(), timeout=2)
+        assert sorted((f.flow_id, f.priority, f.in_flight) for f in stats.flows) == [("acme", 5, 1), ("default", 1, 1)]
+        anonymous.cancel()
+        keyed.cancel()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Complete(router_pb2.CompletionRequest(model=MODEL, prompt="x", max_tokens=1),
+                                metadata=(("authorization", "Bearer sk-not-a-tenant-0"),), timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert (ERROR_CLASS_TRAILER, "Unauthenticated") in tuple(info.value.trailing_metadata() or ())
+    await _until(lambda: _zero(mesh), 5, "flow-control slots released")
+
+
 def _running(engine_url: str) -> float:
     for line in httpx.get(f"{engine_url}/metrics", timeout=5).text.splitlines():
         if line.startswith("vllm:num_requests_running"):

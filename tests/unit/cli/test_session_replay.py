@@ -12,7 +12,7 @@ import pytest
 
 from kvmesh.openai_stream import DONE_EVENT, sse_event
 from kvmesh_cli.replay import replay
-from kvmesh_cli.report import RequestResult, SweepPoint, goodput_rps, load_split, slo_throughput
+from kvmesh_cli.report import RequestResult, SweepPoint, goodput_rps, load_split, slo_crossed, slo_throughput
 from kvmesh_cli.workloads import Segment, Workload, WorkloadRequest
 
 ANSWER_S = 0.15
@@ -79,6 +79,7 @@ def test_goodput_finds_the_slo_crossing() -> None:
     assert slo_throughput(pts, 10.0) == pytest.approx(3.2)  # never crosses: the heaviest point
     assert slo_throughput(pts, 0.1) is None  # even the lightest misses
     assert slo_throughput(list(reversed(pts)), 2.0) == pytest.approx(2.25)  # order of points does not matter
+    assert slo_crossed(pts, 2.0) and not slo_crossed(pts, 10.0)
 
 
 def test_goodput_per_run_and_load_split() -> None:

@@ -133,3 +133,22 @@ def test_room_counts_free_sequences_before_the_kv_threshold() -> None:
     state = detector.state(0.02)
     assert state.saturated and state.unseen_dispatches == 6
     assert state.saturation == pytest.approx(0.4 / 0.8 + 6 * 0.1 / 0.8)
+
+
+async def test_a_finished_request_stops_counting_against_the_room() -> None:
+    """Requests that finish before any sample shows them free their room at release (issue 10: a fast
+    pool looked saturated by requests already gone until the next poll), and only once each."""
+    controller, clock, detector = make()
+    controller.update_pool(pool(clock.now(), (0, 0.1)))  # one endpoint: room for 2 (queue allowance)
+    first = controller.enqueue(AdmissionRequest("r1", "f", 0, 10, 10, "m"))
+    second = controller.enqueue(AdmissionRequest("r2", "f", 0, 10, 10, "m"))
+    assert (await first.wait()).outcome is QueueOutcome.DISPATCHED
+    assert (await second.wait()).outcome is QueueOutcome.DISPATCHED
+    assert detector.state(clock.now()).saturated  # 2 unseen dispatches fill the room
+    controller.release(first)
+    state = detector.state(clock.now())
+    assert not state.saturated and state.unseen_dispatches == 1
+    controller.release(first)  # idempotent: the room is not freed twice
+    assert detector.state(clock.now()).unseen_dispatches == 1
+    third = controller.enqueue(AdmissionRequest("r3", "f", 0, 10, 10, "m"))
+    assert (await third.wait()).outcome is QueueOutcome.DISPATCHED  # at once, no new sample needed

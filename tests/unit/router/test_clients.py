@@ -186,3 +186,63 @@ async def test_admit_errors_use_per_call_overrides(code: grpc.StatusCode, error_
     finally:
         await client.close()
         await server.stop(0)
+
+
+class RecordingFlowControl(flow_control_pb2_grpc.FlowControlServicer):
+    """Dispatches at once and records each Admit call's metadata and messages."""
+
+    def __init__(self) -> None:
+        self.metadata: list[dict[str, str]] = []
+        self.messages: list[str] = []
+
+    async def Admit(self, request_iterator: AsyncIterator[flow_control_pb2.AdmitRequest], context: grpc.aio.ServicerContext) -> AsyncIterator[flow_control_pb2.AdmitResponse]:
+        self.metadata.append({k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)})
+        async for request in request_iterator:
+            self.messages.append(request.WhichOneof("kind") or "")
+            if request.HasField("enqueue"):
+                yield flow_control_pb2.AdmitResponse(outcome=flow_control_pb2.QUEUE_OUTCOME_DISPATCHED)
+
+
+class RecordingEpp(FakeEpp):
+    def __init__(self) -> None:
+        super().__init__(needs_prompt=False)
+        self.metadata: list[dict[str, str]] = []
+
+    async def Pick(self, request: epp_pb2.PickRequest, context: grpc.aio.ServicerContext) -> epp_pb2.PickResponse:
+        self.metadata.append({k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)})
+        return await super().Pick(request, context)
+
+
+async def test_admit_and_pick_carry_the_trace_context_without_client_interceptors() -> None:
+    """The channels have no client interceptors (bench/grpc_hop.py); each call puts the caller's W3C
+    trace context in its metadata, so flow_control's and epp's server spans join the request's trace.
+    The admission stream still ends with Complete then half-close (the slot's release)."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from services.router.clients import CompletionReport
+
+    flow_control, epp = RecordingFlowControl(), RecordingEpp()
+    server = grpc.aio.server()
+    flow_control_pb2_grpc.add_FlowControlServicer_to_server(flow_control, server)
+    epp_pb2_grpc.add_EndpointPickerServicer_to_server(epp, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    admission = AdmissionClient(f"127.0.0.1:{port}", admission_timeout_seconds=5, close_timeout_seconds=1)
+    picker = PickerClient(f"127.0.0.1:{port}", timeout_seconds=5)
+    await admission.connect()
+    await picker.connect()
+    span = TracerProvider().get_tracer("test").start_span("router.request")
+    try:
+        with trace.use_span(span, end_on_exit=True):
+            ticket = await admission.admit(AdmitQuery("r1", "f", 0, 10, 10, "tiny"))
+            await picker.pick(QUERY)
+            await ticket.close(CompletionReport(10, 1, 0.01, 0.02, True))
+        trace_id = f"{span.get_span_context().trace_id:032x}"
+        for seen in (flow_control.metadata, epp.metadata):
+            assert len(seen) == 1 and trace_id in seen[0].get("traceparent", "")
+        assert flow_control.messages == ["enqueue", "complete"]  # close() waited for flow_control to end the call
+    finally:
+        await admission.close()
+        await picker.close()
+        await server.stop(0)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Issue 9: agentic coding sessions (kv-cache-tester traces, closed loop) on 8 simulated engines whose KV
+# pools (8 x 1,024 blocks of 64 tokens) cannot hold every live session (48 at once, ~12k tokens each),
+# kvmesh's policies beside the peer routers over the same engines (`make peers-env`), then a load sweep
+# for goodput at a TTFT-p90 SLO. Figures: docs/BENCHMARKS.md, "Agentic sessions at load".
+#   bench/agentic_load.sh point   [extra compare flags]   # one load, every policy and peer
+#   bench/agentic_load.sh sweep   [extra compare flags]   # rate scales, round-robin vs precise-prefix
+# Prompts are the trace's at 8 tokens per 64-token hash block (--block-tokens), capped at 24,576 tokens;
+# outputs capped at 64 tokens (streaming cost on 2 cores); --time-scale 0.5 halves the mesh's own Python
+# overhead in model time. JSON goes to .run/bench/, the sweep plot to docs/img/agentic_sweep.png.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .run/bench docs/img
+MODE=${1:-point}; shift || true
+TRACE=${TRACE:-../shared/data/traces/kv-cache-tester_agentic_traces_first100.tar.gz}
+COMMON=(--trace "$TRACE" --engines 8 --num-gpu-blocks 1024 --requests "${REQUESTS:-480}" --session-gap 0.5
+        --sessions "${SESSIONS:-48}" --time-scale 0.5 --max-output-tokens 64 --slo-ttft 2)
+case "$MODE" in
+  point)
+    exec .venv/bin/kvmesh compare "${COMMON[@]}" --rate-scale "${RATE_SCALE:-10}" \
+      --policies round-robin,precise-prefix,prefill-cost \
+      --peers sglang-router,vllm-router-cache-aware,vllm-router-round-robin \
+      --json-out .run/bench/agentic_point.json --plot .run/bench/agentic_point.png "$@" ;;
+  sweep)
+    exec .venv/bin/kvmesh compare "${COMMON[@]}" --policies round-robin,precise-prefix \
+      --sweep "${SCALES:-2,5,10}" --json-out .run/bench/agentic_sweep.json --plot docs/img/agentic_sweep.png "$@" ;;
+  *) echo "usage: $0 point|sweep [compare flags]" >&2; exit 2 ;;
+esac
