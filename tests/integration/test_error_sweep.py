@@ -11,7 +11,6 @@ query strings -> not 5xx. Each service's Prometheus endpoint gets junk too.
 
 from __future__ import annotations
 
-import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ import httpx
 import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from engine_simulator.server import EngineHttpApi
+from engine_simulator.server import EngineHttpApi, ServerState
 from kvmesh_cli.mesh import Mesh, MeshSpec
 from services.router.config import RouterConfig
 from services.router.http_app import RouterHttpApi
@@ -119,8 +118,9 @@ def _router_routes() -> list[tuple[str, set[str]]]:
 
 
 def _engine_routes() -> list[tuple[str, set[str]]]:
-    state = types.SimpleNamespace(engine=None, renderer=None, runner="generate")
-    return _routes(EngineHttpApi(state).app())  # type: ignore[arg-type]
+    # The real state type with its defaults (route table only: no engine or renderer is touched).
+    state = ServerState(None, None, "m", 2048, "", 0)  # type: ignore[arg-type]
+    return _routes(EngineHttpApi(state).app())
 
 
 @pytest.mark.parametrize("target", ["router", "engine-0"])
