@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import ephemeral_port_reserve
 import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -30,14 +30,17 @@ LOOPBACK = "127.0.0.1"
 
 
 def free_port() -> int:
-    """A currently free TCP port on 127.0.0.1 (the OS may reuse it later; bind promptly).
+    """A free TCP port on 127.0.0.1, reserved for about a minute for whoever binds it with ``SO_REUSEADDR``.
 
-    Racy by nature (another process may take it before the caller binds): the mesh harness does not
-    use it for kvmesh processes, which bind port 0 and report it (:func:`wait_ports_file`).
+    ``ephemeral_port_reserve.reserve`` binds port 0, connects to it and closes the accepted side first,
+    leaving the port in TIME_WAIT (``tcp_fin_timeout``, 60 s on Linux): the kernel hands it to no
+    other ``bind(0)`` and no outgoing ``connect()`` meanwhile, while a server that sets
+    ``SO_REUSEADDR`` (gRPC, uvicorn/asyncio, etcd, libzmq, Envoy, :func:`kvmesh.http_server.bind_tcp`
+    all do) binds it at once. kvmesh processes in the mesh bind port 0 and report it
+    (:func:`wait_ports_file`) instead; this serves what cannot report its port (etcd, peers,
+    ZMQ bind endpoints passed on the command line).
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
+    return int(ephemeral_port_reserve.reserve(LOOPBACK))
 
 
 def _poll_until(ready: Callable[[], bool], timeout_seconds: float, interval_seconds: float = 0.05) -> bool:

@@ -8,12 +8,13 @@ Tests import nothing from here: constants and helpers live in ``tests/support.py
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from kvmesh_cli.launcher import ManagedProcess, free_port, python_module, start_etcd, wait_grpc_healthy
+from kvmesh_cli.launcher import ManagedProcess, python_module, start_etcd, wait_grpc_healthy, wait_ports_file
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -47,31 +48,35 @@ ServiceStarter = Callable[..., tuple[ManagedProcess, str]]
 def start_service(run_dir: Path, etcd: str) -> Iterator[ServiceStarter]:
     """``start_service("kv_indexer", "--events-bind-endpoint", ...)`` -> (process, grpc address).
 
-    Starts ``python -m services.<name>`` with a free gRPC and metrics port and this session's
-    etcd, waits until its gRPC health is SERVING, and stops it after the test.
+    Starts ``python -m services.<name>`` on port 0 for gRPC and metrics with this session's etcd,
+    reads the ports it bound from its ``--ports-file`` (no port is picked before the bind, so none can
+    be taken meanwhile), waits until its gRPC health is SERVING, and stops it after the test.
     """
     started: list[ManagedProcess] = []
 
     def start(name: str, *args: str, env: dict[str, str] | None = None) -> tuple[ManagedProcess, str]:
-        port = free_port()
+        index = len(started)
+        ports_file = run_dir / f"{name}-{index}-{time.monotonic_ns()}.ports.json"
         proc = ManagedProcess(
             name,
             python_module(
                 f"services.{name}",
-                "--grpc-port", str(port),
-                "--metrics-port", str(free_port()),
+                "--grpc-port", "0",
+                "--metrics-port", "0",
+                "--ports-file", str(ports_file),
                 "--etcd-endpoints", etcd,
                 "--lease-ttl-seconds", "3",
                 *args,
             ),
-            run_dir / f"{name}-{port}.log",
+            ports_file.with_suffix(".log"),
             env=env or {},
         ).start()
         started.append(proc)
-        address = f"127.0.0.1:{port}"
         try:
+            port = wait_ports_file(ports_file, proc, 30.0)["grpc"]
+            address = f"127.0.0.1:{port}"
             wait_grpc_healthy(address, 30.0)
-        except TimeoutError as exc:
+        except (TimeoutError, RuntimeError) as exc:
             raise RuntimeError(f"{name} did not become healthy:\n{proc.log_tail()}") from exc
         return proc, address
 
