@@ -4,9 +4,11 @@ Starts a mesh (etcd, the five services, ``--engines`` simulated engines), keeps 
 closed-loop clients sending small completions (half streamed) through the router, and cycles
 through the faults: kill -9 + restart of an engine, kv_indexer, epp, flow_control and the router,
 etcd paused (SIGSTOP/SIGCONT), an engine flapping (SIGSTOP 1 s / SIGCONT 1 s). It reports errors by
-class (per fault window and overall), each fault's recovery time (from the fault to the end of
-the last failed request it caused), and RSS / open fds per service at start and end (growth over
-the run; a restarted service starts again from its restart), as tables, and optionally a PNG.
+class (per fault window and overall; a request counts in the window of the fault live when it
+ended), each fault's recovery time (from the fault to the end of the last failed request it
+caused) and one failure's detail per class, and RSS / open fds per service at start and end
+(growth over the run; a restarted service starts again from its restart), as tables, and
+optionally a PNG.
 
     .venv/bin/python bench/soak.py --minutes 3 [--plot soak.png] [--json soak.json]
 """
@@ -43,6 +45,8 @@ class FaultWindow:
     ended: float = 0.0
     classes: Counter[str] = field(default_factory=Counter)
     recovery_seconds: float = 0.0
+    examples: dict[str, str] = field(default_factory=dict)
+    """One failure's detail per class (the answer's body or the client's exception)."""
 
 
 def _faults(mesh: Mesh) -> list[tuple[str, Callable[[], Awaitable[None]]]]:
@@ -118,18 +122,22 @@ async def soak(mesh: Mesh, minutes: float, fault_every: float, concurrency: int,
         samples.append((time.monotonic() - t0, _sample(mesh)))
     for k, w in enumerate(windows):
         w.ended = windows[k + 1].started if k + 1 < len(windows) else end
-        mine = [o for o in load.outcomes if w.started <= o.started < w.ended]
+        # charged to the fault live when the request *ended*: a request started just before the router
+        # is killed dies with the router, not with the fault before it
+        mine = [o for o in load.outcomes if w.started <= o.ended < w.ended]
         w.classes = Counter(o.klass for o in mine)
-        failed = [o.ended for o in mine if o.klass != OK]
-        w.recovery_seconds = round(max(failed) - w.started, 2) if failed else 0.0
+        failed = [o for o in mine if o.klass != OK]
+        w.recovery_seconds = round(max(o.ended for o in failed) - w.started, 2) if failed else 0.0
+        for o in failed:
+            w.examples.setdefault(o.klass, o.detail[:300])
     first_fault = windows[0].started if windows else end
     return {
         "minutes": minutes,
         "requests": len(load.outcomes),
         "classes": dict(Counter(o.klass for o in load.outcomes)),
-        "before_first_fault": dict(Counter(o.klass for o in load.outcomes if o.started < first_fault)),
+        "before_first_fault": dict(Counter(o.klass for o in load.outcomes if o.ended < first_fault)),
         "faults": [{"name": w.name, "at_s": round(w.started - t0, 1), "classes": dict(w.classes),
-                    "recovery_s": w.recovery_seconds} for w in windows],
+                    "recovery_s": w.recovery_seconds, "examples": w.examples} for w in windows],
         "samples": [{"t_s": round(t, 1), "members": {n: {"pid": p, "rss_mb": round(r / 2**20, 1), "fds": f}
                                                       for n, (p, r, f) in s.items()}} for t, s in samples],
         "timeline": [(round(o.started - t0, 2), o.klass) for o in load.outcomes],

@@ -8,7 +8,7 @@ import grpc
 from opentelemetry import propagate
 from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
-from kvmesh.errors import KvmeshError, from_grpc_status
+from kvmesh.errors import KvmeshError, error_class_named, from_grpc_status
 
 ERROR_CLASS_TRAILER = "kvmesh-error-class"
 """Trailing-metadata key a kvmesh server sets on every status it answers for a domain error."""
@@ -78,4 +78,19 @@ def to_domain_error(
         error_cls = overrides.get(err.code())
         if error_cls is not None:
             return error_cls(f"{remote}: {err.details()}" if remote else str(err.details()))
+    named = _answered_class(err)
+    if named is not None:
+        return named(err.details() or err.code().name)
     return from_grpc_status(err.code().name, err.details() or err.code().name)
+
+
+def _answered_class(err: grpc.aio.AioRpcError) -> type[KvmeshError] | None:
+    """The domain error class the remote named in its :data:`ERROR_CLASS_TRAILER` (None when absent or unknown)."""
+    try:
+        trailers = err.trailing_metadata() or ()
+    except Exception:
+        return None
+    for key, value in trailers:
+        if key == ERROR_CLASS_TRAILER:
+            return error_class_named(str(value), err.code().name)
+    return None

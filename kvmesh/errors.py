@@ -140,12 +140,27 @@ REMOTE_ERRORS: dict[str, type[KvmeshError]] = {
 """The table read backwards: a remote gRPC status name -> the domain error a client re-raises.
 
 Each row is the first :data:`ERROR_TABLE` class with that status, so the error keeps its status
-and HTTP answer across a hop (``QueueFull`` and ``Shed`` arrive as ``Saturated``). Statuses not
+and HTTP answer across a hop; a kvmesh server also names its exact class in a trailer, which
+:func:`error_class_named` reads first (``QueueFull`` stays ``QueueFull``). Statuses not
 listed become a plain :class:`KvmeshError` (``INTERNAL``). ``DEADLINE_EXCEEDED`` is left out on
 purpose: it says "this call took too long", which only the caller can name, so callers pass it
 as a per-call override (:func:`kvmesh.channels.to_domain_error`): the router's admission call
 reads it as :class:`QueueTTLExpired`, its Pick call as :class:`NoEndpointsAvailable`.
 """
+
+
+def error_class_named(name: str, status_name: str) -> type[KvmeshError] | None:
+    """The :data:`ERROR_TABLE` class called ``name`` whose gRPC status is ``status_name``, else None.
+
+    A kvmesh server names its domain error's class in a trailer (``kvmesh-error-class``, see
+    :mod:`kvmesh.interceptors`); the client rebuilds that very class, so the kind survives a hop
+    (epp's :class:`UnknownModel` stays an ``UnknownModel`` at the router, not the table's first
+    ``NOT_FOUND`` row). The status must agree, so a trailer can never change an answer's class of status.
+    """
+    for cls, row in ERROR_TABLE.items():
+        if cls.__name__ == name and row.grpc_status == status_name:
+            return cls
+    return None
 
 
 def from_grpc_status(status_name: str, message: str) -> KvmeshError:
