@@ -12,6 +12,11 @@ prefix / queue / kv-utilization scorers, max-score picker):
   prepare step, decision, metrics), the prefix index answering the precomputed match at once.
 * ``pick (local index)``: the same, the prefix index a kv_indexer ``InMemoryIndex`` in the same
   process (keys computed from the token ids, prefix walk): an event-fed local replica's cost.
+* ``pick (kv_indexer Score over gRPC)`` / ``pick (Watch-fed replica)``: the same, the prefix index
+  epp's real clients of a real kv_indexer servicer on 127.0.0.1 (same index): ``rpc`` mode
+  (``GrpcPrefixIndex``: one ``Score`` call per pick) and ``replica`` mode (``ReplicaPrefixIndex``:
+  a ``PrefixReplica`` fed by ``KVIndexer/Watch``, scored in process); then both again behind epp's
+  gRPC ``Pick`` (the whole precise pick as the router sees it, minus the router).
 * ``gRPC Pick (match given)``: a real ``grpc.aio`` server (epp's servicer) on 127.0.0.1 and a
   client in the same process sending ``PickRequest.prompt_token_ids``; client-side latency.
 
@@ -42,12 +47,16 @@ from services.epp.datastore import Datastore, ScrapeSample
 from services.epp.framework.cycle_state import CycleState
 from services.epp.framework.interfaces import PluginHandle, PrefixMatch, SchedulingRequest
 from services.epp.framework.loader import build_profile, resolve_scheduling_config
+from services.epp.kv_indexer_client import GrpcPrefixIndex, ReplicaPrefixIndex
 from services.epp.plugins import default_registry
 from services.epp.plugins.filters.live_endpoint import LiveEndpointFilter, LiveEndpointFilterParams
 from services.epp.plugins.prepare.prefix_match import PREFIX_MATCH, TOKEN_IDS
 from services.epp.scheduler import Scheduler
 from services.epp.servicer import EndpointPickerServicer
+from services.kv_indexer.events.pool import EventPool
 from services.kv_indexer.index import InMemoryIndex
+from services.kv_indexer.indexer import BlockIndexer
+from services.kv_indexer.servicer import add_servicer as add_kv_indexer
 
 MODEL = "m"
 BLOCK = 64
@@ -207,6 +216,77 @@ async def run(args: argparse.Namespace) -> list[tuple[str, float, float, float]]
             rows.append(("gRPC Pick (no prompt: transport floor)", *percentiles(times)))
     finally:
         await server.stop(None)
+
+    rows.extend(await indexer_modes(args, datastore, index, requests, rnd))
+    return rows
+
+
+class _NoFeed:
+    def follow(self, endpoint: Endpoint) -> None: ...
+    def unfollow(self, endpoint_id: EndpointId) -> None: ...
+
+
+async def indexer_modes(
+    args: argparse.Namespace, datastore: Datastore, index: InMemoryIndex,
+    requests: list[tuple[SchedulingRequest, PrefixMatch]], rnd: random.Random,
+) -> list[tuple[str, float, float, float]]:
+    """The precise pick with a real kv_indexer servicer: Score per pick (rpc) vs the Watch-fed replica."""
+    rows: list[tuple[str, float, float, float]] = []
+    kv_server = grpc.aio.server()
+    add_kv_indexer(kv_server, BlockIndexer(index, EventPool(index, workers=1), _NoFeed()))
+    kv_port = kv_server.add_insecure_port("127.0.0.1:0")
+    await kv_server.start()
+    rpc = GrpcPrefixIndex(f"127.0.0.1:{kv_port}", 5.0)
+    replica = ReplicaPrefixIndex(f"127.0.0.1:{kv_port}", 5.0, stale_seconds=60.0)
+    feeder = asyncio.create_task(replica.run())
+    try:
+        while not replica.replica.synced:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        for (request, match), _ in zip(requests[:50], range(50), strict=False):  # the replica's answers are kv_indexer's
+            ours = await replica.score(MODEL, request.token_ids, [])
+            assert ours.matched_blocks == match.matched_blocks and ours.total_blocks == match.total_blocks
+        for label, prefix_index in (("pick (kv_indexer Score over gRPC)", rpc), ("pick (Watch-fed replica)", replica)):
+            scheduler = make_scheduler(datastore, prefix_index, args.config)
+            for request, _ in requests[:20]:
+                await scheduler.pick(request)
+            times = []
+            for r, (request, _) in enumerate(requests):
+                if r % 50 == 0:
+                    scrape(datastore, rnd)
+                start = time.perf_counter()
+                await scheduler.pick(request)
+                times.append(time.perf_counter() - start)
+            rows.append((label, *percentiles(times)))
+        for label, prefix_index in (("gRPC Pick, kv_indexer Score (rpc)", rpc), ("gRPC Pick, replica", replica)):
+            scheduler = make_scheduler(datastore, prefix_index, args.config)
+            server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+            epp_pb2_grpc.add_EndpointPickerServicer_to_server(EndpointPickerServicer(scheduler), server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            try:
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    stub = epp_pb2_grpc.EndpointPickerStub(channel)
+                    protos = [epp_pb2.PickRequest(request_id=req.request_id, model=MODEL, prompt_token_ids=req.token_ids)
+                              for req, _ in requests]
+                    for proto in protos[:20]:
+                        await stub.Pick(proto, timeout=10)
+                    times = []
+                    for r, proto in enumerate(protos):
+                        if r % 50 == 0:
+                            scrape(datastore, rnd)
+                        start = time.perf_counter()
+                        await stub.Pick(proto, timeout=10)
+                        times.append(time.perf_counter() - start)
+                    rows.append((label, *percentiles(times)))
+            finally:
+                await server.stop(None)
+        assert replica.rpc_scores == 0, "the replica fell back to Score during the run"
+    finally:
+        feeder.cancel()
+        await asyncio.gather(feeder, return_exceptions=True)
+        await rpc.close()
+        await replica.close()
+        await kv_server.stop(None)
     return rows
 
 

@@ -46,6 +46,7 @@ from kvmesh_cli.launcher import free_port
 from services.kv_indexer.events.pool import EndpointState, EventPool
 from services.kv_indexer.events.replay import ZmqReplayer
 from services.kv_indexer.index import InMemoryIndex
+from services.kv_indexer.index.residency import ResidencyLog
 
 
 def bench(
@@ -129,8 +130,11 @@ def vllm_batches(messages: int, block_size: int, capacity: int, seed: int = 0) -
     return payloads, block_events, events_total
 
 
-async def ingest_bench(messages: int, capacity: int, repeats: int) -> dict[str, float]:
-    """Decode-only and end-to-end (EventPool -> InMemoryIndex) rates, and memory per held block."""
+async def ingest_bench(messages: int, capacity: int, repeats: int, watched: bool = False) -> dict[str, float]:
+    """Decode-only and end-to-end (EventPool -> InMemoryIndex) rates, and memory per held block.
+
+    ``watched``: a replica watches (``KVIndexer/Watch``): the index records residency changes and a
+    task drains them into ``WatchResponse`` deltas as the servicer does (no socket), in the same loop."""
     import gc
     import tracemalloc
 
@@ -151,11 +155,23 @@ async def ingest_bench(messages: int, capacity: int, repeats: int) -> dict[str, 
         pool = EventPool(index, workers=1, queue_size=len(payloads) + 1)
         pool.endpoint_joined(endpoint)
         pool.start()
+        drain = None
+        if watched:
+            index.residency = ResidencyLog()
+            drain_seq[0] = 0
+            drain = asyncio.create_task(_watch_drain(index.residency))
         gc.collect()
         start = time.perf_counter()
         for seq, payload in enumerate(payloads):
             pool.submit(RawMessage(endpoint.id, "m", seq, payload))
         await pool.drained()
+        if drain is not None:
+            await asyncio.sleep(0)
+            while index.residency.seq > drain_seq[0]:  # type: ignore[union-attr]  # noqa: ASYNC110
+                await asyncio.sleep(0)
+            drain.cancel()
+            keys_sent = await asyncio.gather(drain, return_exceptions=True)
+            assert index.residency is not None and index.residency.seq > 0, keys_sent
         apply_s.append(time.perf_counter() - start)
         await pool.shutdown()
         assert pool.state(endpoint.id) is EndpointState.LIVE and not pool.stats.dropped
@@ -192,6 +208,31 @@ async def ingest_bench(messages: int, capacity: int, repeats: int) -> dict[str, 
     print(f"(best of {repeats}; target >= 1,000,000 block events/s: {'met' if row['rate'] >= 1e6 else 'MISSED'}; "
           f"B/block = traced bytes of the index / held blocks, including {recent:,} recently removed hash->key pairs)")
     return row
+
+
+drain_seq = [0]
+
+
+async def _watch_drain(log: ResidencyLog) -> int:
+    """What a watcher costs the indexer's loop: residency records turned into Watch deltas."""
+    from services.kv_indexer.servicer import _deltas
+
+    wake = asyncio.Event()
+    log.add_listener(wake.set)
+    seq = keys = 0
+    try:
+        while True:
+            if log.seq <= seq:
+                await wake.wait()
+                wake.clear()
+            records = log.since(seq, 65536) or []
+            seq += len(records)
+            drain_seq[0] = seq
+            deltas = _deltas(records)
+            keys += sum(len(d.added_keys) + len(d.removed_keys) for d in deltas)
+            await asyncio.sleep(0)
+    except asyncio.CancelledError:
+        return keys
 
 
 async def replay_bench(events: int, block_size: int, working_set: int) -> None:
@@ -327,6 +368,7 @@ def main() -> None:
     parser.add_argument("--pause", type=float, default=30.0, help="etcd-pause: seconds etcd is stopped")
     parser.add_argument("--lease-ttl", type=int, default=10)
     parser.add_argument("--requests", type=int, default=100)
+    parser.add_argument("--watched", action="store_true", help="ingest: also with a replica watching (Watch deltas built)")
     parser.add_argument("--plot", type=Path, default=None, help="score/ingest: write a PNG here (matplotlib)")
     args = parser.parse_args()
     if args.mode == "replay":
@@ -337,6 +379,9 @@ def main() -> None:
         return
     if args.mode == "ingest":
         row = asyncio.run(ingest_bench(args.messages, args.capacity, max(1, min(args.repeats, 3))))
+        if args.watched:
+            print("the same, a replica watching:")
+            asyncio.run(ingest_bench(args.messages, args.capacity, max(1, min(args.repeats, 3)), watched=True))
         if args.plot:
             _plot(args.plot, "kv_indexer ingest (block events/s)", ["decode only", "end to end", "target"],
                   [row["decode_rate"], row["rate"], 1e6])

@@ -22,7 +22,9 @@ sglang-router and vllm-router in front of the *same* engine. Then, all in this o
 
 Options ``--env KEY=VALUE`` pass settings to every mesh process (e.g.
 ``KVMESH_ROUTER_ENGINE_HTTP_CLIENT=httpx``, ``KVMESH_EVENT_LOOP=asyncio``: the A/B of
-docs/BENCHMARKS.md §3).
+docs/BENCHMARKS.md §3). ``--baseline-env KEY=VALUE`` (repeatable) runs an A/B in one run instead:
+a second mesh with those settings beside the first, both measured interleaved (on a shared machine
+the load moves between separate runs by more than the effects measured).
 """
 
 from __future__ import annotations
@@ -156,6 +158,9 @@ def main() -> int:
     parser.add_argument("--idle-only", action="store_true", help="only the idle-cost mesh")
     parser.add_argument("--ab", action="store_true",
                         help="kvmesh only (no peers, no round-robin mesh, no idle mesh): for A/B runs with --env")
+    parser.add_argument("--baseline-env", action="append", default=[],
+                        help="KEY=VALUE: also start a second kvmesh mesh with these settings on top of --env and "
+                             "measure both side by side, interleaved (kvmesh only; an A/B in one run)")
     parser.add_argument("--plot", type=Path, help="write a latency CDF PNG here")
     ns = parser.parse_args()
     env = dict(item.split("=", 1) for item in ns.env)
@@ -163,6 +168,9 @@ def main() -> int:
     if shutil.which("wrk") is None:
         console.print("wrk is missing: `make bench-deps` (apt-get install wrk)")
         return 2
+    if ns.baseline_env:
+        _side_by_side(console, ns, env, dict(item.split("=", 1) for item in ns.baseline_env))
+        return 0
     latency: dict[str, list[float]] = {}
     added: dict[str, float] = {}
     throughput: dict[str, float] = {}
@@ -292,6 +300,71 @@ def _print_tables(console: Console, ns: argparse.Namespace, latency: dict[str, l
     console.print("command: " + " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
     if ns.plot:
         _plot(console, ns.plot, latency)
+
+
+def _side_by_side(console: Console, ns: argparse.Namespace, env: dict[str, str], baseline: dict[str, str]) -> None:
+    """Two kvmesh meshes (``--env`` and ``--env`` + ``--baseline-env``), each with its own engine,
+    measured interleaved in one run: sequential latency (each router against its own engine direct),
+    the router's stages, wrk throughput and CPU per request of every process."""
+    label_b = "kvmesh baseline (" + " ".join(f"{k}={v}" for k, v in baseline.items()) + ")"
+    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-") as tmp:
+        run_dir = Path(tmp)
+        spec_a = MeshSpec(run_dir=run_dir / "a", engines=1, policy=ns.policy, time_scale=1000.0, extra_env=env)
+        spec_b = MeshSpec(run_dir=run_dir / "b", engines=1, policy=ns.policy, time_scale=1000.0,
+                          extra_env={**env, **baseline})
+        lua = _wrk_script(run_dir / "ids.lua", _body(spec_a.model, False))
+        with Mesh(spec_a) as a, Mesh(spec_b) as b, httpx.Client(timeout=30) as client:
+            meshes = {"kvmesh": a, label_b: b}
+            targets = [("direct A", a.engine_urls[0], False), ("kvmesh", a.router_url, False),
+                       ("direct B", b.engine_urls[0], False), (label_b, b.router_url, False)]
+            for name, url, text in targets:
+                _measure(client, f"{url}/v1/completions", _body(spec_a.model, text), 30, f"warm-up {name}")
+            before = {k: _scrape(str(m.member("router").metrics)) for k, m in meshes.items()}
+            latency = _interleaved(client, spec_a.model, targets, ns.requests)
+            after = {k: _scrape(str(m.member("router").metrics)) for k, m in meshes.items()}
+            throughput: dict[str, float] = {}
+            cpu: dict[str, dict[str, float]] = {}
+            for key, mesh in meshes.items():
+                throughput["direct " + ("A" if mesh is a else "B")] = _wrk(mesh.engine_urls[0], lua, ns.connections,
+                                                                         ns.duration)
+                c0 = _mesh_cpu(mesh)
+                served0 = _scrape(str(mesh.member("router").metrics)).get(
+                    ("kvmesh_router_requests_total", "outcome=success"), 0.0)
+                throughput[key] = _wrk(mesh.router_url, lua, ns.connections, ns.duration)
+                c1 = _mesh_cpu(mesh)
+                served = _scrape(str(mesh.member("router").metrics)).get(
+                    ("kvmesh_router_requests_total", "outcome=success"), 0.0) - served0
+                cpu[key] = {k: 1000 * (c1[k] - c0[k]) / max(1.0, served) for k in c1}
+    table = Table(title=f"side by side, {ns.requests} interleaved rounds, {ns.policy} (ms)")
+    for column in ("path", "p50", "p90", "p99", "added p50", "added p99", "req/s", "/ direct"):
+        table.add_column(column, justify="right" if column != "path" else "left")
+    for name, values in latency.items():
+        direct = latency["direct A" if name in ("direct A", "kvmesh") else "direct B"]
+        own = "direct A" if name in ("direct A", "kvmesh") else "direct B"
+        added = "" if name.startswith("direct") else f"{1000 * (_percentile(values, 50) - _percentile(direct, 50)):.2f}"
+        added99 = "" if name.startswith("direct") else f"{1000 * (_percentile(values, 99) - _percentile(direct, 99)):.2f}"
+        ratio = throughput[name] / throughput[own] if throughput.get(own) else 0.0
+        table.add_row(name, *(f"{1000 * _percentile(values, q):.2f}" for q in (50, 90, 99)), added, added99,
+                      f"{throughput[name]:.0f}", f"{ratio:.2f}")
+    console.print(table)
+    stages = Table(title="router stages over the sequential run (mean ms per request)")
+    stages.add_column("stage")
+    for key in meshes:
+        stages.add_column(key, justify="right")
+    rows = {key: dict(_stage_rows(before[key], after[key], "kvmesh_router_stage_duration_seconds", ns.requests))
+            for key in meshes}
+    for stage in sorted(set().union(*rows.values())):
+        stages.add_row(stage.removeprefix("stage="), *(f"{rows[key].get(stage, 0.0):.3f}" for key in meshes))
+    console.print(stages)
+    cpu_table = Table(title=f"CPU per request at {ns.connections} connections (ms)")
+    names = sorted(set().union(*(row.keys() for row in cpu.values())))
+    cpu_table.add_column("mesh")
+    for n in names:
+        cpu_table.add_column(n, justify="right")
+    for key, row in cpu.items():
+        cpu_table.add_row(key, *(f"{row.get(n, 0.0):.2f}" for n in names))
+    console.print(cpu_table)
+    console.print("command: " + " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
 
 
 def _idle_cost(run_dir: Path, ns: argparse.Namespace, env: dict[str, str]) -> dict[str, float]:

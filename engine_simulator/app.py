@@ -177,7 +177,8 @@ class EngineSimulator:
         if self.offload is not None and self.offload.config.uses_kv_store:
             from engine_simulator.offload_client import KVStoreUploader  # gRPC only when kv_store is used
 
-            uploader = KVStoreUploader(self.offload, self._kv_stores().split(",")[0], config.offload_put_value_bytes)
+            uploader = KVStoreUploader(self.offload, self._kv_stores().split(",")[0], config.offload_put_value_bytes,
+                                       clock=engine.clock)
             uploader.start()
         state = ServerState(engine, self.renderer, config.model, config.max_model_len, self.tokenizer_dir,
                             int(time.time()), metrics_delay_seconds=config.fault_metrics_delay_seconds,

@@ -5,11 +5,23 @@ vLLM 0.32 (``vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.p
 
 * **Store** as blocks fill: every full block the engine computes is copied GPU -> CPU in the
   background (the connector's scheduler side collects a request's newly computed full blocks each
-  step); the GPU copy stays, so offload never delays the step. The CPU tier is an LRU of
-  ``cpu_capacity_blocks``; storing a block that is already there only refreshes it.
+  step); the GPU copy stays, so offload never delays the step. The copy takes modeled time (below)
+  on the GPU's device-to-host PCIe lane, one store job after another; the block is in the CPU tier
+  (loadable, evictable, announced) only when its job completes (vLLM's ``complete_store``). The CPU
+  tier is an LRU of ``cpu_capacity_blocks`` that counts blocks being stored, which cannot be evicted
+  (vLLM's ``LRUOffloadingManager``: ``prepare_store`` only evicts ready, unreferenced blocks);
+  storing a block that is already there only refreshes it. With kv_store, a block that finds no
+  CPU room is still copied (through a staging buffer) for its kv_store put, without entering CPU.
+* **Back-pressure.** A store whose blocks do not fit (the CPU tier full of blocks still being
+  stored, or more than ``max_inflight_store_blocks`` in flight) is skipped for those blocks, as
+  vLLM's ``prepare_store`` returning ``None`` skips a store: the engine step never waits for
+  offload, the backlog stays bounded, and a later store of the same block retries
+  (``OffloadStats.store_skipped_blocks``).
 * **Events** (``take_events``): ``BlockStored`` with ``token_ids=[]``, ``parent_block_hash=None``
-  and ``medium="CPU"`` for blocks that entered the CPU tier, ``BlockRemoved(medium="CPU")`` for
+  and ``medium="CPU"`` for blocks whose store completed, ``BlockRemoved(medium="CPU")`` for
   blocks its LRU evicted. kv_indexer applies this token-less form (``docs/kv-store.md``).
+* **Model time.** The manager is pure: the scheduler passes the model time (:meth:`OffloadManager.advance`,
+  at every ``schedule``), which completes the store jobs and kv_store writes due by then.
 * **Load**: a waiting request's prefix is first matched against the GPU prefix cache; the blocks
   right after the GPU hit are then looked up in the offloaded tiers (``lookup``: the longest run
   present). Those blocks are loaded asynchronously: the request holds GPU blocks for them, waits
@@ -17,12 +29,16 @@ vLLM 0.32 (``vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.p
   them counted as computed (they are never recomputed); the loaded blocks then enter the GPU
   prefix cache (``BlockStored(medium="GPU")``) as vLLM caches them once the load finishes.
 * **kv_store tier** (``mode="cpu+kv_store"``, kvmesh's extension of the connector): every block
-  stored to CPU is also queued for a gRPC ``Put`` to kv_store under
+  whose CPU store completed is also queued for a gRPC ``Put`` to kv_store (CPU -> kv_store, as
+  LMCache's remote backend writes from host memory) under
   ``vllm:<model>:<block_size>:<hash as 16 hex>`` with the block's own one-block ``BlockStored``
   (token ids included) as ``block_stored_event``, so kv_store publishes it for kv_indexer. The I/O
   side (:class:`engine_simulator.app.KVStoreUploader`) drains :meth:`OffloadManager.take_puts` and
   reports each success back with the tier kv_store put it on (:meth:`remote_stored`); a block
-  counts as loadable from kv_store only after that.
+  counts as loadable from kv_store only after that *and* after its modeled network transfer
+  (each put taken occupies the host's egress lane for its transfer time, one after another). At
+  most ``max_pending_puts`` puts are queued or in flight; beyond that a block is not written to
+  kv_store (``OffloadStats.puts_skipped``; a later store retries).
 
 Transfer time of a load (model seconds), per block of ``bytes_per_block`` bytes::
 
@@ -31,6 +47,12 @@ Transfer time of a load (model seconds), per block of ``bytes_per_block`` bytes:
     kv_store, DISK/SHARED: bytes / min(nvme_bandwidth, network_bandwidth, pcie_bandwidth)
 
 plus ``load_latency_seconds`` once per load (remote loads add ``network_latency_seconds``).
+Stores take the same bandwidths in the other direction (PCIe and NICs are full duplex, so stores
+never slow loads down)::
+
+    GPU -> CPU store job of n blocks:   load_latency_seconds + n * bytes / pcie_bandwidth
+    CPU -> kv_store put of one block:   network_latency_seconds + bytes / min(network_bandwidth, pcie_bandwidth)
+
 Defaults (sources):
 
 * ``bytes_per_block``: 131,072 B of KV per token for Llama-3.1-8B BF16 (the latency model's
@@ -45,7 +67,7 @@ Defaults (sources):
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -80,10 +102,14 @@ class OffloadConfig:
     network_bandwidth: float = 25e9
     load_latency_seconds: float = 50e-6
     network_latency_seconds: float = 200e-6
+    max_inflight_store_blocks: int = 4096
+    """Blocks being copied GPU -> CPU at once (32 GiB of 8 MiB blocks, ~0.7 s of PCIe at 50 GB/s); more are skipped."""
+    max_pending_puts: int = 4096
+    """kv_store puts queued or in flight at once; more are skipped."""
 
     def __post_init__(self) -> None:
         for name in ("cpu_capacity_blocks", "bytes_per_block", "pcie_bandwidth", "nvme_bandwidth",
-                     "network_bandwidth"):
+                     "network_bandwidth", "max_inflight_store_blocks", "max_pending_puts"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("load_latency_seconds", "network_latency_seconds"):
@@ -98,6 +124,14 @@ class OffloadConfig:
     def uses_kv_store(self) -> bool:
         return self.mode == OffloadMode.CPU_KV_STORE
 
+    def store_seconds(self, num_blocks: int) -> float:
+        """Model seconds of one GPU -> CPU store job of ``num_blocks`` blocks."""
+        return self.load_latency_seconds + num_blocks * self.bytes_per_block / self.pcie_bandwidth
+
+    def put_seconds(self) -> float:
+        """Model seconds of one CPU -> kv_store put of a block."""
+        return self.network_latency_seconds + self.bytes_per_block / min(self.network_bandwidth, self.pcie_bandwidth)
+
 
 @dataclass(frozen=True, slots=True)
 class PendingPut:
@@ -106,6 +140,8 @@ class PendingPut:
     block_hash: int
     key: str
     event: BlockStored
+    done_at: float = 0.0
+    """Model time its transfer over the network completes (set when taken)."""
 
 
 @dataclass(slots=True)
@@ -135,6 +171,15 @@ class OffloadStats:
     load_seconds: float = 0.0
     loads: int = 0
     by_medium: dict[str, int] = field(default_factory=dict)
+    store_jobs: int = 0
+    store_seconds: float = 0.0
+    """Modeled GPU -> CPU transfer seconds of every store job (the lane's busy time)."""
+    store_skipped_blocks: int = 0
+    """Blocks not offloaded: the CPU tier or the in-flight bound was full of blocks still being stored."""
+    puts_skipped: int = 0
+    """Blocks not written to kv_store: ``max_pending_puts`` were queued or in flight."""
+    put_seconds: float = 0.0
+    """Modeled CPU -> kv_store transfer seconds of every put taken."""
 
 
 def kv_store_key(model: str, block_size: int, block_hash: int) -> str:
@@ -161,9 +206,23 @@ class OffloadManager:
         self.block_size = block_size
         self.model = model
         self._cpu: OrderedDict[int, None] = OrderedDict()
+        """Blocks in the CPU tier whose store completed, least recently used first."""
+        self._jobs: deque[tuple[float, list[int], list[BlockStored], int]] = deque()
+        """Store jobs in flight on the D2H lane, in completion order: (done at, CPU-bound hashes, kv_store
+        events, blocks copied for kv_store only)."""
+        self._storing: set[int] = set()
+        self._transit = 0
+        self._pcie_free_at = 0.0
+        self._net_free_at = 0.0
+        self.now = 0.0
+        """The model time of the last :meth:`advance`."""
         self._remote: dict[int, str] = {}
         """Hash -> the kv_store medium it was put on (CPU, DISK or SHARED)."""
+        self._arriving: dict[int, tuple[float, str]] = {}
+        """Acknowledged puts whose modeled transfer is not over yet: hash -> (done at, medium)."""
         self._queued: set[int] = set()
+        self._taken: dict[int, float] = {}
+        """Puts handed to the uploader, not yet answered: hash -> modeled done time."""
         self._puts: list[PendingPut] = []
         self._events: list[KVEvent] = []
         self.stats = OffloadStats()
@@ -172,6 +231,11 @@ class OffloadManager:
     @property
     def num_cpu_blocks(self) -> int:
         return len(self._cpu)
+
+    @property
+    def num_storing_blocks(self) -> int:
+        """Blocks whose GPU -> CPU copy is in flight (they hold CPU-tier room, are not loadable yet)."""
+        return len(self._storing) + self._transit
 
     @property
     def num_remote_blocks(self) -> int:
@@ -195,6 +259,50 @@ class OffloadManager:
                 break
             n += 1
         return n
+
+    def advance(self, now: float) -> None:
+        """Model time is ``now``: complete the store jobs and kv_store transfers due by then."""
+        if now < self.now:
+            return
+        self.now = now
+        while self._jobs and self._jobs[0][0] <= now:
+            _, hashes, puts, transit = self._jobs.popleft()
+            self._transit -= transit
+            self._complete_store(hashes, puts)
+        if self._arriving:
+            for h in [h for h, (done, _) in self._arriving.items() if done <= now]:
+                self._remote[h] = self._arriving.pop(h)[1]
+
+    def next_store_done(self) -> float | None:
+        """Model time the earliest in-flight store job completes; None when none is in flight."""
+        return self._jobs[0][0] if self._jobs else None
+
+    def _complete_store(self, hashes: list[int], puts: list[BlockStored]) -> None:
+        new: list[ExternalBlockHash] = []
+        for h in hashes:
+            self._storing.discard(h)
+            self._cpu[h] = None
+            new.append(h)
+        if new:
+            self.stats.stored_blocks += len(new)
+            self._events.append(
+                BlockStored(block_hashes=new, parent_block_hash=None, token_ids=[], block_size=self.block_size,
+                            medium=CPU_MEDIUM)
+            )
+        for event in puts:
+            self._queue_put(event)
+
+    def _queue_put(self, event: BlockStored) -> None:
+        """Queue the kv_store write of a block now in the CPU tier (once; bounded by ``max_pending_puts``)."""
+        h = int(event.block_hashes[0])
+        if h in self._remote or h in self._queued or h in self._arriving or h in self._taken:
+            return
+        if len(self._puts) + len(self._taken) >= self.config.max_pending_puts:
+            self.stats.puts_skipped += 1
+            return
+        self._queued.add(h)
+        self._puts.append(PendingPut(h, kv_store_key(self.model, event.block_size, h), event))
+        self.stats.puts_queued += 1
 
     def plan_load(self, block_hashes: Sequence[int]) -> LoadPlan:
         """The transfer of ``block_hashes`` (all present, see :meth:`lookup`): CPU where there, else kv_store."""
@@ -234,50 +342,80 @@ class OffloadManager:
         return plan
 
     def store(self, stored: BlockStored) -> None:
-        """Offload the blocks of a GPU ``BlockStored`` (the blocks just filled): CPU tier, then kv_store.
+        """Offload the blocks of a GPU ``BlockStored`` (the blocks just filled): one store job on the
+        D2H lane (then kv_store puts), completing at ``max(now, lane free) + store_seconds(n)``.
 
-        Emits one token-less ``BlockStored(medium=CPU)`` for the blocks new to the CPU tier and a
-        ``BlockRemoved(medium=CPU)`` per block its LRU evicts to make room.
+        Blocks already in the CPU tier are refreshed; blocks already being stored are left alone; the
+        LRU evicts ready blocks to make room (``BlockRemoved(medium=CPU)`` at once); blocks that find
+        no room are skipped (see the module docstring). ``BlockStored(medium=CPU)`` follows when the
+        job completes (:meth:`advance`).
         """
         cfg = self.config
-        new: list[ExternalBlockHash] = []
         bs = stored.block_size
         hashes = [h if isinstance(h, int) else int.from_bytes(h[-8:], "big") for h in stored.block_hashes]
+        job: list[int] = []
+        transit = 0
+        puts: list[BlockStored] = []
+        def put_event(i: int, h: int) -> BlockStored:
+            extra = stored.extra_keys[i] if stored.extra_keys else None
+            return BlockStored(
+                block_hashes=[h], parent_block_hash=hashes[i - 1] if i > 0 else stored.parent_block_hash,
+                token_ids=stored.token_ids[i * bs:(i + 1) * bs], block_size=bs, lora_id=stored.lora_id,
+                medium="GPU", lora_name=stored.lora_name, extra_keys=[extra],
+            )
+
         for i, h in enumerate(hashes):
             if h in self._cpu:
                 self._cpu.move_to_end(h)
+                if cfg.uses_kv_store:
+                    self._queue_put(put_event(i, h))  # in CPU already: a failed put is retried from there
+                continue
+            if h in self._storing:
+                continue
+            if self.num_storing_blocks + transit >= cfg.max_inflight_store_blocks:
+                self.stats.store_skipped_blocks += 1
+                continue
+            while len(self._cpu) + len(self._storing) >= cfg.cpu_capacity_blocks and self._cpu:
+                old, _ = self._cpu.popitem(last=False)
+                self.stats.evicted_blocks += 1
+                self._events.append(BlockRemoved(block_hashes=[old], medium=CPU_MEDIUM))
+            if len(self._cpu) + len(self._storing) < cfg.cpu_capacity_blocks:
+                self._storing.add(h)
+                job.append(h)
+            elif cfg.uses_kv_store:
+                transit += 1  # no CPU room (all of it being stored): copied through for kv_store only
             else:
-                while len(self._cpu) >= cfg.cpu_capacity_blocks:
-                    old, _ = self._cpu.popitem(last=False)
-                    self.stats.evicted_blocks += 1
-                    self._events.append(BlockRemoved(block_hashes=[old], medium=CPU_MEDIUM))
-                self._cpu[h] = None
-                new.append(h)
-            if cfg.uses_kv_store and h not in self._remote and h not in self._queued:
-                parent = hashes[i - 1] if i > 0 else stored.parent_block_hash
-                extra = stored.extra_keys[i] if stored.extra_keys else None
-                event = BlockStored(
-                    block_hashes=[h], parent_block_hash=parent, token_ids=stored.token_ids[i * bs:(i + 1) * bs],
-                    block_size=bs, lora_id=stored.lora_id, medium="GPU", lora_name=stored.lora_name,
-                    extra_keys=[extra],
-                )
-                self._queued.add(h)
-                self._puts.append(PendingPut(h, kv_store_key(self.model, bs, h), event))
-                self.stats.puts_queued += 1
-        if new:
-            self.stats.stored_blocks += len(new)
-            self._events.append(
-                BlockStored(block_hashes=new, parent_block_hash=None, token_ids=[], block_size=bs,
-                            medium=CPU_MEDIUM)
-            )
+                self.stats.store_skipped_blocks += 1  # every CPU block is still being stored
+                continue
+            if cfg.uses_kv_store:
+                puts.append(put_event(i, h))
+        if not job and not transit:
+            return
+        seconds = cfg.store_seconds(len(job) + transit)
+        done = max(self.now, self._pcie_free_at) + seconds
+        self._pcie_free_at = done
+        self._transit += transit
+        self._jobs.append((done, job, puts, transit))
+        self.stats.store_jobs += 1
+        self.stats.store_seconds += seconds
 
     def take_puts(self, limit: int | None = None) -> list[PendingPut]:
-        """Queued kv_store writes, oldest first (at most ``limit``)."""
+        """Queued kv_store writes, oldest first (at most ``limit``), each given its modeled network
+        transfer on the egress lane (``done_at``): the I/O side sends them now, and a block becomes
+        loadable from kv_store once acknowledged and ``done_at`` has passed."""
         if limit is None or limit >= len(self._puts):
             puts, self._puts = self._puts, []
         else:
             puts, self._puts = self._puts[:limit], self._puts[limit:]
-        return puts
+        seconds = self.config.put_seconds()
+        timed = []
+        for put in puts:
+            done = max(self.now, self._net_free_at) + seconds
+            self._net_free_at = done
+            self.stats.put_seconds += seconds
+            self._taken[put.block_hash] = done
+            timed.append(PendingPut(put.block_hash, put.key, put.event, done))
+        return timed
 
     @property
     def num_pending_puts(self) -> int:
@@ -286,25 +424,34 @@ class OffloadManager:
     def remote_stored(self, block_hash: int, medium: str) -> None:
         """kv_store acknowledged a put on ``medium`` (``CPU``, ``DISK``, ``SHARED``)."""
         self._queued.discard(block_hash)
-        self._remote[block_hash] = medium
+        done = self._taken.pop(block_hash, 0.0)
+        if done <= self.now:
+            self._remote[block_hash] = medium
+        else:
+            self._arriving[block_hash] = (done, medium)
         self.stats.puts_done += 1
         self.stats.by_medium[medium] = self.stats.by_medium.get(medium, 0) + 1
 
     def remote_failed(self, block_hash: int) -> None:
         """A put failed (kv_store down or full): the block is not loadable from kv_store; a later store retries."""
         self._queued.discard(block_hash)
+        self._taken.pop(block_hash, None)
         self.stats.puts_failed += 1
 
     def remote_missing(self, block_hashes: Sequence[int]) -> None:
         """kv_store no longer holds these (found by a read or a Contains): forget them."""
         for h in block_hashes:
             self._remote.pop(h, None)
+            self._arriving.pop(h, None)
 
     def reset(self) -> None:
         """``/reset_prefix_cache``: drop the CPU tier (``BlockRemoved(medium=CPU)``); kv_store keeps its values."""
         if self._cpu:
             self._events.append(BlockRemoved(block_hashes=list(self._cpu), medium=CPU_MEDIUM))
             self._cpu.clear()
+        self._jobs.clear()  # stores in flight complete into nothing
+        self._storing.clear()
+        self._transit = 0
 
     def take_events(self) -> list[KVEvent]:
         """CPU-tier events since the last call, in order."""

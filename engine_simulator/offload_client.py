@@ -8,6 +8,14 @@ KV), and the block's vLLM ``BlockStored`` (msgpack map) as ``block_stored_event`
 for kv_indexer. A success records the tier kv_store put it on (``PutResponse.medium``), after which the
 block is loadable from kv_store. kv_store down or refusing is a degraded mode: the put is dropped and
 counted (``OffloadStats.puts_failed``), the engine runs on, and a later store of the block retries.
+
+Modeled time: the uploader advances the manager to the engine clock's model time at every poll
+(``clock``), so store jobs and network transfers complete while the engine is idle too; each put
+it takes carries its modeled transfer (``PendingPut.done_at``, on the host's egress lane), and the
+block becomes loadable from kv_store once both the real put was acknowledged and that time passed.
+Back-pressure: at most ``concurrency`` puts are on the wire, and the manager queues at most
+``OffloadConfig.max_pending_puts`` (more are skipped and counted), so a slow kv_store never grows
+the engine's memory nor delays its steps.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import msgspec
 
 from engine_simulator.offload import OffloadManager, PendingPut
 from kvmesh._proto.kvmesh.kv_store.v1 import kv_store_pb2, kv_store_pb2_grpc
+from kvmesh.clock import Clock
 from kvmesh.wire import medium_from_proto
 
 logger = logging.getLogger(__name__)
@@ -37,11 +46,13 @@ class KVStoreUploader:
         value_bytes: bytes sent per block.
         concurrency: puts in flight at once.
         timeout_seconds: deadline of one put (wall seconds).
+        clock: the engine's clock (model seconds); None: the manager advances only with the engine's steps.
     """
 
     def __init__(self, manager: OffloadManager, address: str, value_bytes: int = 4096, concurrency: int = 8,
-                 timeout_seconds: float = 5.0) -> None:
+                 timeout_seconds: float = 5.0, clock: Clock | None = None) -> None:
         self.manager = manager
+        self.clock = clock
         self.address = address
         self.value = b"\0" * value_bytes
         self.concurrency = concurrency
@@ -77,6 +88,8 @@ class KVStoreUploader:
         assert self._channel is not None
         stub = kv_store_pb2_grpc.KVStoreStub(self._channel)
         while True:
+            if self.clock is not None:
+                self.manager.advance(self.clock.now())
             puts = self.manager.take_puts(self.concurrency * 4)
             if not puts:
                 await asyncio.sleep(0.005)

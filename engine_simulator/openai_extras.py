@@ -9,6 +9,7 @@
 | :meth:`ExtraRoutes.embeddings` | served only by the pooling runner (``--runner pooling``): ``input`` text, token ids or a batch -> ``{"object": "list", "data": [{"index", "object": "embedding", "embedding"}], "usage"}``; ``encoding_format`` float or base64 (little-endian float32) |
 | :meth:`ExtraRoutes.detokenize` | ``{"model", "tokens"}`` -> ``{"prompt": text}`` |
 | :meth:`ExtraRoutes.responses` | generate runner: ``input`` (string or message items) and ``instructions`` through the chat template, ``max_output_tokens``; answer ``object: "response"`` with one ``message`` output item; ``stream`` sends ``event: response.created`` / ``response.output_text.delta`` / ``response.completed`` |
+| :class:`ResponseStore` | ``VLLM_ENABLE_RESPONSES_API_STORE=1`` (vLLM's env): ``store`` (default true) keeps the response and its conversation in this server's memory; ``previous_response_id`` continues it (its messages, then the stored output as the assistant's turn), 404 ``Response with id '<id>' not found.`` (``invalid_request_error``, ``param`` ``response_id``) when this server does not hold it; ``GET /v1/responses/{id}`` returns it, ``POST /v1/responses/{id}/cancel`` answers 400 (no background mode here). Without the env, ``store`` is silently off and every ``previous_response_id`` is a 404 (vLLM 0.32's ``OpenAIServingResponses``) |
 
 Embeddings are a deterministic function of the token ids (unit-norm, ``EMBEDDING_DIM`` floats): no
 model weights are simulated, only the shapes and the token accounting.
@@ -105,6 +106,47 @@ def embedding_of(ids: list[int]) -> list[float]:
     return [x / norm for x in raw]
 
 
+def _response_error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    """vLLM 0.32's ``ErrorResponse`` of the Responses API (``type`` ``invalid_request_error``)."""
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param,
+                                   "code": status}}, status_code=status)
+
+
+def _not_found(response_id: str) -> JSONResponse:
+    """vLLM 0.32's ``_make_not_found_error`` (any id this server does not hold, whatever its form)."""
+    return _response_error(404, f"Response with id '{response_id}' not found.", "response_id")
+
+
+class ResponseStore:
+    """The stored responses of one server (vLLM keeps them in the API server's memory, unbounded).
+
+    ``enabled`` is ``VLLM_ENABLE_RESPONSES_API_STORE=1`` in the environment, read once (as vLLM's
+    ``envs`` does at start-up).
+    """
+
+    def __init__(self, enabled: bool | None = None) -> None:
+        import os
+
+        self.enabled = os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE", "0") == "1" if enabled is None else enabled
+        self.responses: dict[str, dict[str, Any]] = {}
+        self.messages: dict[str, list[dict[str, str]]] = {}
+        """Response id -> the conversation it answered (its input messages, previous turns included)."""
+
+    def conversation(self, previous_response_id: str) -> list[dict[str, str]] | None:
+        """The messages a follow-up continues: the stored turn's messages, then its output as the
+        assistant's message; None when not held here."""
+        stored = self.responses.get(previous_response_id)
+        if stored is None:
+            return None
+        text = "".join(part.get("text", "") for item in stored.get("output", []) if item.get("type") == "message"
+                       for part in item.get("content", []) if part.get("type") == "output_text")
+        return [*self.messages.get(previous_response_id, []), {"role": "assistant", "content": text}]
+
+    def keep(self, response: dict[str, Any], messages: list[dict[str, str]]) -> None:
+        self.responses[response["id"]] = response
+        self.messages[response["id"]] = messages
+
+
 def _text_of(content: Any) -> str:
     if isinstance(content, str):
         return content
@@ -145,6 +187,7 @@ class ExtraRoutes:
         self._state = state
         self._prepare = prepare
         self._run = run
+        self.store = ResponseStore()
 
     async def detokenize(self, request: HttpRequest) -> Response:
         from engine_simulator.server import _check_model, _json_body
@@ -201,23 +244,54 @@ class ExtraRoutes:
         from engine_simulator.server import _json_body
 
         body = await _json_body(request)
-        chat_body = {"model": body.get("model"), "messages": responses_messages(body)}
+        messages = responses_messages(body)
+        previous = body.get("previous_response_id")
+        if previous is not None:
+            if not isinstance(previous, str):
+                raise InvalidRequest("'previous_response_id' must be a string")
+            history = self.store.conversation(previous)
+            if history is None:
+                return _not_found(previous)
+            messages = history + [m for m in messages if m["role"] != "system"]
+        store = self.store.enabled and body.get("store", True) is not False
+        chat_body = {"model": body.get("model"), "messages": messages}
         if body.get("max_output_tokens") is not None:
             chat_body["max_completion_tokens"] = body["max_output_tokens"]
         ids, max_tokens = await self._prepare(chat_body, True)
         rid = "resp_" + uuid.uuid4().hex
         created = int(time.time())
         if body.get("stream"):
-            return StreamingResponse(self._stream_response(rid, created, ids, max_tokens, body),
+            return StreamingResponse(self._stream_response(rid, created, ids, max_tokens, body,
+                                                           messages if store else None),
                                      media_type="text/event-stream")
         text_ids: list[int] = []
         req = None
         async for new_ids, step_req in self._run(ids, max_tokens, body):
             text_ids += new_ids
             req = step_req
-        return JSONResponse(self._response_object(rid, created, "completed", self._state.renderer.detokenize(text_ids), req))
+        answer = self._response_object(rid, created, "completed", self._state.renderer.detokenize(text_ids), req, body)
+        if store:
+            self.store.keep(answer, messages)
+        return JSONResponse(answer)
 
-    def _response_object(self, rid: str, created: int, status: str, text: str, req: Any) -> dict[str, Any]:
+    async def retrieve_response(self, request: HttpRequest) -> Response:
+        """``GET /v1/responses/{response_id}``: a response this server stored (vLLM's ``retrieve_responses``)."""
+        response_id = str(request.path_params["response_id"])
+        stored = self.store.responses.get(response_id)
+        if stored is None:
+            return _not_found(response_id)
+        return JSONResponse(stored)
+
+    async def cancel_response(self, request: HttpRequest) -> Response:
+        """``POST /v1/responses/{response_id}/cancel``: only background responses can be cancelled, and the
+        simulator runs none, so a stored one is vLLM's 400 ``Cannot cancel a synchronous response.``"""
+        response_id = str(request.path_params["response_id"])
+        if response_id not in self.store.responses:
+            return _not_found(response_id)
+        return _response_error(400, "Cannot cancel a synchronous response.", "response_id")
+
+    def _response_object(self, rid: str, created: int, status: str, text: str, req: Any,
+                         body: dict[str, Any] | None = None) -> dict[str, Any]:
         output = [] if status != "completed" else [{
             "id": "msg_" + rid.removeprefix("resp_"), "type": "message", "role": "assistant", "status": "completed",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": None}],
@@ -228,7 +302,8 @@ class ExtraRoutes:
             "id": rid, "object": "response", "created_at": created, "model": self._state.model, "status": status,
             "output": output, "error": None, "incomplete_details": None, "instructions": None, "metadata": None,
             "parallel_tool_calls": True, "temperature": None, "tool_choice": "auto", "tools": [], "top_p": None,
-            "max_output_tokens": None, "previous_response_id": None, "reasoning": None, "text": None, "truncation": "disabled",
+            "max_output_tokens": None, "previous_response_id": (body or {}).get("previous_response_id"),
+            "reasoning": None, "text": None, "truncation": "disabled",
             "usage": None if req is None else {
                 "input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out,
                 "input_tokens_details": {"cached_tokens": max(req.num_cached_tokens, 0)},
@@ -237,7 +312,8 @@ class ExtraRoutes:
         }
 
     async def _stream_response(
-        self, rid: str, created: int, ids: list[int], max_tokens: int, body: dict[str, Any]
+        self, rid: str, created: int, ids: list[int], max_tokens: int, body: dict[str, Any],
+        stored_messages: list[dict[str, str]] | None = None,
     ) -> AsyncIterator[str]:
         import json
 
@@ -249,7 +325,7 @@ class ExtraRoutes:
             seq += 1
             return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
-        yield event("response.created", response=self._response_object(rid, created, "in_progress", "", None))
+        yield event("response.created", response=self._response_object(rid, created, "in_progress", "", None, body))
         text = ""
         req = None
         item_id = "msg_" + rid.removeprefix("resp_")
@@ -261,4 +337,7 @@ class ExtraRoutes:
                 yield event("response.output_text.delta", item_id=item_id, output_index=0, content_index=0, delta=delta,
                             logprobs=[])
         yield event("response.output_text.done", item_id=item_id, output_index=0, content_index=0, text=text, logprobs=[])
-        yield event("response.completed", response=self._response_object(rid, created, "completed", text, req))
+        completed = self._response_object(rid, created, "completed", text, req, body)
+        if stored_messages is not None:
+            self.store.keep(completed, stored_messages)
+        yield event("response.completed", response=completed)

@@ -237,6 +237,8 @@ class PrefixCache:
         return len(self._events)
 
     def take_events(self) -> list[KVEvent]:
-        """The events since the last call, in order."""
+        """The events since the last call, in order (offload stores completed since are appended)."""
+        if self.offload is not None:
+            self._events.extend(self.offload.take_events())
         events, self._events = self._events, []
         return events

@@ -382,6 +382,8 @@ class EngineCore:
 
     def schedule(self, now: float) -> ScheduledStep:
         """Pick this step's work within the token budget and ``max_num_seqs``."""
+        if self.cache.offload is not None:
+            self.cache.offload.advance(now)  # offload stores and kv_store writes due by now complete
         if self.loading:
             self._finish_loads(now)
         budget = self.config.max_num_batched_tokens

@@ -4,7 +4,7 @@
 | --- | --- |
 | ``POST /v1/completions`` | ``prompt`` text or token ids; ``stream`` (SSE, ``data: [DONE]``) or not |
 | ``POST /v1/chat/completions`` | ``messages`` through the documented template (``rendering.py``) |
-| ``POST /v1/embeddings`` (``--runner pooling``), ``POST /v1/responses``, ``POST /detokenize`` | ``engine_simulator/openai_extras.py`` |
+| ``POST /v1/embeddings`` (``--runner pooling``), ``POST /v1/responses``, ``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``, ``POST /detokenize`` | ``engine_simulator/openai_extras.py`` |
 | ``POST /tokenize`` | ``{"model","prompt"}`` or ``{"model","messages","add_generation_prompt"}`` -> ``{"count","max_model_len","tokens","token_strs"}`` |
 | ``POST /v1/completions/render``, ``POST /v1/chat/completions/render`` | token ids the engine would run, without running |
 | ``GET /v1/models``, ``GET /health``, ``GET /metrics`` | as vLLM (``vllm:*`` families) |
@@ -155,7 +155,10 @@ def _max_tokens(state: ServerState, body: dict[str, Any], n_prompt: int, chat: b
         assert value is not None
     if value < 1:
         raise InvalidRequest(f"max_tokens must be at least 1, got {value}.")
-    return value
+    if value > state.max_model_len:
+        raise InvalidRequest(f"max_tokens={value} cannot be greater than max_model_len={state.max_model_len}. "
+                             "Please request fewer output tokens.")
+    return min(value, state.max_model_len - n_prompt)  # vLLM 0.32's get_max_tokens clamps to the room left
 
 
 def summed_usage(reqs: list[Request], n: int = 1) -> dict[str, Any]:
@@ -213,6 +216,8 @@ class EngineHttpApi:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/responses", extras.responses, methods=["POST"]),
+                Route("/v1/responses/{response_id}", extras.retrieve_response, methods=["GET"]),
+                Route("/v1/responses/{response_id}/cancel", extras.cancel_response, methods=["POST"]),
             ]
         return Starlette(
             routes=[

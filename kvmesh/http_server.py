@@ -19,6 +19,7 @@ import contextlib
 import math
 import socket
 from collections.abc import Generator
+from typing import Literal
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -67,6 +68,8 @@ class HttpServer:
         name: name of the serving task (shows in task dumps and errors).
         sock: an already bound socket (:func:`bind_tcp`) to serve on instead of binding
             ``host:port``; its port is known before :meth:`start` (the simulator names itself by it).
+        http: uvicorn's HTTP/1.1 implementation: ``"httptools"`` (C parser), ``"h11"`` (pure
+            Python) or ``"auto"`` (httptools when installed).
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class HttpServer:
         log_level: str | None = None,
         name: str = "http",
         sock: socket.socket | None = None,
+        http: Literal["auto", "h11", "httptools"] = "auto",
     ) -> None:
         config = uvicorn.Config(
             app,
@@ -88,6 +92,7 @@ class HttpServer:
             log_config=None,
             log_level=log_level,
             access_log=False,
+            http=http,
             timeout_graceful_shutdown=math.ceil(grace_seconds),
         )
         self._server = _EmbeddedUvicorn(config)

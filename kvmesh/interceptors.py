@@ -191,13 +191,16 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
 
 
 class _SkipInfrastructure(grpc.aio.ServerInterceptor):
-    """Applies ``inner`` except to health and reflection RPCs.
+    """Applies ``inner`` except to health and reflection RPCs and the multiplexed admission stream.
 
     OpenTelemetry's aio interceptor assumes streaming handlers are async generators, while
     grpcio's health ``Watch`` streams with ``context.write``; infrastructure RPCs need no spans.
     """
 
-    _SKIP = ("/grpc.health.", "/grpc.reflection.")
+    _SKIP = ("/grpc.health.", "/grpc.reflection.",
+             # long-lived multiplexed streams: one span for the stream's whole life says nothing; the
+             # servicer opens one span per admission itself (services/flow_control/servicer.py)
+             "/kvmesh.flow_control.v1.FlowControl/AdmitMany")
 
     def __init__(self, inner: grpc.aio.ServerInterceptor) -> None:
         self._inner = inner

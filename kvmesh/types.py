@@ -173,3 +173,32 @@ class ServiceInstance:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
+
+
+class CompletionOutcome(enum.StrEnum):
+    """How a routed request ended, as the router saw it (epp's ``Completed`` RPC, issue 9)."""
+
+    SUCCESS = "success"
+    ERROR = "error"
+    """The engine answered an error status or the stream broke."""
+    CANCELLED = "cancelled"
+    """The client went away and the router cancelled the engine request."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestCompletion:
+    """A routed request that ended: the router tells epp so its load leaves the endpoint at once.
+
+    Attributes:
+        request_id: the ``PickRequest.request_id`` of the request.
+        endpoint_id: the endpoint that served it (may differ from epp's pick after a fallback).
+        prompt_tokens: prompt tokens (the engine's usage when reported, else the router's estimate).
+        cached_tokens: of those, the ones the engine found cached (0: unknown).
+        outcome: how it ended.
+    """
+
+    request_id: str
+    endpoint_id: str
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    outcome: CompletionOutcome = CompletionOutcome.SUCCESS

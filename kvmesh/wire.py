@@ -8,7 +8,16 @@ wire type and every service agrees on defaults (``kvmesh.common.v1``, ``proto/kv
 from __future__ import annotations
 
 from kvmesh._proto.kvmesh.common.v1 import common_pb2
-from kvmesh.types import DEFAULT_BLOCK_SIZE_TOKENS, Endpoint, EndpointId, EndpointRole, Medium
+from kvmesh._proto.kvmesh.epp.v1 import epp_pb2
+from kvmesh.types import (
+    DEFAULT_BLOCK_SIZE_TOKENS,
+    CompletionOutcome,
+    Endpoint,
+    EndpointId,
+    EndpointRole,
+    Medium,
+    RequestCompletion,
+)
 
 _MEDIUM_TO_PB: dict[Medium, common_pb2.Medium] = {
     Medium.GPU: common_pb2.MEDIUM_GPU,
@@ -69,4 +78,35 @@ def endpoint_from_proto(message: common_pb2.Endpoint) -> Endpoint:
         events_endpoint=message.events_endpoint,
         role=role_from_proto(message.role),
         labels=dict(message.labels),
+    )
+
+
+_OUTCOME_TO_PB: dict[CompletionOutcome, int] = {
+    CompletionOutcome.SUCCESS: epp_pb2.COMPLETION_OUTCOME_SUCCESS,
+    CompletionOutcome.ERROR: epp_pb2.COMPLETION_OUTCOME_ERROR,
+    CompletionOutcome.CANCELLED: epp_pb2.COMPLETION_OUTCOME_CANCELLED,
+}
+_OUTCOME_FROM_PB: dict[int, CompletionOutcome] = {v: k for k, v in _OUTCOME_TO_PB.items()}
+
+
+def completion_to_proto(completion: RequestCompletion) -> epp_pb2.CompletedRequest:
+    """:class:`~kvmesh.types.RequestCompletion` -> ``kvmesh.epp.v1.CompletedRequest`` (counts clamped to uint32)."""
+    return epp_pb2.CompletedRequest(
+        request_id=completion.request_id,
+        endpoint_id=completion.endpoint_id,
+        prompt_tokens=min(max(0, completion.prompt_tokens), 0xFFFFFFFF),
+        cached_tokens=min(max(0, completion.cached_tokens), 0xFFFFFFFF),
+        outcome=_OUTCOME_TO_PB[completion.outcome],  # type: ignore[arg-type]
+    )
+
+
+def completion_from_proto(message: epp_pb2.CompletedRequest) -> RequestCompletion:
+    """The inverse of :func:`completion_to_proto`; an unspecified or unknown outcome reads as ``ERROR``
+    (the request ended; how is unknown)."""
+    return RequestCompletion(
+        request_id=message.request_id,
+        endpoint_id=message.endpoint_id,
+        prompt_tokens=message.prompt_tokens,
+        cached_tokens=message.cached_tokens,
+        outcome=_OUTCOME_FROM_PB.get(message.outcome, CompletionOutcome.ERROR),
     )

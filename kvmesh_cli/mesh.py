@@ -121,10 +121,14 @@ class MeshSpec:
     """``VLLM_SERVER_DEV_MODE=1`` (``POST /reset_prefix_cache``)."""
     vllm_extra_args: tuple[str, ...] = ()
     engine_events_endpoint: str | None = None
+    """Where engines publish KV events; None: kv_indexer's bind endpoint (a test may put a tap between)."""
     offload: str = "off"
     """Simulated engines' KV offload connector (``--offload``): ``off``, ``cpu`` or ``cpu+kv_store`` (the
     mesh's kv_store then publishes to kv_indexer and each engine names it in ``--kv-stores``)."""
-    """Where engines publish KV events; None: kv_indexer's bind endpoint (a test may put a tap between)."""
+    engine_api_key: str | None = None
+    """vLLM's ``--api-key`` for every engine (simulated or real); the pool's engine key is then given to
+    the router and epp (``--engine-api-key``) and to each vLLM registration sidecar, so kvmesh's own calls
+    authenticate (``docs/openai-compat.md``, "Headers and keys"). None: engines are open."""
 
 
 @dataclass
@@ -266,8 +270,9 @@ class Mesh:
             self._resolve(kv_store, deadline)
         else:
             kv_store = self._service("kv_store")
+        keyed = ["--engine-api-key", spec.engine_api_key] if spec.engine_api_key else []
         epp = self._service("epp", "--kv-indexer-address", self.kv_indexer_address,
-                            "--scheduling-config", spec.policy)
+                            "--scheduling-config", spec.policy, *keyed)
         if spec.engine == "vllm":
             engines = [self._vllm_engine(i, events_bind) for i in range(spec.engines)]
         else:
@@ -281,7 +286,7 @@ class Mesh:
         self._resolve(others[1], deadline)
         router = self._service("router", "--http-port", str(spec.router_http_port or 0),
                                "--flow-control-address", others[1].grpc or "",
-                               "--epp-address", self.epp_address, grpc_port=spec.router_grpc_port)
+                               "--epp-address", self.epp_address, *keyed, grpc_port=spec.router_grpc_port)
         for member in [router, *engines]:
             if member.ports_file is not None:  # a vLLM engine is given its port (it cannot report one)
                 self._resolve(member, deadline)
@@ -407,6 +412,7 @@ class Mesh:
                 "--tokenizer-path", str(tokenizer_path),
                 *(["--offload", spec.offload] if spec.offload != "off" else []),
                 *(["--kv-stores", self.member("kv_store").grpc or ""] if spec.offload == "cpu+kv_store" else []),
+                *(["--api-key", spec.engine_api_key] if spec.engine_api_key else []),
                 *_flags(
                     block_size_tokens=spec.block_size_tokens,
                     max_num_seqs=spec.max_num_seqs,
@@ -476,6 +482,7 @@ class Mesh:
             dev_mode=spec.vllm_dev_mode,
             extra_args=spec.vllm_extra_args,
             replay_port=free_port(),
+            api_key=spec.engine_api_key,
         )
         name = f"engine-{i}"
         proc = ManagedProcess(name, engine.argv(), spec.run_dir / f"{name}.log",

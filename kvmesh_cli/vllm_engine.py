@@ -89,6 +89,9 @@ class VllmEngineSpec:
     replay_port: int | None = None
     """Port of vLLM's KV-event replay ROUTER (``KVEventsConfig.replay_endpoint``), which kv_indexer asks
     for the batches it missed; None: no replay (a gap then marks the engine unreliable until it clears)."""
+    api_key: str | None = None
+    """vLLM's ``--api-key`` (``/v1/*`` then needs ``Authorization: Bearer``); the sidecar gets it as
+    ``--engine-api-key``. None: open."""
 
     @property
     def replay_endpoint(self) -> str:
@@ -134,6 +137,8 @@ class VllmEngineSpec:
             args.append("--enforce-eager")
         if self.num_gpu_blocks_override is not None:
             args += ["--num-gpu-blocks-override", str(self.num_gpu_blocks_override)]
+        if self.api_key:
+            args += ["--api-key", self.api_key]
         return [*args, *self.extra_args]
 
     def env(self) -> dict[str, str]:
@@ -163,6 +168,9 @@ def sidecar_args(spec: VllmEngineSpec, etcd_address: str, lease_ttl_seconds: int
                  log_level: str | None = None) -> list[str]:
     """Flags of ``python -m services.registration_sidecar`` for ``spec`` (run from kvmesh's venv).
 
+    No ``--max-model-len``: the sidecar reads it from vLLM's ``GET /v1/models`` (with ``--engine-api-key``
+    when the engine has one), as in production, so the registered context is the engine's own.
+
     ``lease_ttl_seconds`` and ``log_level`` None leave the sidecar's own defaults.
     """
     args = [
@@ -171,12 +179,13 @@ def sidecar_args(spec: VllmEngineSpec, etcd_address: str, lease_ttl_seconds: int
         "--block-size-tokens", str(spec.block_size_tokens),
         "--events-endpoint", spec.events_endpoint,
         "--etcd-endpoints", etcd_address,
-        "--max-model-len", str(spec.max_model_len),
         "--engine-label", "vllm",
         "--health-interval-seconds", "0.5",
     ]
     if spec.replay_endpoint:
         args += ["--replay-endpoint", spec.replay_endpoint]
+    if spec.api_key:
+        args += ["--engine-api-key", spec.api_key]
     if lease_ttl_seconds is not None:
         args += ["--lease-ttl-seconds", str(lease_ttl_seconds)]
     if log_level is not None:

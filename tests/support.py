@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -38,6 +39,14 @@ def recording(name: str) -> Path:
     if not path.is_file():
         pytest.fail(f"vLLM 0.32 recording missing: {path} (it is vendored in the repository; restore it)")
     return path
+
+
+def service_ports(proc: Any) -> dict[str, int]:
+    """The ports a service started by the ``start_service`` fixture bound (``{"grpc": .., "metrics": ..}``).
+
+    It binds port 0 and writes them to its ports file, which sits beside its log (``<stem>.json``).
+    """
+    return {str(k): int(v) for k, v in json.loads(Path(proc.log_path).with_suffix(".json").read_text()).items()}
 
 
 def update_golden(config: pytest.Config) -> bool:

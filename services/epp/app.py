@@ -25,7 +25,7 @@ from services.epp.ext_proc import SERVICE_NAME as EXT_PROC_SERVICE_NAME
 from services.epp.ext_proc import ExternalProcessorServicer, ExtProcSettings
 from services.epp.framework.interfaces import PluginHandle, Tokenizer
 from services.epp.framework.loader import build_profile, resolve_scheduling_config
-from services.epp.kv_indexer_client import GrpcPrefixIndex
+from services.epp.kv_indexer_client import GrpcPrefixIndex, ReplicaPrefixIndex
 from services.epp.plugins import default_registry
 from services.epp.plugins.filters.live_endpoint import LiveEndpointFilter, LiveEndpointFilterParams
 from services.epp.scheduler import Scheduler
@@ -45,16 +45,18 @@ def build_service(config: EppConfig) -> GrpcService:
     """
     source, data = resolve_scheduling_config(config.scheduling_config)
     http = httpx.AsyncClient(limits=httpx.Limits(max_connections=64))
-    prefix_index = (
-        GrpcPrefixIndex(config.kv_indexer_address, config.kv_indexer_timeout_seconds)
-        if config.kv_indexer_address
-        else None
-    )
+    prefix_index: GrpcPrefixIndex | ReplicaPrefixIndex | None = None
+    if config.kv_indexer_address and config.prefix_index_mode == "replica":
+        prefix_index = ReplicaPrefixIndex(
+            config.kv_indexer_address, config.kv_indexer_timeout_seconds, config.kv_indexer_watch_stale_seconds
+        )
+    elif config.kv_indexer_address:
+        prefix_index = GrpcPrefixIndex(config.kv_indexer_address, config.kv_indexer_timeout_seconds)
     engine_tokenizer = EngineTokenizer(
         http, config.tokenize_timeout_seconds, config.tokenize_cache_entries,
         max_prompt_chars=config.tokenize_max_prompt_chars,
         max_concurrency_per_endpoint=config.tokenize_max_concurrency_per_endpoint,
-        max_attempts=config.tokenize_max_attempts,
+        max_attempts=config.tokenize_max_attempts, engine_key=config.engine_key_for,
     )
     tokenizer: Tokenizer = (
         InProcessTokenizer(config.tokenizer_paths, engine_tokenizer, config.tokenize_max_prompt_chars,
@@ -141,7 +143,7 @@ def build_service(config: EppConfig) -> GrpcService:
         service_names=[SERVICE_NAME],
         add_servicers=add_servicers,
         on_start=[start_watcher, start_ext_proc],
-        background=[scraper.run],
+        background=[scraper.run, *([prefix_index.run] if isinstance(prefix_index, ReplicaPrefixIndex) else [])],
         on_stop=[stop_ext_proc, stop_clients],
     )
     service = GrpcService(config, spec)

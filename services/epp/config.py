@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal
+
+from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
 from kvmesh.config import GrpcServiceConfig
@@ -14,11 +16,17 @@ class EppConfig(GrpcServiceConfig):
     model_config = SettingsConfigDict(env_prefix="KVMESH_EPP_")
 
     scheduling_config: str = "load-only"
-    """A named scheduling config (round-robin, load-only, precise-prefix, prefill-cost) or the path of a YAML/JSON file."""
+    """A named scheduling config (round-robin, load-only, precise-prefix, prefill-cost, tier-cost) or the path of a YAML/JSON file."""
     kv_indexer_address: str = ""
     """kv_indexer gRPC host:port, needed by the prefix-match step ("" = none)."""
     kv_indexer_timeout_seconds: float = Field(0.25, gt=0, le=30)
     """Deadline of one kv_indexer Score call; past it the prefix scores are 0 for that pick."""
+    prefix_index_mode: Literal["replica", "rpc"] = "replica"
+    """How the prefix-match step asks kv_indexer: ``replica`` keeps a local copy of its key residency fed
+    by its Watch stream and scores in process (Score RPC only while the stream is down or stale);
+    ``rpc`` calls Score on every pick (docs/kv-index.md, "epp's replica")."""
+    kv_indexer_watch_stale_seconds: float = Field(2.0, gt=0, le=60)
+    """A replica whose Watch stream sent nothing (not even its 0.5 s heartbeat) for this long is not used."""
     metrics_scrape_interval_seconds: float = Field(0.1, gt=0, le=60)
     """How often each engine's /metrics is scraped while it is busy (requests running or waiting, or
     picked since the last scrape)."""
@@ -42,6 +50,12 @@ class EppConfig(GrpcServiceConfig):
     """Engines asked at most per tokenization; only a refused connection moves on (never a timeout)."""
     tokenize_cache_entries: int = Field(4096, ge=0, le=10_000_000)
     """Prompts whose token ids are kept (LRU); 0 disables the cache."""
+    engine_api_key: SecretStr | None = None
+    """API key epp presents (``Authorization: Bearer``) on its own engine calls (the ``/tokenize``
+    fallback) for every pool without an entry in ``engine_api_keys``: the router's ``engine_api_key``
+    (vLLM ``--api-key``; ``docs/openai-compat.md``). Env ``KVMESH_EPP_ENGINE_API_KEY``."""
+    engine_api_keys: dict[str, SecretStr] = Field(default_factory=dict)
+    """Per-pool engine keys: served model name -> key; wins over ``engine_api_key`` (as the router's)."""
     tokenizer_paths: dict[str, str] = Field(default_factory=dict)
     """Model -> local tokenizer directory (``tokenizer.json``, ``tokenizer_config.json``, chat template)
     for in-process tokenization; models not listed use their endpoints' ``tokenizer`` label, else the
@@ -63,3 +77,8 @@ class EppConfig(GrpcServiceConfig):
     """Dynamic-metadata namespace of the picked endpoint (GIE's --destination-endpoint-hint-metadata-namespace)."""
     ext_proc_destination_header: str = "x-gateway-destination-endpoint"
     """Header (and metadata key) carrying the picked endpoint (GIE's --destination-endpoint-hint-key)."""
+
+    def engine_key_for(self, model: str) -> str | None:
+        """The API key to present to the engines of ``model``'s pool, or None."""
+        key = self.engine_api_keys.get(model) or self.engine_api_key
+        return key.get_secret_value() if key is not None else None

@@ -25,6 +25,20 @@ number of epp's requests still waiting for their first token there, and as engin
 the latest picks, whose noted tokens sum to ``queued_prefill_tokens``. Without that counter,
 ``unprefilled_requests`` falls back to ``waiting + pending``.
 
+Completions (:meth:`Datastore.note_completed`, fed by the router through epp's ``Completed`` RPC, issue 9):
+the router says when a request it sent ended, so its load leaves at once instead of at the next scrape
+(before this, on closed-loop agent sessions the session's own just-finished call still counted as
+queue load when its next call was picked, and about one call in five left the engine holding its
+history). A completion of request ``r`` picked to ``e`` means ``r`` was delivered and prefilled, and
+(engines admit FCFS) so were the picks to ``e`` before it: ``pending`` and ``unprefilled`` become at
+most the number of picks to ``e`` after ``r``. It also means ``r`` is no longer running on the
+endpoint that served it: ``num_requests_running`` is the scrape's figure minus the completions the
+engine had not counted yet (reconciled against ``vllm:request_success_total`` as picks are, clamped to
+the completions of the last ``pending_pick_ttl_seconds``, so a completion the engine never counts
+cannot hide load for longer). Every count above is also clamped when read, not only at a scrape:
+a pick older than its TTL stops counting even if no scrape or completion arrives (a lost completion
+does not leak load).
+
 :func:`parse_vllm_metrics` reads the Prometheus text of vLLM's ``/metrics`` (names as in vLLM 0.32,
 ``vllm/v1/metrics/loggers.py``): ``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
 ``vllm:kv_cache_usage_perc`` (summed / averaged over the ``engine`` label of data-parallel ranks) and
@@ -35,8 +49,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections import deque
-from collections.abc import Mapping
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -78,6 +92,8 @@ DEFAULT_PENDING_PICK_TTL_SECONDS = 5.0
 DEFAULT_PREFILL_TTL_SECONDS = 120.0
 _PICK_HISTORY = 4096
 """Most picks remembered per endpoint (for their prefill tokens)."""
+_IN_FLIGHT_IDS = 65536
+"""Most request ids remembered (request id -> picked endpoint) for completions; oldest forgotten first."""
 _WANTED_PREFIXES = tuple(_WANTED) + tuple(f"# HELP {n} " for n in _WANTED) + tuple(f"# TYPE {n} " for n in _WANTED)
 _BLOCK_SIZE_LABEL = re.compile(r'[{,]block_size="([0-9]+)"')
 _SKIPPED_PREFIXES = tuple(f"{n}{suffix}" for n in (FIRST_TOKENS, SGLANG_FIRST_TOKENS) for suffix in ("_bucket", "_sum", "_created"))
@@ -159,8 +175,16 @@ class _EndpointState:
     first_token_offset: float | None = None
     """Engine first-token count at which ``picks_total`` was 0 (None until a scrape carried it)."""
     unprefilled: int = 0
-    picks: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=_PICK_HISTORY))
-    """(clock time, prefill tokens) of the latest picks, oldest first."""
+    picks: deque[tuple[float, int, str]] = field(default_factory=lambda: deque(maxlen=_PICK_HISTORY))
+    """(clock time, prefill tokens, request id) of the latest picks, oldest first."""
+    completed_total: int = 0
+    """Completions the router reported for requests this endpoint served."""
+    finished_offset: float | None = None
+    """Engine finished-count at which ``completed_total`` was 0 (None until a scrape carried it)."""
+    unseen_completions: int = 0
+    """Reported completions the last scrape did not count as finished (still in its running figure)."""
+    completions: deque[float] = field(default_factory=lambda: deque(maxlen=_PICK_HISTORY))
+    """Clock times of the latest reported completions, oldest first."""
     snapshot: Candidate | None = None
     """The last :class:`Candidate` built; dropped by every change of this state (scrape, pick)."""
     snapshot_at: float = 0.0
@@ -184,6 +208,8 @@ class Datastore:
         self._states: dict[EndpointId, _EndpointState] = {}
         self._ordered: dict[str | None, list[_EndpointState]] = {}
         """Per model (None: all), the states sorted by id; rebuilt after a membership change."""
+        self._in_flight: OrderedDict[str, EndpointId] = OrderedDict()
+        """Request id -> the endpoint it was picked to, until its completion (bounded, oldest dropped)."""
 
     # -- membership -------------------------------------------------------------------------
     def apply_membership(self, joined: Mapping[EndpointId, Endpoint], left: Mapping[EndpointId, Endpoint]) -> None:
@@ -213,33 +239,43 @@ class Datastore:
         state.last_error = ""
         if sample.num_requests_finished is None:
             state.pending_picks = 0
+            state.unseen_completions = 0
         else:
             received = sample.num_requests_finished + sample.num_requests_running + sample.num_requests_waiting
             state.seen_offset, state.pending_picks = self._reconcile(
-                state, received, state.seen_offset, now, self._pending_ttl)
+                state.picks_total, (p[0] for p in reversed(state.picks)), received, state.seen_offset, now,
+                self._pending_ttl)
+            state.finished_offset, state.unseen_completions = self._reconcile(
+                state.completed_total, reversed(state.completions), sample.num_requests_finished,
+                state.finished_offset, now, self._pending_ttl)
         if sample.num_first_tokens is None:
             state.unprefilled = int(sample.num_requests_waiting + state.pending_picks)
         else:
             state.first_token_offset, state.unprefilled = self._reconcile(
-                state, sample.num_first_tokens, state.first_token_offset, now, self._prefill_ttl)
+                state.picks_total, (p[0] for p in reversed(state.picks)), sample.num_first_tokens,
+                state.first_token_offset, now, self._prefill_ttl)
 
     @staticmethod
     def _reconcile(
-        state: _EndpointState, count: float, offset: float | None, now: float, ttl: float
+        total: int, newest_first: Iterable[float], count: float, offset: float | None, now: float, ttl: float
     ) -> tuple[float, int]:
-        """``picks - (count - offset)`` clamped to [0, picks of the last ``ttl`` s], moving the offset when clamped."""
+        """``total - (count - offset)`` clamped to [0, events of the last ``ttl`` s], moving the offset when clamped.
+
+        ``total``: epp's count of the events (picks, completions); ``newest_first``: their clock times,
+        newest first; ``count``: the engine's count of the same kind. Returns (offset, unseen).
+        """
         if offset is None:
-            offset = count - state.picks_total
-        unseen = int(state.picks_total - (count - offset))
+            offset = count - total
+        unseen = int(total - (count - offset))
         if unseen < 0:  # the engine counted requests epp did not send (or a counter restarted)
-            return count - state.picks_total, 0
-        recent = 0  # picks of the last ttl seconds, counted only as far as needed
-        for at, _ in reversed(state.picks):
+            return count - total, 0
+        recent = 0  # events of the last ttl seconds, counted only as far as needed
+        for at in newest_first:
             if recent >= unseen or now - at > ttl:
                 break
             recent += 1
         if unseen > recent:  # picks that never arrived (router fell back, request refused) or expired
-            return count - state.picks_total + recent, recent
+            return count - total + recent, recent
         return offset, unseen
 
     def record_scrape_failure(self, endpoint_id: EndpointId, error: str) -> None:
@@ -250,15 +286,53 @@ class Datastore:
         state.consecutive_failures += 1
         state.last_error = error
 
-    def note_pick(self, endpoint_id: EndpointId, prefill_tokens: int = 0) -> None:
-        """Count a pick; ``prefill_tokens``: prompt tokens the target must compute (not cached there)."""
+    def note_pick(self, endpoint_id: EndpointId, prefill_tokens: int = 0, request_id: str = "") -> None:
+        """Count a pick; ``prefill_tokens``: prompt tokens the target must compute (not cached there);
+        ``request_id`` (non-empty) lets :meth:`note_completed` find it."""
         state = self._states.get(endpoint_id)
         if state is not None:
             state.snapshot = None
             state.pending_picks += 1
             state.unprefilled += 1
             state.picks_total += 1
-            state.picks.append((self._clock.now(), max(0, prefill_tokens)))
+            state.picks.append((self._clock.now(), max(0, prefill_tokens), request_id))
+            if request_id:
+                self._in_flight[request_id] = endpoint_id
+                self._in_flight.move_to_end(request_id)
+                if len(self._in_flight) > _IN_FLIGHT_IDS:
+                    self._in_flight.popitem(last=False)
+
+    def note_completed(self, request_id: str, endpoint_id: str = "") -> bool:
+        """The router says request ``request_id`` ended on ``endpoint_id`` (any outcome); O(picks after it).
+
+        Frees the pick where epp counted it (its pending and unprefilled counts, and those of the
+        picks to that endpoint before it) and takes the request out of the serving endpoint's
+        running count until a scrape shows it finished (module docstring). ``endpoint_id`` empty:
+        the endpoint it was picked to. Returns whether epp had picked the request (a completion for
+        an unknown or forgotten id still counts on ``endpoint_id``).
+        """
+        picked_to = self._in_flight.pop(request_id, None) if request_id else None
+        found = False
+        picked = self._states.get(picked_to) if picked_to is not None else None
+        if picked is not None:
+            after = 0
+            for _, _, rid in reversed(picked.picks):
+                if rid == request_id:
+                    found = True
+                    break
+                after += 1
+            if found:
+                picked.snapshot = None
+                picked.pending_picks = min(picked.pending_picks, after)
+                picked.unprefilled = min(picked.unprefilled, after)
+        served_id = EndpointId(endpoint_id) if endpoint_id else picked_to
+        served = self._states.get(served_id) if served_id is not None else None
+        if served is not None:
+            served.snapshot = None
+            served.completed_total += 1
+            served.unseen_completions += 1
+            served.completions.append(self._clock.now())
+        return found
 
     # -- reads ------------------------------------------------------------------------------
     def picks_total(self, endpoint_id: EndpointId) -> int:
@@ -277,19 +351,42 @@ class Datastore:
         if cached is not None and now - state.snapshot_at <= SNAPSHOT_REUSE_SECONDS:
             return cached
         sample = state.sample
-        known = min(state.unprefilled, len(state.picks))
-        picks = state.picks
+        # The latest picks, clamped by their TTLs now (not only at a scrape): pending = the picks of
+        # the last pending TTL among the ``pending_picks`` latest; unprefilled likewise.
+        pending = unprefilled = queued_tokens = 0
+        want = max(state.pending_picks, state.unprefilled)
+        if want:
+            pending_ttl, prefill_ttl = self._pending_ttl, self._prefill_ttl
+            for i, (at, tokens, _) in enumerate(reversed(state.picks)):
+                if i >= want:
+                    break
+                age = now - at
+                if i < state.pending_picks and age <= pending_ttl:
+                    pending += 1
+                if i < state.unprefilled and age <= prefill_ttl:
+                    unprefilled += 1
+                    queued_tokens += tokens
+        known = unprefilled
+        unknown = max(0, state.unprefilled - len(state.picks))  # requests epp did not pick (tokens unknown)
+        running = sample.num_requests_running if sample is not None else 0.0
+        if state.unseen_completions:  # completions the engine has not counted yet, within their TTL
+            done = 0
+            for at in reversed(state.completions):
+                if done >= state.unseen_completions or now - at > self._pending_ttl:
+                    break
+                done += 1
+            running -= done
         metrics = EndpointMetrics(
             num_requests_waiting=sample.num_requests_waiting if sample is not None else 0.0,
-            num_requests_running=sample.num_requests_running if sample is not None else 0.0,
+            num_requests_running=max(0.0, running),
             kv_cache_usage_perc=sample.kv_cache_usage_perc if sample is not None else 0.0,
             block_size_tokens=sample.block_size_tokens if sample is not None else None,
             age_seconds=None if state.scraped_at is None else max(0.0, now - state.scraped_at),
-            pending_picks=state.pending_picks,
+            pending_picks=pending,
             consecutive_failures=state.consecutive_failures,
-            unprefilled_requests=state.unprefilled,
+            unprefilled_requests=known + unknown,
             known_unprefilled_requests=known,
-            queued_prefill_tokens=sum(picks[-i][1] for i in range(1, known + 1)) if known else 0,
+            queued_prefill_tokens=queued_tokens,
         )
         candidate = state.snapshot = Candidate(state.endpoint, metrics)
         state.snapshot_at = now

@@ -7,6 +7,7 @@
 | ``kvmesh_epp_pick_total`` | counter | ``outcome`` (:class:`PickOutcome`) |
 | ``kvmesh_epp_metrics_scrape_total`` | counter | ``result`` (ok, error) |
 | ``kvmesh_epp_prefix_match_degraded_total`` | counter | ``reason`` (too_large, busy, error, kv_indexer_busy, kv_indexer_error): picks scored without a prefix match |
+| ``kvmesh_epp_completions_total`` | counter | ``result`` (matched: an in-flight pick of epp's; unmatched: unknown or forgotten id) |
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ PREFIX_MATCH_DEGRADED = Counter(
     ["reason"],
 )
 
+COMPLETIONS_TOTAL = Counter(
+    "kvmesh_epp_completions_total",
+    "Request completions the router reported (Completed RPC), by whether they matched an in-flight pick.",
+    ["result"],
+)
+
 
 def record_plugin(extension_point: ExtensionPoint, plugin_type: str, seconds: float) -> None:
     PLUGIN_DURATION.labels(str(extension_point), plugin_type or "unknown").observe(seconds)
@@ -64,3 +71,10 @@ def record_scrape(result: str) -> None:
 
 def record_prefix_match_degraded(reason: str) -> None:
     PREFIX_MATCH_DEGRADED.labels(reason).inc()
+
+
+def record_completions(matched: int, unmatched: int) -> None:
+    if matched:
+        COMPLETIONS_TOTAL.labels("matched").inc(matched)
+    if unmatched:
+        COMPLETIONS_TOTAL.labels("unmatched").inc(unmatched)

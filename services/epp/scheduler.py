@@ -130,7 +130,8 @@ class Scheduler:
         result = self.profile.run(state, request, candidates, observer=record_plugin)
         target = result.ranked[0]
         prompt = prompt_token_ids(state, request)
-        self.datastore.note_pick(target.id, uncached_prompt_tokens(target.candidate, len(prompt), state.get(PREFIX_MATCH)))
+        self.datastore.note_pick(
+            target.id, uncached_prompt_tokens(target.candidate, len(prompt), state.get(PREFIX_MATCH)), request.request_id)
         tokens = state.get(TOKEN_IDS)
         return PickDecision(
             target=target.candidate.endpoint,

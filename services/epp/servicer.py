@@ -16,8 +16,9 @@ from opentelemetry import trace
 from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
 from kvmesh.errors import InvalidRequest
 from kvmesh.hashing import KeyScope
-from kvmesh.wire import endpoint_to_proto
+from kvmesh.wire import completion_from_proto, endpoint_to_proto
 from services.epp.framework.interfaces import ChatMessage, SchedulingRequest
+from services.epp.metrics import record_completions
 from services.epp.scheduler import Scheduler
 
 SERVICE_NAME = epp_pb2.DESCRIPTOR.services_by_name["EndpointPicker"].full_name
@@ -82,6 +83,18 @@ class EndpointPickerServicer(epp_pb2_grpc.EndpointPickerServicer):
                 for c in self._scheduler.datastore.candidates()
             ]
         )
+
+    async def Completed(
+        self, request: epp_pb2.CompletedBatch, context: grpc.aio.ServicerContext
+    ) -> epp_pb2.CompletedReply:
+        """The router's completions: each frees its pick's load in the datastore at once (no I/O)."""
+        datastore = self._scheduler.datastore
+        matched = 0
+        for message in request.requests:
+            done = completion_from_proto(message)
+            matched += datastore.note_completed(done.request_id, done.endpoint_id)
+        record_completions(matched, len(request.requests) - matched)
+        return epp_pb2.CompletedReply(matched=matched)
 
     async def GetPickerInfo(
         self, request: epp_pb2.GetPickerInfoRequest, context: grpc.aio.ServicerContext

@@ -21,6 +21,10 @@ Bounds (issue 14: nothing one request does may stall an engine or epp):
   engine the same). At most ``max_attempts`` engines are contacted.
 * **time**: the whole call (all attempts) has one deadline, ``timeout_seconds``; the HTTP request
   is cancelled with the pick (the servicer's task is cancelled when the caller goes away).
+* **credentials**: the pool's engine key (``EppConfig.engine_key_for``, the router's ``engine_api_key(s)``)
+  is sent as ``Authorization: Bearer`` on every call. vLLM 0.32's ``--api-key`` guards ``/v1/*`` only, so
+  ``/tokenize`` is open on vLLM itself; the key matters when the engine sits behind an authenticating
+  proxy (a gateway, an ingress) that checks every path. A 401/403 is a :class:`TokenizeError` naming it.
 * **per-engine concurrency**: at most ``max_concurrency_per_endpoint`` tokenize calls in flight per
   engine; a full engine is skipped without waiting, and when every eligible engine is full the call
   fails at once (:class:`TokenizeSkipped` ``busy``).
@@ -31,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import httpx
 
@@ -77,6 +81,7 @@ class EngineTokenizer:
         max_prompt_chars: longer prompts are not tokenized (characters).
         max_concurrency_per_endpoint: tokenize calls in flight per engine.
         max_attempts: engines contacted at most per call (only connect failures move on).
+        engine_key: model -> the pool's engine API key (None: send no ``authorization``).
     """
 
     def __init__(
@@ -87,6 +92,7 @@ class EngineTokenizer:
         max_prompt_chars: int = 262_144,
         max_concurrency_per_endpoint: int = 4,
         max_attempts: int = 2,
+        engine_key: Callable[[str], str | None] = lambda model: None,
     ) -> None:
         self._client = client
         self._timeout = timeout_seconds
@@ -94,6 +100,7 @@ class EngineTokenizer:
         self._max_chars = max_prompt_chars
         self._max_concurrency = max_concurrency_per_endpoint
         self._max_attempts = max(1, max_attempts)
+        self._engine_key = engine_key
         self._cache: OrderedDict[tuple[str, str, str], list[int]] = OrderedDict()
         self._in_flight: dict[str, int] = {}
         self._rotation = 0
@@ -146,7 +153,9 @@ class EngineTokenizer:
             raise TokenizeError(f"no endpoint of model {request.model!r} to tokenize with")
         try:
             async with asyncio.timeout(self._timeout):
-                tokens = await self._ask(ordered, body)
+                engine_key = self._engine_key(request.model)
+                auth = {"authorization": f"Bearer {engine_key}"} if engine_key else {}
+                tokens = await self._ask(ordered, body, auth)
         except TimeoutError as exc:
             raise TokenizeError(f"tokenize timed out after {self._timeout}s") from exc
         if self._cache_entries > 0:
@@ -155,7 +164,7 @@ class EngineTokenizer:
                 self._cache.popitem(last=False)
         return tokens
 
-    async def _ask(self, ordered: Sequence[Candidate], body: dict[str, object]) -> list[int]:
+    async def _ask(self, ordered: Sequence[Candidate], body: dict[str, object], headers: dict[str, str]) -> list[int]:
         errors: list[str] = []
         attempts = 0
         for cand in ordered:
@@ -167,7 +176,7 @@ class EngineTokenizer:
             attempts += 1
             self._in_flight[cand.id] = self.in_flight(cand.id) + 1
             try:
-                reply = await self._client.post(cand.endpoint.url.rstrip("/") + "/tokenize", json=body)
+                reply = await self._client.post(cand.endpoint.url.rstrip("/") + "/tokenize", json=body, headers=headers)
             except httpx.ConnectError as exc:  # never reached the engine: the next one may answer
                 errors.append(f"{cand.id}: {exc!r}")
                 continue
@@ -179,6 +188,9 @@ class EngineTokenizer:
                     self._in_flight[cand.id] = left
                 else:
                     self._in_flight.pop(cand.id, None)
+            if reply.status_code in (401, 403):
+                raise TokenizeError(f"{cand.id}: HTTP {reply.status_code}: the engine refused epp's credentials "
+                                    "(engine_api_key / engine_api_keys)")
             if reply.status_code != 200:
                 raise TokenizeError(f"{cand.id}: HTTP {reply.status_code}: {reply.text[:200]}")
             try:

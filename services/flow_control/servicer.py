@@ -1,5 +1,9 @@
 """FlowControl gRPC servicer: protobuf <-> :class:`FlowController`, and the stream's lifetime.
 
+``AdmitMany`` carries every admission of one client on one long-lived stream (entries keyed by the
+client's ticket ids, decisions batched per write; :class:`_AdmitSession`): the router's default
+since issue 10 (no call set-up per request). ``Admit``, one stream per request, stays for other clients.
+
 The admission stream (``proto/kvmesh/flow_control/v1/flow_control.proto``): the router sends
 ``AdmitRequest{enqueue}``, receives one ``AdmitResponse`` (``DISPATCHED`` or a rejection with a
 reason and a retry hint), may send ``AdmitRequest{complete}`` (the tokens actually used: fairness
@@ -10,16 +14,17 @@ error or server shutdown.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections.abc import AsyncIterator
 
 import grpc
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 
 from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2, flow_control_pb2_grpc
 from kvmesh.errors import InvalidRequest
-from services.flow_control.controller import FlowController
+from services.flow_control.controller import FlowController, Ticket
 from services.flow_control.types import (
     DEFAULT_FLOW_ID,
     MAX_FLOW_ID_CHARS,
@@ -30,6 +35,7 @@ from services.flow_control.types import (
 )
 
 logger = logging.getLogger(__name__)
+_tracer = trace.get_tracer("kvmesh.flow_control")
 
 SERVICE_NAME = flow_control_pb2.DESCRIPTOR.services_by_name["FlowControl"].full_name
 
@@ -118,6 +124,21 @@ class FlowControlServicer(flow_control_pb2_grpc.FlowControlServicer):
         finally:
             self._controller.release(ticket)
 
+    async def AdmitMany(
+        self,
+        request_iterator: AsyncIterator[flow_control_pb2.AdmitBatch],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        """Every admission of one client on one stream (see :class:`_AdmitSession`); the stream's
+        end, for any reason, releases every slot it holds."""
+        session = _AdmitSession(self._controller, context)
+        try:
+            async for batch in request_iterator:
+                for entry in batch.entries:
+                    session.handle(entry)
+        finally:
+            await session.close()
+
     async def Stats(
         self, request: flow_control_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> flow_control_pb2.StatsResponse:
@@ -167,3 +188,148 @@ def _annotate_admit(enqueue: flow_control_pb2.Enqueue, decision: object) -> None
     span.set_attribute("kvmesh.priority", int(enqueue.priority))
     span.set_attribute("kvmesh.admission", str(getattr(outcome, "value", outcome)))
     span.set_attribute("kvmesh.queue_seconds", float(getattr(decision, "queue_seconds", 0.0)))
+
+
+_FLUSH_SECONDS = 1.0
+"""How long a closing ``AdmitMany`` stream may take to write its last decisions."""
+
+
+class _AdmitSession:
+    """One ``AdmitMany`` stream: client ticket id -> controller ticket, and the decisions' writer.
+
+    An ``Enqueue`` is decided at once when the controller dispatches or rejects it on arrival (the
+    common case: no task); a queued one gets a task that waits for its decision. Decisions are
+    written by one writer task, every decision ready at that moment in one ``AdmitDecisions``
+    (under load one write carries many). A ``Complete`` reports and releases, a ``Release``
+    releases (a queued request is cancelled); an entry for an unknown ticket is ignored (the
+    client gave up on it and the slot is already free). A malformed enqueue (bad flow id, TTL,
+    duplicate or zero ticket) is answered for that ticket alone, with ``QUEUE_OUTCOME_UNSPECIFIED``
+    and the reason (the client's ``InvalidRequest``); the stream goes on.
+    """
+
+    def __init__(self, controller: FlowController, context: grpc.aio.ServicerContext) -> None:
+        self._controller = controller
+        self._context = context
+        self._tickets: dict[int, Ticket] = {}
+        self._waiters: dict[int, asyncio.Task[None]] = {}
+        self._outbox: list[flow_control_pb2.AdmitDecision] = []
+        self._wake = asyncio.Event()
+        self._closing = False
+        self._writer = asyncio.create_task(self._write(), name="flow_control-admit-many-writer")
+
+    def handle(self, entry: flow_control_pb2.AdmitEntry) -> None:
+        kind = entry.WhichOneof("kind")
+        if kind == "enqueue":
+            self._enqueue(entry)
+        elif kind == "complete":
+            ticket = self._forget(entry.ticket)
+            if ticket is not None:
+                done = entry.complete
+                self._controller.complete(ticket, ServedTokens(done.prompt_tokens, done.completion_tokens))
+                self._controller.release(ticket)
+        elif kind == "release":
+            ticket = self._forget(entry.ticket)
+            if ticket is not None:
+                self._controller.release(ticket)
+
+    def _enqueue(self, entry: flow_control_pb2.AdmitEntry) -> None:
+        enqueue = entry.enqueue
+        span = _admit_span(entry)
+        try:
+            if entry.ticket == 0 or entry.ticket in self._tickets:
+                raise InvalidRequest(f"ticket {entry.ticket} is zero or already in use on this stream")
+            if not enqueue.request_id:
+                raise InvalidRequest("enqueue.request_id is required")
+            request = admission_request(enqueue)
+        except InvalidRequest as exc:
+            self._answer(entry.ticket, flow_control_pb2.AdmitResponse(
+                outcome=flow_control_pb2.QUEUE_OUTCOME_UNSPECIFIED, reason=str(exc)))
+            if span is not None:
+                span.end()
+            return
+        ticket = self._controller.enqueue(request)
+        if ticket.decision is not None:
+            self._decided(entry.ticket, ticket, span, enqueue)
+        else:
+            self._tickets[entry.ticket] = ticket
+            self._waiters[entry.ticket] = asyncio.create_task(self._wait(entry.ticket, ticket, span, enqueue))
+
+    async def _wait(self, key: int, ticket: Ticket, span: trace.Span | None, enqueue: flow_control_pb2.Enqueue) -> None:
+        await ticket.wait()
+        self._waiters.pop(key, None)
+        self._decided(key, ticket, span, enqueue)
+
+    def _decided(self, key: int, ticket: Ticket, span: trace.Span | None, enqueue: flow_control_pb2.Enqueue) -> None:
+        decision = ticket.decision
+        assert decision is not None
+        if decision.outcome is QueueOutcome.DISPATCHED:
+            self._tickets[key] = ticket
+        else:
+            self._tickets.pop(key, None)
+            self._controller.release(ticket)
+        if span is not None:
+            with trace.use_span(span, end_on_exit=True):
+                _annotate_admit(enqueue, decision)
+        self._answer(key, flow_control_pb2.AdmitResponse(
+            outcome=_OUTCOME_TO_PROTO.get(decision.outcome, flow_control_pb2.QUEUE_OUTCOME_REJECTED_OTHER),
+            reason=decision.reason, queue_seconds=decision.queue_seconds,
+            retry_after_seconds=decision.retry_after_seconds,
+        ))
+
+    def _forget(self, key: int) -> Ticket | None:
+        waiter = self._waiters.pop(key, None)
+        if waiter is not None:
+            waiter.cancel()
+        return self._tickets.pop(key, None)
+
+    def _answer(self, key: int, response: flow_control_pb2.AdmitResponse) -> None:
+        self._outbox.append(flow_control_pb2.AdmitDecision(ticket=key, response=response))
+        self._wake.set()
+
+    async def _write(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self._outbox:
+                batch, self._outbox = self._outbox, []
+                await self._context.write(flow_control_pb2.AdmitDecisions(decisions=batch))
+            if self._closing:
+                return
+
+    async def close(self) -> None:
+        """The client's side ended (or the call broke): answer what is decided (the client may
+        still read), stop the waiters and the writer, release every ticket the stream holds."""
+        for waiter in self._waiters.values():
+            waiter.cancel()
+        self._closing = True
+        self._wake.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._writer), _FLUSH_SECONDS)
+        except Exception:  # the call is gone (a write fails) or the client stopped reading
+            pass
+        finally:
+            self._writer.cancel()
+            released = len(self._tickets)
+            for ticket in self._tickets.values():
+                self._controller.release(ticket)
+            self._tickets.clear()
+            self._waiters.clear()
+        if released:
+            logger.info("admit-many stream ended released=%d", released)
+
+
+_SAMPLED_LAST_HEX = frozenset("13579bdfBDF")
+"""Last hex digit of the W3C trace flags when the sampled bit (0x01) is set."""
+
+
+def _admit_span(entry: flow_control_pb2.AdmitEntry) -> trace.Span | None:
+    """A ``flow_control.Admit`` span, child of the request's trace, when the caller's context is sampled
+    (the sampled bit of the W3C trace flags); None otherwise (nothing is built per admission)."""
+    flags = entry.traceparent[-2:]
+    if len(entry.traceparent) < 55 or flags[-1:] not in _SAMPLED_LAST_HEX:
+        return None
+    carrier = {"traceparent": entry.traceparent}
+    if entry.tracestate:
+        carrier["tracestate"] = entry.tracestate
+    span = _tracer.start_span("flow_control.Admit", context=propagate.extract(carrier), kind=trace.SpanKind.SERVER)
+    return span if span.is_recording() else None

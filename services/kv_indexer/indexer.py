@@ -32,10 +32,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvmesh.hashing import DEFAULT_SCOPE, KeyScope
+from kvmesh.prefix_index import ReplicaEndpoint
 from kvmesh.types import Endpoint, EndpointId
 from services.kv_indexer import metrics
 from services.kv_indexer.events.pool import EndpointState, EventPool, IngestStats
 from services.kv_indexer.index.base import BlockLocation, IndexStats, KVBlockIndex, ScoreResult
+from services.kv_indexer.index.residency import ResidencyLog
 from services.kv_indexer.parity import ParityMonitor
 from services.kv_indexer.reach import build_reach, fold_lookup, fold_scores, is_source
 
@@ -249,6 +251,50 @@ class BlockIndexer:
         registered = self.index.registered()
         engines = [e for e, ep in registered.items() if ep.model == model and not is_source(ep) and e not in self._departed]
         return fold_lookup(locations, build_reach(registered, self._live(sources)), sources, engines)
+
+    # -- replicas (Watch) ---------------------------------------------------------------------
+
+    def _residency_index(self) -> object | None:
+        inner = getattr(self.index, "inner", self.index)
+        return inner if hasattr(inner, "residency_snapshot") else None
+
+    def open_residency(self, max_keys: int = 1_000_000) -> ResidencyLog | None:
+        """The index's residency log, attached on first use (None: this backend cannot feed replicas)."""
+        inner = self._residency_index()
+        if inner is None:
+            return None
+        log: ResidencyLog | None = getattr(inner, "residency", None)
+        if log is None:
+            log = ResidencyLog(max_keys)
+            inner.residency = log  # type: ignore[attr-defined]
+        return log
+
+    def close_residency(self) -> None:
+        """Stop recording once no watcher listens (ingest then pays nothing for replicas)."""
+        inner = self._residency_index()
+        log: ResidencyLog | None = getattr(inner, "residency", None) if inner is not None else None
+        if log is not None and not log.listeners:
+            inner.residency = None  # type: ignore[attr-defined]
+
+    def residency_snapshot(self) -> list[tuple[EndpointId, str, list[int]]]:
+        """``(endpoint, medium, keys)`` for every holding of the index (see ``InMemoryIndex``)."""
+        inner = self._residency_index()
+        return inner.residency_snapshot() if inner is not None else []  # type: ignore[attr-defined]
+
+    def watch_endpoints(self) -> list[ReplicaEndpoint]:
+        """Every registered endpoint with the state Score treats it by (``live`` is scored)."""
+        states = self.pool.states()
+        return [
+            ReplicaEndpoint(
+                e, ep.model, ep.block_size_tokens,
+                DEPARTED if e in self._departed else str(states.get(e, EndpointState.LIVE)), is_source(ep),
+            )
+            for e, ep in sorted(self.index.registered().items())
+        ]
+
+    def load_only_models(self) -> list[str]:
+        models = {ep.model for ep in self.index.registered().values()}
+        return sorted(m for m in models if self.parity.load_only(m))
 
     def state_counts(self) -> Counter[str]:
         counts: Counter[str] = Counter()

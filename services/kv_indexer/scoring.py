@@ -1,4 +1,4 @@
-"""Prefix scoring: per endpoint, the longest run of a prompt's block keys it holds from block 0.
+"""Prefix scoring (the walk itself is :func:`kvmesh.prefix_index.longest_prefix_matches`, shared with epp's replica): per endpoint, the longest run of a prompt's block keys it holds from block 0.
 
 Given the prompt's chained keys ``k_0..k_{n-1}`` (:func:`kvmesh.hashing.block_keys`; key ``i``
 depends on every token of blocks ``0..i``, so holding ``k_i`` means holding that whole prefix's
@@ -17,9 +17,12 @@ keys are already chained.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
+from kvmesh.prefix_index import longest_prefix_matches
 from kvmesh.types import EndpointId, Medium
+
+__all__ = ["LANE_MASK", "MEDIA", "MEDIUM_LANE", "MEDIUM_SHIFT", "Holders", "longest_prefix_matches", "media_counts", "media_of"]
 
 Holders = Mapping[EndpointId, int]
 """Endpoints holding one block key, and on which media: per endpoint one int packing a 32-bit
@@ -38,49 +41,6 @@ MEDIUM_SHIFT: dict[Medium, int] = {m: 32 * i for i, m in enumerate(MEDIA)}
 def media_of(packed: int) -> frozenset[Medium]:
     """The media with a non-zero refcount in a holder's packed refcounts."""
     return frozenset(m for i, m in enumerate(MEDIA) if (packed >> (32 * i)) & LANE_MASK)
-
-
-def longest_prefix_matches(
-    keys: Sequence[int],
-    table: Mapping[int, Holders],
-    candidates: Collection[EndpointId] | None = None,
-) -> dict[EndpointId, int]:
-    """Per endpoint with at least one matched block, the longest consecutive prefix of ``keys`` it holds.
-
-    Args:
-        keys: the prompt's chained block keys, block 0 first.
-        table: block key -> holders (endpoint -> media).
-        candidates: restrict to these endpoints (None: every holder).
-
-    Returns:
-        ``{endpoint: n}`` with ``1 <= n <= len(keys)``.
-    """
-    if not keys:
-        return {}
-    first = table.get(keys[0])
-    if not first:
-        return {}
-    active = set(first.keys()) if candidates is None else set(first.keys()).intersection(candidates)
-    result: dict[EndpointId, int] = {}
-    i = 1
-    for i in range(1, len(keys)):
-        if not active:
-            return result
-        holders = table.get(keys[i])
-        if not holders:
-            break
-        present = holders.keys()
-        if present >= active:
-            continue
-        survivors = active.intersection(present)
-        for endpoint_id in active.difference(survivors):
-            result[endpoint_id] = i
-        active = survivors
-    else:
-        i = len(keys)
-    for endpoint_id in active:
-        result[endpoint_id] = i
-    return result
 
 
 def media_counts(keys: Sequence[int], table: Mapping[int, Holders], endpoint_id: EndpointId) -> dict[Medium, int]:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
 import grpc
 from opentelemetry import trace
 
@@ -9,16 +14,90 @@ from kvmesh._proto.kvmesh.kv_indexer.v1 import kv_indexer_pb2 as pb
 from kvmesh._proto.kvmesh.kv_indexer.v1 import kv_indexer_pb2_grpc
 from kvmesh.errors import InvalidRequest
 from kvmesh.hashing import KeyScope
+from kvmesh.prefix_index import ReplicaEndpoint
 from kvmesh.types import EndpointId
 from kvmesh.wire import medium_to_proto
+from services.kv_indexer.index.residency import ResidencyRecord
 from services.kv_indexer.indexer import BlockIndexer, IndexState
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVIndexer"].full_name
 
 
+WATCH_POLL_SECONDS = 0.05
+"""How often a Watch stream checks endpoint states and readiness when no residency change woke it."""
+WATCH_HEARTBEAT_SECONDS = 0.5
+"""An idle Watch stream sends a heartbeat this often (replicas call a stream stale after a few missed)."""
+WATCH_CHUNK_KEYS = 65536
+"""Keys per Watch message (snapshot chunks and delta batches stay well under gRPC's 4 MB message limit)."""
+
+
 class KVIndexerServicer(kv_indexer_pb2_grpc.KVIndexerServicer):
     def __init__(self, indexer: BlockIndexer) -> None:
         self._indexer = indexer
+        self._positions: dict[int, int] = {}
+        """Watch streams' log positions (the log keeps only what the slowest has not read)."""
+
+    async def Watch(self, request: pb.WatchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WatchResponse]:
+        """Snapshot, then ordered residency deltas, endpoint-state changes and heartbeats (see the proto)."""
+        log = self._indexer.open_residency()
+        if log is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this index backend cannot feed replicas")
+            return
+        wake = asyncio.Event()
+        log.add_listener(wake.set)
+        watcher = id(wake)
+        models = set(request.models)
+        try:
+            while True:  # one pass per snapshot; a watcher that fell behind the log starts again
+                seq = log.seq
+                self._positions[watcher] = seq
+                endpoints, models_of = self._endpoints(models)
+                ready, load_only = self._indexer.ready, self._indexer.load_only_models()
+                status = (endpoints, ready, load_only)
+                chunks = _chunks([
+                    pb.ResidencyDelta(endpoint_id=e, medium=m, added_keys=keys)
+                    for e, m, keys in self._indexer.residency_snapshot() if e in models_of
+                ])
+                for i, deltas in enumerate(chunks):
+                    yield pb.WatchResponse(
+                        prev_seq=seq, seq=seq, reset=i == 0, synced=i == len(chunks) - 1, deltas=deltas,
+                        endpoints_changed=i == 0, endpoints=[_watched(e) for e in endpoints] if i == 0 else [],
+                        ready=ready, load_only_models=load_only,
+                    )
+                last_sent = time.monotonic()
+                while True:
+                    if log.seq <= seq:
+                        wake.clear()
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(wake.wait(), WATCH_POLL_SECONDS)
+                    records = log.since(seq, WATCH_CHUNK_KEYS)
+                    if records is None:
+                        break  # dropped from the log before this watcher read them: resync
+                    endpoints, models_of = self._endpoints(models)
+                    ready, load_only = self._indexer.ready, self._indexer.load_only_models()
+                    changed = (endpoints, ready, load_only) != status
+                    now = time.monotonic()
+                    if not records and not changed and now - last_sent < WATCH_HEARTBEAT_SECONDS:
+                        continue
+                    status = (endpoints, ready, load_only)
+                    prev, seq = seq, seq + len(records)
+                    self._positions[watcher] = seq
+                    log.trim(min(self._positions.values()))
+                    last_sent = now
+                    yield pb.WatchResponse(
+                        prev_seq=prev, seq=seq, synced=True,
+                        deltas=_deltas([r for r in records if not models or r.endpoint_id in models_of]),
+                        endpoints_changed=changed, endpoints=[_watched(e) for e in endpoints] if changed else [],
+                        ready=ready, load_only_models=load_only,
+                    )
+        finally:
+            self._positions.pop(watcher, None)
+            log.remove_listener(wake.set)
+            self._indexer.close_residency()
+
+    def _endpoints(self, models: set[str]) -> tuple[list[ReplicaEndpoint], set[str]]:
+        endpoints = [e for e in self._indexer.watch_endpoints() if not models or e.model in models]
+        return endpoints, {e.endpoint_id for e in endpoints}
 
     async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
         if not request.model:
@@ -128,3 +207,65 @@ def _annotate_score(model: str, result: object) -> None:
         span.set_attribute("kvmesh.prefix.matched_tokens", int(best.matched_tokens))
         for medium, n in best.matched_blocks_by_medium.items():
             span.set_attribute(f"kvmesh.prefix.matched_blocks.{getattr(medium, 'name', medium)}", int(n))
+
+
+def _watched(endpoint: ReplicaEndpoint) -> pb.WatchedEndpoint:
+    return pb.WatchedEndpoint(
+        endpoint_id=endpoint.endpoint_id, model=endpoint.model, block_size_tokens=endpoint.block_size_tokens,
+        state=endpoint.state, kv_source=endpoint.kv_source,
+    )
+
+
+def _delta(record: ResidencyRecord) -> pb.ResidencyDelta:
+    return pb.ResidencyDelta(
+        endpoint_id=record.endpoint_id, medium=record.medium, cleared=record.cleared,
+        added_keys=record.added, removed_keys=record.removed,
+    )
+
+
+def _deltas(records: list[ResidencyRecord]) -> list[pb.ResidencyDelta]:
+    """Records as few deltas as keep their meaning: per (endpoint, medium) the last change of each key
+    wins (each record is a transition, so the last one is the state), a ``cleared`` record ends the
+    groups before it. One protobuf message per group instead of per engine event."""
+    out: list[pb.ResidencyDelta] = []
+    groups: dict[tuple[str, str], dict[int, bool]] = {}
+
+    def flush() -> None:
+        for (endpoint_id, medium), state in groups.items():
+            out.append(pb.ResidencyDelta(
+                endpoint_id=endpoint_id, medium=medium,
+                added_keys=[k for k, held in state.items() if held],
+                removed_keys=[k for k, held in state.items() if not held],
+            ))
+        groups.clear()
+
+    for record in records:
+        if record.cleared:
+            flush()
+            out.append(_delta(record))
+            continue
+        state = groups.get((record.endpoint_id, record.medium))
+        if state is None:
+            state = groups[(record.endpoint_id, record.medium)] = {}
+        if record.added:
+            state.update(dict.fromkeys(record.added, True))
+        if record.removed:
+            state.update(dict.fromkeys(record.removed, False))
+    flush()
+    return out
+
+
+def _chunks(deltas: list[pb.ResidencyDelta]) -> list[list[pb.ResidencyDelta]]:
+    """Snapshot deltas split into messages of at most ``WATCH_CHUNK_KEYS`` keys (at least one message)."""
+    chunks: list[list[pb.ResidencyDelta]] = [[]]
+    size = 0
+    for delta in deltas:
+        keys = list(delta.added_keys)
+        for start in range(0, max(len(keys), 1), WATCH_CHUNK_KEYS):
+            part = keys[start:start + WATCH_CHUNK_KEYS]
+            if size + len(part) > WATCH_CHUNK_KEYS and chunks[-1]:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(pb.ResidencyDelta(endpoint_id=delta.endpoint_id, medium=delta.medium, added_keys=part))
+            size += len(part)
+    return chunks

@@ -27,6 +27,7 @@ from kvmesh.server import GrpcService, ServiceSpec
 from kvmesh.types import KV_SOURCE_LABEL, SHARED_DOMAINS_LABEL, Endpoint, EndpointId
 from services.kv_store.config import KvStoreConfig
 from services.kv_store.events import StoreEventPublisher
+from services.kv_store.lmcache_server import LmcacheServer, register_lmcache_metrics
 from services.kv_store.metrics import register_metrics
 from services.kv_store.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
 from services.kv_store.store import BlockStore
@@ -37,6 +38,8 @@ from services.kv_store.tiers.mooncake import MooncakeTier
 
 log = logging.getLogger(__name__)
 MOONCAKE_RETRY_S = 5.0
+SUBSCRIBER_WAIT_S = 5.0
+"""How long the event publisher waits for kv_indexer's subscription before its first batch."""
 
 
 class LazyMooncakeClient:
@@ -167,7 +170,6 @@ def build_service(config: KvStoreConfig) -> GrpcService:
             config.events_endpoint, service.address, config.events_model,
             replay_endpoint=config.events_replay_endpoint, buffer_steps=config.events_buffer_steps,
         )
-        sink.attach(publisher)
         source = Endpoint(
             id=EndpointId(service.address),
             url=f"grpc://{service.address}",
@@ -184,6 +186,11 @@ def build_service(config: KvStoreConfig) -> GrpcService:
                 config.etcd_endpoints, kv_source_key(source), source.to_json(), ttl_seconds=config.lease_ttl_seconds
             )
             await registration.start()
+        if not await publisher.wait_subscribed(SUBSCRIBER_WAIT_S):
+            log.warning("no subscriber on %s after %.0f s: publishing anyway (kv_indexer replays gaps)",
+                        config.events_endpoint, SUBSCRIBER_WAIT_S)
+        sink.attach(publisher)  # the rescanned blocks (store.republished) and any early puts, in order
+        log.info("kv_store publishing residency: %d rescanned blocks republished", store.republished)
         try:
             await asyncio.Event().wait()
         finally:
@@ -192,8 +199,22 @@ def build_service(config: KvStoreConfig) -> GrpcService:
                     await registration.stop()
             publisher.shutdown()
 
+    # LMCache's lm:// protocol on its own port, from the same store (reported as "lmcache" in the ports file)
+    lmcache = LmcacheServer(store) if config.lmcache_port is not None else None
+
+    async def start_lmcache() -> None:
+        if lmcache is not None and config.lmcache_port is not None:
+            service.extra_ports["lmcache"] = await lmcache.start(config.host, config.lmcache_port)
+
+    async def stop_lmcache() -> None:
+        if lmcache is not None:
+            await lmcache.stop()
+
+    if lmcache is not None:
+        register_lmcache_metrics(lmcache.stats)
     spec = ServiceSpec(
         name="kv_store", service_names=[SERVICE_NAME], add_servicers=add_servicers,
+        on_start=[start_lmcache], on_stop=[stop_lmcache],
         background=[publish_residency] if config.events_endpoint else [],
     )
     service = GrpcService(config, spec)

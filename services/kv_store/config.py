@@ -53,6 +53,10 @@ class KvStoreConfig(GrpcServiceConfig):
     """Slower tiers (``disk``, ``sharedfs``, ``mooncake``) that receive every put synchronously."""
     promote_on_hit: bool = True
     """Copy a value found in a slower tier into the first (CPU) tier."""
+    lmcache_port: int | None = Field(None, ge=0, le=65535)
+    """LMCache's ``lm://`` remote-server protocol (lmcache 0.5.6) on ``host:lmcache_port``, served from
+    the same tiers (services/kv_store/lmcache_server.py). None: off; 0: a free port, reported as
+    ``"lmcache"`` in the ports file. LMCache's own server's usual port is 65432."""
 
     events_endpoint: str = ""
     """KV events for kv_indexer (vLLM 0.32 wire): ZMQ PUB endpoint, ``tcp://host:port`` of kv_indexer's

@@ -1,7 +1,9 @@
 """kv_store's KV-event publisher and its etcd registration as an event source (the I/O side).
 
 Wire: vLLM 0.32's ``ZmqEventPublisher`` (``vllm/distributed/kv_events.py``), as the engines'
-(``engine_simulator/publisher.py``): a PUB socket sends ``[topic, seq (8-byte big-endian),
+(``engine_simulator/publisher.py``): a PUB socket (an XPUB, the same wire to a SUB, so the
+publisher can see when kv_indexer's subscription arrived: :meth:`StoreEventPublisher.wait_subscribed`;
+a PUB drops what it sends before then, and a restarted instance's first batch is what it rescanned) sends ``[topic, seq (8-byte big-endian),
 msgpack EventBatch [ts, events, 0]]`` with topic ``kv@<kv_store host:port>@<model>``; it connects
 to a plain ``tcp://host:port`` (kv_indexer binds) and binds for ``*``/``::``/``ipc://``. Replay:
 the last ``buffer_steps`` batches are served on a ROUTER socket (request ``[id, b"", start seq]``,
@@ -18,6 +20,7 @@ Routing never watches that prefix, so a kv_store is never picked as an engine.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -58,7 +61,7 @@ class StoreEventPublisher:
     ) -> None:
         self.topic = make_topic(source_id, model).encode()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.PUB)
+        self._sock = self._ctx.socket(zmq.XPUB)
         self._sock.setsockopt(zmq.SNDHWM, hwm)
         self._sock.setsockopt(zmq.LINGER, 500)
         (self._sock.bind if endpoint_binds(endpoint) else self._sock.connect)(endpoint)
@@ -79,6 +82,22 @@ class StoreEventPublisher:
             self._thread = threading.Thread(target=self._serve_replay, args=(router,), name="kv-store-replay", daemon=True)
             self._thread.start()
         logger.info("kv_store events endpoint=%s topic=%s replay=%s", endpoint, self.topic.decode(), self.replay_endpoint or "-")
+
+    async def wait_subscribed(self, timeout_seconds: float) -> bool:
+        """Wait until a subscriber's subscription reached this socket (at most ``timeout_seconds``);
+        whether one did. Events published earlier would be dropped by the socket (ZMQ's slow
+        joiner): kv_store attaches its publisher only after this, so its first batches (a restart's
+        republished blocks) reach kv_indexer live rather than through a later gap replay."""
+        deadline = time.monotonic() + timeout_seconds
+        while True:
+            try:
+                self._sock.recv(flags=zmq.NOBLOCK)  # a subscription message: b"\x01" + topic prefix
+                return True
+            except zmq.Again:
+                pass
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
 
     def publish(self, events: list[KVEvent]) -> None:
         """Send one batch under the next seq and keep it for replay."""

@@ -32,6 +32,7 @@ from kvmesh.kv_events import BlockRemoved, BlockStored, KVEvent
 from kvmesh.types import Medium
 
 _DECODE_STORED = msgspec.msgpack.Decoder(BlockStored)
+_ENCODE = msgspec.msgpack.Encoder()
 
 
 class BadBlockEvent(ValueError):
@@ -88,6 +89,13 @@ class Residency:
 
     def described(self, key: str) -> bool:
         return key in self._blocks
+
+    def encoded(self, key: str) -> bytes:
+        """The description of ``key`` as vLLM's msgpack ``BlockStored`` (what a put carried;
+        :func:`parse_block_event` reads it back), ``b""`` when the key is not described. File
+        tiers keep it with the value so a restarted instance can publish what it rescanned."""
+        block = self._blocks.get(key)
+        return _ENCODE.encode(block) if block is not None else b""
 
     def media(self, key: str) -> set[Medium]:
         return {self._medium_of[t] for t in self._where.get(key, ())}

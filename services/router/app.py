@@ -70,7 +70,8 @@ def build_service(config: RouterConfig) -> GrpcService:
     watcher = EndpointWatcher(config.etcd_endpoints) if config.etcd_endpoints else None
     catalog = WatchedCatalog(watcher, config.model_memory_seconds)
     admission = AdmissionClient(
-        config.flow_control_address, config.admission_timeout_seconds, config.admission_close_timeout_seconds
+        config.flow_control_address, config.admission_timeout_seconds, config.admission_close_timeout_seconds,
+        multiplexed=config.admission_stream == "multiplexed",
     )
     picker = PickerClient(config.epp_address, config.pick_timeout_seconds)
     http_client = build_http_client(config)
@@ -90,7 +91,7 @@ def build_service(config: RouterConfig) -> GrpcService:
                               lambda model: watcher.snapshot().values() if watcher is not None else (), flow.local_picker)
     api = RouterHttpApi(config, flow, catalog, readiness, passthrough)
     http_server = HttpServer(api.app(), config.host, config.http_port, config.shutdown_http_grace_seconds,
-                             name="router-http")
+                             name="router-http", http=config.http_parser)
     servicer = InferenceServicer(config, flow, catalog)
 
     def add_servicers(server: grpc.aio.Server) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -44,8 +45,9 @@ from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
 from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2 as fc_pb2
 from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2_grpc as fc_pb2_grpc
 from kvmesh.channels import answered, insecure_channel, to_domain_error, trace_metadata
-from kvmesh.types import Endpoint
-from kvmesh.wire import endpoint_from_proto
+from kvmesh.types import Endpoint, RequestCompletion
+from kvmesh.wire import completion_to_proto, endpoint_from_proto
+from services.router import metrics
 from services.router.degraded import FlowControlUnreachable, PickerUnreachable
 
 logger = logging.getLogger(__name__)
@@ -183,17 +185,207 @@ class AdmissionTicket:
             self._call.cancel()
 
 
-class AdmissionClient:
-    """Opens one ``FlowControl.Admit`` stream per request."""
+class _MuxTicket:
+    """An admitted request's slot on the multiplexed stream; ``close()`` sends its Complete (or a
+    Release) without waiting for an answer (the stream keeps the order; its end frees every slot)."""
 
-    def __init__(self, address: str, admission_timeout_seconds: float, close_timeout_seconds: float) -> None:
+    __slots__ = ("_closed", "_key", "_stream", "queue_seconds")
+
+    def __init__(self, stream: _AdmitStream, key: int, queue_seconds: float) -> None:
+        self._stream = stream
+        self._key = key
+        self.queue_seconds = queue_seconds
+        self._closed = False
+
+    async def close(self, report: CompletionReport | None = None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if report is None:
+            self._stream.send(fc_pb2.AdmitEntry(ticket=self._key, release=_RELEASE))
+            return
+        self._stream.send(fc_pb2.AdmitEntry(ticket=self._key, complete=fc_pb2.Complete(
+            prompt_tokens=max(0, report.prompt_tokens), completion_tokens=max(0, report.completion_tokens),
+            ttft_seconds=report.ttft_seconds, e2e_seconds=report.e2e_seconds, success=report.success,
+        )))
+
+
+_RELEASE = fc_pb2.Release()
+
+
+class _AdmitStream:
+    """One ``FlowControl.AdmitMany`` call: a writer task (every entry queued since its last write in
+    one ``AdmitBatch``) and a reader task (decisions -> the waiting admissions' futures).
+
+    When the call ends (flow_control gone, restarted, or the channel closed) every waiting admission
+    fails with the call's error (:attr:`error`), sends become no-ops (flow_control released the
+    stream's slots itself) and :attr:`broken` is set: the client opens a new stream for the next request.
+    """
+
+    def __init__(self, stub: fc_pb2_grpc.FlowControlStub) -> None:
+        self._call = stub.AdmitMany()
+        self._pending: dict[int, asyncio.Future[fc_pb2.AdmitResponse]] = {}
+        self._outbox: list[fc_pb2.AdmitEntry] = []
+        self._wake = asyncio.Event()
+        self.broken = False
+        self.error: BaseException | None = None
+        self._writer = asyncio.create_task(self._write(), name="router-admit-many-writer")
+        self._reader = asyncio.create_task(self._read(), name="router-admit-many-reader")
+
+    def send(self, entry: fc_pb2.AdmitEntry) -> None:
+        if self.broken:
+            return
+        self._outbox.append(entry)
+        self._wake.set()
+
+    def expect(self, key: int) -> asyncio.Future[fc_pb2.AdmitResponse]:
+        """The future of ``key``'s decision (register before sending its enqueue)."""
+        future: asyncio.Future[fc_pb2.AdmitResponse] = asyncio.get_running_loop().create_future()
+        if self.broken:
+            future.set_exception(self._failure())
+        else:
+            self._pending[key] = future
+        return future
+
+    def forget(self, key: int) -> None:
+        self._pending.pop(key, None)
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                if not self._outbox:
+                    continue
+                batch, self._outbox = self._outbox, []
+                await self._call.write(fc_pb2.AdmitBatch(entries=batch))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # the call ended (its status comes from the reader when it has one)
+            self._fail(exc)
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                message = await self._call.read()
+                if message is grpc.aio.EOF:
+                    self._fail(FlowControlUnreachable("flow_control ended the admission stream"))
+                    return
+                for decision in message.decisions:
+                    future = self._pending.pop(decision.ticket, None)
+                    if future is not None and not future.done():
+                        future.set_result(decision.response)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._fail(exc)
+
+    def _failure(self) -> BaseException:
+        return _admit_error(self.error) if self.error is not None else FlowControlUnreachable("admission stream closed")
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.broken:
+            return
+        self.broken, self.error = True, exc
+        self._outbox.clear()
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(self._failure())
+        self._call.cancel()
+        logger.info("admission stream ended error=%r; the next request opens a new one", exc)
+
+    async def close(self) -> None:
+        self._fail(FlowControlUnreachable("admission client closed"))
+        for task in (self._writer, self._reader):
+            task.cancel()
+        await asyncio.gather(self._writer, self._reader, return_exceptions=True)
+
+
+def _admit_error(exc: BaseException) -> BaseException:
+    """A failed admission call's error as the request flow sees it (see :meth:`AdmissionClient.admit`)."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        if answered(exc) and exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # flow_control's own answer
+            return to_domain_error(exc)
+        return to_domain_error(exc, _ADMIT_STATUS_OVERRIDES, remote="flow_control unavailable")
+    if isinstance(exc, errors.KvmeshError):
+        return exc
+    return FlowControlUnreachable(f"flow_control unavailable: admission call failed ({exc!r})")
+
+
+def _decision(reply: fc_pb2.AdmitResponse) -> errors.KvmeshError | None:
+    """None for DISPATCHED, else the rejection's domain error."""
+    if reply.outcome == fc_pb2.QUEUE_OUTCOME_DISPATCHED:
+        return None
+    if reply.outcome == fc_pb2.QUEUE_OUTCOME_UNSPECIFIED and reply.reason:  # AdmitMany: a malformed enqueue
+        return errors.InvalidRequest(f"rejected by admission: {reply.reason}")
+    error_cls = _REJECTIONS.get(reply.outcome, errors.Saturated)
+    message = f"rejected by admission: {reply.reason or fc_pb2.QueueOutcome.Name(reply.outcome)}"
+    if issubclass(error_cls, errors.Saturated):
+        return error_cls(message, reply.retry_after_seconds)
+    return error_cls(message)
+
+
+class AdmissionClient:
+    """Admission over one multiplexed ``FlowControl.AdmitMany`` stream (default), or one
+    ``FlowControl.Admit`` stream per request (``multiplexed=False``, or a flow_control without
+    ``AdmitMany``)."""
+
+    def __init__(self, address: str, admission_timeout_seconds: float, close_timeout_seconds: float,
+                 multiplexed: bool = True) -> None:
         self._address = address
         self._channel: grpc.aio.Channel | None = None
         self._stub: fc_pb2_grpc.FlowControlStub | None = None
         self._timeout = admission_timeout_seconds
         self._close_timeout = close_timeout_seconds
+        self._multiplexed = multiplexed
+        self._stream: _AdmitStream | None = None
+        self._keys = itertools.count(1)
 
-    async def admit(self, request: AdmitQuery) -> AdmissionTicket:
+    async def admit(self, request: AdmitQuery) -> AdmissionTicket | _MuxTicket:
+        """Enqueue and wait for dispatch (the errors: :meth:`_admit_per_request`)."""
+        if self._stub is None:
+            raise FlowControlUnreachable("admission client not connected")
+        if not self._multiplexed:
+            return await self._admit_per_request(request)
+        stream = self._stream
+        if stream is None or stream.broken:
+            stream = self._stream = _AdmitStream(self._stub)
+        key = next(self._keys)
+        future = stream.expect(key)
+        traceparent = tracestate = ""
+        for name, value in trace_metadata():
+            if name == "traceparent":
+                traceparent = value
+            elif name == "tracestate":
+                tracestate = value
+        stream.send(fc_pb2.AdmitEntry(ticket=key, enqueue=_enqueue(request), traceparent=traceparent,
+                                      tracestate=tracestate))
+        try:
+            async with asyncio.timeout(self._timeout):
+                reply = await future
+        except TimeoutError as exc:
+            stream.forget(key)
+            stream.send(fc_pb2.AdmitEntry(ticket=key, release=_RELEASE))
+            raise errors.QueueTTLExpired(f"not dispatched within {self._timeout:g}s") from exc
+        except asyncio.CancelledError:
+            stream.forget(key)
+            stream.send(fc_pb2.AdmitEntry(ticket=key, release=_RELEASE))
+            raise
+        except FlowControlUnreachable:
+            failure = stream.error
+            if isinstance(failure, grpc.aio.AioRpcError) and failure.code() == grpc.StatusCode.UNIMPLEMENTED:
+                # an older flow_control: one stream per request from here on
+                logger.warning("flow_control does not implement AdmitMany; admitting with one stream per request")
+                self._multiplexed = False
+                return await self._admit_per_request(request)
+            raise
+        rejection = _decision(reply)
+        if rejection is not None:
+            raise rejection
+        return _MuxTicket(stream, key, reply.queue_seconds)
+
+    async def _admit_per_request(self, request: AdmitQuery) -> AdmissionTicket:
         """Enqueue and wait for dispatch.
 
         Raises:
@@ -207,34 +399,20 @@ class AdmissionClient:
         """
         if self._stub is None:
             raise FlowControlUnreachable("admission client not connected")
+        assert self._stub is not None
         call = self._stub.Admit(metadata=trace_metadata())
         admitted = False
         try:
             async with asyncio.timeout(self._timeout):
-                await call.write(
-                    fc_pb2.AdmitRequest(
-                        enqueue=fc_pb2.Enqueue(
-                            request_id=request.request_id,
-                            flow_id=request.flow_id,
-                            priority=request.priority,
-                            prompt_tokens=max(0, request.prompt_tokens),
-                            max_tokens=max(0, request.max_tokens),
-                            model=request.model,
-                            **_enqueue_options(request.options),
-                        )
-                    )
-                )
+                await call.write(fc_pb2.AdmitRequest(enqueue=_enqueue(request)))
                 reply = await call.read()
             if reply is grpc.aio.EOF:
                 raise FlowControlUnreachable("flow_control closed the admission stream without a decision")
-            if reply.outcome == fc_pb2.QUEUE_OUTCOME_DISPATCHED:
+            rejection = _decision(reply)
+            if rejection is None:
                 admitted = True
                 return AdmissionTicket(call, reply.queue_seconds, self._close_timeout)
-            error_cls = _REJECTIONS.get(reply.outcome, errors.Saturated)
-            message = f"rejected by admission: {reply.reason or fc_pb2.QueueOutcome.Name(reply.outcome)}"
-            if issubclass(error_cls, errors.Saturated):
-                raise error_cls(message, reply.retry_after_seconds)
-            raise error_cls(message)
+            raise rejection
         except TimeoutError as exc:
             raise errors.QueueTTLExpired(f"not dispatched within {self._timeout:g}s") from exc
         except grpc.aio.AioRpcError as exc:
@@ -259,9 +437,24 @@ class AdmissionClient:
         return await check_health(self._channel, timeout_seconds)
 
     async def close(self) -> None:
+        if self._stream is not None:
+            await self._stream.close()
+            self._stream = None
         if self._channel is not None:
             with contextlib.suppress(Exception):
                 await self._channel.close()
+
+
+def _enqueue(request: AdmitQuery) -> fc_pb2.Enqueue:
+    return fc_pb2.Enqueue(
+        request_id=request.request_id,
+        flow_id=request.flow_id,
+        priority=request.priority,
+        prompt_tokens=max(0, request.prompt_tokens),
+        max_tokens=max(0, request.max_tokens),
+        model=request.model,
+        **_enqueue_options(request.options),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +484,12 @@ class PickReply:
     profile: str
 
 
+COMPLETED_QUEUE_MAX = 10_000
+"""Completions the router keeps for epp while a call is in flight; more are dropped (counted)."""
+COMPLETED_BATCH_MAX = 512
+"""Completions per ``Completed`` call."""
+
+
 class PickerClient:
     """Calls ``EndpointPicker.Pick``, sending the prompt only when epp's profiles read it."""
 
@@ -303,6 +502,9 @@ class PickerClient:
         self._info_generation = 0  # bumped whenever the answer is forgotten; a stale answer is dropped
         self._watch_task: asyncio.Task[None] | None = None
         self._asking: asyncio.Future[bool] | None = None  # the GetPickerInfo call in flight, shared
+        self._completed: list[RequestCompletion] = []  # ended requests not yet told to epp (bounded)
+        self._completed_ready = asyncio.Event()
+        self._completed_task: asyncio.Task[None] | None = None
 
     async def connect(self) -> None:
         """Create the channel (inside the running event loop; long-lived, no client interceptors:
@@ -310,6 +512,35 @@ class PickerClient:
         self._channel = insecure_channel(self._address, client_spans=False)
         self._stub = epp_pb2_grpc.EndpointPickerStub(self._channel)
         self._watch_task = asyncio.create_task(self._forget_on_reconnect(self._channel), name="router-epp-watch")
+        self._completed_task = asyncio.create_task(self._send_completed(), name="router-epp-completed")
+
+    def report_completed(self, completion: RequestCompletion) -> None:
+        """Tell epp a request ended (fire-and-forget, never blocks nor raises): queued and sent in
+        batches by one background task (``Completed``). Past ``COMPLETED_QUEUE_MAX`` queued, or
+        when the call fails (epp unreachable, old epp without the RPC), the completions are dropped
+        and counted in ``kvmesh_router_epp_completions_dropped_total{reason}``: epp then frees that
+        load at its next metrics scrape or the picks' TTL, as before."""
+        if len(self._completed) >= COMPLETED_QUEUE_MAX:
+            metrics.EPP_COMPLETIONS_DROPPED.labels("queue_full").inc()
+            return
+        self._completed.append(completion)
+        self._completed_ready.set()
+
+    async def _send_completed(self) -> None:
+        while True:
+            await self._completed_ready.wait()
+            self._completed_ready.clear()
+            batch, self._completed = self._completed[:COMPLETED_BATCH_MAX], self._completed[COMPLETED_BATCH_MAX:]
+            if self._completed:
+                self._completed_ready.set()
+            if not batch or self._stub is None:
+                continue
+            try:
+                await self._stub.Completed(
+                    epp_pb2.CompletedBatch(requests=[completion_to_proto(c) for c in batch]), timeout=self._timeout)
+            except Exception as exc:  # epp unreachable, past the deadline, or without the RPC
+                metrics.EPP_COMPLETIONS_DROPPED.labels("unreachable").inc(len(batch))
+                logger.debug("epp Completed failed (%d dropped): %s", len(batch), exc)
 
     async def health(self, timeout_seconds: float) -> str:
         """epp's grpc.health.v1 status name (see :func:`check_health`)."""
@@ -408,12 +639,12 @@ class PickerClient:
         return PickReply(tuple(candidates), reply.prompt_tokens, reply.profile)
 
     async def close(self) -> None:
-        for task in (self._watch_task, self._asking):
+        for task in (self._watch_task, self._asking, self._completed_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        self._watch_task = self._asking = None
+        self._watch_task = self._asking = self._completed_task = None
         if self._channel is not None:
             with contextlib.suppress(Exception):
                 await self._channel.close()

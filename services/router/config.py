@@ -56,6 +56,14 @@ class RouterConfig(GrpcServiceConfig):
     engine_http_client: Literal["aiohttp", "httpx"] = "aiohttp"
     """HTTP client of the proxy hop (``services/router/engine_client.py``; aiohttp measured faster:
     docs/BENCHMARKS.md §3)."""
+    http_parser: Literal["httptools", "h11"] = "httptools"
+    """HTTP/1.1 parser of the front door (uvicorn's ``http``): ``httptools`` (llhttp, C) or ``h11``
+    (pure Python; docs/BENCHMARKS.md §3 compares them)."""
+    admission_stream: Literal["multiplexed", "per_request"] = "multiplexed"
+    """How admission travels: ``multiplexed``, one long-lived ``FlowControl.AdmitMany`` stream
+    carrying every request's enqueue / decision / complete, batched per write (no call set-up per
+    request; the stream's end releases every slot it holds), or ``per_request``, one ``Admit``
+    stream per request. A flow_control without ``AdmitMany`` is asked per request."""
     retry_after_seconds: int = Field(1, ge=0, le=3600)
     """Value of the ``retry-after`` header on 429 answers."""
     max_request_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, le=1024**3)
@@ -101,6 +109,11 @@ class RouterConfig(GrpcServiceConfig):
     """Largest ``n`` (choices per prompt) accepted; vLLM has no limit of its own, this bounds one request's work."""
     max_batch_prompts: int = Field(1024, ge=1, le=100_000)
     """Most prompts in one batched completions ``prompt`` (a list of strings or of token-id lists)."""
+    response_affinity_entries: int = Field(100_000, ge=0, le=10_000_000)
+    """``/v1/responses`` ids remembered with the endpoint that stored them, so a ``previous_response_id``
+    follow-up goes there (:mod:`services.router.response_affinity`; LRU); 0 pins nothing."""
+    response_affinity_ttl_seconds: float = Field(3600.0, gt=0, le=30 * 86400)
+    """How long a response id stays pinned to its endpoint after the answer."""
 
     def engine_key_for(self, model: str) -> str | None:
         """The API key to present to the engines of ``model``'s pool, or None (send none of kvmesh's own)."""

@@ -4,7 +4,8 @@
 | --- | --- |
 | ``POST /v1/completions`` | proxied engine answer (JSON, or SSE passthrough ending ``data: [DONE]``) |
 | ``POST /v1/chat/completions`` | same, chat |
-| ``POST /v1/embeddings``, ``POST /v1/responses`` | same path (admission, pick, forward); a pool that does not serve the route: the engine's 404 as an OpenAI error |
+| ``POST /v1/embeddings``, ``POST /v1/responses`` | same path (admission, pick, forward); a pool that does not serve the route: the engine's 404 as an OpenAI error; a ``previous_response_id`` this router saw answered goes to the endpoint that stored it (:mod:`services.router.response_affinity`) |
+| ``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel`` | from the endpoint that stored it (:mod:`services.router.response_affinity`); 404 in vLLM's words when no live endpoint is known to hold it |
 | ``POST /tokenize``, ``POST /detokenize`` | passed to the least-loaded live endpoint of the model, no admission (:mod:`services.router.passthrough`) |
 | ``GET /v1/models`` | OpenAI model list aggregated over the live etcd endpoints: models (``max_model_len``, endpoint count) and their LoRA adapters (``parent``) |
 | ``GET /health`` | 200 ``{"status": "ok", ...}`` when ready, else 503 naming what fails (:mod:`services.router.readiness`) |
@@ -91,6 +92,13 @@ from services.router.request_flow import (
     FlowSession,
     RequestFlow,
     RequestMeta,
+)
+from services.router.response_affinity import (
+    ResponseAffinity,
+    StoredResponseGone,
+    response_id_in_events,
+    response_id_of,
+    stores,
 )
 from services.router.tenants import TenantDirectory, api_key_from_headers
 from services.router.validation import RequestKind, RouterRequest, parse_json_body, resolve_model, validate_request
@@ -322,13 +330,15 @@ class _ProxiedAnswer(Response):
 
     def __init__(
         self, flow: RequestFlow, error_response: Callable[[BaseException, str | None], Response], routed: RouterRequest,
-        meta: RequestMeta, retry_after_seconds: int = 1,
+        meta: RequestMeta, retry_after_seconds: int = 1, affinity: ResponseAffinity | None = None,
     ) -> None:
         self._flow = flow
         self._error_response = error_response
         self._routed = routed
         self._meta = meta
         self._retry_after = retry_after_seconds
+        # a stored /v1/responses answer: remember which endpoint holds it (response_affinity)
+        self._affinity = affinity if routed.kind is RequestKind.RESPONSES and stores(routed.body) else None
         self.background = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -352,6 +362,8 @@ class _ProxiedAnswer(Response):
                     await self._stream(session, guard.send)
                 else:
                     payload = await session.read_all()
+                    if self._affinity is not None:
+                        self._affinity.remember(response_id_of(payload) or "", session.endpoint.id, session.request.model)
                     answer = Response(payload, session.status_code, _response_headers(session), session.content_type)
                     await answer(scope, receive, guard.send)
         except ClientGone:
@@ -370,7 +382,11 @@ class _ProxiedAnswer(Response):
         try:
             await send(start)
             try:
+                pin = self._affinity
                 async for chunk in session.iter_events():
+                    if pin is not None and (response_id := response_id_in_events(chunk.raw)):
+                        pin.remember(response_id, session.endpoint.id, session.request.model)
+                        pin = None
                     await send({"type": "http.response.body", "body": chunk.raw, "more_body": True})
             except EngineFailed as exc:
                 if session.content_type.startswith("text/event-stream"):
@@ -448,6 +464,7 @@ class RouterHttpApi:
         self._passthrough = passthrough
         self._tenants = TenantDirectory(config.tenants, config.default_flow_id, config.require_api_key,
                                         config.anonymous_max_priority)
+        self.affinity = ResponseAffinity(config.response_affinity_entries, config.response_affinity_ttl_seconds)
 
     def app(self) -> Starlette:
         return Starlette(
@@ -456,6 +473,8 @@ class RouterHttpApi:
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/embeddings", self.embeddings, methods=["POST"]),
                 Route("/v1/responses", self.responses, methods=["POST"]),
+                Route("/v1/responses/{response_id}", self.retrieve_response, methods=["GET"]),
+                Route("/v1/responses/{response_id}/cancel", self.cancel_response, methods=["POST"]),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/detokenize", self.detokenize, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
@@ -519,6 +538,34 @@ class RouterHttpApi:
     async def responses(self, request: Request) -> Response:
         return await self._proxy(request, RequestKind.RESPONSES)
 
+    async def retrieve_response(self, request: Request) -> Response:
+        """``GET /v1/responses/{id}``: from the endpoint that stored it (``response_affinity``); an id this
+        router did not see answered is a 404 in vLLM's words."""
+        return await self._stored_response(request, "GET", "")
+
+    async def cancel_response(self, request: Request) -> Response:
+        """``POST /v1/responses/{id}/cancel``: to the endpoint that stored it, as ``GET``."""
+        return await self._stored_response(request, "POST", "/cancel")
+
+    async def _stored_response(self, request: Request, method: str, suffix: str) -> Response:
+        response_id = str(request.path_params["response_id"])
+        request_id = _valid_request_id(request.headers.get(REQUEST_ID_HEADER))
+        try:
+            meta = request_meta(request.headers, self._config, None, self._tenants)
+            request_id = meta.request_id
+            holder = self.affinity.holder(response_id)
+            if holder is None or self._passthrough is None:
+                raise StoredResponseGone(f"Response with id '{response_id}' not found. (no endpoint behind this "
+                                         "router is known to hold it)")
+            answer = await self._passthrough.to_endpoint(method, f"/v1/responses/{response_id}{suffix}", holder[1],
+                                                         holder[0], request_id, meta.forward_headers)
+        except Exception as exc:
+            return self.error_response(exc, request_id)
+        metrics.record_outcome(metrics.outcome_for_status(answer.status_code) if answer.status_code >= 400
+                               else metrics.RequestOutcome.SUCCESS)
+        return Response(answer.content, answer.status_code, {REQUEST_ID_HEADER: request_id,
+                                                             ENDPOINT_HEADER: answer.endpoint_id}, answer.content_type)
+
     async def tokenize(self, request: Request) -> Response:
         return await self._pass(request, "/tokenize")
 
@@ -571,11 +618,14 @@ class RouterHttpApi:
             body = parse_json_body(raw)
             routed = validate_request(kind, body, self._catalog(), self._config.max_tokens_limit,
                                       self._config.max_n, self._config.max_batch_prompts)
+            if routed.previous_response_id is not None:  # a stored response's follow-up goes to its holder
+                routed = replace(routed, pinned_endpoint_id=self.affinity.endpoint_for(routed.previous_response_id))
         except ClientDisconnect:
             return self._client_disconnected(request_id)
         except Exception as exc:
             return self.error_response(exc, request_id)
-        return _ProxiedAnswer(self._flow, self.error_response, routed, meta, self._config.retry_after_seconds)
+        return _ProxiedAnswer(self._flow, self.error_response, routed, meta, self._config.retry_after_seconds,
+                              self.affinity)
 
     async def models(self, request: Request) -> Response:
         """vLLM's model list, aggregated over the pool: one card per served model (its smallest

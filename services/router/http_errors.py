@@ -4,7 +4,8 @@ Body shape, as OpenAI and vLLM send it::
 
     {"error": {"message": str, "type": str, "param": str | None, "code": int}}
 
-``type`` comes from :data:`kvmesh.errors.ERROR_TABLE`; ``code`` is the HTTP status (vLLM's
+``type`` comes from :data:`kvmesh.errors.ERROR_TABLE` (an error class may name its own
+``openai_type`` and ``param``, to word an answer as the engine would); ``code`` is the HTTP status (vLLM's
 convention). Rate-limit answers (429) and unavailable ones (503: a dependency down, nothing live) carry ``retry-after``. :class:`RequestTooLarge` (an
 ``InvalidRequest``, so INVALID_ARGUMENT over gRPC) is a 413. Anything outside the table is a
 500 with a generic message (the caller logs the traceback). Bodies are rendered with
@@ -22,9 +23,10 @@ from kvmesh.errors import (
     InvalidRequest,
     KvmeshError,
     NoEndpointsAvailable,
+    NotFound,
     QueueTTLExpired,
     Saturated,
-    UnknownModel,
+    Unauthenticated,
     mapping_for,
 )
 
@@ -68,33 +70,77 @@ def http_error(exc: BaseException, retry_after_seconds: int = 1) -> HttpError:
     match = _PARAM.match(message)
     status = _STATUS_OVERRIDES.get(type(exc), row.http_status)
     headers = {"retry-after": str(retry_after_seconds)} if status in (429, 503) else {}
-    return HttpError(status, error_body(message, row.openai_type, status, match and match.group(1)), headers)
+    # an error may name the engine's own type/param (vLLM's wording, e.g. a stored response not found)
+    error_type = getattr(exc, "openai_type", None) or row.openai_type
+    param = getattr(exc, "param", None) or (match and match.group(1))
+    return HttpError(status, error_body(message, error_type, status, param), headers)
+
+
+class EngineRejected(InvalidRequest):
+    """The engine refused the request as invalid (HTTP 400, 405, 409, 413, 422...): ``INVALID_ARGUMENT``."""
+
+
+class EngineNotFound(NotFound):
+    """The engine answered 404 (a route it does not serve, a stored response it does not hold): ``NOT_FOUND``."""
+
+
+class EngineUnauthenticated(Unauthenticated):
+    """The engine refused kvmesh's (or the client's) credentials (HTTP 401/403): ``UNAUTHENTICATED``."""
+
+
+class EngineUnavailable(NoEndpointsAvailable):
+    """The engine answered 500/502/503 (overloaded, not ready, failed): ``UNAVAILABLE`` (retryable)."""
 
 
 _STATUS_ERRORS: dict[int, type[KvmeshError]] = {
-    400: InvalidRequest,
-    404: UnknownModel,
+    401: EngineUnauthenticated,
+    403: EngineUnauthenticated,
+    404: EngineNotFound,
+    408: QueueTTLExpired,
     429: Saturated,
-    503: NoEndpointsAvailable,
     504: QueueTTLExpired,
 }
 
 
-def error_from_engine(status: int, body: bytes) -> KvmeshError:
-    """The domain error for an engine's error answer (for the gRPC front door; HTTP passes it through).
-
-    The message is the body's ``error.message`` (OpenAI) or ``message`` (vLLM's older shape) when present.
-    """
-    message = ""
+def engine_error_message(body: bytes) -> str:
+    """The message of an engine's error body: ``error.message`` (OpenAI / vLLM 0.32), ``error`` as a
+    string (vLLM's ``--api-key`` 401: ``{"error": "Unauthorized"}``), ``message`` (vLLM's older
+    ``ErrorResponse``) or FastAPI's ``detail``; "" when the body is none of these."""
     try:
         data = json.loads(body)
-        if isinstance(data, dict):
-            inner = data.get("error")
-            if isinstance(inner, dict):
-                message = str(inner.get("message") or "")
-            elif isinstance(data.get("message"), str):
-                message = data["message"]
     except (UnicodeDecodeError, json.JSONDecodeError):
-        pass
-    cls = _STATUS_ERRORS.get(status, KvmeshError)
+        return ""
+    if not isinstance(data, dict):
+        return ""
+    inner = data.get("error")
+    if isinstance(inner, dict):
+        return str(inner.get("message") or "")
+    for key in ("error", "message", "detail"):
+        if isinstance(data.get(key), str):
+            return str(data[key])
+    return ""
+
+
+def error_from_engine(status: int, body: bytes) -> KvmeshError:
+    """The domain error for an engine's error answer (the gRPC front door; HTTP passes the answer itself).
+
+    Status -> class: 401/403 ``EngineUnauthenticated`` (UNAUTHENTICATED), 404 ``EngineNotFound``
+    (NOT_FOUND), 408/504 ``QueueTTLExpired`` (DEADLINE_EXCEEDED), 429 ``Saturated`` (RESOURCE_EXHAUSTED),
+    any other 4xx ``EngineRejected`` (INVALID_ARGUMENT), 5xx ``EngineUnavailable`` (UNAVAILABLE). The
+    message is the engine's own (:func:`engine_error_message`), never empty: a body without one gives
+    ``engine answered HTTP <status>``.
+    """
+    message = engine_error_message(body)
+    cls = _STATUS_ERRORS.get(status) or (EngineRejected if 400 <= status < 500 else EngineUnavailable)
     return cls(message or f"engine answered HTTP {status}")
+
+
+def error_from_stream_event(error: object) -> KvmeshError:
+    """The domain error for an in-stream error event (``data: {"error": {"message", "type", "code"}}``):
+    vLLM 0.32 answers a streamed request whose sampling parameters it refuses (``logprobs`` over its
+    limit, a token id outside the vocabulary) with 200 and this event; ``code`` is the HTTP status it
+    stands for (500 when absent), mapped as :func:`error_from_engine` does."""
+    inner = error if isinstance(error, dict) else {"message": str(error)}
+    code = inner.get("code")
+    status = code if isinstance(code, int) and 400 <= code < 600 else 500
+    return error_from_engine(status, json.dumps({"error": inner}).encode())

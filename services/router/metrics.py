@@ -8,6 +8,7 @@
 | ``kvmesh_router_requests_in_flight`` | gauge | — |
 | ``kvmesh_router_upstream_retries_total`` | counter | — |
 | ``kvmesh_router_stage_duration_seconds`` | histogram (STAGE_BUCKETS_SECONDS) | stage |
+| ``kvmesh_router_epp_completions_dropped_total`` | counter | reason (queue_full, unreachable): completions not told to epp |
 
 ``stage`` (:data:`STAGES`, where a request's time goes in the router; epp's own stages, the
 prefix-match step's tokenize and Score included, are epp's ``kvmesh_epp_plugin_duration_seconds``):
@@ -96,6 +97,12 @@ DEGRADED = Counter(
     "Requests decided by a degraded mode: dependency (flow_control, epp) unreachable; action "
     "admitted_locally / picked_locally (served without it) or refused (503).",
     ["dependency", "action"],
+)
+
+EPP_COMPLETIONS_DROPPED = Counter(
+    "kvmesh_router_epp_completions_dropped",
+    "Request completions not reported to epp (its Completed RPC): queue_full, or unreachable (call failed).",
+    ["reason"],
 )
 
 

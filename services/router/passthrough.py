@@ -7,6 +7,9 @@ degraded pick does), with the pool's engine key and the forwarded client headers
 (:mod:`services.router.headers`); a refused connection moves to the next endpoint, at most
 ``max_fallback_attempts``. The engine's status and body come back unchanged.
 
+``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel`` go to the one endpoint that stored the response
+(:meth:`Passthrough.to_endpoint`; :mod:`services.router.response_affinity`), with the same headers.
+
 Errors: no live endpoint of a model served recently is :class:`~services.router.validation.ModelUnavailable`
 (503); every endpoint failing at the transport is ``NoEndpointsAvailable`` (503).
 """
@@ -27,6 +30,7 @@ from services.router.config import RouterConfig
 from services.router.degraded import LocalPicker
 from services.router.headers import engine_authorization
 from services.router.request_flow import REQUEST_ID_HEADER
+from services.router.response_affinity import StoredResponseGone
 from services.router.validation import ModelUnavailable
 
 logger = logging.getLogger(__name__)
@@ -86,3 +90,30 @@ class Passthrough:
             return PassedAnswer(reply.status_code, reply.content, reply.headers.get("content-type", "application/json"),
                                 endpoint.id)
         raise errors.NoEndpointsAvailable(f"no endpoint answered {path} for model '{model}' after {len(tried)} attempt(s): {last_error!r}")
+
+    async def to_endpoint(
+        self, method: str, path: str, model: str, endpoint_id: str, request_id: str,
+        forward_headers: tuple[tuple[str, str], ...] = (),
+    ) -> PassedAnswer:
+        """``method path`` (no body) on the live endpoint ``endpoint_id`` of ``model``, with the pool's key.
+
+        Raises:
+            StoredResponseGone: the endpoint is no longer live (what it held went with it).
+            NoEndpointsAvailable: it failed before answering.
+        """
+        endpoint = next((ep for ep in self._endpoints(model) if ep.id == endpoint_id and ep.model == model), None)
+        if endpoint is None:
+            raise StoredResponseGone(f"Response with id '{path.split('/')[3]}' not found. (it was stored by "
+                                     f"endpoint {endpoint_id}, which left the pool of model '{model}')")
+        own = {"accept": "application/json", REQUEST_ID_HEADER: request_id,
+               **engine_authorization(self._config.engine_key_for(model))}
+        headers = [*((k, v) for k, v in forward_headers if k not in own), *own.items()]
+        self._picker.note_start(endpoint.id)
+        try:
+            reply = await self._http.request(method, endpoint.url + path, headers=headers)
+        except httpx.TransportError as exc:
+            raise errors.NoEndpointsAvailable(f"endpoint {endpoint.id} did not answer {method} {path}: {exc!r}") from exc
+        finally:
+            self._picker.note_end(endpoint.id)
+        return PassedAnswer(reply.status_code, reply.content, reply.headers.get("content-type", "application/json"),
+                            endpoint.id)

@@ -52,10 +52,16 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from kvmesh import errors
 from kvmesh.openai_stream import SseFramer, StreamPiece, Usage, parse_completion, parse_event
 from kvmesh.tracing import inject_http_headers, tracer
-from kvmesh.types import DATA_PARALLEL_RANK_HEADER, Endpoint, data_parallel_rank_of
+from kvmesh.types import (
+    DATA_PARALLEL_RANK_HEADER,
+    CompletionOutcome,
+    Endpoint,
+    RequestCompletion,
+    data_parallel_rank_of,
+)
 from services.router import metrics
 from services.router.catalog import ModelCatalog
-from services.router.clients import AdmissionTicket, AdmitOptions, AdmitQuery, CompletionReport, PickQuery, PickReply
+from services.router.clients import AdmitOptions, AdmitQuery, CompletionReport, PickQuery, PickReply
 from services.router.config import RouterConfig
 from services.router.degraded import DegradedLog, FlowControlUnreachable, LocalAdmission, LocalPicker, PickerUnreachable
 from services.router.engine_client import (
@@ -67,6 +73,8 @@ from services.router.engine_client import (
 )
 from services.router.headers import engine_authorization
 from services.router.metrics import RequestOutcome
+from services.router.response_affinity import PROFILE as AFFINITY_PROFILE
+from services.router.response_affinity import pinned_endpoint
 from services.router.validation import ModelUnavailable, RouterRequest, check_context, render_fields_json
 
 logger = logging.getLogger(__name__)
@@ -97,7 +105,7 @@ class Ticket(Protocol):
 
 
 class SupportsAdmit(Protocol):
-    async def admit(self, request: AdmitQuery) -> AdmissionTicket: ...
+    async def admit(self, request: AdmitQuery) -> Ticket: ...
 
 
 class LocalTicket:
@@ -195,7 +203,8 @@ class FlowSession:
         Raises:
             EngineFailed: the engine connection failed mid-answer (logged here).
         """
-        framer = SseFramer() if self.request.stream else None
+        # an error answer is one JSON body even for a streamed request (vLLM answers 4xx before any event)
+        framer = SseFramer() if self.request.stream and self.status_code < 400 else None
         chunks = self._response.aiter_bytes()
         while True:
             try:
@@ -234,7 +243,7 @@ class FlowSession:
             self._usage = parse_completion(bytes(self._body)).usage
 
     async def read_all(self) -> bytes:
-        """The whole body of a non-streamed answer (a streamed one is not kept: b"").
+        """The whole body of a non-streamed answer or of an error answer (a streamed success is not kept: b"").
 
         Raises:
             EngineFailed: the engine connection failed mid-answer.
@@ -256,6 +265,8 @@ class _Lifetime:
     ticket: Ticket | None = None
     on_end: Callable[[], None] | None = None
     """Called once when the request ends after an endpoint was chosen (the local picker's count)."""
+    on_completed: Callable[[RequestCompletion], None] | None = None
+    """Told once how a request that reached an engine ended (epp's ``Completed``; must not block)."""
     proxy_span: trace.Span | None = None
     session: FlowSession | None = None
     exception: BaseException | None = None
@@ -318,6 +329,11 @@ class _Lifetime:
                 metrics.record_e2e(self.request.model, e2e)
             metrics.record_outcome(outcome)
             metrics.IN_FLIGHT.dec()
+            if self.on_completed is not None:  # fire-and-forget: epp frees the endpoint's load now (issue 9)
+                self.on_completed(RequestCompletion(
+                    self.meta.request_id, session.endpoint.id, report.prompt_tokens, usage.cached_tokens,
+                    CompletionOutcome.SUCCESS if success else
+                    CompletionOutcome.CANCELLED if self.client_gone else CompletionOutcome.ERROR))
             if self.span is not None:  # what an operator looks for on the request's root span (issue 11)
                 self.span.set_attributes({
                     "kvmesh.ttft_seconds": session.ttft_seconds, "kvmesh.e2e_seconds": e2e,
@@ -396,7 +412,12 @@ class RequestFlow:
             ) from exc
 
     async def _pick(self, request: RouterRequest, meta: RequestMeta, tried: list[str]) -> PickReply:
-        """epp's pick; when epp is unreachable, the local least-request pick over the etcd view."""
+        """epp's pick; when epp is unreachable, the local least-request pick over the etcd view; a request
+        pinned to an endpoint (a stored response's follow-up) goes there only, without epp."""
+        if request.pinned_endpoint_id is not None and request.previous_response_id is not None:
+            endpoint = pinned_endpoint(request.model, request.previous_response_id, request.pinned_endpoint_id,
+                                       self._endpoints(request.model), tried)
+            return PickReply((endpoint,), 0, AFFINITY_PROFILE)
         query = PickQuery(
             request_id=meta.request_id,
             model=request.model,
@@ -486,6 +507,7 @@ class RequestFlow:
             life.span.set_attribute("kvmesh.endpoint", endpoint.id)
             self.local_picker.note_start(endpoint.id)
             life.on_end = lambda: self.local_picker.note_end(endpoint.id)
+            life.on_completed = getattr(self._picker, "report_completed", None)
             life.session = FlowSession(
                 request=request,
                 meta=meta,

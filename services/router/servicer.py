@@ -4,7 +4,8 @@ A ``CompletionRequest`` becomes the equivalent OpenAI body (``prompt`` text or t
 ``/v1/completions``, ``messages`` for ``/v1/chat/completions``) and goes through the same
 validation and :class:`~services.router.request_flow.RequestFlow` as HTTP, each RPC inside one
 ``flow.session``. Domain errors propagate to the shared interceptor (one table). An engine error
-answer becomes the matching domain error; an engine failing mid-answer is ``UNAVAILABLE``.
+answer becomes the matching domain error (an in-stream error event too: vLLM streams refused sampling
+parameters as 200 + ``data: {"error": ...}``); an engine failing mid-answer is ``UNAVAILABLE``.
 A cancelled RPC (or a stream its client closed) ends the session as cancelled: the engine
 request is cancelled and the flow-control slot released. ``CompleteStream`` reads the parsed
 chunks the session already has (:meth:`~services.router.request_flow.FlowSession.iter_events`).
@@ -46,7 +47,7 @@ from services.router.http_app import (
     PRIORITY_HEADER,
     request_meta,
 )
-from services.router.http_errors import error_from_engine
+from services.router.http_errors import error_from_engine, error_from_stream_event
 from services.router.request_flow import REQUEST_ID_HEADER, RequestFlow, RequestMeta
 from services.router.tenants import TenantDirectory, api_key_from_headers
 from services.router.validation import RequestKind, RouterRequest, validate_request
@@ -168,6 +169,8 @@ class InferenceServicer(router_pb2_grpc.InferenceServicer):
             pieces = 0
             async for chunk in session.iter_events():
                 for piece in chunk.pieces:
+                    if piece.error is not None:  # the engine's in-stream error: its status and message
+                        raise error_from_stream_event(piece.error)
                     if piece.text or piece.finish_reason:
                         pieces += 1
                     if not (piece.text or piece.finish_reason or piece.usage):

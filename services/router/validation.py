@@ -90,6 +90,9 @@ class RouterRequest:
         cache_salt: the body's ``cache_salt`` (vLLM/SGLang: isolates the request's prefix cache), else None.
         n: choices per prompt (``n``).
         prompt_count: prompts in the request (a completions batch; 1 otherwise).
+        previous_response_id: ``/v1/responses``' ``previous_response_id`` (the stored response it continues), else None.
+        pinned_endpoint_id: the endpoint this request must go to (the holder of ``previous_response_id``,
+            :mod:`services.router.response_affinity`); None: picked as usual.
     """
 
     kind: RequestKind
@@ -105,6 +108,8 @@ class RouterRequest:
     cache_salt: str | None = None
     n: int = 1
     prompt_count: int = 1
+    previous_response_id: str | None = None
+    pinned_endpoint_id: str | None = None
 
     @property
     def admission_max_tokens(self) -> int:
@@ -366,7 +371,7 @@ def resolve_model(model: Any, catalog: ModelCatalog) -> tuple[str, str | None]:
 
     Raises:
         InvalidRequest: missing or not a non-empty string.
-        NoEndpointsAvailable: no endpoint is live at all (nothing is known yet).
+        NoEndpointsAvailable: no endpoint is live and none was recently (nothing is known yet).
         ModelUnavailable: the model (or adapter) was served recently and has no live endpoint now.
         UnknownModel: a name never served.
     """
@@ -382,9 +387,10 @@ def resolve_model(model: Any, catalog: ModelCatalog) -> tuple[str, str | None]:
         return base, model
     if catalog.recently_served(model):
         raise ModelUnavailable(f"model '{model}' has no live endpoint right now (it was served recently); retry later")
-    if not catalog.models:
+    if not catalog.models and not catalog.departed:  # nothing known yet (start-up): retryable, not a verdict
         raise NoEndpointsAvailable("no model endpoints are live")
-    raise UnknownModel(f"The model '{model}' does not exist (served: {', '.join(catalog.names())})")
+    served = ", ".join(catalog.names()) or f"none live now; recently {', '.join(sorted(catalog.departed))}"
+    raise UnknownModel(f"The model '{model}' does not exist (served: {served})")
 
 
 def validate_request(
@@ -441,6 +447,10 @@ def validate_request(
     if not isinstance(stream, bool):
         raise InvalidRequest("'stream' must be a boolean")
 
+    previous_response_id = body.get("previous_response_id") if kind is RequestKind.RESPONSES else None
+    if previous_response_id is not None and (not isinstance(previous_response_id, str) or not previous_response_id):
+        raise InvalidRequest("'previous_response_id' must be a non-empty string")
+
     for lower, exact in prompt.lower_bounds:
         check_context(model, info.max_model_len, lower, max_tokens, exact=exact)
 
@@ -458,27 +468,33 @@ def validate_request(
         cache_salt=cache_salt,
         n=n,
         prompt_count=prompt.count,
+        previous_response_id=previous_response_id,
     )
 
 
 def check_context(
     model: str, max_model_len: int | None, prompt_tokens: int, max_tokens: int | None, exact: bool = True
 ) -> None:
-    """vLLM's rule: ``prompt_tokens + max_tokens <= max_model_len`` (prompt alone when max_tokens is unset).
+    """vLLM 0.32's rule: the prompt must leave room for one completion token, ``prompt_tokens < max_model_len``.
 
+    vLLM 0.32 refuses a prompt over ``max_model_len`` (``renderers/params.py`` ``_token_len_check``) and
+    one of exactly ``max_model_len`` (its ``max_tokens`` clamps to 0, which ``SamplingParams`` refuses);
+    a ``max_tokens`` beyond the room left is **clamped** to ``max_model_len - prompt_tokens``
+    (``entrypoints/serve/utils/api_utils.get_max_tokens``), not refused, so it is served here too
+    (``max_tokens`` over ``max_model_len`` itself is refused by :func:`validate_request`, as vLLM does).
     ``exact`` is False when ``prompt_tokens`` is the text lower bound: the message then says
     "at least N prompt tokens (estimated)" rather than stating the estimate as a count.
 
     Raises:
-        InvalidRequest: naming both numbers, when the request does not fit.
+        InvalidRequest: naming both numbers, when the prompt does not fit.
     """
     if max_model_len is None:
         return
-    if prompt_tokens > max_model_len or prompt_tokens + (max_tokens or 0) > max_model_len:
+    if prompt_tokens >= max_model_len:
         count = f"{prompt_tokens} prompt tokens" if exact else f"at least {prompt_tokens} prompt tokens (estimated)"
         raise InvalidRequest(
             f"This model's maximum context length is {max_model_len} tokens; the request has "
-            f"{count} and asks for {max_tokens or 0} completion tokens (model '{model}')"
+            f"{count} and leaves no room for the {max_tokens or 1} completion tokens asked (model '{model}')"
         )
 
 

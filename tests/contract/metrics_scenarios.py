@@ -105,6 +105,16 @@ def kv_store() -> bytes:
     asyncio.run(observe(store))
     registry = CollectorRegistry()
     register_metrics(store, registry)
+    from services.kv_store.lmcache_protocol import LmCommand
+    from services.kv_store.lmcache_server import LmcacheStats, register_lmcache_metrics
+
+    lm = LmcacheStats(bytes_received=1186, bytes_sent=1036, connections_open=1, connections_total=2)
+    lm.count(LmCommand.PUT, "stored")
+    lm.count(LmCommand.GET, "hit")
+    lm.observe(LmCommand.PUT, 0.0002)
+    lm.observe(LmCommand.GET, 0.0002)
+    lm.protocol_error("bad_command")
+    register_lmcache_metrics(lm, registry)
     return generate_latest(registry)
 
 

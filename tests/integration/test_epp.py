@@ -28,7 +28,7 @@ from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
 from kvmesh.membership import LeaseRegistration, endpoint_key
 from kvmesh.types import Endpoint, EndpointId
 from kvmesh_cli.launcher import free_port
-from tests.support import wait_until, wait_until_async
+from tests.support import service_ports, wait_until, wait_until_async
 
 pytestmark = pytest.mark.integration
 
@@ -333,3 +333,72 @@ async def test_many_concurrent_big_prompts_are_bounded_per_engine(start_service,
         assert {r.target.id for r in replies} <= {e.endpoint.id for e in pool}
         assert sum(e.tokenize_calls for e in pool) <= 4
         assert elapsed < 4.0, elapsed
+
+
+def _metrics_port(proc: object) -> int:
+    """The metrics port a service started by ``start_service`` bound (from its ports file)."""
+    return service_ports(proc)["metrics"]
+
+
+def _completions(port: int) -> dict[str, float]:
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("kvmesh_epp_completions_total{"):
+            found[line.split('result="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+async def test_router_reports_completions_to_epp(start_service, etcd: str, run_dir) -> None:  # type: ignore[no-untyped-def]
+    """Issue 9 item 4: real etcd, simulated engine, epp, flow_control and router processes. Each request the
+    router serves is reported to epp (``Completed``) when it ends, matched to epp's own pick; a
+    completion for an id epp never picked is counted apart; the servicer answers how many matched."""
+    import httpx
+
+    from kvmesh_cli.launcher import ManagedProcess, python_module, wait_http_ok
+
+    model = _model()
+    port = free_port()
+    engine = ManagedProcess("engine", python_module(
+        "engine_simulator", "--host", "127.0.0.1", "--port", str(port), "--model", model, "--events-endpoint", "",
+        "--etcd-endpoints", etcd, "--lease-ttl-seconds", "3", "--max-model-len", "4096", "--time-scale", "1"),
+        run_dir / f"epp-completed-sim-{port}.log").start()
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", 60)
+        epp_proc, epp = start_service("epp", "--shutdown-grace-seconds", "0.5", "--scheduling-config", "load-only", *SCRAPE)
+        _, flow = start_service("flow_control")
+        http_port = free_port()
+        start_service("router", "--shutdown-grace-seconds", "0.5", "--shutdown-http-grace-seconds", "0.5",
+                      "--http-port", str(http_port), "--flow-control-address", flow, "--epp-address", epp)
+        metrics_port = _metrics_port(epp_proc)
+        async with grpc.aio.insecure_channel(epp) as channel:
+            stub = epp_pb2_grpc.EndpointPickerStub(channel)
+            await _wait_scraped(stub, {f"127.0.0.1:{port}"})
+            before = _completions(metrics_port).get("matched", 0.0)
+            async with httpx.AsyncClient(timeout=30) as client:
+                url = f"http://127.0.0.1:{http_port}/v1/completions"
+
+                async def served() -> bool:
+                    reply = await client.post(url, json={"model": model, "prompt": [1, 2, 3, 4], "max_tokens": 2})
+                    return reply.status_code == 200
+
+                await wait_until_async(served, 15, "the router to serve the model")
+                for i in range(3):
+                    reply = await client.post(url, json={"model": model, "prompt": [1, 2, 3, i], "max_tokens": 2},
+                                              headers={"x-request-id": f"completed-{i}"})
+                    assert reply.status_code == 200, reply.text
+            await wait_until_async(lambda: _completions(metrics_port).get("matched", 0.0), 10,
+                                   "epp to hear the router's completions", until=lambda n: n >= before + 4)
+            # The RPC itself: one of epp's own picks matches once; an unknown id is counted as unmatched.
+            picked = await _pick(stub, model, request_id="direct-1", prompt_token_ids=[1, 2])
+            reply = await stub.Completed(epp_pb2.CompletedBatch(requests=[
+                epp_pb2.CompletedRequest(request_id="direct-1", endpoint_id=picked.target.id,
+                                         outcome=epp_pb2.COMPLETION_OUTCOME_SUCCESS),
+                epp_pb2.CompletedRequest(request_id="never-picked", endpoint_id=picked.target.id),
+            ]), timeout=5)
+            assert reply.matched == 1
+            assert _completions(metrics_port).get("unmatched", 0.0) >= 1
+    finally:
+        engine.stop()

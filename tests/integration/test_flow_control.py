@@ -18,14 +18,13 @@ from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2 as pb
 from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2_grpc as pb_grpc
 from kvmesh_cli.launcher import ManagedProcess, free_port, python_module, wait_grpc_healthy
 from tests.integration.test_epp import engines  # noqa: F401 (the fixture: real /metrics servers in etcd)
-from tests.support import wait_until_async
+from tests.support import service_ports, wait_until_async
 
 pytestmark = pytest.mark.integration
 
 
 def metrics_url(proc) -> str:
-    argv = list(proc.argv)
-    return f"http://127.0.0.1:{argv[argv.index('--metrics-port') + 1]}/metrics"
+    return f"http://127.0.0.1:{service_ports(proc)['metrics']}/metrics"
 
 
 def enqueue(request_id: str, **kw: Any) -> pb.AdmitRequest:
@@ -164,7 +163,7 @@ def test_reflection_lists_methods(start_service) -> None:
     with grpc.insecure_channel(address) as channel:
         database = ProtoReflectionDescriptorDatabase(channel)
         service = DescriptorPool(database).FindServiceByName("kvmesh.flow_control.v1.FlowControl")
-        assert {m.name for m in service.methods} == {"Admit", "Stats"}
+        assert {m.name for m in service.methods} == {"Admit", "AdmitMany", "Stats"}
 
 
 async def test_many_streams_with_random_cancels_release_every_slot(start_service) -> None:

@@ -9,6 +9,7 @@ their effect shows, always polling with a deadline (``tests.support.wait_until_a
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
@@ -34,6 +35,7 @@ from kvmesh.kv_events import (
 from kvmesh.membership import LeaseRegistration, endpoint_key
 from kvmesh.types import Endpoint, EndpointId
 from kvmesh_cli.launcher import free_port
+from services.epp.kv_indexer_client import ReplicaPrefixIndex
 from tests.support import wait_until_async
 
 MODEL = "tiny"
@@ -74,7 +76,8 @@ async def mesh(start_service, etcd: str) -> AsyncIterator[dict]:
     proc, address = start_service("kv_indexer", "--events-bind-endpoint", bind, "--event-workers", "2")
     channel = grpc.aio.insecure_channel(address)
     ctx = zmq.Context()
-    yield {"bind": bind, "stub": kv_indexer_pb2_grpc.KVIndexerStub(channel), "ctx": ctx, "etcd": etcd, "proc": proc}
+    yield {"bind": bind, "stub": kv_indexer_pb2_grpc.KVIndexerStub(channel), "ctx": ctx, "etcd": etcd, "proc": proc,
+           "address": address}
     await channel.close()
     ctx.destroy(linger=0)
 
@@ -138,6 +141,38 @@ async def test_score_lookup_and_all_blocks_cleared(mesh: dict) -> None:
     finally:
         await reg.stop()
         await reg2.stop()
+
+
+async def test_epp_replica_follows_the_real_kv_indexer_over_watch(mesh: dict) -> None:
+    """epp's ``ReplicaPrefixIndex`` against the kv_indexer process: snapshot, then deltas from real ZMQ
+    events; its local answers equal the process's ``Score`` and no pick needs the RPC."""
+    stub = mesh["stub"]
+    ep, reg = await register(mesh["etcd"], free_port())
+    replica = ReplicaPrefixIndex(mesh["address"], 2.0)
+    task = asyncio.create_task(replica.run())
+    try:
+        await registered_includes(stub, {ep.id})
+        pub = Publisher(mesh["ctx"], mesh["bind"], ep)
+        await scores_become(stub, {ep.id: 2}, resend=lambda: pub.send(stored([11, 12], PROMPT[:8])))
+
+        async def local() -> dict[str, int]:
+            if not replica.usable(MODEL):
+                return {"<not synced>": 0}
+            return (await replica.score(MODEL, PROMPT, [])).matched_blocks
+
+        await wait_until_async(local, 10.0, "replica has the snapshot", until=lambda got: got == {ep.id: 2})
+        pub.send(stored([13, 14], PROMPT[8:16], parent=12))
+        await scores_become(stub, {ep.id: 4})
+        await wait_until_async(local, 10.0, "replica follows a store", until=lambda got: got == {ep.id: 4})
+        pub.send(BlockRemoved(block_hashes=[13]))
+        await scores_become(stub, {ep.id: 2})
+        await wait_until_async(local, 10.0, "replica follows a removal", until=lambda got: got == {ep.id: 2})
+        assert replica.rpc_scores == 0 and replica.local_scores >= 3
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await replica.close()
+        await reg.stop()
 
 
 async def test_endpoint_leaving_etcd_is_retained_for_its_incarnation_and_purged_for_a_new_one(mesh: dict) -> None:

@@ -138,3 +138,50 @@ async def test_a_malformed_block_event_is_invalid_argument_and_nothing_is_stored
                 await stub.Put(requests())
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert not (await stub.Contains(spb.ContainsRequest(keys=["k"]))).present[0]
+
+
+async def test_a_restarted_kv_store_republishes_its_rescanned_disk_blocks(start_service, etcd: str, tmp_path: Path) -> None:
+    """kill -9 the kv_store, restart it on the same port and disk path: kv_indexer drops the old
+    incarnation's blocks, then counts the rescanned DISK blocks again (the CPU ones died with it)."""
+    from kvmesh_cli.launcher import wait_grpc_healthy
+
+    bind = f"tcp://127.0.0.1:{free_port()}"
+    _, indexer_address = start_service("kv_indexer", "--events-bind-endpoint", bind, "--event-workers", "1")
+    port = free_port()  # fixed, so the restart comes back at the address the engine's label names
+    proc, address = start_service(
+        "kv_store", "--grpc-port", str(port), "--events-endpoint", bind, "--events-model", MODEL, "--events-block-size-tokens", str(B),
+        "--cpu-capacity-bytes", str(2 * VALUE), "--disk-path", str(tmp_path / "nvme"), "--instance-id", "a")
+    e1 = engine(free_port(), address)
+    reg = LeaseRegistration([etcd], endpoint_key(e1), e1.to_json(), ttl_seconds=5)
+    await reg.start()
+    channel_i = grpc.aio.insecure_channel(indexer_address)
+    index = kv_indexer_pb2_grpc.KVIndexerStub(channel_i)
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            store = kv_store_pb2_grpc.KVStoreStub(channel)
+            for i in range(BLOCKS):
+                await put(store, i)
+        assert address == f"127.0.0.1:{port}"
+        await wait_until_async(lambda: scores(index), 20, "the first incarnation's residency",
+                               until=lambda s: s.get(e1.id) == (BLOCKS, {"CPU": 2, "DISK": 4}))
+        proc.kill()
+        await wait_until_async(lambda: scores(index), 20, "the killed kv_store's blocks no longer count",
+                               until=lambda s: e1.id not in s)
+        proc.start()
+        try:
+            wait_grpc_healthy(address, 30.0)
+        except TimeoutError as exc:
+            raise RuntimeError(f"the restarted kv_store did not come up:\n{proc.log_tail()}") from exc
+        got = await wait_until_async(lambda: scores(index), 20, "the restarted kv_store's rescanned blocks",
+                                     until=lambda s: s.get(e1.id) == (4, {"DISK": 4}))
+        assert got[e1.id] == (4, {"DISK": 4})
+        async with grpc.aio.insecure_channel(address) as channel:
+            store = kv_store_pb2_grpc.KVStoreStub(channel)
+            value = [m async for m in store.Get(spb.GetRequest(key=f"vllm:{MODEL}:{B}:{500:016x}"))]
+            assert value[0].medium == common_pb2.MEDIUM_DISK and b"".join(m.data for m in value) == bytes([0]) * VALUE
+        # the hit was promoted: a store on CPU then a removal from DISK reach the index too
+        await wait_until_async(lambda: scores(index), 10, "the promotion after the restart",
+                               until=lambda s: s.get(e1.id) == (4, {"CPU": 1, "DISK": 3}))
+    finally:
+        await reg.stop()
+        await channel_i.close()

@@ -6,7 +6,8 @@ what the services export when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set, as a user'
 The spans carry what an operator looks for (issue 11, docs/tracing.md): on the router's
 ``router.request`` the request id, model, chosen endpoint, queue time and TTFT; on the engine hop
 (``router.proxy``) the URL and status; on flow_control's Admit the admission and queue time; on
-epp's Pick the chosen endpoint and its scores; on kv_indexer's Score the prefix match per medium.
+epp's Pick the chosen endpoint and its scores; on kv_indexer's Score the prefix match per medium
+(epp in ``prefix_index_mode=rpc``: with its default local replica, a pick calls no kv_indexer).
 """
 
 from __future__ import annotations
@@ -76,7 +77,10 @@ def test_one_request_one_trace_across_services(start_service, etcd: str, run_dir
     _, indexer = start_service("kv_indexer", "--events-bind-endpoint", f"tcp://127.0.0.1:{events_port}", env=env)
     _, flow = start_service("flow_control", env=env)
     _, epp = start_service(
-        "epp", "--kv-indexer-address", indexer, "--scheduling-config", "precise-prefix", env=env
+        # the Score RPC path: with the default local replica (``prefix_index_mode=replica``) a pick makes
+        # no kv_indexer call, so kv_indexer has no span on the request path (docs/tracing.md)
+        "epp", "--kv-indexer-address", indexer, "--scheduling-config", "precise-prefix",
+        "--prefix-index-mode", "rpc", env=env
     )
     engine_port = free_port()
     engine = ManagedProcess(

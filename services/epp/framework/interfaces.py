@@ -247,10 +247,17 @@ class Picker(Plugin):
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
-    """kv_indexer's answer: full blocks in the prompt and, per endpoint, the matched prefix in blocks."""
+    """kv_indexer's answer: full blocks in the prompt and, per endpoint, the matched prefix in blocks.
+
+    ``matched_blocks_by_medium``: per endpoint, of its matched blocks how many it holds on each medium
+    (``"GPU"``, ``"CPU"``, ``"DISK"``, ``"SHARED"``; a block on two media counts in both: kv_indexer's
+    ``EndpointScore.matched_blocks_by_medium``). Empty when the index does not say (then every matched
+    block is taken to be on GPU).
+    """
 
     total_blocks: int
     matched_blocks: dict[str, int]
+    matched_blocks_by_medium: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class PrefixIndex(Protocol):

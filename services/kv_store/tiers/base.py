@@ -62,10 +62,13 @@ class StoreTier(Protocol):
     capacity_bytes: int
     """Budget for value bytes; ``used_bytes`` never exceeds it."""
 
-    async def put(self, key: str, value: bytes, *, keep_victims: bool = False) -> PutResult:
+    async def put(self, key: str, value: bytes, *, keep_victims: bool = False, meta: bytes = b"") -> PutResult:
         """Store ``value`` under ``key`` (replacing any old value), evicting as needed.
 
-        With ``keep_victims`` the evicted values are returned in ``PutResult.victims``.
+        With ``keep_victims`` the evicted values are returned in ``PutResult.victims``. ``meta``:
+        the store's description of the value (the engine's ``BlockStored``, msgpack); a tier that
+        survives a restart keeps it with the value and returns it from ``take_rescanned`` (file
+        tiers), the others ignore it.
 
         Raises:
             services.kv_store.errors.ValueTooLarge: ``len(value) > capacity_bytes`` (nothing changes).

@@ -36,7 +36,7 @@ class CpuTier:
         self._misses = 0
         self._evictions = 0
 
-    async def put(self, key: str, value: bytes, *, keep_victims: bool = False) -> PutResult:
+    async def put(self, key: str, value: bytes, *, keep_victims: bool = False, meta: bytes = b"") -> PutResult:
         size = len(value)
         if size > self.capacity_bytes:
             raise ValueTooLarge(

@@ -3,17 +3,22 @@
 On-disk layout (both tiers): one file per value under ``<root>/<hh>/<sha256(key)>`` where ``hh`` is
 the first two hex digits (256 fan-out directories keep directories small). A file is
 
-    header  struct "<8sIQI": magic b"KVMSV001", key length (u32), value length (u64), CRC-32 of the value
+    header  struct "<8sIQQI": magic b"KVMSV002", key length (u32), value length (u64),
+            XXH3-64 of the value (u64), meta length (u32)
     key     UTF-8 bytes (checked on read, so a hash collision is a miss, never another key's bytes)
+    meta    opaque bytes the store keeps with the value: the engine's vLLM ``BlockStored`` of the
+            block (msgpack), so a restarted instance can publish what it rescanned (may be empty)
     value   the bytes
+
+Files of the first layout (``KVMSV001``: ``"<8sIQI"``, CRC-32, no meta) are still read.
 
 **Atomic writes.** A value is written to ``.<name>.<random>.tmp`` in the same directory and then
 ``os.replace``-d onto its name, so a reader opens either the old complete file or the new complete
 file, never a partial one (POSIX rename is atomic within a filesystem, Lustre included). A reader
 that opened a file keeps reading that inode even if a writer replaces or unlinks the name.
 
-**Checksums.** Every read recomputes CRC-32 (``zlib.crc32``, ~3 GB/s here) over the value and
-compares key and lengths; a mismatch (bit rot, a torn write after a crash, a foreign file) is
+**Checksums.** Every read recomputes XXH3-64 (``xxhash``, ~14 GB/s here against CRC-32's 1.6-3 GB/s,
+docs/BENCHMARKS.md "kv_store data path") over the value and compares key and lengths; a mismatch (bit rot, a torn write after a crash, a foreign file) is
 counted in ``corrupted``, the file is removed and the read is a *miss*: wrong bytes are never
 returned.
 
@@ -26,7 +31,12 @@ so the name survives too).
 values are evicted (their files unlinked) before a put that needs room, exactly as the CPU tier.
 Use order is kept in memory and persisted as the file's mtime (touched on every hit), so a
 **rescan on restart** (``open`` at construction) serves what was on disk again, in LRU order by
-mtime, dropping leftover temp files and anything over the budget.
+mtime, dropping leftover temp files and anything over the budget; :meth:`FileTier.take_rescanned`
+hands the rescanned keys and their meta to the store once (which republishes them as KV events).
+
+**Reads.** A value is read by one ``os.read`` straight into its ``bytes`` (one copy, from the page
+cache) after ``posix_fadvise(SEQUENTIAL)`` (the kernel doubles its read-ahead window; ``WILLNEED``
+and ``O_DIRECT`` measured slower on this disk, see docs/BENCHMARKS.md), then checksummed.
 
 **Shared namespace** (``SharedFsTier``): many kv_store instances mount the same ``root``. Names
 are derived from the key alone (content addressing: KV block keys are hashes of their tokens), so
@@ -60,13 +70,19 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
+
+import xxhash
 
 from kvmesh.types import Medium
 from services.kv_store.errors import StorageFull, TierUnavailable, ValueTooLarge
 from services.kv_store.tiers.base import PutResult, TierStats
 
-MAGIC = b"KVMSV001"
-HEADER = struct.Struct("<8sIQI")
+MAGIC = b"KVMSV002"
+HEADER = struct.Struct("<8sIQQI")
+MAGIC_V1 = b"KVMSV001"
+HEADER_V1 = struct.Struct("<8sIQI")
+MAX_META_BYTES = 1 << 20
 _TMP_SUFFIX = ".tmp"
 
 
@@ -83,9 +99,36 @@ def file_name(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def encode_header(key: bytes, value: bytes | memoryview) -> bytes:
-    """The header plus key bytes that precede ``value`` in a file."""
-    return HEADER.pack(MAGIC, len(key), len(value), zlib.crc32(value)) + key
+def checksum(value: bytes | memoryview) -> int:
+    """XXH3-64 of ``value``: the per-value checksum of the current layout."""
+    return xxhash.xxh3_64_intdigest(value)
+
+
+def encode_header(key: bytes, value: bytes | memoryview, meta: bytes = b"") -> bytes:
+    """The header, key and meta bytes that precede ``value`` in a file."""
+    return HEADER.pack(MAGIC, len(key), len(value), checksum(value), len(meta)) + key + meta
+
+
+class _Head(NamedTuple):
+    size: int
+    """Bytes of the fixed header (before the key)."""
+    key_len: int
+    value_len: int
+    digest: int
+    meta_len: int
+    v1: bool
+    """The first layout: CRC-32, no meta."""
+
+
+def _parse_head(head: bytes) -> _Head | None:
+    """The fixed header at the start of ``head``; ``None`` when it is not a value file's."""
+    if head[:8] == MAGIC and len(head) >= HEADER.size:
+        _, key_len, value_len, digest, meta_len = HEADER.unpack_from(head)
+        return _Head(HEADER.size, key_len, value_len, digest, meta_len, False)
+    if head[:8] == MAGIC_V1 and len(head) >= HEADER_V1.size:
+        _, key_len, value_len, crc = HEADER_V1.unpack_from(head)
+        return _Head(HEADER_V1.size, key_len, value_len, crc, 0, True)
+    return None
 
 
 class _Corrupt(Exception):
@@ -95,9 +138,9 @@ class _Corrupt(Exception):
 def _read_value(path: Path, key: bytes, touch: bool) -> bytes | None:
     """The verified value in ``path``; ``None`` when absent. Raises _Corrupt.
 
-    The whole file is announced to the kernel (``POSIX_FADV_WILLNEED``: one readahead of all of it
-    rather than a window growing from 128 KiB) and the value is read by one ``os.read`` straight
-    into its ``bytes`` (no buffered-reader copy).
+    ``posix_fadvise(SEQUENTIAL)`` (a doubled read-ahead window), one small read of header, key and
+    meta, then one ``os.read`` straight into the value's ``bytes`` (no buffered-reader copy), then
+    the checksum over it (XXH3-64 at ~14 GB/s: a few per cent of the read).
     """
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -106,24 +149,32 @@ def _read_value(path: Path, key: bytes, touch: bool) -> bytes | None:
     try:
         file_size = os.fstat(fd).st_size
         with contextlib.suppress(OSError):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         head = os.read(fd, HEADER.size + len(key))
-        if len(head) < HEADER.size:
-            raise _Corrupt(f"{path}: truncated header")
-        magic, key_len, value_len, crc = HEADER.unpack_from(head)
-        if magic != MAGIC or key_len != len(key) or head[HEADER.size :] != key:
+        parsed = _parse_head(head)
+        if parsed is None or parsed.key_len != len(key):
             raise _Corrupt(f"{path}: not a value of this key")
-        if file_size != HEADER.size + key_len + value_len:
-            raise _Corrupt(f"{path}: {file_size} bytes on disk, header says {HEADER.size + key_len + value_len}")
-        value = os.read(fd, value_len) if value_len else b""
-        while len(value) < value_len:  # a short read (signals, some network filesystems)
-            more = os.read(fd, value_len - len(value))
+        if parsed.meta_len > MAX_META_BYTES:
+            raise _Corrupt(f"{path}: meta of {parsed.meta_len} bytes")
+        prefix = parsed.size + parsed.key_len
+        if len(head) < prefix:
+            head += os.read(fd, prefix - len(head))
+        if head[parsed.size : prefix] != key:
+            raise _Corrupt(f"{path}: not a value of this key")
+        if file_size != prefix + parsed.meta_len + parsed.value_len:
+            raise _Corrupt(f"{path}: {file_size} bytes on disk, header says {prefix + parsed.meta_len + parsed.value_len}")
+        if len(head) != prefix + parsed.meta_len:
+            os.lseek(fd, prefix + parsed.meta_len, os.SEEK_SET)
+        value = os.read(fd, parsed.value_len) if parsed.value_len else b""
+        while len(value) < parsed.value_len:  # a short read (signals, some network filesystems)
+            more = os.read(fd, parsed.value_len - len(value))
             if not more:
                 break
             value += more
     finally:
         os.close(fd)
-    if len(value) != value_len or zlib.crc32(value) != crc:
+    digest = zlib.crc32(value) if parsed.v1 else checksum(value)
+    if len(value) != parsed.value_len or digest != parsed.digest:
         raise _Corrupt(f"{path}: length or checksum mismatch")
     if touch:
         with contextlib.suppress(OSError):  # a read-only mount: LRU order is then this process's alone
@@ -131,20 +182,19 @@ def _read_value(path: Path, key: bytes, touch: bool) -> bytes | None:
     return value
 
 
-def _read_header(path: Path) -> tuple[str, int] | None:
-    """``(key, value_len)`` from a file's header, or ``None`` when it is not a value file."""
+def _read_header(path: Path) -> tuple[str, int, bytes] | None:
+    """``(key, value_len, meta)`` from a file's header, or ``None`` when it is not a value file."""
     try:
         with open(path, "rb") as f:
-            head = f.read(HEADER.size)
-            if len(head) < HEADER.size:
+            parsed = _parse_head(f.read(HEADER.size))
+            if parsed is None or parsed.meta_len > MAX_META_BYTES:
                 return None
-            magic, key_len, value_len, _ = HEADER.unpack(head)
-            if magic != MAGIC:
-                return None
-            key = f.read(key_len).decode()
-        if os.path.getsize(path) != HEADER.size + key_len + value_len:
+            f.seek(parsed.size)
+            key = f.read(parsed.key_len).decode()
+            meta = f.read(parsed.meta_len)
+        if os.path.getsize(path) != parsed.size + parsed.key_len + parsed.meta_len + parsed.value_len:
             return None
-        return key, value_len
+        return key, parsed.value_len, meta
     except (OSError, UnicodeDecodeError):
         return None
 
@@ -173,6 +223,7 @@ class FileTier:
         self._errors = 0
         self._lock = asyncio.Lock()
         self._available = False
+        self._rescanned: list[tuple[str, bytes]] = []
         self._rescan()
 
     # -- paths and startup ---------------------------------------------------------------
@@ -202,7 +253,7 @@ class FileTier:
         except OSError:
             return  # degraded: every operation retries and reports TierUnavailable
         self._available = True
-        found: list[tuple[float, str, int]] = []
+        found: list[tuple[float, str, int, bytes]] = []
         for sub in self.root.iterdir() if self.root.is_dir() else ():
             if not sub.is_dir() or len(sub.name) != 2:
                 continue
@@ -218,20 +269,31 @@ class FileTier:
                     mtime = entry.stat().st_mtime
                 except OSError:
                     continue
-                found.append((mtime, head[0], head[1]))
-        found.sort()
-        for _, key, size in found:
+                found.append((mtime, head[0], head[1], head[2]))
+        found.sort(key=lambda entry: entry[0])
+        meta_of: dict[str, bytes] = {}
+        for _, key, size, meta in found:
             self._index[key] = size
             self._used_bytes += size
+            meta_of[key] = meta
         while self._used_bytes > self.capacity_bytes and self._index:
             key, size = self._index.popitem(last=False)
             self._used_bytes -= size
             _unlink(self.path_of(key))
+        self._rescanned = [(key, meta_of[key]) for key in self._index]
+
+    def take_rescanned(self) -> list[tuple[str, bytes]]:
+        """``(key, meta)`` of every value the start-up rescan found, least recently used first; once
+        (later calls return ``[]``). ``meta`` is what the value was put with (``b""`` for none)."""
+        rescanned, self._rescanned = self._rescanned, []
+        return rescanned
 
     # -- the StoreTier verbs ---------------------------------------------------------------
 
-    async def put(self, key: str, value: bytes, *, keep_victims: bool = False) -> PutResult:
+    async def put(self, key: str, value: bytes, *, keep_victims: bool = False, meta: bytes = b"") -> PutResult:
         size = len(value)
+        if len(meta) > MAX_META_BYTES:
+            raise ValueError(f"meta of {len(meta)} bytes exceeds {MAX_META_BYTES}")
         if size > self.capacity_bytes:
             raise ValueTooLarge(
                 f"value of {size} bytes for key {key!r} exceeds the {self.name} tier's"
@@ -250,7 +312,7 @@ class FileTier:
             self._evictions += len(victims)
             victim_values: list[tuple[str, bytes]] = []
             try:
-                victim_values = await asyncio.to_thread(self._write, key, value, victims, keep_victims)
+                victim_values = await asyncio.to_thread(self._write, key, value, victims, keep_victims, meta)
             except OSError as exc:
                 self._errors += 1
                 if old is not None and self.path_of(key).exists():
@@ -264,7 +326,9 @@ class FileTier:
             self._used_bytes += size
             return PutResult(tuple(victims), tuple(victim_values))
 
-    def _write(self, key: str, value: bytes, victims: list[str], keep_victims: bool) -> list[tuple[str, bytes]]:
+    def _write(
+        self, key: str, value: bytes, victims: list[str], keep_victims: bool, meta: bytes = b""
+    ) -> list[tuple[str, bytes]]:
         kept: list[tuple[str, bytes]] = []
         for victim in victims:
             path = self.path_of(victim)
@@ -283,7 +347,7 @@ class FileTier:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                _write_all(fd, encode_header(key.encode(), value))
+                _write_all(fd, encode_header(key.encode(), value, meta))
                 _write_all(fd, value)
                 if self.fsync is not FsyncPolicy.NONE:
                     os.fsync(fd)

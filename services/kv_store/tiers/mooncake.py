@@ -92,7 +92,7 @@ class MooncakeTier:
             self._errors += 1
             raise TierUnavailable(f"mooncake {what} failed with error code {code}")
 
-    async def put(self, key: str, value: bytes, *, keep_victims: bool = False) -> PutResult:
+    async def put(self, key: str, value: bytes, *, keep_victims: bool = False, meta: bytes = b"") -> PutResult:
         size = len(value)
         if size > self.capacity_bytes:
             raise ValueTooLarge(

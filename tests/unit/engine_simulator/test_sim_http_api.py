@@ -31,6 +31,8 @@ ROUTES = {
     ("/tokenize", "POST"),
     ("/detokenize", "POST"),
     ("/v1/responses", "POST"),
+    ("/v1/responses/{response_id}", "GET"),
+    ("/v1/responses/{response_id}/cancel", "POST"),
     ("/v1/models", "GET"),
     ("/health", "GET"),
     ("/metrics", "GET"),

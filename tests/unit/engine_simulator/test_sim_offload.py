@@ -32,9 +32,9 @@ def _hashes(tokens: list[int]) -> list[int]:
 
 
 def _offload(mode: OffloadMode = OffloadMode.CPU, cpu_blocks: int = 1024, **kw: float) -> OffloadManager:
-    cfg = OffloadConfig(mode=mode, cpu_capacity_blocks=cpu_blocks, bytes_per_block=BYTES, pcie_bandwidth=1e9,
-                        nvme_bandwidth=1e8, network_bandwidth=5e8, load_latency_seconds=0.0,
-                        network_latency_seconds=0.0, **kw)
+    model: dict[str, float] = {"pcie_bandwidth": 1e9, "nvme_bandwidth": 1e8, "network_bandwidth": 5e8,
+                               "load_latency_seconds": 0.0, "network_latency_seconds": 0.0, **kw}
+    cfg = OffloadConfig(mode=mode, cpu_capacity_blocks=cpu_blocks, bytes_per_block=BYTES, **model)  # type: ignore[arg-type]
     return OffloadManager(cfg, B, "m")
 
 
@@ -72,6 +72,8 @@ def test_store_emits_vllm_offload_events_and_lru_evicts() -> None:
     off = _offload(cpu_blocks=3)
     a = list(range(2 * B))
     off.store(_stored_event(a))
+    assert off.take_events() == [] and off.num_storing_blocks == 2  # announced when the copy completes
+    off.advance(1.0)
     events = off.take_events()
     assert events == [BlockStored(block_hashes=_hashes(a), parent_block_hash=None, token_ids=[], block_size=B,
                                   medium="CPU")]
@@ -79,6 +81,7 @@ def test_store_emits_vllm_offload_events_and_lru_evicts() -> None:
     assert off.take_events() == []
     b = list(range(100, 100 + 2 * B))
     off.store(_stored_event(b))
+    off.advance(2.0)
     ev = off.take_events()
     assert ev[0] == BlockRemoved(block_hashes=[_hashes(a)[0]], medium="CPU")  # least recently used first
     assert isinstance(ev[1], BlockStored) and ev[1].block_hashes == _hashes(b) and ev[1].medium == "CPU"
@@ -91,16 +94,23 @@ def test_lookup_and_transfer_model() -> None:
     off = _offload(OffloadMode.CPU_KV_STORE, cpu_blocks=2)
     tokens = list(range(4 * B))
     h = _hashes(tokens)
-    off.store(_stored_event(tokens))  # CPU keeps the last two
-    for x in h[:2]:
-        off.remote_stored(x, "DISK")
+    off.store(_stored_event(tokens))  # CPU room for two (blocks being stored are not evictable); all go to kv_store
+    off.advance(1.0)
+    assert off.cpu_hashes() == h[:2] and off.stats.store_skipped_blocks == 0
+    assert [p.block_hash for p in off.take_puts()] == h
+    cpu_only = _offload(cpu_blocks=2)
+    cpu_only.store(_stored_event(tokens))  # without kv_store the two that find no room are skipped
+    assert cpu_only.num_storing_blocks == 2 and cpu_only.stats.store_skipped_blocks == 2
     off.remote_stored(h[2], "CPU")
+    off.remote_stored(h[3], "DISK")
+    off.advance(2.0)  # their modeled transfers are over
     assert off.lookup(h) == 4 and off.lookup(h[1:]) == 3 and off.lookup([123]) == 0
     plan = off.plan_load(h)
     assert (plan.cpu_blocks, plan.remote_blocks) == (2, 2)
-    assert plan.seconds == pytest.approx(2 * BYTES / 1e9 + 2 * BYTES / 1e8)  # DISK: min(nvme, network)
-    off.remote_missing(h[:2])
-    assert off.lookup(h) == 0
+    # CPU over PCIe; kv_store CPU over the network; DISK: min(nvme, network)
+    assert plan.seconds == pytest.approx(2 * BYTES / 1e9 + BYTES / 5e8 + BYTES / 1e8)
+    off.remote_missing(h[2:])
+    assert off.lookup(h) == 2 and off.lookup(h[2:]) == 0
     cpu_only = _offload()
     cpu_only.remote_stored(h[0], "CPU")
     assert cpu_only.plan_load(h[:1]).seconds == pytest.approx(BYTES / 5e8)  # network slower than PCIe
@@ -112,6 +122,9 @@ def test_kv_store_puts_carry_one_block_events_with_tokens() -> None:
     tokens = list(range(3 * B))
     h = _hashes(tokens)
     off.store(_stored_event(tokens))
+    off.store(_stored_event(tokens))  # being stored already: not twice
+    assert off.take_puts() == []  # written to kv_store from CPU, once the GPU -> CPU copy is done
+    off.advance(1.0)
     off.store(_stored_event(tokens))  # queued already: not twice
     puts = off.take_puts()
     assert [p.key for p in puts] == [kv_store_key("m", B, x) for x in h]
@@ -129,6 +142,57 @@ def test_kv_store_puts_carry_one_block_events_with_tokens() -> None:
         OffloadManager(OffloadConfig(), B)
     with pytest.raises(ValueError):
         OffloadConfig(pcie_bandwidth=0)
+
+
+def test_stores_take_modeled_pcie_and_network_time_in_the_background_bounded() -> None:
+    """GPU -> CPU jobs run one after another on the D2H lane (n * bytes / pcie + latency); a block is
+    loadable and announced only when its job is done; the in-flight bound skips the excess (vLLM's
+    prepare_store returning None); kv_store puts then take bytes / min(network, pcie) each on the
+    egress lane and count as remote only once both acknowledged and transferred."""
+    off = _offload(OffloadMode.CPU_KV_STORE, max_inflight_store_blocks=4, max_pending_puts=3,
+                   load_latency_seconds=1e-4, network_latency_seconds=2e-4)
+    a, b = list(range(3 * B)), list(range(500, 500 + 2 * B))
+    ha, hb = _hashes(a), _hashes(b)
+    off.store(_stored_event(a))  # job 1: 3 blocks, done at 1e-4 + 3 ms
+    off.store(_stored_event(b))  # job 2: 1 block fits the bound of 4 in flight, 1 skipped; after job 1
+    assert off.num_storing_blocks == 4 and off.stats.store_skipped_blocks == 1
+    assert off.next_store_done() == pytest.approx(1e-4 + 3 * BYTES / 1e9)
+    assert off.stats.store_seconds == pytest.approx(2e-4 + 4 * BYTES / 1e9)
+    off.advance(0.003)
+    assert off.num_cpu_blocks == 0 and off.lookup(ha) == 0 and off.take_events() == []
+    off.advance(0.0031)
+    assert off.cpu_hashes() == ha and off.lookup(ha) == 3
+    assert off.take_events() == [BlockStored(block_hashes=ha, parent_block_hash=None, token_ids=[], block_size=B,
+                                             medium="CPU")]
+    off.advance(1e-4 + 3e-3 + 1e-4 + 1e-3)
+    assert off.cpu_hashes() == [*ha, hb[0]] and off.num_storing_blocks == 0
+    # 4 blocks in CPU, at most 3 kv_store puts pending: the 4th is skipped
+    assert off.stats.puts_queued == 3 and off.stats.puts_skipped == 1
+    now = off.now
+    puts = off.take_puts()
+    per_put = 2e-4 + BYTES / 5e8  # network (5e8) slower than PCIe (1e9)
+    assert [p.done_at for p in puts] == pytest.approx([now + per_put * k for k in (1, 2, 3)])
+    for p in puts:
+        off.remote_stored(p.block_hash, "CPU")  # acknowledged at once by the real kv_store...
+    assert not off.in_remote(ha[0])  # ...but the modeled transfer is not over
+    off.advance(now + per_put)
+    assert off.in_remote(ha[0]) and not off.in_remote(ha[1])
+    off.advance(now + 3 * per_put)
+    assert all(off.in_remote(h) for h in ha)
+    assert off.stats.put_seconds == pytest.approx(3 * per_put)
+
+
+def test_the_engine_step_never_waits_for_a_store() -> None:
+    """With a store lane 1000x slower than the steps, requests finish at the same model times as
+    without offload; the blocks simply are not in CPU yet (a repeat after GPU eviction recomputes)."""
+    slow = _offload(pcie_bandwidth=1e3)  # 1000 s per block
+    core = _core(6, slow)
+    plain = _core(6, None)
+    assert _drive(core, Request("a", list(range(4 * B + 3)), max_tokens=4, ignore_eos=True)) == \
+        _drive(plain, Request("a", list(range(4 * B + 3)), max_tokens=4, ignore_eos=True))
+    assert slow.num_storing_blocks == 4 and slow.num_cpu_blocks == 0
+    _, again = _evicting_workload(_core(6, _offload(pcie_bandwidth=1e3)))
+    assert again.num_cached_tokens == 0 and again.load_plan is None
 
 
 def _evicting_workload(core: EngineCore) -> tuple[Request, Request]:
@@ -171,12 +235,15 @@ def test_load_waits_modeled_time_and_does_not_block_others() -> None:
     core = _core(16, off)
     tokens = list(range(4 * B + 3))
     off.store(_stored_event(tokens[:4 * B]))
+    off.advance(0.0)
+    assert off.lookup(_hashes(tokens[:4 * B])) == 0  # not loadable while its store is in flight
+    off.advance(4 * BYTES / 1e9)
     off.take_events()
     loaded = Request("l", tokens, max_tokens=1, ignore_eos=True)
     other = Request("o", list(range(500, 520)), max_tokens=1, ignore_eos=True)
     core.add_request(loaded)
     core.add_request(other)
-    step = core.schedule(0.0)
+    step = core.schedule(0.0)  # model time behind the manager's: nothing moves back
     assert [r.request_id for r, _ in step.scheduled] == ["o"]
     assert core.loading == [loaded] and core.next_load_ready() == pytest.approx(4 * BYTES / 1e9)
     core.update(step)
@@ -195,6 +262,7 @@ async def test_async_engine_sleeps_through_a_load_on_manual_clock() -> None:
     core = _core(16, off)
     tokens = list(range(4 * B + 3))
     off.store(_stored_event(tokens[:4 * B]))
+    off.advance(1.0)
     clock = ManualClock()
     engine = AsyncEngine(core, latency, clock, NullEventPublisher())
     engine.start()
@@ -211,6 +279,7 @@ def test_reset_drops_cpu_tier() -> None:
     off = _offload()
     core = _core(16, off)
     _drive(core, Request("a", list(range(2 * B + 1)), max_tokens=1, ignore_eos=True))
+    off.advance(1000.0)
     core.cache.take_events()
     assert core.reset_prefix_cache()
     events: list[KVEvent] = core.cache.take_events()

@@ -164,3 +164,46 @@ async def test_read_only_shared_root_serves_reads_and_refuses_writes(small_tmpfs
     with pytest.raises(TierUnavailable, match="Read-only"):
         await fresh.put("k3", b"v")
     assert await fresh.contains(["k", "k2", "k3"]) == [True, False, False]
+
+
+async def test_meta_is_kept_with_the_value_and_handed_over_after_a_restart(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 1 << 20)
+    await tier.put("a", b"1" * 100, meta=b"block-a")
+    await tier.put("b", b"2" * 50)
+    os.utime(tier.path_of("a"), (1_000, 1_000))
+    assert tier.path_of("a").stat().st_size == HEADER.size + 1 + len(b"block-a") + 100
+    again = DiskTier(tmp_path, 1 << 20)
+    assert again.take_rescanned() == [("a", b"block-a"), ("b", b"")]
+    assert await again.get("a") == b"1" * 100  # the meta is not part of the value
+    assert await again.get("b") == b"2" * 50
+
+
+async def test_files_of_the_first_layout_are_still_served_and_checked(tmp_path: Path) -> None:
+    import struct
+    import zlib
+
+    tier = DiskTier(tmp_path, 1 << 20)
+    path = tier.path_of("old")
+    path.parent.mkdir(parents=True)
+    value = b"v1" * 40
+    path.write_bytes(struct.pack("<8sIQI", b"KVMSV001", 3, len(value), zlib.crc32(value)) + b"old" + value)
+    again = DiskTier(tmp_path, 1 << 20)
+    assert again.take_rescanned() == [("old", b"")]
+    assert await again.get("old") == value
+    path.write_bytes(struct.pack("<8sIQI", b"KVMSV001", 3, len(value), zlib.crc32(value) ^ 1) + b"old" + value)
+    assert await again.get("old") is None  # a checksum mismatch is a miss, never wrong bytes
+    assert again.stats().corrupted == 1
+
+
+async def test_a_flipped_bit_in_the_value_or_the_meta_length_is_a_miss(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 1 << 20)
+    for key in ("x", "y"):
+        await tier.put(key, b"q" * 64, meta=b"m" * 8)
+    raw = bytearray(tier.path_of("x").read_bytes())
+    raw[-1] ^= 0x01
+    tier.path_of("x").write_bytes(bytes(raw))
+    raw = bytearray(tier.path_of("y").read_bytes())
+    raw[HEADER.size - 4] ^= 0x01  # meta length: the sizes no longer add up
+    tier.path_of("y").write_bytes(bytes(raw))
+    assert await tier.get("x") is None and await tier.get("y") is None
+    assert tier.stats().corrupted == 2

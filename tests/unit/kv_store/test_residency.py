@@ -139,3 +139,36 @@ def test_put_request_parser_reads_the_block_event_field() -> None:
         kv_store_pb2.PutRequest(key="k", total_bytes=3, data=b"abc", block_stored_event=raw).SerializeToString()
     )
     assert (chunk.key, chunk.total_bytes, bytes(chunk.data), chunk.block_stored_event) == ("k", 3, b"abc", raw)
+
+
+async def test_a_restarted_store_republishes_what_its_file_tiers_rescanned(tmp_path: Path) -> None:
+    store, rec = store_with(tmp_path, write_through=["sharedfs"])
+    for i in range(6):  # CPU holds 2; k0-k3 spill to disk (holds 4); every block is also on the shared FS
+        await store.put(f"k{i}", bytes([i]) * 10, block(i))
+    await store.put("plain", b"p" * 10)  # no description: served after the restart, never published
+    before = {h: m - {Medium.CPU} for h, m in index_of(rec).items()}
+
+    # a new process on the same paths: CPU is empty, disk and shared FS are rescanned and republished
+    again, rec2 = store_with(tmp_path, write_through=["sharedfs"])
+    assert again.republished == 4 + 6  # 4 on disk, 6 described on the shared FS ("plain" is not)
+    assert all(isinstance(e, BlockStored) for batch in rec2.batches for e in batch)
+    after = index_of(rec2)
+    assert after == {h: m for h, m in before.items() if m}
+    assert after[102] == {Medium.DISK, Medium.SHARED} and after[105] == {Medium.SHARED}
+    # the republished event is the engine's own block (hash, parent, tokens), with the tier's medium
+    stored = [e for batch in rec2.batches for e in batch if isinstance(e, BlockStored) and e.block_hashes == [103]]
+    assert {e.medium for e in stored} == {"DISK", "SHARED"}
+    assert all(e.parent_block_hash == 102 and e.token_ids == block(3).token_ids for e in stored)
+    # moves after the restart keep the field rule (store before removal) on the adopted blocks
+    assert (await again.get("k2")).medium is Medium.DISK
+    assert rec2.flat()[-2:] == [("BlockStored", 102, "CPU"), ("BlockRemoved", 102, "DISK")]
+    assert (await again.get("plain")).value == b"p" * 10
+
+
+async def test_a_second_store_on_the_same_disk_republishes_nothing_twice(tmp_path: Path) -> None:
+    store, _ = store_with(tmp_path)
+    for i in range(4):
+        await store.put(f"k{i}", bytes([i]) * 10, block(i))
+    tier = DiskTier(tmp_path / "nvme", 40)
+    assert sorted(key for key, _ in tier.take_rescanned()) == ["k0", "k1"]
+    assert tier.take_rescanned() == []  # handed over once

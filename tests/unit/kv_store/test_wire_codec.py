@@ -56,3 +56,17 @@ async def test_byte_budget_makes_a_put_wait_until_bytes_are_released() -> None:
     assert budget.in_use == 100
     await budget.release(500)
     assert budget.in_use == 0
+
+
+def test_pre_encoded_put_requests_parse_as_protobuf_messages() -> None:
+    from kvmesh._proto.kvmesh.kv_store.v1 import kv_store_pb2
+    from services.kv_store.servicer import encode_put_requests, parse_put_request
+
+    value = bytes(range(256)) * 40
+    raw = encode_put_requests("k", value, 4096, block_stored_event=b"\x01ev")
+    assert len(raw) == 3
+    first = kv_store_pb2.PutRequest.FromString(raw[0])
+    assert (first.key, first.total_bytes, first.block_stored_event, first.data) == ("k", len(value), b"\x01ev", value[:4096])
+    assert b"".join(kv_store_pb2.PutRequest.FromString(r).data for r in raw) == value
+    assert not kv_store_pb2.PutRequest.FromString(raw[1]).key
+    assert b"".join(bytes(parse_put_request(r).data) for r in raw) == value

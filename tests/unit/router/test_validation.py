@@ -65,7 +65,7 @@ BAD_CASES: list[tuple[str, RequestKind, dict[str, Any], type[errors.KvmeshError]
     ("responses-max-output", RequestKind.RESPONSES, {"model": "tiny", "input": "x", "max_output_tokens": 0}, errors.InvalidRequest, "'max_output_tokens'"),
     ("stream-string", C, {"model": "tiny", "prompt": "hi", "stream": "yes"}, errors.InvalidRequest, "'stream' must be a boolean"),
     ("token-ids-over-context", C, {"model": "tiny", "prompt": list(range(129))}, errors.InvalidRequest, "maximum context length is 128"),
-    ("token-ids-plus-max-tokens", C, {"model": "tiny", "prompt": list(range(100)), "max_tokens": 29}, errors.InvalidRequest, "maximum context length"),
+    ("token-ids-fill-context", C, {"model": "tiny", "prompt": list(range(128)), "max_tokens": 1}, errors.InvalidRequest, "maximum context length"),
     ("text-surely-over-context", C, {"model": "tiny", "prompt": "x" * 16 * 200}, errors.InvalidRequest, "maximum context length"),
 ]
 

@@ -1,11 +1,23 @@
 from kvmesh._proto.kvmesh.common.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class CompletionOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COMPLETION_OUTCOME_UNSPECIFIED: _ClassVar[CompletionOutcome]
+    COMPLETION_OUTCOME_SUCCESS: _ClassVar[CompletionOutcome]
+    COMPLETION_OUTCOME_ERROR: _ClassVar[CompletionOutcome]
+    COMPLETION_OUTCOME_CANCELLED: _ClassVar[CompletionOutcome]
+COMPLETION_OUTCOME_UNSPECIFIED: CompletionOutcome
+COMPLETION_OUTCOME_SUCCESS: CompletionOutcome
+COMPLETION_OUTCOME_ERROR: CompletionOutcome
+COMPLETION_OUTCOME_CANCELLED: CompletionOutcome
 
 class PickRequest(_message.Message):
     __slots__ = ("request_id", "model", "prompt_token_ids", "prompt", "messages", "exclude_endpoint_ids", "lora_name", "cache_salt", "render_json")
@@ -95,3 +107,29 @@ class PickerInfo(_message.Message):
     needs_prompt: bool
     profiles: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, needs_prompt: _Optional[bool] = ..., profiles: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CompletedRequest(_message.Message):
+    __slots__ = ("request_id", "endpoint_id", "prompt_tokens", "cached_tokens", "outcome")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    endpoint_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    outcome: CompletionOutcome
+    def __init__(self, request_id: _Optional[str] = ..., endpoint_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., outcome: _Optional[_Union[CompletionOutcome, str]] = ...) -> None: ...
+
+class CompletedBatch(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[CompletedRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[CompletedRequest, _Mapping]]] = ...) -> None: ...
+
+class CompletedReply(_message.Message):
+    __slots__ = ("matched",)
+    MATCHED_FIELD_NUMBER: _ClassVar[int]
+    matched: int
+    def __init__(self, matched: _Optional[int] = ...) -> None: ...

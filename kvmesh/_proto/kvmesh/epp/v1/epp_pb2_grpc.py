@@ -49,6 +49,11 @@ class EndpointPickerStub:
                 request_serializer=kvmesh_dot_epp_dot_v1_dot_epp__pb2.GetPickerInfoRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_epp_dot_v1_dot_epp__pb2.PickerInfo.FromString,
                 _registered_method=True)
+        self.Completed = channel.unary_unary(
+                '/kvmesh.epp.v1.EndpointPicker/Completed',
+                request_serializer=kvmesh_dot_epp_dot_v1_dot_epp__pb2.CompletedBatch.SerializeToString,
+                response_deserializer=kvmesh_dot_epp_dot_v1_dot_epp__pb2.CompletedReply.FromString,
+                _registered_method=True)
 
 
 class EndpointPickerServicer:
@@ -75,6 +80,15 @@ class EndpointPickerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Completed(self, request, context):
+        """Requests that ended (any outcome), reported by the router so their load leaves the endpoint at
+        once instead of at the next metrics scrape. Fire-and-forget: the router batches what ended since
+        its last call and drops a batch epp does not take (counted), never delaying a response.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EndpointPickerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +106,11 @@ def add_EndpointPickerServicer_to_server(servicer, server):
                     servicer.GetPickerInfo,
                     request_deserializer=kvmesh_dot_epp_dot_v1_dot_epp__pb2.GetPickerInfoRequest.FromString,
                     response_serializer=kvmesh_dot_epp_dot_v1_dot_epp__pb2.PickerInfo.SerializeToString,
+            ),
+            'Completed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Completed,
+                    request_deserializer=kvmesh_dot_epp_dot_v1_dot_epp__pb2.CompletedBatch.FromString,
+                    response_serializer=kvmesh_dot_epp_dot_v1_dot_epp__pb2.CompletedReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +194,33 @@ class EndpointPicker:
             '/kvmesh.epp.v1.EndpointPicker/GetPickerInfo',
             kvmesh_dot_epp_dot_v1_dot_epp__pb2.GetPickerInfoRequest.SerializeToString,
             kvmesh_dot_epp_dot_v1_dot_epp__pb2.PickerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Completed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.epp.v1.EndpointPicker/Completed',
+            kvmesh_dot_epp_dot_v1_dot_epp__pb2.CompletedBatch.SerializeToString,
+            kvmesh_dot_epp_dot_v1_dot_epp__pb2.CompletedReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -76,6 +76,46 @@ class AdmitRequest(_message.Message):
     complete: Complete
     def __init__(self, enqueue: _Optional[_Union[Enqueue, _Mapping]] = ..., complete: _Optional[_Union[Complete, _Mapping]] = ...) -> None: ...
 
+class Release(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AdmitEntry(_message.Message):
+    __slots__ = ("ticket", "enqueue", "complete", "release", "traceparent", "tracestate")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    ENQUEUE_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    TRACESTATE_FIELD_NUMBER: _ClassVar[int]
+    ticket: int
+    enqueue: Enqueue
+    complete: Complete
+    release: Release
+    traceparent: str
+    tracestate: str
+    def __init__(self, ticket: _Optional[int] = ..., enqueue: _Optional[_Union[Enqueue, _Mapping]] = ..., complete: _Optional[_Union[Complete, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
+
+class AdmitBatch(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[AdmitEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[AdmitEntry, _Mapping]]] = ...) -> None: ...
+
+class AdmitDecision(_message.Message):
+    __slots__ = ("ticket", "response")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ticket: int
+    response: AdmitResponse
+    def __init__(self, ticket: _Optional[int] = ..., response: _Optional[_Union[AdmitResponse, _Mapping]] = ...) -> None: ...
+
+class AdmitDecisions(_message.Message):
+    __slots__ = ("decisions",)
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    decisions: _containers.RepeatedCompositeFieldContainer[AdmitDecision]
+    def __init__(self, decisions: _Optional[_Iterable[_Union[AdmitDecision, _Mapping]]] = ...) -> None: ...
+
 class AdmitResponse(_message.Message):
     __slots__ = ("outcome", "reason", "queue_seconds", "retry_after_seconds")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]

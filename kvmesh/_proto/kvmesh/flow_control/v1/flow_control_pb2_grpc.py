@@ -39,6 +39,11 @@ class FlowControlStub:
                 request_serializer=kvmesh_dot_flow__control_dot_v1_dot_flow__control__pb2.AdmitRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_flow__control_dot_v1_dot_flow__control__pb2.AdmitResponse.FromString,
                 _registered_method=True)
+        self.AdmitMany = channel.stream_stream(
+                '/kvmesh.flow_control.v1.FlowControl/AdmitMany',
+                request_serializer=kvmesh_dot_flow__control_dot_v1_dot_flow__control__pb2.AdmitBatch.SerializeToString,
+                response_deserializer=kvmesh_dot_flow__control_dot_v1_dot_flow__control__pb2.AdmitDecisions.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvmesh.flow_control.v1.FlowControl/Stats',
                 request_serializer=kvmesh_dot_flow__control_dot_v1_dot_flow__control__pb2.StatsRequest.SerializeToString,
@@ -58,6 +63,17 @@ class FlowControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AdmitMany(self, request_iterator, context):
+        """Every admission of one client (a router) on one long-lived stream: no call set-up per request.
+        Each AdmitBatch carries entries keyed by a client-chosen ticket id (unique for the stream's
+        life): an Enqueue, then later a Complete (report and release) or a Release (release without a
+        report; cancels a queued request). Each AdmitDecisions answers enqueues, one decision per
+        ticket, in any order. Ending the stream, for any reason, releases every slot it holds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -71,6 +87,11 @@ def add_FlowControlServicer_to_server(servicer, server):
                     servicer.Admit,
                     request_deserializer=kvmesh_dot_flow__control_dot_v1_dot_flow__control__pb2.AdmitRequest.FromString,
                     response_serializer=kvmesh_dot_flow__control_dot_v1_dot_flow__control__pb2.AdmitResponse.SerializeToString,
+            ),
+            'AdmitMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.AdmitMany,
+                    request_deserializer=kvmesh_dot_flow__control_dot_v1_dot_flow__control__pb2.AdmitBatch.FromString,
+                    response_serializer=kvmesh_dot_flow__control_dot_v1_dot_flow__control__pb2.AdmitDecisions.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -105,6 +126,33 @@ class FlowControl:
             '/kvmesh.flow_control.v1.FlowControl/Admit',
             kvmesh_dot_flow__control_dot_v1_dot_flow__control__pb2.AdmitRequest.SerializeToString,
             kvmesh_dot_flow__control_dot_v1_dot_flow__control__pb2.AdmitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AdmitMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvmesh.flow_control.v1.FlowControl/AdmitMany',
+            kvmesh_dot_flow__control_dot_v1_dot_flow__control__pb2.AdmitBatch.SerializeToString,
+            kvmesh_dot_flow__control_dot_v1_dot_flow__control__pb2.AdmitDecisions.FromString,
             options,
             channel_credentials,
             insecure,

@@ -158,3 +158,59 @@ class EndpointBlocksResponse(_message.Message):
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     state: str
     def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., state: _Optional[str] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, models: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ResidencyDelta(_message.Message):
+    __slots__ = ("endpoint_id", "medium", "cleared", "added_keys", "removed_keys")
+    ENDPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    ADDED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    endpoint_id: str
+    medium: str
+    cleared: bool
+    added_keys: _containers.RepeatedScalarFieldContainer[int]
+    removed_keys: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, endpoint_id: _Optional[str] = ..., medium: _Optional[str] = ..., cleared: _Optional[bool] = ..., added_keys: _Optional[_Iterable[int]] = ..., removed_keys: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class WatchedEndpoint(_message.Message):
+    __slots__ = ("endpoint_id", "model", "block_size_tokens", "state", "kv_source")
+    ENDPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    endpoint_id: str
+    model: str
+    block_size_tokens: int
+    state: str
+    kv_source: bool
+    def __init__(self, endpoint_id: _Optional[str] = ..., model: _Optional[str] = ..., block_size_tokens: _Optional[int] = ..., state: _Optional[str] = ..., kv_source: _Optional[bool] = ...) -> None: ...
+
+class WatchResponse(_message.Message):
+    __slots__ = ("prev_seq", "seq", "reset", "synced", "deltas", "endpoints_changed", "endpoints", "ready", "load_only_models")
+    PREV_SEQ_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    SYNCED_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_CHANGED_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    LOAD_ONLY_MODELS_FIELD_NUMBER: _ClassVar[int]
+    prev_seq: int
+    seq: int
+    reset: bool
+    synced: bool
+    deltas: _containers.RepeatedCompositeFieldContainer[ResidencyDelta]
+    endpoints_changed: bool
+    endpoints: _containers.RepeatedCompositeFieldContainer[WatchedEndpoint]
+    ready: bool
+    load_only_models: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, prev_seq: _Optional[int] = ..., seq: _Optional[int] = ..., reset: _Optional[bool] = ..., synced: _Optional[bool] = ..., deltas: _Optional[_Iterable[_Union[ResidencyDelta, _Mapping]]] = ..., endpoints_changed: _Optional[bool] = ..., endpoints: _Optional[_Iterable[_Union[WatchedEndpoint, _Mapping]]] = ..., ready: _Optional[bool] = ..., load_only_models: _Optional[_Iterable[str]] = ...) -> None: ...

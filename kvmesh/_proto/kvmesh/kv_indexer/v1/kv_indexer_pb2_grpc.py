@@ -54,6 +54,11 @@ class KVIndexerStub:
                 request_serializer=kvmesh_dot_kv__indexer_dot_v1_dot_kv__indexer__pb2.EndpointBlocksRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_kv__indexer_dot_v1_dot_kv__indexer__pb2.EndpointBlocksResponse.FromString,
                 _registered_method=True)
+        self.Watch = channel.unary_stream(
+                '/kvmesh.kv_indexer.v1.KVIndexer/Watch',
+                request_serializer=kvmesh_dot_kv__indexer_dot_v1_dot_kv__indexer__pb2.WatchRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_kv__indexer_dot_v1_dot_kv__indexer__pb2.WatchResponse.FromString,
+                _registered_method=True)
 
 
 class KVIndexerServicer:
@@ -86,6 +91,16 @@ class KVIndexerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Watch(self, request, context):
+        """Block-key residency per endpoint and medium, for a replica (epp's local prefix index): a snapshot
+        (reset, chunks of adds, synced), then ordered deltas; heartbeats when idle. A replica that sees
+        prev_seq != its own seq has missed something and reconnects (the server resets a watcher that
+        fell behind its log on its own).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVIndexerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +123,11 @@ def add_KVIndexerServicer_to_server(servicer, server):
                     servicer.EndpointBlocks,
                     request_deserializer=kvmesh_dot_kv__indexer_dot_v1_dot_kv__indexer__pb2.EndpointBlocksRequest.FromString,
                     response_serializer=kvmesh_dot_kv__indexer_dot_v1_dot_kv__indexer__pb2.EndpointBlocksResponse.SerializeToString,
+            ),
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=kvmesh_dot_kv__indexer_dot_v1_dot_kv__indexer__pb2.WatchRequest.FromString,
+                    response_serializer=kvmesh_dot_kv__indexer_dot_v1_dot_kv__indexer__pb2.WatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -218,6 +238,33 @@ class KVIndexer:
             '/kvmesh.kv_indexer.v1.KVIndexer/EndpointBlocks',
             kvmesh_dot_kv__indexer_dot_v1_dot_kv__indexer__pb2.EndpointBlocksRequest.SerializeToString,
             kvmesh_dot_kv__indexer_dot_v1_dot_kv__indexer__pb2.EndpointBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.kv_indexer.v1.KVIndexer/Watch',
+            kvmesh_dot_kv__indexer_dot_v1_dot_kv__indexer__pb2.WatchRequest.SerializeToString,
+            kvmesh_dot_kv__indexer_dot_v1_dot_kv__indexer__pb2.WatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,270 @@
+"""A Pick for a chat whose long history grew by one turn: ``python bench/epp_tokenize_bench.py [--history-tokens 30000]``.
+
+Issue 10's target: a Pick for a chat whose 30k-token history grew by one turn since the last call
+takes p50 <= 1 ms, only the new turn is tokenized and hashed, and no engine does the pool's
+tokenization. What runs, all real, on 127.0.0.1:
+
+* epp's ``Scheduler`` with the ``precise-prefix`` config (prefix-match step with tokenization, prefix /
+  queue / kv-utilization scorers, max-score picker) over ``--endpoints`` endpoints with fresh load;
+* the tokenizer: epp's ``InProcessTokenizer`` (the model's own HF ``tokenizers`` file and chat template,
+  incremental per message prefix) with the engine's ``/tokenize`` as its fallback; every endpoint's URL
+  is one real HTTP server (aiohttp) that answers ``POST /tokenize`` as vLLM does (the same tokenizer
+  files, the whole chat each time) and counts the calls;
+* the prefix index: epp's ``ReplicaPrefixIndex`` fed by a real kv_indexer servicer's ``Watch``; after
+  each pick the picked engine "caches" the prompt (a ``BlockStored`` of its new blocks into kv_indexer's
+  index), so the next pick of the session finds its prefix there, as in production.
+
+``--sessions`` chats are grown to ``--history-tokens`` first (their first, full tokenization is the
+``first call`` row), then each gets ``--turns`` more turns, round-robin (a user message and an
+assistant reply of ~``--turn-tokens`` tokens each time), and each grown chat is picked once. Rows:
+p50 / p90 / p99 ms, characters encoded per pick, blocks hashed per pick. ``--engine-tokenize`` runs the
+same picks with tokenization through the engine's ``/tokenize`` only (the code before issue 10), side
+by side. Not a timed test: numbers move with machine load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import grpc
+import httpx
+from aiohttp import web
+
+from engine_simulator.tokenizer import ensure_tokenizer
+from kvmesh.hashing import block_keys
+from kvmesh.kv_events import BlockStored
+from kvmesh.types import Endpoint, EndpointId
+from services.epp.datastore import Datastore, ScrapeSample
+from services.epp.framework.interfaces import ChatMessage, PluginHandle, SchedulingRequest, Tokenizer
+from services.epp.framework.loader import build_profile, resolve_scheduling_config
+from services.epp.kv_indexer_client import ReplicaPrefixIndex
+from services.epp.plugins import default_registry
+from services.epp.plugins.filters.live_endpoint import LiveEndpointFilter, LiveEndpointFilterParams
+from services.epp.scheduler import Scheduler
+from services.epp.tokenization.in_process import InProcessTokenizer
+from services.epp.tokenization.local import LocalTokenizer
+from services.epp.tokenize_client import EngineTokenizer
+from services.kv_indexer.events.pool import EventPool
+from services.kv_indexer.index import InMemoryIndex
+from services.kv_indexer.indexer import BlockIndexer
+from services.kv_indexer.servicer import add_servicer as add_kv_indexer
+
+MODEL = "m"
+BLOCK = 64
+WORDS = ["the", "cache", "keeps", "every", "block", "of", "the", "prompt", "so", "a", "later", "request", "with", "the", "same", "prefix", "skips", "its", "prefill", "and", "the", "router", "sends", "it", "where", "that", "prefix", "lives", "def", "return", "self", "for", "in", "range", "if", "else", "import", "value", "key", "token", "model", "engine", "request", "response", "agent", "tool", "call", "result", "error", "retry"]
+
+
+class FrozenClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def now(self) -> float:
+        return self.t
+
+
+class _NoFeed:
+    def follow(self, endpoint: Endpoint) -> None: ...
+    def unfollow(self, endpoint_id: EndpointId) -> None: ...
+
+
+class EngineStub:
+    """Every endpoint's URL: ``POST /tokenize`` answered with the model's tokenizer (whole chat, as vLLM does), counted."""
+
+    def __init__(self, tokenizer_dir: Path) -> None:
+        self.local = LocalTokenizer(tokenizer_dir)
+        self.calls = 0
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        self.calls += 1
+        body = await request.json()
+        if "messages" in body:
+            ids = self.local.chat_ids(body)
+        else:
+            ids = self.local.encode_text(body["prompt"], body.get("add_special_tokens", True))
+        return web.json_response({"count": len(ids), "max_model_len": 1 << 20, "tokens": ids})
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/tokenize", self.tokenize)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
+def sentence(rnd: random.Random, words: int) -> str:
+    return " ".join(rnd.choice(WORDS) for _ in range(words)) + "."
+
+
+def percentiles(samples: list[float]) -> tuple[float, float, float]:
+    ordered = sorted(samples)
+    at = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3  # noqa: E731
+    return statistics.median(ordered) * 1e3, at(0.9), at(0.99)
+
+
+async def run(args: argparse.Namespace, engine_tokenize: bool) -> dict[str, object]:
+    rnd = random.Random(7)
+    tok_dir = ensure_tokenizer(Path(args.workdir) / "tok")
+    stub = EngineStub(tok_dir)
+    await stub.start()
+    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=64))
+    datastore = Datastore(clock=FrozenClock())  # type: ignore[arg-type]
+    index = InMemoryIndex()
+    eps = {}
+    for i in range(args.endpoints):
+        eid = EndpointId(f"10.1.{i // 250}.{i % 250}:8000")
+        eps[eid] = Endpoint(id=eid, url=f"http://127.0.0.1:{stub.port}", model=MODEL, block_size_tokens=BLOCK)
+        index.register_endpoint(eps[eid])
+    datastore.apply_membership(eps, {})
+    for ep in datastore.endpoints():
+        datastore.record_scrape(ep.id, ScrapeSample(num_requests_waiting=0, num_requests_running=rnd.randint(0, 4),
+                                                    kv_cache_usage_perc=rnd.random() / 2, block_size_tokens=BLOCK))
+    kv_server = grpc.aio.server()
+    add_kv_indexer(kv_server, BlockIndexer(index, EventPool(index, workers=1), _NoFeed()))
+    kv_port = kv_server.add_insecure_port("127.0.0.1:0")
+    await kv_server.start()
+    replica = ReplicaPrefixIndex(f"127.0.0.1:{kv_port}", 5.0, stale_seconds=60.0)
+    feeder = asyncio.create_task(replica.run())
+    engine = EngineTokenizer(http, 30.0, 0, max_prompt_chars=1 << 30, max_concurrency_per_endpoint=64)
+    in_process = InProcessTokenizer({MODEL: str(tok_dir)}, engine, max_prompt_chars=1 << 30)
+    tokenizer: Tokenizer = engine if engine_tokenize else in_process
+    source, data = resolve_scheduling_config("precise-prefix")
+    profile = build_profile(data, default_registry(), PluginHandle(rng=random.Random(0), prefix_index=replica,
+                                                                   tokenizer=tokenizer), source=source)
+    scheduler = Scheduler(datastore, profile, LiveEndpointFilter("live-endpoints", LiveEndpointFilterParams()))
+    held: dict[str, int] = {}  # endpoint -> blocks of each session's prompt it caches (engine side)
+
+    async def pick(session: int, messages: list[dict[str, str]]) -> tuple[float, str, int]:
+        request = SchedulingRequest(
+            model=MODEL, request_id=f"s{session}-{len(messages)}",
+            messages=tuple(ChatMessage(m["role"], m["content"]) for m in messages),
+        )
+        start = time.perf_counter()
+        result = await scheduler.pick(request)
+        elapsed = time.perf_counter() - start
+        return elapsed, str(result.target.id), 0
+
+    def cache_on(endpoint: str, session: int, ids: list[int]) -> None:
+        """The picked engine stores the prompt's blocks (engine hashes = kvmesh keys, chained)."""
+        keys = block_keys(ids, BLOCK)
+        have = held.get(f"{endpoint}/{session}", 0)
+        if len(keys) > have:
+            parent = keys[have - 1] if have else None
+            index.apply(EndpointId(endpoint), BlockStored(
+                block_hashes=keys[have:], parent_block_hash=parent, token_ids=ids[have * BLOCK: len(keys) * BLOCK],
+                block_size=BLOCK,
+            ))
+            held[f"{endpoint}/{session}"] = len(keys)
+
+    try:
+        while not replica.replica.synced:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        local = in_process.local(MODEL)
+        assert local is not None
+        engine_side = stub.local  # the bench's own view of the prompt (what the engine caches): not epp's tokenizer
+        chats: list[list[dict[str, str]]] = []
+        first: list[float] = []
+        history_tokens = []
+        for s in range(args.sessions):
+            messages = [{"role": "system", "content": f"You are agent {s}. " + sentence(rnd, 60)}]
+            while True:
+                messages.append({"role": "user", "content": sentence(rnd, args.turn_tokens // 2)})
+                messages.append({"role": "assistant", "content": sentence(rnd, args.turn_tokens // 2)})
+                if len(messages) % 20 == 1 and len(engine_side.chat_ids({"messages": messages, "add_generation_prompt": True})) >= args.history_tokens:
+                    break
+            messages.append({"role": "user", "content": sentence(rnd, args.turn_tokens // 2)})
+            elapsed, target, _ = await pick(s, messages)
+            first.append(elapsed)
+            ids = engine_side.chat_ids({"messages": messages, "add_generation_prompt": True})
+            history_tokens.append(len(ids))
+            cache_on(target, s, ids)
+            chats.append(messages)
+        await asyncio.sleep(0.05)  # the replica catches up with the stores
+        times: list[float] = []
+        chars0 = local.stats["encoded_chars"]
+        hashed0 = replica.replica._keys.hashed_blocks
+        calls0 = stub.calls
+        same_target = 0
+        for _turn in range(args.turns):
+            for s, messages in enumerate(chats):
+                messages.append({"role": "assistant", "content": sentence(rnd, args.turn_tokens // 2)})
+                messages.append({"role": "user", "content": sentence(rnd, args.turn_tokens // 2)})
+                elapsed, target, _ = await pick(s, messages)
+                times.append(elapsed)
+                if any(k.startswith(target + "/") and k.endswith(f"/{s}") for k in held):
+                    same_target += 1
+                ids = engine_side.chat_ids({"messages": messages, "add_generation_prompt": True})
+                cache_on(target, s, ids)
+            await asyncio.sleep(0)  # let the Watch stream deliver
+        picks = len(times)
+        return {
+            "first": percentiles(first),
+            "incremental": percentiles(times),
+            "history_tokens": statistics.mean(history_tokens),
+            "chars_per_pick": (local.stats["encoded_chars"] - chars0) / picks if not engine_tokenize else float("nan"),
+            "blocks_hashed_per_pick": (replica.replica._keys.hashed_blocks - hashed0) / picks,
+            "engine_tokenize_calls": stub.calls - calls0,
+            "fallbacks": in_process.fallbacks,
+            "sticky": same_target / picks,
+            "picks": picks,
+            "rpc_scores": replica.rpc_scores,
+        }
+    finally:
+        feeder.cancel()
+        await asyncio.gather(feeder, return_exceptions=True)
+        await replica.close()
+        await kv_server.stop(None)
+        await http.aclose()
+        await stub.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--endpoints", type=int, default=100)
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--history-tokens", type=int, default=30000)
+    parser.add_argument("--turn-tokens", type=int, default=200, help="words per user message + assistant reply")
+    parser.add_argument("--turns", type=int, default=25, help="turns per session after the history is built")
+    parser.add_argument("--engine-tokenize", action="store_true", help="also run with the engine's /tokenize only")
+    parser.add_argument("--workdir", default=None)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        args.workdir = args.workdir or tmp
+        modes = [("in-process (default)", False)] + ([("engine /tokenize only", True)] if args.engine_tokenize else [])
+        results = [(label, asyncio.run(run(args, flag))) for label, flag in modes]
+    print(f"epp Pick, chats grown by one turn: {args.endpoints} endpoints, {args.sessions} sessions, "
+          f"~{results[0][1]['history_tokens']:.0f}-token histories, ~{args.turn_tokens}-word turns, "
+          f"{results[0][1]['picks']} incremental picks per mode; precise-prefix, Watch-fed replica")
+    print(f"{'tokenizer':<22} {'row':<12} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'chars enc/pick':>15} "
+          f"{'blocks hashed/pick':>19} {'engine /tokenize':>17} {'Score RPCs':>10}")
+    for label, r in results:
+        for row in ("first", "incremental"):
+            p50, p90, p99 = r[row]  # type: ignore[misc]
+            extra = (f"{r['chars_per_pick']:>15.0f} {r['blocks_hashed_per_pick']:>19.1f} {r['engine_tokenize_calls']:>17} "
+                     f"{r['rpc_scores']:>10}") if row == "incremental" else ""
+            print(f"{label:<22} {row:<12} {p50:>8.3f} {p90:>8.3f} {p99:>8.3f} {extra}")
+    r = results[0][1]
+    p50 = r["incremental"][0]  # type: ignore[index]
+    print(f"target incremental Pick p50 <= 1 ms: {'met' if p50 <= 1.0 else 'MISSED'} ({p50:.3f} ms); "
+          f"no engine /tokenize: {'met' if r['engine_tokenize_calls'] == 0 and r['fallbacks'] == 0 else 'MISSED'} "
+          f"({r['engine_tokenize_calls']} calls)")
+
+
+if __name__ == "__main__":
+    main()

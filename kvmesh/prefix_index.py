@@ -1,0 +1,275 @@
+"""Prefix scoring shared by kv_indexer (the global index) and epp (its event-fed replica).
+
+:func:`longest_prefix_matches` is the walk both use: given a prompt's chained block keys
+(:func:`kvmesh.hashing.block_keys`) and a table ``key -> {endpoint: media}``, per endpoint the
+number of leading blocks it holds. :class:`PrefixReplica` is a replica of kv_indexer's key
+residency (which endpoint holds which key on which medium), fed by its ``Watch`` stream
+(``kvmesh.kv_indexer.v1.KVIndexer/Watch``: a snapshot, then ordered deltas), so a precise pick
+scores in process with no kv_indexer call, as llm-d's EPP embeds its kv-cache indexer.
+
+Pure: no I/O, one thread (the owner's event loop). The transport that feeds the replica is epp's
+``services/epp/kv_indexer_client.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from kvmesh.hashing import DEFAULT_SCOPE, KeyScope, PrefixKeyCache, TokenIds
+
+LIVE = "live"
+"""The state of an endpoint whose entries are scored (kv_indexer's recovery state ``live``)."""
+
+
+E = TypeVar("E", bound=Hashable)
+"""An endpoint id type (``str``, ``kvmesh.types.EndpointId``)."""
+
+
+def longest_prefix_matches(
+    keys: Sequence[int],
+    table: Mapping[int, Mapping[E, int]],
+    candidates: Collection[E] | None = None,
+) -> dict[E, int]:
+    """Per endpoint with at least one matched block, the longest consecutive prefix of ``keys`` it holds.
+
+    Walks the keys keeping the set of endpoints that held every block so far (a C-level subset
+    test per block; survivors recomputed only where someone drops out); stops when the set is
+    empty or a key has no holder. Same walk as llm-d's longest-prefix scorer and Dynamo's
+    ``find_matches``, on a flat hash map since the keys are already chained.
+
+    Args:
+        keys: the prompt's chained block keys, block 0 first.
+        table: block key -> holders (endpoint -> non-zero media value).
+        candidates: restrict to these endpoints (None: every holder).
+
+    Returns:
+        ``{endpoint: n}`` with ``1 <= n <= len(keys)``.
+    """
+    if not keys:
+        return {}
+    first = table.get(keys[0])
+    if not first:
+        return {}
+    active = set(first.keys()) if candidates is None else set(first.keys()).intersection(candidates)
+    result: dict[E, int] = {}
+    i = 1
+    for i in range(1, len(keys)):
+        if not active:
+            return result
+        holders = table.get(keys[i])
+        if not holders:
+            break
+        present = holders.keys()
+        if present >= active:
+            continue
+        survivors = active.intersection(present)
+        for endpoint_id in active.difference(survivors):
+            result[endpoint_id] = i
+        active = survivors
+    else:
+        i = len(keys)
+    for endpoint_id in active:
+        result[endpoint_id] = i
+    return result
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaEndpoint:
+    """An endpoint as the replica knows it (``WatchedEndpoint``): only ``state == "live"`` is scored;
+    a model with a ``kv_source`` endpoint is left to kv_indexer's Score (it folds sources' blocks)."""
+
+    endpoint_id: str
+    model: str
+    block_size_tokens: int
+    state: str = LIVE
+    kv_source: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaScore:
+    """A local Score: the prompt's full blocks at the model's primary block size and, per scored
+    endpoint, its matched leading blocks (only endpoints with >= 1)."""
+
+    total_blocks: int
+    block_size_tokens: int
+    matched_blocks: dict[str, int]
+
+
+class ReplicaGap(Exception):
+    """A delta message does not follow the replica's sequence: it must resync (reconnect)."""
+
+
+class PrefixReplica:
+    """kv_indexer's key residency, replayed from its ``Watch`` stream; scores like ``Score``.
+
+    State: ``tables[(model, block_size)]: key -> {endpoint: media bitmask}`` (bit ``i`` = the
+    ``i``-th medium name seen), the endpoint list, readiness and load-only models. The key space and
+    the walk are kv_indexer's (:func:`kvmesh.hashing.block_keys` in the request's
+    :class:`~kvmesh.hashing.KeyScope`, :func:`longest_prefix_matches`), so a local score equals
+    kv_indexer's for the same state.
+
+    Sequence: each message covers the server's log range ``(prev_seq, seq]``; a message whose
+    ``prev_seq`` is not the replica's ``seq`` raises :class:`ReplicaGap` (the caller reconnects,
+    which starts with a snapshot). ``synced`` is False from a reset until the snapshot's last
+    message; :meth:`score` must not be used while it is False.
+
+    Args:
+        prompt_key_cache_bytes: bound of the prompts' key cache (a prompt extending a recent one
+            hashes only its new blocks; 0 disables).
+    """
+
+    def __init__(self, prompt_key_cache_bytes: int = 64 << 20) -> None:
+        self._keys = PrefixKeyCache(prompt_key_cache_bytes)
+        self.tables: dict[tuple[str, int], dict[int, dict[str, int]]] = {}
+        self.endpoints: dict[str, ReplicaEndpoint] = {}
+        self._space: dict[str, tuple[str, int]] = {}
+        self._media: dict[str, int] = {}
+        self._sizes: dict[str, list[int]] = {}
+        self._deferred: set[str] = set()
+        self.seq = 0
+        self.synced = False
+        self.ready = False
+        self.load_only: frozenset[str] = frozenset()
+
+    # -- feeding ----------------------------------------------------------------------------
+
+    def reset(self, seq: int) -> None:
+        """Forget everything; a snapshot as of ``seq`` follows."""
+        self.tables.clear()
+        self.seq = seq
+        self.synced = False
+
+    def check_sequence(self, prev_seq: int) -> None:
+        """Raises :class:`ReplicaGap` unless a message starting after ``prev_seq`` follows this replica."""
+        if prev_seq != self.seq:
+            raise ReplicaGap(f"message starts after seq {prev_seq}, replica is at {self.seq}")
+
+    def set_endpoints(self, endpoints: Iterable[ReplicaEndpoint]) -> None:
+        """Replace the endpoint list; endpoints no longer listed lose their entries."""
+        new = {e.endpoint_id: e for e in endpoints}
+        for endpoint_id, old in self.endpoints.items():
+            now = new.get(endpoint_id)
+            if now is None or (now.model, now.block_size_tokens) != (old.model, old.block_size_tokens):
+                self.clear_endpoint(endpoint_id)
+        self.endpoints = new
+        self._space = {e.endpoint_id: (e.model, e.block_size_tokens) for e in new.values()}
+        by_model: dict[str, dict[int, int]] = {}
+        deferred: set[str] = set()
+        for e in new.values():
+            sizes = by_model.setdefault(e.model, {})
+            sizes[e.block_size_tokens] = sizes.get(e.block_size_tokens, 0) + 1
+            if e.kv_source:
+                deferred.add(e.model)
+        # most common block size first, ties smallest (kv_indexer's InMemoryIndex._block_sizes)
+        self._sizes = {m: sorted(s, key=lambda size: (-s[size], size)) for m, s in by_model.items()}
+        self._deferred = deferred
+
+    def set_status(self, ready: bool, load_only_models: Iterable[str]) -> None:
+        self.ready = ready
+        self.load_only = frozenset(load_only_models)
+
+    def _bit(self, medium: str) -> int:
+        bit = self._media.get(medium)
+        if bit is None:
+            bit = self._media[medium] = 1 << len(self._media)
+        return bit
+
+    def apply_delta(
+        self, endpoint_id: str, medium: str, added: Iterable[int], removed: Iterable[int], cleared: bool = False
+    ) -> None:
+        """One endpoint's residency change on ``medium`` (``cleared`` first: every key of the endpoint goes).
+
+        Keys of an endpoint not in the endpoint list are ignored (the list always comes first)."""
+        space = self._space.get(endpoint_id)
+        if space is None:
+            return
+        if cleared:
+            self.clear_endpoint(endpoint_id)
+        if not added and not removed:
+            return
+        table = self.tables.get(space)
+        if table is None:
+            table = self.tables[space] = {}
+        bit = self._bit(medium)
+        for key in added:
+            holders = table.get(key)
+            if holders is None:
+                table[key] = {endpoint_id: bit}
+            else:
+                holders[endpoint_id] = holders.get(endpoint_id, 0) | bit
+        for key in removed:
+            holders = table.get(key)
+            if holders is None:
+                continue
+            mask = holders.get(endpoint_id, 0) & ~bit
+            if mask:
+                holders[endpoint_id] = mask
+            else:
+                holders.pop(endpoint_id, None)
+                if not holders:
+                    del table[key]
+
+    def clear_endpoint(self, endpoint_id: str) -> None:
+        """Drop every key of ``endpoint_id`` (O(keys of its key space); rare: a restart or a leave)."""
+        space = self._space.get(endpoint_id)
+        table = self.tables.get(space) if space is not None else None
+        if not table:
+            return
+        empty = []
+        for key, holders in table.items():
+            if holders.pop(endpoint_id, None) is not None and not holders:
+                empty.append(key)
+        for key in empty:
+            del table[key]
+
+    def advance(self, seq: int, synced: bool | None = None) -> None:
+        self.seq = seq
+        if synced is not None:
+            self.synced = synced
+
+    # -- queries ----------------------------------------------------------------------------
+
+    def defers(self, model: str) -> bool:
+        """Whether ``model``'s scores need kv_indexer itself (kv_store sources fold into engines' scores)."""
+        return model in self._deferred
+
+    def score(
+        self,
+        model: str,
+        token_ids: TokenIds,
+        endpoint_ids: Sequence[str] | None = None,
+        scope: KeyScope = DEFAULT_SCOPE,
+    ) -> ReplicaScore:
+        """kv_indexer's ``Score`` on the replica: WARMING / LOAD_ONLY give no data (0 blocks, no
+        match, as epp reads those states); endpoints not ``live`` are not scored.
+
+        Cost: the prompt's keys (cached per prefix) + the walk over matched blocks.
+        """
+        if not self.ready or model in self.load_only:
+            return ReplicaScore(0, 0, {})
+        sizes = self._sizes.get(model)
+        if not sizes:
+            return ReplicaScore(0, 0, {})
+        endpoints = self.endpoints
+        candidates = endpoint_ids or [e for e, ep in endpoints.items() if ep.model == model and not ep.kv_source]
+        allowed = [e for e in candidates if (ep := endpoints.get(e)) is None or ep.state == LIVE]
+        matched: dict[str, int] = {}
+        total = 0
+        for size in sizes:
+            keys = self._keys.block_keys(token_ids, size, scope.root_key())
+            if size == sizes[0]:
+                total = len(keys)
+            if not allowed:
+                break
+            table = self.tables.get((model, size))
+            if not table:
+                continue
+            for endpoint_id, blocks in longest_prefix_matches(keys, table, allowed).items():
+                if endpoints[endpoint_id].block_size_tokens == size:
+                    matched[endpoint_id] = blocks
+        return ReplicaScore(total, sizes[0], matched)
+
+    def block_count(self) -> int:
+        return sum(len(t) for t in self.tables.values())

@@ -1,0 +1,235 @@
+"""epp's event-fed prefix replica against a real kv_indexer servicer over gRPC (127.0.0.1).
+
+kv_indexer side: a real ``BlockIndexer`` (``InMemoryIndex`` + ``EventPool``) behind ``KVIndexerServicer``
+on a grpc.aio server; epp side: ``ReplicaPrefixIndex`` following ``KVIndexer/Watch``. After every
+change the replica's local score must equal kv_indexer's own ``Score`` for the same prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+import pytest
+
+from kvmesh.hashing import KeyScope
+from kvmesh.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent, encode_batch
+from kvmesh.prefix_index import PrefixReplica, ReplicaEndpoint, ReplicaGap
+from kvmesh.types import Endpoint, EndpointId
+from services.epp.kv_indexer_client import ReplicaPrefixIndex
+from services.kv_indexer.events.pool import EventPool, RawMessage
+from services.kv_indexer.index import InMemoryIndex, InstrumentedIndex
+from services.kv_indexer.index.residency import ResidencyLog
+from services.kv_indexer.indexer import BlockIndexer
+from services.kv_indexer.servicer import add_servicer
+
+A = EndpointId("127.0.0.1:9001")
+B = EndpointId("127.0.0.1:9002")
+BS = 4
+PROMPT = list(range(100, 132))  # 8 blocks of 4
+
+
+def endpoint(eid: str, instance: str = "boot-1") -> Endpoint:
+    return Endpoint(id=EndpointId(eid), url=f"http://{eid}", model="m", block_size_tokens=BS, instance_id=instance)
+
+
+class NoFeed:
+    def follow(self, endpoint: Endpoint) -> None: ...
+    def unfollow(self, endpoint_id: EndpointId) -> None: ...
+
+
+def hashes(prefix: int, n: int, start: int = 0) -> list[int]:
+    return [prefix * 1000 + i for i in range(start, start + n)]
+
+
+class Rig:
+    def __init__(self, indexer: BlockIndexer, pool: EventPool, address: str) -> None:
+        self.indexer = indexer
+        self.pool = pool
+        self.address = address
+        self.seq: dict[str, int] = {}
+
+    async def send(self, eid: str, *events: KVEvent) -> None:
+        seq = self.seq.get(eid, 0)
+        self.seq[eid] = seq + 1
+        payload = encode_batch(EventBatch(ts=1.0, events=list(events), data_parallel_rank=0))
+        self.pool.submit(RawMessage(EndpointId(eid), "m", seq, payload))
+        await self.pool.drained()
+
+    def truth(self, tokens: list[int] = PROMPT, scope: KeyScope | None = None) -> dict[str, int]:
+        answer = self.indexer.score("m", tokens, None, scope or KeyScope())
+        return {s.endpoint_id: s.matched_blocks for s in answer.result.scores}
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[Rig]:
+    index = InstrumentedIndex(InMemoryIndex())
+    pool = EventPool(index, workers=1)
+    indexer = BlockIndexer(index, pool, NoFeed())
+    pool.start()
+    server = grpc.aio.server()
+    add_servicer(server, indexer)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield Rig(indexer, pool, f"127.0.0.1:{port}")
+    finally:
+        await server.stop(0)
+        await pool.shutdown()
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def local(replica: ReplicaPrefixIndex, tokens: list[int] = PROMPT, scope: KeyScope | None = None) -> dict[str, int]:
+    before = replica.local_scores
+    match = await replica.score_scoped("m", tokens, [], scope or KeyScope())
+    assert replica.local_scores == before + 1, "scored through the RPC, not the replica"
+    return match.matched_blocks
+
+
+async def converge(rig: Rig, replica: ReplicaPrefixIndex, tokens: list[int] = PROMPT) -> dict[str, int]:
+    """Wait until the replica has seen everything the index logged, then compare scores."""
+    log = rig.indexer.open_residency()
+    assert log is not None
+    await until(lambda: replica.replica.synced and replica.replica.seq == log.seq)
+    await asyncio.sleep(0.06)  # endpoint-state changes are polled every 0.05 s
+    truth = rig.truth(tokens)
+    assert await local(replica, tokens) == truth
+    return truth
+
+
+async def test_replica_follows_stores_removals_media_clears_and_incarnations(rig: Rig) -> None:
+    rig.indexer.on_membership({A: endpoint(A), B: endpoint(B)}, {})
+    rig.indexer.ready = True
+    await rig.send(A, BlockStored(block_hashes=hashes(1, 6), parent_block_hash=None, token_ids=PROMPT[:24], block_size=BS))
+    replica = ReplicaPrefixIndex(rig.address, 1.0)
+    task = asyncio.create_task(replica.run())
+    try:
+        assert await converge(rig, replica) == {A: 6}  # from the snapshot
+        await rig.send(B, BlockStored(block_hashes=hashes(2, 8), parent_block_hash=None, token_ids=PROMPT, block_size=BS))
+        assert await converge(rig, replica) == {A: 6, B: 8}
+        await rig.send(B, BlockRemoved(block_hashes=hashes(2, 4, start=4)))  # deltas: removals
+        assert await converge(rig, replica) == {A: 6, B: 4}
+        await rig.send(A, BlockStored(block_hashes=hashes(1, 2), parent_block_hash=None, token_ids=PROMPT[:8],
+                                      block_size=BS, medium="CPU"))
+        await rig.send(A, BlockRemoved(block_hashes=hashes(1, 6)))  # GPU gone, CPU copy of 2 blocks stays
+        assert await converge(rig, replica) == {A: 2, B: 4}
+        await rig.send(B, AllBlocksCleared())
+        assert await converge(rig, replica) == {A: 2}
+        # the same address, a new incarnation: its old entries go, what it stores next counts
+        rig.indexer.on_membership({A: endpoint(A, "boot-2")}, {})
+        rig.seq[A] = 0
+        assert await converge(rig, replica) == {}
+        await rig.send(A, BlockStored(block_hashes=hashes(3, 3), parent_block_hash=None, token_ids=PROMPT[:12], block_size=BS))
+        assert await converge(rig, replica) == {A: 3}
+        # departed (lease gone): not scored, as Score does
+        rig.indexer.on_membership({}, {A: endpoint(A, "boot-2")})
+        assert await converge(rig, replica) == {}
+        # a LoRA scope is its own key space on both sides
+        lora = KeyScope("adapter-1", None)
+        assert await local(replica, PROMPT, lora) == rig.truth(PROMPT, lora) == {}
+        assert replica.rpc_scores == 0
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await replica.close()
+
+
+async def test_warming_index_gives_no_prefix_data_then_scores_when_ready(rig: Rig) -> None:
+    rig.indexer.on_membership({A: endpoint(A)}, {})
+    rig.indexer.ready = False
+    await rig.send(A, BlockStored(block_hashes=hashes(1, 8), parent_block_hash=None, token_ids=PROMPT, block_size=BS))
+    replica = ReplicaPrefixIndex(rig.address, 1.0)
+    task = asyncio.create_task(replica.run())
+    try:
+        await until(lambda: replica.replica.synced)
+        match = await replica.score("m", PROMPT, [])
+        assert (match.total_blocks, match.matched_blocks) == (0, {})
+        rig.indexer.ready = True
+        await until(lambda: replica.replica.ready)
+        assert await local(replica) == {A: 8}
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await replica.close()
+
+
+async def test_stream_down_falls_back_to_score_then_degrades_when_unreachable(rig: Rig) -> None:
+    rig.indexer.on_membership({A: endpoint(A)}, {})
+    rig.indexer.ready = True
+    await rig.send(A, BlockStored(block_hashes=hashes(1, 8), parent_block_hash=None, token_ids=PROMPT, block_size=BS))
+    now = [0.0]
+    replica = ReplicaPrefixIndex(rig.address, 1.0, stale_seconds=2.0, clock=lambda: now[0])
+    task = asyncio.create_task(replica.run())
+    try:
+        await until(lambda: replica.replica.synced)
+        assert await local(replica) == {A: 8}
+        now[0] = 10.0  # nothing heard for longer than stale_seconds: Score over gRPC
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        match = await replica.score("m", PROMPT, [])
+        assert match.matched_blocks == {A: 8} and replica.rpc_scores == 1
+        unreachable = ReplicaPrefixIndex("127.0.0.1:1", 0.2)
+        with pytest.raises(grpc.aio.AioRpcError):  # prefix-match then degrades to no match (degraded mode)
+            await unreachable.score("m", PROMPT, [])
+        await unreachable.close()
+    finally:
+        await replica.close()
+
+
+async def test_watcher_behind_the_log_is_reset_and_resyncs(rig: Rig) -> None:
+    """A bounded log drops what a slow watcher did not read: the server resets it with a new snapshot."""
+    rig.indexer.on_membership({A: endpoint(A)}, {})
+    rig.indexer.ready = True
+    inner = rig.indexer.index.inner  # type: ignore[attr-defined]
+    inner.residency = ResidencyLog(max_keys=8)
+    replica = ReplicaPrefixIndex(rig.address, 1.0)
+    task = asyncio.create_task(replica.run())
+    try:
+        await until(lambda: replica.replica.synced)
+        for i in range(8):  # 8 chains of 4 blocks in one go, far more than the log keeps
+            tokens = [t + 1000 * i for t in PROMPT[:16]]
+            rig.pool.submit(RawMessage(A, "m", rig.seq.setdefault(A, 0), encode_batch(EventBatch(
+                ts=1.0, data_parallel_rank=0,
+                events=[BlockStored(block_hashes=hashes(10 + i, 4), parent_block_hash=None, token_ids=tokens, block_size=BS)],
+            ))))
+            rig.seq[A] += 1
+        await rig.pool.drained()
+        for i in range(8):
+            tokens = [t + 1000 * i for t in PROMPT[:16]]
+            await until(lambda tokens=tokens: replica.replica.synced and rig.truth(tokens) == replica.replica.score(
+                "m", tokens).matched_blocks)
+            assert rig.truth(tokens) == {A: 4}
+        assert replica.snapshots >= 2  # the first one, then at least one reset
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await replica.close()
+
+
+def test_replica_refuses_a_message_out_of_sequence() -> None:
+    replica = PrefixReplica()
+    replica.reset(5)
+    replica.set_endpoints([ReplicaEndpoint("a", "m", BS)])
+    replica.set_status(True, [])
+    replica.advance(5, True)
+    replica.check_sequence(5)
+    with pytest.raises(ReplicaGap):
+        replica.check_sequence(7)
+
+
+def test_models_with_kv_store_sources_are_left_to_score() -> None:
+    replica = ReplicaPrefixIndex("127.0.0.1:1", 0.2)
+    replica.replica.set_endpoints([
+        ReplicaEndpoint("e", "m", BS), ReplicaEndpoint("store", "m", BS, kv_source=True), ReplicaEndpoint("f", "n", BS),
+    ])
+    replica.replica.advance(0, True)
+    replica._last_message = replica._clock()
+    assert not replica.usable("m") and replica.usable("n")
+

@@ -1,0 +1,153 @@
+"""``tier-cost-scorer`` (issue 9 item 4): the expected-TTFT cost model, hand-computed, and the profile at work.
+
+Coefficients are the scorer's defaults (the engine simulator's ``llama-3.1-8b-h100`` latency model and
+offload links): 3.25e-5 s per prefill token, 6e-3 s per step + 3.25e-5 s per running request, 2,048
+tokens per step, 131,072 KV bytes per token, CPU 50e9 B/s + 5e-5 s, DISK/SHARED 7e9 B/s + 2.5e-4 s.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvmesh.clock import ManualClock
+from kvmesh.types import Endpoint, EndpointId
+from services.epp.datastore import Datastore, ScrapeSample
+from services.epp.framework.cycle_state import CycleState
+from services.epp.framework.interfaces import Candidate, EndpointMetrics, PluginHandle, PrefixMatch, SchedulingRequest
+from services.epp.framework.loader import build_profile, resolve_scheduling_config
+from services.epp.framework.registry import parse_params
+from services.epp.plugins import default_registry
+from services.epp.plugins.filters.live_endpoint import LiveEndpointFilter
+from services.epp.plugins.prepare.prefix_match import PrefixMatchStep
+from services.epp.plugins.scorers.tier_cost import TierCostModel, TierCostParams, TierCostScorer, tier_costs
+from services.epp.scheduler import Scheduler
+from tests.unit.epp.test_plugins import FakeIndex
+
+MODEL = TierCostModel.from_params(TierCostParams())
+BLOCK_BYTES = 64 * 131_072  # one 64-token block of Llama-3.1-8B BF16 KV
+
+
+def _cand(port: int, *, queued: int = 0, known: int = 0, unprefilled: int = 0, running: float = 0) -> Candidate:
+    endpoint = Endpoint(id=EndpointId(f"127.0.0.1:{port}"), url=f"http://127.0.0.1:{port}", model="m")
+    metrics = EndpointMetrics(
+        block_size_tokens=64, age_seconds=0.0, queued_prefill_tokens=queued, known_unprefilled_requests=known,
+        unprefilled_requests=unprefilled, num_requests_running=running,
+    )
+    return Candidate(endpoint, metrics)
+
+
+def test_hand_computed_ttft_gpu_cpu_miss() -> None:
+    """640-token prompt (10 blocks). A: 8 blocks on GPU, 1,000 queued tokens, 2 running. B: the same
+    8 blocks on CPU only, idle. C: nothing cached, idle."""
+    a, b, c = _cand(1, queued=1000, known=1, unprefilled=1, running=2), _cand(2), _cand(3)
+    match = PrefixMatch(10, {a.id: 8, b.id: 8}, {a.id: {"GPU": 8, "CPU": 8}, b.id: {"CPU": 8}})
+    costs = tier_costs([a, b, c], 640, match, MODEL)
+    expected_a = (1000 + 128) * 3.25e-5 + 1 * (6e-3 + 2 * 3.25e-5)  # GPU blocks are free
+    expected_b = 128 * 3.25e-5 + 6e-3 + (8 * BLOCK_BYTES / 50e9 + 5e-5)  # 8 blocks over PCIe
+    expected_c = 640 * 3.25e-5 + 6e-3  # recompute everything
+    assert costs == pytest.approx({a.id: expected_a, b.id: expected_b, c.id: expected_c})
+    assert (expected_a, expected_b, expected_c) == pytest.approx((0.042725, 0.01155218, 0.0268), abs=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("by_medium", "expected_load"),
+    [
+        ({"GPU": 8}, 0.0),
+        ({}, 0.0),  # the index gave no media: priced as GPU (prefill-cost's view)
+        ({"GPU": 4, "CPU": 2, "DISK": 10}, 2 * BLOCK_BYTES / 50e9 + 5e-5 + 2 * BLOCK_BYTES / 7e9 + 2.5e-4),
+        ({"SHARED": 8}, 8 * BLOCK_BYTES / 7e9 + 2.5e-4),
+        ({"GPU": 6, "CPU": 8}, 2 * BLOCK_BYTES / 50e9 + 5e-5),  # a block on two media counts in both
+        ({"GPU": 2, "CPU": 3}, 3 * BLOCK_BYTES / 50e9 + 5e-5),  # 3 blocks no tier claims: as GPU
+    ],
+    ids=["gpu", "no-media", "cpu-then-disk", "shared", "overlap", "unclaimed"],
+)
+def test_load_time_cheapest_tier_first(by_medium: dict[str, int], expected_load: float) -> None:
+    assert MODEL.load_seconds(8, by_medium, 64) == pytest.approx(expected_load)
+
+
+def test_steps_scale_with_chunks_and_running_decodes() -> None:
+    """5,000 queued + 640 own = 5,640 tokens = 3 chunks of 2,048; each step also decodes 10 requests."""
+    busy = _cand(1, queued=5000, known=2, unprefilled=2, running=10)
+    cost = MODEL.ttft_seconds(busy, 640, None)
+    assert cost == pytest.approx(5640 * 3.25e-5 + 3 * (6e-3 + 10 * 3.25e-5))
+    # Requests epp did not pick count as the larger of the known mean (2,500) and the prompt.
+    unknown = _cand(1, queued=5000, known=2, unprefilled=3)
+    assert MODEL.ttft_seconds(unknown, 640, None) == pytest.approx(8140 * 3.25e-5 + 4 * 6e-3)
+
+
+def test_weights() -> None:
+    sticky = TierCostModel.from_params(TierCostParams(recompute_weight=2.0, queued_weight=0.5))
+    cand = _cand(1, queued=1000, known=1, unprefilled=1)
+    assert sticky.ttft_seconds(cand, 640, None) == pytest.approx((500 + 1280) * 3.25e-5 + 6e-3)
+
+
+async def test_scorer_ranks_least_ttft_in_range() -> None:
+    a, b, c = _cand(1, queued=1000, known=1, unprefilled=1, running=2), _cand(2), _cand(3)
+    index = FakeIndex(PrefixMatch(10, {a.id: 8, b.id: 8}, {a.id: {"GPU": 8}, b.id: {"CPU": 8}}))
+    request = SchedulingRequest(model="m", token_ids=tuple(range(640)))
+    state = CycleState()
+    await PrefixMatchStep("pm", index, None).prepare(state, request, [a, b, c])
+    scores = TierCostScorer("t").score(state, request, [a, b, c])
+    worst = 0.042725
+    assert scores == pytest.approx({a.id: 0.0, b.id: 1 - 0.01155218 / worst, c.id: 1 - 0.0268 / worst}, abs=1e-6)
+    assert max(scores, key=lambda k: scores[k]) == b.id
+
+
+def test_params_validated() -> None:
+    parsed = parse_params(TierCostParams, "tier-cost-scorer", "t", {})
+    assert parsed.bandwidth_bytes_per_second == {"CPU": 50e9, "DISK": 7e9, "SHARED": 7e9}
+    for bad in ({"bandwidth_bytes_per_second": {"NVLINK": 1e9}}, {"bandwidth_bytes_per_second": {"CPU": 0}},
+                {"latency_seconds": {"CPU": -1}}, {"prefill_seconds_per_token": 0}, {"unknown": 1}):
+        with pytest.raises(ValueError):
+            parse_params(TierCostParams, "tier-cost-scorer", "t", bad)
+
+
+def _mesh(n: int) -> tuple[ManualClock, Datastore, FakeIndex, Scheduler, list[Endpoint]]:
+    clock = ManualClock()
+    ds = Datastore(clock)
+    index = FakeIndex(PrefixMatch(32, {}))
+    source, data = resolve_scheduling_config("tier-cost")
+    profile = build_profile(data, default_registry(), PluginHandle(rng=random.Random(0), prefix_index=index), source)
+    eps = [Endpoint(id=EndpointId(f"127.0.0.1:{p}"), url=f"http://127.0.0.1:{p}", model="m") for p in range(1, n + 1)]
+    ds.set_endpoints({e.id: e for e in eps})
+    for e in eps:
+        ds.record_scrape(e.id, ScrapeSample(0, 0, 0.0, 64, 0, 0))
+    return clock, ds, index, Scheduler(ds, profile, LiveEndpointFilter("live")), eps
+
+
+async def test_burst_spreads_instead_of_piling_on_the_warm_endpoint() -> None:
+    """40 picks at once of 2,048-token prompts whose first 30 blocks sit on endpoint 1's GPU: each pick
+    adds its own prefill to its target at once, so endpoint 1 takes them while its queue costs less
+    than a recompute elsewhere, then the rest spread evenly."""
+    _, _, index, sched, eps = _mesh(4)
+    index.match = PrefixMatch(32, {eps[0].id: 30}, {eps[0].id: {"GPU": 30}})
+    request = SchedulingRequest(model="m", token_ids=tuple(range(2048)))
+    targets = [(await sched.pick(SchedulingRequest(model="m", request_id=f"r{i}", token_ids=request.token_ids))).target.id
+               for i in range(40)]
+    counts = [targets.count(e.id) for e in eps]
+    assert 10 <= counts[0] < 40  # affinity kept while it pays
+    assert max(counts[1:]) - min(counts[1:]) <= 1  # the overflow spreads
+    assert targets[:10] == [eps[0].id] * 10
+
+
+@pytest.mark.parametrize("reported", [False, True], ids=["no-completion", "router-reported"])
+async def test_completion_keeps_a_session_on_its_engine(reported: bool) -> None:
+    """Closed-loop session, issue 9's case: call 1 goes to endpoint 1 (24 of 32 blocks on its GPU);
+    another request (1,200 uncached tokens) is picked there after it; call 1's answer arrives and
+    call 2 (same prefix) is picked before any scrape. Counting call 1 as still queued, endpoint 1
+    costs (512 + 1,200 + 512) tokens in 2 steps = 0.0843 s against 2,048 tokens in 1 step = 0.0726 s
+    on endpoint 2, and the session would leave its history; with the router's completion, call 1
+    (FCFS: and nothing picked after it) is freed: 1,712 tokens, 0.0616 s, and it stays."""
+    _, ds, index, sched, eps = _mesh(2)
+    index.match = PrefixMatch(32, {eps[0].id: 24}, {eps[0].id: {"GPU": 24}})
+    tokens = tuple(range(2048))
+    assert (await sched.pick(SchedulingRequest(model="m", request_id="s1-c1", token_ids=tokens))).target.id == eps[0].id
+    ds.note_pick(eps[0].id, 1200, "other")
+    if reported:
+        assert ds.note_completed("s1-c1", eps[0].id)
+        m = ds.candidates("m")[0].metrics
+        assert (m.pending_picks, m.unprefilled_requests, m.queued_prefill_tokens) == (1, 1, 1200)
+    call2 = await sched.pick(SchedulingRequest(model="m", request_id="s1-c2", token_ids=tokens))
+    assert call2.target.id == (eps[0].id if reported else eps[1].id)
