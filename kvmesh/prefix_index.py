@@ -13,8 +13,10 @@ Pure: no I/O, one thread (the owner's event loop). The transport that feeds the 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import TypeVar
 
 from kvmesh.hashing import DEFAULT_SCOPE, KeyScope, PrefixKeyCache, TokenIds
@@ -90,11 +92,14 @@ class ReplicaEndpoint:
 @dataclass(frozen=True, slots=True)
 class ReplicaScore:
     """A local Score: the prompt's full blocks at the model's primary block size and, per scored
-    endpoint, its matched leading blocks (only endpoints with >= 1)."""
+    endpoint, its matched leading blocks (only endpoints with >= 1) and, of those, how many it holds
+    on each medium (``{"GPU": n, "CPU": m}``; a block on two media counts in both, every matched
+    endpoint listed: kv_indexer's ``EndpointScore.matched_blocks_by_medium``)."""
 
     total_blocks: int
     block_size_tokens: int
     matched_blocks: dict[str, int]
+    matched_blocks_by_medium: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class ReplicaGap(Exception):
@@ -105,10 +110,12 @@ class PrefixReplica:
     """kv_indexer's key residency, replayed from its ``Watch`` stream; scores like ``Score``.
 
     State: ``tables[(model, block_size)]: key -> {endpoint: media bitmask}`` (bit ``i`` = the
-    ``i``-th medium name seen), the endpoint list, readiness and load-only models. The key space and
-    the walk are kv_indexer's (:func:`kvmesh.hashing.block_keys` in the request's
-    :class:`~kvmesh.hashing.KeyScope`, :func:`longest_prefix_matches`), so a local score equals
-    kv_indexer's for the same state.
+    ``i``-th medium name seen), per endpoint how many keys it holds on each medium, the endpoint
+    list, readiness and load-only models. The key space and the walk are kv_indexer's
+    (:func:`kvmesh.hashing.block_keys` in the request's :class:`~kvmesh.hashing.KeyScope`,
+    :func:`longest_prefix_matches`), and the per-medium counts are its ``media_counts`` (each
+    matched block counted once on every medium holding it; an endpoint holding keys on one medium
+    only needs no walk), so a local score equals kv_indexer's for the same state.
 
     Sequence: each message covers the server's log range ``(prev_seq, seq]``; a message whose
     ``prev_seq`` is not the replica's ``seq`` raises :class:`ReplicaGap` (the caller reconnects,
@@ -126,6 +133,8 @@ class PrefixReplica:
         self.endpoints: dict[str, ReplicaEndpoint] = {}
         self._space: dict[str, tuple[str, int]] = {}
         self._media: dict[str, int] = {}
+        self._names: dict[int, str] = {}
+        self._held: dict[str, dict[int, int]] = {}
         self._sizes: dict[str, list[int]] = {}
         self._deferred: set[str] = set()
         self.seq = 0
@@ -138,6 +147,7 @@ class PrefixReplica:
     def reset(self, seq: int) -> None:
         """Forget everything; a snapshot as of ``seq`` follows."""
         self.tables.clear()
+        self._held.clear()
         self.seq = seq
         self.synced = False
 
@@ -174,6 +184,7 @@ class PrefixReplica:
         bit = self._media.get(medium)
         if bit is None:
             bit = self._media[medium] = 1 << len(self._media)
+            self._names[bit] = medium
         return bit
 
     def apply_delta(
@@ -193,26 +204,43 @@ class PrefixReplica:
         if table is None:
             table = self.tables[space] = {}
         bit = self._bit(medium)
+        change = 0  # keys of the endpoint gaining (+) or losing (-) this medium
         for key in added:
             holders = table.get(key)
             if holders is None:
                 table[key] = {endpoint_id: bit}
+                change += 1
             else:
-                holders[endpoint_id] = holders.get(endpoint_id, 0) | bit
+                old = holders.get(endpoint_id, 0)
+                if not old & bit:
+                    holders[endpoint_id] = old | bit
+                    change += 1
         for key in removed:
             holders = table.get(key)
             if holders is None:
                 continue
-            mask = holders.get(endpoint_id, 0) & ~bit
+            old = holders.get(endpoint_id, 0)
+            if not old & bit:
+                continue
+            change -= 1
+            mask = old & ~bit
             if mask:
                 holders[endpoint_id] = mask
             else:
-                holders.pop(endpoint_id, None)
+                del holders[endpoint_id]
                 if not holders:
                     del table[key]
+        if change:
+            held = self._held.setdefault(endpoint_id, {})
+            count = held.get(bit, 0) + change
+            if count > 0:
+                held[bit] = count
+            else:
+                held.pop(bit, None)
 
     def clear_endpoint(self, endpoint_id: str) -> None:
         """Drop every key of ``endpoint_id`` (O(keys of its key space); rare: a restart or a leave)."""
+        self._held.pop(endpoint_id, None)
         space = self._space.get(endpoint_id)
         table = self.tables.get(space) if space is not None else None
         if not table:
@@ -245,7 +273,10 @@ class PrefixReplica:
         """kv_indexer's ``Score`` on the replica: WARMING / LOAD_ONLY give no data (0 blocks, no
         match, as epp reads those states); endpoints not ``live`` are not scored.
 
-        Cost: the prompt's keys (cached per prefix) + the walk over matched blocks.
+        Returns the prompt's total blocks, per endpoint its matched leading blocks and their split
+        per medium name (:class:`ReplicaScore`). Cost: the prompt's keys (cached per prefix) + the
+        walk over matched blocks, + one pass over its matched blocks per endpoint holding keys on
+        more than one medium.
         """
         if not self.ready or model in self.load_only:
             return ReplicaScore(0, 0, {})
@@ -256,6 +287,7 @@ class PrefixReplica:
         candidates = endpoint_ids or [e for e, ep in endpoints.items() if ep.model == model and not ep.kv_source]
         allowed = [e for e in candidates if (ep := endpoints.get(e)) is None or ep.state == LIVE]
         matched: dict[str, int] = {}
+        by_medium: dict[str, dict[str, int]] = {}
         total = 0
         for size in sizes:
             keys = self._keys.block_keys(token_ids, size, scope.root_key())
@@ -269,7 +301,24 @@ class PrefixReplica:
             for endpoint_id, blocks in longest_prefix_matches(keys, table, allowed).items():
                 if endpoints[endpoint_id].block_size_tokens == size:
                     matched[endpoint_id] = blocks
-        return ReplicaScore(total, sizes[0], matched)
+                    by_medium[endpoint_id] = self._media_counts(keys, blocks, table, endpoint_id)
+        return ReplicaScore(total, sizes[0], matched, by_medium)
+
+    def _media_counts(
+        self, keys: Sequence[int], blocks: int, table: Mapping[int, Mapping[str, int]], endpoint_id: str
+    ) -> dict[str, int]:
+        """Of ``keys[:blocks]`` (all held by ``endpoint_id``), how many it holds on each medium."""
+        held = self._held.get(endpoint_id)
+        if held is not None and len(held) == 1:
+            return {self._names[next(iter(held))]: blocks}
+        # per distinct media mask, how many matched blocks carry it (the iteration and counting run in C)
+        masks = Counter(map(itemgetter(endpoint_id), map(table.__getitem__, keys[:blocks])))
+        counts: dict[str, int] = {}
+        for mask, n in masks.items():
+            for bit, name in self._names.items():
+                if mask & bit:
+                    counts[name] = counts.get(name, 0) + n
+        return counts
 
     def block_count(self) -> int:
         return sum(len(t) for t in self.tables.values())

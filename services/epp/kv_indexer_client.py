@@ -10,6 +10,10 @@ Two modes (``EppConfig.prefix_index_mode``):
   and for models with kv_store sources (kv_indexer folds their blocks into engines' scores), it
   calls ``Score`` as the ``rpc`` mode does; when that fails too, the pick degrades as before
   (``docs/degraded-modes.md``).
+
+Both return per-endpoint per-medium match counts (``PrefixMatch.matched_blocks_by_medium``, what
+``tier-cost-scorer`` prices loads by); the replica computes them as ``Score`` does. Each score is
+counted in ``kvmesh_epp_prefix_index_scores_total{path="replica"|"rpc_fallback"|"rpc"}``.
 """
 
 from __future__ import annotations
@@ -27,16 +31,21 @@ from kvmesh.channels import insecure_channel
 from kvmesh.hashing import DEFAULT_SCOPE, KeyScope
 from kvmesh.prefix_index import PrefixReplica, ReplicaEndpoint, ReplicaGap
 from services.epp.framework.interfaces import PrefixMatch
+from services.epp.metrics import PrefixIndexPath, record_prefix_index_score
 
 logger = logging.getLogger(__name__)
 
 
 class GrpcPrefixIndex:
-    """Calls ``kvmesh.kv_indexer.v1.KVIndexer/Score`` with a per-call timeout."""
+    """Calls ``kvmesh.kv_indexer.v1.KVIndexer/Score`` with a per-call timeout.
 
-    def __init__(self, address: str, timeout_seconds: float) -> None:
+    ``path`` labels each call in ``kvmesh_epp_prefix_index_scores_total`` (``rpc``; the replica's
+    fallback client uses ``rpc_fallback``)."""
+
+    def __init__(self, address: str, timeout_seconds: float, path: PrefixIndexPath = PrefixIndexPath.RPC) -> None:
         self._address = address
         self._timeout = timeout_seconds
+        self._path = path
         self._channel: grpc.aio.Channel | None = None
         self._stub: kv_indexer_pb2_grpc.KVIndexerStub | None = None
 
@@ -55,6 +64,7 @@ class GrpcPrefixIndex:
         self, model: str, token_ids: Sequence[int], endpoint_ids: Sequence[str], scope: KeyScope
     ) -> PrefixMatch:
         """``Score`` in the request's key scope (LoRA adapter, cache_salt). Raises as :meth:`score`."""
+        record_prefix_index_score(self._path)
         reply = await self._ensure_stub().Score(
             kv_indexer_pb2.ScoreRequest(
                 model=model,
@@ -92,7 +102,8 @@ class ReplicaPrefixIndex:
 
     ``run()`` is a background coroutine: it keeps the ``Watch`` stream open, reconnecting with
     backoff (0.1 s doubling to 2 s); a gap in the stream's sequence reconnects at once (a resync).
-    Counters ``local_scores`` / ``rpc_scores`` / ``resyncs`` / ``snapshots`` say how picks were scored.
+    Counters ``local_scores`` / ``rpc_scores`` / ``resyncs`` / ``snapshots`` say how picks were scored
+    (the first two also in ``kvmesh_epp_prefix_index_scores_total``).
     """
 
     def __init__(
@@ -103,7 +114,7 @@ class ReplicaPrefixIndex:
         prompt_key_cache_bytes: int = 64 << 20,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.rpc = GrpcPrefixIndex(address, timeout_seconds)
+        self.rpc = GrpcPrefixIndex(address, timeout_seconds, PrefixIndexPath.RPC_FALLBACK)
         self.replica = PrefixReplica(prompt_key_cache_bytes)
         self._stale = stale_seconds
         self._clock = clock
@@ -131,8 +142,9 @@ class ReplicaPrefixIndex:
         """Local when :meth:`usable`, else ``Score`` (raises as :meth:`GrpcPrefixIndex.score`)."""
         if self.usable(model):
             self.local_scores += 1
+            record_prefix_index_score(PrefixIndexPath.REPLICA)
             result = self.replica.score(model, token_ids, endpoint_ids, scope)
-            return PrefixMatch(result.total_blocks, result.matched_blocks)
+            return PrefixMatch(result.total_blocks, result.matched_blocks, result.matched_blocks_by_medium)
         self.rpc_scores += 1
         return await self.rpc.score_scoped(model, token_ids, endpoint_ids, scope)
 

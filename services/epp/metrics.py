@@ -8,6 +8,7 @@
 | ``kvmesh_epp_metrics_scrape_total`` | counter | ``result`` (ok, error) |
 | ``kvmesh_epp_prefix_match_degraded_total`` | counter | ``reason`` (too_large, busy, error, kv_indexer_busy, kv_indexer_error): picks scored without a prefix match |
 | ``kvmesh_epp_completions_total`` | counter | ``result`` (matched: an in-flight pick of epp's; unmatched: unknown or forgotten id) |
+| ``kvmesh_epp_prefix_index_scores_total`` | counter | ``path`` (:class:`PrefixIndexPath`): where kv_indexer prefix scores were computed |
 """
 
 from __future__ import annotations
@@ -28,6 +29,17 @@ class PickOutcome(enum.StrEnum):
     UNKNOWN_MODEL = "unknown_model"
     NO_ENDPOINTS = "no_endpoints"
     ERROR = "error"
+
+
+class PrefixIndexPath(enum.StrEnum):
+    """Where a prefix score was computed (``services/epp/kv_indexer_client.py`` decides); a metric label."""
+
+    REPLICA = "replica"
+    """``replica`` mode, in process on the ``Watch``-fed replica (no kv_indexer call)."""
+    RPC_FALLBACK = "rpc_fallback"
+    """``replica`` mode, through ``KVIndexer/Score``: stream down, resyncing or stale, or a model with kv_store sources."""
+    RPC = "rpc"
+    """``rpc`` mode: ``KVIndexer/Score`` on every pick."""
 
 
 SCHEDULER_E2E = Histogram(
@@ -55,6 +67,15 @@ COMPLETIONS_TOTAL = Counter(
     ["result"],
 )
 
+PREFIX_INDEX_SCORES = Counter(
+    "kvmesh_epp_prefix_index_scores_total",
+    "Prefix scores asked of the kv_indexer client, by where they were computed (replica, rpc_fallback, rpc); "
+    "an RPC that then fails is also counted in kvmesh_epp_prefix_match_degraded_total.",
+    ["path"],
+)
+for _path in PrefixIndexPath:  # a closed set: every series exists from the start (0), so ratios need no absent()
+    PREFIX_INDEX_SCORES.labels(str(_path))
+
 
 def record_plugin(extension_point: ExtensionPoint, plugin_type: str, seconds: float) -> None:
     PLUGIN_DURATION.labels(str(extension_point), plugin_type or "unknown").observe(seconds)
@@ -78,3 +99,7 @@ def record_completions(matched: int, unmatched: int) -> None:
         COMPLETIONS_TOTAL.labels("matched").inc(matched)
     if unmatched:
         COMPLETIONS_TOTAL.labels("unmatched").inc(unmatched)
+
+
+def record_prefix_index_score(path: PrefixIndexPath) -> None:
+    PREFIX_INDEX_SCORES.labels(str(path)).inc()

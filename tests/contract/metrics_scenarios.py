@@ -63,6 +63,9 @@ def epp() -> bytes:
     metrics.record_plugin(ExtensionPoint.PICKER, "max-score-picker", 0.00001)
     metrics.record_scrape("ok")
     metrics.record_scrape("error")
+    metrics.record_prefix_index_score(metrics.PrefixIndexPath.REPLICA)
+    metrics.record_prefix_index_score(metrics.PrefixIndexPath.REPLICA)
+    metrics.record_prefix_index_score(metrics.PrefixIndexPath.RPC_FALLBACK)
     return generate_latest(REGISTRY)
 
 

@@ -2,7 +2,8 @@
 
 kv_indexer side: a real ``BlockIndexer`` (``InMemoryIndex`` + ``EventPool``) behind ``KVIndexerServicer``
 on a grpc.aio server; epp side: ``ReplicaPrefixIndex`` following ``KVIndexer/Watch``. After every
-change the replica's local score must equal kv_indexer's own ``Score`` for the same prompt.
+change the replica's local score must equal kv_indexer's own ``Score`` for the same prompt, per-medium
+counts included (compared with the servicer's ``Score`` answer over gRPC).
 """
 
 from __future__ import annotations
@@ -12,12 +13,16 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
-from kvmesh.hashing import KeyScope
+from kvmesh._proto.kvmesh.kv_indexer.v1 import kv_indexer_pb2, kv_indexer_pb2_grpc
+from kvmesh.channels import insecure_channel
+from kvmesh.hashing import KeyScope, block_keys
 from kvmesh.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent, encode_batch
 from kvmesh.prefix_index import PrefixReplica, ReplicaEndpoint, ReplicaGap
 from kvmesh.types import Endpoint, EndpointId
-from services.epp.kv_indexer_client import ReplicaPrefixIndex
+from services.epp.framework.interfaces import PrefixMatch
+from services.epp.kv_indexer_client import GrpcPrefixIndex, ReplicaPrefixIndex
 from services.kv_indexer.events.pool import EventPool, RawMessage
 from services.kv_indexer.index import InMemoryIndex, InstrumentedIndex
 from services.kv_indexer.index.residency import ResidencyLog
@@ -26,6 +31,7 @@ from services.kv_indexer.servicer import add_servicer
 
 A = EndpointId("127.0.0.1:9001")
 B = EndpointId("127.0.0.1:9002")
+C = EndpointId("127.0.0.1:9003")
 BS = 4
 PROMPT = list(range(100, 132))  # 8 blocks of 4
 
@@ -77,6 +83,10 @@ async def rig() -> AsyncIterator[Rig]:
     finally:
         await server.stop(0)
         await pool.shutdown()
+
+
+def scores_total(path: str) -> float:
+    return REGISTRY.get_sample_value("kvmesh_epp_prefix_index_scores_total", {"path": path}) or 0.0
 
 
 async def until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
@@ -173,8 +183,11 @@ async def test_stream_down_falls_back_to_score_then_degrades_when_unreachable(ri
         now[0] = 10.0  # nothing heard for longer than stale_seconds: Score over gRPC
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        fallback_before = scores_total("rpc_fallback")
         match = await replica.score("m", PROMPT, [])
         assert match.matched_blocks == {A: 8} and replica.rpc_scores == 1
+        assert match.matched_blocks_by_medium == {A: {"GPU": 8}}
+        assert scores_total("rpc_fallback") == fallback_before + 1
         unreachable = ReplicaPrefixIndex("127.0.0.1:1", 0.2)
         with pytest.raises(grpc.aio.AioRpcError):  # prefix-match then degrades to no match (degraded mode)
             await unreachable.score("m", PROMPT, [])
@@ -233,3 +246,119 @@ def test_models_with_kv_store_sources_are_left_to_score() -> None:
     replica._last_message = replica._clock()
     assert not replica.usable("m") and replica.usable("n")
 
+
+
+async def wire_score(address: str, tokens: list[int] = PROMPT) -> dict[str, tuple[int, dict[str, int]]]:
+    """kv_indexer's ``Score`` over gRPC, as ``{endpoint: (matched_blocks, matched_blocks_by_medium)}``."""
+    async with insecure_channel(address) as channel:
+        reply = await kv_indexer_pb2_grpc.KVIndexerStub(channel).Score(
+            kv_indexer_pb2.ScoreRequest(model="m", token_ids=tokens), timeout=5.0)
+    assert reply.state == kv_indexer_pb2.INDEX_STATE_READY
+    return {s.endpoint_id: (s.matched_blocks, dict(s.matched_blocks_by_medium)) for s in reply.scores}
+
+
+def as_wire(match: PrefixMatch) -> dict[str, tuple[int, dict[str, int]]]:
+    return {e: (n, match.matched_blocks_by_medium.get(e, {})) for e, n in match.matched_blocks.items()}
+
+
+async def converge_media(rig: Rig, replica: ReplicaPrefixIndex, tokens: list[int] = PROMPT) -> dict[str, tuple[int, dict[str, int]]]:
+    """Wait until the replica has seen everything logged; its per-endpoint per-medium counts must equal
+    the servicer's ``Score`` answer (over gRPC) and ``GrpcPrefixIndex``'s reading of it (the ``rpc`` path)."""
+    log = rig.indexer.open_residency()
+    assert log is not None
+    await until(lambda: replica.replica.synced and replica.replica.seq == log.seq)
+    await asyncio.sleep(0.06)
+    truth = await wire_score(rig.address, tokens)
+    before = replica.local_scores
+    match = await replica.score_scoped("m", tokens, [], KeyScope())
+    assert replica.local_scores == before + 1, "scored through the RPC, not the replica"
+    assert as_wire(match) == truth
+    rpc = GrpcPrefixIndex(rig.address, 5.0)
+    try:
+        assert as_wire(await rpc.score("m", tokens, [])) == truth
+    finally:
+        await rpc.close()
+    return truth
+
+
+async def test_replica_per_medium_counts_equal_score(rig: Rig) -> None:
+    """Blocks on GPU, CPU, DISK and SHARED, a prefix split across media, a block on two media, GPU
+    evictions leaving offloaded copies: after each change the replica's ``matched_blocks_by_medium``
+    equals kv_indexer's ``Score`` (a block counts once on every medium holding it; no preference order)."""
+    rig.indexer.on_membership({A: endpoint(A), B: endpoint(B), C: endpoint(C)}, {})
+    rig.indexer.ready = True
+    await rig.send(A, BlockStored(block_hashes=hashes(1, 8), parent_block_hash=None, token_ids=PROMPT, block_size=BS))
+    replica = ReplicaPrefixIndex(rig.address, 1.0)
+    task = asyncio.create_task(replica.run())
+    replica_before, rpc_before = scores_total("replica"), scores_total("rpc")
+    try:
+        # one medium (the replica's no-walk case), from the snapshot
+        assert await converge_media(rig, replica) == {A: (8, {"GPU": 8})}
+        # A offloads its first 4 blocks to CPU (GPU copies stay) and its first 2 to DISK
+        await rig.send(A, BlockStored(block_hashes=hashes(1, 4), parent_block_hash=None, token_ids=PROMPT[:16],
+                                      block_size=BS, medium="CPU"))
+        await rig.send(A, BlockStored(block_hashes=hashes(1, 2), parent_block_hash=None, token_ids=PROMPT[:8],
+                                      block_size=BS, medium="DISK"))
+        # B: 6 blocks on CPU only; C: a prefix split, blocks 0-3 on GPU and 4-7 on CPU
+        await rig.send(B, BlockStored(block_hashes=hashes(2, 6), parent_block_hash=None, token_ids=PROMPT[:24],
+                                      block_size=BS, medium="CPU"))
+        await rig.send(C, BlockStored(block_hashes=hashes(3, 4), parent_block_hash=None, token_ids=PROMPT[:16],
+                                      block_size=BS))
+        await rig.send(C, BlockStored(block_hashes=hashes(3, 4, start=4), parent_block_hash=hashes(3, 4)[-1],
+                                      token_ids=PROMPT[16:], block_size=BS, medium="CPU"))
+        assert await converge_media(rig, replica) == {
+            A: (8, {"GPU": 8, "CPU": 4, "DISK": 2}),
+            B: (6, {"CPU": 6}),
+            C: (8, {"GPU": 4, "CPU": 4}),
+        }
+        # A's GPU evicts blocks 2-7: its match is the 4 CPU blocks (2 of them also on DISK);
+        # B's first 3 blocks also land on a SHARED tier
+        await rig.send(A, BlockRemoved(block_hashes=hashes(1, 6, start=2)))
+        await rig.send(B, BlockStored(block_hashes=hashes(2, 3), parent_block_hash=None, token_ids=PROMPT[:12],
+                                      block_size=BS, medium="SHARED"))
+        assert await converge_media(rig, replica) == {
+            A: (4, {"GPU": 2, "CPU": 4, "DISK": 2}),
+            B: (6, {"CPU": 6, "SHARED": 3}),
+            C: (8, {"GPU": 4, "CPU": 4}),
+        }
+        # every GPU copy of A and C goes, and B's CPU copies: only the offloaded media remain
+        await rig.send(A, BlockRemoved(block_hashes=hashes(1, 2)))
+        await rig.send(C, BlockRemoved(block_hashes=hashes(3, 4)))
+        await rig.send(B, BlockRemoved(block_hashes=hashes(2, 6), medium="CPU"))
+        assert await converge_media(rig, replica) == {
+            A: (4, {"CPU": 4, "DISK": 2}),
+            B: (3, {"SHARED": 3}),
+        }
+        # a prompt diverging after 3 blocks: counts cover the matched prefix only
+        short = PROMPT[:12] + [7] * 20
+        assert await converge_media(rig, replica, short) == {A: (3, {"CPU": 3, "DISK": 2}), B: (3, {"SHARED": 3})}
+        assert replica.rpc_scores == 0
+        assert scores_total("replica") == replica_before + 5 and scores_total("rpc") == rpc_before + 5
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await replica.close()
+
+
+def test_replica_media_counts_follow_the_held_keys() -> None:
+    """The per-endpoint media bookkeeping (the no-walk shortcut) stays exact: duplicate adds, removals
+    of keys not held, a medium emptied, a clear and a reset."""
+    replica = PrefixReplica()
+    replica.reset(0)
+    replica.set_endpoints([ReplicaEndpoint("a", "m", BS)])
+    replica.set_status(True, [])
+    replica.advance(0, True)
+    keys = block_keys(PROMPT, BS)
+    replica.apply_delta("a", "GPU", keys, [])
+    replica.apply_delta("a", "GPU", keys[:2], [])  # already held: no change
+    replica.apply_delta("a", "CPU", [], keys[:3])  # never on CPU: ignored
+    assert replica.score("m", PROMPT).matched_blocks_by_medium == {"a": {"GPU": 8}}
+    replica.apply_delta("a", "CPU", keys[:3], [])
+    assert replica.score("m", PROMPT).matched_blocks_by_medium == {"a": {"GPU": 8, "CPU": 3}}
+    replica.apply_delta("a", "GPU", [], keys)  # GPU emptied: CPU only again (no walk needed)
+    assert replica._held["a"] == {replica._media["CPU"]: 3}
+    assert replica.score("m", PROMPT).matched_blocks_by_medium == {"a": {"CPU": 3}}
+    replica.apply_delta("a", "DISK", keys, [], cleared=True)
+    assert replica.score("m", PROMPT).matched_blocks_by_medium == {"a": {"DISK": 8}}
+    replica.reset(1)
+    assert replica._held == {} and replica.score("m", PROMPT).matched_blocks == {}

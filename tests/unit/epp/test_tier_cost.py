@@ -12,15 +12,18 @@ import random
 import pytest
 
 from kvmesh.clock import ManualClock
+from kvmesh.hashing import block_keys
+from kvmesh.prefix_index import ReplicaEndpoint
 from kvmesh.types import Endpoint, EndpointId
 from services.epp.datastore import Datastore, ScrapeSample
 from services.epp.framework.cycle_state import CycleState
 from services.epp.framework.interfaces import Candidate, EndpointMetrics, PluginHandle, PrefixMatch, SchedulingRequest
 from services.epp.framework.loader import build_profile, resolve_scheduling_config
 from services.epp.framework.registry import parse_params
+from services.epp.kv_indexer_client import ReplicaPrefixIndex
 from services.epp.plugins import default_registry
 from services.epp.plugins.filters.live_endpoint import LiveEndpointFilter
-from services.epp.plugins.prepare.prefix_match import PrefixMatchStep
+from services.epp.plugins.prepare.prefix_match import PREFIX_MATCH, PrefixMatchStep
 from services.epp.plugins.scorers.tier_cost import TierCostModel, TierCostParams, TierCostScorer, tier_costs
 from services.epp.scheduler import Scheduler
 from tests.unit.epp.test_plugins import FakeIndex
@@ -93,6 +96,36 @@ async def test_scorer_ranks_least_ttft_in_range() -> None:
     worst = 0.042725
     assert scores == pytest.approx({a.id: 0.0, b.id: 1 - 0.01155218 / worst, c.id: 1 - 0.0268 / worst}, abs=1e-6)
     assert max(scores, key=lambda k: scores[k]) == b.id
+
+
+async def test_scorer_prices_offloaded_blocks_through_the_replica() -> None:
+    """epp's default prefix index (the ``Watch``-fed replica) gives the per-medium counts ``Score`` gives:
+    B's 8 blocks held only on CPU are priced at their PCIe load time, not as GPU hits (the same scores
+    as the ``Score``-fed case above); a block on two media counts in both."""
+    a, b, c = _cand(1, queued=1000, known=1, unprefilled=1, running=2), _cand(2), _cand(3)
+    index = ReplicaPrefixIndex("127.0.0.1:1", 0.2)  # unreachable: a fallback Score call would raise
+    replica = index.replica
+    replica.reset(0)
+    replica.set_endpoints([ReplicaEndpoint(str(e.id), "m", 64) for e in (a, b, c)])
+    replica.set_status(True, [])
+    tokens = tuple(range(640))
+    keys = block_keys(tokens, 64)[:8]
+    replica.apply_delta(str(a.id), "GPU", keys, [])
+    replica.apply_delta(str(a.id), "CPU", keys[:5], [])
+    replica.apply_delta(str(b.id), "CPU", keys, [])
+    replica.advance(1, True)
+    index._last_message = index._clock()
+    request = SchedulingRequest(model="m", token_ids=tokens)
+    state = CycleState()
+    await PrefixMatchStep("pm", index, None).prepare(state, request, [a, b, c])
+    assert index.local_scores == 1 and index.rpc_scores == 0
+    match = state.get(PREFIX_MATCH)
+    assert match == PrefixMatch(10, {a.id: 8, b.id: 8}, {a.id: {"GPU": 8, "CPU": 5}, b.id: {"CPU": 8}})
+    scores = TierCostScorer("t").score(state, request, [a, b, c])
+    worst = 0.042725
+    assert scores == pytest.approx({a.id: 0.0, b.id: 1 - 0.01155218 / worst, c.id: 1 - 0.0268 / worst}, abs=1e-6)
+    assert tier_costs([b], 640, match, MODEL)[b.id] == pytest.approx(128 * 3.25e-5 + 6e-3 + 8 * BLOCK_BYTES / 50e9 + 5e-5)
+    await index.close()
 
 
 def test_params_validated() -> None:

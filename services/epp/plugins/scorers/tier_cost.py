@@ -10,8 +10,8 @@ Intent:
     pick adds its own prefill work to its target at once (pending picks, freed when the router reports
     the request's completion or a scrape shows its first token: ``services/epp/datastore.py``).
 Inputs consumed:
-    ``TOKEN_IDS`` and ``PREFIX_MATCH`` (the ``prefix-match`` prepare step: kv_indexer's ``Score``, whose
-    ``matched_blocks_by_medium`` says on which media each endpoint holds its matched blocks). Per
+    ``TOKEN_IDS`` and ``PREFIX_MATCH`` (the ``prefix-match`` prepare step: epp's local replica of the index, or
+    kv_indexer's ``Score`` when it falls back; both give the same ``matched_blocks_by_medium``, which says on which media each endpoint holds its matched blocks). Per
     candidate, from the datastore: ``queued_prefill_tokens`` / ``unprefilled_requests`` /
     ``known_unprefilled_requests`` (epp's picks there without a first token yet, with their uncached
     tokens; pending picks included), ``num_requests_running`` (net of completions the router reported),
