@@ -17,21 +17,28 @@ tokenization. What runs, all real, on 127.0.0.1:
 ``--sessions`` chats are grown to ``--history-tokens`` first (their first, full tokenization is the
 ``first call`` row), then each gets ``--turns`` more turns, round-robin (a user message and an
 assistant reply of ~``--turn-tokens`` tokens each time), and each grown chat is picked once. Rows:
-p50 / p90 / p99 ms, characters encoded per pick, blocks hashed per pick. ``--engine-tokenize`` runs the
-same picks with tokenization through the engine's ``/tokenize`` only (the code before issue 10), side
-by side. Not a timed test: numbers move with machine load.
+p50 / p90 / p99 ms of the Pick and of its tokenization alone, characters encoded per pick, blocks
+hashed per pick. Modes, side by side in one run: in-process with incremental rendering (the default),
+``--full-render`` the same with the chat template rendered over the whole history every call (the
+code before incremental rendering), ``--engine-tokenize`` tokenization through the engine's
+``/tokenize`` only (the code before issue 10). ``--profile N`` prints the N heaviest functions
+(cProfile, cumulative) of the default mode's incremental picks. Not a timed test: numbers move with
+machine load.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import pstats
 import random
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -118,7 +125,23 @@ def percentiles(samples: list[float]) -> tuple[float, float, float]:
     return statistics.median(ordered) * 1e3, at(0.9), at(0.99)
 
 
-async def run(args: argparse.Namespace, engine_tokenize: bool) -> dict[str, object]:
+class TimedTokenizer:
+    """The pick's tokenizer, timed (the tokenize stage of each Pick)."""
+
+    def __init__(self, inner: Tokenizer) -> None:
+        self.inner = inner
+        self.times: list[float] = []
+
+    async def tokenize(self, request: SchedulingRequest, candidates: Any) -> list[int]:
+        start = time.perf_counter()
+        try:
+            return await self.inner.tokenize(request, candidates)
+        finally:
+            self.times.append(time.perf_counter() - start)
+
+
+async def run(args: argparse.Namespace, mode: str) -> dict[str, object]:
+    engine_tokenize = mode == "engine"
     rnd = random.Random(7)
     tok_dir = ensure_tokenizer(Path(args.workdir) / "tok")
     stub = EngineStub(tok_dir)
@@ -143,7 +166,7 @@ async def run(args: argparse.Namespace, engine_tokenize: bool) -> dict[str, obje
     feeder = asyncio.create_task(replica.run())
     engine = EngineTokenizer(http, 30.0, 0, max_prompt_chars=1 << 30, max_concurrency_per_endpoint=64)
     in_process = InProcessTokenizer({MODEL: str(tok_dir)}, engine, max_prompt_chars=1 << 30)
-    tokenizer: Tokenizer = engine if engine_tokenize else in_process
+    tokenizer = TimedTokenizer(engine if engine_tokenize else in_process)
     source, data = resolve_scheduling_config("precise-prefix")
     profile = build_profile(data, default_registry(), PluginHandle(rng=random.Random(0), prefix_index=replica,
                                                                    tokenizer=tokenizer), source=source)
@@ -177,6 +200,8 @@ async def run(args: argparse.Namespace, engine_tokenize: bool) -> dict[str, obje
             await asyncio.sleep(0.01)
         local = in_process.local(MODEL)
         assert local is not None
+        if mode == "full-render":
+            local.renderer = None  # the whole history through the chat template on every call
         engine_side = stub.local  # the bench's own view of the prompt (what the engine caches): not epp's tokenizer
         chats: list[list[dict[str, str]]] = []
         first: list[float] = []
@@ -198,6 +223,8 @@ async def run(args: argparse.Namespace, engine_tokenize: bool) -> dict[str, obje
         await asyncio.sleep(0.05)  # the replica catches up with the stores
         times: list[float] = []
         chars0 = local.stats["encoded_chars"]
+        tokenizer.times.clear()
+        profiler = cProfile.Profile() if args.profile and mode == "incremental" else None
         hashed0 = replica.replica._keys.hashed_blocks
         calls0 = stub.calls
         same_target = 0
@@ -205,7 +232,11 @@ async def run(args: argparse.Namespace, engine_tokenize: bool) -> dict[str, obje
             for s, messages in enumerate(chats):
                 messages.append({"role": "assistant", "content": sentence(rnd, args.turn_tokens // 2)})
                 messages.append({"role": "user", "content": sentence(rnd, args.turn_tokens // 2)})
+                if profiler is not None:
+                    profiler.enable()
                 elapsed, target, _ = await pick(s, messages)
+                if profiler is not None:
+                    profiler.disable()
                 times.append(elapsed)
                 if any(k.startswith(target + "/") and k.endswith(f"/{s}") for k in held):
                     same_target += 1
@@ -213,7 +244,12 @@ async def run(args: argparse.Namespace, engine_tokenize: bool) -> dict[str, obje
                 cache_on(target, s, ids)
             await asyncio.sleep(0)  # let the Watch stream deliver
         picks = len(times)
+        if profiler is not None:
+            pstats.Stats(profiler, stream=sys.stdout).sort_stats("cumulative").print_stats(args.profile)
+        renderer = local.renderer
         return {
+            "tokenize": percentiles(tokenizer.times),
+            "render": dict(renderer.stats) if renderer is not None and not engine_tokenize else {},
             "first": percentiles(first),
             "incremental": percentiles(times),
             "history_tokens": statistics.mean(history_tokens),
@@ -242,23 +278,31 @@ def main() -> None:
     parser.add_argument("--turn-tokens", type=int, default=200, help="words per user message + assistant reply")
     parser.add_argument("--turns", type=int, default=25, help="turns per session after the history is built")
     parser.add_argument("--engine-tokenize", action="store_true", help="also run with the engine's /tokenize only")
+    parser.add_argument("--full-render", action="store_true",
+                        help="also run in-process with the chat template rendered in full every call")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="print the N heaviest functions of the default mode's incremental picks (cProfile)")
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         args.workdir = args.workdir or tmp
-        modes = [("in-process (default)", False)] + ([("engine /tokenize only", True)] if args.engine_tokenize else [])
+        modes = [("in-process (default)", "incremental")]
+        modes += [("in-process, full render", "full-render")] if args.full_render else []
+        modes += [("engine /tokenize only", "engine")] if args.engine_tokenize else []
         results = [(label, asyncio.run(run(args, flag))) for label, flag in modes]
     print(f"epp Pick, chats grown by one turn: {args.endpoints} endpoints, {args.sessions} sessions, "
           f"~{results[0][1]['history_tokens']:.0f}-token histories, ~{args.turn_tokens}-word turns, "
           f"{results[0][1]['picks']} incremental picks per mode; precise-prefix, Watch-fed replica")
-    print(f"{'tokenizer':<22} {'row':<12} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'chars enc/pick':>15} "
+    print(f"{'tokenizer':<24} {'row':<12} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'chars enc/pick':>15} "
           f"{'blocks hashed/pick':>19} {'engine /tokenize':>17} {'Score RPCs':>10}")
     for label, r in results:
-        for row in ("first", "incremental"):
+        for row in ("first", "incremental", "tokenize"):
             p50, p90, p99 = r[row]  # type: ignore[misc]
             extra = (f"{r['chars_per_pick']:>15.0f} {r['blocks_hashed_per_pick']:>19.1f} {r['engine_tokenize_calls']:>17} "
                      f"{r['rpc_scores']:>10}") if row == "incremental" else ""
-            print(f"{label:<22} {row:<12} {p50:>8.3f} {p90:>8.3f} {p99:>8.3f} {extra}")
+            print(f"{label:<24} {row:<12} {p50:>8.3f} {p90:>8.3f} {p99:>8.3f} {extra}")
+        if r["render"]:
+            print(f"{'':<24} renders: {r['render']}")
     r = results[0][1]
     p50 = r["incremental"][0]  # type: ignore[index]
     print(f"target incremental Pick p50 <= 1 ms: {'met' if p50 <= 1.0 else 'MISSED'} ({p50:.3f} ms); "

@@ -34,7 +34,11 @@ class SimulatorConfig(ProcessConfig):
     max_num_batched_tokens: int = Field(2048, ge=1)
     """Token budget of one engine step (prefill chunks plus one per decoding sequence)."""
     max_model_len: int = Field(131072, ge=2)
-    """Longest sequence (prompt + output) in tokens."""
+    """Longest sequence (prompt + output) in tokens. Left at its default, it is cut to what the KV cache
+    holds, ``(num_gpu_blocks - 1) * block_size_tokens`` (the null block excluded), as vLLM never serves a
+    context its KV cache cannot hold (at start-up it refuses a ``max_model_len`` that does not fit):
+    otherwise a chat without ``max_tokens`` (which defaults to the room left in the context) could never
+    be scheduled. An explicit value is kept (vLLM with ``--num-gpu-blocks-override`` starts too)."""
     enable_prefix_caching: bool = True
     """Reuse cached blocks across requests (and publish KV events)."""
     events_endpoint: str = ""
@@ -92,6 +96,9 @@ class SimulatorConfig(ProcessConfig):
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs})"
             )
+        capacity = (self.num_gpu_blocks - 1) * self.block_size_tokens
+        if "max_model_len" not in self.model_fields_set and self.max_model_len > capacity:
+            self.max_model_len = max(2, capacity)
         if self.offload == "cpu+kv_store" and not self.kv_stores.strip():
             raise ValueError("--offload cpu+kv_store needs --kv-stores (kv_store gRPC addresses)")
         return self

@@ -39,7 +39,10 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -123,7 +126,7 @@ def conversation(messages: Any, content_format: str = "string") -> list[dict[str
     wrap = content_format == "openai"
     out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
-        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+        if not (type(message) is dict or isinstance(message, Mapping)) or not isinstance(message.get("role"), str):
             raise InvalidRequest(f"messages[{i}] needs a string 'role'")
         role = message["role"]
         content = message.get("content")
@@ -136,10 +139,13 @@ def conversation(messages: Any, content_format: str = "string") -> list[dict[str
         else:
             raise InvalidRequest(f"messages[{i}].content must be a string, a list of parts or null")
         texts: list[str] = []
-        for j, part in enumerate(parts):
-            _, text = _part_text(part, f"messages[{i}].content[{j}]")
-            if text is not None:
-                texts.append(text)
+        if type(content) is str:
+            texts.append(content)
+        else:
+            for j, part in enumerate(parts):
+                _, text = _part_text(part, f"messages[{i}].content[{j}]")
+                if text is not None:
+                    texts.append(text)
         msg: dict[str, Any] = {"role": role}
         msg["content"] = [{"type": "text", "text": t} for t in texts] if wrap else "\n".join(texts)
         if role == "assistant":
@@ -194,11 +200,34 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class _Sandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """transformers' ``ImmutableSandboxedEnvironment`` with its attribute verdicts memoised.
+
+    Jinja's verdict (``_``-prefixed names, ``is_internal_attribute``, ``modifies_known_mutable``)
+    depends only on the object's type and the attribute's name, so it is cached per
+    ``(type, name)``: the same answers, without the per-access ``isinstance`` chain that dominated
+    rendering a long chat.
+    """
+
+    _verdicts: dict[tuple[type, str], bool]
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        key = (type(obj), attr)
+        verdict = self._verdicts.get(key)
+        if verdict is None:
+            verdict = super().is_safe_attribute(obj, attr, value)
+            if len(self._verdicts) > 4096:
+                self._verdicts.clear()
+            self._verdicts[key] = verdict
+        return verdict
+
+
 @lru_cache(maxsize=64)
 def _compile(source: str) -> tuple[jinja2.Template, frozenset[str], str]:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+    env = _Sandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
+    env._verdicts = {}
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -373,3 +402,439 @@ def render_request(template: ChatTemplate, body: Mapping[str, Any], content_form
         continue_final_message=bool(body.get("continue_final_message", False)),
         kwargs=kwargs,
     )
+
+
+# -- incremental rendering --------------------------------------------------------------------------
+
+_WINDOW_HEAD = 2
+"""Leading messages every window keeps (a system message and the first turn: templates read ``messages[0]``,
+``messages[1]``, ``loop.first``, ``loop.index0 == 0``)."""
+_WINDOW_CONTEXT = 4
+_WINDOW_GROWTH = 12
+"""Messages a window may grow by before it is re-anchored (a window kept from call to call spares one render)."""
+"""Messages before the cached prefix's end that the window also renders (neighbour reads such as
+``messages[loop.index0 - 1]``, carried ``namespace`` flags)."""
+_POSITION_ATTRS = frozenset({"index", "index0"})
+_UNSAFE_LOOP_ATTRS = frozenset({"length", "cycle", "changed", "previtem", "nextitem"})
+
+
+def _position_hazards(ast: jinja2.nodes.Node) -> list[str]:
+    """Template constructs whose output depends on a message's absolute position (window rendering would shift it).
+
+    Allowed, because a parity- and end-preserving window reproduces them: ``loop.first``, ``loop.last``,
+    ``loop.revindex*``, ``loop.index0 % 2``, ``loop.index0 == 0`` (or ``!= 0``, ``loop.index == 1``),
+    ``loop.index0`` in arithmetic used as a subscript (``messages[loop.index0 - 1]``) or compared with
+    another variable, and ``messages|length`` in a subtraction (a distance from the end). Refused: any
+    other ``loop.length``/``cycle``/``changed``/``previtem``/``nextitem``, ``loop.index*`` printed or
+    compared with a constant other than 0/1, ``messages|length`` printed or compared with a constant.
+    """
+    found: list[str] = []
+
+    def is_pos(node: Any) -> bool:
+        return (isinstance(node, jinja2.nodes.Getattr) and isinstance(node.node, jinja2.nodes.Name)
+                and node.node.name == "loop" and node.attr in _POSITION_ATTRS)
+
+    def is_len(node: Any) -> bool:
+        return isinstance(node, jinja2.nodes.Filter) and node.name in {"length", "count"}
+
+    def small_const(node: Any) -> bool:
+        return isinstance(node, jinja2.nodes.Const) and node.value in (0, 1)
+
+    def walk(node: Any, parents: tuple[Any, ...]) -> None:
+        parent = parents[-1] if parents else None
+        if isinstance(node, jinja2.nodes.Getattr) and isinstance(node.node, jinja2.nodes.Name) \
+                and node.node.name == "loop" and node.attr in _UNSAFE_LOOP_ATTRS:
+            found.append(f"loop.{node.attr} (line {node.lineno})")
+        if is_pos(node) or is_len(node):
+            what = f"loop.{node.attr}" if is_pos(node) else f"|{node.name}"
+            ok = False
+            if isinstance(parent, jinja2.nodes.Mod) and parent.left is node:
+                ok = True  # parity
+            elif isinstance(parent, (jinja2.nodes.Add, jinja2.nodes.Sub)):
+                ok = is_len(node) or any(isinstance(p, jinja2.nodes.Getitem) for p in parents) \
+                    or isinstance(parent, jinja2.nodes.Sub)  # neighbour subscript / distance from the end
+            elif isinstance(parent, jinja2.nodes.Getitem) and parent.arg is node:
+                ok = True
+            elif isinstance(parent, jinja2.nodes.Compare):
+                others = [parent.expr, *(op.expr for op in parent.ops)]
+                consts = [o for o in others if isinstance(o, jinja2.nodes.Const)]
+                ok = all(small_const(c) for c in consts) and not is_len(node)
+            elif isinstance(parent, jinja2.nodes.Operand):
+                ok = not isinstance(parent.expr, jinja2.nodes.Const) or small_const(parent.expr)
+            if not ok and is_len(node) and not isinstance(node.node, jinja2.nodes.Name):
+                ok = True  # the length of something else (a string, a tool list)
+            if not ok and is_len(node) and isinstance(node.node, jinja2.nodes.Name) \
+                    and node.node.name not in {"messages", "loop_messages"}:
+                ok = True
+            if not ok:
+                found.append(f"{what} (line {node.lineno})")
+        for child in node.iter_child_nodes():
+            walk(child, (*parents, node))
+
+    walk(ast, ())
+    return found
+
+
+def _history_hazards(ast: jinja2.nodes.Template) -> list[str]:
+    """Template constructs whose output for a message can depend on messages outside a short window.
+
+    The message lists are ``messages`` and names set to it or to ``messages[c:]`` (``c`` < 2). Allowed:
+    one forward ``for`` over a message list without a filter; subscripts by a constant in the head
+    (``[0]``, ``[1]``) or the tail (``[-1]`` .. ``[-4]``) or by an expression of ``loop.index*``
+    (neighbours); ``|length`` (judged by :func:`_position_hazards`); ``namespace`` attributes set
+    outside that loop. Refused: a second loop over the messages (a reverse scan for the last user
+    query, say), a filtered or sliced loop, a ``namespace`` attribute set inside the loop (state
+    carried from message to message, unbounded), any other use of a message list (filters such as
+    ``selectattr``/``map``, a macro argument, ``in``, printing it).
+    """
+    seqs = {"messages"}
+    for node in ast.find_all(jinja2.nodes.Assign):
+        value = node.node
+        if isinstance(node.target, jinja2.nodes.Name) and (
+            (isinstance(value, jinja2.nodes.Name) and value.name in seqs)
+            or (isinstance(value, jinja2.nodes.Getitem) and isinstance(value.node, jinja2.nodes.Name)
+                and value.node.name in seqs and isinstance(value.arg, jinja2.nodes.Slice)
+                and value.arg.stop is None and value.arg.step is None
+                and isinstance(value.arg.start, jinja2.nodes.Const) and value.arg.start.value in (0, 1))
+        ):
+            seqs.add(node.target.name)
+    found: list[str] = []
+    loops = [f for f in ast.find_all(jinja2.nodes.For)
+             if isinstance(f.iter, jinja2.nodes.Name) and f.iter.name in seqs]
+    if len(loops) > 1:
+        found.append(f"{len(loops)} loops over the messages (lines {', '.join(str(f.lineno) for f in loops)})")
+    for loop in loops:
+        if loop.test is not None or loop.recursive:
+            found.append(f"a filtered loop over the messages (line {loop.lineno})")
+        for assign in loop.find_all(jinja2.nodes.Assign):
+            if isinstance(assign.target, jinja2.nodes.NSRef):
+                found.append(f"namespace state set in the message loop: {assign.target.name}.{assign.target.attr} "
+                             f"(line {assign.lineno})")
+    loop_iters = {id(f.iter) for f in loops}
+
+    def allowed_subscript(arg: Any) -> bool:
+        if isinstance(arg, jinja2.nodes.Const):
+            return isinstance(arg.value, int) and (0 <= arg.value < _WINDOW_HEAD or -_WINDOW_CONTEXT <= arg.value < 0)
+        if isinstance(arg, jinja2.nodes.Neg):  # -1 parses as Neg(Const(1)) in some versions
+            return isinstance(arg.node, jinja2.nodes.Const) and 0 < arg.node.value <= _WINDOW_CONTEXT
+        return any(isinstance(n, jinja2.nodes.Getattr) and isinstance(n.node, jinja2.nodes.Name)
+                   and n.node.name == "loop" and n.attr in _POSITION_ATTRS
+                   for n in [arg, *arg.find_all(jinja2.nodes.Getattr)])
+
+    def walk(node: Any, parent: Any) -> None:
+        if isinstance(node, jinja2.nodes.Name) and node.name in seqs and node.ctx == "load" and id(node) not in loop_iters:
+            ok = False
+            if isinstance(parent, jinja2.nodes.Getitem) and parent.node is node:
+                ok = allowed_subscript(parent.arg) or (
+                    isinstance(parent.arg, jinja2.nodes.Slice) and parent.arg.stop is None and parent.arg.step is None
+                    and isinstance(parent.arg.start, jinja2.nodes.Const) and parent.arg.start.value in (0, 1))
+            elif isinstance(parent, jinja2.nodes.Getattr) and parent.node is node:
+                ok = False
+            elif isinstance(parent, jinja2.nodes.Filter) and parent.node is node and parent.name in {"length", "count"}:
+                ok = True
+            elif isinstance(parent, jinja2.nodes.Assign) and parent.node is node:
+                ok = True  # an alias (in seqs)
+            if not ok:
+                found.append(f"{node.name} used as a whole (line {node.lineno})")
+        for child in node.iter_child_nodes():
+            walk(child, node)
+
+    walk(ast, None)
+    return found
+
+
+def _probe_conversations() -> list[tuple[list[dict[str, Any]], Any]]:
+    """Messages (OpenAI shape) and ``tools`` covering every role, tool calls, results, reasoning, names and parts."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "x"}'}}
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "find",
+                                               "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+    plain: list[dict[str, Any]] = []
+    for i in range(7):
+        plain.append({"role": "user", "content": f"question {i}"})
+        plain.append({"role": "assistant", "content": f"answer {i}"})
+    system = [{"role": "system", "content": "be brief"}, *plain]
+    agent: list[dict[str, Any]] = [{"role": "system", "content": "you are an agent"}, {"role": "user", "content": "find x"}]
+    for i in range(4):
+        agent.append({"role": "assistant", "content": None if i % 2 else f"let me look {i}",
+                      "tool_calls": [{**call, "id": f"call_{i}"}], "reasoning": f"thinking {i}"})
+        agent.append({"role": "tool", "tool_call_id": f"call_{i}", "content": f"result {i}"})
+        if i == 1:
+            agent.append({"role": "tool", "tool_call_id": "call_x", "content": "second result"})
+        agent.append({"role": "assistant", "content": f"so far {i}", "reasoning": f"why {i}"})
+        agent.append({"role": "user", "content": [{"type": "text", "text": f"more {i}"}, {"type": "text", "text": "please"}],
+                      "name": "bob"})
+    return [(plain, None), (system, None), (system, tools), (agent, None), (agent, tools), (plain[:9], tools)]
+
+
+class IncrementalRenderer:
+    """:meth:`ChatTemplate.render` for chats that grow by appending messages, rendering only the new ones.
+
+    Design: the cache keeps, per message prefix ``m[:k]`` (found by :func:`prefix_key` under a root of
+    ``tools``/``documents``/``chat_template_kwargs``; verified by comparing the root and the messages
+    themselves), ``R_k = render(m[:k], add_generation_prompt=False)``. A request ``m[:n]`` that extends
+    a cached prefix is rendered as ``R_k + B[len(A):]`` where ``A``/``B`` render a short *window*
+    ``m[:2] + m[j:k]`` / ``m[:2] + m[j:n]`` (:func:`_window_start`: ``j <= k - 4``, ``j - 2`` even so
+    ``loop.index0`` keeps its parity, preferably after a message of ``m[1]``'s role; ``loop.first``/
+    ``last``/``revindex``, ``messages[0]``, ``messages[-1]`` and neighbour reads keep their meaning; the
+    previous call's window is kept, and its text reused as ``A``, until it grows by 12 messages); the
+    generation prompt is ``render(W, True)`` minus ``B``. Checked on every request
+    (:func:`_window_render`): ``A`` is a splice of ``R_k`` (its start then its end: the window renders
+    the head and the context as the full render did), ``A`` is a prefix of ``B`` (so a template that
+    renders the last message specially, e.g. an assistant turn's reasoning only while it is last,
+    falls back here), and ``B`` of ``render(W, True)``. Checked once per template at construction
+    (:attr:`incremental`, :attr:`reason`): no position-dependent construct (:func:`_position_hazards`:
+    numbering by ``loop.index``, ``loop.length``, ``messages|length`` printed...), nothing read over
+    the whole history (:func:`_history_hazards`: a second, reverse or filtered loop over the messages,
+    ``namespace`` state set in the message loop, the list used whole), and, on probe chats covering
+    system/user/assistant/tool roles, tool calls, reasoning, names, content parts, with and without
+    tools, the window result equals the full render for every split. Anything else (a template that
+    fails a check, ``continue_final_message``, a request that is not an extension of a cached prefix:
+    an edited or removed message, other tools or kwargs) is a full render, so the text is always the
+    full render's. Residual limit: the static scan and probes are a proof only for the constructs they
+    name; a template computing history-wide facts another way (a macro recursing over the list) relies
+    on the probes. A window render that raises falls back to the full render, which decides; a
+    template that raises for an early message (role alternation) raised when that prefix was first
+    rendered, and later windows do not re-check messages outside them.
+
+    Thread-safe for one caller at a time per entry (the cache's bookkeeping is locked; epp renders a
+    long first call in a worker thread).
+
+    Args:
+        template: the compiled template.
+        max_bytes: bound of the cache (rendered text plus the messages kept to verify it, approximate; LRU).
+    """
+
+    def __init__(self, template: ChatTemplate, max_bytes: int = 64 << 20) -> None:
+        self.template = template
+        self.max_bytes = max_bytes
+        self.incremental, self.reason = _probe(template.source, tuple(sorted(template.special_tokens.items())))
+        self._cache: OrderedDict[int, _Rendered] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.stats = {"full": 0, "incremental": 0, "fallback": 0}
+
+    def render(self, body: Mapping[str, Any]) -> str:
+        """The prompt text of a chat body, exactly :func:`render_request`'s.
+
+        Raises:
+            MultimodalContent, InvalidRequest: as :func:`render_request`.
+        """
+        messages = body.get("messages")
+        if not self.incremental or body.get("continue_final_message") or not isinstance(messages, list) or not messages:
+            self.stats["full"] += 1
+            return render_request(self.template, body)
+        root = json.dumps([body.get("tools"), body.get("documents"), body.get("chat_template_kwargs")],
+                          sort_keys=True, default=str)
+        n = len(messages)
+        cache = self._cache
+        entry: _Rendered | None = None
+        for i in range(n - 1, _WINDOW_HEAD + _WINDOW_CONTEXT - 1, -1):
+            key = prefix_key(root, messages, i + 1)
+            found = cache.get(key)
+            if found is not None and found.root == root and len(found.messages) == i + 1 \
+                    and found.messages == messages[: i + 1]:
+                with self._lock:  # a worker thread may render a long chat meanwhile
+                    if key in cache:
+                        cache.move_to_end(key)
+                entry = found
+                break
+        agp = bool(body.get("add_generation_prompt", True))
+        if entry is None:
+            self.stats["full"] += 1
+            j, _ = _window_start(messages, n)
+            try:
+                text = render_request(self.template, {**body, "add_generation_prompt": False})
+                done = _window_render(self.template, body, messages[:_WINDOW_HEAD] + messages[j:], text, None, agp)
+            except InvalidRequest:  # e.g. a template that refuses a chat without the generation prompt
+                done = None
+        else:
+            k = len(entry.messages)
+            a: str | None = None
+            if _WINDOW_CONTEXT <= k - entry.start <= _WINDOW_CONTEXT + _WINDOW_GROWTH:
+                j, a = entry.start, entry.window_text  # the entry's own window: render(m[:2] + m[j:k], False)
+            else:
+                j, _ = _window_start(messages, k)
+            window = messages[:_WINDOW_HEAD] + messages[j:]
+            try:
+                done = _window_render(self.template, body, window, entry.text, len(window) - (n - k), agp, a=a)
+            except InvalidRequest:  # the window may trip a check the whole chat passes: the full render decides
+                done = None
+            if done is not None:
+                self.stats["incremental"] += 1
+        if done is None:
+            self.stats["fallback"] += 1
+            return render_request(self.template, body)
+        grown, text, window_text = done
+        self._store(prefix_key(root, messages, n), _Rendered(root, list(messages), grown, j, window_text))
+        return text
+
+    def _store(self, key: int, entry: _Rendered) -> None:
+        with self._lock:
+            self._store_locked(key, entry)
+
+    def _store_locked(self, key: int, entry: _Rendered) -> None:
+        old = self._cache.pop(key, None)
+        if old is not None:
+            self._bytes -= old.size
+        if entry.size > self.max_bytes:
+            return
+        self._cache[key] = entry
+        self._bytes += entry.size
+        while self._bytes > self.max_bytes and self._cache:
+            _, dropped = self._cache.popitem(last=False)
+            self._bytes -= dropped.size
+
+
+@dataclass(slots=True)
+class _Rendered:
+    """A cached prefix: its root (tools, documents, kwargs), messages, ``render(m[:k], False)``, and its window."""
+
+    root: str
+    messages: list[Any]
+    text: str
+    start: int  # j: the window was m[:2] + m[j:k]
+    window_text: str  # render(m[:2] + m[j:k], False)
+    size: int = 0
+
+    def __post_init__(self) -> None:
+        self.size = 2 * len(self.text) + len(self.window_text) + len(self.root) + 256 * len(self.messages)
+
+
+def _window_render(template: ChatTemplate, body: Mapping[str, Any], window: list[Any], prefix: str,
+                   cut: int | None, agp: bool, why: list[str] | None = None,
+                   a: str | None = None) -> tuple[str, str, str] | None:
+    """(render(m, False), render(m, agp), render(window, False)) from a prefix's text and window renders; None: unsafe.
+
+    ``window`` is ``m[:2] + m[j:n]``; ``prefix`` is ``render(m[:k], False)`` with ``cut`` the window's
+    message count up to ``k`` (None: ``prefix`` already covers all of ``m``). Checks: the window's text
+    up to ``k`` is a splice of ``prefix`` (its start followed by its end: the window renders the head
+    and the context messages exactly as the full render does), that text is a prefix of the whole
+    window's (no message renders otherwise once another follows it), and the generation prompt only
+    appends.
+    """
+    plain = {**body, "add_generation_prompt": False}
+    b = render_request(template, {**plain, "messages": window})
+    if a is None:  # (given: the previous request's own window text, the same messages)
+        a = b if cut is None else render_request(template, {**plain, "messages": window[:cut]})
+    if not _splice_of(a, prefix):
+        if why is not None:
+            why.append("context")  # the window renders the head or the context otherwise than the full render
+        return None
+    if not b.startswith(a):
+        if why is not None:
+            why.append("prefix")  # a message renders otherwise once another follows it (last-message output)
+        return None
+    whole = prefix + b[len(a):]
+    if not agp:
+        return whole, whole, b
+    c = render_request(template, {**body, "messages": window})
+    if not c.startswith(b):
+        return None
+    return whole, whole + c[len(b):], b
+
+
+def _window_start(messages: list[Any], k: int) -> tuple[int, bool]:
+    """(j, clean): where the window's messages after the head start, for a prefix of ``k`` messages.
+
+    ``j <= k - 4`` (the context), ``j - 2`` even (``loop.index0`` keeps its parity), and, looking back
+    at most 16 messages, ``m[j-1]`` has the role of ``m[1]`` (clean: the window's first context message
+    follows a message of the same role as in the full chat, so neighbour reads such as
+    ``messages[loop.index0 - 1].role`` agree); ``j == 2`` (the whole chat) is clean too.
+    """
+    j = max(_WINDOW_HEAD, k - _WINDOW_CONTEXT)
+    j -= (j - _WINDOW_HEAD) % 2
+    role = _role(messages[_WINDOW_HEAD - 1]) if len(messages) >= _WINDOW_HEAD else None
+    for candidate in range(j, max(_WINDOW_HEAD, j - 16) - 1, -2):
+        if candidate == _WINDOW_HEAD or _role(messages[candidate - 1]) == role:
+            return candidate, True
+    return j, False
+
+
+def _role(message: Any) -> Any:
+    return message.get("role") if isinstance(message, Mapping) else None
+
+
+def _splice_of(part: str, text: str) -> bool:
+    """Whether ``part == text[:p] + text[len(text) - (len(part) - p):]`` for some ``p`` (a start and an end of ``text``)."""
+    if len(part) > len(text):
+        return False
+    n = len(part)
+    lo, hi = 0, n  # the longest common prefix of part and text: part[:lo] == text[:lo]
+    if part == text[:n]:
+        return True
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if part[:mid] == text[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return text.endswith(part[lo:])
+
+
+def _message_key(message: Any) -> Any:
+    if type(message) is dict:
+        content = message.get("content")
+        return message.get("role"), content if type(content) is str else len(message)
+    if isinstance(message, (tuple, list)) and len(message) == 2:
+        return message[0], message[1]
+    return None
+
+
+def prefix_key(root: Any, messages: Sequence[Any], k: int) -> int:
+    """A cache key for ``messages[:k]``: the root, ``k``, and the last two messages' roles and texts. O(1).
+
+    Not unique (earlier messages are not read): whoever caches by it verifies the entry itself (the
+    messages, or the text), so a collision costs a miss, never a wrong answer.
+    """
+    return hash((root, k, _message_key(messages[k - 1]), _message_key(messages[k - 2]) if k > 1 else None))
+
+
+@lru_cache(maxsize=64)
+def _probe(source: str, special_tokens: tuple[tuple[str, str], ...]) -> tuple[bool, str]:
+    """(window rendering is exact for this template, why not): the static scan, then the probe chats."""
+    template = ChatTemplate(source, dict(special_tokens))
+    ast = template._template.environment.parse(source)
+    hazards = _position_hazards(ast)
+    if hazards:
+        return False, "position-dependent: " + ", ".join(hazards[:3])
+    hazards = _history_hazards(ast)
+    if hazards:
+        return False, "reads the whole history: " + ", ".join(hazards[:3])
+    tried = checked = fell_back = 0
+    for messages, tools in _probe_conversations():
+        try:
+            render_request(template, {"messages": messages, "tools": tools})
+        except InvalidRequest:
+            continue  # a conversation this template refuses (role order, tools...)
+        tried += 1
+        for k in range(_WINDOW_HEAD + _WINDOW_CONTEXT, len(messages)):
+            for n in sorted({k, k + 1, k + 2, len(messages)}):
+                if n > len(messages):
+                    continue
+                for agp in (True, False):
+                    body = {"messages": messages[:n], "tools": tools, "add_generation_prompt": agp}
+                    try:
+                        expected = render_request(template, body)
+                    except InvalidRequest:
+                        continue
+                    prefix = render_request(template, {"messages": messages[:k], "tools": tools,
+                                                       "add_generation_prompt": False})
+                    j, clean = _window_start(messages, k)
+                    window = messages[:_WINDOW_HEAD] + messages[j:n]
+                    why: list[str] = []
+                    try:
+                        got = _window_render(template, body, window, prefix, len(window) - (n - k), agp, why)
+                    except InvalidRequest:
+                        got = None
+                    if why == ["context"] and clean:
+                        return False, (f"the window sees the history otherwise than the full render (state over the "
+                                       f"whole history; probe of {len(messages)} messages, k={k}, n={n})")
+                    if got is not None and got[1] != expected:
+                        return False, f"window render differs from the full render (probe of {len(messages)} messages, k={k}, n={n})"
+                    checked += 1
+                    fell_back += got is None
+    if tried == 0:
+        return False, "the template refused every probe conversation"
+    if fell_back == checked:
+        return False, "not prefix-stable on any probe (every window check fell back)"
+    return True, ""

@@ -33,6 +33,10 @@ KV_SOURCES_PREFIX = "/kvmesh/v1/kv_sources/"
 """KV-event sources that are not engines (kv_store instances): ``<prefix><model>/<id>``, the same
 ``Endpoint`` JSON; kv_indexer follows them, routing (epp, router) never sees them."""
 _RETRY_SECONDS = 1.0
+DEPARTURE_GRACE_SECONDS = 2.0
+"""How long a watcher keeps an endpoint whose key went away, for it to register again
+(:class:`EndpointWatcher`): above the ~0.5-1 s engines take to re-register after etcd expired their
+leases on resuming, below the fault suite's "membership converges within the lease TTL" margin."""
 
 
 def endpoint_key(endpoint: Endpoint) -> str:
@@ -167,12 +171,25 @@ class EndpointWatcher:
 
     ``snapshot()`` is the current view; listeners hear joins and leaves (a changed
     registration counts as a leave then a join only when its identity fields change).
+
+    Departure grace: an endpoint whose key disappears stays in the view for
+    ``departure_grace_seconds`` (:data:`DEPARTURE_GRACE_SECONDS`) and leaves only if it has not
+    registered again by then. etcd paused or partitioned for longer than the lease TTL expires every
+    lease at once when it comes back, and every engine re-registers within about a second: without
+    the grace the whole pool "leaves" for that second (each request 503, kv_indexer purging what it
+    indexed). A dead engine leaves that much later; until then the router's connect fails fast and
+    the request moves on to a fallback before its first byte (docs/degraded-modes.md).
     """
 
-    def __init__(self, etcd_endpoints: list[str], model: str | None = None, root: str = ENDPOINTS_PREFIX) -> None:
+    def __init__(self, etcd_endpoints: list[str], model: str | None = None, root: str = ENDPOINTS_PREFIX,
+                 departure_grace_seconds: float = DEPARTURE_GRACE_SECONDS) -> None:
         self._etcd_endpoints = etcd_endpoints
         self.prefix = root + (f"{model}/" if model else "")
+        self.departure_grace_seconds = departure_grace_seconds
         self._view: dict[str, Endpoint] = {}  # etcd key -> endpoint
+        self._held: dict[str, Endpoint] = {}  # etcd key -> endpoint whose key went away less than the grace ago
+        self._expiries: dict[str, asyncio.TimerHandle] = {}
+        self._expiring: asyncio.Future[None] | None = None
         self._listeners: list[MembershipListener] = []
         self._task: asyncio.Task[None] | None = None
         self._synced = asyncio.Event()
@@ -182,7 +199,9 @@ class EndpointWatcher:
         self._listeners.append(listener)
 
     def snapshot(self) -> dict[EndpointId, Endpoint]:
-        return {ep.id: ep for ep in self._view.values()}
+        view = {ep.id: ep for ep in self._held.values()}
+        view.update((ep.id, ep) for ep in self._view.values())  # a live registration wins over a held one
+        return view
 
     async def start(self, first_sync_timeout_seconds: float = 5.0) -> None:
         """Start watching; returns after the first full load or the timeout (retries continue)."""
@@ -191,6 +210,9 @@ class EndpointWatcher:
             await asyncio.wait_for(self._synced.wait(), first_sync_timeout_seconds)
 
     async def stop(self) -> None:
+        for handle in self._expiries.values():
+            handle.cancel()
+        self._expiries.clear()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -214,7 +236,30 @@ class EndpointWatcher:
 
     async def _replace(self, new_view: dict[str, Endpoint]) -> None:
         old = self.snapshot()
+        if self.departure_grace_seconds > 0:
+            loop = asyncio.get_running_loop()
+            for key, ep in self._view.items():
+                if key not in new_view and key not in self._held:
+                    self._held[key] = ep
+                    self._expiries[key] = loop.call_later(self.departure_grace_seconds, self._expire, key)
+                    logger.info("endpoint registration gone id=%s; kept %.1fs for it to register again",
+                                ep.id, self.departure_grace_seconds)
+            for key in [k for k in self._held if k in new_view]:
+                del self._held[key]
+                self._expiries.pop(key).cancel()
+                logger.info("endpoint registered again id=%s", new_view[key].id)
         self._view = new_view
+        await self._publish(old)
+
+    def _expire(self, key: str) -> None:
+        self._expiries.pop(key, None)
+        if key in self._held:
+            old = self.snapshot()
+            del self._held[key]
+            self._expiring = asyncio.ensure_future(self._publish(old))
+
+    async def _publish(self, old: dict[EndpointId, Endpoint]) -> None:
+        """Tell the listeners (and :meth:`wait_for`) how the view changed from ``old``."""
         new = self.snapshot()
         joined = {i: e for i, e in new.items() if i not in old or old[i] != e}
         left = {i: e for i, e in old.items() if i not in new or new[i] != e}

@@ -112,3 +112,54 @@ async def test_watcher_keeps_last_view_through_an_etcd_outage(tmp_path) -> None:
     finally:
         await watcher.stop()
         proc2.stop()
+
+
+async def test_a_registration_back_within_the_grace_never_leaves(etcd: str) -> None:
+    """etcd expiring every lease at once (a pause longer than the TTL) and the engines registering again
+    a moment later: the watcher's view keeps them throughout and its listeners hear no leave (the soak
+    and a new user saw the whole pool "leave" for ~0.7 s, every request 503)."""
+    watcher = EndpointWatcher([etcd], model="m", departure_grace_seconds=2.0)
+    await watcher.start()
+    events: list[tuple[set[str], set[str]]] = []
+    watcher.add_listener(lambda joined, left: events.append((set(joined), set(left))))
+    ep = _endpoint(1010)
+    reg = LeaseRegistration([etcd], endpoint_key(ep), ep.to_json(), ttl_seconds=3)
+    await reg.start()
+    assert await watcher.wait_for(lambda view: ep.id in view, 5)
+    await reg.stop()  # the key is gone at once (lease revoked)
+    await asyncio.sleep(0.5)
+    assert ep.id in watcher.snapshot()  # held within the grace
+    again = LeaseRegistration([etcd], endpoint_key(ep), ep.to_json(), ttl_seconds=3)
+    await again.start()
+    await asyncio.sleep(2.5)  # past the grace
+    assert ep.id in watcher.snapshot()
+    assert events == [({ep.id}, set())]  # joined once, never left
+    await again.stop()
+    assert await watcher.wait_for(lambda view: ep.id not in view, 5)  # gone for good: leaves after the grace
+    assert events == [({ep.id}, set()), (set(), {ep.id})]
+    await watcher.stop()
+
+
+async def test_the_grace_delays_a_real_departure_by_that_much_only(etcd: str) -> None:
+    watcher = EndpointWatcher([etcd], model="m", departure_grace_seconds=1.0)
+    await watcher.start()
+    ep = _endpoint(1011)
+    reg = LeaseRegistration([etcd], endpoint_key(ep), ep.to_json(), ttl_seconds=3)
+    await reg.start()
+    assert await watcher.wait_for(lambda view: ep.id in view, 5)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await reg.stop()
+    assert await watcher.wait_for(lambda view: ep.id not in view, 5)
+    assert 0.9 <= loop.time() - started < 3.0
+    no_grace = EndpointWatcher([etcd], model="m", departure_grace_seconds=0)
+    await no_grace.start()
+    reg2 = LeaseRegistration([etcd], endpoint_key(ep), ep.to_json(), ttl_seconds=3)
+    await reg2.start()
+    assert await no_grace.wait_for(lambda view: ep.id in view, 5)
+    started = loop.time()
+    await reg2.stop()
+    assert await no_grace.wait_for(lambda view: ep.id not in view, 5)
+    assert loop.time() - started < 0.9
+    await no_grace.stop()
+    await watcher.stop()

@@ -12,24 +12,30 @@ transformers). Rendering is ``kvmesh.chat_template`` (vLLM 0.32's rules); encodi
 ``single_word`` starts at character ``c`` of a cached text ``S`` and a new text ``T`` agrees with ``S``
 up to ``c`` plus the longest added token, ``encode(T) = ids(S)[:k] + encode(T[c:])`` exactly (``k``:
 that token's index). A chat whose history grew by a turn therefore encodes only from the last
-template special token before the change: the new turn. Entries are found by a chain of per-message
-hashes of the request (model, template, tools... then each message), verified by comparing the texts
+template special token before the change: the new turn. Entries are found by per-prefix keys of the
+request (model, template, tools..., the prefix's length and last messages), verified by comparing the texts
 themselves, so a hash collision can only cost a miss, never a wrong token. The cache is bounded by
 total tokens held (LRU).
+
+The text itself is rendered incrementally too (:class:`kvmesh.chat_template.IncrementalRenderer`: the
+cached prefix's rendered text plus a short window render of the new messages, for templates probed
+at load to be exact that way; the full render otherwise), so a grown chat costs neither a full
+render nor a full encode. A request's ``chat_template`` override is always rendered in full.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from tokenizers import Tokenizer
 
-from kvmesh.chat_template import ChatTemplate, render_request
+from kvmesh.chat_template import ChatTemplate, IncrementalRenderer, prefix_key, render_request
 from kvmesh.errors import InvalidRequest
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
@@ -77,13 +83,15 @@ class LocalTokenizer:
     Args:
         path: the model (or tokenizer) directory.
         cache_max_tokens: token ids kept in the incremental chat cache (LRU by entry).
+        render_cache_bytes: bound of the incremental rendering cache
+            (:class:`kvmesh.chat_template.IncrementalRenderer`; LRU by bytes).
 
     Raises:
         OSError: ``tokenizer.json`` missing or unreadable.
         InvalidRequest: the chat template does not parse.
     """
 
-    def __init__(self, path: str | Path, cache_max_tokens: int = 2_000_000) -> None:
+    def __init__(self, path: str | Path, cache_max_tokens: int = 2_000_000, render_cache_bytes: int = 64 << 20) -> None:
         directory = Path(path)
         if directory.name == "tokenizer.json":
             directory = directory.parent
@@ -105,6 +113,7 @@ class LocalTokenizer:
             named = {t.get("name"): t.get("template") for t in config["chat_template"] if isinstance(t, dict)}
             source = named.get("default")
         self.template = ChatTemplate(source, self.special_tokens) if source else None
+        self.renderer = IncrementalRenderer(self.template, render_cache_bytes) if self.template else None
         added = self.tokenizer.get_added_tokens_decoder()
         self._cut_ids = frozenset(i for i, t in added.items() if not (t.lstrip or t.rstrip or t.single_word)
                                   and not t.normalized)
@@ -114,6 +123,7 @@ class LocalTokenizer:
         at = next((i for i in range(len(full) - len(probe) + 1) if full[i:i + len(probe)] == probe), 0)
         self._prefix_ids, self._suffix_ids = full[:at], full[at + len(probe):]
         self._cache: OrderedDict[int, _Entry] = OrderedDict()
+        self._lock = threading.Lock()
         self._cached_tokens = 0
         self._max_tokens = cache_max_tokens
         self.stats = {"hit": 0, "incremental": 0, "full": 0, "encoded_chars": 0}
@@ -160,9 +170,11 @@ class LocalTokenizer:
             template = ChatTemplate(override, self.special_tokens)
         if template is None:
             raise TemplateUnavailable(f"no chat template for the tokenizer in {self.path}")
+        if template is self.template and self.renderer is not None:
+            return self.renderer.render(body)
         return render_request(template, body)
 
-    def chat_ids(self, body: Mapping[str, Any], chain: list[int] | None = None) -> list[int]:
+    def chat_ids(self, body: Mapping[str, Any], chain: Sequence[int] | None = None) -> list[int]:
         """Token ids of a chat body (before ``truncate_prompt_tokens``), incrementally when possible.
 
         Args:
@@ -176,7 +188,9 @@ class LocalTokenizer:
         key = chain[-1]
         entry = self._cache.get(key)
         if entry is not None and entry.text == text:
-            self._cache.move_to_end(key)
+            with self._lock:  # chat_ids may run in a worker thread (a long first call) meanwhile
+                if key in self._cache:
+                    self._cache.move_to_end(key)
             self.stats["hit"] += 1
             return self.with_specials(entry.ids, add)
         base = None
@@ -195,10 +209,10 @@ class LocalTokenizer:
         self._store(key, new)
         return self.with_specials(new.ids, add)
 
-    def has_cached_prefix(self, chain: list[int]) -> bool:
+    def has_cached_prefix(self, chain: Sequence[int]) -> bool:
         """Whether some prefix of ``chain`` has a cache entry (the next :meth:`chat_ids` is then cheap)."""
         cache = self._cache
-        return any(k in cache for k in chain)
+        return any(k in cache for k in reversed(chain))
 
     def _extend(self, base: _Entry, text: str) -> _Entry | None:
         same = _common_prefix(base.text, text)
@@ -222,6 +236,10 @@ class LocalTokenizer:
         )
 
     def _store(self, key: int, entry: _Entry) -> None:
+        with self._lock:
+            self._store_locked(key, entry)
+
+    def _store_locked(self, key: int, entry: _Entry) -> None:
         old = self._cache.pop(key, None)
         if old is not None:
             self._cached_tokens -= len(old.ids)
@@ -234,20 +252,40 @@ class LocalTokenizer:
             self._cached_tokens -= len(dropped.ids)
 
 
-def message_chain(root: Any, messages: Any) -> list[int]:
-    """Cache keys of each message prefix: ``h_i = hash((h_{i-1}, message_i))``, ``h_{-1} = hash(root)``.
+class PrefixKeys(Sequence[int]):
+    """Cache keys of each message prefix, computed when read (:func:`kvmesh.chat_template.prefix_key`). O(1) each.
 
-    Plain messages hash their role and content strings; others their canonical JSON. In-process
-    only (Python's ``hash``); texts are compared before any cached ids are reused.
+    ``keys[i]`` keys ``messages[:i + 1]`` under ``root``. Not unique: texts are compared before any
+    cached ids are reused, so a collision costs a miss.
     """
-    h = hash(root)
-    out = []
-    for m in messages:
-        if isinstance(m, Mapping) and len(m) == 2 and isinstance(m.get("content"), str):
-            h = hash((h, m.get("role"), m["content"]))
-        elif isinstance(m, (tuple, list)) and len(m) == 2:
-            h = hash((h, m[0], m[1]))
-        else:
-            h = hash((h, json.dumps(m, sort_keys=True, default=str)))
-        out.append(h)
-    return out
+
+    def __init__(self, root: Any, messages: Sequence[Any]) -> None:
+        self._root = root
+        self._messages = messages
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        n = len(self._messages)
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(n))]
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(i)
+        return prefix_key(self._root, self._messages, i + 1)
+
+    def __reversed__(self) -> Iterator[int]:
+        for i in range(len(self._messages), 0, -1):
+            yield prefix_key(self._root, self._messages, i)
+
+
+def message_chain(root: Any, messages: Sequence[Any]) -> PrefixKeys:
+    """The cache keys of each prefix of ``messages`` (:class:`PrefixKeys`), ``root`` naming the model, template and fields."""
+    return PrefixKeys(root, messages)

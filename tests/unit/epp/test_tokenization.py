@@ -126,6 +126,8 @@ def test_growing_chat_encodes_only_the_new_turn(tok_dir: Path) -> None:
             assert local.stats["encoded_chars"] - before < new_turn + 64
         messages.append({"role": "assistant", "content": rng.choice(docs)})
     assert local.stats["incremental"] >= 28
+    assert local.renderer is not None and local.renderer.incremental  # the simulator's template renders windowed
+    assert local.renderer.stats["incremental"] >= 25 and local.renderer.stats["fallback"] == 0
 
 
 async def test_plain_messages_use_the_same_path(tok_dir: Path, engine: Renderer) -> None:
