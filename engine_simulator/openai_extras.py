@@ -5,6 +5,8 @@
 | --- | --- |
 | :func:`split_batch` | completions ``prompt`` as ``list[str]`` or ``list[list[int]]``: one engine request per prompt |
 | :func:`choices_per_prompt` | ``n`` an integer >= 1 (vLLM's ``CompletionRequest.n`` / ``ChatCompletionRequest.n``) |
+| :func:`read_generation_fields` | scalar fields read as vLLM's pydantic models read them (lax: ``"5"`` is 5, ``"false"`` is False), its type errors as its 400 (``"N validation error(s): ..."``, ``type`` "Bad Request"); ``stop`` a string or at most 4 strings, ``seed`` an int64; ``SamplingParams``' range checks (``temperature`` in [0, 2], ``top_p`` in (0, 1], ...) and ``logprobs`` at most ``MAX_LOGPROBS`` (20) with vLLM's messages (``BadRequestError``, ``param``) |
+| :func:`simulated_logprobs` | ``logprobs: k`` (chat: ``logprobs: true`` + ``top_logprobs: k``) answers a logprobs object in vLLM's completion/chat shape, simulated values |
 | :class:`ApiKeyMiddleware` | ``--api-key``: paths under ``/v1`` need ``Authorization: Bearer <key>``, else 401 ``{"error": "Unauthorized"}``; ``/health``, ``/metrics``, ``/tokenize``, ``/detokenize`` stay open (``AuthenticationMiddleware``) |
 | :meth:`ExtraRoutes.embeddings` | served only by the pooling runner (``--runner pooling``): ``input`` text, token ids or a batch -> ``{"object": "list", "data": [{"index", "object": "embedding", "embedding"}], "usage"}``; ``encoding_format`` float or base64 (little-endian float32) |
 | :meth:`ExtraRoutes.detokenize` | ``{"model", "tokens"}`` -> ``{"prompt": text}`` |
@@ -20,12 +22,14 @@ from __future__ import annotations
 import base64
 import hashlib
 import math
+import re
 import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from starlette.datastructures import URL, Headers
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -341,3 +345,260 @@ class ExtraRoutes:
         if stored_messages is not None:
             self.store.keep(completed, stored_messages)
         yield event("response.completed", response=completed)
+
+
+# -- request fields as vLLM 0.32's pydantic models read them -----------------------------------------
+
+MAX_LOGPROBS = 20
+"""vLLM 0.32's ``--max-logprobs`` default (``config/model.py`` ``ModelConfig.max_logprobs``)."""
+MAX_STOP_STRINGS = 4
+"""``VLLM_MAX_STOP_STRINGS`` default (``envs.py``): the longest ``stop`` list ``StopParam`` takes."""
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_LOC_MARKERS = frozenset({
+    "function-wrap", "function-after", "function-before", "function-plain", "json-or-python", "lax-or-strict",
+    "chain", "default", "nullable", "tagged-union", "union", "call", "arguments", "is-instance", "is-subclass",
+    "callable", "str", "int", "float", "bool", "bytes", "bytearray", "list", "tuple", "dict", "set", "frozenset",
+    "complex", "none", "nonetype",
+})
+
+
+class FieldError(Exception):
+    """vLLM's ``VLLMValidationError`` raised in a model validator: not a ``ValueError``, so pydantic lets it
+    through and vLLM answers it as ``BadRequestError`` (``create_error_response``), not as a validation error."""
+
+    def __init__(self, message: str, parameter: str | None = None, value: Any = None) -> None:
+        super().__init__(message)
+        self.message, self.parameter, self.value = message, parameter, value
+
+
+class VllmValidationError(Exception):
+    """A request vLLM's FastAPI layer refuses: carries the 400 body (``ErrorResponse``) to answer with."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        super().__init__(body["error"]["message"])
+        self.body = body
+
+
+def _number_or_none(data: dict[str, Any], names: tuple[str, ...]) -> None:
+    for name in names:
+        value = data.get(name)
+        if value is not None and not isinstance(value, (int, float)):
+            raise FieldError(f"`{name}` must be an integer.", name, value)
+
+
+class _GenerationFields(BaseModel):
+    """The scalar fields of vLLM 0.32's ``CompletionRequest`` the simulator reads, same types (lax pydantic v2),
+    same ``Field`` bounds, same ``check_logprobs`` before-validator (``completion/protocol.py`` 59-136, 503-575)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    max_tokens: int | None = 16
+    n: int = 1
+    stream: bool | None = False
+    ignore_eos: bool = False
+    echo: bool | None = False
+    seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = []
+    logprobs: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    priority: int = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_logprobs(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            _number_or_none(data, ("prompt_logprobs", "logprobs"))
+            logprobs = data.get("logprobs")
+            if logprobs is not None and logprobs < 0 and logprobs != -1:
+                raise FieldError("`logprobs` must be a positive value or -1.", "logprobs", logprobs)
+        return data
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class _ChatFields(_GenerationFields):
+    """``ChatCompletionRequest`` (``chat_completion/protocol.py`` 227-388, 835-890): ``max_tokens`` defaults to
+    None, ``max_completion_tokens`` preferred; ``n`` Optional; ``echo`` a plain bool; ``logprobs`` a bool and
+    ``top_logprobs`` the count (null -> 0), which needs ``logprobs: true``."""
+
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    n: int | None = 1  # type: ignore[assignment]
+    echo: bool = False
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, BeforeValidator(lambda v: 0 if v is None else v)] = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_logprobs(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            _number_or_none(data, ("prompt_logprobs", "top_logprobs"))
+            top = data.get("top_logprobs")
+            if top is not None:
+                if top < 0 and top != -1:
+                    raise FieldError("`top_logprobs` must be a positive value or -1.", "top_logprobs", top)
+                if (top == -1 or top > 0) and not data.get("logprobs"):
+                    raise FieldError("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+        return data
+
+    def num_logprobs(self) -> int | None:
+        return self.top_logprobs if self.logprobs else None
+
+
+def _clean_loc(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc if not (re.search(r"[\[\]{}()]", str(p)) or str(p).lower() in _LOC_MARKERS)]
+    return ".".join(parts) if parts else ".".join(str(p) for p in loc)
+
+
+def _summarize(value: Any) -> Any:
+    if isinstance(value, str):
+        return value if len(value) <= 200 else value[:200] + "...[truncated]"
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    text = str(value)
+    return text if len(text) <= 200 else text[:200] + "...[truncated]"
+
+
+def validation_error_body(exc: ValidationError) -> dict[str, Any]:
+    """vLLM 0.32's 400 for a body its pydantic model refuses (``serve/exception_handling/handlers/validation.py``
+    ``validation_exception_handler``): ``"N validation error(s):\\n  {error}"`` over at most 10 errors (locations
+    under ``body``, union-branch markers dropped, inputs summarized), ``type`` "Bad Request", ``param`` the
+    first error's location (``body.stop``)."""
+    errors: list[dict[str, Any]] = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
+    param = _clean_loc(errors[0]["loc"]) if errors else None
+    label = "error" if len(errors) == 1 else "errors"
+    lines = []
+    for err in errors[:10]:
+        shown = {**err, "loc": _clean_loc(err["loc"])}
+        if "input" in shown:
+            shown["input"] = _summarize(shown["input"])
+        text = str(shown)
+        lines.append(f"  {text[:1000]}...[truncated]" if len(text) > 1000 else f"  {text}")
+    message = f"{len(errors)} validation {label}:\n" + "\n".join(lines)
+    if len(errors) > 10:
+        message += f"\n  ...and {len(errors) - 10} more {label}"
+    return {"error": {"message": message, "type": "Bad Request", "param": param, "code": 400}}
+
+
+def _sampling_error(message: str, param: str | None = None, value: Any = None) -> VllmValidationError:
+    """vLLM's answer to a ``VLLMValidationError``: ``BadRequestError``, its ``str()`` as the message (the text, then
+    `` (parameter=P, value=V)`` for those set: ``vllm/exceptions.py``), ``param`` its parameter."""
+    extras = [f"{k}={v}" for k, v in (("parameter", param), ("value", value)) if v is not None]
+    text = f"{message} ({', '.join(extras)})" if extras else message
+    return VllmValidationError({"error": {"message": text, "type": "BadRequestError", "param": param, "code": 400}})
+
+
+def _check_sampling(fields: _GenerationFields, vocab_size: int) -> None:
+    """``SamplingParams._verify_args`` and ``_validate_logprobs`` (vLLM 0.32 ``sampling_params.py`` 46-58, 632-735,
+    919-935) for the fields read here; the first failure wins, as there."""
+    n = 1 if fields.n is None else fields.n
+    if n < 1:
+        raise _sampling_error(f"n must be at least 1, got {n}.")
+    temperature = 1.0 if fields.temperature is None else fields.temperature
+    if not math.isfinite(temperature):
+        raise _sampling_error(f"temperature must be a finite number, got {temperature}.", "temperature", temperature)
+    if temperature < 0.0:
+        raise _sampling_error(f"temperature must be non-negative, got {temperature}.", "temperature", temperature)
+    if temperature > 2.0:
+        raise _sampling_error(f"temperature must be in [0, 2], got {temperature}.", "temperature", temperature)
+    top_p = 1.0 if fields.top_p is None else fields.top_p
+    if not 0.0 < top_p <= 1.0:
+        raise _sampling_error(f"top_p must be in (0, 1], got {top_p}.", "top_p", top_p)
+    top_k = 0 if fields.top_k is None else fields.top_k
+    if top_k < -1:
+        raise _sampling_error(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
+    min_p = 0.0 if fields.min_p is None else fields.min_p
+    if not 0.0 <= min_p <= 1.0:
+        raise _sampling_error(f"min_p must be in [0, 1], got {min_p}.")
+    if fields.min_tokens < 0:
+        raise _sampling_error(f"min_tokens must be greater than or equal to 0, got {fields.min_tokens}.")
+    stop = [fields.stop] if isinstance(fields.stop, str) else fields.stop or []
+    if any(not s for s in stop):
+        raise _sampling_error("stop cannot contain an empty string.")
+
+
+def check_max_logprobs(k: int | None, vocab_size: int) -> None:
+    """``SamplingParams._validate_logprobs`` (vLLM 0.32 ``sampling_params.py`` 919-935): ``k`` (-1: the vocabulary)
+    at most ``MAX_LOGPROBS``. vLLM runs it in the engine's input processing, so a streamed request gets it as an
+    in-stream ``data: {"error": ...}`` event after a 200, a plain one as this 400.
+
+    Raises:
+        VllmValidationError: ``Requested sample logprobs of K, which is greater than max allowed: 20``.
+    """
+    if k:
+        requested = vocab_size if k == -1 else k
+        if requested > MAX_LOGPROBS:
+            raise _sampling_error(f"Requested sample logprobs of {requested}, which is greater than max allowed: "
+                                  f"{MAX_LOGPROBS}", "logprobs", requested)
+
+
+def read_generation_fields(body: dict[str, Any], chat: bool, vocab_size: int) -> tuple[dict[str, Any], int | None]:
+    """Validate a completions/chat body's scalar fields as vLLM 0.32 does and coerce them.
+
+    Returns:
+        ``(body with the read fields coerced, logprobs per token or None)``: ``{"n": "2"}`` reads as 2,
+        ``{"stream": "false"}`` as False; for chat the count is ``top_logprobs`` when ``logprobs`` is true.
+
+    Raises:
+        VllmValidationError: with vLLM's 400 body (pydantic's type errors, its ``check_logprobs`` messages,
+            ``SamplingParams``' range messages); ``logprobs`` over ``MAX_LOGPROBS`` is :func:`check_max_logprobs`.
+    """
+    model = _ChatFields if chat else _GenerationFields
+    try:
+        fields = model.model_validate(body)
+    except ValidationError as exc:
+        raise VllmValidationError(validation_error_body(exc)) from None
+    except FieldError as exc:
+        raise _sampling_error(exc.message, exc.parameter, exc.value) from None
+    _check_sampling(fields, vocab_size)
+    coerced: dict[str, Any] = {name: getattr(fields, name) for name in ("n", "stream", "ignore_eos", "max_tokens", "echo")
+               if name in body}
+    if isinstance(fields, _ChatFields) and "max_completion_tokens" in body:
+        coerced["max_completion_tokens"] = fields.max_completion_tokens
+    return {**body, **coerced}, fields.num_logprobs()
+
+
+def _first_wins(pairs: list[tuple[str, float]]) -> dict[str, float]:
+    """``{token: logprob}`` keeping a token string's first (most likely) value: distinct ids may decode alike."""
+    out: dict[str, float] = {}
+    for token, value in pairs:
+        out.setdefault(token, value)
+    return out
+
+
+def simulated_logprobs(token_ids: list[int], token_text: Any, k: int, chat: bool, text_offset: int = 0) -> dict[str, Any]:
+    """A logprobs object in vLLM 0.32's shape for sampled ``token_ids`` with ``k`` alternatives each.
+
+    Completions (``CompletionLogProbs``): ``{"text_offset", "token_logprobs", "tokens", "top_logprobs"}``, each
+    step's ``top_logprobs`` a ``{token: logprob}`` dict holding the sampled token and the top ``k``. Chat
+    (``ChatCompletionLogProbs``): ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [k entries]}]}``.
+    Values are simulated (deterministic in the token id, <= 0, the sampled token the most likely); tokens are
+    the tokenizer's own strings (``token_text(id)``).
+    """
+    def logprob(token_id: int, rank: int) -> float:
+        return -round(0.01 + (token_id % 50) / 100 + rank * 0.75, 4)
+
+    steps = []
+    for tid in token_ids:
+        alternatives = [(tid, logprob(tid, 0))] + [(tid + r, logprob(tid + r, r)) for r in range(1, k)]
+        steps.append((token_text(tid), logprob(tid, 0), [(token_text(a), lp) for a, lp in alternatives[:k]]))
+    if chat:
+        def entry(token: str, lp: float) -> dict[str, Any]:
+            return {"token": token, "logprob": lp, "bytes": list(token.encode("utf-8", errors="replace"))}
+        return {"content": [{**entry(tok, lp), "top_logprobs": [entry(t, v) for t, v in top]} for tok, lp, top in steps]}
+    offsets: list[int] = []
+    position = text_offset
+    for tok, _, _ in steps:
+        offsets.append(position)
+        position += len(tok)
+    return {
+        "text_offset": offsets,
+        "token_logprobs": [lp for _, lp, _ in steps],
+        "tokens": [tok for tok, _, _ in steps],
+        "top_logprobs": [_first_wins([(tok, lp), *top]) for tok, lp, top in steps],
+    }

@@ -44,7 +44,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine_simulator.engine import AsyncEngine
-from engine_simulator.openai_extras import ApiKeyMiddleware, ExtraRoutes, choices_per_prompt, split_batch
+from engine_simulator.openai_extras import (
+    ApiKeyMiddleware,
+    ExtraRoutes,
+    VllmValidationError,
+    check_max_logprobs,
+    choices_per_prompt,
+    read_generation_fields,
+    simulated_logprobs,
+    split_batch,
+)
 from engine_simulator.rendering import Renderer
 from engine_simulator.scheduler import LoraAdapter, Request, RequestOutput
 from kvmesh.errors import InvalidRequest, UnknownModel
@@ -234,7 +243,7 @@ class EngineHttpApi:
                 Route("/debug/kv_events/drop", self.debug_drop_events, methods=["POST"]),
             ],
             exception_handlers={InvalidRequest: self._invalid_request, UnknownModel: self._unknown_model,
-                                ClientDisconnect: self._client_disconnected},
+                                VllmValidationError: self._vllm_validation, ClientDisconnect: self._client_disconnected},
             middleware=[Middleware(ApiKeyMiddleware, api_key=self._state.api_key)] if self._state.api_key else None,
         )
 
@@ -266,6 +275,10 @@ class EngineHttpApi:
 
     async def _invalid_request(self, request: HttpRequest, exc: Exception) -> Response:
         return _error(400, str(exc))
+
+    async def _vllm_validation(self, request: HttpRequest, exc: Exception) -> Response:
+        assert isinstance(exc, VllmValidationError)
+        return JSONResponse(exc.body, status_code=400)
 
     async def _unknown_model(self, request: HttpRequest, exc: Exception) -> Response:
         return _error(404, str(exc), "model")
@@ -321,7 +334,15 @@ class EngineHttpApi:
     async def _generate(self, request: HttpRequest, chat: bool) -> Response:
         """One completions/chat request: every prompt of a batch times ``n`` choices (vLLM 0.32's shapes:
         choice ``index`` = ``prompt_index * n + i``; usage summed, a prompt's tokens counted once)."""
-        body = await _json_body(request)
+        body, logprobs = read_generation_fields(await _json_body(request), chat, self._renderer.vocab_size)
+        streamed = bool(body.get("stream"))
+        try:
+            check_max_logprobs(logprobs, self._renderer.vocab_size)
+        except VllmValidationError as exc:
+            if not streamed:
+                raise
+            return StreamingResponse(iter([f"data: {_dumps(exc.body)}\n\n", "data: [DONE]\n\n"]),
+                                     media_type="text/event-stream", headers=_SSE_HEADERS)
         n = choices_per_prompt(body)
         prepared = [await self._prepare_bounded(sub, chat) for sub in split_batch(body, chat)]
         prefix = "chatcmpl-" if chat else "cmpl-"
@@ -342,11 +363,11 @@ class EngineHttpApi:
                 self._engine.abort(req.request_id)
             raise InvalidRequest(str(exc)) from exc
         created = int(time.time())
-        if body.get("stream"):
+        if streamed:
             opts = body.get("stream_options") or {}
             include_usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
             return StreamingResponse(
-                self._stream(rid, reqs, queues, chat, created, include_usage, n),
+                self._stream(rid, reqs, queues, chat, created, include_usage, n, logprobs),
                 media_type="text/event-stream",
                 headers=_SSE_HEADERS,
             )
@@ -364,10 +385,19 @@ class EngineHttpApi:
         if not waiter.done() or waiter.cancelled():
             logger.info("client disconnected request_id=%s: request aborted", rid)
             return Response(status_code=499)
-        return JSONResponse(self._completion_body(rid, reqs, chat, created, n))
+        return JSONResponse(self._completion_body(rid, reqs, chat, created, n, logprobs))
 
-    def _choice(self, req: Request, index: int, chat: bool) -> dict[str, Any]:
+    def _logprobs(self, ids: list[int], k: int | None, chat: bool, text_offset: int = 0) -> dict[str, Any] | None:
+        """vLLM's logprobs object for ``ids`` when the request asked for it (``k`` not None), else None."""
+        if k is None:
+            return None
+        vocab = self._renderer.vocab_size
+        count = vocab if k == -1 else k
+        return simulated_logprobs(ids, lambda t: self._renderer.detokenize([t % vocab]), count, chat, text_offset)
+
+    def _choice(self, req: Request, index: int, chat: bool, k: int | None = None) -> dict[str, Any]:
         text = self._renderer.detokenize(req.output_token_ids)
+        logprobs = self._logprobs(list(req.output_token_ids), k, chat)
         finish = str(req.finish_reason)
         if chat:
             return {
@@ -382,27 +412,29 @@ class EngineHttpApi:
                     "tool_calls": [],
                     "reasoning_content": None,
                 },
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish,
                 "stop_reason": None,
             }
         return {
             "index": index,
             "text": text,
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish,
             "stop_reason": None,
             "prompt_logprobs": None,
         }
 
-    def _completion_body(self, rid: str, reqs: list[Request], chat: bool, created: int, n: int) -> dict[str, Any]:
+    def _completion_body(
+        self, rid: str, reqs: list[Request], chat: bool, created: int, n: int, k: int | None = None
+    ) -> dict[str, Any]:
         """The non-streaming answer of finished requests (vLLM 0.32's field set)."""
         return {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": created,
             "model": self._state.model,
-            "choices": [self._choice(req, i, chat) for i, req in enumerate(reqs)],
+            "choices": [self._choice(req, i, chat, k) for i, req in enumerate(reqs)],
             "usage": summed_usage(reqs, n),
             "kv_transfer_params": None,
         }
@@ -416,6 +448,7 @@ class EngineHttpApi:
         created: int,
         include_usage: bool,
         n: int,
+        k: int | None = None,
     ) -> AsyncIterator[str]:
         """SSE chunks as vLLM writes them, one choice per chunk (its ``index``), the usage chunk summed;
         a client gone before the end aborts every unfinished choice."""
@@ -432,6 +465,7 @@ class EngineHttpApi:
 
         pumps = [asyncio.create_task(pump(i, q)) for i, q in enumerate(queues)]
         open_choices = len(queues)
+        offsets = [0] * len(queues)
         try:
             if chat:
                 for i in range(len(reqs)):
@@ -446,13 +480,16 @@ class EngineHttpApi:
                     open_choices -= 1
                 text = self._renderer.detokenize(out.new_token_ids)
                 reason = str(req.finish_reason) if out.finished else None
+                logprobs = self._logprobs(list(out.new_token_ids), k, chat, offsets[index])
+                offsets[index] += len(text)
                 choice: dict[str, Any]
                 if chat:
-                    choice = {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": reason}
+                    choice = {"index": index, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": reason}
                     if out.finished:
                         choice["stop_reason"] = None
                 else:
-                    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason, "stop_reason": None}
+                    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
+                              "stop_reason": None}
                 yield f"data: {_dumps({**head, 'choices': [choice]})}\n\n"
             if include_usage:
                 yield f"data: {_dumps({**head, 'choices': [], 'usage': summed_usage(reqs, n)})}\n\n"

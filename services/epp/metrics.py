@@ -77,6 +77,17 @@ for _path in PrefixIndexPath:  # a closed set: every series exists from the star
     PREFIX_INDEX_SCORES.labels(str(_path))
 
 
+PICKS_WITHOUT_METRICS = Counter(
+    "kvmesh_epp_picks_without_metrics_total",
+    "Picks made before any endpoint of the model was scraped (epp starting, or a new pool): the "
+    "not-yet-scraped endpoints were candidates, scored on empty metrics.",
+)
+
+
+def record_unscraped_pick() -> None:
+    PICKS_WITHOUT_METRICS.inc()
+
+
 def record_plugin(extension_point: ExtensionPoint, plugin_type: str, seconds: float) -> None:
     PLUGIN_DURATION.labels(str(extension_point), plugin_type or "unknown").observe(seconds)
 

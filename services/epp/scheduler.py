@@ -35,7 +35,7 @@ from services.epp.datastore import Datastore
 from services.epp.framework.cycle_state import CycleState
 from services.epp.framework.interfaces import Candidate, SchedulingRequest, ScoredCandidate
 from services.epp.framework.profile import SchedulerProfile
-from services.epp.metrics import PickOutcome, record_pick, record_plugin
+from services.epp.metrics import PickOutcome, record_pick, record_plugin, record_unscraped_pick
 from services.epp.plugins.filters.live_endpoint import LiveEndpointFilter
 from services.epp.plugins.prepare.prefix_match import (
     PREFIX_MATCH,
@@ -103,9 +103,19 @@ class Scheduler:
         return decision
 
     def _live_candidates(
-        self, state: CycleState, request: SchedulingRequest, all_of_model: list[Candidate]
+        self, state: CycleState, request: SchedulingRequest, all_of_model: list[Candidate], final: bool = False
     ) -> list[Candidate]:
         candidates = self._live_filter.filter(state, request, all_of_model)
+        if not candidates and not any(c.metrics.age_seconds is not None for c in all_of_model):
+            # Nothing of this model scraped yet (epp just started, or the whole pool just joined): fail open
+            # to the endpoints not yet scraped and not failing, scored on empty metrics, rather than refuse
+            # every request for the first scrape interval (a restarted epp refused 5 of 21,859 in the soak).
+            candidates = [c for c in all_of_model if c.endpoint.model == request.model
+                          and c.id not in request.exclude_endpoint_ids and c.metrics.consecutive_failures == 0]
+            if candidates:
+                if final:
+                    record_unscraped_pick()
+                return candidates
         if not candidates:
             excluded = sum(1 for c in all_of_model if c.id in request.exclude_endpoint_ids)
             raise NoEndpointsAvailable(
@@ -126,7 +136,7 @@ class Scheduler:
         # A fresh snapshot: picks that completed while this one awaited its I/O are now counted.
         # From here to note_pick nothing suspends (scorers read what prepare fetched).
         all_of_model = self.datastore.candidates(request.model)
-        candidates = self._live_candidates(state, request, all_of_model)
+        candidates = self._live_candidates(state, request, all_of_model, final=True)
         result = self.profile.run(state, request, candidates, observer=record_plugin)
         target = result.ranked[0]
         prompt = prompt_token_ids(state, request)

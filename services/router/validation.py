@@ -14,9 +14,9 @@ OpenAI body built from its protobuf. Checks, in order (the first failure wins):
 | completions: ``prompt`` is a string, a list of token ids, or a batch (a list of strings or of token-id lists, at most ``max_batch_prompts``); no ``messages`` | InvalidRequest (400) |
 | chat: ``messages`` a non-empty list of ``{role, content}``, ``role`` in :data:`CHAT_ROLES`; no ``prompt`` | InvalidRequest (400) |
 | embeddings: ``input`` a string, token ids, or a list of either; responses: ``input`` a string or a list of items | InvalidRequest (400) |
-| ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens``: an integer in [1, min(max_model_len, max_tokens_limit)] | InvalidRequest (400) |
-| ``temperature`` a number in [0, 2]; ``top_p`` in (0, 1]; ``n`` an integer in [1, ``max_n``] | InvalidRequest (400) |
-| ``stream`` a boolean | InvalidRequest (400) |
+| scalar fields (:data:`SCALAR_FIELDS`) of vLLM's declared type under pydantic lax coercion (``"5"``, ``5.0`` are ints) | InvalidRequest (400) |
+| ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens``: in [1, min(max_model_len, max_tokens_limit)] | InvalidRequest (400) |
+| ``temperature`` in [0, 2]; ``top_p`` in (0, 1]; ``n`` in [1, ``max_n``] (vLLM 0.32 ``sampling_params.py`` 46-58, 653-675) | InvalidRequest (400) |
 | prompt (+ max_tokens) over the model's context | InvalidRequest (400) |
 
 Prompt length. Token ids are counted exactly (vLLM's rule: ``prompt_tokens + max_tokens <=
@@ -41,6 +41,8 @@ import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
 
 from kvmesh.errors import InvalidRequest, NoEndpointsAvailable, UnknownModel
 from services.router.catalog import ModelCatalog
@@ -203,8 +205,69 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+_Scalar = type[int] | type[float] | type[bool]
+
+
+def _adapter(typ: _Scalar, optional: bool) -> TypeAdapter[Any]:
+    annotation: Any = typ | None if optional else typ
+    return TypeAdapter(annotation)
+
+
+_ADAPTERS = {(t, optional): _adapter(t, optional) for t in (int, float, bool) for optional in (True, False)}
+"""pydantic v2 lax validators of vLLM's scalar field types (``int``, ``float``, ``bool``, each optional or not)."""
+
+_GENERATION_FIELDS: dict[str, tuple[_Scalar, bool]] = {
+    "max_tokens": (int, True), "n": (int, False), "temperature": (float, True), "top_p": (float, True),
+    "top_k": (int, True), "min_p": (float, True), "min_tokens": (int, False), "seed": (int, True),
+    "stream": (bool, True), "echo": (bool, True), "ignore_eos": (bool, False), "priority": (int, False),
+    "presence_penalty": (float, True), "frequency_penalty": (float, True), "repetition_penalty": (float, True),
+}
+_CHAT_FIELDS = {**_GENERATION_FIELDS, "max_completion_tokens": (int, True), "n": (int, True), "echo": (bool, False)}
+SCALAR_FIELDS: dict[RequestKind, dict[str, tuple[_Scalar, bool]]] = {
+    RequestKind.COMPLETION: _GENERATION_FIELDS,
+    RequestKind.CHAT: _CHAT_FIELDS,
+    RequestKind.RESPONSES: {"max_output_tokens": (int, True), "temperature": (float, True), "top_p": (float, True),
+                            "stream": (bool, True), "priority": (int, False)},
+    RequestKind.EMBEDDINGS: {"priority": (int, False)},
+}
+"""Per endpoint, the scalar fields checked here and vLLM 0.32's declared type ``(type, Optional?)``:
+``entrypoints/openai/completion/protocol.py`` ``CompletionRequest`` (lines 59-136),
+``chat_completion/protocol.py`` ``ChatCompletionRequest`` (lines 227-388; ``n`` is ``int | None`` there,
+``echo`` a plain ``bool``), ``responses/protocol.py`` ``ResponsesRequest`` (lines 238-264). vLLM's models are
+pydantic v2 in lax mode, so these fields follow its coercion exactly: an ``int`` takes an int, a bool, an
+integral float (``5.0``) or an integer string (``"5"``, ``" 5 "``, ``"5.0"``), not ``5.5`` / ``"five"`` /
+``1e20``; a ``float`` takes numbers, bools and numeric strings (``"2.5"``, ``"1e3"``, ``"inf"``); a ``bool``
+takes true/false, 0/1 and pydantic's strings (``"true"``, ``"yes"``, ``"on"``, ``"1"``, ...); ``null`` only
+where vLLM's field is Optional. ``logprobs``/``top_logprobs``/``prompt_logprobs`` and ``stop`` carry vLLM
+model validators beyond their type and are left to the engine."""
+
+
+def coerce_fields(kind: RequestKind, body: dict[str, Any]) -> dict[str, Any]:
+    """The scalar fields of :data:`SCALAR_FIELDS` present in ``body``, coerced as vLLM 0.32's pydantic models
+    coerce them (``{"max_tokens": "5"}`` -> ``{"max_tokens": 5}``); for kvmesh's own reading only: the body is
+    forwarded unchanged. Values already of the declared type skip pydantic (the hot path: ~0.1 µs a field).
+
+    Raises:
+        InvalidRequest: a value vLLM's model refuses (400), naming the field and the expected type.
+    """
+    out: dict[str, Any] = {}
+    for name, (typ, optional) in SCALAR_FIELDS[kind].items():
+        if name not in body:
+            continue
+        value = body[name]
+        if type(value) is typ:
+            out[name] = value
+            continue
+        if typ is float and type(value) is int:
+            out[name] = float(value)
+            continue
+        try:
+            out[name] = _ADAPTERS[typ, optional].validate_python(value)
+        except ValidationError:
+            what = {int: "an integer", float: "a number", bool: "a boolean"}[typ]
+            null = " or null" if optional else ""
+            raise InvalidRequest(f"'{name}' must be {what}{null}, got {json.dumps(value)[:40]}") from None
+    return out
 
 
 def estimate_text_tokens(text: str) -> int:
@@ -416,36 +479,31 @@ def validate_request(
 
     prompt = _validate_prompt(kind, body, max_batch_prompts)
 
+    fields = coerce_fields(kind, body)
     max_tokens: int | None = None
     for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
-        value = body.get(name)
+        value = fields.get(name)
         if value is None:
             continue
-        if not _is_int(value):
-            raise InvalidRequest(f"'{name}' must be an integer")
-        if value < 1:
+        if value < 1:  # vLLM 0.32 sampling_params.py:688 (SamplingParams._verify_args)
             raise InvalidRequest(f"'{name}' must be at least 1, got {value}")
         cap = min(max_tokens_limit, info.max_model_len or max_tokens_limit)
         if value > cap:
             raise InvalidRequest(f"'{name}' = {value} exceeds the limit of {cap} tokens for model '{model}'")
         max_tokens = value if max_tokens is None else min(max_tokens, value)
 
-    temperature = body.get("temperature")
-    if temperature is not None and (not _is_number(temperature) or not 0 <= temperature <= 2):
-        raise InvalidRequest("'temperature' must be a number in [0, 2]")
-    top_p = body.get("top_p")
-    if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
-        raise InvalidRequest("'top_p' must be a number in (0, 1]")
-    n = body.get("n")
+    temperature = fields.get("temperature")
+    if temperature is not None and not 0 <= temperature <= 2:  # vLLM 0.32 sampling_params.py:653-670 (NaN fails too)
+        raise InvalidRequest(f"'temperature' must be in [0, 2], got {temperature}")
+    top_p = fields.get("top_p")
+    if top_p is not None and not 0 < top_p <= 1:  # vLLM 0.32 sampling_params.py:671
+        raise InvalidRequest(f"'top_p' must be in (0, 1], got {top_p}")
+    n = fields.get("n")
     if n is None:
         n = 1
-    if not _is_int(n) or not 1 <= n <= max_n:
-        raise InvalidRequest(f"'n' must be an integer in [1, {max_n}]")
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise InvalidRequest("'stream' must be a boolean")
+    if not 1 <= n <= max_n:  # vLLM 0.32 sampling_params.py:46-58 (>= 1); the upper bound is kvmesh's max_n
+        raise InvalidRequest(f"'n' must be an integer in [1, {max_n}], got {n}")
+    stream = bool(fields.get("stream"))
 
     previous_response_id = body.get("previous_response_id") if kind is RequestKind.RESPONSES else None
     if previous_response_id is not None and (not isinstance(previous_response_id, str) or not previous_response_id):

@@ -100,7 +100,7 @@ async def test_completion_and_stream_shapes(client: httpx.AsyncClient) -> None:
     [
         ("/v1/completions", {"model": "other", "prompt": "x"}, 404, "The model `other` does not exist."),
         ("/v1/completions", {"model": MODEL}, 400, "'prompt' is required"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n must be an integer >= 1"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n must be at least 1, got 0."),
         ("/tokenize", {"model": MODEL}, 400, "either 'prompt' or 'messages' is required"),
         ("/v1/chat/completions/render", {"model": "other", "messages": []}, 404, "does not exist"),
     ],

@@ -7,6 +7,7 @@ import random
 from collections.abc import Sequence
 
 import pytest
+from prometheus_client import REGISTRY
 
 from kvmesh.clock import ManualClock
 from kvmesh.errors import InvalidRequest, NoEndpointsAvailable, UnknownModel
@@ -18,6 +19,10 @@ from services.epp.plugins import default_registry
 from services.epp.plugins.filters.live_endpoint import LiveEndpointFilter
 from services.epp.scheduler import Scheduler
 from tests.support import recording
+
+
+def metric_value(name: str) -> float:
+    return REGISTRY.get_sample_value(name) or 0.0
 
 
 def vllm_metrics(waiting: float, running: float, usage: float, block_size: int = 64, engines: int = 1) -> str:
@@ -172,8 +177,13 @@ async def test_scheduler_outcomes_and_least_loaded() -> None:
     with pytest.raises(UnknownModel):
         await sched.pick(SchedulingRequest(model="m"))
     ds.set_endpoints({a.id: a, b.id: b, c.id: c})
-    with pytest.raises(NoEndpointsAvailable, match="2 registered, 0 excluded, 2 without fresh metrics"):
-        await sched.pick(SchedulingRequest(model="m"))
+    # nothing of "m" scraped yet (epp just started): fail open to the not-yet-scraped endpoints
+    before = metric_value("kvmesh_epp_picks_without_metrics_total")
+    warm = await sched.pick(SchedulingRequest(model="m"))
+    assert {warm.target.id, *(f.id for f in warm.fallbacks)} == {a.id, b.id}
+    assert metric_value("kvmesh_epp_picks_without_metrics_total") == before + 1
+    with pytest.raises(NoEndpointsAvailable, match="2 registered, 2 excluded, 0 without fresh metrics"):
+        await sched.pick(SchedulingRequest(model="m", exclude_endpoint_ids=frozenset({a.id, b.id})))
     ds.record_scrape(a.id, ScrapeSample(4, 4, 0.5))
     ds.record_scrape(b.id, ScrapeSample(0, 1, 0.1))
     ds.record_scrape(c.id, ScrapeSample(0, 0, 0.0))

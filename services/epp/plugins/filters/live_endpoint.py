@@ -18,7 +18,10 @@ Example YAML::
       name: fresh-only
       parameters: {max_metrics_age_seconds: 1.0, max_consecutive_scrape_failures: 2}
 Failure modes:
-    An endpoint never scraped yet (just joined) is not a candidate until its first scrape (~one interval).
+    An endpoint never scraped yet (just joined) is not a candidate until its first scrape (~one interval),
+    except when no endpoint of the model has been scraped at all (epp just started, or the whole pool just
+    joined): then the scheduler fails open to the not-yet-scraped, not-failing ones
+    (``kvmesh_epp_picks_without_metrics_total``) instead of refusing every request meanwhile.
     Endpoints without a vLLM ``/metrics`` are never picked.
 """
 
