@@ -242,7 +242,7 @@ BAD = [
     ("absurd-max-tokens", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 10**12}, 400, "invalid_request_error"),
     ("over-context", "/v1/completions", {"model": MODEL, "prompt": list(range(300)), "max_tokens": 4}, 400, "invalid_request_error"),
     ("bad-temperature", "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "invalid_request_error"),
-    ("non-bool-stream", "/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "invalid_request_error"),
+    ("non-bool-stream", "/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "maybe"}, 400, "invalid_request_error"),
 ]
 
 
