@@ -28,6 +28,7 @@ from typing import Protocol
 
 import zmq
 
+from kvmesh.kv_event_replay import serve_replay
 from kvmesh.kv_events import EventBatch, KVEvent, encode_batch, encode_seq, make_topic
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_HWM = 100_000
 DEFAULT_BUFFER_STEPS = 10_000
 """vLLM's ``KVEventsConfig.buffer_steps`` default."""
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 class EventPublisher(Protocol):
@@ -165,27 +165,11 @@ class ZmqEventPublisher:
         self._withhold += count
 
     def _serve_replay(self, router: zmq.Socket[bytes]) -> None:
-        try:
-            while self._running:
-                if not router.poll(100):
-                    continue
-                frames = router.recv_multipart()
-                if len(frames) != 3:
-                    logger.warning("invalid replay request: %d frames", len(frames))
-                    continue
-                identity, _, start_frame = frames
-                start = int.from_bytes(start_frame, "big")
-                with self._lock:
-                    wanted = [(seq, payload) for seq, payload in self._buffer if seq >= start]
-                for seq, payload in wanted:
-                    router.send_multipart((identity, b"", encode_seq(seq), payload))
-                router.send_multipart((identity, b"", END_SEQ, b""))
-                logger.info("kv events replayed from=%d messages=%d", start, len(wanted))
-        except zmq.ZMQError as exc:
-            if self._running:
-                logger.warning("replay socket failed: %s", exc)
-        finally:
-            router.close(linger=0)
+        serve_replay(router, lambda: self._running, self._buffered_since, "engine")
+
+    def _buffered_since(self, start: int) -> list[tuple[int, bytes]]:
+        with self._lock:
+            return [(seq, payload) for seq, payload in self._buffer if seq >= start]
 
     def shutdown(self) -> None:
         self._running = False

@@ -217,7 +217,12 @@ def stored_block_keys(event: BlockStored, block_size: int, parent_key: int | Non
     return block_keys(event.token_ids, block_size, root, extras)
 
 
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""The replay protocol's end-of-replay sequence frame (vLLM 0.32 ``ZmqEventPublisher.END_SEQ``)."""
+
+
 def encode_seq(seq: int) -> bytes:
+    """A sequence number as vLLM's 8-byte big-endian frame."""
     return seq.to_bytes(8, "big")
 
 

@@ -28,11 +28,11 @@ from collections import deque
 
 import zmq
 
+from kvmesh.kv_event_replay import serve_replay
 from kvmesh.kv_events import EventBatch, KVEvent, encode_batch, encode_seq, make_topic
 
 logger = logging.getLogger(__name__)
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 DEFAULT_BUFFER_STEPS = 10_000
 """vLLM's ``KVEventsConfig.buffer_steps`` default."""
 
@@ -115,25 +115,11 @@ class StoreEventPublisher:
             self.dropped += 1  # kept for replay: the indexer recovers it from the gap
 
     def _serve_replay(self, router: zmq.Socket[bytes]) -> None:
-        try:
-            while self._running:
-                if not router.poll(100):
-                    continue
-                frames = router.recv_multipart()
-                if len(frames) != 3:
-                    continue
-                identity, _, start_frame = frames
-                start = int.from_bytes(start_frame, "big")
-                with self._lock:
-                    wanted = [(seq, payload) for seq, payload in self._buffer if seq >= start]
-                for seq, payload in wanted:
-                    router.send_multipart((identity, b"", encode_seq(seq), payload))
-                router.send_multipart((identity, b"", END_SEQ, b""))
-        except zmq.ZMQError as exc:
-            if self._running:
-                logger.warning("kv_store replay socket failed: %s", exc)
-        finally:
-            router.close(linger=0)
+        serve_replay(router, lambda: self._running, self._buffered_since, "kv_store")
+
+    def _buffered_since(self, start: int) -> list[tuple[int, bytes]]:
+        with self._lock:
+            return [(seq, payload) for seq, payload in self._buffer if seq >= start]
 
     def shutdown(self) -> None:
         self._running = False

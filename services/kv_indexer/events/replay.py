@@ -15,12 +15,9 @@ import time
 
 import zmq
 
-from kvmesh.kv_events import decode_seq
+from kvmesh.kv_events import END_SEQ, decode_seq
 from kvmesh.types import Endpoint
 from services.kv_indexer.events.subscriber import connect_target
-
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-"""vLLM's end-of-replay marker (``ZmqEventPublisher.END_SEQ``)."""
 
 
 class ReplayUnavailable(Exception):
