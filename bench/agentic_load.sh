@@ -5,6 +5,10 @@
 # for goodput at a TTFT-p90 SLO. Figures: docs/BENCHMARKS.md, "Agentic sessions at load".
 #   bench/agentic_load.sh point   [extra compare flags]   # one load, every policy and peer
 #   bench/agentic_load.sh sweep   [extra compare flags]   # rate scales, round-robin vs precise-prefix
+# Columns name their engines' KV offload (vLLM's OffloadingConnector, simulated): NAME+cpu, NAME+cpu+kv_store,
+# plain NAME = --offload (off). The point run puts round-robin without offload (the plain Kubernetes Service of
+# llm-d's headline) beside prefix routing with CPU offload, and round-robin with offload too; POLICIES, PEERS,
+# SESSIONS, REQUESTS, RATE_SCALE, BLOCKS override (e.g. POLICIES=round-robin,precise-prefix+cpu PEERS='').
 # Prompts are the trace's at 8 tokens per 64-token hash block (--block-tokens), capped at 24,576 tokens;
 # outputs capped at 64 tokens (streaming cost on 2 cores); --time-scale 0.5 halves the mesh's own Python
 # overhead in model time. JSON goes to .run/bench/, the sweep plot to docs/img/agentic_sweep.png.
@@ -13,16 +17,16 @@ cd "$(dirname "$0")/.."
 mkdir -p .run/bench docs/img
 MODE=${1:-point}; shift || true
 TRACE=${TRACE:-../shared/data/traces/kv-cache-tester_agentic_traces_first100.tar.gz}
-COMMON=(--trace "$TRACE" --engines 8 --num-gpu-blocks 1024 --requests "${REQUESTS:-480}" --session-gap 0.5
+COMMON=(--trace "$TRACE" --engines 8 --num-gpu-blocks "${BLOCKS:-1024}" --requests "${REQUESTS:-480}" --session-gap 0.5
         --sessions "${SESSIONS:-48}" --time-scale 0.5 --max-output-tokens 64 --slo-ttft 2)
 case "$MODE" in
   point)
     exec .venv/bin/kvmesh compare "${COMMON[@]}" --rate-scale "${RATE_SCALE:-10}" \
-      --policies round-robin,precise-prefix,prefill-cost \
-      --peers sglang-router,vllm-router-cache-aware,vllm-router-round-robin \
+      --policies "${POLICIES:-round-robin,round-robin+cpu,precise-prefix+cpu,tier-cost+cpu}" \
+      --peers "${PEERS-sglang-router+cpu,vllm-router-cache-aware+cpu}" \
       --json-out .run/bench/agentic_point.json --plot .run/bench/agentic_point.png "$@" ;;
   sweep)
-    exec .venv/bin/kvmesh compare "${COMMON[@]}" --policies round-robin,precise-prefix \
+    exec .venv/bin/kvmesh compare "${COMMON[@]}" --policies "${POLICIES:-round-robin,precise-prefix+cpu}" \
       --sweep "${SCALES:-2,5,10}" --json-out .run/bench/agentic_sweep.json --plot docs/img/agentic_sweep.png "$@" ;;
   *) echo "usage: $0 point|sweep [compare flags]" >&2; exit 2 ;;
 esac

@@ -47,12 +47,15 @@ from services.kv_indexer.events.pool import EndpointState, EventPool
 from services.kv_indexer.events.replay import ZmqReplayer
 from services.kv_indexer.index import InMemoryIndex
 from services.kv_indexer.index.residency import ResidencyLog
+from services.kv_indexer.scoring import longest_prefix_matches, prefix_matches
 
 
 def bench(
     tokens: int, block_size: int, endpoints: int, repeats: int, mode: str = "cold", turn_tokens: int = 256
-) -> tuple[float, float, float, int]:
-    """p50 and p99 of one ``score`` (ms), cold key cost (µs per block) and the index's blocks.
+) -> tuple[float, float, float, int, float, float]:
+    """p50 and p99 of one ``score`` (ms), cold key cost (µs per block), the index's blocks, and
+    the p50 of the prefix walk alone (ms): kv_indexer's (``scoring.prefix_matches``) and the
+    reference walk (``kvmesh.prefix_index.longest_prefix_matches``), timed on the same keys.
 
     ``mode``: ``cold`` (every block hashed: a fresh prompt per repeat, the key cache off) or
     ``grown`` (each repeat's prompt extends the last by ``turn_tokens``)."""
@@ -71,7 +74,8 @@ def bench(
         other = [rnd.randrange(50000) for _ in range(block_size * 256)]
         index.apply(ep.id, BlockStored(block_hashes=list(range((e << 32) + 10**6, (e << 32) + 10**6 + 256)),
                                        parent_block_hash=None, token_ids=other, block_size=block_size))
-    score_times, key_times = [], []
+    score_times, key_times, walk_times, ref_walk_times = [], [], [], []
+    table = index._tables[("m", block_size)]
     sessions: list[array[int]] = []
     if mode == "grown":  # chat sessions whose history grows by one turn per call, round robin
         count = min(32, repeats)
@@ -93,13 +97,20 @@ def bench(
         result = index.score("m", current)
         score_times.append(time.perf_counter() - start)
         start = time.perf_counter()
-        block_keys(current, block_size)
+        keys = block_keys(current, block_size)
         key_times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        walk = prefix_matches(keys, table)
+        walk_times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        assert longest_prefix_matches(keys, table) == walk
+        ref_walk_times.append(time.perf_counter() - start)
         if mode == "cold":
             assert result.scores[0].matched_blocks == blocks - 1
     score_times.sort()
     return (statistics.median(score_times) * 1e3, score_times[max(int(len(score_times) * 0.99) - 1, 0)] * 1e3,
-            statistics.median(key_times) * 1e6 / max(blocks, 1), index.stats().blocks)
+            statistics.median(key_times) * 1e6 / max(blocks, 1), index.stats().blocks,
+            statistics.median(walk_times) * 1e3, statistics.median(ref_walk_times) * 1e3)
 
 
 def vllm_batches(messages: int, block_size: int, capacity: int, seed: int = 0) -> tuple[list[bytes], int, int]:
@@ -130,29 +141,56 @@ def vllm_batches(messages: int, block_size: int, capacity: int, seed: int = 0) -
     return payloads, block_events, events_total
 
 
-async def ingest_bench(messages: int, capacity: int, repeats: int, watched: bool = False) -> dict[str, float]:
+class _PerEvent:
+    """An index without ``apply_batch``: the pool applies one event per call (the path before issue 10's batching)."""
+
+    def __init__(self, inner: InMemoryIndex) -> None:
+        self.inner = inner
+
+    def is_registered(self, endpoint_id: EndpointId) -> bool:
+        return self.inner.is_registered(endpoint_id)
+
+    def apply(self, endpoint_id: EndpointId, event: KVEvent) -> object:
+        return self.inner.apply(endpoint_id, event)
+
+
+async def ingest_bench(messages: int, capacity: int, repeats: int, watched: bool = False,
+                       variants: tuple[str, ...] = ("batch",)) -> dict[str, float]:
     """Decode-only and end-to-end (EventPool -> InMemoryIndex) rates, and memory per held block.
 
     ``watched``: a replica watches (``KVIndexer/Watch``): the index records residency changes and a
-    task drains them into ``WatchResponse`` deltas as the servicer does (no socket), in the same loop."""
+    task drains them into ``WatchResponse`` deltas as the servicer does (no socket), in the same loop.
+    ``variants`` (run interleaved, best of ``repeats`` each; the first is the headline row):
+    ``batch`` (the pool hands the index a batch: ``InMemoryIndex.apply_batch``), ``per-event``
+    (``apply`` per event), ``service`` (``batch`` through ``InstrumentedIndex``, the metrics the
+    service records). ``cpu`` columns use the process's CPU time (``time.process_time``), steadier
+    than wall time on a shared machine."""
     import gc
     import tracemalloc
 
     from kvmesh.kv_events import decode_batch
     from services.kv_indexer.events.pool import RawMessage
+    from services.kv_indexer.index import InstrumentedIndex
 
     payloads, block_events, events = vllm_batches(messages, 16, capacity)
     endpoint = Endpoint(id=EndpointId("127.0.0.1:1"), url="", model="m", block_size_tokens=16)
-    decode_s, apply_s = [], []
+    decode_s: list[float] = []
+    apply_s: dict[str, list[float]] = {v: [] for v in variants}
+    cpu_s: dict[str, list[float]] = {v: [] for v in variants}
     held = 0
-    for _ in range(repeats):
+    for _, variant in ((r, v) for r in range(repeats) for v in variants):
         start = time.perf_counter()
         for payload in payloads:
             decode_batch(payload)
         decode_s.append(time.perf_counter() - start)
         index = InMemoryIndex()
         index.register_endpoint(endpoint)
-        pool = EventPool(index, workers=1, queue_size=len(payloads) + 1)
+        target: object = index
+        if variant == "per-event":
+            target = _PerEvent(index)
+        elif variant == "service":
+            target = InstrumentedIndex(index)
+        pool = EventPool(target, workers=1, queue_size=len(payloads) + 1)  # type: ignore[arg-type]
         pool.endpoint_joined(endpoint)
         pool.start()
         drain = None
@@ -162,6 +200,7 @@ async def ingest_bench(messages: int, capacity: int, repeats: int, watched: bool
             drain = asyncio.create_task(_watch_drain(index.residency))
         gc.collect()
         start = time.perf_counter()
+        cpu_start = time.process_time()
         for seq, payload in enumerate(payloads):
             pool.submit(RawMessage(endpoint.id, "m", seq, payload))
         await pool.drained()
@@ -172,7 +211,8 @@ async def ingest_bench(messages: int, capacity: int, repeats: int, watched: bool
             drain.cancel()
             keys_sent = await asyncio.gather(drain, return_exceptions=True)
             assert index.residency is not None and index.residency.seq > 0, keys_sent
-        apply_s.append(time.perf_counter() - start)
+        apply_s[variant].append(time.perf_counter() - start)
+        cpu_s[variant].append(time.process_time() - cpu_start)
         await pool.shutdown()
         assert pool.state(endpoint.id) is EndpointState.LIVE and not pool.stats.dropped
         held = len(index.held_blocks(endpoint.id))
@@ -194,17 +234,22 @@ async def ingest_bench(messages: int, capacity: int, repeats: int, watched: bool
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     recent = len(index._endpoints[endpoint.id].recent)  # bench: what the bytes include
-    decode, apply = min(decode_s), min(apply_s)
+    decode = min(decode_s)
+    apply = min(apply_s[variants[0]])
     row = {
         "messages": len(payloads), "events": events, "block_events": block_events,
         "decode_s": decode, "decode_rate": block_events / decode,
         "apply_s": apply, "rate": block_events / apply, "events_rate": events / apply,
+        "cpu_rate": block_events / min(cpu_s[variants[0]]),
         "held": held, "bytes_per_block": used / max(held, 1), "recent": recent,
     }
-    print(f"{'messages':>8} {'events':>8} {'block events':>12} {'decode s':>8} {'decode blk/s':>12} "
-          f"{'end-to-end s':>12} {'block events/s':>14} {'events/s':>9} {'held blocks':>11} {'B/block':>8}")
-    print(f"{row['messages']:>8,} {events:>8,} {block_events:>12,} {decode:>8.3f} {row['decode_rate']:>12,.0f} "
-          f"{apply:>12.3f} {row['rate']:>14,.0f} {row['events_rate']:>9,.0f} {held:>11,} {row['bytes_per_block']:>8.0f}")
+    print(f"{'path':>9} {'messages':>8} {'events':>8} {'block events':>12} {'decode s':>8} {'decode blk/s':>12} "
+          f"{'end-to-end s':>12} {'block events/s':>14} {'per CPU s':>10} {'events/s':>9} {'held blocks':>11} {'B/block':>8}")
+    for variant in variants:
+        wall, cpu = min(apply_s[variant]), min(cpu_s[variant])
+        print(f"{variant:>9} {row['messages']:>8,} {events:>8,} {block_events:>12,} {decode:>8.3f} "
+              f"{row['decode_rate']:>12,.0f} {wall:>12.3f} {block_events / wall:>14,.0f} {block_events / cpu:>10,.0f} "
+              f"{events / wall:>9,.0f} {held:>11,} {row['bytes_per_block']:>8.0f}")
     print(f"(best of {repeats}; target >= 1,000,000 block events/s: {'met' if row['rate'] >= 1e6 else 'MISSED'}; "
           f"B/block = traced bytes of the index / held blocks, including {recent:,} recently removed hash->key pairs)")
     return row
@@ -368,6 +413,10 @@ def main() -> None:
     parser.add_argument("--pause", type=float, default=30.0, help="etcd-pause: seconds etcd is stopped")
     parser.add_argument("--lease-ttl", type=int, default=10)
     parser.add_argument("--requests", type=int, default=100)
+    parser.add_argument("--tokens", type=int, default=0, help="score: only rows of this prompt length (0: all)")
+    parser.add_argument("--ab", action="store_true",
+                        help="ingest: also per-event apply (no apply_batch) and the service's wrapping "
+                             "(InstrumentedIndex + parity), interleaved with the default")
     parser.add_argument("--watched", action="store_true", help="ingest: also with a replica watching (Watch deltas built)")
     parser.add_argument("--plot", type=Path, default=None, help="score/ingest: write a PNG here (matplotlib)")
     args = parser.parse_args()
@@ -378,7 +427,8 @@ def main() -> None:
         asyncio.run(etcd_pause_bench(args.engines, args.pause, args.lease_ttl, args.requests))
         return
     if args.mode == "ingest":
-        row = asyncio.run(ingest_bench(args.messages, args.capacity, max(1, min(args.repeats, 3))))
+        variants = ("batch", "per-event", "service") if args.ab else ("batch",)
+        row = asyncio.run(ingest_bench(args.messages, args.capacity, max(1, min(args.repeats, 3)), variants=variants))
         if args.watched:
             print("the same, a replica watching:")
             asyncio.run(ingest_bench(args.messages, args.capacity, max(1, min(args.repeats, 3)), watched=True))
@@ -389,13 +439,15 @@ def main() -> None:
     rows = [(t, b, m) for t in (1024, 8192, 32768, 131072) for b in (16, 64) for m in ("cold", "grown")
             if m == "cold" or t >= 8192]
     print(f"{'tokens':>8} {'block':>6} {'blocks':>7} {'mode':>6} {'endpoints':>9} {'index keys':>10} "
-          f"{'keys µs/block':>13} {'score p50 ms':>12} {'score p99 ms':>12}")
+          f"{'keys µs/block':>13} {'score p50 ms':>12} {'score p99 ms':>12} {'walk p50 ms':>11} {'ref walk ms':>11}")
     results = []
     for tokens, block, mode in rows:
-        p50, p99, keys, size = bench(tokens, block, args.endpoints, args.repeats, mode, args.turn_tokens)
+        if args.tokens and tokens != args.tokens:
+            continue
+        p50, p99, keys, size, walk, ref_walk = bench(tokens, block, args.endpoints, args.repeats, mode, args.turn_tokens)
         results.append((f"{tokens // 1024}k/{block}/{mode}", p50, p99))
         print(f"{tokens:>8} {block:>6} {tokens // block:>7} {mode:>6} {args.endpoints:>9} {size:>10} {keys:>13.3f} "
-              f"{p50:>12.3f} {p99:>12.3f}")
+              f"{p50:>12.3f} {p99:>12.3f} {walk:>11.3f} {ref_walk:>11.3f}")
     print("targets: keys <= 1 µs per 64-token block; Score of a 128k-token prompt p99 <= 2 ms")
     if args.plot:
         _plot(args.plot, "kv_indexer Score p99 (ms)", [r[0] for r in results], [r[2] for r in results])

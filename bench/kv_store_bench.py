@@ -27,6 +27,14 @@ Measures, in one run:
 
 Prints a table of MiB/s and each kv_store figure as a percentage of its baseline (targets: >= 50 %),
 and writes a bar chart with ``--png``.
+
+``--levers`` instead runs the gRPC lever A/B (issue 8, item 5's target; docs/BENCHMARKS.md section 6):
+a bare ``grpc.aio.server`` (or sync ``grpc.server``) with kv_store's servicer over a CPU tier, one
+child process per variant (``--lever-server``), each variant's options on the server and the client
+channel, loopback TCP measured at the start of each round and the variants rotated between rounds;
+per variant the median over rounds of Put/Get (pass-through clients, 2 MiB messages) as a share of
+the round's loopback, 1 and 4 streams, and the server's CPU ms per value. ``--levers-only a,b``
+picks variants by substring.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import multiprocessing
 import os
 import socket
@@ -44,6 +53,7 @@ import zlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -301,6 +311,192 @@ async def disk_tier(root: Path, values: list[bytes], concurrency: int) -> dict[s
     return rates
 
 
+READ_CHUNK = [
+    ("grpc.experimental.tcp_read_chunk_size", 2 * MIB),
+    ("grpc.experimental.tcp_min_read_chunk_size", 256 * 1024),
+    ("grpc.experimental.tcp_max_read_chunk_size", 8 * MIB),
+]
+BIG_MESSAGES = [("grpc.max_receive_message_length", 64 * MIB), ("grpc.max_send_message_length", 64 * MIB)]
+WINDOWS = [("grpc.http2.max_frame_size", 16 * MIB - 1), ("grpc.http2.lookahead_bytes", 64 * MIB), ("grpc.http2.bdp_probe", 0)]
+LEVERS: dict[str, dict[str, Any]] = {
+    "aio, defaults (kv_store today)": {"server": {"mode": "aio"}, "client": []},
+    "aio, tcp_read_chunk 2M/min 256K/max 8M": {"server": {"mode": "aio", "options": READ_CHUNK}, "client": READ_CHUNK},
+    "aio, read chunk + 64 MiB message limits": {
+        "server": {"mode": "aio", "options": READ_CHUNK + BIG_MESSAGES}, "client": READ_CHUNK + BIG_MESSAGES,
+    },
+    "aio, max_frame 16M + lookahead 64M, no BDP": {"server": {"mode": "aio", "options": WINDOWS}, "client": WINDOWS},
+    "aio, read chunk + frame/window": {
+        "server": {"mode": "aio", "options": READ_CHUNK + WINDOWS}, "client": READ_CHUNK + WINDOWS,
+    },
+    "aio, max_frame 16M only": {
+        "server": {"mode": "aio", "options": WINDOWS[:1]}, "client": WINDOWS[:1],
+    },
+    "aio, SO_RCVBUF 8M (grpc.tcp_receive_buffer_size)": {
+        "server": {"mode": "aio", "options": [("grpc.tcp_receive_buffer_size", 8 * MIB)]},
+        "client": [("grpc.tcp_receive_buffer_size", 8 * MIB)],
+    },
+    "aio, tcp_max_read_buffer 16M": {
+        "server": {"mode": "aio", "options": [("grpc.experimental.tcp_max_read_buffer_size", 16 * MIB)]},
+        "client": [("grpc.experimental.tcp_max_read_buffer_size", 16 * MIB)],
+    },
+    "aio, http2 write_buffer 8M": {
+        "server": {"mode": "aio", "options": [("grpc.http2.write_buffer_size", 8 * MIB)]},
+        "client": [("grpc.http2.write_buffer_size", 8 * MIB)],
+    },
+    "aio, Get in 256 KiB messages": {"server": {"mode": "aio", "chunk": 256 * 1024}, "client": []},
+    "sync grpc.server, 8 threads": {"server": {"mode": "sync"}, "client": []},
+    "sync, 8 threads + read chunk": {"server": {"mode": "sync", "options": READ_CHUNK}, "client": READ_CHUNK},
+    "aio x2 processes, SO_REUSEPORT": {
+        "server": {"mode": "aio", "options": [("grpc.so_reuseport", 1)]}, "client": [], "procs": 2,
+    },
+}
+
+
+def lever_server(spec: str) -> None:
+    """Serve Put/Get on 127.0.0.1 until killed (``--lever-server JSON``); prints the bound port."""
+    from concurrent import futures
+
+    from services.kv_store.servicer import (
+        _GET_DATA_FIELD,
+        SERVICE_NAME,
+        KVStoreServicer,
+        add_to_server,
+        encode_get_chunk,
+        parse_put_request,
+    )
+    from services.kv_store.store import BlockStore
+    from services.kv_store.tiers.cpu import CpuTier
+
+    cfg = json.loads(spec)
+    options = [tuple(o) for o in cfg.get("options", [])]
+    chunk = cfg.get("chunk", CHUNK)
+    address = f"127.0.0.1:{cfg.get('port', 0)}"
+    if cfg["mode"] == "sync":  # the same wire handling in a thread pool (no event loop)
+        values: dict[str, bytes] = {}
+
+        def put(requests: Any, context: Any) -> pb.PutResponse:
+            first = next(requests)
+            parts = [first.data, *(m.data for m in requests)]
+            values[first.key] = b"".join(parts)
+            return pb.PutResponse()
+
+        def get(request: pb.GetRequest, context: Any) -> Any:
+            view = memoryview(values[request.key])
+            head = pb.GetResponse(total_bytes=len(view)).SerializeToString()
+            yield encode_get_chunk(head, _GET_DATA_FIELD, view[:chunk])
+            for offset in range(chunk, len(view), chunk):
+                yield encode_get_chunk(b"", _GET_DATA_FIELD, view[offset : offset + chunk])
+
+        handlers = {
+            "Put": grpc.stream_unary_rpc_method_handler(
+                put, request_deserializer=parse_put_request, response_serializer=pb.PutResponse.SerializeToString
+            ),
+            "Get": grpc.unary_stream_rpc_method_handler(
+                get, request_deserializer=pb.GetRequest.FromString, response_serializer=lambda b: b
+            ),
+        }
+        sync = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=options)
+        sync.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+        print(sync.add_insecure_port(address), flush=True)
+        sync.start()
+        sync.wait_for_termination()
+        return
+
+    async def serve() -> None:
+        server = grpc.aio.server(options=options)
+        add_to_server(KVStoreServicer(BlockStore([CpuTier(8 << 30)]), chunk), server)
+        print(server.add_insecure_port(address), flush=True)
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+async def lever_round(
+    ports: list[int], client_options: list[Any], values: list[bytes], pids: list[int]
+) -> dict[str, tuple[float, float]]:
+    """Put then Get of every value with 1 and 4 streams; name -> (bytes/s, server CPU s per value)."""
+    n, total = len(values), sum(len(v) for v in values)
+    channels = [  # one connection each (own subchannel pool), spread over the server processes
+        grpc.aio.insecure_channel(
+            f"127.0.0.1:{ports[i % len(ports)]}",
+            options=[*client_options, ("grpc.use_local_subchannel_pool", 1), ("kvmesh.bench.channel", i)],
+        )
+        for i in range(4)
+    ]
+    puts = [c.stream_unary(PUT_METHOD, request_serializer=lambda b: b, response_deserializer=pb.PutResponse.FromString)
+            for c in channels]
+    gets = [c.unary_stream(GET_METHOD, request_serializer=pb.GetRequest.SerializeToString, response_deserializer=lambda b: b)
+            for c in channels]
+    for put in puts:
+        await put(_raw_put_stream("warm", values[0], CHUNK))
+    out: dict[str, tuple[float, float]] = {}
+    for streams in (1, 4):
+        used = streams if len(ports) > 1 else 1
+        sem = asyncio.Semaphore(streams)
+
+        async def one_put(i: int, value: bytes, sem: asyncio.Semaphore = sem, used: int = used) -> None:
+            async with sem:
+                await puts[i % used](_raw_put_stream(f"v{i}", value, CHUNK))
+
+        async def one_get(i: int, sem: asyncio.Semaphore = sem, used: int = used) -> int:
+            async with sem:
+                return sum([len(m) async for m in gets[i % used](pb.GetRequest(key=f"v{i}"))])
+
+        cpu0, start = sum(map(cpu_seconds, pids)), time.perf_counter()
+        await asyncio.gather(*(one_put(i, v) for i, v in enumerate(values)))
+        out[f"Put x{streams}"] = (total / (time.perf_counter() - start), (sum(map(cpu_seconds, pids)) - cpu0) / n)
+        cpu0, start = sum(map(cpu_seconds, pids)), time.perf_counter()
+        got = sum(await asyncio.gather(*(one_get(i) for i in range(n))))
+        out[f"Get x{streams}"] = (total / (time.perf_counter() - start), (sum(map(cpu_seconds, pids)) - cpu0) / n)
+        assert got >= total, (got, total)
+    for channel in channels:
+        await channel.close()
+    return out
+
+
+def run_levers(values: list[bytes], rounds: int, only: str | None) -> None:
+    """The lever A/B (module docstring): prints one row per variant."""
+    import subprocess
+    import sys
+
+    names = [k for k in LEVERS if not only or any(part in k for part in only.split(","))]
+    results: dict[str, dict[str, list[tuple[float, float]]]] = {name: {} for name in names}
+    total = sum(len(v) for v in values)
+    for r in range(rounds):
+        tcp = loopback_tcp(total, len(values[0]))
+        print(f"round {r + 1}: loopback TCP {tcp / MIB:.0f} MiB/s, load {os.getloadavg()[0]:.1f}", flush=True)
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            lever = LEVERS[name]
+            port = free_port() if lever.get("procs", 1) > 1 else 0
+            procs = [
+                subprocess.Popen(
+                    [sys.executable, __file__, "--lever-server", json.dumps({**lever["server"], "port": port})],
+                    stdout=subprocess.PIPE, text=True,
+                )
+                for _ in range(lever.get("procs", 1))
+            ]
+            try:
+                ports = [int(p.stdout.readline()) for p in procs]  # type: ignore[union-attr]
+                out = asyncio.run(lever_round(ports, lever["client"], values, [p.pid for p in procs]))
+            finally:
+                for p in procs:
+                    p.terminate()
+                    p.wait()
+            for key, (rate, cpu) in out.items():
+                results[name].setdefault(key, []).append((rate / tcp, cpu))
+            print(f"  {name}: " + ", ".join(f"{k} {rate / tcp:.0%} {cpu * 1e3:.2f} ms" for k, (rate, cpu) in out.items()),
+                  flush=True)
+    cols = ["Put x1", "Get x1", "Put x4", "Get x4"]
+    print("\n| variant | " + " | ".join(f"{c} (of loopback)" for c in cols) + " | server CPU ms/value Put x1 / Get x1 |")
+    print("|---|" + "---:|" * len(cols) + "---|")
+    for name in names:
+        row = results[name]
+        share = [f"{statistics.median(x[0] for x in row[c]):.0%}" for c in cols]
+        cpu = [statistics.median(x[1] for x in row[c]) * 1e3 for c in ("Put x1", "Get x1")]
+        print(f"| {name} | " + " | ".join(share) + f" | {cpu[0]:.2f} / {cpu[1]:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--values", type=int, default=64)
@@ -309,11 +505,22 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--disk-dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     parser.add_argument("--png", default=None)
+    parser.add_argument("--levers", action="store_true", help="run the gRPC lever A/B instead (module docstring)")
+    parser.add_argument("--levers-only", default=None, help="comma-separated substrings of lever names")
+    parser.add_argument("--lever-server", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.lever_server:
+        lever_server(args.lever_server)
+        return
     size = args.value_mib * MIB
     values = [os.urandom(size) for _ in range(min(args.values, 32))]
     values = [values[i % len(values)] for i in range(args.values)]
     total = size * args.values
+    if args.levers:
+        print(f"lever A/B: {args.values} values x {args.value_mib} MiB, {args.rounds} rounds, "
+              f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+        run_levers(values, args.rounds, args.levers_only)
+        return
     print(f"{args.values} values x {args.value_mib} MiB = {total // MIB} MiB per measurement, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
 

@@ -24,7 +24,10 @@ Options ``--env KEY=VALUE`` pass settings to every mesh process (e.g.
 ``KVMESH_ROUTER_ENGINE_HTTP_CLIENT=httpx``, ``KVMESH_EVENT_LOOP=asyncio``: the A/B of
 docs/BENCHMARKS.md §3). ``--baseline-env KEY=VALUE`` (repeatable) runs an A/B in one run instead:
 a second mesh with those settings beside the first, both measured interleaved (on a shared machine
-the load moves between separate runs by more than the effects measured).
+the load moves between separate runs by more than the effects measured); its stage table also
+counts flow_control's admission credits spent, lent and returned and their revocations (e.g.
+``--baseline-env KVMESH_ROUTER_ADMISSION_CREDITS=0``: credits against every request waiting for
+flow_control's decision).
 """
 
 from __future__ import annotations
@@ -160,11 +163,21 @@ def main() -> int:
                         help="kvmesh only (no peers, no round-robin mesh, no idle mesh): for A/B runs with --env")
     parser.add_argument("--baseline-env", action="append", default=[],
                         help="KEY=VALUE: also start a second kvmesh mesh with these settings on top of --env and "
-                             "measure both side by side, interleaved (kvmesh only; an A/B in one run)")
+                             "measure both side by side, interleaved (kvmesh only; an A/B in one run); with "
+                             "--idle-only, two idle meshes measured over the same window")
     parser.add_argument("--plot", type=Path, help="write a latency CDF PNG here")
     ns = parser.parse_args()
     env = dict(item.split("=", 1) for item in ns.env)
     console = Console()
+    if ns.idle_only:  # needs no wrk
+        with tempfile.TemporaryDirectory(prefix="kvmesh-bench-") as tmp:
+            if ns.baseline_env:
+                _print_idle_ab(console, ns, *_idle_cost_ab(Path(tmp), ns, env, dict(
+                    item.split("=", 1) for item in ns.baseline_env)))
+            else:
+                _print_idle(console, ns, _idle_cost(Path(tmp), ns, env))
+        console.print("command: " + " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
+        return 0
     if shutil.which("wrk") is None:
         console.print("wrk is missing: `make bench-deps` (apt-get install wrk)")
         return 2
@@ -175,11 +188,6 @@ def main() -> int:
     added: dict[str, float] = {}
     throughput: dict[str, float] = {}
     cpu_rows: list[tuple[str, dict[str, float]]] = []
-    if ns.idle_only:
-        with tempfile.TemporaryDirectory(prefix="kvmesh-bench-") as tmp:
-            _print_idle(console, ns, _idle_cost(Path(tmp), ns, env))
-        console.print("command: " + " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
-        return 0
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-") as tmp:
         run_dir = Path(tmp)
         spec = MeshSpec(run_dir=run_dir / "mesh", engines=1, policy=ns.policy, time_scale=1000.0, extra_env=env)
@@ -320,18 +328,23 @@ def _side_by_side(console: Console, ns: argparse.Namespace, env: dict[str, str],
             for name, url, text in targets:
                 _measure(client, f"{url}/v1/completions", _body(spec_a.model, text), 30, f"warm-up {name}")
             before = {k: _scrape(str(m.member("router").metrics)) for k, m in meshes.items()}
+            fc_before = {k: _scrape(str(m.member("flow_control").metrics)) for k, m in meshes.items()}
             latency = _interleaved(client, spec_a.model, targets, ns.requests)
             after = {k: _scrape(str(m.member("router").metrics)) for k, m in meshes.items()}
+            fc_after = {k: _scrape(str(m.member("flow_control").metrics)) for k, m in meshes.items()}
             throughput: dict[str, float] = {}
             cpu: dict[str, dict[str, float]] = {}
+            fc_wrk: dict[str, tuple[dict[tuple[str, str], float], dict[tuple[str, str], float]]] = {}
             for key, mesh in meshes.items():
                 throughput["direct " + ("A" if mesh is a else "B")] = _wrk(mesh.engine_urls[0], lua, ns.connections,
                                                                          ns.duration)
                 c0 = _mesh_cpu(mesh)
                 served0 = _scrape(str(mesh.member("router").metrics)).get(
                     ("kvmesh_router_requests_total", "outcome=success"), 0.0)
+                fc0 = _scrape(str(mesh.member("flow_control").metrics))
                 throughput[key] = _wrk(mesh.router_url, lua, ns.connections, ns.duration)
                 c1 = _mesh_cpu(mesh)
+                fc_wrk[key] = (fc0, _scrape(str(mesh.member("flow_control").metrics)))
                 served = _scrape(str(mesh.member("router").metrics)).get(
                     ("kvmesh_router_requests_total", "outcome=success"), 0.0) - served0
                 cpu[key] = {k: 1000 * (c1[k] - c0[k]) / max(1.0, served) for k in c1}
@@ -356,6 +369,24 @@ def _side_by_side(console: Console, ns: argparse.Namespace, env: dict[str, str],
     for stage in sorted(set().union(*rows.values())):
         stages.add_row(stage.removeprefix("stage="), *(f"{rows[key].get(stage, 0.0):.3f}" for key in meshes))
     console.print(stages)
+    credits = Table(title="flow_control's admission credits (counts): sequential run / wrk run")
+    credits.add_column("event")
+    for key in meshes:
+        credits.add_column(key, justify="right")
+    phases = {key: ((fc_before[key], fc_after[key]), fc_wrk[key]) for key in meshes}
+    for event in ("spent", "lent", "returned", "revocations"):
+        def count(pair: tuple[dict[tuple[str, str], float], dict[tuple[str, str], float]], event: str = event) -> float:
+            start, end = pair
+            if event == "revocations":
+                return sum(v - start.get(k, 0.0) for k, v in end.items()
+                           if k[0] == "kvmesh_flow_control_admission_credit_revocations_total")
+            name = ("kvmesh_flow_control_admission_credits_total", f"event={event}")
+            return end.get(name, 0.0) - start.get(name, 0.0)
+        credits.add_row(event, *(f"{count(phases[key][0]):.0f} / {count(phases[key][1]):.0f}" for key in meshes))
+    outcomes = {key: sum(v - phases[key][1][0].get(k, 0.0) for k, v in phases[key][1][1].items()
+                         if k == ("kvmesh_flow_control_outcome_total", "outcome=dispatched")) for key in meshes}
+    credits.add_row("dispatched (wrk run)", *(f"{outcomes[key]:.0f}" for key in meshes))
+    console.print(credits)
     cpu_table = Table(title=f"CPU per request at {ns.connections} connections (ms)")
     names = sorted(set().union(*(row.keys() for row in cpu.values())))
     cpu_table.add_column("mesh")
@@ -376,6 +407,41 @@ def _idle_cost(run_dir: Path, ns: argparse.Namespace, env: dict[str, str]) -> di
         time.sleep(ns.idle_seconds)
         c1, elapsed = _mesh_cpu(mesh), time.monotonic() - t0
     return {k: 100 * (c1[k] - c0[k]) / elapsed for k in c1}
+
+
+def _idle_cost_ab(run_dir: Path, ns: argparse.Namespace, env: dict[str, str],
+                  baseline: dict[str, str]) -> tuple[dict[str, float], dict[str, float], str]:
+    """``--idle-only --baseline-env``: two idle meshes (``--env``, and ``--env`` + ``--baseline-env``)
+    up at once, the CPU of every process of both measured over the same ``--idle-seconds`` window,
+    so the machine's noise hits both alike (an A/B of idle cadences in one run)."""
+    label = " ".join(f"{k}={v}" for k, v in baseline.items())
+    spec_a = MeshSpec(run_dir=run_dir / "idle-a", engines=ns.idle_engines, policy=ns.policy, extra_env=env)
+    spec_b = MeshSpec(run_dir=run_dir / "idle-b", engines=ns.idle_engines, policy=ns.policy,
+                      extra_env={**env, **baseline})
+    with Mesh(spec_a) as a, Mesh(spec_b) as b:
+        time.sleep(3.0)
+        a0, b0, t0 = _mesh_cpu(a), _mesh_cpu(b), time.monotonic()
+        time.sleep(ns.idle_seconds)
+        a1, b1, elapsed = _mesh_cpu(a), _mesh_cpu(b), time.monotonic() - t0
+    return ({k: 100 * (a1[k] - a0[k]) / elapsed for k in a1}, {k: 100 * (b1[k] - b0[k]) / elapsed for k in b1}, label)
+
+
+def _print_idle_ab(console: Console, ns: argparse.Namespace, idle: dict[str, float], base: dict[str, float],
+                   label: str) -> None:
+    table = Table(title=f"idle cost A/B, {ns.idle_engines} engines each, same {ns.idle_seconds:.0f} s (% of one core)")
+    table.add_column("process")
+    table.add_column("kvmesh", justify="right")
+    table.add_column("baseline", justify="right")
+    sums = [0.0, 0.0]
+    for name in idle:
+        table.add_row(name, f"{idle[name]:.2f}", f"{base.get(name, 0.0):.2f}")
+        if not name.startswith("engine") and name != "etcd":
+            sums[0] += idle[name]
+            sums[1] += base.get(name, 0.0)
+    table.add_row("kvmesh services (router, epp, flow_control, kv_indexer, kv_store)", f"{sums[0]:.2f}", f"{sums[1]:.2f}")
+    table.add_row("all, engines and etcd included", f"{sum(idle.values()):.2f}", f"{sum(base.values()):.2f}")
+    console.print(table)
+    console.print(f"baseline = --env + {label}")
 
 
 def _print_idle(console: Console, ns: argparse.Namespace, idle: dict[str, float]) -> None:

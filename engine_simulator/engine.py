@@ -106,10 +106,12 @@ class AsyncEngine:
                 continue
             t0 = clock.now()
             q0, h0, p0 = core.prefix_queries_tokens, core.prefix_hits_tokens, core.num_preemptions
+            eq0, eh0 = core.external_queries_tokens, core.external_hits_tokens
             step = core.schedule(t0)
             if self.metrics is not None and core.prefix_queries_tokens != q0:
                 self.metrics.record_scheduled(
-                    prompt_tokens=core.prefix_queries_tokens - q0, cached_tokens=core.prefix_hits_tokens - h0
+                    prompt_tokens=core.prefix_queries_tokens - q0, cached_tokens=core.prefix_hits_tokens - h0,
+                    external_queries=core.external_queries_tokens - eq0, external_hits=core.external_hits_tokens - eh0,
                 )
             if step.empty:
                 # nothing fits (e.g. every block is held by preempted work); wait for a change

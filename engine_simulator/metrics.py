@@ -139,6 +139,20 @@ class EngineMetrics:
             labels,
             registry=r,
         )
+        self.external_prefix_cache_queries = Counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of "
+            "queried tokens.",
+            labels,
+            registry=r,
+        )
+        self.external_prefix_cache_hits = Counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of "
+            "cached tokens.",
+            labels,
+            registry=r,
+        )
         self.num_preemptions = Counter(
             "vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels, registry=r
         )
@@ -250,6 +264,8 @@ class EngineMetrics:
             self.kv_cache_usage_perc,
             self.prefix_cache_queries,
             self.prefix_cache_hits,
+            self.external_prefix_cache_queries,
+            self.external_prefix_cache_hits,
             self.num_preemptions,
             self.prompt_tokens,
             self.prompt_tokens_cached,
@@ -279,6 +295,8 @@ class EngineMetrics:
         self._usage = self.kv_cache_usage_perc.labels(**lv)
         self._queries = self.prefix_cache_queries.labels(**lv)
         self._hits = self.prefix_cache_hits.labels(**lv)
+        self._ext_queries = self.external_prefix_cache_queries.labels(**lv)
+        self._ext_hits = self.external_prefix_cache_hits.labels(**lv)
         self._preemptions = self.num_preemptions.labels(**lv)
         self._prompt = self.prompt_tokens.labels(**lv)
         self._prompt_cached = self.prompt_tokens_cached.labels(**lv)
@@ -310,10 +328,21 @@ class EngineMetrics:
         if new_generation_tokens:
             self._generation.inc(new_generation_tokens)
 
-    def record_scheduled(self, *, prompt_tokens: int, cached_tokens: int) -> None:
-        """When a request is scheduled for the first time (its prefix-cache lookup)."""
+    def record_scheduled(
+        self, *, prompt_tokens: int, cached_tokens: int, external_queries: int = 0, external_hits: int = 0
+    ) -> None:
+        """When a request is scheduled for the first time (its prefix-cache lookup).
+
+        ``external_*``: the offload connector's lookup after the GPU hit, as vLLM 0.32's scheduler records
+        ``connector_prefix_cache_stats`` (queries = prompt tokens - GPU-hit tokens, hits = tokens loaded
+        from the offloaded tiers; ``vllm:external_prefix_cache_*``); 0 without a connector.
+        """
         self._queries.inc(prompt_tokens)
         self._hits.inc(cached_tokens)
+        if external_queries:
+            self._ext_queries.inc(external_queries)
+        if external_hits:
+            self._ext_hits.inc(external_hits)
 
     def record_first_token(self, *, ttft_seconds: float) -> None:
         self._ttft.observe(ttft_seconds)

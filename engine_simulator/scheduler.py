@@ -220,6 +220,9 @@ class EngineCore:
         """Requests waiting for an offload load (vLLM's ``WAITING_FOR_REMOTE_KVS``): blocks held, not running."""
         self.external_hits_tokens = 0
         """Prompt tokens loaded from offloaded tiers instead of computed (vLLM's external prefix-cache hits)."""
+        self.external_queries_tokens = 0
+        """Prompt tokens looked up in the offloaded tiers: each request's tokens past its GPU hit, counted once
+        when it is first scheduled and only with an offload connector (vLLM's external prefix-cache queries)."""
 
     # -- requests ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -378,6 +381,7 @@ class EngineCore:
             self.prefix_queries_tokens += req.num_tokens
             self.prefix_hits_tokens += len(hits) * self.block_size
             self.external_hits_tokens += ext * self.block_size
+            self.external_queries_tokens += req.num_tokens - len(hits) * self.block_size
         return True
 
     def schedule(self, now: float) -> ScheduledStep:
@@ -433,6 +437,8 @@ class EngineCore:
                     req.first_scheduled_time = now
                     self.prefix_queries_tokens += req.num_tokens
                     self.prefix_hits_tokens += hit_tokens
+                    if self.cache.offload is not None and self.cache.enable_caching:
+                        self.external_queries_tokens += req.num_tokens - hit_tokens
                 self.running.append(req)
                 step.scheduled.append((req, n))
                 budget -= n

@@ -128,8 +128,11 @@ class SGLangMetrics(EngineMetrics):
         if new_generation_tokens:
             self._c_generation.inc(new_generation_tokens)
 
-    def record_scheduled(self, *, prompt_tokens: int, cached_tokens: int) -> None:
-        super().record_scheduled(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens)
+    def record_scheduled(
+        self, *, prompt_tokens: int, cached_tokens: int, external_queries: int = 0, external_hits: int = 0
+    ) -> None:
+        super().record_scheduled(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+                                 external_queries=external_queries, external_hits=external_hits)
         self._prompt_total += prompt_tokens
         self._cached_total += max(cached_tokens, 0)
         self._g_hit_rate.set(self._cached_total / self._prompt_total if self._prompt_total else 0.0)

@@ -199,8 +199,8 @@ class _SkipInfrastructure(grpc.aio.ServerInterceptor):
 
     _SKIP = ("/grpc.health.", "/grpc.reflection.",
              # long-lived multiplexed streams: one span for the stream's whole life says nothing; the
-             # servicer opens one span per admission itself (services/flow_control/servicer.py)
-             "/kvmesh.flow_control.v1.FlowControl/AdmitMany")
+             # servicer opens one span per admission / pick itself (flow_control's, epp's servicer)
+             "/kvmesh.flow_control.v1.FlowControl/AdmitMany", "/kvmesh.epp.v1.EndpointPicker/PickMany")
 
     def __init__(self, inner: grpc.aio.ServerInterceptor) -> None:
         self._inner = inner

@@ -128,12 +128,13 @@ class LeaseRegistration:
                 if self._lease is None:
                     await self._register()
                 await asyncio.sleep(interval)
-                remaining = await self._lease.remaining_ttl()  # type: ignore[union-attr]
-                if remaining <= 0:
+                # One LeaseKeepAlive per refresh: its reply carries the TTL left, 0 once etcd forgot the
+                # lease (as etcd's clientv3 reads it), so no LeaseTimeToLive call beside it (idle cost, issue 10).
+                reply = await self._lease.refresh()  # type: ignore[union-attr]
+                if reply is None or reply.TTL <= 0:
                     logger.warning("lease lost key=%s; registering again", self.key)
                     self._lease = None
                     continue
-                await self._lease.refresh()  # type: ignore[union-attr]
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

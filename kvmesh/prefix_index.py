@@ -13,11 +13,13 @@ Pure: no I/O, one thread (the owner's event loop). The transport that feeds the 
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
-from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from operator import itemgetter
-from typing import TypeVar
+from itertools import islice, repeat, takewhile
+from operator import itemgetter, methodcaller
+from typing import Any, TypeVar, overload
 
 from kvmesh.hashing import DEFAULT_SCOPE, KeyScope, PrefixKeyCache, TokenIds
 
@@ -38,7 +40,9 @@ def longest_prefix_matches(
 
     Walks the keys keeping the set of endpoints that held every block so far (a C-level subset
     test per block; survivors recomputed only where someone drops out); stops when the set is
-    empty or a key has no holder. Same walk as llm-d's longest-prefix scorer and Dynamo's
+    empty or a key has no holder, i.e. as soon as no endpoint can extend its match. Once a single
+    endpoint is left (a session's holder), its run of held keys is counted in C (``takewhile`` over
+    ``map(table.get, keys)``), about 3x faster than the Python loop. Same walk as llm-d's longest-prefix scorer and Dynamo's
     ``find_matches``, on a flat hash map since the keys are already chained.
 
     Args:
@@ -56,25 +60,31 @@ def longest_prefix_matches(
         return {}
     active = set(first.keys()) if candidates is None else set(first.keys()).intersection(candidates)
     result: dict[E, int] = {}
+    n = len(keys)
+    get = table.get
     i = 1
-    for i in range(1, len(keys)):
-        if not active:
-            return result
-        holders = table.get(keys[i])
+    while i < n and len(active) > 1:
+        holders = get(keys[i])
         if not holders:
             break
         present = holders.keys()
-        if present >= active:
-            continue
-        survivors = active.intersection(present)
-        for endpoint_id in active.difference(survivors):
-            result[endpoint_id] = i
-        active = survivors
-    else:
-        i = len(keys)
+        if not present >= active:
+            survivors = active.intersection(present)
+            for endpoint_id in active.difference(survivors):
+                result[endpoint_id] = i
+            active = survivors
+        i += 1
+    if len(active) == 1 and i < n:
+        # one endpoint left (a session's holder, usually): its run of held keys, counted in C
+        (only,) = active
+        i += len(list(takewhile(methodcaller("__contains__", only), map(get, islice(keys, i, None), repeat(_NONE)))))
     for endpoint_id in active:
         result[endpoint_id] = i
     return result
+
+
+_NONE: Mapping[Any, int] = {}
+"""The holders of a key nobody holds (the C-level walk's default)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +110,71 @@ class ReplicaScore:
     block_size_tokens: int
     matched_blocks: dict[str, int]
     matched_blocks_by_medium: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+class PackedTokenIds(Sequence[int]):
+    """Token ids held as their little-endian uint32 bytes (``packed``, 4 per token): a read-only
+    ``Sequence[int]`` (indexing, slices as lists, iteration in C) equal to the same ids as a list.
+
+    epp's tokenizer keeps a cached chat's prompt this way and appends only the new turn's bytes
+    (:meth:`spliced`: a memcpy), and the replica hashes straight from ``packed``: a grown 33k-token
+    chat costs neither a copy of 33k Python ints nor their conversion to a buffer (~0.2-0.5 ms each)
+    on every pick. Little-endian hosts only (``array('I')`` is the packing; callers check).
+    """
+
+    __slots__ = ("_view", "packed")
+
+    def __init__(self, packed: bytes) -> None:
+        if len(packed) % 4:
+            raise ValueError(f"{len(packed)} packed bytes: not uint32 token ids")
+        self.packed = packed
+        self._view = memoryview(packed).cast("I")
+
+    @classmethod
+    def build(cls, ids: Sequence[int]) -> PackedTokenIds:
+        """``ids`` packed (``OverflowError``: an id outside uint32)."""
+        return cls(array("I", ids).tobytes())
+
+    def spliced(self, keep: int, tail: Sequence[int]) -> PackedTokenIds:
+        """``self[:keep] + tail``: the kept ids' bytes reused, only ``tail`` packed."""
+        return PackedTokenIds(self.packed[: 4 * keep] + array("I", tail).tobytes())
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        if isinstance(i, slice):
+            return self._view[i].tolist()
+        return int(self._view[i])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._view)
+
+    def tolist(self) -> list[int]:
+        return self._view.tolist()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PackedTokenIds):
+            return self.packed == other.packed
+        if isinstance(other, list | tuple):
+            return len(other) == len(self) and self._view.tolist() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"PackedTokenIds({len(self)} ids)"
+
+
+def packed_or_ids(token_ids: TokenIds) -> TokenIds:
+    """The little-endian uint32 bytes of ``token_ids`` when it carries them (:class:`PackedTokenIds`), else itself."""
+    packed = getattr(token_ids, "packed", None)
+    return packed if type(packed) is bytes else token_ids
 
 
 class ReplicaGap(Exception):
@@ -137,6 +212,8 @@ class PrefixReplica:
         self._held: dict[str, dict[int, int]] = {}
         self._sizes: dict[str, list[int]] = {}
         self._deferred: set[str] = set()
+        self._not_live: frozenset[str] = frozenset()
+        """Listed endpoints whose state is not ``live`` (not scored)."""
         self.seq = 0
         self.synced = False
         self.ready = False
@@ -175,6 +252,7 @@ class PrefixReplica:
         # most common block size first, ties smallest (kv_indexer's InMemoryIndex._block_sizes)
         self._sizes = {m: sorted(s, key=lambda size: (-s[size], size)) for m, s in by_model.items()}
         self._deferred = deferred
+        self._not_live = frozenset(e.endpoint_id for e in new.values() if e.state != LIVE)
 
     def set_status(self, ready: bool, load_only_models: Iterable[str]) -> None:
         self.ready = ready
@@ -285,12 +363,14 @@ class PrefixReplica:
             return ReplicaScore(0, 0, {})
         endpoints = self.endpoints
         candidates = endpoint_ids or [e for e, ep in endpoints.items() if ep.model == model and not ep.kv_source]
-        allowed = [e for e in candidates if (ep := endpoints.get(e)) is None or ep.state == LIVE]
+        not_live = self._not_live
+        allowed = [e for e in candidates if e not in not_live] if not_live else candidates
         matched: dict[str, int] = {}
         by_medium: dict[str, dict[str, int]] = {}
         total = 0
+        source = packed_or_ids(token_ids)  # the prompt's bytes when the tokenizer kept them: no conversion
         for size in sizes:
-            keys = self._keys.block_keys(token_ids, size, scope.root_key())
+            keys = self._keys.block_keys(source, size, scope.root_key())
             if size == sizes[0]:
                 total = len(keys)
             if not allowed:

@@ -82,6 +82,7 @@ from kvmesh_cli.report import (
     fmt,
     hit_rate,
     load_split,
+    offload_hit_rate,
     per_engine,
     slo_crossed,
     slo_throughput,
@@ -123,6 +124,76 @@ def _offload_mode(value: str) -> str:
     if value not in OFFLOAD_MODES:
         raise typer.BadParameter(f"{value!r}: expected one of {', '.join(OFFLOAD_MODES)}", param_hint="--offload")
     return value
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of ``compare``: a fresh mesh whose engines run ``offload``, replayed through kvmesh's
+    router with epp config ``policy`` or through the peer router ``peer`` (exactly one of them is set)."""
+
+    name: str
+    """The label in the table and the JSON's ``policies`` key: ``<policy or peer>`` with offload off,
+    ``<policy or peer>+<offload>`` otherwise (e.g. ``precise-prefix+cpu``)."""
+    policy: str | None
+    peer: str | None
+    offload: str
+
+
+def split_offload(value: str, default: str, *, exists: bool = False) -> tuple[str, str]:
+    """``(base, offload)`` of a ``--policies``/``--peers`` entry: ``NAME+MODE`` for MODE in
+    :data:`OFFLOAD_MODES` (``precise-prefix+cpu``, ``tier-cost+cpu+kv_store``, ``round-robin+off``);
+    a plain ``NAME`` (or one that ``exists`` as given, e.g. a YAML path with ``+`` in it) gets ``default``.
+
+    Raises:
+        ValueError: a ``+`` suffix that is no offload mode (the message lists them).
+    """
+    if "+" not in value or exists:
+        return value, default
+    for mode in sorted(OFFLOAD_MODES, key=len, reverse=True):  # cpu+kv_store before cpu
+        if value.endswith(f"+{mode}") and len(value) > len(mode) + 1:
+            return value[: -len(mode) - 1], mode
+    raise ValueError(f"{value!r}: the part after '+' must be an offload mode ({', '.join(OFFLOAD_MODES)})")
+
+
+def column_label(base: str, offload: str) -> str:
+    """A column's name: ``base`` with offload off, ``base+offload`` otherwise."""
+    return base if offload == "off" else f"{base}+{offload}"
+
+
+def compare_columns(policies: str, peers: str, default_offload: str) -> list[Column]:
+    """``compare``'s columns from ``--policies`` and ``--peers`` (each entry ``NAME[+OFFLOAD]``, plain names
+    keep ``--offload``), policies resolved (:func:`resolve_policy`) and peers checked as installed.
+
+    Raises:
+        typer.BadParameter: no column, an unknown policy, peer or offload suffix, or two columns with the
+            same label.
+    """
+    columns: list[Column] = []
+    for hint, text in (("--policies", policies), ("--peers", peers)):
+        for entry in (p.strip() for p in text.split(",")):
+            if not entry:
+                continue
+            exists = hint == "--policies" and "/" in entry and Path(entry).expanduser().is_file()
+            try:
+                base, offload = split_offload(entry, default_offload, exists=exists)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint=hint) from None
+            if hint == "--policies":
+                columns.append(Column(column_label(base, offload), resolve_policy(base, param_hint=hint), None,
+                                      offload))
+            else:
+                missing = peer_missing_reason(base)
+                if missing:
+                    raise typer.BadParameter(missing, param_hint=hint)
+                columns.append(Column(column_label(base, offload), None, base, offload))
+    if not columns:
+        raise typer.BadParameter("no policy given", param_hint="--policies")
+    seen: set[str] = set()
+    for col in columns:
+        if col.name in seen:
+            raise typer.BadParameter(f"column {col.name!r} given twice", param_hint="--policies")
+        seen.add(col.name)
+    return columns
 
 app = typer.Typer(
     help="kvmesh: run a local mesh with simulated engines, replay workloads, compare routing policies.",
@@ -194,7 +265,7 @@ def _run_replay(
 
 def _summary(
     outcome: ReplayOutcome, time_scale: float, *, wl: Workload | None = None, slo_ttft_s: float | None = None,
-    engine_urls: list[str] | None = None, block_size: int | None = None,
+    engine_urls: list[str] | None = None, block_size: int | None = None, offload: str | None = None,
 ) -> dict[str, object]:
     """Summary of one replay; with ``wl`` the oracle hit rate over the requests in the order they were sent."""
     oracle: float | None = None
@@ -208,7 +279,8 @@ def _summary(
     return summarize(
         outcome.results, wall_duration_s=outcome.wall_duration_s, time_scale=time_scale,
         prefix_hit_rate=hit_rate(outcome.counters_before, outcome.counters_after), slo_ttft_s=slo_ttft_s,
-        oracle_hit_rate=oracle, split=split,
+        oracle_hit_rate=oracle, split=split, offload=offload,
+        offload_hit_rate=offload_hit_rate(outcome.counters_before, outcome.counters_after),
     )
 
 
@@ -433,16 +505,16 @@ class RunSettings:
     sessions: int | None
     slo_ttft_s: float
     etcd: str | None
-    offload: str
 
 
 def _run_one(wl: Workload, rs: RunSettings, run_dir: Path, name: str, policy: str | None, peer: str | None,
-             label: str) -> dict[str, object]:
-    """One fresh mesh; the replay through its router (``policy``) or through a peer router over its engines."""
+             label: str, offload: str = "off") -> dict[str, object]:
+    """One fresh mesh (engines with ``offload``); the replay through its router (``policy``) or through a
+    peer router over its engines."""
     spec = MeshSpec(
         run_dir=run_dir, engines=rs.engines, policy=policy or "round-robin", time_scale=rs.time_scale,
         num_gpu_blocks=rs.num_gpu_blocks, block_size_tokens=rs.block_size_tokens, max_num_seqs=rs.max_num_seqs,
-        etcd=rs.etcd, offload=rs.offload,
+        etcd=rs.etcd, offload=offload,
     )
     t0 = time.monotonic()
     with Mesh(spec) as mesh:
@@ -470,7 +542,7 @@ def _run_one(wl: Workload, rs: RunSettings, run_dir: Path, name: str, policy: st
     _first_errors(outcome)
     _engine_line(outcome)
     return _summary(outcome, rs.time_scale, wl=wl, slo_ttft_s=rs.slo_ttft_s, engine_urls=engine_urls,
-                    block_size=rs.block_size_tokens or SIMULATOR_DEFAULTS.block_size_tokens)
+                    block_size=rs.block_size_tokens or SIMULATOR_DEFAULTS.block_size_tokens, offload=offload)
 
 
 def _parse_scales(value: str | None) -> list[float]:
@@ -487,8 +559,11 @@ def _parse_scales(value: str | None) -> list[float]:
 
 @app.command()
 def compare(
-    policies: Annotated[str, typer.Option("--policies", help="Comma-separated epp scheduling configs.")] =
-        "round-robin,precise-prefix",
+    policies: Annotated[str, typer.Option("--policies", help="Comma-separated epp scheduling configs, each "
+                                          "optionally NAME+OFFLOAD to give that column its own engines' offload "
+                                          "(precise-prefix+cpu, tier-cost+cpu+kv_store, round-robin+off); plain "
+                                          "names take --offload. The column is labelled NAME+OFFLOAD unless off."
+                                          )] = "round-robin,precise-prefix",
     trace: TraceOpt = None,
     workload: WorkloadOpt = DEFAULT_WORKLOAD,
     requests: RequestsOpt = DEFAULT_REQUESTS,
@@ -508,7 +583,8 @@ def compare(
     session_gap: SessionGapOpt = AgenticParams.session_gap_s,
     max_think: MaxThinkOpt = AgenticParams.max_think_s or 60.0,
     peers: Annotated[str, typer.Option("--peers", help="Comma-separated peer routers over the same simulated engines "
-                                       f"(`make peers-env`): {', '.join(PEERS)}.")] = "",
+                                       f"(`make peers-env`): {', '.join(PEERS)}; NAME+OFFLOAD as in --policies."
+                                       )] = "",
     sweep: Annotated[str | None, typer.Option("--sweep", help="Comma-separated rate scales: run every policy and peer "
                                               "at each, print throughput vs TTFT and each one's goodput (the "
                                               "throughput where TTFT p90 crosses --slo-ttft); --plot draws the curve."
@@ -523,15 +599,7 @@ def compare(
 ) -> None:
     """Replay one workload against a fresh mesh per routing policy (and peer router) and print them side by side."""
     _setup_logging(verbose)
-    names = [p.strip() for p in policies.split(",") if p.strip()]
-    peer_names = [p.strip() for p in peers.split(",") if p.strip()]
-    if not names and not peer_names:
-        raise typer.BadParameter("no policy given", param_hint="--policies")
-    resolved = {name: resolve_policy(name, param_hint="--policies") for name in names}
-    for peer_name in peer_names:
-        missing = peer_missing_reason(peer_name)
-        if missing:
-            raise typer.BadParameter(missing, param_hint="--peers")
+    columns = compare_columns(policies, peers, _offload_mode(offload))
     scales = _parse_scales(sweep)
     agentic = AgenticParams(block_tokens=block_tokens, session_gap_s=session_gap, max_think_s=max_think)
     base_wl = build_workload(trace, workload, requests, seed, max_input_tokens, max_output_tokens, agentic)
@@ -539,7 +607,7 @@ def compare(
     if sessions is None and base_wl.name.startswith("agentic"):
         sessions = DEFAULT_AGENTIC_SESSIONS_PER_ENGINE * engines
     rs = RunSettings(engines, num_gpu_blocks or default_num_gpu_blocks(trace, workload), block_size_tokens,
-                     max_num_seqs, time_scale, concurrency_limit, sessions, slo_ttft, etcd, _offload_mode(offload))
+                     max_num_seqs, time_scale, concurrency_limit, sessions, slo_ttft, etcd)
     bs = block_size_tokens or SIMULATOR_DEFAULTS.block_size_tokens
     longest = max((r.input_length + 1 + r.max_tokens for r in base_wl.requests), default=0)
     if -(-longest // bs) > rs.num_gpu_blocks - 1:
@@ -553,21 +621,23 @@ def compare(
                   f"{time_scale}, rate scale {sweep if scales else rate_scale}"
                   f"{f', {sessions} sessions' if sessions else ''}, "
                   f"logs in {base}", soft_wrap=True)
-    columns: list[tuple[str, str | None, str | None]] = [(n, resolved[n], None) for n in names]
-    columns += [(p, None, p) for p in peer_names]
     summaries: dict[str, dict[str, object]] = {}
     curves: dict[str, list[SweepPoint]] = {}
     with exit_on_signals(), mesh_errors():
         for k, scale in enumerate(scales or [rate_scale]):
             wl = scale_load(base_wl, scale)
-            for i, (name, col_policy, col_peer) in enumerate(columns):
+            for i, col in enumerate(columns):
+                name = col.name
                 tag = f"{name} x{scale:g}" if scales else name
-                summary = _run_one(wl, rs, base / f"{k}-{i}-{Path(name).stem}", tag, col_policy, col_peer, tag)
+                stem = Path(col.policy or col.peer or name).stem
+                summary = _run_one(wl, rs, base / f"{k}-{i}-{column_label(stem, col.offload)}", tag, col.policy,
+                                   col.peer, tag, col.offload)
                 summaries[tag if scales else name] = summary
                 curves.setdefault(name, []).append(SweepPoint(
                     scale, float(summary.get("requests_per_s") or 0.0), summary.get("ttft_p90_s"),  # type: ignore[arg-type]
                     summary.get("ttft_p50_s"), summary.get("output_tokens_per_s")))  # type: ignore[arg-type]
-    extra: dict[str, object] = {"rate_scale": rate_scale, "sessions": sessions, "slo_ttft_s": slo_ttft}
+    extra: dict[str, object] = {"rate_scale": rate_scale, "sessions": sessions, "slo_ttft_s": slo_ttft,
+                                "offload": {c.name: c.offload for c in columns}}
     if scales:
         extra["sweep"] = {name: {"points": [p.__dict__ for p in pts], "goodput_rps": slo_throughput(pts, slo_ttft),
                                  "slo_crossed": slo_crossed(pts, slo_ttft)}

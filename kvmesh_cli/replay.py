@@ -38,6 +38,8 @@ from httpx_sse import aconnect_sse
 
 from kvmesh.openai_stream import DONE, parse_event
 from kvmesh_cli.report import (
+    EXTERNAL_HITS_METRIC,
+    EXTERNAL_QUERIES_METRIC,
     HITS_METRIC,
     QUERIES_METRIC,
     REQUESTS_METRIC,
@@ -54,19 +56,21 @@ class ReplayOutcome:
     results: list[RequestResult]
     wall_duration_s: float
     """First send to last completion, wall seconds."""
-    counters_before: dict[str, tuple[float, float, float]]
-    counters_after: dict[str, tuple[float, float, float]]
+    counters_before: dict[str, tuple[float, ...]]
+    counters_after: dict[str, tuple[float, ...]]
 
 
 async def scrape_counters(
     client: httpx.AsyncClient, engine_urls: Sequence[str]
-) -> dict[str, tuple[float, float, float]]:
-    """``{engine url: (prefix_cache_hits_total, prefix_cache_queries_total, request_success_total)}``.
+) -> dict[str, tuple[float, ...]]:
+    """``{engine url: (prefix_cache_hits_total, prefix_cache_queries_total, request_success_total,
+    external_prefix_cache_hits_total, external_prefix_cache_queries_total)}`` (vLLM 0.32's names; the
+    external pair is the offload connector's, 0 without one).
 
     Unreachable engines are omitted (and logged).
     """
 
-    async def one(url: str) -> tuple[str, tuple[float, float, float]] | None:
+    async def one(url: str) -> tuple[str, tuple[float, ...]] | None:
         try:
             reply = await client.get(f"{url}/metrics", timeout=5.0)
             reply.raise_for_status()
@@ -76,7 +80,9 @@ async def scrape_counters(
         text = reply.text
         try:
             return url, (parse_prometheus_counter(text, HITS_METRIC), parse_prometheus_counter(text, QUERIES_METRIC),
-                         parse_prometheus_counter(text, REQUESTS_METRIC))
+                         parse_prometheus_counter(text, REQUESTS_METRIC),
+                         parse_prometheus_counter(text, EXTERNAL_HITS_METRIC),
+                         parse_prometheus_counter(text, EXTERNAL_QUERIES_METRIC))
         except ValueError as exc:
             logger.warning("unparsable %s/metrics: %s", url, exc)
             return None

@@ -5,7 +5,11 @@ Times are measured in wall seconds and reported in *model* seconds: multiplied b
 Percentiles use linear interpolation between closest ranks (numpy's default ``linear`` method).
 The prefix-cache hit rate is measured at the engines: the sum over engines of the
 ``vllm:prefix_cache_hits_total`` delta divided by the sum of ``vllm:prefix_cache_queries_total``
-deltas (both count tokens), between a scrape before and one after the replay.
+deltas (both count tokens), between a scrape before and one after the replay: the GPU pool's hits,
+as vLLM counts them. Tokens loaded from an offloaded tier (vLLM's KV connector: ``--offload cpu`` /
+``cpu+kv_store``) are counted apart, by ``vllm:external_prefix_cache_hits_total`` (vLLM 0.32's connector
+prefix-cache stats, ``vllm/v1/metrics/loggers.py``); ``offload_hit_rate`` is their delta over the same
+prompt tokens, so GPU + offload is the share of prompt tokens not recomputed.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ SUMMARY_KEYS = (
 EXTRA_KEYS = (
     "itl_p50_s", "itl_p90_s", "e2e_p90_s", "requests_per_s", "goodput_rps", "slo_ttft_s", "oracle_hit_rate",
     "oracle_fraction", "load_imbalance", "engine_requests", "engine_prefill_tokens",
+    "offload", "offload_hit_rate", "total_hit_rate", "oracle_fraction_total",
 )
 """Keys added by issue 9 (after :data:`SUMMARY_KEYS`, which keep their meaning).
 
@@ -33,7 +38,14 @@ EXTRA_KEYS = (
 requests in the order they were sent (:func:`kvmesh_cli.workloads.oracle_hits`), ``oracle_fraction``
 the engines' measured hit rate over it; ``load_imbalance``: max / mean of the engines' prefill
 tokens (prompt tokens not served from cache: ``queries - hits`` deltas), 1.0 = even;
-``engine_requests`` / ``engine_prefill_tokens``: per engine, in engine order."""
+``engine_requests`` / ``engine_prefill_tokens``: per engine, in engine order.
+
+Offload (issue 9, per column): ``offload`` is the engines' offload mode of the run (``off``, ``cpu``,
+``cpu+kv_store``); ``offload_hit_rate`` the prompt tokens loaded from offloaded tiers over all prompt tokens
+(``vllm:external_prefix_cache_hits_total`` delta over ``vllm:prefix_cache_queries_total`` delta);
+``total_hit_rate`` GPU + offloaded (``prefix_hit_rate`` stays the GPU pool's alone);
+``oracle_fraction_total`` = ``total_hit_rate`` over the oracle (``oracle_fraction`` counts GPU hits only).
+Prefill tokens of the imbalance are those computed: queries - GPU hits - offloaded hits."""
 
 
 @dataclass
@@ -94,51 +106,68 @@ def parse_prometheus_counter(text: str, name: str) -> float:
 HITS_METRIC = "vllm:prefix_cache_hits_total"
 QUERIES_METRIC = "vllm:prefix_cache_queries_total"
 REQUESTS_METRIC = "vllm:request_success_total"
+EXTERNAL_HITS_METRIC = "vllm:external_prefix_cache_hits_total"
+EXTERNAL_QUERIES_METRIC = "vllm:external_prefix_cache_queries_total"
+
+Counters = Mapping[str, Sequence[float]]
+"""Per engine: ``(hits, queries, requests[, external hits, external queries])`` as
+:func:`kvmesh_cli.replay.scrape_counters` gives them (missing trailing values count as 0)."""
 
 
-def hit_rate(
-    before: Mapping[str, Sequence[float]], after: Mapping[str, Sequence[float]]
-) -> float | None:
-    """Engine-measured prefix hit rate from per-engine ``(hits, queries, ...)`` counters; None if no queries.
+def _counter(values: Sequence[float] | None, i: int) -> float:
+    return float(values[i]) if values is not None and len(values) > i else 0.0
+
+
+def _delta(before: Counters, after: Counters, engine: str, i: int) -> float:
+    return max(0.0, _counter(after.get(engine), i) - _counter(before.get(engine), i))
+
+
+def hit_rate(before: Counters, after: Counters) -> float | None:
+    """Engine-measured prefix hit rate (GPU pools) from per-engine ``(hits, queries, ...)`` counters; None
+    if no queries.
 
     Engines missing from ``before`` count from 0 (they joined during the replay).
     """
-    hits = queries = 0.0
-    for engine, (h1, q1, *_) in after.items():
-        h0, q0, *_ = before.get(engine, (0.0, 0.0))
-        hits += max(0.0, h1 - h0)
-        queries += max(0.0, q1 - q0)
+    hits = sum(_delta(before, after, e, 0) for e in after)
+    queries = sum(_delta(before, after, e, 1) for e in after)
     return hits / queries if queries > 0 else None
 
 
-def per_engine(
-    before: Mapping[str, Sequence[float]], after: Mapping[str, Sequence[float]]
-) -> dict[str, tuple[int, float | None]]:
-    """``{engine: (requests finished, hit rate)}`` over the replay, from ``(hits, queries, requests)``."""
+def offload_hit_rate(before: Counters, after: Counters) -> float | None:
+    """Prompt tokens loaded from offloaded tiers (external hits) over all prompt tokens queried; None if no
+    queries, or no engine exposes the external counters (an engine without a connector gives 0)."""
+    if not any(len(v) > 3 for v in after.values()):
+        return None
+    hits = sum(_delta(before, after, e, 3) for e in after)
+    queries = sum(_delta(before, after, e, 1) for e in after)
+    return hits / queries if queries > 0 else None
+
+
+def per_engine(before: Counters, after: Counters) -> dict[str, tuple[int, float | None]]:
+    """``{engine: (requests finished, GPU hit rate)}`` over the replay, from ``(hits, queries, requests, ...)``."""
     out: dict[str, tuple[int, float | None]] = {}
-    for engine, (h1, q1, r1) in after.items():
-        h0, q0, r0 = before.get(engine, (0.0, 0.0, 0.0))
-        out[engine] = (int(r1 - r0), (h1 - h0) / (q1 - q0) if q1 > q0 else None)
+    for engine in after:
+        h, q = _delta(before, after, engine, 0), _delta(before, after, engine, 1)
+        out[engine] = (int(_delta(before, after, engine, 2)), h / q if q > 0 else None)
     return out
 
 
 def load_split(
-    before: Mapping[str, Sequence[float]], after: Mapping[str, Sequence[float]], engines: Sequence[str] | None = None,
+    before: Counters, after: Counters, engines: Sequence[str] | None = None,
 ) -> tuple[list[int], list[float], float | None]:
     """``(requests per engine, prefill tokens per engine, imbalance)`` over a replay.
 
-    Prefill tokens are the prompt tokens an engine computed (``queries - hits`` deltas); imbalance is
-    their max over their mean (None when no engine prefilled anything). ``engines`` fixes the order
-    and counts engines that answered no scrape as 0; default: the scraped ones, sorted.
+    Prefill tokens are the prompt tokens an engine computed (``queries - hits - external hits`` deltas);
+    imbalance is their max over their mean (None when no engine prefilled anything). ``engines`` fixes
+    the order and counts engines that answered no scrape as 0; default: the scraped ones, sorted.
     """
     names = list(engines) if engines is not None else sorted(after)
     reqs: list[int] = []
     prefill: list[float] = []
     for name in names:
-        h1, q1, r1 = (list(after.get(name, ())) + [0.0, 0.0, 0.0])[:3]
-        h0, q0, r0 = (list(before.get(name, ())) + [0.0, 0.0, 0.0])[:3]
-        reqs.append(int(max(0.0, r1 - r0)))
-        prefill.append(max(0.0, (q1 - q0) - (h1 - h0)))
+        reqs.append(int(_delta(before, after, name, 2)))
+        prefill.append(max(0.0, _delta(before, after, name, 1) - _delta(before, after, name, 0)
+                           - _delta(before, after, name, 3)))
     mean = sum(prefill) / len(prefill) if prefill else 0.0
     return reqs, prefill, (max(prefill) / mean if mean > 0 else None)
 
@@ -161,11 +190,14 @@ def summarize(
     slo_ttft_s: float | None = None,
     oracle_hit_rate: float | None = None,
     split: tuple[list[int], list[float], float | None] | None = None,
+    offload: str | None = None,
+    offload_hit_rate: float | None = None,
 ) -> dict[str, object]:
     """The summary of one replay: :data:`SUMMARY_KEYS` then :data:`EXTRA_KEYS`, times in model seconds.
 
     ``output_tokens_per_s`` and ``requests_per_s`` are over the replay's makespan (first send to
-    last completion), successful requests only. ``split`` is :func:`load_split`'s answer.
+    last completion), successful requests only. ``split`` is :func:`load_split`'s answer; ``offload`` the
+    engines' offload mode and ``offload_hit_rate`` :func:`offload_hit_rate`'s answer.
     """
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft_s * time_scale for r in ok if r.ttft_s is not None]
@@ -174,6 +206,7 @@ def summarize(
     out_tokens = sum(r.output_tokens for r in ok)
     model_duration = wall_duration_s * time_scale
     reqs, prefill, imbalance = split if split is not None else (None, None, None)
+    total = (prefix_hit_rate + (offload_hit_rate or 0.0)) if prefix_hit_rate is not None else None
     return {
         "requests": len(results),
         "errors": len(results) - len(ok),
@@ -195,6 +228,10 @@ def summarize(
         "load_imbalance": imbalance,
         "engine_requests": reqs,
         "engine_prefill_tokens": prefill,
+        "offload": offload,
+        "offload_hit_rate": offload_hit_rate,
+        "total_hit_rate": total,
+        "oracle_fraction_total": (total / oracle_hit_rate if total is not None and oracle_hit_rate else None),
     }
 
 
@@ -228,13 +265,17 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("TTFT p99 (s)", "ttft_p99_s", "s"),
     ("end-to-end p50 (s)", "e2e_p50_s", "s"),
     ("output tokens/s", "output_tokens_per_s", "rate"),
-    ("prefix-cache hit rate", "prefix_hit_rate", "pct"),
+    ("offload (engines' KV connector)", "offload", "str"),
+    ("prefix-cache hit rate (GPU)", "prefix_hit_rate", "pct"),
+    ("offloaded-tier hits (loaded, of prompt)", "offload_hit_rate", "pct"),
+    ("GPU + offload hit rate", "total_hit_rate", "pct"),
     ("end-to-end p90 (s)", "e2e_p90_s", "s"),
     ("ITL p50 (ms)", "itl_p50_s", "ms"),
     ("requests/s", "requests_per_s", "rate2"),
     ("goodput (req/s, TTFT <= SLO)", "goodput_rps", "rate2"),
     ("oracle hit rate (1 infinite cache)", "oracle_hit_rate", "pct"),
-    ("captured of oracle", "oracle_fraction", "pct"),
+    ("captured of oracle (GPU hits)", "oracle_fraction", "pct"),
+    ("captured of oracle (GPU + offload)", "oracle_fraction_total", "pct"),
     ("load imbalance (max/mean prefill)", "load_imbalance", "x"),
     ("requests per engine", "engine_requests", "list"),
 )

@@ -25,15 +25,17 @@ class EppConfig(GrpcServiceConfig):
     """How the prefix-match step asks kv_indexer: ``replica`` keeps a local copy of its key residency fed
     by its Watch stream and scores in process (Score RPC only while the stream is down or stale);
     ``rpc`` calls Score on every pick (docs/kv-index.md, "epp's replica")."""
-    kv_indexer_watch_stale_seconds: float = Field(2.0, gt=0, le=60)
-    """A replica whose Watch stream sent nothing (not even its 0.5 s heartbeat) for this long is not used."""
+    kv_indexer_watch_stale_seconds: float = Field(3.0, gt=0, le=60)
+    """A replica whose Watch stream sent nothing (not even its heartbeat, kv_indexer's
+    ``watch_heartbeat_seconds``, 1 s) for this long is not used (the Score RPC serves meanwhile)."""
     metrics_scrape_interval_seconds: float = Field(0.1, gt=0, le=60)
     """How often each engine's /metrics is scraped while it is busy (requests running or waiting, or
     picked since the last scrape)."""
     metrics_idle_scrape_interval_seconds: float = Field(1.0, gt=0, le=60)
     """How often an idle engine (nothing running or waiting, no pick since the last scrape) is scraped;
-    a pick for it brings the next scrape forward to the busy cadence. Keep it under
-    ``max_metrics_age_seconds`` so idle engines stay candidates."""
+    a pick for it wakes its scraper at once (no polling), so the next scrape comes within the busy
+    cadence. Capped at half of ``max_metrics_age_seconds`` so idle engines stay candidates and a
+    dead idle engine is noticed by its failing scrape within about this long (docs/BENCHMARKS.md §3)."""
     metrics_scrape_timeout_seconds: float = Field(0.5, gt=0, le=60)
     """Timeout of one /metrics scrape."""
     max_metrics_age_seconds: float = Field(2.0, gt=0, le=3600)

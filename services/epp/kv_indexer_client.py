@@ -6,7 +6,7 @@ Two modes (``EppConfig.prefix_index_mode``):
 * ``replica`` (:class:`ReplicaPrefixIndex`): a :class:`kvmesh.prefix_index.PrefixReplica` fed by
   ``KVIndexer/Watch`` (snapshot, then ordered residency deltas) scores in process, so a precise pick
   makes no kv_indexer call (llm-d's EPP embeds its kv-cache indexer the same way). While the stream
-  is down, resyncing or stale (no message for ``stale_seconds``; the server heartbeats every 0.5 s),
+  is down, resyncing or stale (no message for ``stale_seconds``; the server heartbeats every 1 s),
   and for models with kv_store sources (kv_indexer folds their blocks into engines' scores), it
   calls ``Score`` as the ``rpc`` mode does; when that fails too, the pick degrades as before
   (``docs/degraded-modes.md``).

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from prometheus_client import Counter, Histogram
 
@@ -88,12 +89,24 @@ def record_unscraped_pick() -> None:
     PICKS_WITHOUT_METRICS.inc()
 
 
+_PLUGIN_CHILDREN: dict[tuple[ExtensionPoint, str], Any] = {}
+_PICK_CHILDREN: dict[PickOutcome, Any] = {}
+"""Labelled children, looked up once (``labels()`` costs more than the observation; several per pick)."""
+
+
 def record_plugin(extension_point: ExtensionPoint, plugin_type: str, seconds: float) -> None:
-    PLUGIN_DURATION.labels(str(extension_point), plugin_type or "unknown").observe(seconds)
+    child = _PLUGIN_CHILDREN.get((extension_point, plugin_type))
+    if child is None:
+        child = _PLUGIN_CHILDREN[(extension_point, plugin_type)] = PLUGIN_DURATION.labels(
+            str(extension_point), plugin_type or "unknown")
+    child.observe(seconds)
 
 
 def record_pick(outcome: PickOutcome, seconds: float) -> None:
-    PICK_TOTAL.labels(str(outcome)).inc()
+    child = _PICK_CHILDREN.get(outcome)
+    if child is None:
+        child = _PICK_CHILDREN[outcome] = PICK_TOTAL.labels(str(outcome))
+    child.inc()
     SCHEDULER_E2E.observe(seconds)
 
 

@@ -3,23 +3,38 @@
 Endpoints go out through :func:`kvmesh.wire.endpoint_to_proto`, the one translator. Domain errors
 propagate to the shared interceptor, which maps them (InvalidRequest -> INVALID_ARGUMENT,
 UnknownModel -> NOT_FOUND, NoEndpointsAvailable -> UNAVAILABLE, anything else -> INTERNAL).
+
+``PickMany`` carries every Pick of one client (the router) on one long-lived bidirectional stream
+(:class:`_PickSession`; issue 10, as flow_control's ``AdmitMany``): each entry is the same
+:meth:`Scheduler.pick` call as ``Pick``, answered by the client's id; a failed entry gets the status
+and error class the unary call would have answered (:func:`kvmesh.interceptors.translate`, the same
+table), in a ``PickError`` for that entry alone, and the stream goes on. ``Completed`` reports may
+ride the stream's batches.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import grpc
 import msgspec
-from opentelemetry import trace
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
 
 from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
-from kvmesh.errors import InvalidRequest
+from kvmesh.errors import InvalidRequest, mapping_for
 from kvmesh.hashing import KeyScope
+from kvmesh.interceptors import translate
 from kvmesh.wire import completion_from_proto, endpoint_to_proto
 from services.epp.framework.interfaces import ChatMessage, SchedulingRequest
 from services.epp.metrics import record_completions
-from services.epp.scheduler import Scheduler
+from services.epp.scheduler import PickDecision, Scheduler
+
+logger = logging.getLogger(__name__)
+_tracer = trace.get_tracer("kvmesh.epp")
 
 SERVICE_NAME = epp_pb2.DESCRIPTOR.services_by_name["EndpointPicker"].full_name
 """The full gRPC service name (``kvmesh.epp.v1.EndpointPicker``): health checks and reflection use it."""
@@ -58,15 +73,35 @@ class EndpointPickerServicer(epp_pb2_grpc.EndpointPickerServicer):
     async def Pick(self, request: epp_pb2.PickRequest, context: grpc.aio.ServicerContext) -> epp_pb2.PickResponse:
         decision = await self._scheduler.pick(request_from_proto(request))
         _annotate_pick(request, decision)
-        return epp_pb2.PickResponse(
-            target=endpoint_to_proto(decision.target),
-            fallbacks=[endpoint_to_proto(e) for e in decision.fallbacks],
-            breakdown=[
-                epp_pb2.ScoreBreakdown(endpoint_id=s.id, scores=s.scores, total=s.total) for s in decision.breakdown
-            ],
-            profile=decision.profile,
-            prompt_tokens=decision.prompt_tokens,
-        )
+        return response_to_proto(decision)
+
+    async def PickMany(
+        self, request_iterator: AsyncIterator[epp_pb2.PickBatch], context: grpc.aio.ServicerContext
+    ) -> None:
+        """Every Pick of one client on one stream (see :class:`_PickSession`). The client's
+        half-close means "no more entries": the picks in flight are answered first (at most
+        ``_DRAIN_SECONDS``); a cancelled or broken call stops them at once."""
+        session = _PickSession(self._scheduler, context)
+        try:
+            async for batch in request_iterator:
+                if batch.completed:
+                    self._note_completed(batch.completed)
+                for entry in batch.entries:
+                    session.handle(entry)
+            await session.drain()
+        finally:
+            await session.close()
+
+    def _note_completed(self, requests: Iterable[epp_pb2.CompletedRequest]) -> int:
+        """Free each ended request's pick load in the datastore at once (no I/O); returns how many matched."""
+        datastore = self._scheduler.datastore
+        matched = total = 0
+        for message in requests:
+            done = completion_from_proto(message)
+            matched += datastore.note_completed(done.request_id, done.endpoint_id)
+            total += 1
+        record_completions(matched, total - matched)
+        return matched
 
     async def ListEndpoints(
         self, request: epp_pb2.ListEndpointsRequest, context: grpc.aio.ServicerContext
@@ -88,13 +123,7 @@ class EndpointPickerServicer(epp_pb2_grpc.EndpointPickerServicer):
         self, request: epp_pb2.CompletedBatch, context: grpc.aio.ServicerContext
     ) -> epp_pb2.CompletedReply:
         """The router's completions: each frees its pick's load in the datastore at once (no I/O)."""
-        datastore = self._scheduler.datastore
-        matched = 0
-        for message in request.requests:
-            done = completion_from_proto(message)
-            matched += datastore.note_completed(done.request_id, done.endpoint_id)
-        record_completions(matched, len(request.requests) - matched)
-        return epp_pb2.CompletedReply(matched=matched)
+        return epp_pb2.CompletedReply(matched=self._note_completed(request.requests))
 
     async def GetPickerInfo(
         self, request: epp_pb2.GetPickerInfoRequest, context: grpc.aio.ServicerContext
@@ -102,6 +131,162 @@ class EndpointPickerServicer(epp_pb2_grpc.EndpointPickerServicer):
         """Whether the configured profile reads the prompt, and the profile names (fixed for the process)."""
         profile = self._scheduler.profile
         return epp_pb2.PickerInfo(needs_prompt=profile.needs_prompt, profiles=[profile.name])
+
+
+def response_to_proto(decision: PickDecision) -> epp_pb2.PickResponse:
+    """The scheduler's decision as a ``PickResponse`` (target, fallbacks best first, breakdown, profile)."""
+    return epp_pb2.PickResponse(
+        target=endpoint_to_proto(decision.target),
+        fallbacks=[endpoint_to_proto(e) for e in decision.fallbacks],
+        breakdown=[
+            epp_pb2.ScoreBreakdown(endpoint_id=s.id, scores=s.scores, total=s.total) for s in decision.breakdown
+        ],
+        profile=decision.profile,
+        prompt_tokens=decision.prompt_tokens,
+    )
+
+
+def error_to_proto(exc: BaseException) -> epp_pb2.PickError:
+    """What the unary ``Pick`` would have answered for ``exc`` (the shared interceptor's table):
+    a domain error's status and class name, else ``INTERNAL`` with a generic message and no class
+    (the client reads that as "epp failed", not as an answer), the traceback logged."""
+    domain = translate(exc)
+    if domain is None:
+        logger.error("unhandled error in PickMany entry", exc_info=exc)
+        return epp_pb2.PickError(code="INTERNAL", message="internal error")
+    return epp_pb2.PickError(code=mapping_for(domain).grpc_status, error_class=type(domain).__name__,
+                             message=str(domain))
+
+
+_DEADLINE_EXCEEDED = epp_pb2.PickError(code="DEADLINE_EXCEEDED", message="Deadline Exceeded")
+"""An entry's own deadline (``timeout_seconds``) passed: as a unary call past its deadline (no class)."""
+_FLUSH_SECONDS = 1.0
+"""How long a closing ``PickMany`` stream may take to write its last results."""
+_DRAIN_SECONDS = 5.0
+"""How long a ``PickMany`` stream the client half-closed waits for its picks in flight."""
+_SAMPLED_LAST_HEX = frozenset("13579bdfBDF")
+"""Last hex digit of the W3C trace flags when the sampled bit (0x01) is set."""
+
+
+class _PickSession:
+    """One ``PickMany`` stream: the picks in flight by the client's id, and the results' writer.
+
+    Each ``PickEntry`` runs :meth:`Scheduler.pick` in its own task (a pick may wait on tokenization
+    or kv_indexer) under the entry's own deadline (``timeout_seconds``); its result or error goes
+    to the outbox, and one writer task writes everything ready at that moment in one
+    ``PickResults`` (under load one write carries many). A malformed entry (zero or duplicate id,
+    ``render_json`` that is not a JSON object) is answered ``INVALID_ARGUMENT`` for that id alone;
+    a ``cancel`` entry stops its pick and nothing is answered for it. The session's end cancels
+    every pick still running.
+    """
+
+    def __init__(self, scheduler: Scheduler, context: grpc.aio.ServicerContext) -> None:
+        self._scheduler = scheduler
+        self._context = context
+        self._running: dict[int, asyncio.Task[None]] = {}
+        self._outbox: list[epp_pb2.PickResult] = []
+        self._wake = asyncio.Event()
+        self._closing = False
+        self._writer = asyncio.create_task(self._write(), name="epp-pick-many-writer")
+
+    def handle(self, entry: epp_pb2.PickEntry) -> None:
+        key = entry.id
+        if entry.cancel:
+            task = self._running.pop(key, None)
+            if task is not None:
+                task.cancel()
+            return
+        try:
+            if key == 0 or key in self._running:
+                raise InvalidRequest(f"pick id {key} is zero or already in flight on this stream")
+            request = request_from_proto(entry.request)
+        except InvalidRequest as exc:
+            self._answer(epp_pb2.PickResult(id=key, error=error_to_proto(exc)))
+            return
+        self._running[key] = asyncio.create_task(self._pick(key, entry, request))
+
+    async def _pick(self, key: int, entry: epp_pb2.PickEntry, request: SchedulingRequest) -> None:
+        span = _enter_trace(entry)  # this task runs in the request's trace (epp's kv_indexer call included)
+        deadline = asyncio.timeout(entry.timeout_seconds if entry.timeout_seconds > 0 else None)
+        try:
+            async with deadline:
+                decision = await self._scheduler.pick(request)
+        except asyncio.CancelledError:
+            if span is not None:
+                span.end()
+            raise
+        except Exception as exc:
+            if span is not None:
+                span.record_exception(exc)
+                span.end()
+            self._running.pop(key, None)
+            error = _DEADLINE_EXCEEDED if deadline.expired() else error_to_proto(exc)
+            self._answer(epp_pb2.PickResult(id=key, error=error))
+            return
+        if span is not None:
+            _annotate_pick(entry.request, decision)
+            span.end()
+        self._running.pop(key, None)
+        self._answer(epp_pb2.PickResult(id=key, response=response_to_proto(decision)))
+
+    def _answer(self, result: epp_pb2.PickResult) -> None:
+        self._outbox.append(result)
+        self._wake.set()
+
+    async def _write(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self._outbox:
+                batch, self._outbox = self._outbox, []
+                await self._context.write(epp_pb2.PickResults(results=batch))
+            if self._closing:
+                return
+
+    async def drain(self) -> None:
+        """Wait (at most ``_DRAIN_SECONDS``) for the picks in flight to be answered."""
+        if self._running:
+            await asyncio.wait(list(self._running.values()), timeout=_DRAIN_SECONDS)
+
+    async def close(self) -> None:
+        """The client's side ended (or the call broke): stop the picks still running, write what is
+        answered (the client may still read), stop the writer."""
+        running, self._running = self._running, {}
+        for task in running.values():
+            task.cancel()
+        if running:
+            await asyncio.gather(*running.values(), return_exceptions=True)
+        self._closing = True
+        self._wake.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._writer), _FLUSH_SECONDS)
+        except Exception:  # the call is gone (a write fails) or the client stopped reading
+            pass
+        finally:
+            self._writer.cancel()
+        if running:
+            logger.info("pick-many stream ended picks_stopped=%d", len(running))
+
+
+def _enter_trace(entry: epp_pb2.PickEntry) -> trace.Span | None:
+    """Attach the entry's trace context to the current task (each pick runs in its own task, so
+    nothing is detached): the pick's own calls (kv_indexer ``Score``) stay in the request's trace, as
+    under the unary call's server interceptor. Returns an ``epp.Pick`` SERVER span, made current,
+    when the caller's context is sampled (the sampled bit of the W3C trace flags), else None;
+    without a ``traceparent`` nothing is built."""
+    if not entry.traceparent:
+        return None
+    carrier = {"traceparent": entry.traceparent}
+    if entry.tracestate:
+        carrier["tracestate"] = entry.tracestate
+    parent = propagate.extract(carrier)
+    span: trace.Span | None = None
+    if len(entry.traceparent) >= 55 and entry.traceparent[-1:] in _SAMPLED_LAST_HEX:
+        span = _tracer.start_span("epp.Pick", context=parent, kind=trace.SpanKind.SERVER)
+        if not span.is_recording():
+            span = None
+    otel_context.attach(trace.set_span_in_context(span, parent) if span is not None else parent)
+    return span
 
 
 def _annotate_pick(request: epp_pb2.PickRequest, decision: object) -> None:

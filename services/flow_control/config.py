@@ -76,17 +76,29 @@ class FlowControlConfig(GrpcServiceConfig):
     pool_poll_interval_seconds: float = Field(0.1, gt=0, le=60)
     """How often epp's endpoint metrics are read (epp scrapes a busy engine every 0.1 s: reading faster
     only re-reads the same sample; docs/BENCHMARKS.md §3, idle cost)."""
-    pool_idle_poll_interval_seconds: float = Field(0.5, gt=0, le=60)
+    pool_idle_poll_interval_seconds: float = Field(1.0, gt=0, le=60)
     """How often epp is read while nothing is queued or in flight (capped at half of
-    ``metrics_staleness_seconds``, so an idle pool's snapshot never goes stale)."""
+    ``metrics_staleness_seconds``, so an idle pool's snapshot never goes stale and the first request
+    after an idle spell is judged on fresh numbers). Epp scrapes an idle engine every 1 s, so reading
+    it faster only re-reads the same samples; was 0.5 s (idle cost, docs/BENCHMARKS.md §3, issue 10)."""
     queue_depth_threshold: float = Field(5.0, gt=0, le=100_000)
     """An endpoint has room while vllm:num_requests_waiting is below this (GIE utilization-detector's QueueDepthThreshold)."""
     kv_cache_util_threshold: float = Field(0.8, gt=0, le=1)
     """... and vllm:kv_cache_usage_perc is below this (KVCacheUtilThreshold)."""
-    metrics_staleness_seconds: float = Field(1.0, gt=0, le=600)
-    """Metrics older than this are stale: dispatch fails open (MetricsStalenessThreshold)."""
+    metrics_staleness_seconds: float = Field(2.0, gt=0, le=600)
+    """Metrics older than this are stale: dispatch fails open (MetricsStalenessThreshold). 2 s, as
+    epp's ``max_metrics_age_seconds``: admission and the scheduler call the same samples fresh (an idle
+    engine's, scraped every 1 s and read every 1 s, is up to ~2 s old). Was 1.0 s."""
     dispatch_visibility_seconds: float = Field(0.05, ge=0, le=10)
     """A dispatch counts against the pool's room until a sample taken this long after it arrives."""
+    admission_credits: int = Field(4, ge=0, le=1024)
+    """Admission credits lent to each ``AdmitMany`` stream that asks (the router's): pre-admitted
+    slots, lent while nothing is queued and the pool has room (at most half the free room in all),
+    each counted as a request in flight;
+    a request spent on one is dispatched by the router without waiting for a decision. Revoked as
+    soon as anything queues or the pool saturates. 0 = lend none (docs/flow-control.md)."""
+    admission_credit_priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    """The band whose requests credits are for (requests of other bands always wait for the decision)."""
 
     def limits(self) -> ControllerLimits:
         return ControllerLimits(
@@ -100,6 +112,8 @@ class FlowControlConfig(GrpcServiceConfig):
             ordering_policy=self.ordering_policy,
             fairness_weights=dict(self.fairness_weights),
             fairness_window_seconds=self.fairness_window_seconds,
+            admission_credits=self.admission_credits,
+            admission_credit_priority=self.admission_credit_priority,
         )
 
     def detector(self) -> SaturationDetector | None:

@@ -26,6 +26,15 @@ completion without awaiting.
   is never dispatched.
 * ``update_pool(snapshot)``: new engine metrics for the :class:`SaturationDetector`; dispatches
   whatever the new room allows.
+* Admission credits (:mod:`services.flow_control.credits`; ``admission_credits`` per client,
+  band ``admission_credit_priority``): ``open_credits`` / ``enqueue_on_credit`` /
+  ``credits_returned`` / ``close_credits``. Credits are lent only while a request of the lending
+  band would be dispatched at once (nothing queued, room under ``max_in_flight`` and the
+  detector's headroom, the band under its ``max_saturation``), at most half that free room in
+  all; every credit lent counts as a request in flight for every other admission, so neither
+  limit is exceeded; all are revoked as soon as the credits fill the free room or anything
+  queues. A request spent on a credit is dispatched on arrival, whatever the state (the client
+  already sent it to an engine): it is recorded exactly as any dispatch.
 
 Parameters: ``max_in_flight`` >= 1 (requests), ``queue_ttl_seconds`` > 0 (clock seconds),
 ``max_queue_size`` >= 0 (requests; 0 means "never queue"), ``max_queue_bytes`` >= 0 (0 = no limit).
@@ -44,6 +53,7 @@ from typing import Protocol
 
 from kvmesh.clock import Clock, SystemClock
 from services.flow_control.bands import Band, BandConfig, FlowQueue, TokenBucket
+from services.flow_control.credits import CreditAccount
 from services.flow_control.fairness.window import ServedWindow
 from services.flow_control.policies import (
     DEFAULT_FAIRNESS_POLICY,
@@ -92,6 +102,11 @@ class ControllerLimits:
     ordering_policy: str = DEFAULT_ORDERING_POLICY
     fairness_weights: Mapping[str, float] = field(default_factory=dict)
     fairness_window_seconds: float = 10.0
+    admission_credits: int = 4
+    """Most credits lent to one client (an ``AdmitMany`` stream) at a time; 0 lends none. Only a
+    client that asks is lent any."""
+    admission_credit_priority: int = 0
+    """The band whose requests credits are for."""
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
@@ -102,6 +117,8 @@ class ControllerLimits:
             raise ValueError(f"max_queue_size must be >= 0, got {self.max_queue_size}")
         if self.max_queue_bytes < 0:
             raise ValueError(f"max_queue_bytes must be >= 0, got {self.max_queue_bytes}")
+        if self.admission_credits < 0:
+            raise ValueError(f"admission_credits must be >= 0, got {self.admission_credits}")
         priorities = [b.priority for b in self.bands]
         if len(set(priorities)) != len(priorities):
             raise ValueError(f"duplicate band priority in {sorted(priorities)}")
@@ -154,6 +171,8 @@ class ControllerStats:
     saturation: SaturationState | None = None
     jain_index: float = 1.0
     fairness_window_seconds: float = 0.0
+    credits_lent: int = 0
+    """Admission credits lent and neither spent nor returned (each counts as a request in flight)."""
 
 
 class ControllerObserver(Protocol):
@@ -166,6 +185,21 @@ class ControllerObserver(Protocol):
     def on_state(self, queued: int, in_flight: int) -> None:
         """The number of queued or in-flight requests changed."""
         ...
+
+
+class CreditObserver(Protocol):
+    """Optional hook of an observer (looked up once; observers without it see no credit events)."""
+
+    def on_credits(self, event: str, credits: int, reason: str = "") -> None:
+        """``credits`` credits were ``lent``, ``spent``, ``returned`` (after a revoke),
+        ``freed`` (their stream ended) or ``overdrawn`` (a request arrived on a credit its client
+        did not hold; dispatched anyway); ``revoked`` counts revocations (``credits`` = 1) with
+        the ``reason``: queued, saturated, max_in_flight."""
+        ...
+
+
+def _no_credit_events(event: str, credits: int, reason: str = "") -> None:
+    pass
 
 
 class NullObserver:
@@ -261,6 +295,9 @@ class FlowController:
         self._tenant_in_flight: dict[str, int] = {}
         self._buckets: dict[str, TokenBucket] = {}
         self._wake = asyncio.Event()
+        self._accounts: list[CreditAccount] = []
+        self._credits_lent = 0
+        self._on_credits: Callable[..., None] = getattr(self._observer, "on_credits", _no_credit_events)
 
     # -- bands ------------------------------------------------------------------------------------
 
@@ -385,19 +422,106 @@ class FlowController:
             )
 
     def update_pool(self, snapshot: PoolSnapshot) -> None:
-        """New engine metrics: update the detector and dispatch what the new room allows."""
+        """New engine metrics: update the detector, dispatch what the new room allows, lend or
+        revoke admission credits."""
         if self.detector is None:
             return
         self.detector.update(snapshot)
         if self._queued:
             self._dispatch_ready()
             self._publish_state()
+        else:
+            self._settle_credits()
 
     def refresh(self) -> None:
         """Dispatch what the current state allows (after a failed poll: stale metrics fail open)."""
         if self._queued:
             self._dispatch_ready()
             self._publish_state()
+        else:
+            self._settle_credits()
+
+    # -- admission credits (services/flow_control/credits.py) ----------------------------------
+
+    def open_credits(self, want: int, notify: Callable[[], None]) -> CreditAccount:
+        """A client asks to be lent up to ``want`` credits (capped by ``admission_credits``);
+        ``notify()`` is called (synchronously) whenever the account has an update to send.
+        The caller must :meth:`close_credits` when the client's stream ends."""
+        account = CreditAccount(min(max(want, 0), self.limits.admission_credits),
+                                self.limits.admission_credit_priority, notify)
+        self._accounts.append(account)
+        self._settle_credits()
+        return account
+
+    def want_credits(self, account: CreditAccount, want: int) -> None:
+        """The client changed how many credits it wants (credits already lent stay lent)."""
+        account.want = min(max(want, 0), self.limits.admission_credits)
+        self._settle_credits()
+
+    def enqueue_on_credit(self, request: AdmissionRequest, account: CreditAccount | None) -> Ticket:
+        """A request its client already dispatched on a credit of ``account``: recorded as
+        dispatched on arrival (in flight, band, flow and tenant counts, fairness, the detector),
+        whatever the state, since it is already on its way to an engine. A request whose client
+        held no credit (a client bug) is dispatched all the same and counted ``overdrawn``.
+        The caller must :meth:`release` the ticket, as any other."""
+        now = self._clock.now()
+        if not request.flow_id:
+            request = _with_flow(request, DEFAULT_FLOW_ID)
+        ticket = Ticket(next(self._ids), request, now)
+        band = self.band(request.priority)
+        flow = band.flow(request.flow_id)
+        flow.quota = request.quota
+        ticket.band, ticket.flow = band, flow
+        ticket.item = QueuedItem(ticket.id, request, now, now + self._ttl(band, request))
+        if not self._take_credit(account):
+            self._on_credits("overdrawn", 1)
+            logger.debug("request on a credit its client did not hold request_id=%s", request.request_id)
+        self._dispatch(ticket, now)
+        self._publish_state()
+        return ticket
+
+    def spend_credit(self, account: CreditAccount | None) -> None:
+        """A credit of ``account`` was spent on an entry that could not be admitted (malformed):
+        the credit is gone, nothing is dispatched."""
+        if self._take_credit(account):
+            self._publish_state()
+
+    def _take_credit(self, account: CreditAccount | None) -> bool:
+        if account is None or account.held <= 0:
+            return False
+        account.lent -= 1
+        self._credits_lent -= 1
+        self._on_credits("spent", 1)
+        return True
+
+    def credits_returned(self, account: CreditAccount, credits: int) -> None:
+        """The client answered a revoke: it dropped ``credits`` unspent credits."""
+        freed = account._returned(credits)
+        self._credits_lent -= freed
+        if freed:
+            self._on_credits("returned", freed)
+        if self._queued:
+            self._dispatch_ready()
+        self._publish_state()
+
+    def close_credits(self, account: CreditAccount) -> None:
+        """The client's stream ended: every credit it was lent is free again (idempotent)."""
+        if account.closed:
+            return
+        account.closed = True
+        self._accounts.remove(account)
+        freed, account.lent, account.unsent = account.lent, 0, 0
+        self._credits_lent -= freed
+        if freed:
+            self._on_credits("freed", freed)
+        if self._queued:
+            self._dispatch_ready()
+        self._publish_state()
+
+    @property
+    def credits_lent(self) -> int:
+        """Credits lent and neither spent nor returned, all clients."""
+        return self._credits_lent
 
     def expire_due(self) -> int:
         """Evict every queued request whose effective TTL ran out; returns how many."""
@@ -477,15 +601,78 @@ class FlowController:
             saturation=self.saturation(),
             jain_index=self._window.jain_index(now),
             fairness_window_seconds=self._window.window_seconds,
+            credits_lent=self._credits_lent,
         )
 
     # -- decisions ------------------------------------------------------------------------------
 
     def _has_capacity(self, now: float) -> bool:
-        """Whether one more request may be dispatched now: under ``max_in_flight`` and the pool has room."""
-        if self._in_flight >= self.limits.max_in_flight:
+        """Whether one more request may be dispatched now: under ``max_in_flight`` and the pool has
+        room, every credit lent counting as a request in flight."""
+        lent = self._credits_lent
+        if self._in_flight + lent >= self.limits.max_in_flight:
             return False
-        return self.detector is None or not self.detector.state(now).saturated
+        if self.detector is None:
+            return True
+        state = self.detector.state(now)
+        return not state.saturated and state.headroom > lent  # headroom is inf when stale (fail open)
+
+    def _credit_room(self, now: float) -> tuple[int, str]:
+        """The free room credits are judged against, and what limits it: the requests that could
+        still be dispatched now, lent credits not counted (``max_in_flight`` and the detector's
+        headroom; 0 while anything waits, the pool is saturated or the lending band is over its
+        ``max_saturation``)."""
+        if self._queued:
+            return 0, "queued"
+        limits = self.limits
+        room, reason = limits.max_in_flight - self._in_flight, "max_in_flight"
+        if self.detector is not None:
+            state = self.detector.state(now)
+            if not state.stale:  # stale metrics fail open: max_in_flight alone, as for any dispatch
+                band = self._bands.get(limits.admission_credit_priority)
+                limit = (band.config if band is not None else limits.default_band).max_saturation
+                if state.saturated or (limit > 0 and state.saturation >= limit):
+                    return 0, "saturated"
+                if state.headroom < room:
+                    room, reason = int(state.headroom), "saturated"
+        return max(room, 0), reason
+
+    def _settle_credits(self) -> None:
+        """Revoke every account as soon as the credits lent could stand in an arrival's way (they
+        fill the free room: something queued, the pool saturated, or the room shrank); else lend
+        up to half the free room in all, topping each account up once it holds half its ``want``
+        or less (one grant per half: fewer messages than one per request).
+
+        Half: an arrival that would be dispatched without credits finds room with them too, so no
+        request is queued or shed because of idle credits (except for the one round trip between a
+        sudden drop of the room, e.g. a new pool sample, and the revoke's answer)."""
+        if not self._accounts:
+            return
+        room, reason = self._credit_room(self._clock.now())
+        if self._credits_lent and self._credits_lent >= room:
+            dropped = 0
+            for account in self._accounts:
+                revoking = account.revoking
+                dropped += account._revoke()
+                if account.revoking and not revoking:
+                    self._on_credits("revoked", 1, reason)
+            self._credits_lent -= dropped
+            if dropped and self._queued:  # grants never sent are room again at once
+                self._dispatch_ready()
+                self._observer.on_state(self._queued, self._in_flight)
+            return
+        free = room // 2 - self._credits_lent
+        for account in self._accounts:
+            if free <= 0:
+                break
+            if account.revoking or account.lent > account.want // 2:
+                continue
+            grant = min(account.want - account.lent, free)
+            if grant > 0:
+                account._grant(grant)
+                self._credits_lent += grant
+                free -= grant
+                self._on_credits("lent", grant)
 
     def _band_has_room(self, band: Band, now: float) -> bool:
         """A band with ``max_saturation`` dispatches only while the pool's saturation is below it (fails open when stale)."""
@@ -645,6 +832,8 @@ class FlowController:
 
     def _publish_state(self) -> None:
         self._observer.on_state(self._queued, self._in_flight)
+        if self._accounts:
+            self._settle_credits()
 
 
 def _with_flow(request: AdmissionRequest, flow_id: str) -> AdmissionRequest:

@@ -11,6 +11,8 @@ Events (:class:`PrometheusObserver`, written as they happen):
 | ``kvmesh_flow_control_band_outcome_total`` | counter | ``band``, ``outcome`` |
 | ``kvmesh_flow_control_flow_queue_wait_seconds`` | histogram | ``band``, ``flow`` (wait of dispatched requests) |
 | ``kvmesh_flow_control_pool_poll_total`` | counter | ``result``: ok, error (epp ``ListEndpoints``) |
+| ``kvmesh_flow_control_admission_credits_total`` | counter | ``event``: lent, spent, returned, freed, overdrawn |
+| ``kvmesh_flow_control_admission_credit_revocations_total`` | counter | ``reason``: queued, saturated, max_in_flight |
 
 State (:class:`ControllerCollector`, computed from ``FlowController.stats()`` at each scrape):
 
@@ -21,6 +23,7 @@ State (:class:`ControllerCollector`, computed from ``FlowController.stats()`` at
 | ``kvmesh_flow_control_flow_served_tokens`` / ``_flow_share`` | gauge | ``flow`` (over the fairness window) |
 | ``kvmesh_flow_control_jain_index`` | gauge | (Jain's index of served tokens over the window) |
 | ``kvmesh_flow_control_pool_saturation`` / ``_saturated`` / ``_saturation_stale`` / ``_saturation_headroom`` | gauge | |
+| ``kvmesh_flow_control_admission_credits_lent`` | gauge | (credits lent, neither spent nor returned) |
 
 A flow label is the fairness id for the first ``max_flow_labels`` ids seen, then ``_other``.
 """
@@ -98,10 +101,23 @@ class PrometheusObserver:
             "kvmesh_flow_control_pool_poll", "Reads of epp's endpoint metrics (the saturation signal).",
             ["result"], registry=registry,
         )
+        self.credits = Counter(
+            "kvmesh_flow_control_admission_credits", "Admission credits by event: lent to an AdmitMany stream, "
+            "spent on a request, returned after a revoke, freed by the stream's end, overdrawn (a request on a "
+            "credit its stream did not hold).", ["event"], registry=registry,
+        )
+        self.credit_revocations = Counter(
+            "kvmesh_flow_control_admission_credit_revocations", "Revocations of a stream's admission credits, by reason.",
+            ["reason"], registry=registry,
+        )
         for outcome in QueueOutcome:  # export every series from the start
             self.outcomes.labels(outcome.value)
         for result in ("ok", "error"):
             self.pool_polls.labels(result)
+        for event in ("lent", "spent", "returned", "freed", "overdrawn"):
+            self.credits.labels(event)
+        for reason in ("queued", "saturated", "max_in_flight"):
+            self.credit_revocations.labels(reason)
 
     def on_outcome(self, request: AdmissionRequest, outcome: QueueOutcome, queue_seconds: float) -> None:
         waited = max(queue_seconds, 0.0)
@@ -118,6 +134,13 @@ class PrometheusObserver:
 
     def pool_poll(self, result: str) -> None:
         self.pool_polls.labels(result).inc()
+
+    def on_credits(self, event: str, credits: int, reason: str = "") -> None:
+        """Admission credit events (:class:`~services.flow_control.controller.CreditObserver`)."""
+        if event == "revoked":
+            self.credit_revocations.labels(reason).inc(credits)
+        else:
+            self.credits.labels(event).inc(credits)
 
 
 class ControllerCollector(Collector):
@@ -169,6 +192,8 @@ class ControllerCollector(Collector):
         jain = GaugeMetricFamily(p + "jain_index", "Jain's fairness index of served tokens over the fairness window.",
                                  value=stats.jain_index)
         yield from (band_q, band_b, band_f, flow_q, flow_f, flow_w, tokens, share, jain)
+        yield GaugeMetricFamily(p + "admission_credits_lent", "Admission credits lent and neither spent nor returned "
+                                "(each counts as a request in flight).", value=stats.credits_lent)
         sat = stats.saturation
         if sat is not None:
             yield GaugeMetricFamily(p + "pool_saturation", "Pool load vs the detector's thresholds (1 = full).",

@@ -1,6 +1,10 @@
 """The saturation signal's source: epp's ``ListEndpoints`` polled every ``pool_poll_interval_seconds``
-while a request is queued or in flight, every ``pool_idle_poll_interval_seconds`` otherwise (the
-first request after an idle spell wakes the loop within ``pool_poll_interval_seconds``).
+(0.1 s) while a request is queued or in flight, every ``pool_idle_poll_interval_seconds`` (1 s, at most
+half of ``metrics_staleness_seconds``) otherwise; the first request after an idle spell finds a
+snapshot younger than the staleness limit and moves the loop to the busy cadence within
+``pool_poll_interval_seconds`` (an O(1) check of ``FlowController.busy``, no RPC). Idle, that is one
+``ListEndpoints`` a second: epp scrapes an idle engine once a second, so reading it faster only
+re-reads the same samples (idle cost, docs/BENCHMARKS.md §3, issue 10).
 
 Why epp and not a second scraper: epp already scrapes every engine's ``/metrics`` (vLLM 0.32 names,
 every 0.1 s by default) for the endpoints etcd lists, and ``ListEndpoints`` returns each one's
@@ -57,7 +61,9 @@ class EppPoolSource:
         self._clock = clock or SystemClock()
 
     async def run(self) -> None:
-        channel = insecure_channel(self._address)
+        # No client span per poll: a background read with no request behind it would start a root trace
+        # every poll (noise in the trace store, and the interceptor's per-call task: idle cost, issue 10).
+        channel = insecure_channel(self._address, client_spans=False)
         stub = epp_pb2_grpc.EndpointPickerStub(channel)
         failing = False
         try:

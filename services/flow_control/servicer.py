@@ -3,6 +3,9 @@
 ``AdmitMany`` carries every admission of one client on one long-lived stream (entries keyed by the
 client's ticket ids, decisions batched per write; :class:`_AdmitSession`): the router's default
 since issue 10 (no call set-up per request). ``Admit``, one stream per request, stays for other clients.
+A client that sends a ``CreditRequest`` on ``AdmitMany`` is lent admission credits
+(:mod:`services.flow_control.credits`): the session only carries the controller's grants and
+revocations (``AdmitDecisions.credits``) and the client's answers, the controller decides.
 
 The admission stream (``proto/kvmesh/flow_control/v1/flow_control.proto``): the router sends
 ``AdmitRequest{enqueue}``, receives one ``AdmitResponse`` (``DISPATCHED`` or a rejection with a
@@ -25,6 +28,7 @@ from opentelemetry import propagate, trace
 from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2, flow_control_pb2_grpc
 from kvmesh.errors import InvalidRequest
 from services.flow_control.controller import FlowController, Ticket
+from services.flow_control.credits import CreditAccount
 from services.flow_control.types import (
     DEFAULT_FLOW_ID,
     MAX_FLOW_ID_CHARS,
@@ -172,6 +176,7 @@ class FlowControlServicer(flow_control_pb2_grpc.FlowControlServicer):
             saturation=saturation,
             jain_index=stats.jain_index,
             fairness_window_seconds=stats.fairness_window_seconds,
+            credits_lent=stats.credits_lent,
         )
 
 
@@ -205,6 +210,12 @@ class _AdmitSession:
     client gave up on it and the slot is already free). A malformed enqueue (bad flow id, TTL,
     duplicate or zero ticket) is answered for that ticket alone, with ``QUEUE_OUTCOME_UNSPECIFIED``
     and the reason (the client's ``InvalidRequest``); the stream goes on.
+
+    Credits: a ``CreditRequest`` opens (or resizes) the stream's :class:`CreditAccount`; its
+    grants and revocations ride the writer's next ``AdmitDecisions`` (``credits``). An Enqueue
+    ``on_credit`` is recorded as dispatched and gets no decision (a malformed one is answered as
+    above: the client drops it); a ``CreditReturn`` answers a revoke. The stream's end frees the
+    account's credits with its slots.
     """
 
     def __init__(self, controller: FlowController, context: grpc.aio.ServicerContext) -> None:
@@ -215,6 +226,7 @@ class _AdmitSession:
         self._outbox: list[flow_control_pb2.AdmitDecision] = []
         self._wake = asyncio.Event()
         self._closing = False
+        self._credits: CreditAccount | None = None
         self._writer = asyncio.create_task(self._write(), name="flow_control-admit-many-writer")
 
     def handle(self, entry: flow_control_pb2.AdmitEntry) -> None:
@@ -231,6 +243,13 @@ class _AdmitSession:
             ticket = self._forget(entry.ticket)
             if ticket is not None:
                 self._controller.release(ticket)
+        elif kind == "credit_request":
+            if self._credits is None:
+                self._credits = self._controller.open_credits(entry.credit_request.max_credits, self._wake.set)
+            else:
+                self._controller.want_credits(self._credits, entry.credit_request.max_credits)
+        elif kind == "credit_return" and self._credits is not None:
+            self._controller.credits_returned(self._credits, entry.credit_return.returned)
 
     def _enqueue(self, entry: flow_control_pb2.AdmitEntry) -> None:
         enqueue = entry.enqueue
@@ -242,10 +261,20 @@ class _AdmitSession:
                 raise InvalidRequest("enqueue.request_id is required")
             request = admission_request(enqueue)
         except InvalidRequest as exc:
+            if entry.on_credit:  # the client spent the credit on it: gone, nothing in flight
+                self._controller.spend_credit(self._credits)
             self._answer(entry.ticket, flow_control_pb2.AdmitResponse(
                 outcome=flow_control_pb2.QUEUE_OUTCOME_UNSPECIFIED, reason=str(exc)))
             if span is not None:
                 span.end()
+            return
+        if entry.on_credit:  # already dispatched by the client: recorded, no decision sent
+            ticket = self._controller.enqueue_on_credit(request, self._credits)
+            self._tickets[entry.ticket] = ticket
+            if span is not None:
+                with trace.use_span(span, end_on_exit=True):
+                    span.set_attribute("kvmesh.admission_credit", True)
+                    _annotate_admit(enqueue, ticket.decision)
             return
         ticket = self._controller.enqueue(request)
         if ticket.decision is not None:
@@ -290,9 +319,15 @@ class _AdmitSession:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if self._outbox:
+            update = self._credits.take_update() if self._credits is not None else None
+            if self._outbox or update is not None:
                 batch, self._outbox = self._outbox, []
-                await self._context.write(flow_control_pb2.AdmitDecisions(decisions=batch))
+                message = flow_control_pb2.AdmitDecisions(decisions=batch)
+                if update is not None:
+                    message.credits.grant = update.grant
+                    message.credits.revoke = update.revoke
+                    message.credits.priority = update.priority
+                await self._context.write(message)
             if self._closing:
                 return
 
@@ -309,6 +344,8 @@ class _AdmitSession:
             pass
         finally:
             self._writer.cancel()
+            if self._credits is not None:
+                self._controller.close_credits(self._credits)
             released = len(self._tickets)
             for ticket in self._tickets.values():
                 self._controller.release(ticket)

@@ -22,7 +22,7 @@ def build_service(config: KvIndexerConfig) -> GrpcService:
     )))
 
     def add_servicers(server: grpc.aio.Server) -> None:
-        add_servicer(server, pipeline.indexer)
+        add_servicer(server, pipeline.indexer, config.watch_status_poll_seconds, config.watch_heartbeat_seconds)
 
     spec = ServiceSpec(
         name="kv_indexer",

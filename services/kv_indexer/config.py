@@ -44,3 +44,12 @@ class KvIndexerConfig(GrpcServiceConfig):
     """Seconds between periodic snapshots (one is also written on SIGTERM)."""
     warmup_timeout_seconds: float = Field(30.0, gt=0, le=3600)
     """Longest time health stays NOT_SERVING while startup recoveries run; then serving regardless."""
+    watch_status_poll_seconds: float = Field(0.25, gt=0, le=60)
+    """How often each ``Watch`` stream (epp's prefix replica) checks endpoint states and readiness
+    when nothing woke it: the longest an event-stream state change (an endpoint recovering or
+    unreliable, a model load-only) waits to reach the replicas. Residency and membership changes (join,
+    departure, purge) wake it at once. Was 0.05 s: 20 wake-ups
+    per second per stream were most of an idle kv_indexer's CPU (docs/BENCHMARKS.md §3, issue 10)."""
+    watch_heartbeat_seconds: float = Field(1.0, gt=0, le=60)
+    """An idle ``Watch`` stream sends a heartbeat this often; keep it under a third of epp's
+    ``kv_indexer_watch_stale_seconds`` (3 s) so a replica survives two late ones on a busy host."""

@@ -114,9 +114,30 @@ class BlockIndexer:
         self._clock = clock or time.monotonic
         self._departed: dict[EndpointId, float] = {}
         self.ready = True
+        self._status_listeners: list[Callable[[], None]] = []
+
+    def add_status_listener(self, listener: Callable[[], None]) -> None:
+        """``listener()`` after every membership change (join, leave, purge): the ``Watch`` streams'
+        wake-up, so a departure reaches epp's replicas at once rather than at their next status poll.
+        It must be cheap (set a flag)."""
+        self._status_listeners.append(listener)
+
+    def remove_status_listener(self, listener: Callable[[], None]) -> None:
+        if listener in self._status_listeners:
+            self._status_listeners.remove(listener)
+
+    def _status_changed(self) -> None:
+        for listener in list(self._status_listeners):
+            listener()
 
     def on_membership(self, joined: dict[EndpointId, Endpoint], left: dict[EndpointId, Endpoint]) -> None:
         """Leaves first (no longer scored, retained), then joins (same incarnation: kept; new: fresh)."""
+        try:
+            self._on_membership(joined, left)
+        finally:
+            self._status_changed()
+
+    def _on_membership(self, joined: dict[EndpointId, Endpoint], left: dict[EndpointId, Endpoint]) -> None:
         now = self._clock()
         for endpoint_id in left:
             if endpoint_id in joined or not self.index.is_registered(endpoint_id):
@@ -169,6 +190,8 @@ class BlockIndexer:
         expired = [eid for eid, since in self._departed.items() if now - since >= self._retention]
         for endpoint_id in expired:
             self.purge(endpoint_id)
+        if expired:
+            self._status_changed()
         return expired
 
     def departed(self) -> set[EndpointId]:

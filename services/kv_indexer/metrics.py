@@ -131,11 +131,11 @@ def record_field_ignored(event_type: str, field: str) -> None:
     FIELDS_IGNORED.labels(event_type=event_type, field=field).inc()
 
 
-def record_event(event_type: str, outcome: str) -> None:
+def record_event(event_type: str, outcome: str, count: int = 1) -> None:
     if outcome == "applied":
-        EVENTS_APPLIED.labels(event_type=event_type).inc()
+        EVENTS_APPLIED.labels(event_type=event_type).inc(count)
     else:
-        EVENTS_SKIPPED.labels(reason=outcome).inc()
+        EVENTS_SKIPPED.labels(reason=outcome).inc(count)
 
 
 def record_batch_dropped(reason: str) -> None:

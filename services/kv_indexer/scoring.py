@@ -17,12 +17,69 @@ keys are already chained.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from itertools import groupby
 
 from kvmesh.prefix_index import longest_prefix_matches
 from kvmesh.types import EndpointId, Medium
 
-__all__ = ["LANE_MASK", "MEDIA", "MEDIUM_LANE", "MEDIUM_SHIFT", "Holders", "longest_prefix_matches", "media_counts", "media_of"]
+__all__ = [
+    "LANE_MASK", "MEDIA", "MEDIUM_LANE", "MEDIUM_SHIFT", "Holders", "longest_prefix_matches", "media_counts",
+    "media_of", "prefix_matches",
+]
+
+_FIRST_CHUNK = 32
+"""Blocks fetched in the walk's first pass; each later pass fetches 4x more."""
+
+
+def prefix_matches(
+    keys: Sequence[int], table: Mapping[int, Holders], candidates: Collection[EndpointId] | None = None
+) -> dict[EndpointId, int]:
+    """Same answer as :func:`kvmesh.prefix_index.longest_prefix_matches`, walked in C-level passes.
+
+    The holders of a pass's keys are fetched with one ``map(table.get, ...)``; runs of equal
+    holders (the one shared value of keys a single endpoint holds alone, or equal dicts) are
+    skipped by :func:`itertools.groupby`, so Python work is per change of holders, not per block.
+    Passes start at 32 blocks and grow 4x, so a prompt whose prefix nobody holds past a few blocks
+    fetches little. Stops at the first key with no holder or when every endpoint has dropped out.
+
+    Returns:
+        ``{endpoint: n}`` with ``1 <= n <= len(keys)``, for endpoints holding at least block 0.
+    """
+    total = len(keys)
+    if not total:
+        return {}
+    get = table.get
+    first = get(keys[0])
+    if not first:
+        return {}
+    active = set(first) if candidates is None else set(first).intersection(candidates)
+    result: dict[EndpointId, int] = {}
+    matched = 0  # blocks every endpoint in ``active`` holds
+    checked: object = None  # the last holders value found to cover ``active``
+    chunk = _FIRST_CHUNK
+    while active and matched < total:
+        stop = min(total, matched + chunk)
+        chunk *= 4
+        for holders, run in groupby(map(get, keys[matched:stop])):
+            if not holders:  # nobody holds this block: nobody matches further
+                for endpoint_id in active:
+                    result[endpoint_id] = matched
+                return result
+            if holders is not checked:
+                present = holders.keys()
+                if not present >= active:
+                    survivors = active.intersection(present)
+                    for endpoint_id in active.difference(survivors):
+                        result[endpoint_id] = matched
+                    active = survivors
+                    if not active:
+                        return result
+                checked = holders
+            matched += len(list(run))
+    for endpoint_id in active:
+        result[endpoint_id] = matched
+    return result
 
 Holders = Mapping[EndpointId, int]
 """Endpoints holding one block key, and on which media: per endpoint one int packing a 32-bit

@@ -23,17 +23,22 @@ from services.kv_indexer.indexer import BlockIndexer, IndexState
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVIndexer"].full_name
 
 
-WATCH_POLL_SECONDS = 0.05
-"""How often a Watch stream checks endpoint states and readiness when no residency change woke it."""
-WATCH_HEARTBEAT_SECONDS = 0.5
-"""An idle Watch stream sends a heartbeat this often (replicas call a stream stale after a few missed)."""
+WATCH_POLL_SECONDS = 0.25
+"""How often a Watch stream checks endpoint states and readiness when nothing woke it
+(``KvIndexerConfig.watch_status_poll_seconds``; a residency or membership change wakes it at once)."""
+WATCH_HEARTBEAT_SECONDS = 1.0
+"""An idle Watch stream sends a heartbeat this often (``KvIndexerConfig.watch_heartbeat_seconds``;
+epp's replica calls a stream stale after ``kv_indexer_watch_stale_seconds``, 3 s)."""
 WATCH_CHUNK_KEYS = 65536
 """Keys per Watch message (snapshot chunks and delta batches stay well under gRPC's 4 MB message limit)."""
 
 
 class KVIndexerServicer(kv_indexer_pb2_grpc.KVIndexerServicer):
-    def __init__(self, indexer: BlockIndexer) -> None:
+    def __init__(self, indexer: BlockIndexer, watch_status_poll_seconds: float = WATCH_POLL_SECONDS,
+                 watch_heartbeat_seconds: float = WATCH_HEARTBEAT_SECONDS) -> None:
         self._indexer = indexer
+        self._status_poll = watch_status_poll_seconds
+        self._heartbeat = watch_heartbeat_seconds
         self._positions: dict[int, int] = {}
         """Watch streams' log positions (the log keeps only what the slowest has not read)."""
 
@@ -45,6 +50,7 @@ class KVIndexerServicer(kv_indexer_pb2_grpc.KVIndexerServicer):
             return
         wake = asyncio.Event()
         log.add_listener(wake.set)
+        self._indexer.add_status_listener(wake.set)
         watcher = id(wake)
         models = set(request.models)
         try:
@@ -68,8 +74,9 @@ class KVIndexerServicer(kv_indexer_pb2_grpc.KVIndexerServicer):
                 while True:
                     if log.seq <= seq:
                         wake.clear()
-                        with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(wake.wait(), WATCH_POLL_SECONDS)
+                        with contextlib.suppress(TimeoutError):  # asyncio.timeout: no task per wait (wait_for's)
+                            async with asyncio.timeout(min(self._status_poll, self._heartbeat)):
+                                await wake.wait()
                     records = log.since(seq, WATCH_CHUNK_KEYS)
                     if records is None:
                         break  # dropped from the log before this watcher read them: resync
@@ -77,7 +84,7 @@ class KVIndexerServicer(kv_indexer_pb2_grpc.KVIndexerServicer):
                     ready, load_only = self._indexer.ready, self._indexer.load_only_models()
                     changed = (endpoints, ready, load_only) != status
                     now = time.monotonic()
-                    if not records and not changed and now - last_sent < WATCH_HEARTBEAT_SECONDS:
+                    if not records and not changed and now - last_sent < self._heartbeat:
                         continue
                     status = (endpoints, ready, load_only)
                     prev, seq = seq, seq + len(records)
@@ -93,6 +100,7 @@ class KVIndexerServicer(kv_indexer_pb2_grpc.KVIndexerServicer):
         finally:
             self._positions.pop(watcher, None)
             log.remove_listener(wake.set)
+            self._indexer.remove_status_listener(wake.set)
             self._indexer.close_residency()
 
     def _endpoints(self, models: set[str]) -> tuple[list[ReplicaEndpoint], set[str]]:
@@ -186,8 +194,10 @@ _STATES = {
 }
 
 
-def add_servicer(server: grpc.aio.Server, indexer: BlockIndexer) -> None:
-    kv_indexer_pb2_grpc.add_KVIndexerServicer_to_server(KVIndexerServicer(indexer), server)
+def add_servicer(server: grpc.aio.Server, indexer: BlockIndexer, watch_status_poll_seconds: float = WATCH_POLL_SECONDS,
+                 watch_heartbeat_seconds: float = WATCH_HEARTBEAT_SECONDS) -> None:
+    kv_indexer_pb2_grpc.add_KVIndexerServicer_to_server(
+        KVIndexerServicer(indexer, watch_status_poll_seconds, watch_heartbeat_seconds), server)
 
 
 def _annotate_score(model: str, result: object) -> None:

@@ -15,7 +15,9 @@ import logging
 import os
 import threading
 import time
+import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ from kvmesh.membership import LeaseRegistration, kv_source_key
 from kvmesh.server import GrpcService, ServiceSpec
 from kvmesh.types import KV_SOURCE_LABEL, SHARED_DOMAINS_LABEL, Endpoint, EndpointId
 from services.kv_store.config import KvStoreConfig
+from services.kv_store.errors import TierUnavailable
 from services.kv_store.events import StoreEventPublisher
 from services.kv_store.lmcache_server import LmcacheServer, register_lmcache_metrics
 from services.kv_store.metrics import register_metrics
@@ -103,8 +106,41 @@ def build_tiers(config: KvStoreConfig) -> list[StoreTier]:
         tiers.append(SharedFsTier(config.shared_path, config.shared_capacity_bytes, config.shared_fsync))
     if config.mooncake_master:
         client = LazyMooncakeClient(config)
-        tiers.append(MooncakeTier(client, config.mooncake_capacity_bytes, config.mooncake_namespace))
+        lister = mooncake_key_lister(config.mooncake_master_http) if config.mooncake_master_http else None
+        tiers.append(MooncakeTier(client, config.mooncake_capacity_bytes, config.mooncake_namespace, lister))
     return tiers
+
+
+MOONCAKE_LIST_TIMEOUT_S = 10.0
+
+
+def mooncake_key_lister(master_http: str) -> Callable[[], list[str]]:
+    """A blocking call returning every key the Mooncake cluster holds: ``GET http://<master_http>/get_all_keys``
+    (mooncake_master 0.3.13.post1's HTTP port answers one key per line)."""
+
+    def list_keys() -> list[str]:
+        with urllib.request.urlopen(f"http://{master_http}/get_all_keys", timeout=MOONCAKE_LIST_TIMEOUT_S) as reply:
+            text = reply.read().decode()
+        return [line.strip() for line in text.splitlines() if line.strip()]
+
+    return list_keys
+
+
+async def rescan_mooncake(store: BlockStore) -> int:
+    """Adopt and republish the Mooncake tier's values (:meth:`MooncakeTier.rescan`); 0 when the
+    cluster cannot be listed (logged: a degraded start, the values are still served when read)."""
+    adopted = 0
+    for tier in store.tiers:
+        if isinstance(tier, MooncakeTier):
+            try:
+                adopted += await tier.rescan()
+            except TierUnavailable as exc:
+                log.warning("mooncake rescan skipped: %s", exc)
+    republished = store.adopt_rescanned()
+    store.republished += republished
+    if adopted:
+        log.info("mooncake rescan: %d values adopted, %d republished", adopted, republished)
+    return republished
 
 
 def shared_domains(config: KvStoreConfig) -> list[str]:
@@ -210,11 +246,15 @@ def build_service(config: KvStoreConfig) -> GrpcService:
         if lmcache is not None:
             await lmcache.stop()
 
+    async def start_rescan() -> None:
+        if config.mooncake_master and config.mooncake_master_http:
+            await rescan_mooncake(store)
+
     if lmcache is not None:
         register_lmcache_metrics(lmcache.stats)
     spec = ServiceSpec(
         name="kv_store", service_names=[SERVICE_NAME], add_servicers=add_servicers,
-        on_start=[start_lmcache], on_stop=[stop_lmcache],
+        on_start=[start_rescan, start_lmcache], on_stop=[stop_lmcache],
         background=[publish_residency] if config.events_endpoint else [],
     )
     service = GrpcService(config, spec)

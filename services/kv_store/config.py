@@ -49,6 +49,10 @@ class KvStoreConfig(GrpcServiceConfig):
     """This instance's budget of value bytes in the Mooncake cluster."""
     mooncake_namespace: str = "kvmesh/"
     """Key prefix in Mooncake; instances with the same namespace share values."""
+    mooncake_master_http: str = ""
+    """``host:port`` of the master's HTTP port (``mooncake_master -metrics_port``), whose
+    ``/get_all_keys`` lists the cluster's keys: at start-up the Mooncake tier's values in the
+    namespace are adopted and republished as KV events. Empty: no rescan (values are still served)."""
     write_through: list[str] = Field(default_factory=list)
     """Slower tiers (``disk``, ``sharedfs``, ``mooncake``) that receive every put synchronously."""
     promote_on_hit: bool = True

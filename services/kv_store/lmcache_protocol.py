@@ -21,8 +21,11 @@ fixes ``<``):
   is ``SUCCESS``/``FAIL``; ``HEALTH`` is ``SUCCESS``. The upstream server sends misses and
   ``EXIST``/``HEALTH`` replies with ``fmt=1, dtype=2 (float16), shape=0,0,0,0, location=0``;
   :func:`encode_reply` does the same.
-* ``LIST`` (4) exists as a command code but neither upstream side implements it (the server reads
-  it and never answers); kv_store answers it ``FAIL`` with length 0 rather than leaving the client hung.
+* ``LIST`` (4) exists as a command code but neither upstream side implements it: 0.5.6's server reads
+  it and never answers, its client's ``list()`` is an empty stub. The reply is defined only by the
+  server's commented-out TODO: ``SUCCESS``, ``length`` = the byte length of the key strings joined by
+  ``"\n"``, then those bytes (:func:`list_reply_payload`, :func:`decode_list_payload`); kv_store
+  answers that rather than leaving a client hung.
 
 Key mapping: LMCache's ``CacheEngineKey`` string ``model@world_size@worker_id@chunk_hash_hex@dtype``
 (optionally ``@layer_id`` for a ``LayerCacheEngineKey``, then ``@tag%value`` tags) is parsed as
@@ -301,6 +304,30 @@ def decode_reply(header: bytes | bytearray | memoryview) -> LmReply:
     if location not in LOCATIONS:
         raise LmProtocolError("bad_field", f"unknown location {location}")
     return LmReply(LmReturnCode(code), _check_meta(length, fmt, dtype, (s0, s1, s2, s3)), location)
+
+
+def list_reply_payload(store_keys: list[str]) -> bytes:
+    """The payload of a ``LIST`` reply: ``CacheEngineKey`` strings joined by ``"\n"``, UTF-8.
+
+    ``store_keys`` are kv_store keys (``lmcache/<canonical key>``); the prefix is dropped, so each
+    line is the string LMCache's ``parse_cache_key`` reads. No keys: an empty payload.
+    """
+    return "\n".join(key.removeprefix(KEY_PREFIX) for key in store_keys).encode()
+
+
+def decode_list_payload(payload: bytes) -> list[LmCacheKey]:
+    """The keys of a ``LIST`` reply payload (:func:`list_reply_payload`).
+
+    Raises:
+        LmProtocolError: a line that is not UTF-8 or not a ``CacheEngineKey`` string (``bad_key``).
+    """
+    if not payload:
+        return []
+    try:
+        lines = payload.decode().split("\n")
+    except UnicodeDecodeError as exc:
+        raise LmProtocolError("bad_key", f"LIST payload is not UTF-8: {exc}") from None
+    return [LmCacheKey.parse(line) for line in lines]
 
 
 def encode_envelope(meta: ValueMeta) -> bytes:

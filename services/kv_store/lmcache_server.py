@@ -18,6 +18,17 @@ sends the pending ACK at once: the LMCache client sends with Nagle on, so a shor
 next request wait for that ACK, which Linux's delayed ACK would otherwise hold for up to 40 ms. ``SO_SNDBUF`` is raised to 4 MiB
 (:data:`SEND_BUFFER_BYTES`) so a large hit is handed to the kernel in one write.
 
+**LIST.** lmcache 0.5.6 defines the command code (4) but implements it on neither side: its server's
+``match`` has no ``LIST`` case (the request is read and **no reply is sent**; a client waiting for
+one hangs) and ``LMCServerConnector.list()`` is an empty stub that sends nothing. The only upstream
+definition of the reply is the server's commented-out ``TODO(Jiayi): Implement List``: a
+``SUCCESS`` header whose ``length`` is the byte length of the keys joined by ``"\n"``, followed by
+those bytes. kv_store answers exactly that (the header's other fields as in every payload-less
+reply, :data:`~services.kv_store.lmcache_protocol.MISS_META`): the canonical ``CacheEngineKey``
+strings of the ``lm://`` values this instance's tiers hold (:meth:`BlockStore.keys`; values put over
+gRPC are not LMCache keys and are not listed; a Mooncake or shared-FS tier contributes what this
+instance wrote, read or rescanned). No upstream client sends ``LIST``, so no upstream exchange changes.
+
 **Bad input** (unknown command, format, dtype or location, an unparsable or non-UTF-8 key, a
 negative length, a ``PUT`` larger than the first tier, a connection closed inside a frame) closes
 that connection with a warning naming the peer and ``kvmesh_kv_store_lmcache_protocol_errors_total``
@@ -26,9 +37,9 @@ take (first tier unavailable or full) is logged and counted (``result="error"``)
 no reply to a ``PUT``, so the connection stays open and a later ``GET`` is a miss.
 
 Limits: a connection buffers at most one value (up to the first tier's capacity; a large one in
-an anonymous mapping whose memory is committed only as its bytes arrive); ``LIST`` is
-answered ``FAIL`` (upstream implements it on neither side); puts over ``lm://`` carry no vLLM
-``BlockStored`` description, so they are stored and served but not published as KV events.
+an anonymous mapping whose memory is committed only as its bytes arrive); puts over ``lm://`` carry no vLLM
+``BlockStored`` description, so they are stored and served but not published as KV events (an
+LMCache chunk hash is no vLLM block hash and a put carries no token ids: docs/kv-store.md, "LMCache").
 """
 
 from __future__ import annotations
@@ -40,7 +51,7 @@ import mmap
 import socket
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from prometheus_client import REGISTRY, CollectorRegistry
@@ -50,6 +61,8 @@ from prometheus_client.registry import Collector
 from services.kv_store.errors import KeyNotFound, StorageFull, TierUnavailable, ValueTooLarge
 from services.kv_store.lmcache_protocol import (
     ENVELOPE_BYTES,
+    KEY_PREFIX,
+    MISS_META,
     REQUEST_BYTES,
     LmCommand,
     LmProtocolError,
@@ -58,6 +71,7 @@ from services.kv_store.lmcache_protocol import (
     decode_request,
     encode_envelope,
     encode_reply,
+    list_reply_payload,
     split_envelope,
 )
 from services.kv_store.store import LATENCY_BUCKETS_S, BlockStore, Histogram
@@ -79,7 +93,7 @@ class LmcacheStats:
 
     requests: dict[tuple[str, str], int] = field(default_factory=dict)
     """(command, result) -> requests; results: put ``stored``/``error``, get and exist ``hit``/``miss``,
-    health ``ok``, list ``unsupported``."""
+    health and list ``ok``."""
     protocol_errors: dict[str, int] = field(default_factory=dict)
     """reason -> connections closed for bad input (``bad_command``, ``bad_key``, ``bad_length``,
     ``bad_field``, ``oversize``, ``truncated``)."""
@@ -250,9 +264,10 @@ class _Connection(asyncio.BufferedProtocol):
         elif command is LmCommand.HEALTH:
             self._stats.count(command, "ok")
             self._send(transport, encode_reply(LmReturnCode.SUCCESS))
-        else:  # LIST: no upstream implementation on either side
-            self._stats.count(command, "unsupported")
-            self._send(transport, encode_reply(LmReturnCode.FAIL))
+        else:  # LIST: upstream's reply shape (see the module docstring)
+            listing = list_reply_payload(self._store.keys(KEY_PREFIX))
+            self._stats.count(command, "ok")
+            self._send(transport, encode_reply(LmReturnCode.SUCCESS, replace(MISS_META, length=len(listing))) + listing)
 
     def _send(self, transport: asyncio.Transport, data: bytes | memoryview) -> None:
         transport.write(data)

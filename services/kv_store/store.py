@@ -149,11 +149,15 @@ class BlockStore:
         self._clock = clock
         self.residency = Residency({tier.name: tier.medium for tier in self.tiers})
         self.on_events = on_events
-        self.republished = self._adopt_rescanned()
+        self.republished = self.adopt_rescanned()
         """Values found by the tiers' start-up rescans and published again (described ones)."""
 
-    def _adopt_rescanned(self) -> int:
-        """Describe and publish what the tiers' rescans found (see the module docstring); the count."""
+    def adopt_rescanned(self) -> int:
+        """Describe and publish what the tiers' rescans found (see the module docstring); the count.
+
+        Called at construction (file tiers rescan when built) and again after an asynchronous
+        rescan (:meth:`MooncakeTier.rescan`); each tier hands over its rescanned values once.
+        """
         count = 0
         for tier in self.tiers:
             take = getattr(tier, "take_rescanned", None)
@@ -376,6 +380,14 @@ class BlockStore:
                 self._failed(tier)
         self._flush()
         return deleted
+
+    def keys(self, prefix: str = "") -> list[str]:
+        """Every key starting with ``prefix`` that some tier's view holds, each once, sorted.
+
+        No I/O: the tiers' own indexes (a shared tier's is what this instance wrote, read or found
+        on its rescan; Mooncake's client cannot list the cluster).
+        """
+        return sorted({key for tier in self.tiers for key in tier.held_keys() if key.startswith(prefix)})
 
     def stats(self) -> list[TierStats]:
         return [tier.stats() for tier in self.tiers]

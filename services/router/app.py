@@ -71,9 +71,11 @@ def build_service(config: RouterConfig) -> GrpcService:
     catalog = WatchedCatalog(watcher, config.model_memory_seconds)
     admission = AdmissionClient(
         config.flow_control_address, config.admission_timeout_seconds, config.admission_close_timeout_seconds,
-        multiplexed=config.admission_stream == "multiplexed",
+        multiplexed=config.admission_stream == "multiplexed", credits=config.admission_credits,
+        credit_flush_seconds=config.admission_credit_flush_seconds,
     )
-    picker = PickerClient(config.epp_address, config.pick_timeout_seconds)
+    picker = PickerClient(config.epp_address, config.pick_timeout_seconds,
+                          multiplexed=config.pick_transport == "multiplexed")
     http_client = build_http_client(config)
     flow = RequestFlow(config, catalog, admission, picker, http_client,
                        endpoints=lambda model: watcher.snapshot().values() if watcher is not None else ())

@@ -13,8 +13,14 @@ Admission (``FlowControl.Admit``, a bidirectional stream whose life is the reque
 ``DISPATCHED`` returns an :class:`AdmissionTicket`, rejections raise (capacity, TTL expiry, shed,
 rate quota, other -> 429 as llm-d; no endpoint for the model -> 503). ``AdmissionTicket.close()`` sends ``Complete`` (when given), half-closes, waits
 briefly for flow_control to end the call and then cancels it: either way the slot is released.
+On the multiplexed ``AdmitMany`` stream (the default, :class:`_AdmitStream`) a request may instead
+be admitted on an admission credit flow_control lent the stream, without a round trip
+(``admission_credits``; docs/flow-control.md).
 
-Pick (``EndpointPicker.Pick``): the prompt (token ids, text or messages) travels only when epp's
+Pick (``EndpointPicker.PickMany``, one long-lived bidirectional stream carrying every pick by id,
+batched per write, the ``Completed`` reports riding the same writes (:class:`_PickStream`); or
+``EndpointPicker.Pick``, one unary call per pick, with ``pick_transport: unary`` or an epp without
+``PickMany``): the prompt (token ids, text or messages) travels only when epp's
 configured profiles read it. :class:`PickerClient` asks ``GetPickerInfo`` once and keeps the
 answer until the channel to epp leaves READY (epp restarted or unreachable); when epp does not
 implement it or the call fails, the prompt is sent (the safe default: behaviour as before).
@@ -128,6 +134,9 @@ _ADMIT_STATUS_OVERRIDES: dict[grpc.StatusCode, type[errors.KvmeshError]] = {
     grpc.StatusCode.UNIMPLEMENTED: FlowControlUnreachable,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.QueueTTLExpired,  # a deadline on Admit is the queue's (504)
 }
+_STATUS_WAIT_SECONDS = 1.0
+"""How long a stream's failed write waits for its reader to see the call's final status."""
+
 _PICK_STATUS_OVERRIDES: dict[grpc.StatusCode, type[errors.KvmeshError]] = {
     # epp down, crashing or past pick_timeout: the router picks from its own view (services.router.degraded)
     grpc.StatusCode.UNAVAILABLE: PickerUnreachable,
@@ -220,15 +229,30 @@ class _AdmitStream:
     When the call ends (flow_control gone, restarted, or the channel closed) every waiting admission
     fails with the call's error (:attr:`error`), sends become no-ops (flow_control released the
     stream's slots itself) and :attr:`broken` is set: the client opens a new stream for the next request.
+
+    Credits (``credits`` > 0): the stream's first entry is a ``CreditRequest``; :attr:`credits`
+    counts the admission credits flow_control lent (for band :attr:`credit_priority`), which
+    :meth:`spend` takes one at a time; a revoke drops them all and answers with a ``CreditReturn``
+    of the count dropped. A flow_control without credits never lends: :attr:`credits` stays 0.
+    The Enqueue of a request admitted on a credit is sent with :meth:`send_soon`: it rides the next
+    write (a short request's Complete: one write and one flow_control wake-up for both) or is sent
+    ``flush_seconds`` later, off the request's path; flow_control counts the credit as a request in
+    flight meanwhile, so no limit is loosened (only its per-flow counts lag by that much).
     """
 
-    def __init__(self, stub: fc_pb2_grpc.FlowControlStub) -> None:
+    def __init__(self, stub: fc_pb2_grpc.FlowControlStub, credits: int = 0, flush_seconds: float = 0.0) -> None:
         self._call = stub.AdmitMany()
         self._pending: dict[int, asyncio.Future[fc_pb2.AdmitResponse]] = {}
         self._outbox: list[fc_pb2.AdmitEntry] = []
         self._wake = asyncio.Event()
         self.broken = False
         self.error: BaseException | None = None
+        self.credits = 0
+        self.credit_priority = 0
+        self._flush_seconds = flush_seconds
+        self._flush: asyncio.TimerHandle | None = None
+        if credits > 0:
+            self.send(fc_pb2.AdmitEntry(credit_request=fc_pb2.CreditRequest(max_credits=credits)))
         self._writer = asyncio.create_task(self._write(), name="router-admit-many-writer")
         self._reader = asyncio.create_task(self._read(), name="router-admit-many-reader")
 
@@ -250,6 +274,30 @@ class _AdmitStream:
     def forget(self, key: int) -> None:
         self._pending.pop(key, None)
 
+    def send_soon(self, entry: fc_pb2.AdmitEntry) -> None:
+        """Queue ``entry`` for the next write, or a write within ``flush_seconds`` at the latest."""
+        if self.broken:
+            return
+        self._outbox.append(entry)
+        if self._flush_seconds <= 0:
+            self._wake.set()
+        elif self._flush is None:
+            self._flush = asyncio.get_running_loop().call_later(self._flush_seconds, self._wake.set)
+
+    def spend(self, priority: int) -> bool:
+        """Take one credit for a request of band ``priority``; False when none is held for it."""
+        if self.credits <= 0 or priority != self.credit_priority or self.broken:
+            return False
+        self.credits -= 1
+        return True
+
+    def _credit_update(self, update: fc_pb2.CreditUpdate) -> None:
+        if update.revoke:
+            returned, self.credits = self.credits, 0
+            self.send(fc_pb2.AdmitEntry(credit_return=fc_pb2.CreditReturn(returned=returned)))
+        self.credits += update.grant
+        self.credit_priority = update.priority
+
     async def _write(self) -> None:
         try:
             while True:
@@ -257,11 +305,17 @@ class _AdmitStream:
                 self._wake.clear()
                 if not self._outbox:
                     continue
+                if self._flush is not None:  # everything queued goes now
+                    self._flush.cancel()
+                    self._flush = None
                 batch, self._outbox = self._outbox, []
                 await self._call.write(fc_pb2.AdmitBatch(entries=batch))
         except asyncio.CancelledError:
             raise
-        except BaseException as exc:  # the call ended (its status comes from the reader when it has one)
+        except BaseException as exc:  # the call ended: its status comes from the reader when it has one
+            # (a write after the server ended the call fails with a bare "Internal error from Core";
+            # the reader's AioRpcError carries the real status, e.g. UNIMPLEMENTED from an older server)
+            await asyncio.wait({self._reader}, timeout=_STATUS_WAIT_SECONDS)
             self._fail(exc)
 
     async def _read(self) -> None:
@@ -275,6 +329,8 @@ class _AdmitStream:
                     future = self._pending.pop(decision.ticket, None)
                     if future is not None and not future.done():
                         future.set_result(decision.response)
+                if message.HasField("credits"):
+                    self._credit_update(message.credits)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
@@ -287,6 +343,10 @@ class _AdmitStream:
         if self.broken:
             return
         self.broken, self.error = True, exc
+        self.credits = 0  # flow_control freed them with the stream
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
         self._outbox.clear()
         pending, self._pending = self._pending, {}
         for future in pending.values():
@@ -326,19 +386,36 @@ def _decision(reply: fc_pb2.AdmitResponse) -> errors.KvmeshError | None:
     return error_cls(message)
 
 
+def _credit_eligible(request: AdmitQuery) -> bool:
+    """Whether a request may be dispatched on an admission credit: one without a tenant quota
+    (its concurrency and rate are counted by flow_control's decision alone); the band is checked
+    by :meth:`_AdmitStream.spend`."""
+    options = request.options
+    return options is None or (options.max_concurrency <= 0 and options.rate_per_second <= 0)
+
+
 class AdmissionClient:
     """Admission over one multiplexed ``FlowControl.AdmitMany`` stream (default), or one
     ``FlowControl.Admit`` stream per request (``multiplexed=False``, or a flow_control without
-    ``AdmitMany``)."""
+    ``AdmitMany``).
+
+    ``credits`` > 0 (multiplexed only): ask flow_control to lend the stream up to that many
+    admission credits; a request of the credits' band without a tenant quota
+    (:func:`_credit_eligible`) is then admitted on one at once, without waiting for a decision
+    (its Enqueue still travels, marked ``on_credit``, within ``credit_flush_seconds``: see
+    :class:`_AdmitStream`); any other request, or one that finds no credit, waits for the decision
+    as before."""
 
     def __init__(self, address: str, admission_timeout_seconds: float, close_timeout_seconds: float,
-                 multiplexed: bool = True) -> None:
+                 multiplexed: bool = True, credits: int = 0, credit_flush_seconds: float = 0.0) -> None:
         self._address = address
         self._channel: grpc.aio.Channel | None = None
         self._stub: fc_pb2_grpc.FlowControlStub | None = None
         self._timeout = admission_timeout_seconds
         self._close_timeout = close_timeout_seconds
         self._multiplexed = multiplexed
+        self._credits = max(0, credits)
+        self._credit_flush = max(0.0, credit_flush_seconds)
         self._stream: _AdmitStream | None = None
         self._keys = itertools.count(1)
 
@@ -350,15 +427,19 @@ class AdmissionClient:
             return await self._admit_per_request(request)
         stream = self._stream
         if stream is None or stream.broken:
-            stream = self._stream = _AdmitStream(self._stub)
+            stream = self._stream = _AdmitStream(self._stub, self._credits, self._credit_flush)
         key = next(self._keys)
-        future = stream.expect(key)
         traceparent = tracestate = ""
         for name, value in trace_metadata():
             if name == "traceparent":
                 traceparent = value
             elif name == "tracestate":
                 tracestate = value
+        if _credit_eligible(request) and stream.spend(request.priority):  # admitted now, no round trip
+            stream.send_soon(fc_pb2.AdmitEntry(ticket=key, enqueue=_enqueue(request), traceparent=traceparent,
+                                               tracestate=tracestate, on_credit=True))
+            return _MuxTicket(stream, key, 0.0)
+        future = stream.expect(key)
         stream.send(fc_pb2.AdmitEntry(ticket=key, enqueue=_enqueue(request), traceparent=traceparent,
                                       tracestate=tracestate))
         try:
@@ -490,11 +571,153 @@ COMPLETED_BATCH_MAX = 512
 """Completions per ``Completed`` call."""
 
 
-class PickerClient:
-    """Calls ``EndpointPicker.Pick``, sending the prompt only when epp's profiles read it."""
+class _PickStream:
+    """One ``EndpointPicker.PickMany`` call: a writer task (every entry and completion queued since
+    its last write in one ``PickBatch``) and a reader task (results -> the waiting picks' futures).
 
-    def __init__(self, address: str, timeout_seconds: float) -> None:
+    When the call ends (epp gone, restarted, or the channel closed) every waiting pick fails with
+    the call's error (:attr:`error`, as :func:`_pick_call_error` reads it), sends become no-ops (the
+    completions still queued are dropped, counted) and :attr:`broken` is set: the client opens a new
+    stream for the next pick.
+    """
+
+    def __init__(self, stub: epp_pb2_grpc.EndpointPickerStub) -> None:
+        self._call = stub.PickMany()
+        self._pending: dict[int, asyncio.Future[epp_pb2.PickResult]] = {}
+        self._outbox: list[epp_pb2.PickEntry] = []
+        self._completed: list[epp_pb2.CompletedRequest] = []
+        self._wake = asyncio.Event()
+        self.broken = False
+        self.error: BaseException | None = None
+        self._writer = asyncio.create_task(self._write(), name="router-pick-many-writer")
+        self._reader = asyncio.create_task(self._read(), name="router-pick-many-reader")
+
+    def send(self, entry: epp_pb2.PickEntry) -> None:
+        if self.broken:
+            return
+        self._outbox.append(entry)
+        self._wake.set()
+
+    def send_completed(self, completed: list[epp_pb2.CompletedRequest]) -> bool:
+        """Queue completions for the next write; False (nothing queued) when the stream is broken."""
+        if self.broken:
+            return False
+        self._completed.extend(completed)
+        self._wake.set()
+        return True
+
+    def expect(self, key: int) -> asyncio.Future[epp_pb2.PickResult]:
+        """The future of ``key``'s result (register before sending its entry)."""
+        future: asyncio.Future[epp_pb2.PickResult] = asyncio.get_running_loop().create_future()
+        if self.broken:
+            future.set_exception(self._failure())
+        else:
+            self._pending[key] = future
+        return future
+
+    def forget(self, key: int) -> None:
+        self._pending.pop(key, None)
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                if not self._outbox and not self._completed:
+                    continue
+                entries, self._outbox = self._outbox, []
+                completed, self._completed = self._completed, []
+                await self._call.write(epp_pb2.PickBatch(entries=entries, completed=completed))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # the call ended: its status comes from the reader when it has one
+            # (a write after the server ended the call fails with a bare "Internal error from Core";
+            # the reader's AioRpcError carries the real status, e.g. UNIMPLEMENTED from an older server)
+            await asyncio.wait({self._reader}, timeout=_STATUS_WAIT_SECONDS)
+            self._fail(exc)
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                message = await self._call.read()
+                if message is grpc.aio.EOF:
+                    self._fail(PickerUnreachable("endpoint picker ended the pick stream"))
+                    return
+                for result in message.results:
+                    future = self._pending.pop(result.id, None)
+                    if future is not None and not future.done():
+                        future.set_result(result)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._fail(exc)
+
+    def _failure(self) -> BaseException:
+        return _pick_call_error(self.error) if self.error is not None else PickerUnreachable("pick stream closed")
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.broken:
+            return
+        self.broken, self.error = True, exc
+        self._outbox.clear()
+        if self._completed:
+            metrics.EPP_COMPLETIONS_DROPPED.labels("unreachable").inc(len(self._completed))
+            self._completed.clear()
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(self._failure())
+        self._call.cancel()
+        logger.info("pick stream ended error=%r; the next pick opens a new one", exc)
+
+    def unimplemented(self) -> bool:
+        """Whether the call ended because epp does not implement ``PickMany`` (an older epp)."""
+        return isinstance(self.error, grpc.aio.AioRpcError) and self.error.code() == grpc.StatusCode.UNIMPLEMENTED
+
+    async def close(self) -> None:
+        self._fail(PickerUnreachable("picker client closed"))
+        for task in (self._writer, self._reader):
+            task.cancel()
+        await asyncio.gather(self._writer, self._reader, return_exceptions=True)
+
+
+def _pick_call_error(exc: BaseException) -> BaseException:
+    """A failed Pick call's (or pick stream's) error as the request flow sees it (see :meth:`PickerClient.pick`)."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        if answered(exc):  # epp's own answer (UNAVAILABLE: no endpoint) goes through the table
+            return to_domain_error(exc)
+        return to_domain_error(exc, _PICK_STATUS_OVERRIDES, remote="endpoint picker")
+    if isinstance(exc, errors.KvmeshError):
+        return exc
+    return PickerUnreachable(f"endpoint picker: call failed ({exc!r})")
+
+
+def _entry_error(error: epp_pb2.PickError) -> errors.KvmeshError:
+    """A ``PickMany`` entry's error as the unary call's status would read (:func:`_pick_call_error`):
+    with a class name epp answered it (the ``kvmesh-error-class`` trailer's rule), without one the
+    call failed (a bug in epp, its deadline): :data:`_PICK_STATUS_OVERRIDES` first."""
+    message = error.message or error.code
+    if error.error_class:
+        named = errors.error_class_named(error.error_class, error.code)
+        return named(message) if named is not None else errors.from_grpc_status(error.code, message)
+    code = grpc.StatusCode.__members__.get(error.code, grpc.StatusCode.UNKNOWN)
+    override = _PICK_STATUS_OVERRIDES.get(code)
+    if override is not None:
+        return override(f"endpoint picker: {message}")
+    return errors.from_grpc_status(error.code, message)
+
+
+class PickerClient:
+    """Asks epp for picks, sending the prompt only when epp's profiles read it: over one
+    multiplexed ``EndpointPicker.PickMany`` stream (default), or one unary ``Pick`` per request
+    (``multiplexed=False``, or an epp without ``PickMany``: asked again after epp reconnects)."""
+
+    def __init__(self, address: str, timeout_seconds: float, multiplexed: bool = True) -> None:
         self._address = address
+        self._multiplexed_wanted = multiplexed
+        self._multiplexed = multiplexed
+        self._stream: _PickStream | None = None
+        self._keys = itertools.count(1)
         self._channel: grpc.aio.Channel | None = None
         self._stub: epp_pb2_grpc.EndpointPickerStub | None = None
         self._timeout = timeout_seconds
@@ -535,6 +758,10 @@ class PickerClient:
                 self._completed_ready.set()
             if not batch or self._stub is None:
                 continue
+            stream = self._stream
+            if self._multiplexed and stream is not None and stream.send_completed(
+                    [completion_to_proto(c) for c in batch]):
+                continue  # rides the pick stream's next write
             try:
                 await self._stub.Completed(
                     epp_pb2.CompletedBatch(requests=[completion_to_proto(c) for c in batch]), timeout=self._timeout)
@@ -560,6 +787,7 @@ class PickerClient:
                 await channel.wait_for_state_change(state)
                 if state is grpc.ChannelConnectivity.READY:
                     self.forget_picker_info()
+                    self._multiplexed = self._multiplexed_wanted  # the epp that answers next may have PickMany
                 state = channel.get_state(try_to_connect=False)
         except Exception:  # e.g. a closed channel: the cached answer is kept from here on
             logger.warning("epp connectivity watch ended", exc_info=True)
@@ -624,21 +852,74 @@ class PickerClient:
         remaining = deadline - loop.time()
         if remaining <= 0:  # the info call used the whole budget: epp hangs
             raise PickerUnreachable("endpoint picker: Deadline Exceeded")
-        try:
-            reply = await self._stub.Pick(request, timeout=remaining, metadata=trace_metadata())
-        except grpc.aio.AioRpcError as exc:
-            if answered(exc):  # epp's own answer (UNAVAILABLE: no endpoint) goes through the table
-                raise to_domain_error(exc) from exc
-            raise to_domain_error(exc, _PICK_STATUS_OVERRIDES, remote="endpoint picker") from exc
-        except (grpc.aio.UsageError, grpc.RpcError) as exc:
-            raise PickerUnreachable(f"endpoint picker: call failed ({exc})") from exc
+        if self._multiplexed:
+            reply = await self._pick_on_stream(request, remaining, deadline)
+        else:
+            reply = await self._pick_unary(request, remaining)
         candidates = [endpoint_from_proto(reply.target)] if reply.HasField("target") and reply.target.url else []
         candidates += [endpoint_from_proto(ep) for ep in reply.fallbacks if ep.url]
         if not candidates:
             raise errors.NoEndpointsAvailable(f"no endpoint available for model '{query.model}'")
         return PickReply(tuple(candidates), reply.prompt_tokens, reply.profile)
 
+    async def _pick_unary(self, request: epp_pb2.PickRequest, timeout_seconds: float) -> epp_pb2.PickResponse:
+        """One ``Pick`` call (the errors: :meth:`pick`)."""
+        assert self._stub is not None
+        try:
+            return await self._stub.Pick(request, timeout=timeout_seconds, metadata=trace_metadata())
+        except grpc.aio.AioRpcError as exc:
+            raise _pick_call_error(exc) from exc
+        except (grpc.aio.UsageError, grpc.RpcError) as exc:
+            raise PickerUnreachable(f"endpoint picker: call failed ({exc})") from exc
+
+    async def _pick_on_stream(self, request: epp_pb2.PickRequest, timeout_seconds: float,
+                              deadline: float) -> epp_pb2.PickResponse:
+        """One entry on the ``PickMany`` stream, opened on first use and after it ends (the errors:
+        :meth:`pick`; the entry's error reads as the unary status would, :func:`_entry_error`).
+        An epp without ``PickMany`` answers the first entry ``UNIMPLEMENTED``: that pick and the
+        next ones go unary until the channel reconnects."""
+        assert self._stub is not None
+        stream = self._stream
+        if stream is None or stream.broken:
+            stream = self._stream = _PickStream(self._stub)
+        key = next(self._keys)
+        future = stream.expect(key)
+        traceparent = tracestate = ""
+        for name, value in trace_metadata():
+            if name == "traceparent":
+                traceparent = value
+            elif name == "tracestate":
+                tracestate = value
+        stream.send(epp_pb2.PickEntry(id=key, request=request, traceparent=traceparent, tracestate=tracestate,
+                                      timeout_seconds=timeout_seconds))
+        try:
+            async with asyncio.timeout(timeout_seconds):
+                result = await future
+        except TimeoutError as exc:
+            stream.forget(key)
+            stream.send(epp_pb2.PickEntry(id=key, cancel=True))
+            raise PickerUnreachable("endpoint picker: Deadline Exceeded") from exc
+        except asyncio.CancelledError:
+            stream.forget(key)
+            stream.send(epp_pb2.PickEntry(id=key, cancel=True))
+            raise
+        except PickerUnreachable:
+            if not stream.unimplemented():
+                raise
+            logger.warning("epp does not implement PickMany; picking with one unary call per request")
+            self._multiplexed = False
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                raise
+            return await self._pick_unary(request, remaining)
+        if result.HasField("error"):
+            raise _entry_error(result.error)
+        return result.response
+
     async def close(self) -> None:
+        if self._stream is not None:
+            await self._stream.close()
+            self._stream = None
         for task in (self._watch_task, self._asking, self._completed_task):
             if task is not None:
                 task.cancel()

@@ -64,6 +64,22 @@ class RouterConfig(GrpcServiceConfig):
     carrying every request's enqueue / decision / complete, batched per write (no call set-up per
     request; the stream's end releases every slot it holds), or ``per_request``, one ``Admit``
     stream per request. A flow_control without ``AdmitMany`` is asked per request."""
+    admission_credits: int = Field(8, ge=0, le=1024)
+    """Admission credits to ask flow_control for on the multiplexed stream (flow_control lends at
+    most its own ``admission_credits``): while nothing is queued and the pool has room, a request of
+    the credits' band without a tenant quota is dispatched at once on a credit, without waiting for
+    flow_control's answer (its Enqueue still travels for the accounting; flow_control revokes the
+    credits as soon as anything queues). 0 = every request waits for the decision (docs/flow-control.md)."""
+    admission_credit_flush_seconds: float = Field(0.02, ge=0, le=1)
+    """How long the Enqueue of a request admitted on a credit may wait to share a write with the
+    stream's next entry (a short request's Complete): flow_control and the router then do nothing
+    for it while the request goes to the engine. flow_control counts the credit as a request in
+    flight meanwhile (every limit holds); only its per-flow counts lag by up to this. 0 = at once."""
+    pick_transport: Literal["multiplexed", "unary"] = "multiplexed"
+    """How picks travel to epp: ``multiplexed``, one long-lived ``EndpointPicker.PickMany`` stream
+    carrying every request's pick by id, batched per write, the ``Completed`` reports riding the same
+    writes (no call set-up per request), or ``unary``, one ``Pick`` call per request. An epp without
+    ``PickMany`` is asked with unary calls (until it reconnects). Env ``KVMESH_ROUTER_PICK_TRANSPORT``."""
     retry_after_seconds: int = Field(1, ge=0, le=3600)
     """Value of the ``retry-after`` header on 429 answers."""
     max_request_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, le=1024**3)

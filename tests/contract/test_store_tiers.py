@@ -177,3 +177,15 @@ async def test_tier_names_itself(make_tier: TierFactory) -> None:
     tier = make_tier(10)
     assert tier.stats().name == tier.name and tier.name in TIER_NAMES
     assert isinstance(tier.shared, bool)
+
+
+async def test_held_keys_in_lru_order(make_tier: TierFactory) -> None:
+    """``held_keys``: the tier's view, least recently used first (what ``BlockStore.keys`` and ``lm://`` LIST read)."""
+    tier = make_tier(100)
+    assert tier.held_keys() == []
+    for key in "abc":
+        await tier.put(key, key.encode() * 10)
+    await tier.get("a")
+    assert tier.held_keys() == ["b", "c", "a"]
+    await tier.evict("b")
+    assert tier.held_keys() == ["c", "a"]

@@ -108,7 +108,8 @@ def test_compare_tiny_writes_json_and_leaves_no_process(tmp_path: Path) -> None:
     out = tmp_path / "compare.json"
     proc = subprocess.Popen(
         kvmesh("compare", "--workload", "multi-turn", "--engines", "2", "--requests", "20", "--num-gpu-blocks", "256",
-               "--time-scale", "2", "--json-out", str(out), "--run-dir", str(tmp_path / "run")),
+               "--time-scale", "2", "--policies", "round-robin,precise-prefix+cpu", "--json-out", str(out),
+               "--run-dir", str(tmp_path / "run")),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV,
     )
     sampler = ChildSampler(proc.pid)
@@ -125,14 +126,22 @@ def test_compare_tiny_writes_json_and_leaves_no_process(tmp_path: Path) -> None:
 
     doc = json.loads(out.read_text())
     assert doc["workload"] == "multi-turn" and doc["engines"] == 2 and doc["requests"] == 20
-    assert list(doc["policies"]) == ["round-robin", "precise-prefix"]
+    # per-column offload (issue 9): round-robin's engines without, precise-prefix's with a CPU tier
+    assert list(doc["policies"]) == ["round-robin", "precise-prefix+cpu"]
+    assert doc["offload"] == {"round-robin": "off", "precise-prefix+cpu": "cpu"}
+    assert [e["offload"] for e in doc["policies"].values()] == ["off", "cpu"]
+    assert (tmp_path / "run" / "0-1-precise-prefix+cpu" / "engine-0.log").is_file()
     for name, entry in doc["policies"].items():
+        # GPU and offloaded hits apart, from vllm:external_prefix_cache_hits_total (0 without offload)
+        assert entry["offload_hit_rate"] is not None and entry["offload_hit_rate"] >= 0.0, name
+        assert entry["total_hit_rate"] == pytest.approx(entry["prefix_hit_rate"] + entry["offload_hit_rate"])
         assert set(SUMMARY_KEYS) <= set(entry), name
         assert entry["requests"] == 20 and entry["errors"] == 0, (name, text[-3000:])
         assert 0 < entry["ttft_p50_s"] <= entry["ttft_p90_s"] <= entry["ttft_p99_s"]
         assert entry["e2e_p50_s"] >= entry["ttft_p50_s"]
         assert entry["output_tokens_per_s"] > 0
         assert 0.0 < entry["prefix_hit_rate"] <= 1.0  # shared system prompts hit under any policy
+    assert doc["policies"]["round-robin"]["offload_hit_rate"] == 0.0
     assert "prefix-cache hit rate" in text
 
 

@@ -223,6 +223,11 @@ CHECKS: dict[str, Callable[[list[dict[str, Any]], Mesh], None]] = {
     "kvmesh.epp.v1.EndpointPicker/Pick": lambda r, m: _true(
         r[0].get("target", {}).get("url") in m.engine_urls and len(r[0].get("breakdown", [])) == 2
     ),
+    "kvmesh.epp.v1.EndpointPicker/PickMany": lambda r, m: _eq(
+        sorted((x.get("id"), x.get("response", {}).get("target", {}).get("url") in m.engine_urls,
+                x.get("error", {}).get("error_class")) for batch in r for x in batch.get("results", [])),
+        [("1", True, None), ("2", False, "UnknownModel")],
+    ),
     "kvmesh.flow_control.v1.FlowControl/Admit": lambda r, m: _eq(r[0].get("outcome"), "QUEUE_OUTCOME_DISPATCHED"),
     "kvmesh.kv_store.v1.KVStore/Put": lambda r, m: _true(r[0].get("medium")),
     "kvmesh.kv_store.v1.KVStore/Contains": lambda r, m: _eq(r[0].get("present"), [True, False]),

@@ -12,7 +12,7 @@ Matches lmcache 0.5.6's remote-server protocol (``lmcache/v1/protocol.py``, the 
 * cross-protocol: every value put over ``lm://`` read back through kv_store's gRPC ``Get`` under
   ``lmcache/<key>``, the envelope plus the payload;
 * bad input (no LMCache needed, always runs): an unknown command, a truncated header, an oversize
-  ``PUT``, a non-UTF-8 key each close their connection with a metric; ``LIST`` gets ``FAIL``; the
+  ``PUT``, a non-UTF-8 key each close their connection with a metric; ``LIST`` answers the keys held; the
   listener and gRPC keep serving.
 
 The LMCache cases skip with the reason when ``.venv-lmcache`` is absent, unless ``KVMESH_REQUIRE_LMCACHE=1``.
@@ -234,14 +234,18 @@ async def test_bad_lm_frames_close_the_connection_and_the_service_stays_up(start
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             health, _ = _exchange(sock, encode_request(LmRequest(LmCommand.HEALTH, key, ValueMeta(0))))
             assert decode_reply(health).code is LmReturnCode.SUCCESS
-            listed, _ = _exchange(sock, encode_request(LmRequest(LmCommand.LIST, key, ValueMeta(0))))
-            assert decode_reply(listed).code is LmReturnCode.FAIL
             meta = ValueMeta(5, MemoryFormat.BINARY, 6, (5, 0, 0, 0))
             sock.sendall(_header(1, length=5, key=b"m@1@0@00FF@half", fmt=4, dtype=6, dim0=5) + b"hello")  # no reply to PUT
             hit, payload = _exchange(sock, encode_request(LmRequest(LmCommand.GET, key, ValueMeta(0))), 5)
             assert (decode_reply(hit).code, decode_reply(hit).meta, payload) == (LmReturnCode.SUCCESS, meta, b"hello")
             exist, _ = _exchange(sock, encode_request(LmRequest(LmCommand.EXIST, key, ValueMeta(0))))
             assert decode_reply(exist).code is LmReturnCode.SUCCESS
+            # LIST: SUCCESS + the "\n"-joined key strings (upstream's commented-out reply; its server sends none)
+            listing = b"m@1@0@ff@half"
+            listed, names = _exchange(sock, encode_request(LmRequest(LmCommand.LIST, key, ValueMeta(0))), len(listing))
+            assert (decode_reply(listed).code, decode_reply(listed).meta.length, names) == (
+                LmReturnCode.SUCCESS, len(listing), listing,
+            )  # fmt: skip
 
     await asyncio.get_running_loop().run_in_executor(None, run_checks)
     async with grpc.aio.insecure_channel(address) as channel:  # gRPC unaffected; the lm:// PUT is visible
@@ -253,5 +257,5 @@ async def test_bad_lm_frames_close_the_connection_and_the_service_stays_up(start
     for reason, count in (("bad_command", 1), ("bad_length", 1), ("oversize", 1), ("bad_key", 2), ("bad_field", 1)):
         assert f'kvmesh_kv_store_lmcache_protocol_errors_total{{reason="{reason}"}} {count}.0' in text, text
     assert 'kvmesh_kv_store_lmcache_protocol_errors_total{reason="truncated"} 2.0' in text
-    assert 'kvmesh_kv_store_lmcache_requests_total{command="list",result="unsupported"} 1.0' in text
+    assert 'kvmesh_kv_store_lmcache_requests_total{command="list",result="ok"} 1.0' in text
     assert proc.proc is not None and proc.proc.poll() is None

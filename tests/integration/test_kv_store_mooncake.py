@@ -6,8 +6,10 @@ this test starts, inside one, a ``mooncake_master`` on 127.0.0.1 and a pytest th
 
 * the StoreTier contract suite's mooncake cases (``tests/contract/test_store_tiers.py -k mooncake``);
 * ``mooncake_cases.py``: two kv_store instances (two clients, one cluster) share values; a corrupt
-  object is a miss; a master that goes away makes the tier ``TierUnavailable`` and the store serves
-  on from its other tiers.
+  object is a miss; a restarted instance lists the namespace through the master's HTTP
+  ``/get_all_keys`` and republishes its described values as ``BlockStored(SHARED)`` (and skips the
+  rescan when the listing fails); a master that goes away makes the tier ``TierUnavailable`` and the
+  store serves on from its other tiers.
 
 Needs ``make mooncake-venv`` (``.venv-mooncake``; the ``mooncake`` package is put on the *end* of the
 inner pytest's path) and ``apt-get install libibverbs1`` (``make deps``); skipped with the reason when
@@ -38,6 +40,7 @@ export MC_TCP_BIND_ADDRESS=127.0.0.1 MC_FORCE_TCP=1
 echo $! > "$LOGDIR/master.pid"
 for i in $(seq 50); do (echo > /dev/tcp/127.0.0.1/50551) 2>/dev/null && break; sleep 0.1; done
 export KVMESH_MOONCAKE_MASTER=127.0.0.1:50551 KVMESH_MOONCAKE_MASTER_PID=$(cat "$LOGDIR/master.pid")
+export KVMESH_MOONCAKE_MASTER_HTTP=127.0.0.1:50552
 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" tests/contract/test_store_tiers.py -k mooncake \
   tests/integration/mooncake_cases.py 2>&1
 rc=$?

@@ -289,6 +289,10 @@ async def _zero(mesh: Mesh) -> bool:
     return await mesh.in_flight() == 0
 
 
+async def _in_flight_is(mesh: Mesh, n: int) -> bool:
+    return await mesh.in_flight() == n
+
+
 async def test_engine_killed_before_first_byte_falls_back(mesh: Mesh, client: httpx.AsyncClient, etcd: str) -> None:
     doomed = await FakeEngine().start(etcd)
     await doomed.stop()  # killed: its port refuses connections, its registration may still linger
@@ -329,7 +333,9 @@ async def test_client_disconnect_releases_slot_and_cancels_engine(mesh: Mesh, st
         else:
             task = asyncio.create_task(client.post(f"{mesh.http}/v1/completions", json=body))
             await _until(lambda: len(engine.requests) > requests_before, 5, "engine to receive the request")
-            assert await mesh.in_flight() == 1
+            # admitted on a credit, it reaches flow_control's count with the stream's next write
+            # (within the router's admission_credit_flush_seconds; the credit counted meanwhile)
+            await _until(lambda: _in_flight_is(mesh, 1), 5, "flow_control to count the request")
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task

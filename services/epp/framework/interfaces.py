@@ -213,17 +213,76 @@ class Scorer(Plugin):
         """
 
 
-@dataclass(frozen=True, slots=True)
 class ScoredCandidate:
-    """A candidate with its per-scorer raw scores (by scorer name) and weighted total."""
+    """A candidate with its per-scorer raw scores (by scorer name) and weighted total.
+
+    ``ScoredCandidate(candidate, scores, total)``; treat as immutable. A profile builds one per
+    candidate per pick (100 at 100 endpoints), so it is a plain ``__slots__`` class (a frozen
+    dataclass costs twice as much to build) and the profile's rows read ``scores`` lazily from the
+    pick's shared score columns (:class:`ScoreColumns`): only a caller that looks at the breakdown
+    (the gRPC response, a DEBUG log, a trace) pays for the dict.
+    """
+
+    __slots__ = ("_columns", "_row", "_scores", "candidate", "total")
 
     candidate: Candidate
-    scores: dict[str, float]
     total: float
+
+    def __init__(self, candidate: Candidate, scores: dict[str, float], total: float) -> None:
+        self.candidate = candidate
+        self._scores: dict[str, float] | None = scores
+        self.total = total
+        self._columns: ScoreColumns | None = None
+        self._row = 0
+
+    @classmethod
+    def rows(cls, candidates: Sequence[Candidate], totals: Sequence[float], columns: ScoreColumns) -> list[ScoredCandidate]:
+        """One row per candidate (same order), ``scores`` read from ``columns`` on first access."""
+        new = object.__new__
+        rows: list[ScoredCandidate] = []
+        append = rows.append
+        for row, (candidate, total) in enumerate(zip(candidates, totals, strict=True)):
+            scored = new(cls)
+            scored.candidate = candidate
+            scored.total = total
+            scored._scores = None
+            scored._columns = columns
+            scored._row = row
+            append(scored)
+        return rows
+
+    @property
+    def scores(self) -> dict[str, float]:
+        """Raw score per scorer name (the profile's order)."""
+        scores = self._scores
+        if scores is None:
+            columns = self._columns
+            assert columns is not None
+            row = self._row
+            scores = self._scores = {name: column[row] for name, column in zip(columns.names, columns.columns, strict=True)}
+        return scores
 
     @property
     def id(self) -> EndpointId:
         return self.candidate.id
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ScoredCandidate):
+            return NotImplemented
+        return (self.candidate, self.scores, self.total) == (other.candidate, other.scores, other.total)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"ScoredCandidate(candidate={self.candidate!r}, scores={self.scores!r}, total={self.total!r})"
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreColumns:
+    """One pick's raw scores as columns: ``columns[k][i]`` is scorer ``names[k]``'s score of candidate ``i``."""
+
+    names: tuple[str, ...]
+    columns: tuple[Sequence[float], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,8 +334,9 @@ class PrefixIndex(Protocol):
 class Tokenizer(Protocol):
     """Turns a request's text or messages into token ids exactly as the engine will."""
 
-    async def tokenize(self, request: SchedulingRequest, candidates: Sequence[Candidate]) -> list[int]:
-        """Raises any exception on failure; the caller degrades."""
+    async def tokenize(self, request: SchedulingRequest, candidates: Sequence[Candidate]) -> Sequence[int]:
+        """Raises any exception on failure; the caller degrades. The ids are read only (the
+        in-process tokenizer returns its cache's own :class:`~kvmesh.prefix_index.PackedTokenIds`)."""
         ...
 
 
@@ -305,6 +365,7 @@ __all__ = [
     "PrefixMatch",
     "PrepareStep",
     "SchedulingRequest",
+    "ScoreColumns",
     "ScoredCandidate",
     "Scorer",
     "ScorerCategory",

@@ -25,6 +25,8 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import add, mul
 
 from kvmesh.errors import NoEndpointsAvailable
 from kvmesh.types import EndpointId
@@ -39,6 +41,7 @@ from services.epp.framework.interfaces import (
     PluginError,
     PrepareStep,
     SchedulingRequest,
+    ScoreColumns,
     ScoredCandidate,
     Scorer,
 )
@@ -155,7 +158,7 @@ class SchedulerProfile:
             NoEndpointsAvailable: when no candidate is left after the filters.
             PluginError: when a scorer breaks its contract or the picker returns nothing.
         """
-        current = list(candidates)
+        current = candidates if isinstance(candidates, list) else list(candidates)
         for filter_plugin in self.filters:
             started = time.perf_counter()
             before = len(current)
@@ -167,32 +170,48 @@ class SchedulerProfile:
                 )
         if not current:
             raise NoEndpointsAvailable(f"no endpoint for model {request.model!r}")
-        per_scorer: list[tuple[str, dict[EndpointId, float]]] = []
         ids = [c.id for c in current]
-        expected = set(ids)
-        totals = dict.fromkeys(ids, 0.0)
+        n = len(ids)
+        totals: list[float] = [0.0] * n
+        names: list[str] = []
+        columns: list[list[float]] = []
         for weighted in self.scorers:
             scorer = weighted.scorer
             started = time.perf_counter()
             scores = scorer.score(state, request, current)
             observer(ExtensionPoint.SCORER, scorer.type_name, time.perf_counter() - started)
-            self._check_scores(scorer, scores, current, expected)
-            per_scorer.append((scorer.name, scores))
-            weight = weighted.weight
-            for endpoint_id in ids:  # same order of additions as sum() over scorers: identical totals
-                totals[endpoint_id] += weight * scores[endpoint_id]
-        names = [name for name, _ in per_scorer]
-        columns = [[scores[endpoint_id] for endpoint_id in ids] for _, scores in per_scorer]
-        scored = [
-            ScoredCandidate(cand, dict(zip(names, row, strict=True)), totals[cand.id])
-            for cand, row in zip(current, zip(*columns, strict=True) if columns else ((),) * len(ids), strict=True)
-        ]
+            column = self._column(scorer, scores, current, ids)
+            names.append(scorer.name)
+            columns.append(column)
+            # total[e] = sum_i weight_i * score_i[e], added in scorer order (as sum() would): in C
+            totals = list(map(add, totals, map(mul, repeat(weighted.weight), column)))
+        scored = ScoredCandidate.rows(current, totals, ScoreColumns(tuple(names), tuple(columns)))
         started = time.perf_counter()
         result = self.picker.pick(state, scored)
         observer(ExtensionPoint.PICKER, self.picker.type_name, time.perf_counter() - started)
         if not result.ranked:
             raise PluginError(f"picker {self.picker.name!r} returned no endpoint for {len(scored)} candidates")
         return ProfileResult(self.name, result.ranked)
+
+    @classmethod
+    def _column(
+        cls, plugin: Scorer, scores: dict[EndpointId, float], candidates: Sequence[Candidate], ids: list[EndpointId]
+    ) -> list[float]:
+        """``scores`` in candidate order, checked (one score per candidate, each in [0, 1], no NaN).
+
+        Raises:
+            PluginError: the scorer broke its contract (logged at ERROR).
+        """
+        try:
+            column = list(map(scores.__getitem__, ids))  # in C; a missing id raises KeyError
+            # one score per candidate and no other (ids are distinct); min/max miss a NaN, their sum does not
+            if (len(scores) == len(ids) and min(column) >= 0.0 and max(column) <= 1.0
+                    and (total := sum(column)) == total):
+                return column
+        except (KeyError, TypeError):
+            pass  # missing, or not comparable: the checks below name it
+        cls._check_scores(plugin, scores, candidates)
+        raise PluginError(f"scorer {plugin.name!r} ({plugin.type_name}) broke its contract")  # pragma: no cover
 
     @staticmethod
     def _check_scores(

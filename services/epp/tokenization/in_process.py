@@ -80,7 +80,7 @@ class InProcessTokenizer:
                 self._loaded[key] = None
         return self._loaded[key]
 
-    async def tokenize(self, request: SchedulingRequest, candidates: Sequence[Candidate]) -> list[int]:
+    async def tokenize(self, request: SchedulingRequest, candidates: Sequence[Candidate]) -> Sequence[int]:
         """Token ids the engine will cache for this request.
 
         Raises:
@@ -112,7 +112,7 @@ class InProcessTokenizer:
         except InvalidRequest as exc:
             raise TokenizeSkipped("unsupported", str(exc)) from exc
 
-    async def _chat(self, local: LocalTokenizer, request: SchedulingRequest, chars: int) -> list[int]:
+    async def _chat(self, local: LocalTokenizer, request: SchedulingRequest, chars: int) -> Sequence[int]:
         render = request.render
         messages: Any = render.get("messages")
         if messages is None:
@@ -126,8 +126,8 @@ class InProcessTokenizer:
         return local.chat_ids(body, chain)
 
     @staticmethod
-    def _truncate(local: LocalTokenizer, ids: list[int], request: SchedulingRequest,
-                  candidates: Sequence[Candidate], added: bool) -> list[int]:
+    def _truncate(local: LocalTokenizer, ids: Sequence[int], request: SchedulingRequest,
+                  candidates: Sequence[Candidate], added: bool) -> Sequence[int]:
         k = request.render.get("truncate_prompt_tokens")
         if k is None:
             return ids
@@ -143,6 +143,6 @@ class InProcessTokenizer:
             return ids
         specials = local.special_count() if added else 0
         if specials and k >= specials:
-            prefix = ids[: specials]  # BOS-style prefix kept (HF truncation keeps special tokens)
-            return prefix + ids[len(ids) - (k - specials):] if k > specials else prefix
-        return ids[len(ids) - k:] if k > 0 else []
+            prefix = list(ids[: specials])  # BOS-style prefix kept (HF truncation keeps special tokens)
+            return prefix + list(ids[len(ids) - (k - specials):]) if k > specials else prefix
+        return list(ids[len(ids) - k:]) if k > 0 else []

@@ -26,9 +26,11 @@ render nor a full encode. A request's ``chat_template`` override is always rende
 from __future__ import annotations
 
 import json
+import sys
 import threading
+from array import array
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, overload
@@ -37,6 +39,7 @@ from tokenizers import Tokenizer
 
 from kvmesh.chat_template import ChatTemplate, IncrementalRenderer, prefix_key, render_request
 from kvmesh.errors import InvalidRequest
+from kvmesh.prefix_index import PackedTokenIds
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -48,8 +51,19 @@ class TemplateUnavailable(InvalidRequest):
 @dataclass(slots=True)
 class _Entry:
     text: str
-    ids: list[int]
+    ids: Sequence[int]  # a PackedTokenIds on little-endian hosts (the ids as uint32 bytes), else a list
     cuts: list[tuple[int, int]]  # (char offset, token index) of safe added tokens, ascending
+
+
+_PACK = sys.byteorder == "little" and array("I").itemsize == 4
+"""Whether ``array('I')`` bytes are the little-endian uint32 form kvmesh's block keys hash."""
+
+
+def _packed(ids: list[int]) -> Sequence[int]:
+    """``ids`` as :class:`~kvmesh.prefix_index.PackedTokenIds` (their uint32 bytes) where the host packs so."""
+    if not _PACK:  # pragma: no cover - big-endian host: plain ids (the replica converts them)
+        return ids
+    return PackedTokenIds.build(ids)
 
 
 def _token_text(value: Any) -> str | None:
@@ -75,6 +89,18 @@ def _common_prefix(a: str, b: str) -> int:
     while lo < hi and a[lo] == b[lo]:
         lo += 1
     return lo
+
+
+def _positions(ids: list[int], wanted: Iterable[int]) -> Iterator[int]:
+    """Every index of ``ids`` holding one of ``wanted`` (``list.index`` scans in C, one call per occurrence)."""
+    for token in wanted:
+        i = -1
+        try:
+            while True:
+                i = ids.index(token, i + 1)
+                yield i
+        except ValueError:
+            continue
 
 
 class LocalTokenizer:
@@ -138,14 +164,14 @@ class LocalTokenizer:
         self.stats["encoded_chars"] += len(text)
         enc = self.tokenizer.encode(text, add_special_tokens=False)
         ids = enc.ids
-        cut_ids = self._cut_ids
-        at = [i for i, t in enumerate(ids) if t in cut_ids]
-        if not at:
+        present = self._cut_ids.intersection(ids)  # in C; special tokens are few per turn
+        if not present:
             return ids, []
+        at = sorted(_positions(ids, present))
         offsets = enc.offsets
         return ids, [(offsets[i][0], i) for i in at]
 
-    def with_specials(self, ids: list[int], add_special_tokens: bool) -> list[int]:
+    def with_specials(self, ids: Sequence[int], add_special_tokens: bool) -> Sequence[int]:
         """``ids`` with the post-processor's special tokens around them when asked (as ``encode`` adds them)."""
         if not add_special_tokens or not (self._prefix_ids or self._suffix_ids):
             return ids
@@ -153,7 +179,7 @@ class LocalTokenizer:
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """``tokenizer.encode(text, add_special_tokens)`` ids (no cache)."""
-        return self.with_specials(self._raw(text)[0], add_special_tokens)
+        return list(self.with_specials(self._raw(text)[0], add_special_tokens))
 
     def chat_text(self, body: Mapping[str, Any]) -> str:
         """The rendered prompt of a chat body (``messages`` and the rendering fields).
@@ -174,7 +200,7 @@ class LocalTokenizer:
             return self.renderer.render(body)
         return render_request(template, body)
 
-    def chat_ids(self, body: Mapping[str, Any], chain: Sequence[int] | None = None) -> list[int]:
+    def chat_ids(self, body: Mapping[str, Any], chain: Sequence[int] | None = None) -> Sequence[int]:
         """Token ids of a chat body (before ``truncate_prompt_tokens``), incrementally when possible.
 
         Args:
@@ -203,7 +229,7 @@ class LocalTokenizer:
         if new is None:
             self.stats["full"] += 1
             ids, cuts = self._raw(text)
-            new = _Entry(text, ids, cuts)
+            new = _Entry(text, _packed(ids), cuts)
         else:
             self.stats["incremental"] += 1
         self._store(key, new)
@@ -229,11 +255,12 @@ class LocalTokenizer:
             return None
         offset, index = cuts[lo - 1]
         ids, tail_cuts = self._raw(text[offset:])
-        return _Entry(
-            text,
-            base.ids[:index] + ids,
-            cuts[: lo - 1] + [(o + offset, i + index) for o, i in tail_cuts],
-        )
+        old = base.ids
+        if isinstance(old, PackedTokenIds):  # only the new turn's ids are packed; the cached bytes are reused
+            grown: Sequence[int] = old.spliced(index, ids)
+        else:
+            grown = _packed(list(old[:index]) + ids)
+        return _Entry(text, grown, cuts[: lo - 1] + [(o + offset, i + index) for o, i in tail_cuts])
 
     def _store(self, key: int, entry: _Entry) -> None:
         with self._lock:

@@ -16,7 +16,17 @@ Pure state (per endpoint: the non-full-attention group indices seen), no I/O.
 
 from __future__ import annotations
 
-from kvmesh.kv_events import BlockRemoved, BlockStored, KVEvent, ignored_fields, is_full_attention
+from msgspec import UNSET
+
+from kvmesh.kv_events import (
+    FULL_ATTENTION,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    ignored_fields,
+    is_full_attention,
+)
 from kvmesh.types import EndpointId
 from services.kv_indexer import metrics
 
@@ -43,6 +53,30 @@ class EventFieldFilter:
             metrics.record_field_ignored(kind, "group_idx")
             return False
         return True
+
+    def admit_all(self, endpoint_id: EndpointId, events: list[KVEvent]) -> list[KVEvent]:
+        """The events of one batch that go to the index, in order (``events`` itself when all do).
+
+        Same verdicts and counts as :meth:`admit` per event; events with nothing to count (a
+        full-attention store, a removal from no skipped group, no attribution field set) are
+        admitted by a few identity tests each."""
+        others = self._other_groups.get(endpoint_id)
+        for i, event in enumerate(events):
+            if type(event) is BlockStored:
+                if (
+                    event.kv_cache_spec_kind == FULL_ATTENTION
+                    and event.session_id is UNSET and event.locality is UNSET
+                    and event.ownership is UNSET and event.kv_cache_spec_sliding_window is UNSET
+                ):
+                    continue
+            elif type(event) is BlockRemoved:
+                if event.locality is UNSET and event.ownership is UNSET and (others is None or event.group_idx not in others):
+                    continue
+            elif type(event) is AllBlocksCleared:
+                continue
+            # something to count or to skip: the per-event path from here on
+            return list(events[:i]) + [e for e in events[i:] if self.admit(endpoint_id, e)]
+        return events
 
     def forget(self, endpoint_id: EndpointId) -> None:
         """Drop what is known of an endpoint's groups (it left)."""

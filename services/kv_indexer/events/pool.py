@@ -374,16 +374,26 @@ class EventPool:
         return True
 
     def _apply(self, track: _Track, batch: EventBatch) -> None:
+        """One batch, in order: parity checks, reliability, the field filter, then the index (a
+        whole batch per call where the index has ``apply_batch``)."""
         endpoint_id = track.endpoint.id
-        for event in batch.events:
-            if isinstance(event, BlockStored):
-                if self._parity is not None:
-                    self._parity.check(endpoint_id, event)
-            elif isinstance(event, AllBlocksCleared) and not track.reliable:
+        events = batch.events
+        parity = self._parity
+        for event in events:
+            kind = type(event)
+            if kind is BlockStored:
+                if parity is not None:
+                    parity.check(endpoint_id, event)  # type: ignore[arg-type]
+            elif kind is AllBlocksCleared and not track.reliable:
                 track.reliable = True
                 logger.info("endpoint=%s cleared its cache: reliable again", endpoint_id)
-            if self._fields.admit(endpoint_id, event):  # KV groups, ignored fields (events/fields.py)
-                self._index.apply(endpoint_id, event)
+        admitted = self._fields.admit_all(endpoint_id, events)  # KV groups, ignored fields (events/fields.py)
+        apply_batch = getattr(self._index, "apply_batch", None)
+        if apply_batch is not None:
+            apply_batch(endpoint_id, admitted)
+            return
+        for event in admitted:
+            self._index.apply(endpoint_id, event)
 
     # -- recovery ---------------------------------------------------------------------------
 

@@ -9,8 +9,8 @@ Layout (``E`` = endpoint id, ``M`` = medium):
   tokens under two hashes, e.g. two LoRA adapters).
 * per registered endpoint: ``blocks: engine hash -> key | media bitmask << 64`` (one int: what
   ``BlockRemoved`` needs; bit ``i`` of the mask is ``Medium`` number ``i``),
-  and ``recent``: a bounded LRU of removed ``engine hash -> key`` pairs, so a chain stored after
-  its parent was evicted can still be placed.
+  and ``recent``: the latest removed ``engine hash -> key`` pairs (between ``recent_removed_blocks``
+  and twice that), so a chain stored after its parent was evicted can still be placed.
 * per registered endpoint, ``orphans: engine hash -> (parent hash, tokens, media)``: blocks whose
   parent's key is not known yet (the index restarted, or lost the parent); ``waiting[(model,
   block size)]: parent hash -> endpoints with orphans under it``. An orphan is keyed (moved into
@@ -19,6 +19,8 @@ Layout (``E`` = endpoint id, ``M`` = medium):
   whose vLLM hashes (:func:`kvmesh.hashing.sha256_cbor_block_hashes`) name it.
 
 Costs: ``BlockStored`` of ``b`` blocks is O(b) hashing + O(b) dict writes; ``BlockRemoved`` O(b);
+both are applied a chain at a time (:meth:`InMemoryIndex.apply_batch`: bulk ``dict.update`` /
+``map(dict.pop)`` passes while one medium is in use and the hashes are new, a loop otherwise);
 ``AllBlocksCleared`` and ``remove_endpoint`` O(blocks of that endpoint); ``score`` see
 :mod:`services.kv_indexer.scoring`.
 """
@@ -26,9 +28,12 @@ Costs: ``BlockStored`` of ``b`` blocks is O(b) hashing + O(b) dict writes; ``Blo
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
-from collections.abc import Mapping, Sequence
+from collections import Counter, deque
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import islice, repeat
+from operator import or_ as _or
+from operator import xor as _xor
 
 from kvmesh.hashing import (
     DEFAULT_SCOPE,
@@ -36,6 +41,7 @@ from kvmesh.hashing import (
     PrefixKeyCache,
     block_keys,
     external_hash_to_int,
+    list_block_keys,
     sha256_cbor_block_hashes,
 )
 from kvmesh.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, stored_block_keys, stored_key_scope
@@ -57,10 +63,9 @@ from services.kv_indexer.scoring import (
     LANE_MASK,
     MEDIA,
     MEDIUM_LANE,
-    MEDIUM_SHIFT,
-    longest_prefix_matches,
     media_counts,
     media_of,
+    prefix_matches,
 )
 
 logger = logging.getLogger(__name__)
@@ -69,7 +74,11 @@ Table = dict[BlockKey, dict[EndpointId, int]]
 
 _KEY_MASK = 0xFFFFFFFFFFFFFFFF
 _MEDIUM_TAG: dict[Medium, int] = {m: 1 << (64 + i) for i, m in enumerate(MEDIA)}
-"""``blocks`` value bit of each medium (above the 64-bit key)."""
+"""Media bit of each medium in a block's value (above the 64-bit key)."""
+_FLIP = _MEDIUM_TAG[MEDIA[0]]
+"""``blocks`` keeps ``value ^ _FLIP``: a block held on the GPU alone (the common case) is stored as
+its key int itself, the same object the key table holds (no int made per stored block, none
+unmade per removed one)."""
 _MASK_MEDIA: tuple[frozenset[Medium], ...] = tuple(
     frozenset(m for i, m in enumerate(MEDIA) if mask >> i & 1) for mask in range(1 << len(MEDIA))
 )
@@ -84,6 +93,48 @@ def _parse_medium(value: str | None) -> Medium:
         if len(_MEDIUM_OF) < 64:
             _MEDIUM_OF[value] = medium
     return medium
+
+class _Sole(dict[EndpointId, int]):
+    """The holders of every key that one endpoint alone holds, once, on one medium: one shared,
+    never mutated ``{endpoint: lane}`` per (endpoint, medium) instead of a dict per key (the common
+    case: ~200 bytes and an allocation per indexed block saved). Writers copy before changing a
+    key's holders (:func:`_release`, ``_store_keyed``); readers see an ordinary mapping."""
+
+    __slots__ = ()
+
+
+def _release(table: Table, key: BlockKey, endpoint_id: EndpointId, lane: int, lane_mask: int) -> bool | None:
+    """One hash of ``endpoint_id`` fewer for ``key`` on the medium of ``lane``: None when it held
+    none there, True when it now holds none there, False when it still does."""
+    holders = table.get(key)
+    if holders is None:
+        return None
+    packed = holders.get(endpoint_id, 0)
+    if not packed & lane_mask:
+        return None
+    packed -= lane
+    if packed:
+        if type(holders) is _Sole:  # copy on write
+            table[key] = {**holders, endpoint_id: packed}
+        else:
+            holders[endpoint_id] = packed
+    elif len(holders) == 1:
+        del table[key]
+    else:
+        del holders[endpoint_id]  # a _Sole has one holder: never here
+    return not packed & lane_mask
+
+
+def _uint64_hashes(raw: list[int | bytes]) -> list[int]:
+    """An event's block hashes as uint64 (:func:`external_hash_to_int`), the list itself when it
+    already is (vLLM's default: two C-level passes instead of a Python loop)."""
+    try:
+        if not raw or (min(raw) >= 0 and max(raw) <= _KEY_MASK):  # type: ignore[operator]
+            return raw  # type: ignore[return-value]
+        return [h & _KEY_MASK for h in raw]  # type: ignore[operator]  # SGLang's int64
+    except TypeError:  # 32-byte digests (or a mix)
+        return [external_hash_to_int(h) for h in raw]
+
 
 COMPUTABLE_HASH_ALGOS = frozenset({"sha256_cbor"})
 """Engine hash algorithms the index can compute itself (unseeded, so any process agrees)."""
@@ -108,14 +159,25 @@ class _EndpointState:
     block_size: int
     table: Table
     blocks: dict[EngineBlockHash, int] = field(default_factory=dict)
-    """Engine hash -> ``key | media bitmask << 64``."""
-    recent: OrderedDict[EngineBlockHash, BlockKey] = field(default_factory=OrderedDict)
+    """Engine hash -> ``(key | media bitmask << 64) ^ _FLIP`` (a GPU-only block: its key)."""
+    recent: dict[EngineBlockHash, BlockKey] = field(default_factory=dict)
+    """Removed ``engine hash -> key``, oldest first (insertion order; a re-removed hash is moved to
+    the end). Trimmed to the newest ``recent_removed_blocks`` whenever it reaches twice that (one
+    rebuild per ``recent_removed_blocks`` removals instead of an LRU update per block)."""
     medium_blocks: Counter[Medium] = field(default_factory=Counter)
     """Blocks held per medium: with one medium in use, Score needs no per-medium walk."""
     events_applied: int = 0
     orphans: dict[EngineBlockHash, _Orphan] = field(default_factory=dict)
     children: dict[EngineBlockHash, set[EngineBlockHash]] = field(default_factory=dict)
     """Orphans by parent hash."""
+    sole: dict[Medium, _Sole] = field(default_factory=dict)
+    """This endpoint's shared holders value per medium (:class:`_Sole`)."""
+
+    def sole_for(self, medium: Medium) -> _Sole:
+        holders = self.sole.get(medium)
+        if holders is None:
+            holders = self.sole[medium] = _Sole({self.endpoint.id: MEDIUM_LANE[medium]})
+        return holders
 
 
 class InMemoryIndex:
@@ -176,35 +238,60 @@ class InMemoryIndex:
 
     def apply(self, endpoint_id: EndpointId, event: IndexEvent) -> ApplyOutcome:
         state = self._endpoints.get(endpoint_id)
-        if state is None:
-            outcome = ApplyOutcome.UNREGISTERED
-        elif isinstance(event, BlockStored):
-            outcome = self._apply_stored(state, event)
-        elif isinstance(event, BlockRemoved):
-            outcome = self._apply_removed(state, event)
-        elif isinstance(event, AllBlocksCleared):
-            self._clear(state)
-            outcome = ApplyOutcome.APPLIED
-        elif isinstance(event, KeyedBlockStored):
-            outcome = self._apply_keyed(state, event)
-        else:
-            outcome = ApplyOutcome.INVALID
+        outcome = ApplyOutcome.UNREGISTERED if state is None else self._apply_one(state, event)
         self._outcomes[outcome] += 1
         if outcome is ApplyOutcome.APPLIED and state is not None:
             state.events_applied += 1
         return outcome
 
+    def _apply_one(self, state: _EndpointState, event: IndexEvent) -> ApplyOutcome:
+        if isinstance(event, BlockStored):
+            return self._apply_stored(state, event)
+        if isinstance(event, BlockRemoved):
+            return self._apply_removed(state, event)
+        if isinstance(event, AllBlocksCleared):
+            self._clear(state)
+            return ApplyOutcome.APPLIED
+        if isinstance(event, KeyedBlockStored):
+            return self._apply_keyed(state, event)
+        return ApplyOutcome.INVALID
+
+    def apply_batch(self, endpoint_id: EndpointId, events: Iterable[IndexEvent]) -> list[ApplyOutcome]:
+        """:meth:`apply` of each event in order (one ZMQ message's batch), with one dispatch and
+        one outcome count per batch instead of per event. Returns the outcomes, in order."""
+        state = self._endpoints.get(endpoint_id)
+        if state is None:
+            outcomes = [ApplyOutcome.UNREGISTERED for _ in events]
+            self._outcomes[ApplyOutcome.UNREGISTERED] += len(outcomes)
+            return outcomes
+        outcomes = []
+        append = outcomes.append
+        for event in events:
+            kind = type(event)
+            if kind is BlockStored:
+                append(self._apply_stored(state, event))  # type: ignore[arg-type]
+            elif kind is BlockRemoved:
+                append(self._apply_removed(state, event))  # type: ignore[arg-type]
+            else:  # AllBlocksCleared, KeyedBlockStored, anything else
+                append(self._apply_one(state, event))
+        applied = outcomes.count(ApplyOutcome.APPLIED)
+        state.events_applied += applied
+        if applied == len(outcomes):
+            self._outcomes[ApplyOutcome.APPLIED] += applied
+        else:
+            self._outcomes.update(outcomes)
+        return outcomes
+
     def _apply_stored(self, state: _EndpointState, event: BlockStored) -> ApplyOutcome:
-        try:
-            medium = _parse_medium(event.medium)
-        except ValueError:
-            return ApplyOutcome.INVALID
+        medium = _MEDIUM_OF.get(event.medium)
+        if medium is None:
+            try:
+                medium = _parse_medium(event.medium)
+            except ValueError:
+                return ApplyOutcome.INVALID
         if event.block_size != state.block_size and not self._adopt_block_size(state, event.block_size):
             return ApplyOutcome.INVALID
-        try:
-            hashes = [h & _KEY_MASK for h in event.block_hashes]  # type: ignore[operator]  # uint64 / int64
-        except TypeError:  # 32-byte digests
-            hashes = [external_hash_to_int(h) for h in event.block_hashes]
+        hashes = _uint64_hashes(event.block_hashes)
         if not event.token_ids and hashes:  # vLLM 0.32 OffloadingConnector's form: hashes only, a new medium
             return self._apply_medium_only(state, hashes, medium)
         if len(event.token_ids) != len(hashes) * state.block_size:
@@ -228,7 +315,7 @@ class InMemoryIndex:
                 event.lora_name is None and event.lora_id is None and not event.extra_keys
                 and not isinstance(event.cache_salt, str)
             ):
-                keys = block_keys(event.token_ids, state.block_size, parent_key or 0)
+                keys = list_block_keys(event.token_ids, state.block_size, parent_key or 0)
             else:
                 keys = stored_block_keys(event, state.block_size, parent_key)  # LoRA / cache_salt scoped
         except (OverflowError, ValueError, TypeError):  # token ids outside uint32, unencodable extra keys
@@ -253,47 +340,41 @@ class InMemoryIndex:
         return ApplyOutcome.APPLIED
 
     def _apply_removed(self, state: _EndpointState, event: BlockRemoved) -> ApplyOutcome:
-        try:
-            medium = _parse_medium(event.medium)
-        except ValueError:
-            return ApplyOutcome.INVALID
+        medium = _MEDIUM_OF.get(event.medium)
+        if medium is None:
+            try:
+                medium = _parse_medium(event.medium)
+            except ValueError:
+                return ApplyOutcome.INVALID
+        hashes = _uint64_hashes(event.block_hashes)
+        counts = state.medium_blocks
+        if len(counts) == 1 and medium in counts:
+            return self._remove_bulk(state, hashes, medium)
         tag = _MEDIUM_TAG[medium]
         lane = MEDIUM_LANE[medium]
         blocks = state.blocks
         table = state.table
         endpoint_id = state.endpoint.id
-        recent = state.recent if self._recent_limit else None
         log = self.residency
         gone: list[int] | None = [] if log is not None else None
         lane_mask = LANE_MASK * lane
         removed = 0
-        for raw in event.block_hashes:  # _drop, inlined: one removal is the hottest path of ingest
-            block_hash = raw & _KEY_MASK if isinstance(raw, int) else external_hash_to_int(raw)
+        left_hashes: list[int] = []
+        left_keys: list[int] = []
+        for block_hash in hashes:  # _drop, inlined
             held = blocks.get(block_hash)
-            if held is not None and held & tag:
+            if held is not None and (held ^ _FLIP) & tag:
                 removed += 1
-                held ^= tag
+                held ^= _FLIP ^ tag
                 key = held & _KEY_MASK
                 if held >> 64:
-                    blocks[block_hash] = held
+                    blocks[block_hash] = held ^ _FLIP
                 else:
                     del blocks[block_hash]
-                    if recent is not None:
-                        recent[block_hash] = key
-                        recent.move_to_end(block_hash)
-                holders = table.get(key)
-                if holders is not None:
-                    packed = holders.get(endpoint_id, 0)
-                    if packed & lane_mask:
-                        packed -= lane
-                        if gone is not None and not packed & lane_mask:
-                            gone.append(key)
-                        if packed:
-                            holders[endpoint_id] = packed
-                        else:
-                            del holders[endpoint_id]
-                            if not holders:
-                                del table[key]
+                    left_hashes.append(block_hash)
+                    left_keys.append(key)
+                if _release(table, key, endpoint_id, lane, lane_mask) and gone is not None:
+                    gone.append(key)
                 continue
             orphan = state.orphans.get(block_hash)
             if orphan is not None:
@@ -303,14 +384,75 @@ class InMemoryIndex:
         if gone:
             log.record(endpoint_id, str(medium), (), gone)  # type: ignore[union-attr]
         if removed:
-            counts = state.medium_blocks
             counts[medium] -= removed
             if counts[medium] <= 0:
                 del counts[medium]
-        if recent is not None:
-            while len(recent) > self._recent_limit:
-                recent.popitem(last=False)
+        if left_hashes:
+            self._remember_removed(state, left_hashes, left_keys)
         return ApplyOutcome.APPLIED
+
+    def _remove_bulk(self, state: _EndpointState, hashes: list[int], medium: Medium) -> ApplyOutcome:
+        """``BlockRemoved`` while every held block is on ``medium`` alone (one medium in use, the
+        common case): the blocks leave wholesale, with C-level passes (``map``) where a Python loop
+        per block was. Same result as the general path."""
+        blocks = state.blocks
+        values = list(map(blocks.pop, hashes, repeat(None, len(hashes))))
+        if None in values:  # not held: maybe an orphan, else a no-op
+            if state.orphans:
+                for block_hash, value in zip(hashes, values, strict=True):
+                    if value is None and block_hash in state.orphans:
+                        orphan = state.orphans[block_hash]
+                        orphan.media.discard(medium)
+                        if not orphan.media:
+                            self._forget_orphan(state, block_hash)
+            hashes = [h for h, v in zip(hashes, values, strict=True) if v is not None]
+            values = [v for v in values if v is not None]
+        n = len(values)
+        if not n:
+            return ApplyOutcome.APPLIED
+        stored = _MEDIUM_TAG[medium] ^ _FLIP  # one medium in use: every value is key | stored
+        keys: list[int] = list(map(_xor, values, repeat(stored, n))) if stored else values  # type: ignore[assignment]
+        counts = state.medium_blocks
+        counts[medium] -= n
+        if counts[medium] <= 0:
+            del counts[medium]
+        self._remember_removed(state, hashes, keys)
+        table = state.table
+        endpoint_id = state.endpoint.id
+        lane = MEDIUM_LANE[medium]
+        sole = state.sole_for(medium)
+        popped = list(map(table.pop, keys, repeat(None, n)))
+        log = self.residency
+        if popped.count(sole) == n:  # each key's only holder, one hash (identity tests): keys leave
+            if log is not None:
+                log.record(endpoint_id, str(medium), (), keys)
+            return ApplyOutcome.APPLIED
+        lane_mask = LANE_MASK * lane
+        gone: list[int] = []
+        for key, holders in zip(keys, popped, strict=True):  # put back what others hold too, then release
+            if holders is sole:
+                gone.append(key)
+                continue
+            if holders is not None:
+                table[key] = holders
+            if _release(table, key, endpoint_id, lane, lane_mask):  # (a repeated key: popped None)
+                gone.append(key)
+        if log is not None and gone:
+            log.record(endpoint_id, str(medium), (), gone)
+        return ApplyOutcome.APPLIED
+
+    def _remember_removed(self, state: _EndpointState, hashes: list[int], keys: list[int]) -> None:
+        """Blocks that left the endpoint go to ``recent`` (newest last); see ``_EndpointState.recent``."""
+        limit = self._recent_limit
+        if not limit:
+            return
+        recent = state.recent
+        if not recent.keys().isdisjoint(hashes):  # removed before: to the end
+            for block_hash in hashes:
+                recent.pop(block_hash, None)
+        recent.update(zip(hashes, keys, strict=True))
+        if len(recent) >= 2 * limit:
+            state.recent = dict(islice(recent.items(), len(recent) - limit, None))
 
     # -- chains without their parents -------------------------------------------------------
 
@@ -468,27 +610,43 @@ class InMemoryIndex:
         lane = MEDIUM_LANE[medium]
         lane_mask = LANE_MASK * lane
         log = self.residency
+        n = len(hashes)
+        if n != len(keys):
+            raise ValueError(f"{n} block hashes but {len(keys)} keys")
+        if n and blocks.keys().isdisjoint(hashes):  # the common case, in bulk: hashes new to this endpoint
+            size = len(blocks)
+            stored = tag ^ _FLIP
+            blocks.update(zip(hashes, map(_or, keys, repeat(stored, n)) if stored else keys, strict=True))
+            if len(blocks) - size != n:  # a hash repeated in the chain: undo, the general path below
+                deque(map(blocks.pop, hashes, repeat(None, n)), maxlen=0)
+            else:
+                self._hold_new_keys(state, keys, medium)
+                return
         new: list[int] | None = [] if log is not None else None
         added = 0
         for block_hash, key in zip(hashes, keys, strict=True):
             held = blocks.get(block_hash)
             if held is None:
-                blocks[block_hash] = key | tag
+                blocks[block_hash] = (key | tag) ^ _FLIP
             elif held & _KEY_MASK == key:
+                held ^= _FLIP
                 if held & tag:
                     continue  # a repeat: idempotent
-                blocks[block_hash] = held | tag
+                blocks[block_hash] = (held | tag) ^ _FLIP
             else:  # the engine reused a hash for other content: replace
+                held ^= _FLIP
                 for old_medium in _MASK_MEDIA[held >> 64]:
                     held = self._drop(state, block_hash, held, old_medium)
-                blocks[block_hash] = key | tag
+                blocks[block_hash] = (key | tag) ^ _FLIP
             added += 1
             holders = table.get(key)
             if holders is None:
-                table[key] = {endpoint_id: lane}
+                table[key] = state.sole_for(medium)
                 if new is not None:
                     new.append(key)
             else:
+                if type(holders) is _Sole:  # copy on write
+                    holders = table[key] = dict(holders)
                 old = holders.get(endpoint_id, 0)
                 holders[endpoint_id] = old + lane
                 if new is not None and not old & lane_mask:
@@ -498,8 +656,42 @@ class InMemoryIndex:
         if new:
             log.record(endpoint_id, str(medium), new, ())  # type: ignore[union-attr]
 
+    def _hold_new_keys(self, state: _EndpointState, keys: list[int], medium: Medium) -> None:
+        """``state`` holds one more hash on ``medium`` for each of ``keys`` (its ``blocks`` written)."""
+        n = len(keys)
+        state.medium_blocks[medium] += n
+        sole = state.sole_for(medium)
+        table = state.table
+        log = self.residency
+        endpoint_id = state.endpoint.id
+        if table.keys().isdisjoint(keys):  # keys new to the index: all share the sole holders value
+            size = len(table)
+            table.update(zip(keys, repeat(sole, n), strict=True))
+            if len(table) - size == n:
+                if log is not None:
+                    log.record(endpoint_id, str(medium), list(keys), ())
+                return
+            deque(map(table.pop, keys), maxlen=0)  # a key repeated in the chain: undo, per key below
+        lane = MEDIUM_LANE[medium]
+        lane_mask = LANE_MASK * lane
+        fresh: list[int] = []
+        for key in keys:
+            holders = table.get(key)
+            if holders is None:
+                table[key] = sole
+                fresh.append(key)
+                continue
+            if type(holders) is _Sole:  # copy on write
+                holders = table[key] = dict(holders)
+            old = holders.get(endpoint_id, 0)
+            holders[endpoint_id] = old + lane
+            if not old & lane_mask:
+                fresh.append(key)
+        if log is not None and fresh:
+            log.record(endpoint_id, str(medium), fresh, ())
+
     def _drop(self, state: _EndpointState, block_hash: EngineBlockHash, held: int, medium: Medium) -> int:
-        """``held`` (the block's ``blocks`` value) leaves ``medium``; returns its new value (0: gone)."""
+        """``held`` (the block's value, ``blocks``' entry ``^ _FLIP``) leaves ``medium``; returns its new value (0: gone)."""
         held &= ~_MEDIUM_TAG[medium]
         counts = state.medium_blocks
         counts[medium] -= 1
@@ -507,16 +699,11 @@ class InMemoryIndex:
             del counts[medium]
         key = held & _KEY_MASK
         if held >> 64:
-            state.blocks[block_hash] = held
+            state.blocks[block_hash] = held ^ _FLIP
         else:
             held = 0
             del state.blocks[block_hash]
-            if self._recent_limit:
-                recent = state.recent
-                recent[block_hash] = key
-                recent.move_to_end(block_hash)
-                if len(recent) > self._recent_limit:
-                    recent.popitem(last=False)
+            self._remember_removed(state, [block_hash], [key])
         if self._unlink(state.table, key, state.endpoint.id, medium) and self.residency is not None:
             self.residency.record(state.endpoint.id, str(medium), (), [key])
         return held
@@ -524,26 +711,14 @@ class InMemoryIndex:
     @staticmethod
     def _unlink(table: Table, key: BlockKey, endpoint_id: EndpointId, medium: Medium) -> bool:
         """One hash of ``endpoint_id`` on ``medium`` fewer for ``key``; True when none is left on it."""
-        holders = table.get(key)
-        if holders is None:
-            return False
-        packed = holders.get(endpoint_id)
-        if packed is None or not (packed >> MEDIUM_SHIFT[medium]) & LANE_MASK:
-            return False
-        packed -= MEDIUM_LANE[medium]
-        if packed:
-            holders[endpoint_id] = packed
-            return not (packed >> MEDIUM_SHIFT[medium]) & LANE_MASK
-        del holders[endpoint_id]
-        if not holders:
-            del table[key]
-        return True
+        lane = MEDIUM_LANE[medium]
+        return bool(_release(table, key, endpoint_id, lane, LANE_MASK * lane))
 
     def _clear(self, state: _EndpointState) -> None:
         if state.blocks and self.residency is not None:
             self.residency.record(state.endpoint.id, "", cleared=True)
         for held in state.blocks.values():
-            for medium in _MASK_MEDIA[held >> 64]:
+            for medium in _MASK_MEDIA[(held ^ _FLIP) >> 64]:
                 self._unlink(state.table, held & _KEY_MASK, state.endpoint.id, medium)
         state.blocks.clear()
         state.recent.clear()
@@ -578,7 +753,7 @@ class InMemoryIndex:
             if size == sizes[0]:
                 primary_blocks = len(keys)
             table = self._tables.get((model, size), {})
-            for endpoint_id, blocks in longest_prefix_matches(keys, table, wanted).items():
+            for endpoint_id, blocks in prefix_matches(keys, table, wanted).items():
                 media = self._endpoints[endpoint_id].medium_blocks
                 if len(media) == 1:
                     by_medium = {next(iter(media)): blocks}
@@ -638,7 +813,7 @@ class InMemoryIndex:
         state = self._endpoints.get(endpoint_id)
         if state is None:
             return {}
-        held = {h: _MASK_MEDIA[b >> 64] for h, b in state.blocks.items()}
+        held = {h: _MASK_MEDIA[(b ^ _FLIP) >> 64] for h, b in state.blocks.items()}
         held.update((h, frozenset(o.media)) for h, o in state.orphans.items())
         return held
 
@@ -650,7 +825,7 @@ class InMemoryIndex:
         for endpoint_id, state in sorted(self._endpoints.items()):
             by_medium: dict[Medium, tuple[list[int], list[int]]] = {}
             for block_hash, held in state.blocks.items():
-                for medium in _MASK_MEDIA[held >> 64]:
+                for medium in _MASK_MEDIA[(held ^ _FLIP) >> 64]:
                     hashes, keys = by_medium.setdefault(medium, ([], []))
                     hashes.append(block_hash)
                     keys.append(held & _KEY_MASK)

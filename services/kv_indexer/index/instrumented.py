@@ -53,6 +53,18 @@ class InstrumentedIndex:
         metrics.record_event(type(event).__name__, outcome.value)
         return outcome
 
+    def apply_batch(self, endpoint_id: EndpointId, events: Sequence[IndexEvent]) -> list[ApplyOutcome]:
+        """The inner index's ``apply_batch`` (else ``apply`` per event); metrics counted once per
+        (event type, outcome) of the batch."""
+        inner_batch = getattr(self.inner, "apply_batch", None)
+        if inner_batch is not None:
+            outcomes: list[ApplyOutcome] = inner_batch(endpoint_id, events)
+        else:
+            outcomes = [self.inner.apply(endpoint_id, event) for event in events]
+        for (kind, outcome), count in Counter(zip(map(type, events), outcomes, strict=True)).items():
+            metrics.record_event(kind.__name__, outcome.value, count)
+        return outcomes
+
     def score(
         self,
         model: str,

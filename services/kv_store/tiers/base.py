@@ -93,6 +93,11 @@ class StoreTier(Protocol):
         """Drop ``key``; ``True`` when it was present (an explicit delete, not counted in ``evictions``)."""
         ...
 
+    def held_keys(self) -> list[str]:
+        """The keys this instance's view of the tier holds, least recently used first (no I/O: a
+        shared tier lists what this instance wrote or read, not what other instances put)."""
+        ...
+
     def stats(self) -> TierStats:
         """A consistent snapshot of the tier's counters."""
         ...

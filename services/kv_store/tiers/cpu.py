@@ -90,6 +90,8 @@ class CpuTier:
             name=self.name,
         )
 
-    def lru_order(self) -> list[str]:
-        """Keys from least to most recently used (for tests and debugging)."""
+    def held_keys(self) -> list[str]:
+        """Keys from least to most recently used."""
         return list(self._values)
+
+    lru_order = held_keys

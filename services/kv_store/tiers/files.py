@@ -436,9 +436,11 @@ class FileTier:
             errors=self._errors,
         )
 
-    def lru_order(self) -> list[str]:
-        """Keys from least to most recently used (for tests and debugging)."""
+    def held_keys(self) -> list[str]:
+        """Keys of this instance's index (its own and rescanned values), least recently used first."""
         return list(self._index)
+
+    lru_order = held_keys
 
 
 class DiskTier(FileTier):

@@ -9,9 +9,20 @@ returns 0 or a negative error code, ``get`` returns ``b""`` for a missing key, `
 or replaces). Its calls block, so they run in worker threads.
 
 **Framing.** Mooncake cannot store an empty value and has no checksum, so each value is stored
-as ``struct "<4sIQ"`` (magic ``b"KVMC"``, CRC-32 of the value, value length) followed by the
-value, written with ``upsert_parts`` (no join copy, replaces an old value). A read whose frame or checksum does not match
-is a miss counted in ``corrupted``, and the object is removed.
+as ``struct "<4sIQI"`` (magic ``b"KVM2"``, CRC-32 of description + value, value length, description
+length), then the store's description of the value (the engine's ``BlockStored``, msgpack; empty
+for none), then the value, written with ``upsert_parts`` (no join copy, replaces an old value).
+Frames of the previous layout (``b"KVMC"``, ``"<4sIQ"``: CRC-32 and length of the value, no
+description) are still read. A read whose frame or checksum does not match is a miss counted in
+``corrupted``, and the object is removed.
+
+**Rescan** (:meth:`MooncakeTier.rescan`, awaited once at start-up): Mooncake's Python client cannot
+list objects, so the caller passes ``list_keys``, a blocking call returning the cluster's keys (the
+master's HTTP ``/get_all_keys``, one key per line, in ``app.py``). The keys in this tier's namespace
+that are not yet in its view are read (frame checked), adopted into the view while the budget
+allows, and returned once by :meth:`take_rescanned` with their descriptions, so the store publishes
+them again as after a disk rescan. The namespace is shared: an instance republishes every described
+value it can reach there, which is what a shared medium means to kv_indexer.
 
 **Keys.** ``namespace + key``: instances configured with the same namespace on one cluster share
 values (an instance that never wrote a key still finds it); tests use a fresh namespace each.
@@ -32,7 +43,7 @@ import asyncio
 import struct
 import zlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kvmesh.types import Medium
@@ -41,6 +52,9 @@ from services.kv_store.tiers.base import PutResult, TierStats
 
 FRAME = struct.Struct("<4sIQ")
 MAGIC = b"KVMC"
+"""The previous frame (no description), still read."""
+FRAME2 = struct.Struct("<4sIQI")
+MAGIC2 = b"KVM2"
 
 
 class MooncakeClient(Protocol):
@@ -62,7 +76,13 @@ class MooncakeTier:
     name = "mooncake"
     shared = True
 
-    def __init__(self, client: MooncakeClient, capacity_bytes: int, namespace: str = "kvmesh/") -> None:
+    def __init__(
+        self,
+        client: MooncakeClient,
+        capacity_bytes: int,
+        namespace: str = "kvmesh/",
+        list_keys: Callable[[], list[str]] | None = None,
+    ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
@@ -76,6 +96,8 @@ class MooncakeTier:
         self._corrupted = 0
         self._errors = 0
         self._lock = asyncio.Lock()
+        self._list_keys = list_keys
+        self._rescanned: list[tuple[str, bytes]] = []
 
     def _key(self, key: str) -> str:
         return self.namespace + key
@@ -115,28 +137,67 @@ class MooncakeTier:
                     if data is not None:
                         kept.append((victim, data))
                 await self._call("remove", self._client.remove, self._key(victim), True)
-            frame = FRAME.pack(MAGIC, zlib.crc32(value), size)
-            code = await self._call("put", self._client.upsert_parts, self._key(key), frame, value)
+            frame = FRAME2.pack(MAGIC2, zlib.crc32(value, zlib.crc32(meta)), size, len(meta))
+            parts = (frame, meta, value) if meta else (frame, value)
+            code = await self._call("put", self._client.upsert_parts, self._key(key), *parts)
             self._check("put", code)
             self._index[key] = size
             self._used_bytes += size
             return PutResult(tuple(victims), tuple(kept))
 
     async def _read(self, key: str) -> bytes | None:
+        framed = await self._read_framed(key)
+        return None if framed is None else framed[0]
+
+    async def _read_framed(self, key: str) -> tuple[bytes, bytes] | None:
+        """``(value, description)`` of ``key``, or None when absent or corrupt (then removed)."""
         raw = await self._call("get", self._client.get, self._key(key))
         if not isinstance(raw, bytes | bytearray | memoryview) or len(raw) == 0:
             return None
         view = memoryview(raw)
-        if len(view) < FRAME.size:
-            self._corrupted += 1
-            return None
-        magic, crc, size = FRAME.unpack(view[: FRAME.size])
-        body = view[FRAME.size :]
-        if magic != MAGIC or size != len(body) or zlib.crc32(body) != crc:
+        parsed = _unframe(view)
+        if parsed is None:
             self._corrupted += 1
             await self._call("remove", self._client.remove, self._key(key), True)
             return None
-        return bytes(body)
+        value, meta = parsed
+        return bytes(value), bytes(meta)
+
+    async def rescan(self) -> int:
+        """Adopt the described and undescribed values of this namespace that the cluster holds
+        (see the module docstring); the number adopted. No ``list_keys``: 0.
+
+        Raises:
+            services.kv_store.errors.TierUnavailable: the listing or a read failed (master down).
+        """
+        if self._list_keys is None:
+            return 0
+        listed = await self._call("list", self._list_keys)
+        assert isinstance(listed, list)
+        adopted = 0
+        async with self._lock:
+            for name in listed:
+                if not name.startswith(self.namespace):
+                    continue
+                key = name[len(self.namespace) :]
+                if not key or key in self._index:
+                    continue
+                framed = await self._read_framed(key)
+                if framed is None:
+                    continue
+                value, meta = framed
+                if self._used_bytes + len(value) > self.capacity_bytes:
+                    break  # the budget is full: the rest stay in the cluster, served when read
+                self._index[key] = len(value)
+                self._used_bytes += len(value)
+                self._rescanned.append((key, meta))
+                adopted += 1
+        return adopted
+
+    def take_rescanned(self) -> list[tuple[str, bytes]]:
+        """``(key, description)`` of every value :meth:`rescan` adopted; once (later calls return ``[]``)."""
+        rescanned, self._rescanned = self._rescanned, []
+        return rescanned
 
     async def get(self, key: str) -> bytes | None:
         value = await self._read(key)
@@ -178,6 +239,10 @@ class MooncakeTier:
                 await self._call("remove", self._client.remove, self._key(key), True)
             return known or exists
 
+    def held_keys(self) -> list[str]:
+        """Keys of this instance's LRU view (what it wrote, read or rescanned), least recently used first."""
+        return list(self._index)
+
     def stats(self) -> TierStats:
         return TierStats(
             medium=self.medium,
@@ -191,3 +256,21 @@ class MooncakeTier:
             corrupted=self._corrupted,
             errors=self._errors,
         )
+
+
+def _unframe(view: memoryview) -> tuple[memoryview, memoryview] | None:
+    """``(value, description)`` of a stored object, or None when its frame or checksum does not match."""
+    if len(view) >= FRAME2.size and view[:4] == MAGIC2:
+        _magic, crc, size, meta_size = FRAME2.unpack(view[: FRAME2.size])
+        meta = view[FRAME2.size : FRAME2.size + meta_size]
+        body = view[FRAME2.size + meta_size :]
+        if len(meta) != meta_size or size != len(body) or zlib.crc32(body, zlib.crc32(meta)) != crc:
+            return None
+        return body, meta
+    if len(view) >= FRAME.size and view[:4] == MAGIC:
+        _magic, crc, size = FRAME.unpack(view[: FRAME.size])
+        body = view[FRAME.size :]
+        if size != len(body) or zlib.crc32(body) != crc:
+            return None
+        return body, view[:0]
+    return None

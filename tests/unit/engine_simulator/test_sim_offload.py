@@ -216,6 +216,8 @@ def test_gpu_miss_loads_from_cpu_instead_of_recomputing() -> None:
     assert again.load_plan is not None and again.load_plan.cpu_blocks == 4
     assert again.load_plan.seconds == pytest.approx(4 * BYTES / 1e9)
     assert core.external_hits_tokens == 4 * B and off.stats.loaded_cpu_blocks == 4
+    # vLLM's connector stats: every request's tokens past its GPU hit were looked up (3 requests, no GPU hits)
+    assert core.external_queries_tokens == 3 * (4 * B + 3)
     events = core.cache.take_events()
     # the loaded blocks re-enter the GPU prefix cache with their tokens (vLLM caches them once loaded)
     gpu_stores = [e for e in events if isinstance(e, BlockStored) and e.medium == "GPU"]
@@ -227,6 +229,34 @@ def test_gpu_miss_loads_from_cpu_instead_of_recomputing() -> None:
     plain = _core(6, None)
     _, recomputed = _evicting_workload(plain)
     assert recomputed.num_cached_tokens == 0  # without offload the eviction costs the whole prefix
+    assert plain.external_queries_tokens == plain.external_hits_tokens == 0  # no connector: no lookups
+
+
+async def test_engine_exposes_vllm_external_prefix_cache_counters() -> None:
+    """``vllm:external_prefix_cache_{queries,hits}_total`` (vLLM 0.32's connector prefix-cache stats, beside
+    the GPU-only ``vllm:prefix_cache_*``): a repeat whose 4 blocks were evicted to CPU counts 4 blocks of
+    external hits over its 4 blocks + 3 tokens queried; the GPU counters count them as misses."""
+    from engine_simulator.metrics import EngineMetrics
+    from kvmesh_cli.report import parse_prometheus_counter
+
+    latency = LatencyModel(base_seconds=0.01, prefill_seconds_per_token=0.0, decode_seconds_per_seq=0.0,
+                           decode_seconds_per_context_token=0.0)
+    metrics = EngineMetrics("m", {"block_size": str(B)}, 512)
+    engine = AsyncEngine(_core(6, _offload()), latency, ManualClock(), NullEventPublisher(), metrics)
+    engine.start()
+    try:
+        a_tokens = list(range(4 * B + 3))
+        for rid, tokens in (("a1", a_tokens), ("b", list(range(1000, 1000 + 4 * B + 3))), ("a2", a_tokens)):
+            queue = engine.submit(Request(rid, tokens, max_tokens=1, ignore_eos=True))
+            while not (await asyncio.wait_for(queue.get(), 5)).finished:
+                pass
+    finally:
+        await engine.stop()
+    text = metrics.exposition().decode()
+    assert parse_prometheus_counter(text, "vllm:external_prefix_cache_hits_total") == 4 * B
+    assert parse_prometheus_counter(text, "vllm:external_prefix_cache_queries_total") == 3 * (4 * B + 3)
+    assert parse_prometheus_counter(text, "vllm:prefix_cache_hits_total") == 0
+    assert parse_prometheus_counter(text, "vllm:prefix_cache_queries_total") == 3 * (4 * B + 3)
 
 
 def test_load_waits_modeled_time_and_does_not_block_others() -> None:

@@ -140,7 +140,7 @@ async def test_prefix_match_step_prefers_given_token_ids() -> None:
     tokenizer = FakeTokenizer([9])
     state = CycleState()
     await PrefixMatchStep("pm", FakeIndex(), tokenizer).prepare(state, SchedulingRequest(model="m", token_ids=(4, 5), prompt="x"), [A])
-    assert state.get(TOKEN_IDS) == [4, 5] and tokenizer.calls == 0
+    assert list(state.get(TOKEN_IDS) or ()) == [4, 5] and tokenizer.calls == 0
 
 
 @pytest.mark.parametrize(

@@ -108,7 +108,7 @@ async def converge(rig: Rig, replica: ReplicaPrefixIndex, tokens: list[int] = PR
     log = rig.indexer.open_residency()
     assert log is not None
     await until(lambda: replica.replica.synced and replica.replica.seq == log.seq)
-    await asyncio.sleep(0.06)  # endpoint-state changes are polled every 0.05 s
+    await asyncio.sleep(0.06)  # membership changes wake the Watch stream at once (other state changes: its 0.25 s poll)
     truth = rig.truth(tokens)
     assert await local(replica, tokens) == truth
     return truth

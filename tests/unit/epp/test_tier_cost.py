@@ -7,6 +7,7 @@ tokens per step, 131,072 KV bytes per token, CPU 50e9 B/s + 5e-5 s, DISK/SHARED 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -184,3 +185,154 @@ async def test_completion_keeps_a_session_on_its_engine(reported: bool) -> None:
         assert (m.pending_picks, m.unprefilled_requests, m.queued_prefill_tokens) == (1, 1, 1200)
     call2 = await sched.pick(SchedulingRequest(model="m", request_id="s1-c2", token_ids=tokens))
     assert call2.target.id == (eps[0].id if reported else eps[1].id)
+
+
+def _used(port: int, usage: float, **kw: int) -> Candidate:
+    cand = _cand(port, **kw)
+    return Candidate(cand.endpoint, dataclasses.replace(cand.metrics, kv_cache_usage_perc=usage))
+
+
+def test_eviction_a_move_causes_is_priced() -> None:
+    """A session's 2,048-token call, 24 of its 32 blocks on A's GPU; A has 1,600 tokens queued. B is idle but
+    its pool is 90 % in use. Plain TTFT: A (1,600 + 512) = 2,112 tokens in 2 steps = 0.0806 s; B 2,048 in
+    1 step = 0.0726 s: the session would move. But B must hold the 24-block history (1,536 tokens) again,
+    evicting 0.9 x 1,536 tokens of others' prefixes (0.0449 s of their recompute): B costs 0.1175 s, and
+    the session stays. With B's pool empty (nothing to evict) the move is priced as before."""
+    a, b = _used(1, 0.5, queued=1600, known=1, unprefilled=1), _used(2, 0.9)
+    match = PrefixMatch(32, {a.id: 24}, {a.id: {"GPU": 24}})
+    ttft_a, ttft_b = 2112 * 3.25e-5 + 2 * 6e-3, 2048 * 3.25e-5 + 6e-3
+    assert MODEL.ttft_seconds(a, 2048, match) == pytest.approx(ttft_a)
+    assert MODEL.ttft_seconds(b, 2048, match) == pytest.approx(ttft_b)
+    assert ttft_b < ttft_a  # without the eviction term the session leaves its history
+    costs = tier_costs([a, b], 2048, match, MODEL)
+    evict_b = 0.9 * 1536 * 3.25e-5
+    assert costs == pytest.approx({a.id: ttft_a, b.id: ttft_b + evict_b})  # the holder of the history pays none
+    assert costs[a.id] < costs[b.id]
+    empty = _used(2, 0.0)
+    assert tier_costs([a, empty], 2048, match, MODEL)[empty.id] == pytest.approx(ttft_b)
+    # eviction_weight 0: the previous model; occupancy_floor: a pool assumed full of live histories
+    off = TierCostModel.from_params(TierCostParams(eviction_weight=0.0))
+    assert tier_costs([a, b], 2048, match, off)[b.id] == pytest.approx(ttft_b)
+    floor = TierCostModel.from_params(TierCostParams(occupancy_floor=1.0))
+    assert tier_costs([a, empty], 2048, match, floor)[empty.id] == pytest.approx(ttft_b + 1536 * 3.25e-5)
+
+
+def test_a_really_busy_engine_still_lets_the_session_move() -> None:
+    """The same session when A has 6,000 tokens queued: A costs 6,512 tokens in 4 steps (0.2356 s), more than
+    B (holding 16 of the 24 blocks) recomputing 1,024 tokens plus evicting for the 8 blocks it lacks
+    (0.0543 s): it moves. A partial holder pays for the blocks it lacks only."""
+    a, b = _used(1, 0.9, queued=6000, known=2, unprefilled=2), _used(2, 0.9)
+    match = PrefixMatch(32, {a.id: 24, b.id: 16}, {a.id: {"GPU": 24}, b.id: {"GPU": 16}})
+    costs = tier_costs([a, b], 2048, match, MODEL)
+    assert costs[a.id] == pytest.approx((6000 + 512) * 3.25e-5 + 4 * 6e-3)
+    assert costs[b.id] == pytest.approx((2048 - 1024) * 3.25e-5 + 6e-3 + 0.9 * 8 * 64 * 3.25e-5)
+    assert costs[b.id] < costs[a.id]
+
+
+def test_params_take_eviction_knobs() -> None:
+    parsed = parse_params(TierCostParams, "tier-cost-scorer", "t", {"eviction_weight": 2, "occupancy_floor": 0.5})
+    assert (parsed.eviction_weight, parsed.occupancy_floor) == (2.0, 0.5)
+    for bad in ({"eviction_weight": -1}, {"occupancy_floor": 1.5}):
+        with pytest.raises(ValueError):
+            parse_params(TierCostParams, "tier-cost-scorer", "t", bad)
+
+
+def _saturated_split(rate: float, requests: int, seed: int = 0, abandoned: float = 0.0) -> tuple[list[int], list[int]]:
+    """A model-time mesh: 4 of the engine simulator's own cores (``EngineCore`` + ``PrefixCache``, 512 blocks
+    of 64 tokens, ``llama-3.1-8b-h100`` step times) behind epp's real ``Datastore`` (scraped every 0.1 model
+    s: waiting, running, usage, finished, first tokens; picks noted with their uncached tokens; completions
+    reported as the router does) and ``tier_costs`` (argmin, random among ties). Requests shaped like the
+    Mooncake conversation trace's (prompts lognormal ~4k tokens, half behind one of 8 shared 1k-token
+    prefixes, 20-300 output tokens), Poisson at ``rate`` per model s. Returns (requests served per engine,
+    preemptions per engine)."""
+    from engine_simulator.latency_model import get_profile
+    from engine_simulator.prefix_cache import PrefixCache
+    from engine_simulator.scheduler import EngineCore, Request, ScheduledStep, SchedulerConfig
+
+    rng = random.Random(seed)
+    latency = get_profile("llama-3.1-8b-h100")
+    n, block = 4, 64
+    cores = [EngineCore(SchedulerConfig(64, 2048, 131072), PrefixCache(512, block)) for _ in range(n)]
+    eps = [Endpoint(id=EndpointId(f"127.0.0.1:{i + 1}"), url=f"http://127.0.0.1:{i + 1}", model="m") for i in range(n)]
+    clock = ManualClock()
+    ds = Datastore(clock)
+    ds.set_endpoints({e.id: e for e in eps})
+    finished, first, served = [0] * n, [0] * n, [0] * n
+
+    def scrape() -> None:
+        for i, c in enumerate(cores):
+            ds.record_scrape(eps[i].id, ScrapeSample(c.num_waiting + len(c.loading), c.num_running, c.cache.usage,
+                                                     block, finished[i], first[i]))
+
+    shared = [list(range(5000 + 1000 * k, 5000 + 1000 * k + 1024)) for k in range(8)]
+    arrivals: list[tuple[float, list[int], int]] = []
+    t = 0.0
+    for _ in range(requests):
+        t += rng.expovariate(rate)
+        prompt = (shared[rng.randrange(8)] if rng.random() < 0.5 else [])
+        prompt = prompt + [rng.randrange(3, 2000) for _ in range(min(12_000, int(rng.lognormvariate(8.1, 0.5))))]
+        arrivals.append((t, prompt, rng.randint(20, 300)))
+    step: list[ScheduledStep | None] = [None] * n
+    busy_until = [0.0] * n
+    next_scrape, done, k = 0.0, 0, 0
+    while done < requests:
+        now = min([next_scrape, *(a[0] for a in arrivals[k:k + 1]),
+                   *(busy_until[i] for i in range(n) if step[i] is not None)])
+        clock.advance(now - clock.now())
+        if now >= next_scrape:
+            scrape()
+            next_scrape += 0.1
+        if k < len(arrivals) and arrivals[k][0] <= now:
+            _, prompt, out = arrivals[k]
+            req = Request(f"r{k}", prompt, max_tokens=out, ignore_eos=True, arrival_time=now)
+            k += 1
+            hashes = req.block_hashes((len(prompt) - 1) // block, block)
+            matched = {eps[i].id: len(c.cache.lookup(hashes)) for i, c in enumerate(cores)}
+            match = PrefixMatch(len(hashes), {e: m for e, m in matched.items() if m},
+                                {e: {"GPU": m} for e, m in matched.items() if m})
+            for attempt in (0, 1):
+                costs = tier_costs(ds.candidates("m"), len(prompt), match, MODEL)
+                best = min(costs.values())
+                target = rng.choice(sorted(e for e, c in costs.items() if c == best))
+                ds.note_pick(target, max(0, len(prompt) - matched[target] * block), req.request_id)
+                if attempt or rng.random() >= abandoned:
+                    break
+                # the router's early pick, made while flow_control queued the request, is dropped and the
+                # request picked again at dispatch (services/router/config.py ``early_pick``)
+            i = [e.id for e in eps].index(target)
+            served[i] += 1
+            cores[i].add_request(req)
+        for i, c in enumerate(cores):
+            current = step[i]
+            if current is not None and busy_until[i] <= now:
+                for o in c.update(current):
+                    if o.request.first_token_time is None:
+                        o.request.first_token_time = now
+                        first[i] += 1
+                    if o.finished:
+                        finished[i] += 1
+                        done += 1
+                        ds.note_completed(o.request.request_id, str(eps[i].id))
+                step[i] = None
+            if step[i] is None and c.has_work():
+                nxt = c.schedule(now)
+                if not nxt.empty:
+                    step[i] = nxt
+                    busy_until[i] = now + latency.step_seconds(nxt.prefill_tokens, nxt.decode_seqs,
+                                                               nxt.decode_context_tokens)
+    return served, [c.num_preemptions for c in cores]
+
+
+@pytest.mark.parametrize(("rate", "abandoned"), [(24.0, 0.0), (48.0, 0.0), (48.0, 0.3)],
+                         ids=["x2", "x4", "x4-dropped-early-picks"])
+def test_request_split_stays_even_past_saturation(rate: float, abandoned: float) -> None:
+    """Issue 9 (BENCHMARKS, Mooncake at 2x / 4x): live, tier-cost split 600 requests 121/167/195/117 and
+    174/173/170/83 over 4 engines. The same cost model and datastore on simulated engines driven in model
+    time, ~2x and ~4x past what 4 engines serve here (every engine preempting), split evenly, also when 30 %
+    of the picks are early picks the router drops and picks again (phantom picks that never get a first
+    token on their target): the live skew was not reproduced in model time (docs/scoring.md, "tier-cost
+    under saturation"); this test keeps the model's split even."""
+    served, preemptions = _saturated_split(rate, 240, abandoned=abandoned)
+    assert sum(served) == 240 and min(preemptions) > 0  # really saturated: KV pools full, requests preempted
+    mean = sum(served) / len(served)
+    assert min(served) >= 0.75 * mean and max(served) <= 1.25 * mean, served

@@ -26,11 +26,13 @@ from services.kv_store.lmcache_protocol import (
     LmReturnCode,
     MemoryFormat,
     ValueMeta,
+    decode_list_payload,
     decode_reply,
     decode_request,
     encode_envelope,
     encode_reply,
     encode_request,
+    list_reply_payload,
     split_envelope,
 )
 
@@ -159,3 +161,16 @@ def test_request_round_trip(command, length, fmt, dtype, shape, model, chunk_has
         assert len(key.canonical().encode()) > 150
         return
     assert decode_request(frame) == request
+
+
+def test_list_payload_round_trip_and_bad_lines() -> None:
+    """LIST's payload (lmcache 0.5.6's commented-out server reply): key strings joined by "\\n", no prefix."""
+    keys = ["lmcache/tiny@2@1@abc123@bfloat16@user%alice", "lmcache/m@1@0@ff@half@3"]
+    payload = list_reply_payload(keys)
+    assert payload == b"tiny@2@1@abc123@bfloat16@user%alice\nm@1@0@ff@half@3"
+    assert [k.store_key() for k in decode_list_payload(payload)] == keys
+    assert list_reply_payload([]) == b"" and decode_list_payload(b"") == []
+    for bad in (b"\xff\xfe", b"m@1@0@ff@half\nnot-a-key"):
+        with pytest.raises(LmProtocolError) as err:
+            decode_list_payload(bad)
+        assert err.value.reason == "bad_key"

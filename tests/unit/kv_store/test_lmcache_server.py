@@ -16,6 +16,7 @@ from services.kv_store.lmcache_protocol import (
     LmReturnCode,
     MemoryFormat,
     ValueMeta,
+    decode_list_payload,
     decode_reply,
     encode_envelope,
     encode_request,
@@ -138,3 +139,33 @@ async def test_large_put_into_a_lazy_buffer_and_an_announced_put_that_never_come
     finally:
         await server.stop()
     assert (await store.get("lmcache/tiny@1@0@beef@bfloat16")).value == encode_envelope(meta) + payload
+
+
+async def test_list_answers_the_lmcache_keys_the_tiers_hold() -> None:
+    """LIST (lmcache 0.5.6 command 4): SUCCESS, length = bytes of the "\\n"-joined CacheEngineKey strings
+    (the reply in upstream's commented-out server TODO; its server sends nothing, its client never asks)."""
+    store = BlockStore([CpuTier(1 << 20)])
+    server = LmcacheServer(store)
+    port = await server.start("127.0.0.1", 0)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(request(LmCommand.LIST))  # nothing stored yet: SUCCESS with an empty payload
+        await writer.drain()
+        code, meta, payload = await reply(reader)
+        assert (code, meta.length, payload) == (LmReturnCode.SUCCESS, 0, b"")
+        assert decode_list_payload(payload) == []
+        second = LmCacheKey("tiny", 1, 0, 0xCAFE, "bfloat16", layer_id=3)
+        for key in (KEY, second):
+            writer.write(request(LmCommand.PUT, key, ValueMeta.binary(4)) + b"abcd")
+        await store.put("not-lmcache/block-1", b"grpc value")  # a gRPC key: not an LMCache key, not listed
+        writer.write(request(LmCommand.LIST) + request(LmCommand.HEALTH))  # pipelined: LIST's payload is framed
+        await writer.drain()
+        code, meta, payload = await reply(reader)
+        assert code is LmReturnCode.SUCCESS and meta.length == len(payload)
+        assert payload == b"tiny@1@0@beef@bfloat16\ntiny@1@0@cafe@bfloat16@3"
+        assert decode_list_payload(payload) == [KEY, second]
+        assert (await reply(reader))[0] is LmReturnCode.SUCCESS  # the next reply starts right after
+        writer.close()
+    finally:
+        await server.stop()
+    assert server.stats.requests[("list", "ok")] == 2

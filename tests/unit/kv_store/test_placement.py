@@ -11,6 +11,7 @@ from kvmesh.types import Medium
 from services.kv_store.errors import KeyNotFound, TierUnavailable
 from services.kv_store.metrics import register_metrics
 from services.kv_store.store import BlockStore
+from services.kv_store.tiers.base import StoreTier
 from services.kv_store.tiers.cpu import CpuTier
 from services.kv_store.tiers.files import DiskTier, SharedFsTier
 
@@ -106,3 +107,20 @@ def test_configuration_errors() -> None:
         BlockStore([CpuTier(1), CpuTier(1)])
     with pytest.raises(ValueError, match="write_through"):
         BlockStore([CpuTier(1)], write_through=["cpu"])
+
+
+async def test_keys_lists_every_tier_once_by_prefix_and_survives_a_restart(tmp_path: Path) -> None:
+    """``BlockStore.keys(prefix)`` (what ``lm://`` LIST answers): the union of the tiers' views, sorted,
+    each key once (a key in two tiers, a demoted key, a rescanned key)."""
+    def tiers() -> list[StoreTier]:
+        return [CpuTier(20), DiskTier(tmp_path / "nvme", 100), SharedFsTier(tmp_path / "shared", 1000)]
+
+    (tmp_path / "shared").mkdir()
+    store = BlockStore(tiers(), write_through=["sharedfs"])
+    for key in ("lmcache/b", "lmcache/a", "grpc/x"):
+        await store.put(key, b"v" * 10)  # 20-byte CPU tier: the first put is demoted to disk
+    assert store.keys("lmcache/") == ["lmcache/a", "lmcache/b"]
+    assert store.keys() == ["grpc/x", "lmcache/a", "lmcache/b"]
+    assert store.keys("none/") == []
+    restarted = BlockStore(tiers(), write_through=["sharedfs"])  # CPU empty; disk and shared rescanned
+    assert restarted.keys("lmcache/") == ["lmcache/a", "lmcache/b"]

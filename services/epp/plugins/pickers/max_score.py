@@ -40,11 +40,15 @@ def rank_by_total(scored: Sequence[ScoredCandidate], rng: random.Random) -> list
     """Best total first; equal totals in random order (each run of equal totals shuffled: uniform
     among ties, and O(ties) random draws instead of shuffling every candidate)."""
     ranked = sorted(scored, key=_total, reverse=True)
-    i, n = 0, len(ranked)
+    n = len(ranked)
+    totals = list(map(_total, ranked))
+    if len(set(totals)) == n:  # no ties (the common case with load scorers): no scan, no draws
+        return ranked
+    i = 0
     while i < n:
-        total = ranked[i].total
+        total = totals[i]
         j = i + 1
-        while j < n and ranked[j].total == total:
+        while j < n and totals[j] == total:
             j += 1
         if j - i > 1:
             ties = ranked[i:j]

@@ -67,8 +67,9 @@ logger = logging.getLogger(__name__)
 TYPE = "prefix-match"
 _WARN_EVERY_SECONDS = 10.0
 
-TOKEN_IDS: StateKey[list[int]] = StateKey("token-ids", producer=TYPE)
-"""The prompt's token ids (given by the caller or tokenized); empty when unknown."""
+TOKEN_IDS: StateKey[Sequence[int]] = StateKey("token-ids", producer=TYPE)
+"""The prompt's token ids (given by the caller or tokenized; the request's own sequence, not a copy:
+read only); empty when unknown."""
 
 PREFIX_MATCH: StateKey[PrefixMatch | None] = StateKey("prefix-match", producer=TYPE)
 """kv_indexer's answer for the prompt (None: no tokens, or the call failed)."""
@@ -145,8 +146,8 @@ class PrefixMatchStep(PrepareStep):
                 what, self.name, request.request_id, request.model, exc,
             )
 
-    async def _token_ids(self, request: SchedulingRequest, candidates: Sequence[Candidate]) -> list[int]:
-        tokens: list[int] = list(request.token_ids)
+    async def _token_ids(self, request: SchedulingRequest, candidates: Sequence[Candidate]) -> Sequence[int]:
+        tokens: Sequence[int] = request.token_ids  # no copy: 32k ids copied per pick cost ~0.1 ms
         if not tokens and self._tokenizer is not None and (request.prompt or request.messages):
             try:
                 tokens = await self._tokenizer.tokenize(request, candidates)
@@ -155,7 +156,7 @@ class PrefixMatchStep(PrepareStep):
                 return []
         return tokens
 
-    async def _score(self, request: SchedulingRequest, tokens: list[int], candidates: Sequence[Candidate]) -> PrefixMatch | None:
+    async def _score(self, request: SchedulingRequest, tokens: Sequence[int], candidates: Sequence[Candidate]) -> PrefixMatch | None:
         if len(tokens) > self._max_tokens:
             self._warn("prefix match", request, f"{len(tokens)} tokens exceed {self._max_tokens}", "too_large")
             return None
@@ -183,7 +184,7 @@ class PrefixMatchStep(PrepareStep):
         if len(request.token_ids) > self._max_tokens:
             self._warn("prefix match", request, f"{len(request.token_ids)} token ids exceed {self._max_tokens}",
                        "too_large")
-            tokens: list[int] = []
+            tokens: Sequence[int] = ()
         else:
             tokens = await self._token_ids(request, candidates)
             if tokens:

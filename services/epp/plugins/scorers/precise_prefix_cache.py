@@ -63,8 +63,11 @@ class PrecisePrefixCacheScorer(Scorer):
     ) -> dict[EndpointId, float]:
         match = state.get(PREFIX_MATCH)
         if match is None or match.total_blocks <= 0:
-            return {c.id: 0.0 for c in candidates}
-        return {
-            c.id: match.matched_blocks.get(c.id, 0) / match.total_blocks  # > 1 is a kv_indexer bug: rejected
-            for c in candidates
-        }
+            return dict.fromkeys([c.id for c in candidates], 0.0)
+        total = match.total_blocks
+        scores = dict.fromkeys([c.id for c in candidates], 0.0)
+        for endpoint_id, blocks in match.matched_blocks.items():  # only the endpoints holding a prefix
+            key = EndpointId(endpoint_id)
+            if key in scores:
+                scores[key] = blocks / total  # > 1 is a kv_indexer bug: rejected
+        return scores

@@ -22,6 +22,7 @@ Failure modes:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from operator import attrgetter
 from typing import Any
 
 from kvmesh.types import EndpointId
@@ -36,6 +37,7 @@ from services.epp.framework.interfaces import (
 from services.epp.framework.registry import NoParams, parse_params
 
 TYPE = "queue-scorer"
+_metrics = attrgetter("metrics")
 
 
 def factory(name: str, params: Mapping[str, Any], handle: PluginHandle) -> QueueScorer:
@@ -50,8 +52,11 @@ class QueueScorer(Scorer):
     def score(
         self, state: CycleState, request: SchedulingRequest, candidates: Sequence[Candidate]
     ) -> dict[EndpointId, float]:
-        queues = {c.id: c.metrics.queue_depth for c in candidates}
-        low, high = min(queues.values()), max(queues.values())
+        # metrics.queue_depth, inlined (one pass over 100 candidates per pick, no property calls)
+        queues = [m.num_requests_waiting + m.num_requests_running + m.pending_picks for m in map(_metrics, candidates)]
+        low, high = min(queues), max(queues)
+        ids = [c.id for c in candidates]
         if high == low:
-            return {i: 1.0 for i in queues}
-        return {i: (high - q) / (high - low) for i, q in queues.items()}
+            return dict.fromkeys(ids, 1.0)
+        span = high - low
+        return dict(zip(ids, [(high - q) / span for q in queues], strict=True))

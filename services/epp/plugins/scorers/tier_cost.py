@@ -28,7 +28,18 @@ Math (seconds; ``P`` = prompt tokens, ``b`` = block size of ``e``, ``m`` = match
     steps(e)    = max(1, ceil(work(e) / max_num_batched_tokens))
     ttft(e)     = work(e) * prefill_seconds_per_token
                   + steps(e) * (step_base_seconds + running(e) * decode_seconds_per_seq) + load(e)
-    score(e)    = 1 - ttft(e) / max_e ttft(e)                         (1 for all when every ttft is 0)
+    dup(e)      = (max_c m(c) - m) * b                                (the history e would newly hold)
+    occ(e)      = clamp(max(kv_cache_usage_perc(e), occupancy_floor), 0, 1)
+    evict(e)    = eviction_weight * occ(e) * dup(e) * prefill_seconds_per_token
+    cost(e)     = ttft(e) + evict(e)
+    score(e)    = 1 - cost(e) / max_e cost(e)                         (1 for all when every cost is 0)
+
+    ``evict`` prices the eviction a move causes: sending the request away from the endpoint holding the
+    longest match (its session's history, ``max_c m(c)`` blocks) makes the target allocate that history
+    again, and the part of its pool in use (``occ``) is what those new blocks push out: other sessions'
+    cached prefixes, which they will recompute. The endpoint with the longest match pays nothing, so a
+    session moves only when its engine's queue costs more than its recompute elsewhere *plus* the
+    recompute it forces on others there (issue 9: sessions stay put until their engine is really busy).
 
     ``unknown(e) = unprefilled_requests - known_unprefilled_requests``; ``guess(e)`` = the larger of the
     known ones' mean and ``P``. Each step of a chunked prefill also advances every running request by
@@ -50,6 +61,11 @@ benchmark runs, so the scorer and the engines agree):
     does not say which CPU it is, so CPU is priced as the local host tier.
     ``queued_weight`` (default 1.0) and ``recompute_weight`` (default 1.0): relative weight of the
     queue ahead and of this request's recompute (1/1 is the plain expected TTFT).
+    ``eviction_weight`` (default 1.0; 0 turns ``evict`` off): the others' recompute a duplicated history
+    forces, as a fraction of a recompute now. ``occupancy_floor`` (default 0.0): the least occupancy assumed
+    (vLLM's ``kv_cache_usage_perc`` counts blocks held by requests, not the cached prefixes of idle
+    sessions in its free queue; set it toward 1 when pools are known to be full of live histories). With
+    offload on, an evicted block is reloaded rather than recomputed, so ``evict`` is an upper bound there.
 Example YAML::
 
     - type: prefix-match
@@ -108,6 +124,8 @@ class TierCostParams(pydantic.BaseModel):
         default_factory=lambda: {Medium.CPU.value: 5e-5, Medium.DISK.value: 2.5e-4, Medium.SHARED.value: 2.5e-4})
     queued_weight: float = pydantic.Field(default=1.0, gt=0, le=1000)
     recompute_weight: float = pydantic.Field(default=1.0, gt=0, le=1000)
+    eviction_weight: float = pydantic.Field(default=1.0, ge=0, le=1000)
+    occupancy_floor: float = pydantic.Field(default=0.0, ge=0, le=1)
 
     @pydantic.field_validator("bandwidth_bytes_per_second", "latency_seconds")
     @classmethod
@@ -133,12 +151,15 @@ class TierCostModel:
     latency: Mapping[str, float] | None = None
     queued_weight: float = 1.0
     recompute_weight: float = 1.0
+    eviction_weight: float = 1.0
+    occupancy_floor: float = 0.0
 
     @classmethod
     def from_params(cls, p: TierCostParams) -> TierCostModel:
         return cls(p.prefill_seconds_per_token, p.step_base_seconds, p.decode_seconds_per_seq,
                    p.max_num_batched_tokens, p.kv_bytes_per_token, dict(p.bandwidth_bytes_per_second),
-                   dict(p.latency_seconds), p.queued_weight, p.recompute_weight)
+                   dict(p.latency_seconds), p.queued_weight, p.recompute_weight, p.eviction_weight,
+                   p.occupancy_floor)
 
     def tier_order(self) -> list[str]:
         """Offload tiers with a bandwidth, cheapest load per block first."""
@@ -178,6 +199,24 @@ class TierCostModel:
             seconds += self.load_seconds(matched, match.matched_blocks_by_medium.get(candidate.id), block)
         return seconds
 
+    def eviction_seconds(self, candidate: Candidate, match: PrefixMatch | None, longest: int) -> float:
+        """``evict(e)`` of the module docstring: the recompute others pay for the history ``candidate`` would
+        duplicate (``longest`` = the most blocks any candidate matched); 0 on the endpoint holding it."""
+        if self.eviction_weight <= 0 or match is None or match.total_blocks <= 0:
+            return 0.0
+        dup_blocks = longest - match.matched_blocks.get(candidate.id, 0)
+        if dup_blocks <= 0:
+            return 0.0
+        m = candidate.metrics
+        block = m.block_size_tokens or candidate.endpoint.block_size_tokens or 0
+        occupancy = min(1.0, max(m.kv_cache_usage_perc, self.occupancy_floor, 0.0))
+        return self.eviction_weight * occupancy * dup_blocks * block * self.prefill_seconds_per_token
+
+    def cost_seconds(self, candidate: Candidate, prompt_tokens: int, match: PrefixMatch | None,
+                     longest: int = 0) -> float:
+        """``cost(e)`` = :meth:`ttft_seconds` + :meth:`eviction_seconds` (seconds)."""
+        return self.ttft_seconds(candidate, prompt_tokens, match) + self.eviction_seconds(candidate, match, longest)
+
 
 def factory(name: str, params: Mapping[str, Any], handle: PluginHandle) -> TierCostScorer:
     return TierCostScorer(name, TierCostModel.from_params(parse_params(TierCostParams, TYPE, name, params)))
@@ -185,12 +224,16 @@ def factory(name: str, params: Mapping[str, Any], handle: PluginHandle) -> TierC
 
 def tier_costs(candidates: Sequence[Candidate], prompt_tokens: int, match: PrefixMatch | None,
                model: TierCostModel) -> dict[EndpointId, float]:
-    """``ttft(e)`` in seconds per candidate; pure."""
-    return {c.id: model.ttft_seconds(c, prompt_tokens, match) for c in candidates}
+    """``cost(e)`` (expected TTFT + the eviction a move causes) in seconds per candidate; pure."""
+    longest = 0
+    if match is not None and match.total_blocks > 0:
+        longest = max((match.matched_blocks.get(c.id, 0) for c in candidates), default=0)
+    return {c.id: model.cost_seconds(c, prompt_tokens, match, longest) for c in candidates}
 
 
 class TierCostScorer(Scorer):
-    """Least expected TTFT (queued prefill + own prefill, GPU hits free, offloaded hits at load time) scores highest."""
+    """Least expected TTFT (queued prefill + own prefill, GPU hits free, offloaded hits at load time), plus the
+    recompute a duplicated history forces on others, scores highest."""
 
     type_name = TYPE
     category = ScorerCategory.BALANCE

@@ -133,3 +133,53 @@ class CompletedReply(_message.Message):
     MATCHED_FIELD_NUMBER: _ClassVar[int]
     matched: int
     def __init__(self, matched: _Optional[int] = ...) -> None: ...
+
+class PickEntry(_message.Message):
+    __slots__ = ("id", "request", "traceparent", "tracestate", "timeout_seconds", "cancel")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    TRACESTATE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    request: PickRequest
+    traceparent: str
+    tracestate: str
+    timeout_seconds: float
+    cancel: bool
+    def __init__(self, id: _Optional[int] = ..., request: _Optional[_Union[PickRequest, _Mapping]] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class PickBatch(_message.Message):
+    __slots__ = ("entries", "completed")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[PickEntry]
+    completed: _containers.RepeatedCompositeFieldContainer[CompletedRequest]
+    def __init__(self, entries: _Optional[_Iterable[_Union[PickEntry, _Mapping]]] = ..., completed: _Optional[_Iterable[_Union[CompletedRequest, _Mapping]]] = ...) -> None: ...
+
+class PickError(_message.Message):
+    __slots__ = ("code", "error_class", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CLASS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    error_class: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., error_class: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class PickResult(_message.Message):
+    __slots__ = ("id", "response", "error")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    response: PickResponse
+    error: PickError
+    def __init__(self, id: _Optional[int] = ..., response: _Optional[_Union[PickResponse, _Mapping]] = ..., error: _Optional[_Union[PickError, _Mapping]] = ...) -> None: ...
+
+class PickResults(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[PickResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[PickResult, _Mapping]]] = ...) -> None: ...

@@ -54,6 +54,11 @@ class EndpointPickerStub:
                 request_serializer=kvmesh_dot_epp_dot_v1_dot_epp__pb2.CompletedBatch.SerializeToString,
                 response_deserializer=kvmesh_dot_epp_dot_v1_dot_epp__pb2.CompletedReply.FromString,
                 _registered_method=True)
+        self.PickMany = channel.stream_stream(
+                '/kvmesh.epp.v1.EndpointPicker/PickMany',
+                request_serializer=kvmesh_dot_epp_dot_v1_dot_epp__pb2.PickBatch.SerializeToString,
+                response_deserializer=kvmesh_dot_epp_dot_v1_dot_epp__pb2.PickResults.FromString,
+                _registered_method=True)
 
 
 class EndpointPickerServicer:
@@ -89,6 +94,15 @@ class EndpointPickerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PickMany(self, request_iterator, context):
+        """Every Pick of one client on one long-lived stream (the router's default): entries keyed by the
+        client's id, results batched per write, each answered alone (a result or that entry's error);
+        the stream's Completed reports ride the same writes. A client without it calls Pick.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EndpointPickerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +125,11 @@ def add_EndpointPickerServicer_to_server(servicer, server):
                     servicer.Completed,
                     request_deserializer=kvmesh_dot_epp_dot_v1_dot_epp__pb2.CompletedBatch.FromString,
                     response_serializer=kvmesh_dot_epp_dot_v1_dot_epp__pb2.CompletedReply.SerializeToString,
+            ),
+            'PickMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.PickMany,
+                    request_deserializer=kvmesh_dot_epp_dot_v1_dot_epp__pb2.PickBatch.FromString,
+                    response_serializer=kvmesh_dot_epp_dot_v1_dot_epp__pb2.PickResults.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +240,33 @@ class EndpointPicker:
             '/kvmesh.epp.v1.EndpointPicker/Completed',
             kvmesh_dot_epp_dot_v1_dot_epp__pb2.CompletedBatch.SerializeToString,
             kvmesh_dot_epp_dot_v1_dot_epp__pb2.CompletedReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PickMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvmesh.epp.v1.EndpointPicker/PickMany',
+            kvmesh_dot_epp_dot_v1_dot_epp__pb2.PickBatch.SerializeToString,
+            kvmesh_dot_epp_dot_v1_dot_epp__pb2.PickResults.FromString,
             options,
             channel_credentials,
             insecure,

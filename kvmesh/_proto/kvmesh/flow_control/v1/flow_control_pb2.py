@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)kvmesh/flow_control/v1/flow_control.proto\x12\x16kvmesh.flow_control.v1\"\xfd\x01\n\x07\x45nqueue\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x66low_id\x18\x02 \x01(\t\x12\x10\n\x08priority\x18\x03 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\r\n\x05model\x18\x06 \x01(\t\x12\x11\n\tbyte_size\x18\x07 \x01(\x04\x12\x13\n\x0bttl_seconds\x18\x08 \x01(\x01\x12\x18\n\x10ttft_slo_seconds\x18\t \x01(\x01\x12\x17\n\x0fmax_concurrency\x18\n \x01(\r\x12\x17\n\x0frate_per_second\x18\x0b \x01(\x01\x12\r\n\x05\x62urst\x18\x0c \x01(\r\"x\n\x08\x43omplete\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0cttft_seconds\x18\x03 \x01(\x01\x12\x13\n\x0b\x65\x32\x65_seconds\x18\x04 \x01(\x01\x12\x0f\n\x07success\x18\x05 \x01(\x08\"\x80\x01\n\x0c\x41\x64mitRequest\x12\x32\n\x07\x65nqueue\x18\x01 \x01(\x0b\x32\x1f.kvmesh.flow_control.v1.EnqueueH\x00\x12\x34\n\x08\x63omplete\x18\x02 \x01(\x0b\x32 .kvmesh.flow_control.v1.CompleteH\x00\x42\x06\n\x04kind\"\t\n\x07Release\"\xeb\x01\n\nAdmitEntry\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12\x32\n\x07\x65nqueue\x18\x02 \x01(\x0b\x32\x1f.kvmesh.flow_control.v1.EnqueueH\x00\x12\x34\n\x08\x63omplete\x18\x03 \x01(\x0b\x32 .kvmesh.flow_control.v1.CompleteH\x00\x12\x32\n\x07release\x18\x04 \x01(\x0b\x32\x1f.kvmesh.flow_control.v1.ReleaseH\x00\x12\x13\n\x0btraceparent\x18\x05 \x01(\t\x12\x12\n\ntracestate\x18\x06 \x01(\tB\x06\n\x04kind\"A\n\nAdmitBatch\x12\x33\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\".kvmesh.flow_control.v1.AdmitEntry\"X\n\rAdmitDecision\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12\x37\n\x08response\x18\x02 \x01(\x0b\x32%.kvmesh.flow_control.v1.AdmitResponse\"J\n\x0e\x41\x64mitDecisions\x12\x38\n\tdecisions\x18\x01 \x03(\x0b\x32%.kvmesh.flow_control.v1.AdmitDecision\"\x8a\x01\n\rAdmitResponse\x12\x35\n\x07outcome\x18\x01 \x01(\x0e\x32$.kvmesh.flow_control.v1.QueueOutcome\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x15\n\rqueue_seconds\x18\x03 \x01(\x01\x12\x1b\n\x13retry_after_seconds\x18\x04 \x01(\x01\"\x0e\n\x0cStatsRequest\"s\n\tBandStats\x12\x10\n\x08priority\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06queued\x18\x03 \x01(\r\x12\x14\n\x0cqueued_bytes\x18\x04 \x01(\x04\x12\x11\n\tin_flight\x18\x05 \x01(\r\x12\r\n\x05\x66lows\x18\x06 \x01(\r\"\x94\x01\n\tFlowStats\x12\x0f\n\x07\x66low_id\x18\x01 \x01(\t\x12\x10\n\x08priority\x18\x02 \x01(\x05\x12\x0e\n\x06queued\x18\x03 \x01(\r\x12\x11\n\tin_flight\x18\x04 \x01(\r\x12\x1b\n\x13oldest_wait_seconds\x18\x05 \x01(\x01\x12\x15\n\rserved_tokens\x18\x06 \x01(\x04\x12\r\n\x05share\x18\x07 \x01(\x01\"\x9d\x01\n\nSaturation\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x11\n\tsaturated\x18\x02 \x01(\x08\x12\r\n\x05stale\x18\x03 \x01(\x08\x12\x12\n\nsaturation\x18\x04 \x01(\x01\x12\x10\n\x08headroom\x18\x05 \x01(\x01\x12\x19\n\x11unseen_dispatches\x18\x06 \x01(\r\x12\x1b\n\x13metrics_age_seconds\x18\x07 \x01(\x01\"\xe2\x02\n\rStatsResponse\x12\x11\n\tin_flight\x18\x01 \x01(\r\x12\x0e\n\x06queued\x18\x02 \x01(\r\x12\x15\n\rmax_in_flight\x18\x03 \x01(\r\x12\x18\n\x10\x64ispatched_total\x18\x04 \x01(\x04\x12\x16\n\x0erejected_total\x18\x05 \x01(\x04\x12\x14\n\x0cqueued_bytes\x18\x06 \x01(\x04\x12\x30\n\x05\x62\x61nds\x18\x07 \x03(\x0b\x32!.kvmesh.flow_control.v1.BandStats\x12\x30\n\x05\x66lows\x18\x08 \x03(\x0b\x32!.kvmesh.flow_control.v1.FlowStats\x12\x36\n\nsaturation\x18\t \x01(\x0b\x32\".kvmesh.flow_control.v1.Saturation\x12\x12\n\njain_index\x18\n \x01(\x01\x12\x1f\n\x17\x66\x61irness_window_seconds\x18\x0b \x01(\x01*\x9b\x02\n\x0cQueueOutcome\x12\x1d\n\x19QUEUE_OUTCOME_UNSPECIFIED\x10\x00\x12\x1c\n\x18QUEUE_OUTCOME_DISPATCHED\x10\x01\x12#\n\x1fQUEUE_OUTCOME_REJECTED_CAPACITY\x10\x02\x12\x1d\n\x19QUEUE_OUTCOME_EVICTED_TTL\x10\x03\x12\x16\n\x12QUEUE_OUTCOME_SHED\x10\x04\x12 \n\x1cQUEUE_OUTCOME_REJECTED_OTHER\x10\x05\x12\'\n#QUEUE_OUTCOME_REJECTED_RATE_LIMITED\x10\x06\x12\'\n#QUEUE_OUTCOME_REJECTED_NO_ENDPOINTS\x10\x07\x32\x9a\x02\n\x0b\x46lowControl\x12X\n\x05\x41\x64mit\x12$.kvmesh.flow_control.v1.AdmitRequest\x1a%.kvmesh.flow_control.v1.AdmitResponse(\x01\x30\x01\x12[\n\tAdmitMany\x12\".kvmesh.flow_control.v1.AdmitBatch\x1a&.kvmesh.flow_control.v1.AdmitDecisions(\x01\x30\x01\x12T\n\x05Stats\x12$.kvmesh.flow_control.v1.StatsRequest\x1a%.kvmesh.flow_control.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)kvmesh/flow_control/v1/flow_control.proto\x12\x16kvmesh.flow_control.v1\"\xfd\x01\n\x07\x45nqueue\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x66low_id\x18\x02 \x01(\t\x12\x10\n\x08priority\x18\x03 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\r\n\x05model\x18\x06 \x01(\t\x12\x11\n\tbyte_size\x18\x07 \x01(\x04\x12\x13\n\x0bttl_seconds\x18\x08 \x01(\x01\x12\x18\n\x10ttft_slo_seconds\x18\t \x01(\x01\x12\x17\n\x0fmax_concurrency\x18\n \x01(\r\x12\x17\n\x0frate_per_second\x18\x0b \x01(\x01\x12\r\n\x05\x62urst\x18\x0c \x01(\r\"x\n\x08\x43omplete\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0cttft_seconds\x18\x03 \x01(\x01\x12\x13\n\x0b\x65\x32\x65_seconds\x18\x04 \x01(\x01\x12\x0f\n\x07success\x18\x05 \x01(\x08\"\x80\x01\n\x0c\x41\x64mitRequest\x12\x32\n\x07\x65nqueue\x18\x01 \x01(\x0b\x32\x1f.kvmesh.flow_control.v1.EnqueueH\x00\x12\x34\n\x08\x63omplete\x18\x02 \x01(\x0b\x32 .kvmesh.flow_control.v1.CompleteH\x00\x42\x06\n\x04kind\"\t\n\x07Release\"$\n\rCreditRequest\x12\x13\n\x0bmax_credits\x18\x01 \x01(\r\" \n\x0c\x43reditReturn\x12\x10\n\x08returned\x18\x01 \x01(\r\"\xfe\x02\n\nAdmitEntry\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12\x32\n\x07\x65nqueue\x18\x02 \x01(\x0b\x32\x1f.kvmesh.flow_control.v1.EnqueueH\x00\x12\x34\n\x08\x63omplete\x18\x03 \x01(\x0b\x32 .kvmesh.flow_control.v1.CompleteH\x00\x12\x32\n\x07release\x18\x04 \x01(\x0b\x32\x1f.kvmesh.flow_control.v1.ReleaseH\x00\x12?\n\x0e\x63redit_request\x18\x07 \x01(\x0b\x32%.kvmesh.flow_control.v1.CreditRequestH\x00\x12=\n\rcredit_return\x18\x08 \x01(\x0b\x32$.kvmesh.flow_control.v1.CreditReturnH\x00\x12\x13\n\x0btraceparent\x18\x05 \x01(\t\x12\x12\n\ntracestate\x18\x06 \x01(\t\x12\x11\n\ton_credit\x18\t \x01(\x08\x42\x06\n\x04kind\"A\n\nAdmitBatch\x12\x33\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\".kvmesh.flow_control.v1.AdmitEntry\"X\n\rAdmitDecision\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12\x37\n\x08response\x18\x02 \x01(\x0b\x32%.kvmesh.flow_control.v1.AdmitResponse\"?\n\x0c\x43reditUpdate\x12\r\n\x05grant\x18\x01 \x01(\r\x12\x0e\n\x06revoke\x18\x02 \x01(\x08\x12\x10\n\x08priority\x18\x03 \x01(\x05\"\x81\x01\n\x0e\x41\x64mitDecisions\x12\x38\n\tdecisions\x18\x01 \x03(\x0b\x32%.kvmesh.flow_control.v1.AdmitDecision\x12\x35\n\x07\x63redits\x18\x02 \x01(\x0b\x32$.kvmesh.flow_control.v1.CreditUpdate\"\x8a\x01\n\rAdmitResponse\x12\x35\n\x07outcome\x18\x01 \x01(\x0e\x32$.kvmesh.flow_control.v1.QueueOutcome\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x15\n\rqueue_seconds\x18\x03 \x01(\x01\x12\x1b\n\x13retry_after_seconds\x18\x04 \x01(\x01\"\x0e\n\x0cStatsRequest\"s\n\tBandStats\x12\x10\n\x08priority\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06queued\x18\x03 \x01(\r\x12\x14\n\x0cqueued_bytes\x18\x04 \x01(\x04\x12\x11\n\tin_flight\x18\x05 \x01(\r\x12\r\n\x05\x66lows\x18\x06 \x01(\r\"\x94\x01\n\tFlowStats\x12\x0f\n\x07\x66low_id\x18\x01 \x01(\t\x12\x10\n\x08priority\x18\x02 \x01(\x05\x12\x0e\n\x06queued\x18\x03 \x01(\r\x12\x11\n\tin_flight\x18\x04 \x01(\r\x12\x1b\n\x13oldest_wait_seconds\x18\x05 \x01(\x01\x12\x15\n\rserved_tokens\x18\x06 \x01(\x04\x12\r\n\x05share\x18\x07 \x01(\x01\"\x9d\x01\n\nSaturation\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x11\n\tsaturated\x18\x02 \x01(\x08\x12\r\n\x05stale\x18\x03 \x01(\x08\x12\x12\n\nsaturation\x18\x04 \x01(\x01\x12\x10\n\x08headroom\x18\x05 \x01(\x01\x12\x19\n\x11unseen_dispatches\x18\x06 \x01(\r\x12\x1b\n\x13metrics_age_seconds\x18\x07 \x01(\x01\"\xf8\x02\n\rStatsResponse\x12\x11\n\tin_flight\x18\x01 \x01(\r\x12\x0e\n\x06queued\x18\x02 \x01(\r\x12\x15\n\rmax_in_flight\x18\x03 \x01(\r\x12\x18\n\x10\x64ispatched_total\x18\x04 \x01(\x04\x12\x16\n\x0erejected_total\x18\x05 \x01(\x04\x12\x14\n\x0cqueued_bytes\x18\x06 \x01(\x04\x12\x30\n\x05\x62\x61nds\x18\x07 \x03(\x0b\x32!.kvmesh.flow_control.v1.BandStats\x12\x30\n\x05\x66lows\x18\x08 \x03(\x0b\x32!.kvmesh.flow_control.v1.FlowStats\x12\x36\n\nsaturation\x18\t \x01(\x0b\x32\".kvmesh.flow_control.v1.Saturation\x12\x12\n\njain_index\x18\n \x01(\x01\x12\x1f\n\x17\x66\x61irness_window_seconds\x18\x0b \x01(\x01\x12\x14\n\x0c\x63redits_lent\x18\x0c \x01(\r*\x9b\x02\n\x0cQueueOutcome\x12\x1d\n\x19QUEUE_OUTCOME_UNSPECIFIED\x10\x00\x12\x1c\n\x18QUEUE_OUTCOME_DISPATCHED\x10\x01\x12#\n\x1fQUEUE_OUTCOME_REJECTED_CAPACITY\x10\x02\x12\x1d\n\x19QUEUE_OUTCOME_EVICTED_TTL\x10\x03\x12\x16\n\x12QUEUE_OUTCOME_SHED\x10\x04\x12 \n\x1cQUEUE_OUTCOME_REJECTED_OTHER\x10\x05\x12\'\n#QUEUE_OUTCOME_REJECTED_RATE_LIMITED\x10\x06\x12\'\n#QUEUE_OUTCOME_REJECTED_NO_ENDPOINTS\x10\x07\x32\x9a\x02\n\x0b\x46lowControl\x12X\n\x05\x41\x64mit\x12$.kvmesh.flow_control.v1.AdmitRequest\x1a%.kvmesh.flow_control.v1.AdmitResponse(\x01\x30\x01\x12[\n\tAdmitMany\x12\".kvmesh.flow_control.v1.AdmitBatch\x1a&.kvmesh.flow_control.v1.AdmitDecisions(\x01\x30\x01\x12T\n\x05Stats\x12$.kvmesh.flow_control.v1.StatsRequest\x1a%.kvmesh.flow_control.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.flow_control.v1.flow_control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_QUEUEOUTCOME']._serialized_start=2003
-  _globals['_QUEUEOUTCOME']._serialized_end=2286
+  _globals['_QUEUEOUTCOME']._serialized_start=2365
+  _globals['_QUEUEOUTCOME']._serialized_end=2648
   _globals['_ENQUEUE']._serialized_start=70
   _globals['_ENQUEUE']._serialized_end=323
   _globals['_COMPLETE']._serialized_start=325
@@ -41,26 +41,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ADMITREQUEST']._serialized_end=576
   _globals['_RELEASE']._serialized_start=578
   _globals['_RELEASE']._serialized_end=587
-  _globals['_ADMITENTRY']._serialized_start=590
-  _globals['_ADMITENTRY']._serialized_end=825
-  _globals['_ADMITBATCH']._serialized_start=827
-  _globals['_ADMITBATCH']._serialized_end=892
-  _globals['_ADMITDECISION']._serialized_start=894
-  _globals['_ADMITDECISION']._serialized_end=982
-  _globals['_ADMITDECISIONS']._serialized_start=984
-  _globals['_ADMITDECISIONS']._serialized_end=1058
-  _globals['_ADMITRESPONSE']._serialized_start=1061
-  _globals['_ADMITRESPONSE']._serialized_end=1199
-  _globals['_STATSREQUEST']._serialized_start=1201
-  _globals['_STATSREQUEST']._serialized_end=1215
-  _globals['_BANDSTATS']._serialized_start=1217
-  _globals['_BANDSTATS']._serialized_end=1332
-  _globals['_FLOWSTATS']._serialized_start=1335
-  _globals['_FLOWSTATS']._serialized_end=1483
-  _globals['_SATURATION']._serialized_start=1486
-  _globals['_SATURATION']._serialized_end=1643
-  _globals['_STATSRESPONSE']._serialized_start=1646
-  _globals['_STATSRESPONSE']._serialized_end=2000
-  _globals['_FLOWCONTROL']._serialized_start=2289
-  _globals['_FLOWCONTROL']._serialized_end=2571
+  _globals['_CREDITREQUEST']._serialized_start=589
+  _globals['_CREDITREQUEST']._serialized_end=625
+  _globals['_CREDITRETURN']._serialized_start=627
+  _globals['_CREDITRETURN']._serialized_end=659
+  _globals['_ADMITENTRY']._serialized_start=662
+  _globals['_ADMITENTRY']._serialized_end=1044
+  _globals['_ADMITBATCH']._serialized_start=1046
+  _globals['_ADMITBATCH']._serialized_end=1111
+  _globals['_ADMITDECISION']._serialized_start=1113
+  _globals['_ADMITDECISION']._serialized_end=1201
+  _globals['_CREDITUPDATE']._serialized_start=1203
+  _globals['_CREDITUPDATE']._serialized_end=1266
+  _globals['_ADMITDECISIONS']._serialized_start=1269
+  _globals['_ADMITDECISIONS']._serialized_end=1398
+  _globals['_ADMITRESPONSE']._serialized_start=1401
+  _globals['_ADMITRESPONSE']._serialized_end=1539
+  _globals['_STATSREQUEST']._serialized_start=1541
+  _globals['_STATSREQUEST']._serialized_end=1555
+  _globals['_BANDSTATS']._serialized_start=1557
+  _globals['_BANDSTATS']._serialized_end=1672
+  _globals['_FLOWSTATS']._serialized_start=1675
+  _globals['_FLOWSTATS']._serialized_end=1823
+  _globals['_SATURATION']._serialized_start=1826
+  _globals['_SATURATION']._serialized_end=1983
+  _globals['_STATSRESPONSE']._serialized_start=1986
+  _globals['_STATSRESPONSE']._serialized_end=2362
+  _globals['_FLOWCONTROL']._serialized_start=2651
+  _globals['_FLOWCONTROL']._serialized_end=2933
 # @@protoc_insertion_point(module_scope)

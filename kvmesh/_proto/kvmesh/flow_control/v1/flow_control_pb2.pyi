@@ -80,21 +80,39 @@ class Release(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class CreditRequest(_message.Message):
+    __slots__ = ("max_credits",)
+    MAX_CREDITS_FIELD_NUMBER: _ClassVar[int]
+    max_credits: int
+    def __init__(self, max_credits: _Optional[int] = ...) -> None: ...
+
+class CreditReturn(_message.Message):
+    __slots__ = ("returned",)
+    RETURNED_FIELD_NUMBER: _ClassVar[int]
+    returned: int
+    def __init__(self, returned: _Optional[int] = ...) -> None: ...
+
 class AdmitEntry(_message.Message):
-    __slots__ = ("ticket", "enqueue", "complete", "release", "traceparent", "tracestate")
+    __slots__ = ("ticket", "enqueue", "complete", "release", "credit_request", "credit_return", "traceparent", "tracestate", "on_credit")
     TICKET_FIELD_NUMBER: _ClassVar[int]
     ENQUEUE_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_RETURN_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     TRACESTATE_FIELD_NUMBER: _ClassVar[int]
+    ON_CREDIT_FIELD_NUMBER: _ClassVar[int]
     ticket: int
     enqueue: Enqueue
     complete: Complete
     release: Release
+    credit_request: CreditRequest
+    credit_return: CreditReturn
     traceparent: str
     tracestate: str
-    def __init__(self, ticket: _Optional[int] = ..., enqueue: _Optional[_Union[Enqueue, _Mapping]] = ..., complete: _Optional[_Union[Complete, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
+    on_credit: bool
+    def __init__(self, ticket: _Optional[int] = ..., enqueue: _Optional[_Union[Enqueue, _Mapping]] = ..., complete: _Optional[_Union[Complete, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., credit_request: _Optional[_Union[CreditRequest, _Mapping]] = ..., credit_return: _Optional[_Union[CreditReturn, _Mapping]] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ..., on_credit: _Optional[bool] = ...) -> None: ...
 
 class AdmitBatch(_message.Message):
     __slots__ = ("entries",)
@@ -110,11 +128,23 @@ class AdmitDecision(_message.Message):
     response: AdmitResponse
     def __init__(self, ticket: _Optional[int] = ..., response: _Optional[_Union[AdmitResponse, _Mapping]] = ...) -> None: ...
 
+class CreditUpdate(_message.Message):
+    __slots__ = ("grant", "revoke", "priority")
+    GRANT_FIELD_NUMBER: _ClassVar[int]
+    REVOKE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    grant: int
+    revoke: bool
+    priority: int
+    def __init__(self, grant: _Optional[int] = ..., revoke: _Optional[bool] = ..., priority: _Optional[int] = ...) -> None: ...
+
 class AdmitDecisions(_message.Message):
-    __slots__ = ("decisions",)
+    __slots__ = ("decisions", "credits")
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    CREDITS_FIELD_NUMBER: _ClassVar[int]
     decisions: _containers.RepeatedCompositeFieldContainer[AdmitDecision]
-    def __init__(self, decisions: _Optional[_Iterable[_Union[AdmitDecision, _Mapping]]] = ...) -> None: ...
+    credits: CreditUpdate
+    def __init__(self, decisions: _Optional[_Iterable[_Union[AdmitDecision, _Mapping]]] = ..., credits: _Optional[_Union[CreditUpdate, _Mapping]] = ...) -> None: ...
 
 class AdmitResponse(_message.Message):
     __slots__ = ("outcome", "reason", "queue_seconds", "retry_after_seconds")
@@ -185,7 +215,7 @@ class Saturation(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., saturated: _Optional[bool] = ..., stale: _Optional[bool] = ..., saturation: _Optional[float] = ..., headroom: _Optional[float] = ..., unseen_dispatches: _Optional[int] = ..., metrics_age_seconds: _Optional[float] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("in_flight", "queued", "max_in_flight", "dispatched_total", "rejected_total", "queued_bytes", "bands", "flows", "saturation", "jain_index", "fairness_window_seconds")
+    __slots__ = ("in_flight", "queued", "max_in_flight", "dispatched_total", "rejected_total", "queued_bytes", "bands", "flows", "saturation", "jain_index", "fairness_window_seconds", "credits_lent")
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +227,7 @@ class StatsResponse(_message.Message):
     SATURATION_FIELD_NUMBER: _ClassVar[int]
     JAIN_INDEX_FIELD_NUMBER: _ClassVar[int]
     FAIRNESS_WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CREDITS_LENT_FIELD_NUMBER: _ClassVar[int]
     in_flight: int
     queued: int
     max_in_flight: int
@@ -208,4 +239,5 @@ class StatsResponse(_message.Message):
     saturation: Saturation
     jain_index: float
     fairness_window_seconds: float
-    def __init__(self, in_flight: _Optional[int] = ..., queued: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., dispatched_total: _Optional[int] = ..., rejected_total: _Optional[int] = ..., queued_bytes: _Optional[int] = ..., bands: _Optional[_Iterable[_Union[BandStats, _Mapping]]] = ..., flows: _Optional[_Iterable[_Union[FlowStats, _Mapping]]] = ..., saturation: _Optional[_Union[Saturation, _Mapping]] = ..., jain_index: _Optional[float] = ..., fairness_window_seconds: _Optional[float] = ...) -> None: ...
+    credits_lent: int
+    def __init__(self, in_flight: _Optional[int] = ..., queued: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., dispatched_total: _Optional[int] = ..., rejected_total: _Optional[int] = ..., queued_bytes: _Optional[int] = ..., bands: _Optional[_Iterable[_Union[BandStats, _Mapping]]] = ..., flows: _Optional[_Iterable[_Union[FlowStats, _Mapping]]] = ..., saturation: _Optional[_Union[Saturation, _Mapping]] = ..., jain_index: _Optional[float] = ..., fairness_window_seconds: _Optional[float] = ..., credits_lent: _Optional[int] = ...) -> None: ...

@@ -69,6 +69,11 @@ class FlowControlServicer:
         life): an Enqueue, then later a Complete (report and release) or a Release (release without a
         report; cancels a queued request). Each AdmitDecisions answers enqueues, one decision per
         ticket, in any order. Ending the stream, for any reason, releases every slot it holds.
+        Admission credits (issue 10): a client that sends a CreditRequest may be lent pre-admitted
+        slots (CreditUpdate.grant); it dispatches a request on one at once and sends its Enqueue with
+        on_credit set (no decision comes back for it). A CreditUpdate.revoke asks the client to drop
+        every unspent credit and answer with a CreditReturn. A server without credits ignores the
+        CreditRequest and lends nothing: every Enqueue waits for its decision.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

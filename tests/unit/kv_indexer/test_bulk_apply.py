@@ -1,0 +1,199 @@
+"""The index's bulk apply (``InMemoryIndex.apply_batch``, the shared sole-holder values, the bulk
+store/removal passes) against a plain reference model, and the residency log's deltas against the
+same model: random vLLM 0.32-shaped event streams (``kvmesh.kv_events``) over several endpoints
+that share prefixes, two media, hash reuse, repeats, unknown and repeated hashes, clears."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvmesh.hashing import block_keys
+from kvmesh.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvmesh.types import Endpoint, EndpointId, Medium
+from services.kv_indexer.index import InMemoryIndex
+from services.kv_indexer.index.residency import ResidencyLog
+from services.kv_indexer.scoring import MEDIUM_LANE
+
+B = 4
+MEDIA = ("GPU", "CPU")
+
+
+class Reference:
+    """Per endpoint: engine hash -> (key, media)."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, dict[int, tuple[int, set[str]]]] = {}
+
+    def apply(self, ep: str, event: KVEvent) -> None:
+        held = self.held.setdefault(ep, {})
+        if isinstance(event, AllBlocksCleared):
+            held.clear()
+        elif isinstance(event, BlockRemoved):
+            for h in event.block_hashes:
+                entry = held.get(h)  # type: ignore[call-overload]
+                if entry is not None and event.medium in entry[1]:
+                    entry[1].discard(event.medium)  # type: ignore[arg-type]
+                    if not entry[1]:
+                        del held[h]  # type: ignore[arg-type]
+        else:
+            parent = 0 if event.parent_block_hash is None else held[event.parent_block_hash][0]  # type: ignore[index]
+            keys = block_keys(event.token_ids, B, parent)
+            for h, k in zip(event.block_hashes, keys, strict=True):
+                entry = held.get(h)  # type: ignore[call-overload]
+                if entry is not None and entry[0] == k:
+                    entry[1].add(event.medium)  # type: ignore[arg-type]
+                else:
+                    held[h] = (k, {event.medium})  # type: ignore[index]
+
+    def table(self) -> dict[int, dict[str, int]]:
+        table: dict[int, dict[str, int]] = {}
+        for ep, held in self.held.items():
+            for key, media in held.values():
+                for medium in media:
+                    holders = table.setdefault(key, {})
+                    holders[ep] = holders.get(ep, 0) + MEDIUM_LANE[Medium.parse(medium)]
+        return table
+
+    def residency(self) -> set[tuple[str, str, int]]:
+        return {(ep, str(Medium.parse(m)), key) for ep, held in self.held.items()
+                for key, media in held.values() for m in media}
+
+
+def _stream(rnd: random.Random, ref: Reference, ep: str, prompts: list[list[int]], next_hash: list[int]) -> KVEvent:
+    held = ref.held.setdefault(ep, {})
+    roll = rnd.random()
+    if roll < 0.03:
+        return AllBlocksCleared()
+    if roll < 0.35 and held:
+        hashes = rnd.sample(sorted(held), min(len(held), rnd.randint(1, 6)))
+        if rnd.random() < 0.3:
+            hashes.append(rnd.choice(hashes))  # a repeated hash
+        if rnd.random() < 0.3:
+            hashes.append(10**9 + rnd.randrange(100))  # never stored
+        return BlockRemoved(block_hashes=hashes, medium=rnd.choice(MEDIA))
+    prompt = rnd.choice(prompts)  # endpoints share prompts, so keys are shared
+    blocks = rnd.randint(1, len(prompt) // B)
+    tokens = prompt[: blocks * B]
+    medium = rnd.choice(MEDIA)
+    if rnd.random() < 0.3 and held:  # the same hashes again (repeat, or a second medium)
+        same = [h for h in held if held[h][0] in block_keys(tokens, B)]
+        if same:
+            keys = block_keys(tokens, B)
+            hashes = [next((h for h in same if held[h][0] == k), 0) or _new(next_hash) for k in keys]
+            return BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=tokens, block_size=B,
+                               medium=medium)
+    hashes = [_new(next_hash) for _ in range(blocks)]
+    if rnd.random() < 0.1 and held:  # an engine reusing a hash for other content
+        hashes[0] = rnd.choice(sorted(held))
+    return BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=tokens, block_size=B, medium=medium)
+
+
+def _new(counter: list[int]) -> int:
+    counter[0] += 1
+    return counter[0]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_bulk_apply_matches_reference_and_residency_deltas_are_exact(seed: int) -> None:
+    rnd = random.Random(seed)
+    index = InMemoryIndex(recent_removed_blocks=8)
+    index.residency = ResidencyLog(max_keys=10**9)
+    endpoints = [f"127.0.0.1:{9000 + i}" for i in range(3)]
+    for ep in endpoints:
+        index.register_endpoint(Endpoint(id=EndpointId(ep), url="", model="m", block_size_tokens=B))
+    ref = Reference()
+    prompts = [[rnd.randrange(50) for _ in range(B * 6)] for _ in range(4)]
+    prompts.append(prompts[0][: B * 3] + [rnd.randrange(50) for _ in range(B * 3)])  # a shared prefix
+    counter = [0]
+    replica: set[tuple[str, str, int]] = set()
+    seen = 0
+    for step in range(150):
+        ep = rnd.choice(endpoints)
+        batch = [_stream(rnd, ref, ep, prompts, counter)]
+        for event in batch:
+            ref.apply(ep, event)
+        if step % 3:
+            outcomes = index.apply_batch(EndpointId(ep), batch)
+        else:
+            outcomes = [index.apply(EndpointId(ep), e) for e in batch]
+        assert all(o.value == "applied" for o in outcomes), outcomes
+        table = {k: dict(v) for k, v in index._tables[("m", B)].items()}
+        assert table == ref.table(), f"step {step}: {batch}"
+        for ep_id in endpoints:
+            expected = {h: frozenset(Medium.parse(m) for m in media) for h, (_, media) in ref.held.get(ep_id, {}).items()}
+            assert index.held_blocks(EndpointId(ep_id)) == expected
+        records = index.residency.since(seen, 10**9)
+        assert records is not None
+        seen += len(records)
+        for record in records:  # what a Watch replica applies, in order
+            if record.cleared:
+                replica = {r for r in replica if r[0] != record.endpoint_id}
+            replica |= {(record.endpoint_id, record.medium, k) for k in record.added}
+            replica -= {(record.endpoint_id, record.medium, k) for k in record.removed}
+        assert replica == ref.residency(), f"step {step}: {batch}"
+    snapshot = {(ep, medium, k) for ep, medium, keys in index.residency_snapshot() for k in keys}
+    assert snapshot == ref.residency()
+
+
+def test_apply_batch_counts_outcomes_like_apply() -> None:
+    index = InMemoryIndex()
+    ep = EndpointId("127.0.0.1:1")
+    index.register_endpoint(Endpoint(id=ep, url="", model="m", block_size_tokens=B))
+    events: list[KVEvent] = [
+        BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=list(range(8)), block_size=B),
+        BlockStored(block_hashes=[3], parent_block_hash=99, token_ids=list(range(4)), block_size=B),  # orphan
+        BlockRemoved(block_hashes=[1], medium="NOPE"),  # invalid medium
+        AllBlocksCleared(),
+    ]
+    outcomes = index.apply_batch(ep, events)
+    assert [o.value for o in outcomes] == ["applied", "orphaned", "invalid", "applied"]
+    stats = index.stats()
+    assert stats.events_applied == 2 and stats.per_endpoint[0].events_applied == 2
+    assert stats.outcomes[outcomes[1]] == 1 and stats.outcomes[outcomes[2]] == 1
+    unknown = index.apply_batch(EndpointId("127.0.0.1:2"), events[:1])
+    assert [o.value for o in unknown] == ["unregistered"]
+
+
+def test_recent_removals_place_a_chain_after_bulk_removal() -> None:
+    index = InMemoryIndex(recent_removed_blocks=4)
+    ep = EndpointId("127.0.0.1:1")
+    index.register_endpoint(Endpoint(id=ep, url="", model="m", block_size_tokens=B))
+    tokens = list(range(40))
+    index.apply_batch(ep, [BlockStored(block_hashes=list(range(1, 11)), parent_block_hash=None, token_ids=tokens,
+                                       block_size=B)])
+    index.apply_batch(ep, [BlockRemoved(block_hashes=list(range(1, 11)))])  # 10 > 2 * 4: trimmed
+    assert 4 <= len(index._endpoints[ep].recent) < 8 and 10 in index._endpoints[ep].recent
+    outcome = index.apply(ep, BlockStored(block_hashes=[11], parent_block_hash=10, token_ids=list(range(40, 44)),
+                                          block_size=B))
+    assert outcome.value == "applied"
+    assert index.held_blocks(ep) == {11: frozenset({Medium.GPU})}
+    assert index.score("m", tokens + list(range(40, 44))).scores == []  # blocks 0..9 are gone
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_prefix_matches_equals_the_reference_walk(seed: int) -> None:
+    """``scoring.prefix_matches`` (C-level passes) answers as ``kvmesh.prefix_index``'s walk:
+    shared sole-holder values, equal and different dicts, holes, late starters, candidates."""
+    from services.kv_indexer.scoring import longest_prefix_matches, prefix_matches
+
+    rnd = random.Random(seed)
+    for _ in range(300):
+        n = rnd.randint(0, 300)
+        endpoints = [f"127.0.0.1:{9000 + e}" for e in range(rnd.randint(1, 6))]
+        sole = {ep: {ep: 1} for ep in endpoints}
+        table: dict[int, dict[str, int]] = {}
+        for ep in endpoints:
+            start = 0 if rnd.random() < 0.8 else rnd.randint(0, n)
+            for key in range(start, rnd.randint(start, n)):
+                if rnd.random() < 0.02:
+                    continue  # a hole
+                holders = table.get(key)
+                if holders is None:
+                    table[key] = sole[ep] if rnd.random() < 0.5 else {ep: rnd.choice((1, 1 << 32))}
+                else:
+                    table[key] = {**holders, ep: 1}
+        candidates = None if rnd.random() < 0.5 else {ep for ep in endpoints if rnd.random() < 0.6}
+        keys = list(range(n))
+        assert prefix_matches(keys, table, candidates) == longest_prefix_matches(keys, table, candidates)
