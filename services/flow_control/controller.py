@@ -295,6 +295,9 @@ class FlowController:
         self._tenant_in_flight: dict[str, int] = {}
         self._buckets: dict[str, TokenBucket] = {}
         self._wake = asyncio.Event()
+        self.activity = asyncio.Event()
+        """Set whenever a request is queued or dispatched: the pool poller's idle wait ends on it
+        (cleared by that waiter; no polling of :attr:`busy` while idle, issue 10's idle cost)."""
         self._accounts: list[CreditAccount] = []
         self._credits_lent = 0
         self._on_credits: Callable[..., None] = getattr(self._observer, "on_credits", _no_credit_events)
@@ -362,6 +365,7 @@ class FlowController:
             ticket.item = item
             band.push(flow, item)
             self._queued += 1
+            self.activity.set()
             self._queued_bytes += request.byte_size
             self._waiting[ticket.id] = ticket
             heapq.heappush(self._deadlines, (item.deadline, ticket.id))
@@ -808,6 +812,7 @@ class FlowController:
 
     def _dispatch(self, ticket: Ticket, now: float) -> None:
         self._in_flight += 1
+        self.activity.set()
         self._dispatched_total += 1
         band, flow = ticket.band, ticket.flow
         if band is not None and flow is not None:

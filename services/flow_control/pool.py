@@ -1,8 +1,8 @@
 """The saturation signal's source: epp's ``ListEndpoints`` polled every ``pool_poll_interval_seconds``
 (0.1 s) while a request is queued or in flight, every ``pool_idle_poll_interval_seconds`` (1 s, at most
 half of ``metrics_staleness_seconds``) otherwise; the first request after an idle spell finds a
-snapshot younger than the staleness limit and moves the loop to the busy cadence within
-``pool_poll_interval_seconds`` (an O(1) check of ``FlowController.busy``, no RPC). Idle, that is one
+snapshot younger than the staleness limit and moves the loop to the busy cadence at once
+(``FlowController.activity`` wakes the idle wait; nothing runs in between). Idle, that is one
 ``ListEndpoints`` a second: epp scrapes an idle engine once a second, so reading it faster only
 re-reads the same samples (idle cost, docs/BENCHMARKS.md §3, issue 10).
 
@@ -17,6 +17,7 @@ A failed call (epp down, deadline) leaves the last snapshot to age: the detector
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import grpc
@@ -86,9 +87,10 @@ class EppPoolSource:
                         self._observer.pool_poll("ok")
                     self._controller.update_pool(snapshot_from_proto(reply, self._clock.now()))
                 await asyncio.sleep(self._interval)
-                loop = asyncio.get_running_loop()
-                idle_until = loop.time() + self._idle_interval - self._interval
-                while not self._controller.busy and loop.time() < idle_until:  # noqa: ASYNC110 (an O(1) local check)
-                    await asyncio.sleep(self._interval)
+                if not self._controller.busy:  # idle: sleep until the idle interval ends or a request arrives
+                    activity = self._controller.activity
+                    activity.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(activity.wait(), self._idle_interval - self._interval)
         finally:
             await channel.close()

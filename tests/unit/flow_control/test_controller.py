@@ -86,6 +86,21 @@ def test_fcfs_order_on_release() -> None:
     assert waiting[2].decision is not None and waiting[2].decision.queue_seconds == pytest.approx(3.0)
 
 
+def test_activity_is_set_by_a_dispatch_and_by_a_queued_request() -> None:
+    """``activity`` (what ends the pool poller's idle wait) is set by both ways a request arrives."""
+    controller, _, _ = make(max_in_flight=1)
+    assert not controller.activity.is_set()
+    first = controller.enqueue(req("a"))
+    assert first.state is TicketState.DISPATCHED and controller.activity.is_set()
+    controller.activity.clear()
+    queued = controller.enqueue(req("b"))
+    assert queued.state is TicketState.QUEUED and controller.activity.is_set()
+    controller.release(first)
+    controller.release(queued)
+    controller.activity.clear()
+    assert not controller.busy and not controller.activity.is_set()  # a release is not activity
+
+
 @pytest.mark.parametrize("state", ["dispatched", "queued", "rejected"])
 def test_double_release_is_a_noop(state: str) -> None:
     controller, _, _ = make(max_in_flight=1, max_queue=1)

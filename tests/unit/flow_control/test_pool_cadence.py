@@ -29,11 +29,23 @@ class CountingEpp(epp_pb2_grpc.EndpointPickerServicer):
 
 
 class Controller:
-    """What EppPoolSource reads and feeds (FlowController's ``busy``, ``update_pool``, ``refresh``)."""
+    """What EppPoolSource reads and feeds (FlowController's ``busy``, ``activity``, ``update_pool``,
+    ``refresh``): setting ``busy`` sets ``activity``, as a queued or dispatched request does."""
 
     def __init__(self) -> None:
-        self.busy = False
+        self._busy = False
+        self.activity = asyncio.Event()
         self.snapshots: list[PoolSnapshot] = []
+
+    @property
+    def busy(self) -> bool:
+        return self._busy
+
+    @busy.setter
+    def busy(self, value: bool) -> None:
+        self._busy = value
+        if value:
+            self.activity.set()
 
     def update_pool(self, snapshot: PoolSnapshot) -> None:
         self.snapshots.append(snapshot)
@@ -71,8 +83,10 @@ async def test_idle_pool_is_read_at_the_idle_interval_and_a_busy_one_at_the_poll
             assert controller.snapshots  # the first read comes at once
             idle = await _calls_during(1.5, servicer)
             assert 2 <= idle <= 4, idle  # one per 0.5 s, not one per 0.05 s (30)
+            before_busy = servicer.calls
             controller.busy = True
-            await asyncio.sleep(0.1)  # the idle wait notices within one poll interval
+            await asyncio.sleep(0.01)  # the idle wait ends on the activity event, not after its interval
+            assert servicer.calls - before_busy >= 1
             busy = await _calls_during(1.0, servicer)
             assert busy >= 8, busy
             controller.busy = False
