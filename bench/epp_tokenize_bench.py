@@ -20,7 +20,10 @@ assistant reply of ~``--turn-tokens`` tokens each time), and each grown chat is 
 p50 / p90 / p99 ms of the Pick and of its tokenization alone, characters encoded per pick, blocks
 hashed per pick. Modes, side by side in one run: in-process with incremental rendering (the default),
 ``--full-render`` the same with the chat template rendered over the whole history every call (the
-code before incremental rendering), ``--engine-tokenize`` tokenization through the engine's
+code before incremental rendering), ``--levers-off`` the default path without the per-pick levers
+(the window rendered twice instead of once plus the template's static generation prompt, the encoder
+with offsets instead of the offset-free one, the whole prompt walked instead of only the blocks
+after the last pick's match), ``--engine-tokenize`` tokenization through the engine's
 ``/tokenize`` only (the code before issue 10). ``--profile N`` prints the N heaviest functions
 (cProfile, cumulative) of the default mode's incremental picks. Not a timed test: numbers move with
 machine load.
@@ -206,6 +209,11 @@ async def run(args: argparse.Namespace, mode: str) -> dict[str, object]:
         assert local is not None
         if mode == "full-render":
             local.renderer = None  # the whole history through the chat template on every call
+        if mode == "levers-off":  # the incremental path as it was before these levers (same run, A/B)
+            assert local.renderer is not None
+            local.renderer.static_generation = False  # the window rendered twice (with and without the prompt)
+            local._added_re = None  # the encoder with offsets
+            replica.replica.reuse_walks = False  # the whole prompt walked every pick
         engine_side = stub.local  # the bench's own view of the prompt (what the engine caches): not epp's tokenizer
         chats: list[list[dict[str, str]]] = []
         first: list[float] = []
@@ -284,6 +292,9 @@ def main() -> None:
     parser.add_argument("--engine-tokenize", action="store_true", help="also run with the engine's /tokenize only")
     parser.add_argument("--full-render", action="store_true",
                         help="also run in-process with the chat template rendered in full every call")
+    parser.add_argument("--levers-off", action="store_true",
+                        help="also run the incremental path without issue 10's per-pick levers (window rendered "
+                             "twice, encoder with offsets, whole-prompt walk): the A/B in one run")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="print the N heaviest functions of the default mode's incremental picks (cProfile)")
     parser.add_argument("--workdir", default=None)
@@ -295,6 +306,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         args.workdir = args.workdir or tmp
         modes = [("in-process (default)", "incremental")]
+        modes += [("in-process, levers off", "levers-off")] if args.levers_off else []
         modes += [("in-process, full render", "full-render")] if args.full_render else []
         modes += [("engine /tokenize only", "engine")] if args.engine_tokenize else []
         results = [(label, asyncio.run(run(args, flag))) for label, flag in modes]

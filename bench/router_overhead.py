@@ -16,7 +16,13 @@ sglang-router and vllm-router in front of the *same* engine. Then, all in this o
    router (vllm-router ``cache_aware`` and round-robin), with the CPU time of every kvmesh process per
    request (``/proc/<pid>/stat``);
 4. **idle cost**: a second mesh with ``--idle-engines`` (4) engines, no traffic, CPU of every process
-   over ``--idle-seconds``.
+   over ``--idle-seconds``;
+5. **engine-bound throughput** (issue 10's "at least 0.8 of direct-to-engine when the engine is the
+   bottleneck"): a mesh whose one engine runs in model time (``--engine-bound-time-scale``, 1.0:
+   real-time prefill and decode steps from the simulator's latency model) and each request asks
+   for ``--engine-bound-max-tokens`` (16) tokens, so the engine, not the router, sets the rate;
+   ``wrk`` at ``--connections`` direct, through kvmesh and through vllm-router ``cache_aware`` in
+   front of that same engine (``--engine-bound-only`` runs just this part).
 
     .venv/bin/python bench/router_overhead.py --requests 300 --policy precise-prefix [--plot out.png]
 
@@ -166,6 +172,11 @@ def main() -> int:
                              "measure both side by side, interleaved (kvmesh only; an A/B in one run); with "
                              "--idle-only, two idle meshes measured over the same window")
     parser.add_argument("--plot", type=Path, help="write a latency CDF PNG here")
+    parser.add_argument("--engine-bound-time-scale", type=float, default=1.0,
+                        help="model-time speed of the engine-bound run's engine (1.0: real time)")
+    parser.add_argument("--engine-bound-max-tokens", type=int, default=16)
+    parser.add_argument("--engine-bound-only", action="store_true", help="only the engine-bound throughput run")
+    parser.add_argument("--skip-engine-bound", action="store_true")
     ns = parser.parse_args()
     env = dict(item.split("=", 1) for item in ns.env)
     console = Console()
@@ -183,6 +194,11 @@ def main() -> int:
         return 2
     if ns.baseline_env:
         _side_by_side(console, ns, env, dict(item.split("=", 1) for item in ns.baseline_env))
+        return 0
+    if ns.engine_bound_only:
+        with tempfile.TemporaryDirectory(prefix="kvmesh-bench-") as tmp:
+            _print_engine_bound(console, ns, _engine_bound(Path(tmp), ns, env, console))
+        console.print("command: " + " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
         return 0
     latency: dict[str, list[float]] = {}
     added: dict[str, float] = {}
@@ -257,9 +273,48 @@ def main() -> int:
                              {k: 1000 * (c1[k] - c0[k]) / max(1.0, served) for k in c1}))
             throughput["direct to engine (round-robin mesh)"] = _wrk(mesh.engine_urls[0], ids_lua, ns.connections, ns.duration)
         idle = _idle_cost(run_dir, ns, env)
+        bound = {} if ns.skip_engine_bound else _engine_bound(run_dir, ns, env, console)
 
     _print_tables(console, ns, latency, added, stages, epp_stages, throughput, cpu_rows, idle)
+    if bound:
+        _print_engine_bound(console, ns, bound)
     return 0
+
+
+def _engine_bound(run_dir: Path, ns: argparse.Namespace, env: dict[str, str], console: Console) -> dict[str, float]:
+    """req/s at ``--connections`` with one engine in model time: direct, kvmesh, vllm-router cache_aware
+    (when installed) in front of the same engine, each for ``--duration`` s."""
+    spec = MeshSpec(run_dir=run_dir / "bound", engines=1, policy=ns.policy, time_scale=ns.engine_bound_time_scale,
+                    extra_env=env)
+    body = {**_body(spec.model, False), "max_tokens": ns.engine_bound_max_tokens}
+    lua = _wrk_script(run_dir / "bound.lua", body)
+    rates: dict[str, float] = {}
+    with Mesh(spec) as mesh, httpx.Client(timeout=60) as client:
+        engine = mesh.engine_urls[0]
+        _measure(client, f"{engine}/v1/completions", body, 5, "warm-up engine (engine-bound)")
+        _measure(client, f"{mesh.router_url}/v1/completions", body, 5, "warm-up kvmesh (engine-bound)")
+        rates["direct to engine"] = _wrk(engine, lua, ns.connections, ns.duration)
+        rates[f"kvmesh router ({ns.policy})"] = _wrk(mesh.router_url, lua, ns.connections, ns.duration)
+        if not ns.skip_peers:
+            with _peer("vllm-router-cache-aware", engine, run_dir, console) as peer_url:
+                if peer_url is not None:
+                    rates["vllm-router cache_aware"] = _wrk(peer_url, lua, ns.connections, ns.duration)
+        rates["direct to engine (again)"] = _wrk(engine, lua, ns.connections, ns.duration)
+    return rates
+
+
+def _print_engine_bound(console: Console, ns: argparse.Namespace, rates: dict[str, float]) -> None:
+    direct = statistics.fmean([v for k, v in rates.items() if k.startswith("direct")]) or 0.0
+    table = Table(title=(f"throughput when the engine is the bottleneck: wrk {ns.connections} connections, "
+                         f"{ns.duration} s each, engine at --time-scale {ns.engine_bound_time_scale}, "
+                         f"{ns.engine_bound_max_tokens} output tokens (req/s; / direct = mean of the two direct runs)"))
+    for column in ("target", "req/s", "/ direct", "target >= 0.8"):
+        table.add_column(column, justify="right" if column != "target" else "left")
+    for name, rps in rates.items():
+        ratio = rps / direct if direct else 0.0
+        verdict = "" if name.startswith("direct") or "vllm" in name else ("met" if ratio >= 0.8 else "MISSED")
+        table.add_row(name, f"{rps:.0f}", f"{ratio:.2f}", verdict)
+    console.print(table)
 
 
 def _print_tables(console: Console, ns: argparse.Namespace, latency: dict[str, list[float]], added: dict[str, float],

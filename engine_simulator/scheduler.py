@@ -347,6 +347,30 @@ class EngineCore:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def _release_waiting_blocks(self, head: Request) -> bool:
+        """Nothing runs, nothing loads and ``head`` cannot get its blocks: free the blocks that other
+        waiting requests hold (prefixes loaded from an offloaded tier, waiting for the rest of their
+        blocks), as a preemption does; True when any were freed (the caller retries ``head``).
+
+        Loaded blocks entered the GPU prefix cache when their load finished, so a freed request finds
+        them again as GPU hits while they are not evicted. Without this, requests that each hold a
+        loaded prefix and wait for more blocks than are free would wait for one another forever with
+        nothing running to free any (seen on agentic sessions with CPU offload: 7-13 requests waiting,
+        0 running, 75 % of the pool held). Running requests are left alone: their own progress frees
+        blocks, as vLLM waits for them.
+        """
+        if self.running or self.loading:
+            return False
+        freed = False
+        for other in self.waiting:
+            if other is not head and other.blocks:
+                self._free(other)
+                other.num_computed_tokens = 0
+                other.num_preemptions += 1
+                self.num_preemptions += 1
+                freed = True
+        return freed
+
     # -- the step ----------------------------------------------------------------------
     def _finish_loads(self, now: float) -> None:
         """Loads done by ``now``: the loaded blocks count as computed and enter the GPU prefix cache (as vLLM
@@ -417,11 +441,15 @@ class EngineCore:
                     hit_tokens = req.num_computed_tokens
                     n = min(req.num_tokens - hit_tokens, budget)
                     if not self._allocate(req, n):
+                        if self._release_waiting_blocks(req):
+                            continue
                         break
                 else:
                     hits = self._computed_blocks(req)
                     loading = self._start_load(req, hits, now)
                     if loading is False:
+                        if self._release_waiting_blocks(req):
+                            continue
                         break
                     if loading:
                         self.loading.append(self.waiting.popleft())
@@ -429,6 +457,8 @@ class EngineCore:
                     hit_tokens = len(hits) * self.block_size
                     n = min(req.num_tokens - hit_tokens, budget)
                     if not self._allocate(req, n, hits):
+                        if self._release_waiting_blocks(req):
+                            continue
                         break
                 self.waiting.popleft()
                 req.num_computed_tokens = hit_tokens

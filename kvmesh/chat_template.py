@@ -200,6 +200,9 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+_BUILTIN_METHOD: Any = type({}.get)
+
+
 class _Sandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
     """transformers' ``ImmutableSandboxedEnvironment`` with its attribute verdicts memoised.
 
@@ -210,6 +213,16 @@ class _Sandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
     """
 
     _verdicts: dict[tuple[type, str], bool]
+
+    def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
+        """``dict.get`` (``message.get('tool_calls')``: most calls a chat template makes) called directly:
+        exactly what the sandbox's path does for it (safe callable, no context argument, no
+        ``StopIteration``), without its per-call checks; everything else through the sandbox."""
+        if type(obj) is _BUILTIN_METHOD and type(getattr(obj, "__self__", None)) is dict and obj.__name__ == "get":
+            kwargs.pop("_block_vars", None)  # the context's bookkeeping (``Context.call`` drops them too)
+            kwargs.pop("_loop_vars", None)
+            return obj(*args, **kwargs)
+        return super().call(context, obj, *args, **kwargs)
 
     def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
         key = (type(obj), attr)
@@ -414,6 +427,8 @@ _WINDOW_GROWTH = 12
 """Messages a window may grow by before it is re-anchored (a window kept from call to call spares one render)."""
 """Messages before the cached prefix's end that the window also renders (neighbour reads such as
 ``messages[loop.index0 - 1]``, carried ``namespace`` flags)."""
+_GENERATION_ROOTS = 1024
+"""Roots (tools, documents, kwargs) whose static generation prompt is kept (cleared when full)."""
 _POSITION_ATTRS = frozenset({"index", "index0"})
 _UNSAFE_LOOP_ATTRS = frozenset({"length", "cycle", "changed", "previtem", "nextitem"})
 
@@ -543,6 +558,42 @@ def _history_hazards(ast: jinja2.nodes.Template) -> list[str]:
     return found
 
 
+_GENERATION_DYNAMIC_NAMES = frozenset({"messages", "loop", "strftime_now", "self", "varargs", "kwargs", "caller"})
+
+
+def _static_generation_prompt(ast: jinja2.nodes.Template) -> bool:
+    """Whether ``render(m, True) == render(m, False) + g`` with ``g`` the same for every ``m`` (given the
+    same tools, documents, kwargs and special tokens).
+
+    Proved from the template's shape: ``add_generation_prompt`` is read exactly once, as the whole test
+    of an ``if`` without ``elif``/``else`` that is the template's last top-level node (nothing is output
+    after it), and that ``if``'s body reads no message list, loop variable, template-assigned name
+    (``set``, ``for`` targets, macros, namespaces: they may carry state from the messages) or the clock
+    (``strftime_now``). Then the body's output is a function of the request's root fields only, and an
+    incremental render can render the new messages once (without the generation prompt) and append
+    the ``g`` measured on the first render under the same root. Common templates (ChatML, Llama 3,
+    Qwen, the simulator's) end this way; one that does not renders the window twice.
+    """
+    uses = [n for n in ast.find_all(jinja2.nodes.Name) if n.name == "add_generation_prompt"]
+    if len(uses) != 1 or not ast.body:
+        return False
+    last = ast.body[-1]
+    if not isinstance(last, jinja2.nodes.If) or last.test is not uses[0] or last.elif_ or last.else_:
+        return False
+    assigned = {n.name for n in ast.find_all(jinja2.nodes.Name) if n.ctx in ("store", "param")}
+    assigned |= {n.name for n in ast.find_all(jinja2.nodes.Macro)}
+    assigned |= {n.name for n in ast.find_all(jinja2.nodes.NSRef)}
+    for node in last.body:
+        for name in node.find_all(jinja2.nodes.Name):
+            if name.name in _GENERATION_DYNAMIC_NAMES or name.name in assigned:
+                return False
+        if any(True for _ in node.find_all((jinja2.nodes.Assign, jinja2.nodes.AssignBlock, jinja2.nodes.Macro,
+                                            jinja2.nodes.CallBlock, jinja2.nodes.Include, jinja2.nodes.Import,
+                                            jinja2.nodes.FromImport, jinja2.nodes.ExprStmt))):
+            return False
+    return True
+
+
 def _probe_conversations() -> list[tuple[list[dict[str, Any]], Any]]:
     """Messages (OpenAI shape) and ``tools`` covering every role, tool calls, results, reasoning, names and parts."""
     call = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "x"}'}}
@@ -577,7 +628,9 @@ class IncrementalRenderer:
     ``loop.index0`` keeps its parity, preferably after a message of ``m[1]``'s role; ``loop.first``/
     ``last``/``revindex``, ``messages[0]``, ``messages[-1]`` and neighbour reads keep their meaning; the
     previous call's window is kept, and its text reused as ``A``, until it grows by 12 messages); the
-    generation prompt is ``render(W, True)`` minus ``B``. Checked on every request
+    generation prompt is ``render(W, True)`` minus ``B`` (for a template whose generation prompt is
+    proved static, :attr:`static_generation`, the text measured on the first render under the same
+    root, so a grown chat's window is rendered once). Checked on every request
     (:func:`_window_render`): ``A`` is a splice of ``R_k`` (its start then its end: the window renders
     the head and the context as the full render did), ``A`` is a prefix of ``B`` (so a template that
     renders the last message specially, e.g. an assistant turn's reasoning only while it is last,
@@ -607,7 +660,15 @@ class IncrementalRenderer:
     def __init__(self, template: ChatTemplate, max_bytes: int = 64 << 20) -> None:
         self.template = template
         self.max_bytes = max_bytes
-        self.incremental, self.reason = _probe(template.source, tuple(sorted(template.special_tokens.items())))
+        specials = tuple(sorted(template.special_tokens.items()))
+        self.incremental, self.reason = _probe(template.source, specials)
+        self.static_generation = self.incremental and _probe_generation(template.source, specials)
+        """Whether the generation prompt is appended text fixed per root (:func:`_static_generation_prompt`,
+        confirmed on the probe chats): then a grown chat's window is rendered once, not twice."""
+        self._generation: dict[str, str] = {}  # root -> the generation prompt's text (static templates)
+        self.last_prefix: str | None = None
+        """The cached prefix text the last :meth:`render` started its result with (None: a full render);
+        a hint for the tokenizer's common-prefix search, which verifies it."""
         self._cache: OrderedDict[int, _Rendered] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
@@ -622,6 +683,7 @@ class IncrementalRenderer:
         messages = body.get("messages")
         if not self.incremental or body.get("continue_final_message") or not isinstance(messages, list) or not messages:
             self.stats["full"] += 1
+            self.last_prefix = None
             return render_request(self.template, body)
         root = json.dumps([body.get("tools"), body.get("documents"), body.get("chat_template_kwargs")],
                           sort_keys=True, default=str)
@@ -647,6 +709,10 @@ class IncrementalRenderer:
                 done = _window_render(self.template, body, messages[:_WINDOW_HEAD] + messages[j:], text, None, agp)
             except InvalidRequest:  # e.g. a template that refuses a chat without the generation prompt
                 done = None
+            if done is not None and agp and self.static_generation and root not in self._generation:
+                if len(self._generation) >= _GENERATION_ROOTS:
+                    self._generation.clear()
+                self._generation[root] = done[1][len(done[0]):]
         else:
             k = len(entry.messages)
             a: str | None = None
@@ -656,14 +722,17 @@ class IncrementalRenderer:
                 j, _ = _window_start(messages, k)
             window = messages[:_WINDOW_HEAD] + messages[j:]
             try:
-                done = _window_render(self.template, body, window, entry.text, len(window) - (n - k), agp, a=a)
+                done = _window_render(self.template, body, window, entry.text, len(window) - (n - k), agp, a=a,
+                                      generation=self._generation.get(root) if self.static_generation else None)
             except InvalidRequest:  # the window may trip a check the whole chat passes: the full render decides
                 done = None
             if done is not None:
                 self.stats["incremental"] += 1
         if done is None:
             self.stats["fallback"] += 1
+            self.last_prefix = None
             return render_request(self.template, body)
+        self.last_prefix = entry.text if entry is not None else None
         grown, text, window_text = done
         self._store(prefix_key(root, messages, n), _Rendered(root, list(messages), grown, j, window_text))
         return text
@@ -702,7 +771,7 @@ class _Rendered:
 
 def _window_render(template: ChatTemplate, body: Mapping[str, Any], window: list[Any], prefix: str,
                    cut: int | None, agp: bool, why: list[str] | None = None,
-                   a: str | None = None) -> tuple[str, str, str] | None:
+                   a: str | None = None, generation: str | None = None) -> tuple[str, str, str] | None:
     """(render(m, False), render(m, agp), render(window, False)) from a prefix's text and window renders; None: unsafe.
 
     ``window`` is ``m[:2] + m[j:n]``; ``prefix`` is ``render(m[:k], False)`` with ``cut`` the window's
@@ -710,13 +779,18 @@ def _window_render(template: ChatTemplate, body: Mapping[str, Any], window: list
     up to ``k`` is a splice of ``prefix`` (its start followed by its end: the window renders the head
     and the context messages exactly as the full render does), that text is a prefix of the whole
     window's (no message renders otherwise once another follows it), and the generation prompt only
-    appends.
+    appends. ``generation``: the generation prompt's text when the template's is static
+    (:attr:`IncrementalRenderer.static_generation`, measured under the same root): appended instead of
+    rendering the window a second time.
     """
     plain = {**body, "add_generation_prompt": False}
     b = render_request(template, {**plain, "messages": window})
+    given = a is not None
     if a is None:  # (given: the previous request's own window text, the same messages)
         a = b if cut is None else render_request(template, {**plain, "messages": window[:cut]})
-    if not _splice_of(a, prefix):
+    # a given ``a`` is the entry's window text, a splice of the entry's text by construction (checked
+    # when the entry was made: its text is the older prefix plus what its window added)
+    if not given and not _splice_of(a, prefix):
         if why is not None:
             why.append("context")  # the window renders the head or the context otherwise than the full render
         return None
@@ -727,6 +801,8 @@ def _window_render(template: ChatTemplate, body: Mapping[str, Any], window: list
     whole = prefix + b[len(a):]
     if not agp:
         return whole, whole, b
+    if generation is not None:
+        return whole, whole + generation, b
     c = render_request(template, {**body, "messages": window})
     if not c.startswith(b):
         return None
@@ -787,6 +863,30 @@ def prefix_key(root: Any, messages: Sequence[Any], k: int) -> int:
     messages, or the text), so a collision costs a miss, never a wrong answer.
     """
     return hash((root, k, _message_key(messages[k - 1]), _message_key(messages[k - 2]) if k > 1 else None))
+
+
+@lru_cache(maxsize=64)
+def _probe_generation(source: str, special_tokens: tuple[tuple[str, str], ...]) -> bool:
+    """:func:`_static_generation_prompt`, then confirmed on the probe chats: under each root, every
+    prefix's ``render(m, True)`` is its ``render(m, False)`` plus one and the same text."""
+    template = ChatTemplate(source, dict(special_tokens))
+    if not _static_generation_prompt(template._template.environment.parse(source)):
+        return False
+    for messages, tools in _probe_conversations():
+        seen: set[str] = set()
+        for n in range(1, len(messages) + 1):
+            body = {"messages": messages[:n], "tools": tools}
+            try:
+                with_prompt = render_request(template, body)
+                without = render_request(template, {**body, "add_generation_prompt": False})
+            except InvalidRequest:
+                continue
+            if not with_prompt.startswith(without):
+                return False
+            seen.add(with_prompt[len(without):])
+            if len(seen) > 1:
+                return False
+    return True
 
 
 @lru_cache(maxsize=64)

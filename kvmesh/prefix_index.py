@@ -14,7 +14,7 @@ Pure: no I/O, one thread (the owner's event loop). The transport that feeds the 
 from __future__ import annotations
 
 from array import array
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import islice, repeat, takewhile
@@ -136,8 +136,9 @@ class PackedTokenIds(Sequence[int]):
         return cls(array("I", ids).tobytes())
 
     def spliced(self, keep: int, tail: Sequence[int]) -> PackedTokenIds:
-        """``self[:keep] + tail``: the kept ids' bytes reused, only ``tail`` packed."""
-        return PackedTokenIds(self.packed[: 4 * keep] + array("I", tail).tobytes())
+        """``self[:keep] + tail``: the kept ids' bytes reused, only ``tail`` packed (one copy of the kept
+        bytes: a slice would copy them twice, and fresh pages cost more than the copy)."""
+        return PackedTokenIds(b"".join((memoryview(self.packed)[: 4 * keep], array("I", tail))))
 
     def __len__(self) -> int:
         return len(self._view)
@@ -177,6 +178,50 @@ def packed_or_ids(token_ids: TokenIds) -> TokenIds:
     return packed if type(packed) is bytes else token_ids
 
 
+@dataclass(slots=True)
+class _Walk:
+    """A scored prompt's walk: the key space's removal epoch then, and the matches."""
+
+    epoch: int
+    matched: dict[str, int]
+
+
+_WALKS = 4096
+"""Scored prompts (by key space and last key) whose walk :class:`PrefixReplica` keeps (LRU)."""
+_WALK_PROBES = 256
+"""How many of a prompt's last keys are looked up for a scored prefix (a turn adds fewer blocks)."""
+
+
+def extend_matches(
+    keys: Sequence[int],
+    table: Mapping[int, Mapping[E, int]],
+    candidates: Collection[E] | None,
+    known: Mapping[E, int],
+) -> dict[E, int]:
+    """:func:`longest_prefix_matches`, given ``known[e]`` leading blocks of ``keys`` each endpoint is known to hold.
+
+    Each holder of ``keys[0]`` (among ``candidates``) is walked from ``known.get(e, 1)`` on, so a
+    prompt that extends one whose matches are known costs its new blocks, not the whole prompt.
+    Exact when ``known`` is true now: the caller guarantees that no endpoint dropped any of those
+    keys since they were counted (:class:`PrefixReplica`: no removal in the key space since).
+    """
+    if not keys:
+        return {}
+    first = table.get(keys[0])
+    if not first:
+        return {}
+    active = first.keys() if candidates is None else set(first.keys()).intersection(candidates)
+    n = len(keys)
+    get = table.get
+    result: dict[E, int] = {}
+    for endpoint_id in active:
+        i = known.get(endpoint_id, 1) or 1
+        while i < n and endpoint_id in get(keys[i], _NONE):
+            i += 1
+        result[endpoint_id] = i
+    return result
+
+
 class ReplicaGap(Exception):
     """A delta message does not follow the replica's sequence: it must resync (reconnect)."""
 
@@ -204,6 +249,14 @@ class PrefixReplica:
 
     def __init__(self, prompt_key_cache_bytes: int = 64 << 20) -> None:
         self._keys = PrefixKeyCache(prompt_key_cache_bytes)
+        self._walks: OrderedDict[tuple[str, int, int], _Walk] = OrderedDict()
+        """Per (key space, a scored prompt's last key): its walk, reused by a prompt that extends it
+        while no key was removed from that space (:meth:`_matches`)."""
+        self._removals: dict[tuple[str, int], int] = {}
+        """Per key space: a counter bumped whenever an endpoint stops holding a key there."""
+        self.reuse_walks = True
+        """Whether a prompt extending the last one walks only its new blocks (False: every score walks
+        the whole prompt; the benchmark's A/B switch)."""
         self.tables: dict[tuple[str, int], dict[int, dict[str, int]]] = {}
         self.endpoints: dict[str, ReplicaEndpoint] = {}
         self._space: dict[str, tuple[str, int]] = {}
@@ -225,6 +278,7 @@ class PrefixReplica:
         """Forget everything; a snapshot as of ``seq`` follows."""
         self.tables.clear()
         self._held.clear()
+        self._walks.clear()
         self.seq = seq
         self.synced = False
 
@@ -306,6 +360,7 @@ class PrefixReplica:
                 holders[endpoint_id] = mask
             else:
                 del holders[endpoint_id]
+                self._removals[space] = self._removals.get(space, 0) + 1
                 if not holders:
                     del table[key]
         if change:
@@ -321,8 +376,9 @@ class PrefixReplica:
         self._held.pop(endpoint_id, None)
         space = self._space.get(endpoint_id)
         table = self.tables.get(space) if space is not None else None
-        if not table:
+        if not table or space is None:
             return
+        self._removals[space] = self._removals.get(space, 0) + 1
         empty = []
         for key, holders in table.items():
             if holders.pop(endpoint_id, None) is not None and not holders:
@@ -378,11 +434,45 @@ class PrefixReplica:
             table = self.tables.get((model, size))
             if not table:
                 continue
-            for endpoint_id, blocks in longest_prefix_matches(keys, table, allowed).items():
+            for endpoint_id, blocks in self._matches((model, size), keys, table, allowed).items():
                 if endpoints[endpoint_id].block_size_tokens == size:
                     matched[endpoint_id] = blocks
                     by_medium[endpoint_id] = self._media_counts(keys, blocks, table, endpoint_id)
         return ReplicaScore(total, sizes[0], matched, by_medium)
+
+    def _matches(self, space: tuple[str, int], keys: Sequence[int], table: Mapping[int, Mapping[str, int]],
+                 allowed: Collection[str]) -> dict[str, int]:
+        """:func:`longest_prefix_matches`, starting from the walk of a scored prompt this one extends.
+
+        A scored prompt is found by its last key among this prompt's last :data:`_WALK_PROBES` keys,
+        longest first (the keys are chained: an equal key at position ``i`` means an equal prefix of
+        ``i + 1`` blocks; a session's previous pick, whatever prompts other sessions sharing its
+        first blocks scored meanwhile). Its matches are reused when no key was removed from the key
+        space since (additions only extend matches, which the walk from the known counts finds);
+        endpoints not counted then start at block 1. Cost: the probes (dict lookups) plus the blocks
+        after the known matches, instead of the walk over every matched block.
+        """
+        if not keys:
+            return {}
+        epoch = self._removals.get(space, 0)
+        walks = self._walks
+        model, size = space
+        n = len(keys)
+        prev = None
+        if self.reuse_walks:
+            for i in range(n - 1, max(-1, n - 1 - _WALK_PROBES), -1):
+                found = walks.get((model, size, keys[i]))
+                if found is not None:
+                    prev = found if found.epoch == epoch else None
+                    break
+        matched = longest_prefix_matches(keys, table, allowed) if prev is None else \
+            extend_matches(keys, table, allowed, prev.matched)
+        slot = (model, size, keys[-1])
+        walks[slot] = _Walk(epoch, matched)
+        walks.move_to_end(slot)
+        if len(walks) > _WALKS:
+            walks.popitem(last=False)
+        return matched
 
     def _media_counts(
         self, keys: Sequence[int], blocks: int, table: Mapping[int, Mapping[str, int]], endpoint_id: str

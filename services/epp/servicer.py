@@ -10,13 +10,20 @@ UnknownModel -> NOT_FOUND, NoEndpointsAvailable -> UNAVAILABLE, anything else ->
 and error class the unary call would have answered (:func:`kvmesh.interceptors.translate`, the same
 table), in a ``PickError`` for that entry alone, and the stream goes on. ``Completed`` reports may
 ride the stream's batches.
+
+A ``PickRequest`` may carry its token ids packed (``prompt_token_ids_packed``: little-endian
+uint32 bytes, handed to the scheduler as :class:`~kvmesh.prefix_index.PackedTokenIds` without
+decoding) and ask for a lean response (``max_endpoints``, ``omit_breakdown``): the router sends all
+three; ``PickerInfo.packed_token_ids`` tells callers this epp reads the packed form.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable
+import struct
+import sys
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -28,6 +35,7 @@ from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
 from kvmesh.errors import InvalidRequest, mapping_for
 from kvmesh.hashing import KeyScope
 from kvmesh.interceptors import translate
+from kvmesh.prefix_index import PackedTokenIds
 from kvmesh.wire import completion_from_proto, endpoint_to_proto
 from services.epp.framework.interfaces import ChatMessage, SchedulingRequest
 from services.epp.metrics import record_completions
@@ -52,12 +60,36 @@ def _render_fields(raw: bytes) -> dict[str, Any]:
     return fields
 
 
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def _token_ids(request: epp_pb2.PickRequest) -> Sequence[int]:
+    """The prompt's token ids: ``prompt_token_ids_packed`` (little-endian uint32, 4 bytes per id) as a
+    :class:`~kvmesh.prefix_index.PackedTokenIds` over the message's bytes (no per-id decoding; the
+    prefix-match step hashes straight from them), else the repeated ``prompt_token_ids``.
+
+    Raises: InvalidRequest when both are set or the packed length is not a multiple of 4."""
+    packed = request.prompt_token_ids_packed
+    if not packed:
+        return tuple(request.prompt_token_ids)
+    if len(request.prompt_token_ids):
+        raise InvalidRequest("set prompt_token_ids or prompt_token_ids_packed, not both")
+    if len(packed) % 4:
+        raise InvalidRequest(
+            f"prompt_token_ids_packed is {len(packed)} bytes: not a whole number of little-endian uint32 ids "
+            "(4 bytes each)")
+    if _LITTLE_ENDIAN:
+        return PackedTokenIds(packed)
+    return struct.unpack(f"<{len(packed) // 4}I", packed)
+
+
 def request_from_proto(request: epp_pb2.PickRequest) -> SchedulingRequest:
-    """Raises: InvalidRequest when ``render_json`` is not a JSON object."""
+    """Raises: InvalidRequest when ``render_json`` is not a JSON object, or the token ids are
+    malformed (both forms set, a packed length not a multiple of 4)."""
     return SchedulingRequest(
         model=request.model,
         request_id=request.request_id,
-        token_ids=tuple(request.prompt_token_ids),
+        token_ids=_token_ids(request),
         prompt=request.prompt,
         messages=tuple(ChatMessage(m.role, m.content) for m in request.messages),
         exclude_endpoint_ids=frozenset(request.exclude_endpoint_ids),
@@ -73,7 +105,7 @@ class EndpointPickerServicer(epp_pb2_grpc.EndpointPickerServicer):
     async def Pick(self, request: epp_pb2.PickRequest, context: grpc.aio.ServicerContext) -> epp_pb2.PickResponse:
         decision = await self._scheduler.pick(request_from_proto(request))
         _annotate_pick(request, decision)
-        return response_to_proto(decision)
+        return response_to_proto(decision, request)
 
     async def PickMany(
         self, request_iterator: AsyncIterator[epp_pb2.PickBatch], context: grpc.aio.ServicerContext
@@ -130,17 +162,26 @@ class EndpointPickerServicer(epp_pb2_grpc.EndpointPickerServicer):
     ) -> epp_pb2.PickerInfo:
         """Whether the configured profile reads the prompt, and the profile names (fixed for the process)."""
         profile = self._scheduler.profile
-        return epp_pb2.PickerInfo(needs_prompt=profile.needs_prompt, profiles=[profile.name])
+        return epp_pb2.PickerInfo(needs_prompt=profile.needs_prompt, profiles=[profile.name], packed_token_ids=True)
 
 
-def response_to_proto(decision: PickDecision) -> epp_pb2.PickResponse:
-    """The scheduler's decision as a ``PickResponse`` (target, fallbacks best first, breakdown, profile)."""
+def response_to_proto(decision: PickDecision, request: epp_pb2.PickRequest | None = None) -> epp_pb2.PickResponse:
+    """The scheduler's decision as a ``PickResponse`` (target, fallbacks best first, breakdown, profile),
+    shaped by what ``request`` asked for: at most ``max_endpoints`` endpoints, the target included
+    (0: all), and no breakdown when ``omit_breakdown`` (a router's pick builds only what it uses: at
+    100 endpoints the 99 fallbacks and 100 breakdowns cost ~1.4 ms of a 3.5 ms Pick). The decision
+    is not changed (traces still read its breakdown). ``request`` None: everything."""
+    fallbacks = decision.fallbacks
+    breakdown = decision.breakdown
+    if request is not None:
+        if request.max_endpoints:
+            fallbacks = fallbacks[: request.max_endpoints - 1]
+        if request.omit_breakdown:
+            breakdown = []
     return epp_pb2.PickResponse(
         target=endpoint_to_proto(decision.target),
-        fallbacks=[endpoint_to_proto(e) for e in decision.fallbacks],
-        breakdown=[
-            epp_pb2.ScoreBreakdown(endpoint_id=s.id, scores=s.scores, total=s.total) for s in decision.breakdown
-        ],
+        fallbacks=[endpoint_to_proto(e) for e in fallbacks],
+        breakdown=[epp_pb2.ScoreBreakdown(endpoint_id=s.id, scores=s.scores, total=s.total) for s in breakdown],
         profile=decision.profile,
         prompt_tokens=decision.prompt_tokens,
     )
@@ -227,7 +268,7 @@ class _PickSession:
             _annotate_pick(entry.request, decision)
             span.end()
         self._running.pop(key, None)
-        self._answer(epp_pb2.PickResult(id=key, response=response_to_proto(decision)))
+        self._answer(epp_pb2.PickResult(id=key, response=response_to_proto(decision, entry.request)))
 
     def _answer(self, result: epp_pb2.PickResult) -> None:
         self._outbox.append(result)

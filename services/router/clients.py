@@ -39,6 +39,10 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import struct
+import sys
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -538,6 +542,18 @@ def _enqueue(request: AdmitQuery) -> fc_pb2.Enqueue:
     )
 
 
+def pack_token_ids(token_ids: Sequence[int]) -> bytes:
+    """``PickRequest.prompt_token_ids_packed``: each id as a little-endian uint32 (4 bytes per id).
+
+    Raises: OverflowError for an id outside uint32 (the router's validation refuses those first)."""
+    packed = array("I", token_ids)
+    if packed.itemsize != 4:  # a platform whose C unsigned int is not 32 bits
+        return struct.pack(f"<{len(token_ids)}I", *token_ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
 @dataclass(frozen=True, slots=True)
 class PickQuery:
     """The prompt as the engine will see it, plus endpoints to leave out; becomes a ``PickRequest``."""
@@ -552,6 +568,30 @@ class PickQuery:
     cache_salt: str | None = None
     render_json: bytes = b""
     """The body's token-changing fields (``validation.render_fields_json``), sent with the prompt."""
+
+
+def pick_request(query: PickQuery, *, with_prompt: bool, packed: bool, max_endpoints: int) -> epp_pb2.PickRequest:
+    """The router's ``PickRequest`` for ``query``: the prompt only ``with_prompt`` (epp reads it), its
+    token ids ``packed`` (``prompt_token_ids_packed``) or repeated, at most ``max_endpoints`` endpoints
+    asked for (0: all) and no breakdown (the router reads none)."""
+    request = epp_pb2.PickRequest(
+        request_id=query.request_id,
+        model=query.model,
+        exclude_endpoint_ids=query.exclude_endpoint_ids,
+        lora_name=query.lora_name or "",
+        cache_salt=query.cache_salt or "",
+        max_endpoints=max_endpoints,
+        omit_breakdown=True,
+    )
+    if with_prompt:
+        if packed and query.prompt_token_ids:
+            request.prompt_token_ids_packed = pack_token_ids(query.prompt_token_ids)
+        else:
+            request.prompt_token_ids.extend(query.prompt_token_ids)
+        request.prompt = query.prompt
+        request.messages.extend(common_pb2.ChatMessage(role=r, content=c) for r, c in query.messages)
+        request.render_json = query.render_json
+    return request
 
 
 @dataclass(frozen=True, slots=True)
@@ -710,9 +750,20 @@ def _entry_error(error: epp_pb2.PickError) -> errors.KvmeshError:
 class PickerClient:
     """Asks epp for picks, sending the prompt only when epp's profiles read it: over one
     multiplexed ``EndpointPicker.PickMany`` stream (default), or one unary ``Pick`` per request
-    (``multiplexed=False``, or an epp without ``PickMany``: asked again after epp reconnects)."""
+    (``multiplexed=False``, or an epp without ``PickMany``: asked again after epp reconnects).
 
-    def __init__(self, address: str, timeout_seconds: float, multiplexed: bool = True) -> None:
+    Each ``PickRequest`` asks for only what the router uses: no per-candidate breakdown
+    (``omit_breakdown``), at most ``max_endpoints`` endpoints, the target included (``max_endpoints``:
+    endpoints tried per pick, the router's ``max_fallback_attempts``; 0: all), and the token ids packed
+    (``prompt_token_ids_packed``, little-endian uint32) when epp's ``PickerInfo.packed_token_ids``
+    says it reads them, else the repeated ``prompt_token_ids`` (an older epp)."""
+
+    def __init__(self, address: str, timeout_seconds: float, multiplexed: bool = True,
+                 max_endpoints: int = 0) -> None:
+        if max_endpoints < 0:
+            raise ValueError(f"max_endpoints must be >= 0, got {max_endpoints}")
+        self._max_endpoints = max_endpoints
+        self._packed = False  # epp reads prompt_token_ids_packed (PickerInfo.packed_token_ids)
         self._address = address
         self._multiplexed_wanted = multiplexed
         self._multiplexed = multiplexed
@@ -776,6 +827,7 @@ class PickerClient:
     def forget_picker_info(self) -> None:
         """Drop the cached ``GetPickerInfo`` answer: the next pick asks again."""
         self._needs_prompt = None
+        self._packed = False
         self._info_generation += 1
 
     async def _forget_on_reconnect(self, channel: grpc.aio.Channel) -> None:
@@ -820,7 +872,9 @@ class PickerClient:
             return True
         if generation == self._info_generation:
             self._needs_prompt = info.needs_prompt
-            logger.info("epp picker info needs_prompt=%s profiles=%s", info.needs_prompt, list(info.profiles))
+            self._packed = info.packed_token_ids
+            logger.info("epp picker info needs_prompt=%s profiles=%s packed_token_ids=%s", info.needs_prompt,
+                        list(info.profiles), info.packed_token_ids)
         return info.needs_prompt
 
     async def pick(self, query: PickQuery) -> PickReply:
@@ -837,18 +891,8 @@ class PickerClient:
             raise errors.NotReady("picker client not connected")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout
-        request = epp_pb2.PickRequest(
-            request_id=query.request_id,
-            model=query.model,
-            exclude_endpoint_ids=query.exclude_endpoint_ids,
-            lora_name=query.lora_name or "",
-            cache_salt=query.cache_salt or "",
-        )
-        if await self.needs_prompt(self._timeout):
-            request.prompt_token_ids.extend(query.prompt_token_ids)
-            request.prompt = query.prompt
-            request.messages.extend(common_pb2.ChatMessage(role=r, content=c) for r, c in query.messages)
-            request.render_json = query.render_json
+        with_prompt = await self.needs_prompt(self._timeout)
+        request = pick_request(query, with_prompt=with_prompt, packed=self._packed, max_endpoints=self._max_endpoints)
         remaining = deadline - loop.time()
         if remaining <= 0:  # the info call used the whole budget: epp hangs
             raise PickerUnreachable("endpoint picker: Deadline Exceeded")

@@ -220,8 +220,9 @@ CHECKS: dict[str, Callable[[list[dict[str, Any]], Mesh], None]] = {
     "kvmesh.epp.v1.EndpointPicker/ListEndpoints": lambda r, m: _eq(len(r[0].get("endpoints", [])), 2),
     "kvmesh.epp.v1.EndpointPicker/GetPickerInfo": lambda r, m: _true(r[0].get("profiles")),
     "kvmesh.epp.v1.EndpointPicker/Completed": lambda r, m: _eq(r[0].get("matched"), 1),
-    "kvmesh.epp.v1.EndpointPicker/Pick": lambda r, m: _true(
-        r[0].get("target", {}).get("url") in m.engine_urls and len(r[0].get("breakdown", [])) == 2
+    "kvmesh.epp.v1.EndpointPicker/Pick": lambda r, m: _true(  # everything, or the lean answer (max_endpoints 1, omit_breakdown)
+        r[0].get("target", {}).get("url") in m.engine_urls
+        and (len(r[0].get("breakdown", [])) == 2 or not (r[0].get("breakdown") or r[0].get("fallbacks")))
     ),
     "kvmesh.epp.v1.EndpointPicker/PickMany": lambda r, m: _eq(
         sorted((x.get("id"), x.get("response", {}).get("target", {}).get("url") in m.engine_urls,

@@ -65,7 +65,8 @@ class SchedulingRequest:
     Attributes:
         request_id: the caller's id (for logs).
         model: served model name (non-empty).
-        token_ids: the prompt as token ids when the caller has them (empty otherwise).
+        token_ids: the prompt as token ids when the caller has them (empty otherwise); read only
+            (a :class:`~kvmesh.prefix_index.PackedTokenIds` when the caller sent them packed).
         prompt: completion prompt text ("" when absent).
         messages: chat messages (empty when absent).
         exclude_endpoint_ids: endpoints not to pick (e.g. one that just failed).
@@ -79,7 +80,7 @@ class SchedulingRequest:
 
     model: str
     request_id: str = ""
-    token_ids: tuple[int, ...] = ()
+    token_ids: Sequence[int] = ()  # a tuple, or a PackedTokenIds (PickRequest.prompt_token_ids_packed)
     prompt: str = ""
     messages: tuple[ChatMessage, ...] = ()
     exclude_endpoint_ids: frozenset[str] = frozenset()

@@ -15,7 +15,9 @@ that token's index). A chat whose history grew by a turn therefore encodes only 
 template special token before the change: the new turn. Entries are found by per-prefix keys of the
 request (model, template, tools..., the prefix's length and last messages), verified by comparing the texts
 themselves, so a hash collision can only cost a miss, never a wrong token. The cache is bounded by
-total tokens held (LRU).
+total tokens held (LRU). Where every added token is plain (no strip, single-word or normalized
+matching) the text is encoded without offsets (``encode_batch_fast``, ~25 % cheaper) and the cuts are
+found in the text itself, checked against the encoding's added-token ids (the offsets decide otherwise).
 
 The text itself is rendered incrementally too (:class:`kvmesh.chat_template.IncrementalRenderer`: the
 cached prefix's rendered text plus a short window render of the new messages, for templates probed
@@ -26,6 +28,7 @@ render nor a full encode. A request's ``chat_template`` override is always rende
 from __future__ import annotations
 
 import json
+import re
 import sys
 import threading
 from array import array
@@ -74,8 +77,15 @@ def _token_text(value: Any) -> str | None:
     return None
 
 
-def _common_prefix(a: str, b: str) -> int:
-    """Length of the longest common prefix (C-speed slice compares, then a short scan)."""
+def _common_prefix(a: str, b: str, hint: str | None = None) -> int:
+    """Length of the longest common prefix (C-speed slice compares, then a short scan).
+
+    ``hint``: a text both may start with (checked with ``startswith``, a ``memcmp`` without copies):
+    when both do, only what follows it is compared.
+    """
+    if hint and a.startswith(hint) and b.startswith(hint):
+        h = len(hint)
+        return h + _common_prefix(a[h:], b[h:])
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n
@@ -144,6 +154,15 @@ class LocalTokenizer:
         self._cut_ids = frozenset(i for i, t in added.items() if not (t.lstrip or t.rstrip or t.single_word)
                                   and not t.normalized)
         self._margin = max((len(t.content) for t in added.values()), default=0) + 1
+        self._added_content = {i: t.content for i, t in added.items()}
+        self._added_ids = frozenset(added)
+        plain = bool(added) and not getattr(self.tokenizer, "encode_special_tokens", False) and all(
+            not (t.lstrip or t.rstrip or t.single_word or t.normalized) for t in added.values())
+        self._added_re = re.compile("|".join(re.escape(c) for c in sorted(
+            {t.content for t in added.values()}, key=len, reverse=True))) if plain else None
+        """Every added token's text, longest first (leftmost-longest, as HF's added-vocabulary matcher on
+        the raw text); None when some added token is matched otherwise (stripped, single-word,
+        normalized): then the cuts come from the encoding's offsets."""
         probe = self.tokenizer.encode("a", add_special_tokens=False).ids
         full = self.tokenizer.encode("a", add_special_tokens=True).ids
         at = next((i for i in range(len(full) - len(probe) + 1) if full[i:i + len(probe)] == probe), 0)
@@ -161,7 +180,24 @@ class LocalTokenizer:
         return len(self._prefix_ids) + len(self._suffix_ids)
 
     def _raw(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """``encode(text, add_special_tokens=False)`` ids and the ``(char offset, token index)`` of its safe cuts.
+
+        Fast path (plain added tokens): the offset-free encoder (``encode_batch_fast``, ~25 % cheaper),
+        then the added tokens located in the text by :attr:`_added_re`; used only when the located
+        tokens are exactly the added-token ids of the encoding, in order (else the offsets decide).
+        """
         self.stats["encoded_chars"] += len(text)
+        if self._added_re is not None:
+            ids = self.tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
+            present = self._added_ids.intersection(ids)
+            if not present:
+                return ids, []
+            at = sorted(_positions(ids, present))
+            found = [(m.start(), m.group()) for m in self._added_re.finditer(text)]
+            content = self._added_content
+            if len(found) == len(at) and all(content[ids[i]] == c for i, (_, c) in zip(at, found, strict=True)):
+                cut_ids = self._cut_ids
+                return ids, [(o, i) for i, (o, _) in zip(at, found, strict=True) if ids[i] in cut_ids]
         enc = self.tokenizer.encode(text, add_special_tokens=False)
         ids = enc.ids
         present = self._cut_ids.intersection(ids)  # in C; special tokens are few per turn
@@ -225,7 +261,8 @@ class LocalTokenizer:
             if found is not None and found.cuts:
                 base = found
                 break
-        new = self._extend(base, text) if base is not None else None
+        hint = self.renderer.last_prefix if self.renderer is not None else None
+        new = self._extend(base, text, hint) if base is not None else None
         if new is None:
             self.stats["full"] += 1
             ids, cuts = self._raw(text)
@@ -240,8 +277,8 @@ class LocalTokenizer:
         cache = self._cache
         return any(k in cache for k in reversed(chain))
 
-    def _extend(self, base: _Entry, text: str) -> _Entry | None:
-        same = _common_prefix(base.text, text)
+    def _extend(self, base: _Entry, text: str, hint: str | None = None) -> _Entry | None:
+        same = _common_prefix(base.text, text, hint)
         limit = same - self._margin
         cuts = base.cuts
         lo, hi = 0, len(cuts)  # the last cut with offset <= limit

@@ -284,6 +284,26 @@ def test_load_waits_modeled_time_and_does_not_block_others() -> None:
     assert core.cache.num_free_blocks == 15
 
 
+def test_waiting_requests_holding_loaded_prefixes_never_wait_on_each_other() -> None:
+    """Two requests load their 5-block prefixes from CPU into an 11-block pool (10 blocks held), then
+    each needs 4 more blocks for its new tokens: with nothing running, the head frees the other's
+    loaded blocks instead of both waiting forever; the other then finds its prefix as GPU hits."""
+    off = _offload()
+    core = _core(12, off)
+    prefixes = [list(range(k * 1000, k * 1000 + 5 * B)) for k in (1, 2)]
+    for prefix in prefixes:
+        off.store(_stored_event(prefix))
+    off.advance(10.0)
+    off.take_events()
+    x = Request("x", prefixes[0] + list(range(50_000, 50_000 + 4 * B + 3)), max_tokens=1, ignore_eos=True)
+    y = Request("y", prefixes[1] + list(range(60_000, 60_000 + 4 * B + 3)), max_tokens=1, ignore_eos=True)
+    _drive(core, x, y, now=10.0)  # raised "did not finish" / a stalled step before the fix
+    assert x.finish_reason is not None and y.finish_reason is not None
+    assert x.load_plan is not None and x.load_plan.cpu_blocks == 5
+    assert y.num_preemptions == 1 and core.num_preemptions == 1
+    assert core.cache.num_free_blocks == 11
+
+
 async def test_async_engine_sleeps_through_a_load_on_manual_clock() -> None:
     """The engine loop waits for the load's model time when nothing else can run."""
     latency = LatencyModel(base_seconds=0.01, prefill_seconds_per_token=0.0, decode_seconds_per_seq=0.0,

@@ -20,7 +20,7 @@ COMPLETION_OUTCOME_ERROR: CompletionOutcome
 COMPLETION_OUTCOME_CANCELLED: CompletionOutcome
 
 class PickRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_token_ids", "prompt", "messages", "exclude_endpoint_ids", "lora_name", "cache_salt", "render_json")
+    __slots__ = ("request_id", "model", "prompt_token_ids", "prompt", "messages", "exclude_endpoint_ids", "lora_name", "cache_salt", "render_json", "prompt_token_ids_packed", "max_endpoints", "omit_breakdown")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,9 @@ class PickRequest(_message.Message):
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     RENDER_JSON_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_PACKED_FIELD_NUMBER: _ClassVar[int]
+    MAX_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    OMIT_BREAKDOWN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -39,7 +42,10 @@ class PickRequest(_message.Message):
     lora_name: str
     cache_salt: str
     render_json: bytes
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., exclude_endpoint_ids: _Optional[_Iterable[str]] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[str] = ..., render_json: _Optional[bytes] = ...) -> None: ...
+    prompt_token_ids_packed: bytes
+    max_endpoints: int
+    omit_breakdown: bool
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., exclude_endpoint_ids: _Optional[_Iterable[str]] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[str] = ..., render_json: _Optional[bytes] = ..., prompt_token_ids_packed: _Optional[bytes] = ..., max_endpoints: _Optional[int] = ..., omit_breakdown: _Optional[bool] = ...) -> None: ...
 
 class ScoreBreakdown(_message.Message):
     __slots__ = ("endpoint_id", "scores", "total")
@@ -101,12 +107,14 @@ class GetPickerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PickerInfo(_message.Message):
-    __slots__ = ("needs_prompt", "profiles")
+    __slots__ = ("needs_prompt", "profiles", "packed_token_ids")
     NEEDS_PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROFILES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     needs_prompt: bool
     profiles: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, needs_prompt: _Optional[bool] = ..., profiles: _Optional[_Iterable[str]] = ...) -> None: ...
+    packed_token_ids: bool
+    def __init__(self, needs_prompt: _Optional[bool] = ..., profiles: _Optional[_Iterable[str]] = ..., packed_token_ids: _Optional[bool] = ...) -> None: ...
 
 class CompletedRequest(_message.Message):
     __slots__ = ("request_id", "endpoint_id", "prompt_tokens", "cached_tokens", "outcome")
