@@ -170,17 +170,27 @@ def compare_columns(policies: str, peers: str, default_offload: str) -> list[Col
     """
     columns: list[Column] = []
     for hint, text in (("--policies", policies), ("--peers", peers)):
-        for entry in (p.strip() for p in text.split(",")):
+        entries = [p.strip() for p in text.split(",")]
+        if not any(entries):
+            continue  # --peers '' : no peers (an empty --policies: "no policy given" below)
+        for entry in entries:
             if not entry:
-                continue
+                raise typer.BadParameter(f"an empty entry in {text!r}", param_hint=hint)
             exists = hint == "--policies" and "/" in entry and Path(entry).expanduser().is_file()
             try:
                 base, offload = split_offload(entry, default_offload, exists=exists)
             except ValueError as exc:
                 raise typer.BadParameter(str(exc), param_hint=hint) from None
             if hint == "--policies":
-                columns.append(Column(column_label(base, offload), resolve_policy(base, param_hint=hint), None,
-                                      offload))
+                try:
+                    policy = resolve_policy(base, param_hint=hint)
+                except typer.BadParameter:
+                    if "+" not in base:
+                        raise
+                    raise typer.BadParameter(  # e.g. round-robin+cpu+off: two offload parts
+                        f"{entry!r}: give one offload mode after the policy's name ({', '.join(OFFLOAD_MODES)}); "
+                        f"{base!r} is no scheduling config", param_hint=hint) from None
+                columns.append(Column(column_label(base, offload), policy, None, offload))
             else:
                 missing = peer_missing_reason(base)
                 if missing:
@@ -329,7 +339,8 @@ def ready_lines(mesh: Mesh) -> list[str]:
     return [
         (f"kvmesh ready: router {mesh.router_url} model {mesh.spec.model} epp {mesh.epp_address} "
          f"etcd {mesh.etcd_address} (Ctrl-C to stop)"),
-        f"replay against it: kvmesh replay --router {mesh.router_url} --epp {mesh.epp_address}",
+        (f"replay against it: kvmesh replay --router {mesh.router_url} --epp {mesh.epp_address}"
+         + (f" --time-scale {mesh.spec.time_scale:g}" if mesh.spec.time_scale not in (None, 1.0) else "")),
     ]
 
 

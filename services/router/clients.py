@@ -41,10 +41,11 @@ import itertools
 import logging
 import struct
 import sys
+import time
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -138,6 +139,9 @@ _ADMIT_STATUS_OVERRIDES: dict[grpc.StatusCode, type[errors.KvmeshError]] = {
     grpc.StatusCode.UNIMPLEMENTED: FlowControlUnreachable,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.QueueTTLExpired,  # a deadline on Admit is the queue's (504)
 }
+_EntryT = TypeVar("_EntryT")
+_ReplyT = TypeVar("_ReplyT")
+
 _STATUS_WAIT_SECONDS = 1.0
 """How long a stream's failed write waits for its reader to see the call's final status."""
 
@@ -226,13 +230,160 @@ class _MuxTicket:
 _RELEASE = fc_pb2.Release()
 
 
-class _AdmitStream:
-    """One ``FlowControl.AdmitMany`` call: a writer task (every entry queued since its last write in
-    one ``AdmitBatch``) and a reader task (decisions -> the waiting admissions' futures).
+_STREAM_END_LOG_SECONDS = 10.0
+"""A stream's end is logged at INFO at most this often per kind of stream (then DEBUG): while a
+dependency is down every request opens a new stream and sees it end; the degraded mode's own WARNING
+(:class:`~services.router.degraded.DegradedLog`) already says so once per interval."""
+_stream_end_logged: dict[str, float] = {}
 
-    When the call ends (flow_control gone, restarted, or the channel closed) every waiting admission
-    fails with the call's error (:attr:`error`), sends become no-ops (flow_control released the
-    stream's slots itself) and :attr:`broken` is set: the client opens a new stream for the next request.
+
+def _log_stream_end(what: str, exc: BaseException) -> None:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        reason = f"{exc.code().name}: {exc.details()}"
+    else:
+        reason = f"{type(exc).__name__}: {exc}"
+    now = time.monotonic()
+    quiet = now - _stream_end_logged.get(what, float("-inf")) < _STREAM_END_LOG_SECONDS
+    if not quiet:
+        _stream_end_logged[what] = now
+    logger.log(logging.DEBUG if quiet else logging.INFO, "%s ended (%s); the next request opens a new one", what, reason)
+
+
+class _MuxCall(Generic[_EntryT, _ReplyT]):
+    """One long-lived bidirectional call carrying many requests by id (``FlowControl.AdmitMany``,
+    ``EndpointPicker.PickMany``): a writer task (everything queued since its last write, in one batch
+    message) and a reader task (replies -> the waiting callers' futures, by id).
+
+    When the call ends (the server gone, restarted, or the channel closed) every waiting caller fails
+    with the call's error (:attr:`error`, as :meth:`_failure` reads it), sends become no-ops and
+    :attr:`broken` is set: the client opens a new call for the next request. A failed write waits
+    (at most ``_STATUS_WAIT_SECONDS``) for the reader to see the call's final status: a write after
+    the server ended the call fails with a bare "Internal error from Core", while the reader's
+    ``AioRpcError`` carries the real status (e.g. ``UNIMPLEMENTED`` from an older server).
+
+    Subclasses give the batch to write (:meth:`_take_batch`), what a reply message resolves
+    (:meth:`_on_message`), the errors (:meth:`_failure`, :meth:`_ended`, :meth:`_closed`) and any extra
+    clean-up on failure (:meth:`_on_fail`), and call :meth:`_start` at the end of ``__init__``.
+    """
+
+    _what = "stream"
+    """The call's name in logs."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+        self._pending: dict[int, asyncio.Future[_ReplyT]] = {}
+        self._outbox: list[_EntryT] = []
+        self._wake = asyncio.Event()
+        self.broken = False
+        self.error: BaseException | None = None
+
+    def _start(self, task_prefix: str) -> None:
+        self._writer = asyncio.create_task(self._write(), name=f"{task_prefix}-writer")
+        self._reader = asyncio.create_task(self._read(), name=f"{task_prefix}-reader")
+
+    def send(self, entry: _EntryT) -> None:
+        if self.broken:
+            return
+        self._outbox.append(entry)
+        self._wake.set()
+
+    def expect(self, key: int) -> asyncio.Future[_ReplyT]:
+        """The future of ``key``'s reply (register before sending its entry)."""
+        future: asyncio.Future[_ReplyT] = asyncio.get_running_loop().create_future()
+        if self.broken:
+            future.set_exception(self._failure())
+        else:
+            self._pending[key] = future
+        return future
+
+    def forget(self, key: int) -> None:
+        self._pending.pop(key, None)
+
+    def _take_batch(self) -> Any:
+        """The message carrying everything queued (and clearing it); None when nothing is queued."""
+        raise NotImplementedError
+
+    def _on_message(self, message: Any) -> None:
+        """Resolve the futures a reply message answers (:meth:`_resolve`)."""
+        raise NotImplementedError
+
+    def _failure(self) -> BaseException:
+        raise NotImplementedError
+
+    def _ended(self) -> BaseException:
+        """The error of a call the server ended cleanly (EOF)."""
+        raise NotImplementedError
+
+    def _closed(self) -> BaseException:
+        """The error of waiting callers when the client closes the call."""
+        raise NotImplementedError
+
+    def _on_fail(self) -> None:
+        """Extra clean-up when the call ends (queued entries are already dropped)."""
+
+    def _resolve(self, key: int, reply: _ReplyT) -> None:
+        future = self._pending.pop(key, None)
+        if future is not None and not future.done():
+            future.set_result(reply)
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                batch = self._take_batch()
+                if batch is not None:
+                    await self._call.write(batch)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # the call ended: its status comes from the reader when it has one
+            await asyncio.wait({self._reader}, timeout=_STATUS_WAIT_SECONDS)
+            self._fail(exc)
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                message = await self._call.read()
+                if message is grpc.aio.EOF:
+                    self._fail(self._ended())
+                    return
+                self._on_message(message)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.broken:
+            return
+        self.broken, self.error = True, exc
+        self._outbox.clear()
+        self._on_fail()
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(self._failure())
+        self._call.cancel()
+        current = asyncio.current_task()
+        for task in (self._writer, self._reader):  # the one not ending this call would wait forever
+            if task is not current and not task.done():
+                task.cancel()
+        _log_stream_end(self._what, exc)
+
+    def unimplemented(self) -> bool:
+        """Whether the call ended because the server does not implement it (an older server)."""
+        return isinstance(self.error, grpc.aio.AioRpcError) and self.error.code() == grpc.StatusCode.UNIMPLEMENTED
+
+    async def close(self) -> None:
+        self._fail(self._closed())
+        for task in (self._writer, self._reader):
+            task.cancel()
+        await asyncio.gather(self._writer, self._reader, return_exceptions=True)
+
+
+class _AdmitStream(_MuxCall[fc_pb2.AdmitEntry, fc_pb2.AdmitResponse]):
+    """One ``FlowControl.AdmitMany`` call (:class:`_MuxCall`): entries -> decisions by ticket; when
+    it ends, flow_control released the stream's slots itself.
 
     Credits (``credits`` > 0): the stream's first entry is a ``CreditRequest``; :attr:`credits`
     counts the admission credits flow_control lent (for band :attr:`credit_priority`), which
@@ -244,39 +395,17 @@ class _AdmitStream:
     flight meanwhile, so no limit is loosened (only its per-flow counts lag by that much).
     """
 
+    _what = "admission stream"
+
     def __init__(self, stub: fc_pb2_grpc.FlowControlStub, credits: int = 0, flush_seconds: float = 0.0) -> None:
-        self._call = stub.AdmitMany()
-        self._pending: dict[int, asyncio.Future[fc_pb2.AdmitResponse]] = {}
-        self._outbox: list[fc_pb2.AdmitEntry] = []
-        self._wake = asyncio.Event()
-        self.broken = False
-        self.error: BaseException | None = None
+        super().__init__(stub.AdmitMany())
         self.credits = 0
         self.credit_priority = 0
         self._flush_seconds = flush_seconds
         self._flush: asyncio.TimerHandle | None = None
         if credits > 0:
             self.send(fc_pb2.AdmitEntry(credit_request=fc_pb2.CreditRequest(max_credits=credits)))
-        self._writer = asyncio.create_task(self._write(), name="router-admit-many-writer")
-        self._reader = asyncio.create_task(self._read(), name="router-admit-many-reader")
-
-    def send(self, entry: fc_pb2.AdmitEntry) -> None:
-        if self.broken:
-            return
-        self._outbox.append(entry)
-        self._wake.set()
-
-    def expect(self, key: int) -> asyncio.Future[fc_pb2.AdmitResponse]:
-        """The future of ``key``'s decision (register before sending its enqueue)."""
-        future: asyncio.Future[fc_pb2.AdmitResponse] = asyncio.get_running_loop().create_future()
-        if self.broken:
-            future.set_exception(self._failure())
-        else:
-            self._pending[key] = future
-        return future
-
-    def forget(self, key: int) -> None:
-        self._pending.pop(key, None)
+        self._start("router-admit-many")
 
     def send_soon(self, entry: fc_pb2.AdmitEntry) -> None:
         """Queue ``entry`` for the next write, or a write within ``flush_seconds`` at the latest."""
@@ -302,68 +431,35 @@ class _AdmitStream:
         self.credits += update.grant
         self.credit_priority = update.priority
 
-    async def _write(self) -> None:
-        try:
-            while True:
-                await self._wake.wait()
-                self._wake.clear()
-                if not self._outbox:
-                    continue
-                if self._flush is not None:  # everything queued goes now
-                    self._flush.cancel()
-                    self._flush = None
-                batch, self._outbox = self._outbox, []
-                await self._call.write(fc_pb2.AdmitBatch(entries=batch))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # the call ended: its status comes from the reader when it has one
-            # (a write after the server ended the call fails with a bare "Internal error from Core";
-            # the reader's AioRpcError carries the real status, e.g. UNIMPLEMENTED from an older server)
-            await asyncio.wait({self._reader}, timeout=_STATUS_WAIT_SECONDS)
-            self._fail(exc)
+    def _take_batch(self) -> fc_pb2.AdmitBatch | None:
+        if not self._outbox:
+            return None
+        if self._flush is not None:  # everything queued goes now
+            self._flush.cancel()
+            self._flush = None
+        batch, self._outbox = self._outbox, []
+        return fc_pb2.AdmitBatch(entries=batch)
 
-    async def _read(self) -> None:
-        try:
-            while True:
-                message = await self._call.read()
-                if message is grpc.aio.EOF:
-                    self._fail(FlowControlUnreachable("flow_control ended the admission stream"))
-                    return
-                for decision in message.decisions:
-                    future = self._pending.pop(decision.ticket, None)
-                    if future is not None and not future.done():
-                        future.set_result(decision.response)
-                if message.HasField("credits"):
-                    self._credit_update(message.credits)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
-            self._fail(exc)
+    def _on_message(self, message: fc_pb2.AdmitDecisions) -> None:
+        for decision in message.decisions:
+            self._resolve(decision.ticket, decision.response)
+        if message.HasField("credits"):
+            self._credit_update(message.credits)
 
     def _failure(self) -> BaseException:
         return _admit_error(self.error) if self.error is not None else FlowControlUnreachable("admission stream closed")
 
-    def _fail(self, exc: BaseException) -> None:
-        if self.broken:
-            return
-        self.broken, self.error = True, exc
+    def _ended(self) -> BaseException:
+        return FlowControlUnreachable("flow_control ended the admission stream")
+
+    def _closed(self) -> BaseException:
+        return FlowControlUnreachable("admission client closed")
+
+    def _on_fail(self) -> None:
         self.credits = 0  # flow_control freed them with the stream
         if self._flush is not None:
             self._flush.cancel()
             self._flush = None
-        self._outbox.clear()
-        pending, self._pending = self._pending, {}
-        for future in pending.values():
-            if not future.done():
-                future.set_exception(self._failure())
-        self._call.cancel()
-        logger.info("admission stream ended error=%r; the next request opens a new one", exc)
-
-    async def close(self) -> None:
-        self._fail(FlowControlUnreachable("admission client closed"))
-        for task in (self._writer, self._reader):
-            task.cancel()
-        await asyncio.gather(self._writer, self._reader, return_exceptions=True)
 
 
 def _admit_error(exc: BaseException) -> BaseException:
@@ -611,32 +707,16 @@ COMPLETED_BATCH_MAX = 512
 """Completions per ``Completed`` call."""
 
 
-class _PickStream:
-    """One ``EndpointPicker.PickMany`` call: a writer task (every entry and completion queued since
-    its last write in one ``PickBatch``) and a reader task (results -> the waiting picks' futures).
+class _PickStream(_MuxCall[epp_pb2.PickEntry, epp_pb2.PickResult]):
+    """One ``EndpointPicker.PickMany`` call (:class:`_MuxCall`): entries and completions -> results
+    by id; when it ends, the completions still queued are dropped (counted)."""
 
-    When the call ends (epp gone, restarted, or the channel closed) every waiting pick fails with
-    the call's error (:attr:`error`, as :func:`_pick_call_error` reads it), sends become no-ops (the
-    completions still queued are dropped, counted) and :attr:`broken` is set: the client opens a new
-    stream for the next pick.
-    """
+    _what = "pick stream"
 
     def __init__(self, stub: epp_pb2_grpc.EndpointPickerStub) -> None:
-        self._call = stub.PickMany()
-        self._pending: dict[int, asyncio.Future[epp_pb2.PickResult]] = {}
-        self._outbox: list[epp_pb2.PickEntry] = []
+        super().__init__(stub.PickMany())
         self._completed: list[epp_pb2.CompletedRequest] = []
-        self._wake = asyncio.Event()
-        self.broken = False
-        self.error: BaseException | None = None
-        self._writer = asyncio.create_task(self._write(), name="router-pick-many-writer")
-        self._reader = asyncio.create_task(self._read(), name="router-pick-many-reader")
-
-    def send(self, entry: epp_pb2.PickEntry) -> None:
-        if self.broken:
-            return
-        self._outbox.append(entry)
-        self._wake.set()
+        self._start("router-pick-many")
 
     def send_completed(self, completed: list[epp_pb2.CompletedRequest]) -> bool:
         """Queue completions for the next write; False (nothing queued) when the stream is broken."""
@@ -646,79 +726,30 @@ class _PickStream:
         self._wake.set()
         return True
 
-    def expect(self, key: int) -> asyncio.Future[epp_pb2.PickResult]:
-        """The future of ``key``'s result (register before sending its entry)."""
-        future: asyncio.Future[epp_pb2.PickResult] = asyncio.get_running_loop().create_future()
-        if self.broken:
-            future.set_exception(self._failure())
-        else:
-            self._pending[key] = future
-        return future
+    def _take_batch(self) -> epp_pb2.PickBatch | None:
+        if not self._outbox and not self._completed:
+            return None
+        entries, self._outbox = self._outbox, []
+        completed, self._completed = self._completed, []
+        return epp_pb2.PickBatch(entries=entries, completed=completed)
 
-    def forget(self, key: int) -> None:
-        self._pending.pop(key, None)
-
-    async def _write(self) -> None:
-        try:
-            while True:
-                await self._wake.wait()
-                self._wake.clear()
-                if not self._outbox and not self._completed:
-                    continue
-                entries, self._outbox = self._outbox, []
-                completed, self._completed = self._completed, []
-                await self._call.write(epp_pb2.PickBatch(entries=entries, completed=completed))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # the call ended: its status comes from the reader when it has one
-            # (a write after the server ended the call fails with a bare "Internal error from Core";
-            # the reader's AioRpcError carries the real status, e.g. UNIMPLEMENTED from an older server)
-            await asyncio.wait({self._reader}, timeout=_STATUS_WAIT_SECONDS)
-            self._fail(exc)
-
-    async def _read(self) -> None:
-        try:
-            while True:
-                message = await self._call.read()
-                if message is grpc.aio.EOF:
-                    self._fail(PickerUnreachable("endpoint picker ended the pick stream"))
-                    return
-                for result in message.results:
-                    future = self._pending.pop(result.id, None)
-                    if future is not None and not future.done():
-                        future.set_result(result)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
-            self._fail(exc)
+    def _on_message(self, message: epp_pb2.PickResults) -> None:
+        for result in message.results:
+            self._resolve(result.id, result)
 
     def _failure(self) -> BaseException:
         return _pick_call_error(self.error) if self.error is not None else PickerUnreachable("pick stream closed")
 
-    def _fail(self, exc: BaseException) -> None:
-        if self.broken:
-            return
-        self.broken, self.error = True, exc
-        self._outbox.clear()
+    def _ended(self) -> BaseException:
+        return PickerUnreachable("endpoint picker ended the pick stream")
+
+    def _closed(self) -> BaseException:
+        return PickerUnreachable("picker client closed")
+
+    def _on_fail(self) -> None:
         if self._completed:
             metrics.EPP_COMPLETIONS_DROPPED.labels("unreachable").inc(len(self._completed))
             self._completed.clear()
-        pending, self._pending = self._pending, {}
-        for future in pending.values():
-            if not future.done():
-                future.set_exception(self._failure())
-        self._call.cancel()
-        logger.info("pick stream ended error=%r; the next pick opens a new one", exc)
-
-    def unimplemented(self) -> bool:
-        """Whether the call ended because epp does not implement ``PickMany`` (an older epp)."""
-        return isinstance(self.error, grpc.aio.AioRpcError) and self.error.code() == grpc.StatusCode.UNIMPLEMENTED
-
-    async def close(self) -> None:
-        self._fail(PickerUnreachable("picker client closed"))
-        for task in (self._writer, self._reader):
-            task.cancel()
-        await asyncio.gather(self._writer, self._reader, return_exceptions=True)
 
 
 def _pick_call_error(exc: BaseException) -> BaseException:

@@ -68,6 +68,13 @@ def test_columns_errors() -> None:
         compare_columns("no-such-policy+cpu", "", "off")
     with pytest.raises(typer.BadParameter, match="no policy"):
         compare_columns(" , ", "", "off")
+    with pytest.raises(typer.BadParameter, match="an empty entry"):  # a typo, not silently one column fewer
+        compare_columns("round-robin,,precise-prefix", "", "off")
+    with pytest.raises(typer.BadParameter, match="an empty entry"):
+        compare_columns("round-robin", ",sglang-router", "off")
+    for twice in ("round-robin+cpu+off", "round-robin+cpu+cpu", "precise-prefix+gpu+cpu"):
+        with pytest.raises(typer.BadParameter, match="give one offload mode"):
+            compare_columns(twice, "", "off")
 
 
 def test_yaml_path_with_plus_is_kept_whole(tmp_path: Path) -> None:

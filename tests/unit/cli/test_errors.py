@@ -128,7 +128,7 @@ def fake_mesh() -> SimpleNamespace:
         for i in range(3)
     ]
     return SimpleNamespace(
-        spec=SimpleNamespace(engines=3, policy="precise-prefix", model="sim-model"),
+        spec=SimpleNamespace(engines=3, policy="precise-prefix", model="sim-model", time_scale=None),
         describe=lambda: rows, router_url="http://127.0.0.1:8000", epp_address="127.0.0.1:9001",
         etcd_address="127.0.0.1:2379",
     )
@@ -161,4 +161,7 @@ def test_ready_lines_name_router_epp_and_etcd() -> None:
     first, hint = cli.ready_lines(fake_mesh())  # type: ignore[arg-type]
     assert first.startswith("kvmesh ready: router ") and first.split()[3] == "http://127.0.0.1:8000"
     assert "epp 127.0.0.1:9001" in first and "etcd 127.0.0.1:2379" in first
-    assert "--router http://127.0.0.1:8000 --epp 127.0.0.1:9001" in hint
+    assert "--router http://127.0.0.1:8000 --epp 127.0.0.1:9001" in hint and "--time-scale" not in hint
+    scaled = fake_mesh()
+    scaled.spec.time_scale = 20.0
+    assert cli.ready_lines(scaled)[1].endswith(" --time-scale 20")  # type: ignore[arg-type]  # replay's must match

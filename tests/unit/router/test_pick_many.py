@@ -270,6 +270,9 @@ async def test_epp_restart_next_pick_opens_a_new_stream() -> None:
         await server.stop(0)
         with pytest.raises(PickerUnreachable):
             await client.pick(PickQuery("b", "m"))  # epp gone: the degraded mode's cue
+        # the ended stream leaves no task behind (a writer waiting forever is destroyed pending at exit)
+        await _until(lambda: not [t for t in asyncio.all_tasks()
+                                  if t.get_name().startswith("router-pick-many") and not t.done()])
         second = CountingServicer(scheduler)
         server, _ = await _serve(second, port)
         reply = None
