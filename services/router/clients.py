@@ -262,8 +262,9 @@ class _MuxCall(Generic[_EntryT, _ReplyT]):
     ``AioRpcError`` carries the real status (e.g. ``UNIMPLEMENTED`` from an older server).
 
     Subclasses give the batch to write (:meth:`_take_batch`), what a reply message resolves
-    (:meth:`_on_message`), the errors (:meth:`_failure`, :meth:`_ended`, :meth:`_closed`) and any extra
-    clean-up on failure (:meth:`_on_fail`), and call :meth:`_start` at the end of ``__init__``.
+    (:meth:`_on_message`), their errors (``_unreachable``, the two messages, ``_call_error``: the RPC's
+    status table) and any extra clean-up on failure (:meth:`_on_fail`), and call :meth:`_start` at the
+    end of ``__init__``.
     """
 
     _what = "stream"
@@ -307,16 +308,28 @@ class _MuxCall(Generic[_EntryT, _ReplyT]):
         """Resolve the futures a reply message answers (:meth:`_resolve`)."""
         raise NotImplementedError
 
-    def _failure(self) -> BaseException:
+    _unreachable: type[errors.KvmeshError] = errors.KvmeshError
+    """The error of a call that ended without a status (EOF, closed by the client)."""
+    _ended_message = "the server ended the stream"
+    _closed_message = "client closed"
+
+    @staticmethod
+    def _call_error(exc: BaseException) -> BaseException:
+        """A failed call's error as the caller sees it (the status table of the RPC)."""
         raise NotImplementedError
+
+    def _failure(self) -> BaseException:
+        if self.error is not None:
+            return self._call_error(self.error)
+        return self._unreachable(f"{self._what} closed")
 
     def _ended(self) -> BaseException:
         """The error of a call the server ended cleanly (EOF)."""
-        raise NotImplementedError
+        return self._unreachable(self._ended_message)
 
     def _closed(self) -> BaseException:
         """The error of waiting callers when the client closes the call."""
-        raise NotImplementedError
+        return self._unreachable(self._closed_message)
 
     def _on_fail(self) -> None:
         """Extra clean-up when the call ends (queued entries are already dropped)."""
@@ -446,14 +459,13 @@ class _AdmitStream(_MuxCall[fc_pb2.AdmitEntry, fc_pb2.AdmitResponse]):
         if message.HasField("credits"):
             self._credit_update(message.credits)
 
-    def _failure(self) -> BaseException:
-        return _admit_error(self.error) if self.error is not None else FlowControlUnreachable("admission stream closed")
+    _unreachable = FlowControlUnreachable
+    _ended_message = "flow_control ended the admission stream"
+    _closed_message = "admission client closed"
 
-    def _ended(self) -> BaseException:
-        return FlowControlUnreachable("flow_control ended the admission stream")
-
-    def _closed(self) -> BaseException:
-        return FlowControlUnreachable("admission client closed")
+    @staticmethod
+    def _call_error(exc: BaseException) -> BaseException:
+        return _admit_error(exc)
 
     def _on_fail(self) -> None:
         self.credits = 0  # flow_control freed them with the stream
@@ -737,14 +749,13 @@ class _PickStream(_MuxCall[epp_pb2.PickEntry, epp_pb2.PickResult]):
         for result in message.results:
             self._resolve(result.id, result)
 
-    def _failure(self) -> BaseException:
-        return _pick_call_error(self.error) if self.error is not None else PickerUnreachable("pick stream closed")
+    _unreachable = PickerUnreachable
+    _ended_message = "endpoint picker ended the pick stream"
+    _closed_message = "picker client closed"
 
-    def _ended(self) -> BaseException:
-        return PickerUnreachable("endpoint picker ended the pick stream")
-
-    def _closed(self) -> BaseException:
-        return PickerUnreachable("picker client closed")
+    @staticmethod
+    def _call_error(exc: BaseException) -> BaseException:
+        return _pick_call_error(exc)
 
     def _on_fail(self) -> None:
         if self._completed:
