@@ -7,18 +7,13 @@ The process-level behaviour (real ports, ZMQ, etcd, disconnects) is in
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 from starlette.routing import Route
 
-from engine_simulator.app import EngineSimulator, build_service
-from engine_simulator.config import SimulatorConfig
-from engine_simulator.engine import AsyncEngine
-from engine_simulator.publisher import NullEventPublisher
+from engine_simulator.app import EngineSimulator
 from engine_simulator.server import EngineHttpApi, ServerState
-from kvmesh.clock import ScaledClock
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 512
@@ -40,25 +35,6 @@ ROUTES = {
     ("/debug/kv_cache", "GET"),
     ("/debug/kv_events/drop", "POST"),
 }
-
-
-@pytest.fixture(scope="module")
-def sim(tmp_path_factory: pytest.TempPathFactory) -> EngineSimulator:
-    config = SimulatorConfig(model=MODEL, max_model_len=MAX_MODEL_LEN, time_scale=10000.0,
-                             tokenizer_path=str(tmp_path_factory.mktemp("tok")), etcd_endpoints=[])
-    return build_service(config)
-
-
-@pytest.fixture
-async def client(sim: EngineSimulator) -> AsyncIterator[httpx.AsyncClient]:
-    clock = ScaledClock(sim.config.time_scale)
-    engine = AsyncEngine(sim.core, sim.latency, clock, NullEventPublisher(), sim.metrics)
-    engine.start()
-    api = EngineHttpApi(ServerState(engine, sim.renderer, MODEL, MAX_MODEL_LEN, sim.tokenizer_dir, 1700000000))
-    transport = httpx.ASGITransport(app=api.app())
-    async with httpx.AsyncClient(transport=transport, base_url="http://sim") as c:
-        yield c
-    await engine.stop()
 
 
 def test_route_table_is_the_documented_one(sim: EngineSimulator) -> None:

@@ -9,18 +9,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
-
-from engine_simulator.app import EngineSimulator, build_service
-from engine_simulator.config import SimulatorConfig
-from engine_simulator.engine import AsyncEngine
-from engine_simulator.publisher import NullEventPublisher
-from engine_simulator.server import EngineHttpApi, ServerState
-from kvmesh.clock import ScaledClock
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 512
@@ -37,24 +29,6 @@ VLLM_032_BODIES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ('cmpl', {'seed': 18446744073709551616}, {"message": "1 validation error:\n  {'type': 'less_than_equal', 'loc': 'body.seed', 'msg': 'Input should be less than or equal to 9223372036854775807', 'input': '18446744073709551616', 'ctx': {'le': 9223372036854775807}}", "type": "Bad Request", "param": "body.seed", "code": 400}),
     ('cmpl', {'logprobs': -2}, {"message": "`logprobs` must be a positive value or -1. (parameter=logprobs, value=-2)", "type": "BadRequestError", "param": "logprobs", "code": 400}),
 ]
-
-
-@pytest.fixture(scope="module")
-def sim(tmp_path_factory: pytest.TempPathFactory) -> EngineSimulator:
-    config = SimulatorConfig(model=MODEL, max_model_len=MAX_MODEL_LEN, time_scale=10000.0,
-                             tokenizer_path=str(tmp_path_factory.mktemp("tok")), etcd_endpoints=[])
-    return build_service(config)
-
-
-@pytest.fixture
-async def client(sim: EngineSimulator) -> AsyncIterator[httpx.AsyncClient]:
-    clock = ScaledClock(sim.config.time_scale)
-    engine = AsyncEngine(sim.core, sim.latency, clock, NullEventPublisher(), sim.metrics)
-    engine.start()
-    api = EngineHttpApi(ServerState(engine, sim.renderer, MODEL, MAX_MODEL_LEN, sim.tokenizer_dir, 1700000000))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api.app()), base_url="http://sim") as c:
-        yield c
-    await engine.stop()
 
 
 def _path(kind: str) -> tuple[str, dict[str, Any]]:
