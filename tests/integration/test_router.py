@@ -438,8 +438,17 @@ async def test_grpc_binds_api_keys_to_tenants(mesh: Mesh, start_service, tmp_pat
         keyed = stub.CompleteStream(held, metadata=(("authorization", f"Bearer {key}"),
                                                     ("x-gateway-inference-fairness-id", "spoof")), timeout=20)
         assert (await anonymous.read()).text == "tok0 " and (await keyed.read()).text == "tok0 "
-        stats = await flow_control_pb2_grpc.FlowControlStub(fc).Stats(flow_control_pb2.StatsRequest(), timeout=2)
-        assert sorted((f.flow_id, f.priority, f.in_flight) for f in stats.flows) == [("acme", 5, 1), ("default", 1, 1)]
+        flows: list[tuple[str, int, int]] = []
+
+        async def both_flows() -> bool:
+            # A request dispatched on an admission credit reaches its flow when its Enqueue lands, just after
+            # its first token can: the per-flow figures are eventually exact, never wrong.
+            stats = await flow_control_pb2_grpc.FlowControlStub(fc).Stats(flow_control_pb2.StatsRequest(), timeout=2)
+            flows[:] = sorted((f.flow_id, f.priority, f.in_flight) for f in stats.flows)
+            return len(flows) == 2
+
+        await _until(both_flows, 5, "both requests' flows in flow_control's Stats")
+        assert flows == [("acme", 5, 1), ("default", 1, 1)]
         anonymous.cancel()
         keyed.cancel()
         with pytest.raises(grpc.aio.AioRpcError) as info:
