@@ -91,6 +91,12 @@ class FlowControlConfig(GrpcServiceConfig):
     engine's, scraped every 1 s and read every 1 s, is up to ~2 s old). Was 1.0 s."""
     dispatch_visibility_seconds: float = Field(0.05, ge=0, le=10)
     """A dispatch counts against the pool's room until a sample taken this long after it arrives."""
+    engine_max_num_seqs: int = Field(0, ge=0, le=1_000_000)
+    """The engines' ``--max-num-seqs`` (most requests one runs at once): dispatches not yet visible in
+    a sample take the running slots an engine can still start before they count against its
+    queue-depth allowance. vLLM 0.32 exposes no metric for it (``vllm:cache_config_info`` carries
+    KV sizes only), so 0 (the default) learns each endpoint's from the highest
+    ``vllm:num_requests_running`` it reported (``saturation.py``); set it when every engine's is known."""
     admission_credits: int = Field(4, ge=0, le=1024)
     """Admission credits lent to each ``AdmitMany`` stream that asks (the router's): pre-admitted
     slots, lent while nothing is queued and the pool has room (at most half the free room in all),
@@ -121,4 +127,5 @@ class FlowControlConfig(GrpcServiceConfig):
         if not self.epp_address:
             return None
         return SaturationDetector(self.queue_depth_threshold, self.kv_cache_util_threshold,
-                                  self.metrics_staleness_seconds, self.dispatch_visibility_seconds)
+                                  self.metrics_staleness_seconds, self.dispatch_visibility_seconds,
+                                  self.engine_max_num_seqs)

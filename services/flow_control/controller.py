@@ -390,7 +390,7 @@ class FlowController:
             self._in_flight -= 1
             assert self._in_flight >= 0, "in-flight count went negative"
             if self.detector is not None and ticket.dispatched_at is not None:
-                self.detector.note_done(ticket.dispatched_at)
+                self.detector.note_done(ticket.dispatched_at, self._clock.now())
             if band is not None and flow is not None:
                 band.in_flight -= 1
                 flow.in_flight -= 1

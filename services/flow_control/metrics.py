@@ -23,6 +23,7 @@ State (:class:`ControllerCollector`, computed from ``FlowController.stats()`` at
 | ``kvmesh_flow_control_flow_served_tokens`` / ``_flow_share`` | gauge | ``flow`` (over the fairness window) |
 | ``kvmesh_flow_control_jain_index`` | gauge | (Jain's index of served tokens over the window) |
 | ``kvmesh_flow_control_pool_saturation`` / ``_saturated`` / ``_saturation_stale`` / ``_saturation_headroom`` | gauge | |
+| ``kvmesh_flow_control_pool_running_capacity`` / ``_saturation_unseen_dispatches`` | gauge | (max_num_seqs summed; dispatches not yet in a sample) |
 | ``kvmesh_flow_control_admission_credits_lent`` | gauge | (credits lent, neither spent nor returned) |
 
 A flow label is the fairness id for the first ``max_flow_labels`` ids seen, then ``_other``.
@@ -204,3 +205,7 @@ class ControllerCollector(Collector):
                                     value=float(sat.stale))
             yield GaugeMetricFamily(p + "saturation_headroom", "Requests the pool can still take (capped at 1e9).",
                                     value=min(sat.headroom, 1e9))
+            yield GaugeMetricFamily(p + "pool_running_capacity", "Requests the fresh endpoints can run at once "
+                                    "(max_num_seqs, configured or learned; 0 while unknown).", value=sat.running_capacity)
+            yield GaugeMetricFamily(p + "saturation_unseen_dispatches", "Dispatches the last engine sample cannot "
+                                    "show yet (counted against the room).", value=float(sat.unseen_dispatches))

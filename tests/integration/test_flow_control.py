@@ -284,7 +284,7 @@ async def test_saturation_from_epp_scrapes_and_fails_open(start_service, engines
     epp_proc, epp_address = start_service("epp", "--scheduling-config", "load-only", "--metrics-scrape-interval-seconds", "0.05")
     proc, address = start_service(
         "flow_control", "--max-in-flight", "50", "--epp-address", epp_address, "--queue-depth-threshold", "4",
-        "--metrics-staleness-seconds", "1.0",
+        "--metrics-staleness-seconds", "1.0", "--engine-max-num-seqs", "4",  # the engine runs 4: at its max_num_seqs
     )
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.FlowControlStub(channel)
@@ -317,6 +317,49 @@ async def test_saturation_from_epp_scrapes_and_fails_open(start_service, engines
         text = (await http.get(metrics_url(proc))).text
     assert "kvmesh_flow_control_saturation_stale 1.0" in text
     assert 'kvmesh_flow_control_pool_poll_total{result="error"}' in text
+
+
+async def test_unseen_dispatches_take_free_running_slots_over_grpc(start_service, engines) -> None:  # noqa: F811
+    """Issue 10 (engine-bound throughput): an engine with free running slots and a transient queue takes
+    dispatches up to its free slots plus the queue allowance before the next scrape, not just the
+    allowance; at its max_num_seqs only the allowance is left. Real epp scraping a vLLM-format
+    /metrics, flow_control over gRPC, GIE's default thresholds (queue 5, KV 0.8)."""
+    model = f"m-{uuid.uuid4().hex[:8]}"
+    engine, _ = await engines(model, waiting=2, running=10, usage=0.05)  # 54 free of 64; 2 arrived between steps
+    _, epp_address = start_service("epp", "--scheduling-config", "load-only", "--metrics-scrape-interval-seconds", "0.05")
+    _, address = start_service(
+        "flow_control", "--max-in-flight", "500", "--epp-address", epp_address, "--engine-max-num-seqs", "64",
+        "--metrics-staleness-seconds", "1.0", "--dispatch-visibility-seconds", "10",  # no sample shows these calls
+    )
+    calls: list[grpc.aio.StreamStreamCall] = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.FlowControlStub(channel)
+
+        async def saturation() -> pb.Saturation:
+            return (await stub.Stats(pb.StatsRequest())).saturation
+
+        await wait_until_async(saturation, 15, "a fresh sample", until=lambda s: s.enabled and not s.stale, interval=0.05)
+        assert (await saturation()).headroom == pytest.approx(5 + 54 - 2)  # GIE's rule alone: 3
+        for i in range(60):
+            call = stub.Admit()
+            await call.write(enqueue(f"r{i}", model=model))
+            calls.append(call)
+        await stats_become(stub, in_flight=57, queued=3)  # free slots + allowance, then it holds
+        sat = await saturation()
+        assert sat.saturated and sat.unseen_dispatches == 57
+        assert sat.saturation == pytest.approx(1.0)  # 52 start (KV 0.05 -> 0.31), 5 wait: GIE's full queue
+        engine.running, engine.waiting = 64, 4  # at max_num_seqs: 1 left of the allowance (unseen still count)
+        # the new sample: nothing starts, all 57 unseen would wait on top of 4: (4 + 57) / 5
+        await wait_until_async(saturation, 10, "the engine at max_num_seqs", interval=0.05,
+                               until=lambda s: s.saturated and s.saturation == pytest.approx(61 / 5))
+        for call in calls[:57]:  # they finish: released before any sample showed them
+            await call.done_writing()
+        await stats_become(stub, in_flight=1, queued=2)  # the room of one sample: 5 - 4 waiting
+        engine.running, engine.waiting = 0, 0
+        await stats_become(stub, in_flight=3, queued=0)
+        for call in calls[57:]:
+            call.cancel()
+        await stats_become(stub, in_flight=0, queued=0)
 
 
 async def test_restart_under_load_leaks_no_slot(start_service, etcd: str, run_dir) -> None:
