@@ -23,7 +23,9 @@ hashed per pick. Modes, side by side in one run: in-process with incremental ren
 code before incremental rendering), ``--levers-off`` the default path without the per-pick levers
 (the window rendered twice instead of once plus the template's static generation prompt, the encoder
 with offsets instead of the offset-free one, the whole prompt walked instead of only the blocks
-after the last pick's match), ``--engine-tokenize`` tokenization through the engine's
+after the last pick's match; wave 6's sharing off too), ``--wave6-off`` the default path without wave 6's
+sharing alone (each call rebuilds the chat's message dicts and size count, copies its whole text and
+token ids, and finds its cached block keys by comparing bytes), ``--engine-tokenize`` tokenization through the engine's
 ``/tokenize`` only (the code before issue 10). ``--profile N`` prints the N heaviest functions
 (cProfile, cumulative) of the default mode's incremental picks. Not a timed test: numbers move with
 machine load.
@@ -209,6 +211,9 @@ async def run(args: argparse.Namespace, mode: str) -> dict[str, object]:
         assert local is not None
         if mode == "full-render":
             local.renderer = None  # the whole history through the chat template on every call
+        if mode in ("levers-off", "wave6-off"):  # wave 6: chats' messages, text and ids shared, not rebuilt per call
+            in_process.remember_chats = False
+            local.share_growth = False
         if mode == "levers-off":  # the incremental path as it was before these levers (same run, A/B)
             assert local.renderer is not None
             local.renderer.static_generation = False  # the window rendered twice (with and without the prompt)
@@ -282,6 +287,63 @@ async def run(args: argparse.Namespace, mode: str) -> dict[str, object]:
         await stub.stop()
 
 
+async def tokenizer_ab(args: argparse.Namespace) -> list[tuple[str, float, float, float]]:
+    """The tokenization (+ the replica's block keys) of grown chats alone, in one process: wave 6's sharing on
+    and off, interleaved per pick in random order (same chats, same calls). Rows: (variant, tokenize p50 ms,
+    keys p50 ms, p90 of their sum)."""
+    from kvmesh.hashing import PrefixKeyCache
+    from kvmesh.prefix_index import packed_or_ids
+
+    rnd = random.Random(7)
+    tok_dir = ensure_tokenizer(Path(args.workdir) / "tok")
+    variants: dict[str, tuple[InProcessTokenizer, PrefixKeyCache, list[float], list[float]]] = {}
+    for name, share in (("wave 6 sharing on (default)", True), ("wave 6 sharing off", False)):
+        tokenizer = InProcessTokenizer({MODEL: str(tok_dir)}, None, max_prompt_chars=1 << 30)
+        local = tokenizer.local(MODEL)
+        assert local is not None
+        tokenizer.remember_chats = local.share_growth = share
+        variants[name] = (tokenizer, PrefixKeyCache(), [], [])
+    reference = LocalTokenizer(tok_dir)
+
+    def request(messages: list[dict[str, str]]) -> SchedulingRequest:
+        return SchedulingRequest(model=MODEL, request_id="ab", messages=tuple(ChatMessage(m["role"], m["content"])
+                                                                           for m in messages))
+
+    chats = []
+    for s in range(args.sessions):
+        messages = [{"role": "system", "content": f"You are agent {s}. " + sentence(rnd, 60)}]
+        while len(messages) % 20 != 1 or len(reference.chat_ids({"messages": messages})) < args.history_tokens:
+            messages.append({"role": "user", "content": sentence(rnd, args.turn_tokens // 2)})
+            messages.append({"role": "assistant", "content": sentence(rnd, args.turn_tokens // 2)})
+        messages.append({"role": "user", "content": sentence(rnd, args.turn_tokens // 2)})
+        chats.append(messages)
+        for tokenizer, keys, _, _ in variants.values():
+            keys.block_keys(packed_or_ids(await tokenizer.tokenize(request(messages), [])), BLOCK)
+    for _turn in range(args.turns):
+        for messages in chats:
+            messages.append({"role": "assistant", "content": sentence(rnd, args.turn_tokens // 2)})
+            messages.append({"role": "user", "content": sentence(rnd, args.turn_tokens // 2)})
+            order = list(variants.values())
+            rnd.shuffle(order)
+            results = []
+            for tokenizer, keys, tok_times, key_times in order:
+                req = request(messages)
+                t0 = CLOCK()
+                ids = await tokenizer.tokenize(req, [])
+                t1 = CLOCK()
+                keys.block_keys(packed_or_ids(ids), BLOCK)
+                key_times.append(CLOCK() - t1)
+                tok_times.append(t1 - t0)
+                results.append(ids)
+            assert results[0] == results[1]  # the same tokens either way
+    rows = []
+    for name, (_, _, tok_times, key_times) in variants.items():
+        total = sorted(a + b for a, b in zip(tok_times, key_times, strict=True))
+        rows.append((name, statistics.median(tok_times) * 1e3, statistics.median(key_times) * 1e3,
+                     total[int(0.9 * len(total))] * 1e3))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--endpoints", type=int, default=100)
@@ -295,21 +357,42 @@ def main() -> None:
     parser.add_argument("--levers-off", action="store_true",
                         help="also run the incremental path without issue 10's per-pick levers (window rendered "
                              "twice, encoder with offsets, whole-prompt walk): the A/B in one run")
+    parser.add_argument("--wave6-off", action="store_true",
+                        help="also run the incremental path without wave 6's sharing (each call rebuilds the chat's "
+                             "message dicts and size, copies its whole text and ids, finds its keys by comparing "
+                             "bytes): the A/B in one run")
+    parser.add_argument("--tokenizer-ab", action="store_true",
+                        help="only the tokenization and block keys of grown chats, in one process, wave 6's sharing on "
+                             "and off interleaved per pick (use --clock thread on a loaded machine)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the modes this many times, interleaved (A/B on a noisy machine)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="print the N heaviest functions of the default mode's incremental picks (cProfile)")
     parser.add_argument("--workdir", default=None)
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                        help="time with the wall clock (default) or the process's CPU time (loaded machines)")
+    parser.add_argument("--clock", choices=("wall", "cpu", "thread"), default="wall",
+                        help="time with the wall clock (default), the process's CPU time or this thread's (loaded machines)")
     args = parser.parse_args()
     global CLOCK
-    CLOCK = time.perf_counter if args.clock == "wall" else time.process_time
+    CLOCK = {"wall": time.perf_counter, "cpu": time.process_time, "thread": time.thread_time}[args.clock]
+    if args.tokenizer_ab:
+        with tempfile.TemporaryDirectory() as tmp:
+            args.workdir = args.workdir or tmp
+            rows = [row for _ in range(args.repeat) for row in asyncio.run(tokenizer_ab(args))]
+        print(f"tokenization of chats grown by one turn, in process: {args.sessions} sessions, ~{args.history_tokens}-token "
+              f"histories, {args.turns} turns each, interleaved; {args.clock} clock")
+        print(f"{'variant':<30} {'tokenize p50 ms':>16} {'block keys p50 ms':>18} {'sum p90 ms':>11}")
+        for name, tok, keys, p90 in rows:
+            print(f"{name:<30} {tok:>16.3f} {keys:>18.3f} {p90:>11.3f}")
+        return
     with tempfile.TemporaryDirectory() as tmp:
         args.workdir = args.workdir or tmp
         modes = [("in-process (default)", "incremental")]
+        modes += [("in-process, wave 6 off", "wave6-off")] if args.wave6_off else []
         modes += [("in-process, levers off", "levers-off")] if args.levers_off else []
         modes += [("in-process, full render", "full-render")] if args.full_render else []
         modes += [("engine /tokenize only", "engine")] if args.engine_tokenize else []
-        results = [(label, asyncio.run(run(args, flag))) for label, flag in modes]
+        results = [(label if args.repeat == 1 else f"{label} #{r + 1}", asyncio.run(run(args, flag)))
+                   for r in range(args.repeat) for label, flag in modes]
     print(f"epp Pick, chats grown by one turn: {args.endpoints} endpoints, {args.sessions} sessions, "
           f"~{results[0][1]['history_tokens']:.0f}-token histories, ~{args.turn_tokens}-word turns, "
           f"{results[0][1]['picks']} incremental picks per mode; precise-prefix, Watch-fed replica; {args.clock} clock")

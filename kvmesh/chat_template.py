@@ -680,13 +680,27 @@ class IncrementalRenderer:
         Raises:
             MultimodalContent, InvalidRequest: as :func:`render_request`.
         """
+        head, tail, _ = self.render_parts(body)
+        return head + tail if tail else head
+
+    def render_parts(self, body: Mapping[str, Any]) -> tuple[str, str, str | None]:
+        """:meth:`render`'s text as ``(head, tail, base)``, the text being ``head + tail``: ``head`` is the chat
+        without the generation prompt (the object this renderer caches, so a caller keeping it holds no
+        copy), ``tail`` the generation prompt ("" after a full render: then ``head`` is the whole text);
+        ``base``: the cached text object ``head`` was built by appending to (``head`` starts with it by
+        construction), None after a full render. A grown chat's text is thus never copied whole a second
+        time, nor compared whole with the last call's.
+
+        Raises:
+            MultimodalContent, InvalidRequest: as :func:`render_request`.
+        """
         messages = body.get("messages")
         if not self.incremental or body.get("continue_final_message") or not isinstance(messages, list) or not messages:
             self.stats["full"] += 1
             self.last_prefix = None
-            return render_request(self.template, body)
+            return render_request(self.template, body), "", None
         root = json.dumps([body.get("tools"), body.get("documents"), body.get("chat_template_kwargs")],
-                          sort_keys=True, default=str)
+                          default=str)  # key order kept: ``tojson`` renders it
         n = len(messages)
         cache = self._cache
         entry: _Rendered | None = None
@@ -694,7 +708,7 @@ class IncrementalRenderer:
             key = prefix_key(root, messages, i + 1)
             found = cache.get(key)
             if found is not None and found.root == root and len(found.messages) == i + 1 \
-                    and found.messages == messages[: i + 1]:
+                    and same_as_rendered(found.messages, messages):
                 with self._lock:  # a worker thread may render a long chat meanwhile
                     if key in cache:
                         cache.move_to_end(key)
@@ -712,7 +726,7 @@ class IncrementalRenderer:
             if done is not None and agp and self.static_generation and root not in self._generation:
                 if len(self._generation) >= _GENERATION_ROOTS:
                     self._generation.clear()
-                self._generation[root] = done[1][len(done[0]):]
+                self._generation[root] = done[1]
         else:
             k = len(entry.messages)
             a: str | None = None
@@ -731,11 +745,12 @@ class IncrementalRenderer:
         if done is None:
             self.stats["fallback"] += 1
             self.last_prefix = None
-            return render_request(self.template, body)
-        self.last_prefix = entry.text if entry is not None else None
-        grown, text, window_text = done
+            return render_request(self.template, body), "", None
+        base = entry.text if entry is not None else None
+        self.last_prefix = base
+        grown, suffix, window_text = done
         self._store(prefix_key(root, messages, n), _Rendered(root, list(messages), grown, j, window_text))
-        return text
+        return grown, suffix, base
 
     def _store(self, key: int, entry: _Rendered) -> None:
         with self._lock:
@@ -772,7 +787,9 @@ class _Rendered:
 def _window_render(template: ChatTemplate, body: Mapping[str, Any], window: list[Any], prefix: str,
                    cut: int | None, agp: bool, why: list[str] | None = None,
                    a: str | None = None, generation: str | None = None) -> tuple[str, str, str] | None:
-    """(render(m, False), render(m, agp), render(window, False)) from a prefix's text and window renders; None: unsafe.
+    """(render(m, False), the generation prompt's text, render(window, False)) from a prefix's text and window
+    renders, where ``render(m, agp)`` is the first plus the second (kept apart: the whole chat's text is not
+    copied a second time); None: unsafe.
 
     ``window`` is ``m[:2] + m[j:n]``; ``prefix`` is ``render(m[:k], False)`` with ``cut`` the window's
     message count up to ``k`` (None: ``prefix`` already covers all of ``m``). Checks: the window's text
@@ -800,13 +817,13 @@ def _window_render(template: ChatTemplate, body: Mapping[str, Any], window: list
         return None
     whole = prefix + b[len(a):]
     if not agp:
-        return whole, whole, b
+        return whole, "", b
     if generation is not None:
-        return whole, whole + generation, b
+        return whole, generation, b
     c = render_request(template, {**body, "messages": window})
     if not c.startswith(b):
         return None
-    return whole, whole + c[len(b):], b
+    return whole, c[len(b):], b
 
 
 def _window_start(messages: list[Any], k: int) -> tuple[int, bool]:
@@ -845,6 +862,16 @@ def _splice_of(part: str, text: str) -> bool:
         else:
             hi = mid
     return text.endswith(part[lo:])
+
+
+def same_as_rendered(cached: Sequence[Any], messages: Sequence[Any]) -> bool:
+    """Whether ``messages`` starts with ``cached``, value for value as a template renders them: the same
+    object, or the same ``repr`` (JSON values: ``1``, ``1.0`` and ``True`` are ``==`` in Python and two dicts
+    in other key orders too, yet ``tojson`` and ``string`` render them differently). O(len(cached)),
+    identity first; a message that is only ``==`` costs its ``repr``."""
+    if len(messages) < len(cached):
+        return False
+    return all(a is b or (type(a) is type(b) and repr(a) == repr(b)) for a, b in zip(cached, messages, strict=False))
 
 
 def _message_key(message: Any) -> Any:
@@ -929,7 +956,7 @@ def _probe(source: str, special_tokens: tuple[tuple[str, str], ...]) -> tuple[bo
                     if why == ["context"] and clean:
                         return False, (f"the window sees the history otherwise than the full render (state over the "
                                        f"whole history; probe of {len(messages)} messages, k={k}, n={n})")
-                    if got is not None and got[1] != expected:
+                    if got is not None and got[0] + got[1] != expected:
                         return False, f"window render differs from the full render (probe of {len(messages)} messages, k={k}, n={n})"
                     checked += 1
                     fell_back += got is None

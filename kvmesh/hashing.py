@@ -25,7 +25,9 @@ believe a prefix is cached (the engine's own hashes still decide what it reuses)
 Speed: one C call per block over a zero-copy view of one buffer, ~0.15 µs per 64-token block,
 plus ~6 ns per token to turn a Python list into that buffer (none for ``bytes``, ``array('I')`` or a
 numpy ``uint32`` array). :class:`PrefixKeyCache` remembers recent prompts so one that extends a
-cached prompt hashes only its new blocks (one ``memcmp`` finds the shared prefix).
+cached prompt hashes only its new blocks (one ``memcmp`` finds the shared prefix);
+:class:`GrowingTokenIds` (a growing chat's ids, shared base plus tail) carries its keys with it, so
+its grown version hashes only its new blocks with no ``memcmp`` and no copy of the history.
 
 **Scopes.** A LoRA adapter and a ``cache_salt`` change what a cached block *is* (vLLM 0.32 puts
 ``("lora", name, path)`` in every block's extra keys and ``("cache_salt", salt)`` in the first
@@ -44,9 +46,10 @@ import hashlib
 import sys
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from itertools import chain
+from typing import Any, overload
 
 import cbor2
 import xxhash
@@ -153,6 +156,9 @@ def token_bytes(token_ids: TokenIds, limit: int | None = None) -> bytes:
         if len(raw) % 4:
             raise ValueError(f"token bytes must be uint32 little-endian (4 per token), got {len(raw)} bytes")
         return raw if limit is None or limit * 4 >= len(raw) else raw[: limit * 4]
+    if isinstance(token_ids, GrowingTokenIds):
+        raw = token_ids.tobytes()
+        return raw if limit is None or limit * 4 >= len(raw) else raw[: limit * 4]
     if isinstance(token_ids, array) and token_ids.typecode == "I" and _NATIVE_U32:
         return token_ids.tobytes() if limit is None or limit >= len(token_ids) else token_ids[:limit].tobytes()
     if hasattr(token_ids, "dtype"):  # numpy: checked cast, no Python ints
@@ -242,14 +248,146 @@ def block_keys(
     n = (len(token_ids) // (4 if isinstance(token_ids, bytes | bytearray | memoryview) else 1)) // block_size
     if n == 0:
         return []
-    raw = token_bytes(token_ids, n * block_size)
+    raw = token_bytes(token_ids) if type(token_ids) is bytes else token_bytes(token_ids, n * block_size)
     keys: list[int] = []
     _chain(raw, block_size * 4, 0, n, parent_key & 0xFFFFFFFFFFFFFFFF, keys, content_extras)
     return keys
 
 
+_FLAT_TAIL = 16384
+"""Bytes a :class:`GrowingTokenIds` tail may reach before a splice flattens it into a new base."""
+_MEMO_SPACES = 4
+"""Key spaces (block size, parent key) whose keys one :class:`GrowingTokenIds` memoises."""
+
+
+class GrowingTokenIds(Sequence[int]):
+    """Token ids as little-endian uint32 bytes in two parts, ``base[:4 * keep] + tail``, with their block
+    keys memoised: a read-only ``Sequence[int]`` equal to the same ids as a list.
+
+    A chat's prompt grows by a turn per call, replacing its last few ids (the generation prompt) and
+    appending the turn's. :meth:`spliced` (``self[:keep] + ids``) shares ``base`` (the part after the
+    cut ignored) and copies only the tail (flattened into a new base once it passes :data:`_FLAT_TAIL`
+    bytes, or when less than half the base would be used: an early edit), so a 33k-token chat does not
+    copy its 131 KB of ids per call.
+    :meth:`block_keys` memoises the keys per (block size, parent key); a splice carries the keys of
+    the blocks wholly before the cut, so the grown prompt hashes only its new blocks, without
+    comparing any bytes (its first ``keep`` ids are the same bytes by construction).
+    :class:`PrefixKeyCache` reads these keys (its first call for a key space goes through the cache,
+    so sessions sharing a prefix still share its hashing). Little-endian hosts only (callers check).
+    """
+
+    __slots__ = ("_base", "_bview", "_keep", "_memo", "_n", "_tail", "_tview")
+
+    def __init__(self, base: bytes, keep: int, tail: bytes = b"",
+                 memo: dict[tuple[int, int], list[int]] | None = None) -> None:
+        if len(tail) % 4 or not 0 <= 4 * keep <= len(base):
+            raise ValueError("not uint32 token ids")
+        self._base, self._keep, self._tail = base, keep, tail
+        self._bview = memoryview(base).cast("I")[:keep]
+        self._tview = memoryview(tail).cast("I")
+        self._n = keep + len(tail) // 4
+        self._memo: dict[tuple[int, int], list[int]] = memo if memo is not None else {}
+
+    @classmethod
+    def build(cls, ids: Sequence[int]) -> GrowingTokenIds:
+        """``ids`` packed (``OverflowError``: an id outside uint32)."""
+        raw = array("I", ids).tobytes()
+        return cls(raw, len(raw) // 4)
+
+    def spliced(self, keep: int, ids: Sequence[int]) -> GrowingTokenIds:
+        """``self[:keep] + ids``, sharing this one's base where the cut is in its tail, with the keys
+        of the blocks before the cut."""
+        if not 0 <= keep <= self._n:
+            raise ValueError(f"cut {keep} outside {self._n} ids")
+        new = array("I", ids).tobytes()
+        memo = {space: keys[: keep // space[0]] for space, keys in self._memo.items()}
+        if keep >= self._keep:  # the cut is in the tail
+            base_keep, tail = self._keep, b"".join((memoryview(self._tail)[: 4 * (keep - self._keep)], new))
+        else:  # the cut is in the base (the generation prompt of a flat one, or an edit): its rest is ignored
+            base_keep, tail = keep, new
+        if len(tail) <= _FLAT_TAIL and 8 * base_keep >= len(self._base):  # shares at least half the base
+            return GrowingTokenIds(self._base, base_keep, tail, memo)
+        base = b"".join((memoryview(self._base)[: 4 * base_keep], tail))
+        return GrowingTokenIds(base, len(base) // 4, b"", memo)
+
+    def tobytes(self) -> bytes:
+        """The ids' little-endian uint32 bytes (no copy when the tail is empty and the base exact)."""
+        if not self._tail:
+            return self._base if 4 * self._keep == len(self._base) else self._base[: 4 * self._keep]
+        return b"".join((memoryview(self._base)[: 4 * self._keep], self._tail))
+
+    def _bytes(self, start: int, stop: int) -> bytes | memoryview:
+        """Ids ``start..stop-1`` as bytes (a view where they lie in one part)."""
+        keep = self._keep
+        if stop <= keep:
+            return memoryview(self._base)[4 * start: 4 * stop]
+        if start >= keep:
+            return memoryview(self._tail)[4 * (start - keep): 4 * (stop - keep)]
+        return b"".join((memoryview(self._base)[4 * start: 4 * keep], memoryview(self._tail)[: 4 * (stop - keep)]))
+
+    def memo_keys(self, block_size: int, parent_key: int) -> list[int] | None:
+        """The memoised keys of this key space (a prefix of the full blocks' keys), or None."""
+        return self._memo.get((block_size, parent_key))
+
+    def extend_keys(self, block_size: int, parent_key: int, known: list[int]) -> tuple[list[int], int]:
+        """(the keys of every full block, how many were hashed now) from ``known``, the keys of a prefix of
+        the blocks (the memo, or :class:`PrefixKeyCache`'s answer); memoised. ``block_size`` > 0."""
+        n = self._n // block_size
+        have = min(len(known), n)
+        keys = known[:have]
+        if have < n:
+            raw = self._bytes(have * block_size, n * block_size)
+            _chain(raw if isinstance(raw, bytes) else bytes(raw), block_size * 4, 0, n - have,
+                   keys[-1] if keys else parent_key, keys)
+        memo = self._memo
+        if (block_size, parent_key) not in memo and len(memo) >= _MEMO_SPACES:
+            memo.pop(next(iter(memo)))
+        memo[(block_size, parent_key)] = keys
+        return keys.copy(), n - have
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        if isinstance(i, slice):
+            start, stop, step = i.indices(self._n)
+            if step != 1:
+                return self.tolist()[i]
+            if stop <= start:
+                return []
+            return memoryview(self._bytes(start, stop)).cast("I").tolist()
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(i)
+        return int(self._bview[i]) if i < self._keep else int(self._tview[i - self._keep])
+
+    def __iter__(self) -> Iterator[int]:
+        return chain(self._bview, self._tview)
+
+    def tolist(self) -> list[int]:
+        return self._bview.tolist() + self._tview.tolist()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, GrowingTokenIds):
+            return self.tobytes() == other.tobytes()
+        if isinstance(other, list | tuple):
+            return len(other) == self._n and self.tolist() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"GrowingTokenIds({self._n} ids, tail {len(self._tail) // 4})"
+
+
 class _Keyed:
-    """One remembered prompt: its full blocks' token bytes and their keys."""
+    """One remembered prompt: its token bytes (full blocks, maybe a trailing partial one) and their keys."""
 
     __slots__ = ("keys", "raw")
 
@@ -307,11 +445,25 @@ class PrefixKeyCache:
         """
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
+        if isinstance(token_ids, GrowingTokenIds):
+            parent_key &= 0xFFFFFFFFFFFFFFFF
+            known = token_ids.memo_keys(block_size, parent_key)
+            if known is None:  # first time in this key space: through the cache (a shared prefix is reused)
+                known = self.block_keys(token_ids.tobytes(), block_size, parent_key)
+                return token_ids.extend_keys(block_size, parent_key, known)[0]
+            grown, hashed = token_ids.extend_keys(block_size, parent_key, known)
+            self.hits += bool(known)
+            self.reused_blocks += len(grown) - hashed
+            self.hashed_blocks += hashed
+            return grown
         n = (len(token_ids) // (4 if isinstance(token_ids, bytes | bytearray | memoryview) else 1)) // block_size
         if n == 0:
             return []
         parent_key &= 0xFFFFFFFFFFFFFFFF
-        raw = token_bytes(token_ids, n * block_size)
+        # bytes (e.g. a tokenizer's packed ids) are kept whole, trailing partial block included: no
+        # copy of the prompt per call (a slice would copy it, and a buffer over the allocator's mmap
+        # threshold costs page faults); only the full blocks are hashed and compared
+        raw = token_bytes(token_ids) if type(token_ids) is bytes else token_bytes(token_ids, n * block_size)
         width = block_size * 4
         if self._max_bytes <= 0:
             keys: list[int] = []
@@ -349,14 +501,14 @@ class PrefixKeyCache:
     @staticmethod
     def _shared_blocks(raw: bytes, old: bytes, width: int, n: int, n_old: int, search: bool = True) -> int:
         """Full blocks ``raw`` and ``old`` share from the start (without ``search``: all of the
-        shorter one, or 0)."""
-        if n_old <= n and raw.startswith(old):
+        shorter one, or 0). Either may carry a trailing partial block, which is not compared."""
+        view = memoryview(old)
+        if n_old <= n and raw.startswith(view[: n_old * width]):
             return n_old
-        if n < n_old and old.startswith(raw):
+        if n < n_old and old.startswith(memoryview(raw)[: n * width]):
             return n
         if not search:
             return 0
-        view = memoryview(old)
         lo, hi = 0, min(n, n_old)  # invariant: lo blocks shared, hi+1 not (or past the end)
         while lo < hi:
             mid = (lo + hi + 1) // 2

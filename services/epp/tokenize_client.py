@@ -115,9 +115,11 @@ class EngineTokenizer:
             messages = render.pop("messages", None) or [{"role": m.role, "content": m.content} for m in request.messages]
             body: dict[str, object] = {"model": request.model, "messages": messages, "add_generation_prompt": True}
             body.update(render)
-            return body, (request.model, "chat", json.dumps(body, sort_keys=True, default=str))
+            # Key order kept in the cache key: a template's ``tojson`` renders it (an order-blind key served
+            # one chat's tokens for another's).
+            return body, (request.model, "chat", json.dumps(body, default=str))
         body = {"model": request.model, "prompt": request.prompt, **render}
-        return body, (request.model, "text", request.prompt if not render else json.dumps(body, sort_keys=True))
+        return body, (request.model, "text", request.prompt if not render else json.dumps(body, default=str))
 
     def in_flight(self, endpoint_id: str) -> int:
         """Tokenize calls now in flight to ``endpoint_id``."""

@@ -23,6 +23,12 @@ The text itself is rendered incrementally too (:class:`kvmesh.chat_template.Incr
 cached prefix's rendered text plus a short window render of the new messages, for templates probed
 at load to be exact that way; the full render otherwise), so a grown chat costs neither a full
 render nor a full encode. A request's ``chat_template`` override is always rendered in full.
+
+Nothing history-sized is copied per call either: an entry keeps its text as ``(head, tail)``, ``head``
+being the renderer's own cached object and ``tail`` the generation prompt (the common prefix with the
+next call is one ``memcmp``), and its ids as :class:`kvmesh.hashing.GrowingTokenIds` (the cached bytes
+shared, the new turn appended to a tail, block keys memoised per key space and carried to the grown
+entry, so the prefix index hashes only the new blocks without comparing bytes).
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from tokenizers import Tokenizer
 
 from kvmesh.chat_template import ChatTemplate, IncrementalRenderer, prefix_key, render_request
 from kvmesh.errors import InvalidRequest
-from kvmesh.prefix_index import PackedTokenIds
+from kvmesh.hashing import GrowingTokenIds
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -53,8 +59,9 @@ class TemplateUnavailable(InvalidRequest):
 
 @dataclass(slots=True)
 class _Entry:
-    text: str
-    ids: Sequence[int]  # a PackedTokenIds on little-endian hosts (the ids as uint32 bytes), else a list
+    head: str  # the text is head + tail: head is the renderer's cached chat text (shared, not a copy)
+    tail: str  # the generation prompt ("" when head is the whole text)
+    ids: Sequence[int]  # a GrowingTokenIds on little-endian hosts (the ids as uint32 bytes, keys memoised), else a list
     cuts: list[tuple[int, int]]  # (char offset, token index) of safe added tokens, ascending
 
 
@@ -63,10 +70,10 @@ _PACK = sys.byteorder == "little" and array("I").itemsize == 4
 
 
 def _packed(ids: list[int]) -> Sequence[int]:
-    """``ids`` as :class:`~kvmesh.prefix_index.PackedTokenIds` (their uint32 bytes) where the host packs so."""
+    """``ids`` as :class:`~kvmesh.hashing.GrowingTokenIds` (their uint32 bytes) where the host packs so."""
     if not _PACK:  # pragma: no cover - big-endian host: plain ids (the replica converts them)
         return ids
-    return PackedTokenIds.build(ids)
+    return GrowingTokenIds.build(ids)
 
 
 def _token_text(value: Any) -> str | None:
@@ -99,6 +106,22 @@ def _common_prefix(a: str, b: str, hint: str | None = None) -> int:
     while lo < hi and a[lo] == b[lo]:
         lo += 1
     return lo
+
+
+def _common_prefix_parts(a1: str, a2: str, b1: str, b2: str, b1_extends_a1: bool = False) -> int:
+    """:func:`_common_prefix` of ``a1 + a2`` and ``b1 + b2`` without building either: one ``startswith``
+    (a ``memcmp``) over the shorter head, then the short rest. ``b1_extends_a1``: ``b1`` is known to
+    start with ``a1`` (built by appending to it), so the heads are not compared."""
+    if not (b1_extends_a1 and len(b1) >= len(a1)):
+        if len(a1) > len(b1):
+            a1, a2, b1, b2 = b1, b2, a1, a2
+        if not b1.startswith(a1):
+            return _common_prefix(a1, b1)  # they differ within a1 (an edited history)
+    h, n = len(a1), len(a2)
+    rest = b1[h: h + n]
+    if len(rest) < n:
+        rest += b2[: n - len(rest)]
+    return h + _common_prefix(a2, rest)
 
 
 def _positions(ids: list[int], wanted: Iterable[int]) -> Iterator[int]:
@@ -172,6 +195,10 @@ class LocalTokenizer:
         self._cached_tokens = 0
         self._max_tokens = cache_max_tokens
         self.stats = {"hit": 0, "incremental": 0, "full": 0, "encoded_chars": 0}
+        self.share_growth = True
+        """A grown chat shares its cached text (the renderer's object) and ids (the cached bytes and block
+        keys, :class:`~kvmesh.hashing.GrowingTokenIds`); off: both are copied whole per call and the keys
+        found by comparing bytes (the benchmark's A/B switch; same tokens)."""
 
     # -- encoding ---------------------------------------------------------------------------------
 
@@ -236,6 +263,16 @@ class LocalTokenizer:
             return self.renderer.render(body)
         return render_request(template, body)
 
+    def _chat_parts(self, body: Mapping[str, Any]) -> tuple[str, str, str | None]:
+        """:meth:`chat_text` as ``(head, tail, base)`` (the text is ``head + tail``; ``head`` starts with
+        ``base`` when not None: :meth:`kvmesh.chat_template.IncrementalRenderer.render_parts`). Raises as
+        :meth:`chat_text`."""
+        if body.get("chat_template") is None and self.renderer is not None:
+            if not self.share_growth:
+                return self.renderer.render(body), "", None
+            return self.renderer.render_parts(body)
+        return self.chat_text(body), "", None
+
     def chat_ids(self, body: Mapping[str, Any], chain: Sequence[int] | None = None) -> Sequence[int]:
         """Token ids of a chat body (before ``truncate_prompt_tokens``), incrementally when possible.
 
@@ -243,13 +280,13 @@ class LocalTokenizer:
             body: ``messages`` plus the fields of ``services.epp.tokenization.fields.CHAT_FIELDS``.
             chain: per-message cache keys (:func:`message_chain`); None disables the cache.
         """
-        text = self.chat_text(body)
+        head, tail, grown_from = self._chat_parts(body)
         add = body.get("add_special_tokens") is True
         if not chain:
-            return self.with_specials(self._raw(text)[0], add)
+            return self.with_specials(self._raw(head + tail)[0], add)
         key = chain[-1]
         entry = self._cache.get(key)
-        if entry is not None and entry.text == text:
+        if entry is not None and entry.head == head and entry.tail == tail:
             with self._lock:  # chat_ids may run in a worker thread (a long first call) meanwhile
                 if key in self._cache:
                     self._cache.move_to_end(key)
@@ -261,12 +298,11 @@ class LocalTokenizer:
             if found is not None and found.cuts:
                 base = found
                 break
-        hint = self.renderer.last_prefix if self.renderer is not None else None
-        new = self._extend(base, text, hint) if base is not None else None
+        new = self._extend(base, head, tail, base.head is grown_from) if base is not None else None
         if new is None:
             self.stats["full"] += 1
-            ids, cuts = self._raw(text)
-            new = _Entry(text, _packed(ids), cuts)
+            ids, cuts = self._raw(head + tail)
+            new = _Entry(head, tail, _packed(ids), cuts)
         else:
             self.stats["incremental"] += 1
         self._store(key, new)
@@ -277,8 +313,10 @@ class LocalTokenizer:
         cache = self._cache
         return any(k in cache for k in reversed(chain))
 
-    def _extend(self, base: _Entry, text: str, hint: str | None = None) -> _Entry | None:
-        same = _common_prefix(base.text, text, hint)
+    def _extend(self, base: _Entry, head: str, tail: str, extends: bool = False) -> _Entry | None:
+        """``base`` grown to the text ``head + tail``; None when no cut allows it. ``extends``: ``head`` is known
+        to start with ``base.head`` (the renderer appended to that very object), so it is not compared."""
+        same = _common_prefix_parts(base.head, base.tail, head, tail, extends)
         limit = same - self._margin
         cuts = base.cuts
         lo, hi = 0, len(cuts)  # the last cut with offset <= limit
@@ -291,13 +329,17 @@ class LocalTokenizer:
         if lo == 0:
             return None
         offset, index = cuts[lo - 1]
-        ids, tail_cuts = self._raw(text[offset:])
+        h = len(head)
+        ids, tail_cuts = self._raw(head[offset:] + tail if offset <= h else tail[offset - h:])  # the new turn only
         old = base.ids
-        if isinstance(old, PackedTokenIds):  # only the new turn's ids are packed; the cached bytes are reused
+        if isinstance(old, GrowingTokenIds) and self.share_growth:  # only the new turn's ids are packed
             grown: Sequence[int] = old.spliced(index, ids)
+        elif isinstance(old, GrowingTokenIds):
+            grown = GrowingTokenIds(b"".join((memoryview(old.tobytes())[: 4 * index], array("I", ids))),
+                                    index + len(ids))
         else:
             grown = _packed(list(old[:index]) + ids)
-        return _Entry(text, grown, cuts[: lo - 1] + [(o + offset, i + index) for o, i in tail_cuts])
+        return _Entry(head, tail, grown, cuts[: lo - 1] + [(o + offset, i + index) for o, i in tail_cuts])
 
     def _store(self, key: int, entry: _Entry) -> None:
         with self._lock:

@@ -134,3 +134,31 @@ async def test_plain_messages_use_the_same_path(tok_dir: Path, engine: Renderer)
     tokenizer = InProcessTokenizer({}, None)
     req = SchedulingRequest(model="tiny", messages=(ChatMessage("user", "hello there"),))
     assert await tokenizer.tokenize(req, [_candidate(tok_dir)]) == engine.chat_ids([{"role": "user", "content": "hello there"}])
+
+
+async def test_a_chat_equal_in_python_but_rendered_apart_gets_its_own_tokens(tok_dir: Path, engine: Renderer) -> None:
+    """Tools in another key order, and tool-call arguments ``1`` then ``1.0`` or ``true`` (Python ``==``, other
+    text under ``tojson``), each get the engine's tokens: no cache (root, rendered prefix, remote key)
+    serves another chat's."""
+    from services.epp.tokenize_client import EngineTokenizer
+
+    tokenizer = InProcessTokenizer({}, None)
+    cands = [_candidate(tok_dir)]
+    turns = [m for i in range(8) for m in ({"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"})]
+
+    def body(tools: list, arguments: object, extra: int) -> dict:
+        call = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]}
+        return {"tools": tools, "messages": [CASE3["messages"][0], {"role": "user", "content": "go"}, call,
+                                             {"role": "tool", "tool_call_id": "c", "content": "ok"},
+                                             *turns[: 2 * extra + 1]]}
+
+    ordered = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    reordered = [{"function": {"parameters": {"type": "object"}, "name": "get_weather"}, "type": "function"}]
+    bodies = [body(ordered, {"n": 1}, 4), body(reordered, {"n": 1}, 5), body(reordered, {"n": 1.0}, 6),
+              body(reordered, {"n": True}, 7)]
+    for b in bodies:
+        assert await tokenizer.tokenize(SchedulingRequest(model="tiny", render=b), cands) == engine.chat_request_ids(b)
+    keys = {EngineTokenizer._body_and_key(SchedulingRequest(model="tiny", render=b))[1]
+            for b in (body(ordered, {"n": 1}, 4), body(reordered, {"n": 1}, 4), body(reordered, {"n": 1.0}, 4))}
+    assert len(keys) == 3  # the engine /tokenize fallback's cache keys them apart too

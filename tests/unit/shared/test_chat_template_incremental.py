@@ -268,3 +268,55 @@ def test_cache_is_bounded_by_bytes() -> None:
         renderer.render({"messages": messages})
     assert 0 < renderer._bytes <= 20_000
     assert len(renderer._cache) < 40
+
+
+ARGS_TOJSON = (  # renders tool-call arguments and tools with tojson, as Llama 3 / Qwen templates do
+    "{% if tools %}{{ tools | tojson }}{% endif %}{% for message in messages %}<{{ message['role'] }}>"
+    "{{ message['content'] }}{% for c in message.tool_calls or [] %}{{ c.function.arguments | tojson }}{% endfor %}"
+    "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def _tool_turn(arguments: Any) -> dict[str, Any]:
+    return {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}]}
+
+
+@pytest.mark.parametrize(("first", "then"), [
+    ({"a": 1}, {"a": 1.0}), ({"a": 1}, {"a": True}), ({"a": 0.0}, {"a": -0.0}),
+    ({"a": 1, "b": 2}, {"b": 2, "a": 1}), ({"a": [1, {"x": 1, "y": 2}]}, {"a": [1, {"y": 2, "x": 1}]}),
+])
+def test_a_history_equal_in_python_but_rendered_differently_is_rendered_anew(first: Any, then: Any) -> None:
+    """``1 == 1.0 == True`` and dicts in other key orders compare equal, yet ``tojson`` renders them apart:
+    a cached prefix is reused only for messages equal as rendered (same object or same ``repr``)."""
+    assert first == then
+    template = ChatTemplate(ARGS_TOJSON, SPECIALS)
+    renderer = IncrementalRenderer(template)
+    head, tail = _plain_chat(2), _plain_chat(12)  # the edited turn lies far outside the render window
+    renderer.render({"messages": [*head, _tool_turn(first), *tail]})
+    grown = {"messages": [*head, _tool_turn(then), *tail, {"role": "user", "content": "next"}]}
+    assert renderer.render(grown) == render_request(template, grown)
+    same = {"messages": [*head, _tool_turn(json_copy(first)), *tail, {"role": "user", "content": "again"}]}
+    assert renderer.render(same) == render_request(template, same)  # an equal copy still renders exactly
+    assert renderer.stats["incremental"] == 1, renderer.stats
+
+
+@pytest.mark.parametrize("tools", [
+    [{"type": "function", "function": {"parameters": {"type": "object"}, "name": "f"}}],  # keys reordered
+    [{"function": {"name": "f", "parameters": {"type": "object"}}, "type": "function"}],
+])
+def test_tools_in_another_key_order_are_another_root(tools: Any) -> None:
+    template = ChatTemplate(ARGS_TOJSON, SPECIALS)
+    renderer = IncrementalRenderer(template)
+    first = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert first == tools
+    messages = _plain_chat(12)
+    renderer.render({"messages": messages, "tools": first})
+    grown = {"messages": [*messages, {"role": "user", "content": "next"}], "tools": tools}
+    assert renderer.render(grown) == render_request(template, grown)
+
+
+def json_copy(value: Any) -> Any:
+    import json
+
+    return json.loads(json.dumps(value))
