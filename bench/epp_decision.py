@@ -63,7 +63,7 @@ from services.kv_indexer.events.pool import EventPool
 from services.kv_indexer.index import InMemoryIndex
 from services.kv_indexer.indexer import BlockIndexer
 from services.kv_indexer.servicer import add_servicer as add_kv_indexer
-from services.router.clients import PickQuery, pick_request
+from services.router.clients import PickerClient, PickQuery, pick_request
 from services.router.config import RouterConfig
 
 MODEL = "m"
@@ -240,10 +240,42 @@ async def run(args: argparse.Namespace) -> list[tuple[str, float, float, float]]
                         ab[kind].append(CLOCK() - start)
                 rows.append((f"gRPC Pick {suffix}, router's request", *percentiles(ab["lean"])))
                 rows.append((f"gRPC Pick {suffix}, full request", *percentiles(ab["full"])))
+        rows.extend(await pick_many_rows(port, given, requests, datastore, rnd))
     finally:
         await server.stop(None)
 
     rows.extend(await indexer_modes(args, datastore, index, requests, rnd))
+    return rows
+
+
+async def pick_many_rows(port: int, given: GivenMatch, requests: list[tuple[SchedulingRequest, PrefixMatch]],
+                         datastore: Datastore, rnd: random.Random) -> list[tuple[str, float, float, float]]:
+    """The router's own path to the same servicer: its ``PickerClient`` on one ``PickMany`` stream
+    (packed ids, lean response, the entry's deadline and trace context), one pick at a time; the
+    query's token tuple is built before the clock starts (the router holds it from validation)."""
+    client = PickerClient(f"127.0.0.1:{port}", timeout_seconds=10, multiplexed=True,
+                          max_endpoints=ROUTER_MAX_ENDPOINTS)
+    await client.connect()
+    rows: list[tuple[str, float, float, float]] = []
+    try:
+        queries = [PickQuery(req.request_id, req.model, prompt_token_ids=tuple(req.token_ids)) for req, _ in requests]
+        for warm in range(20):
+            given.next = requests[warm][1]
+            await client.pick(queries[warm])
+        none = PrefixMatch(0, {})
+        for prompt, suffix in ((True, "(match given)"), (False, "(no prompt: transport floor)")):
+            times: list[float] = []
+            for r, (req, match) in enumerate(requests):
+                if r % 50 == 0:
+                    scrape(datastore, rnd)
+                given.next = match if prompt else none
+                query = queries[r] if prompt else PickQuery(req.request_id, req.model)
+                start = CLOCK()
+                await client.pick(query)
+                times.append(CLOCK() - start)
+            rows.append((f"PickMany entry {suffix}, the router's PickerClient", *percentiles(times)))
+    finally:
+        await client.close()
     return rows
 
 

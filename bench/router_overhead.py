@@ -33,7 +33,10 @@ a second mesh with those settings beside the first, both measured interleaved (o
 the load moves between separate runs by more than the effects measured); its stage table also
 counts flow_control's admission credits spent, lent and returned and their revocations (e.g.
 ``--baseline-env KVMESH_ROUTER_ADMISSION_CREDITS=0``: credits against every request waiting for
-flow_control's decision).
+flow_control's decision). ``--no-wrk`` keeps such an A/B to its sequential part (latency, stages, and
+the CPU per request of every process over it). To compare code rather than settings, point the
+baseline mesh at a copy of the tree: ``--baseline-env PYTHONSAFEPATH=1 --baseline-env
+PYTHONPATH=<copy>`` (the mesh's processes then import the copy's packages, not the checkout's).
 """
 
 from __future__ import annotations
@@ -177,6 +180,8 @@ def main() -> int:
     parser.add_argument("--engine-bound-max-tokens", type=int, default=16)
     parser.add_argument("--engine-bound-only", action="store_true", help="only the engine-bound throughput run")
     parser.add_argument("--skip-engine-bound", action="store_true")
+    parser.add_argument("--no-wrk", action="store_true",
+                        help="with --baseline-env: the sequential A/B only (latency, stages, CPU per request), no wrk")
     ns = parser.parse_args()
     env = dict(item.split("=", 1) for item in ns.env)
     console = Console()
@@ -384,13 +389,18 @@ def _side_by_side(console: Console, ns: argparse.Namespace, env: dict[str, str],
                 _measure(client, f"{url}/v1/completions", _body(spec_a.model, text), 30, f"warm-up {name}")
             before = {k: _scrape(str(m.member("router").metrics)) for k, m in meshes.items()}
             fc_before = {k: _scrape(str(m.member("flow_control").metrics)) for k, m in meshes.items()}
+            seq_c0 = {k: _mesh_cpu(m) for k, m in meshes.items()}
             latency = _interleaved(client, spec_a.model, targets, ns.requests)
+            seq_c1 = {k: _mesh_cpu(m) for k, m in meshes.items()}
+            seq_cpu = {k: {p: 1000 * (seq_c1[k][p] - seq_c0[k][p]) / ns.requests for p in seq_c1[k]} for k in meshes}
             after = {k: _scrape(str(m.member("router").metrics)) for k, m in meshes.items()}
             fc_after = {k: _scrape(str(m.member("flow_control").metrics)) for k, m in meshes.items()}
             throughput: dict[str, float] = {}
             cpu: dict[str, dict[str, float]] = {}
             fc_wrk: dict[str, tuple[dict[tuple[str, str], float], dict[tuple[str, str], float]]] = {}
             for key, mesh in meshes.items():
+                if ns.no_wrk:
+                    continue
                 throughput["direct " + ("A" if mesh is a else "B")] = _wrk(mesh.engine_urls[0], lua, ns.connections,
                                                                          ns.duration)
                 c0 = _mesh_cpu(mesh)
@@ -411,10 +421,20 @@ def _side_by_side(console: Console, ns: argparse.Namespace, env: dict[str, str],
         own = "direct A" if name in ("direct A", "kvmesh") else "direct B"
         added = "" if name.startswith("direct") else f"{1000 * (_percentile(values, 50) - _percentile(direct, 50)):.2f}"
         added99 = "" if name.startswith("direct") else f"{1000 * (_percentile(values, 99) - _percentile(direct, 99)):.2f}"
-        ratio = throughput[name] / throughput[own] if throughput.get(own) else 0.0
+        ratio = throughput.get(name, 0.0) / throughput[own] if throughput.get(own) else 0.0
         table.add_row(name, *(f"{1000 * _percentile(values, q):.2f}" for q in (50, 90, 99)), added, added99,
-                      f"{throughput[name]:.0f}", f"{ratio:.2f}")
+                      f"{throughput.get(name, 0.0):.0f}", f"{ratio:.2f}")
     console.print(table)
+    seq = Table(title="CPU per request over the sequential run, every mesh process (ms; the engine's included)")
+    seq.add_column("mesh")
+    names = sorted(set().union(*(seq_cpu[k].keys() for k in meshes)))
+    for name in names:
+        seq.add_column(name, justify="right")
+    seq.add_column("kvmesh services", justify="right")
+    for key in meshes:
+        services = sum(v for n, v in seq_cpu[key].items() if n in ("router", "epp", "flow_control", "kv_indexer"))
+        seq.add_row(key, *(f"{seq_cpu[key].get(n, 0.0):.3f}" for n in names), f"{services:.3f}")
+    console.print(seq)
     stages = Table(title="router stages over the sequential run (mean ms per request)")
     stages.add_column("stage")
     for key in meshes:
@@ -428,7 +448,8 @@ def _side_by_side(console: Console, ns: argparse.Namespace, env: dict[str, str],
     credits.add_column("event")
     for key in meshes:
         credits.add_column(key, justify="right")
-    phases = {key: ((fc_before[key], fc_after[key]), fc_wrk[key]) for key in meshes}
+    empty: tuple[dict[tuple[str, str], float], dict[tuple[str, str], float]] = ({}, {})
+    phases = {key: ((fc_before[key], fc_after[key]), fc_wrk.get(key, empty)) for key in meshes}
     for event in ("spent", "lent", "returned", "revocations"):
         def count(pair: tuple[dict[tuple[str, str], float], dict[tuple[str, str], float]], event: str = event) -> float:
             start, end = pair
@@ -442,6 +463,9 @@ def _side_by_side(console: Console, ns: argparse.Namespace, env: dict[str, str],
                          if k == ("kvmesh_flow_control_outcome_total", "outcome=dispatched")) for key in meshes}
     credits.add_row("dispatched (wrk run)", *(f"{outcomes[key]:.0f}" for key in meshes))
     console.print(credits)
+    if not cpu:
+        console.print("command: " + " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
+        return
     cpu_table = Table(title=f"CPU per request at {ns.connections} connections (ms)")
     names = sorted(set().union(*(row.keys() for row in cpu.values())))
     cpu_table.add_column("mesh")

@@ -30,6 +30,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import msgspec
+
 DONE = "[DONE]"
 """The payload of the last event of an OpenAI stream."""
 
@@ -129,12 +131,25 @@ class StreamPiece:
     """The ``error`` object of an in-stream error event (vLLM's convention), else None."""
 
 
+_DECODER = msgspec.json.Decoder()
+
+
+def _loads(payload: str | bytes) -> Any:
+    """JSON decode: msgspec (several times faster than ``json`` on an engine's chunk), and for what
+    it refuses (NaN, integers beyond 64 bits, lone surrogate escapes, very deep nesting) the json
+    module's answer or error, so callers see exactly ``json.loads``'s results."""
+    try:
+        return _DECODER.decode(payload)
+    except (msgspec.DecodeError, RecursionError):
+        return json.loads(payload)
+
+
 def parse_event(payload: str) -> StreamPiece | None:
     """Parse one ``data`` payload (a completions or chat chunk); None for ``[DONE]`` or non-JSON."""
     if payload.strip() == DONE:
         return None
     try:
-        data = json.loads(payload)
+        data = _loads(payload)
     except json.JSONDecodeError:
         return None
     if not isinstance(data, dict):
@@ -166,7 +181,7 @@ class Completion(NamedTuple):
 def parse_completion(body: bytes) -> Completion:
     """Parse a non-streamed answer body; an empty :class:`Completion` when it is not a JSON object."""
     try:
-        data = json.loads(body)
+        data = _loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError):
         return Completion("", None, None, "")
     if not isinstance(data, dict):

@@ -75,7 +75,8 @@ def build_service(config: RouterConfig) -> GrpcService:
         credit_flush_seconds=config.admission_credit_flush_seconds,
     )
     picker = PickerClient(config.epp_address, config.pick_timeout_seconds,
-                          multiplexed=config.pick_transport == "multiplexed", max_endpoints=config.max_fallback_attempts)
+                          multiplexed=config.pick_transport == "multiplexed", max_endpoints=config.max_fallback_attempts,
+                          completed_flush_seconds=config.epp_completed_flush_seconds)
     http_client = build_http_client(config)
     flow = RequestFlow(config, catalog, admission, picker, http_client,
                        endpoints=lambda model: watcher.snapshot().values() if watcher is not None else ())

@@ -531,6 +531,15 @@ class AdmissionClient:
         self._stream: _AdmitStream | None = None
         self._keys = itertools.count(1)
 
+    def admits_at_once(self, priority: int, options: AdmitOptions | None = None) -> bool:
+        """Whether :meth:`admit` would admit a request of band ``priority`` with ``options`` on a
+        credit right now (no round trip, no suspension): the request flow then picks after
+        admission instead of beside it (nothing to overlap, one task less)."""
+        stream = self._stream
+        return (stream is not None and not stream.broken and stream.credits > 0
+                and priority == stream.credit_priority
+                and (options is None or (options.max_concurrency <= 0 and options.rate_per_second <= 0)))
+
     async def admit(self, request: AdmitQuery) -> AdmissionTicket | _MuxTicket:
         """Enqueue and wait for dispatch (the errors: :meth:`_admit_per_request`)."""
         if self._stub is None:
@@ -725,22 +734,31 @@ class _PickStream(_MuxCall[epp_pb2.PickEntry, epp_pb2.PickResult]):
 
     _what = "pick stream"
 
-    def __init__(self, stub: epp_pb2_grpc.EndpointPickerStub) -> None:
+    def __init__(self, stub: epp_pb2_grpc.EndpointPickerStub, completed_flush_seconds: float = 0.0) -> None:
         super().__init__(stub.PickMany())
         self._completed: list[epp_pb2.CompletedRequest] = []
+        self._flush_seconds = completed_flush_seconds
+        self._flush: asyncio.TimerHandle | None = None
         self._start("router-pick-many")
 
     def send_completed(self, completed: list[epp_pb2.CompletedRequest]) -> bool:
-        """Queue completions for the next write; False (nothing queued) when the stream is broken."""
+        """Queue completions for the next write (a pick's), or a write within ``completed_flush_seconds``
+        at the latest (0: at once); False (nothing queued) when the stream is broken."""
         if self.broken:
             return False
         self._completed.extend(completed)
-        self._wake.set()
+        if self._flush_seconds <= 0:
+            self._wake.set()
+        elif self._flush is None:
+            self._flush = asyncio.get_running_loop().call_later(self._flush_seconds, self._wake.set)
         return True
 
     def _take_batch(self) -> epp_pb2.PickBatch | None:
         if not self._outbox and not self._completed:
             return None
+        if self._flush is not None:  # everything queued goes now
+            self._flush.cancel()
+            self._flush = None
         entries, self._outbox = self._outbox, []
         completed, self._completed = self._completed, []
         return epp_pb2.PickBatch(entries=entries, completed=completed)
@@ -758,6 +776,9 @@ class _PickStream(_MuxCall[epp_pb2.PickEntry, epp_pb2.PickResult]):
         return _pick_call_error(exc)
 
     def _on_fail(self) -> None:
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
         if self._completed:
             metrics.EPP_COMPLETIONS_DROPPED.labels("unreachable").inc(len(self._completed))
             self._completed.clear()
@@ -798,12 +819,15 @@ class PickerClient:
     (``omit_breakdown``), at most ``max_endpoints`` endpoints, the target included (``max_endpoints``:
     endpoints tried per pick, the router's ``max_fallback_attempts``; 0: all), and the token ids packed
     (``prompt_token_ids_packed``, little-endian uint32) when epp's ``PickerInfo.packed_token_ids``
-    says it reads them, else the repeated ``prompt_token_ids`` (an older epp)."""
+    says it reads them, else the repeated ``prompt_token_ids`` (an older epp). ``Completed`` reports
+    ride the stream's next write (the next pick's) or go within ``completed_flush_seconds`` (0: at
+    once; :class:`_PickStream`)."""
 
     def __init__(self, address: str, timeout_seconds: float, multiplexed: bool = True,
-                 max_endpoints: int = 0) -> None:
+                 max_endpoints: int = 0, completed_flush_seconds: float = 0.0) -> None:
         if max_endpoints < 0:
             raise ValueError(f"max_endpoints must be >= 0, got {max_endpoints}")
+        self._completed_flush = max(0.0, completed_flush_seconds)
         self._max_endpoints = max_endpoints
         self._packed = False  # epp reads prompt_token_ids_packed (PickerInfo.packed_token_ids)
         self._address = address
@@ -967,7 +991,7 @@ class PickerClient:
         assert self._stub is not None
         stream = self._stream
         if stream is None or stream.broken:
-            stream = self._stream = _PickStream(self._stub)
+            stream = self._stream = _PickStream(self._stub, self._completed_flush)
         key = next(self._keys)
         future = stream.expect(key)
         traceparent = tracestate = ""

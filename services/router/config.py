@@ -80,6 +80,11 @@ class RouterConfig(GrpcServiceConfig):
     carrying every request's pick by id, batched per write, the ``Completed`` reports riding the same
     writes (no call set-up per request), or ``unary``, one ``Pick`` call per request. An epp without
     ``PickMany`` is asked with unary calls (until it reconnects). Env ``KVMESH_ROUTER_PICK_TRANSPORT``."""
+    epp_completed_flush_seconds: float = Field(0.02, ge=0, le=1)
+    """How long a finished request's ``Completed`` report to epp may wait to ride the pick stream's
+    next write (the next request's pick: epp then learns of the completion just before it decides,
+    as with an immediate report) instead of a write of its own after every answer: one write and one
+    epp wake-up less per request (docs/BENCHMARKS.md §3, wave 6). 0 = at once."""
     retry_after_seconds: int = Field(1, ge=0, le=3600)
     """Value of the ``retry-after`` header on 429 answers."""
     max_request_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, le=1024**3)

@@ -290,28 +290,40 @@ class _DisconnectGuard:
             self._answered = True
 
     async def run(self, work: Awaitable[None]) -> None:
-        """Await ``work``; re-raise its error.
+        """Await ``work`` in this task (no task of its own: no event-loop hand-off on the way in or
+        out); re-raise its error. A watcher task reading ``receive`` cancels this task when the
+        client disconnects before the answer is complete.
 
         Raises:
             ClientGone: the client disconnected first (the work was cancelled and has cleaned up).
         """
-        task = asyncio.ensure_future(work)
-        gone = asyncio.ensure_future(_wait_disconnect(self._receive))
-        client_gone = False
-        try:
-            done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if task not in done and not self._answered:
+        task = asyncio.current_task()
+        assert task is not None
+        finished = client_gone = False
+
+        def on_disconnect(watch: asyncio.Future[None]) -> None:
+            nonlocal client_gone
+            if not watch.cancelled():
+                watch.exception()  # retrieved (a failing receive counts as a disconnect, as before)
+            if not finished and not self._answered:
                 client_gone = True
                 task.cancel()
-        except asyncio.CancelledError:  # this handler itself was cancelled (server shutdown): as a disconnect
-            task.cancel()
+
+        gone = asyncio.ensure_future(_wait_disconnect(self._receive))
+        gone.add_done_callback(on_disconnect)
+        try:
+            await work
+        except asyncio.CancelledError:
+            if client_gone and task.uncancel() == 0:  # our cancellation, not the server's shutdown
+                raise ClientGone() from None
             raise
         finally:
+            finished = True
+            gone.remove_done_callback(on_disconnect)
             gone.cancel()
-            await asyncio.gather(task, gone, return_exceptions=True)  # a closing session finishes first
-        if client_gone:
+        if client_gone:  # the work swallowed the cancellation and returned
+            task.uncancel()
             raise ClientGone()
-        task.result()
 
 
 def _response_headers(session: FlowSession) -> dict[str, str]:

@@ -531,8 +531,13 @@ class RequestFlow:
 
     def _start_early_pick(self, request: RouterRequest, meta: RequestMeta) -> asyncio.Task[PickReply] | None:
         """The Pick, started beside admission while flow_control has been admitting at once
-        (``early_pick``; see :meth:`_keep_early_pick`); None when not speculating."""
+        (``early_pick``; see :meth:`_keep_early_pick`); None when not speculating, or when the
+        admission client holds a credit for the request (admitted without a round trip: the pick
+        then runs inline after it, without a task and its two event-loop hand-offs)."""
         if not self._config.early_pick or not self._admitting_at_once:
+            return None
+        at_once = getattr(self._admission, "admits_at_once", None)
+        if at_once is not None and at_once(meta.priority, meta.admit_options):
             return None
         return asyncio.ensure_future(self._timed_pick(request, meta, []))
 

@@ -42,6 +42,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from pydantic import TypeAdapter, ValidationError
 
 from kvmesh.errors import InvalidRequest, NoEndpointsAvailable, UnknownModel
@@ -145,12 +146,10 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         InvalidRequest: when it is not UTF-8 JSON, not an object, or nested deeper than
             :data:`MAX_JSON_DEPTH` (also when the parser's own recursion limit is hit first).
     """
-    try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
-    except ValueError as exc:  # an integer longer than Python's int-string limit (4300 digits)
-        raise InvalidRequest(f"request body is not acceptable JSON: {str(exc)[:200]}") from exc
+    try:  # msgspec first (~4x faster on a token-id prompt); what it refuses gets the json module's verdict
+        data = _JSON_DECODER.decode(raw)
+    except msgspec.DecodeError:
+        data = _json_loads(raw)
     except RecursionError:
         raise InvalidRequest(f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels") from None
     if not isinstance(data, dict):
@@ -162,6 +161,22 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         if where is not None:
             raise InvalidRequest(f"'{where}' is not valid Unicode: it contains a lone UTF-16 surrogate escape")
     return data
+
+
+_JSON_DECODER = msgspec.json.Decoder()
+
+
+def _json_loads(raw: bytes) -> Any:
+    """The json module's decode (NaN/Infinity, integers beyond 64 bits, UTF-16/32 bodies, lone
+    surrogate escapes: what msgspec refuses) and its errors as :class:`InvalidRequest`."""
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+    except ValueError as exc:  # an integer longer than Python's int-string limit (4300 digits)
+        raise InvalidRequest(f"request body is not acceptable JSON: {str(exc)[:200]}") from exc
+    except RecursionError:
+        raise InvalidRequest(f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels") from None
 
 
 def find_lone_surrogate(value: Any, path: str = "") -> str | None:
@@ -318,9 +333,16 @@ class _Prompt:
     """Per prompt: (token count lower bound, exact?) for the context check."""
 
 
+_PLAIN_INT = frozenset((int,))
+
+
 def _token_ids(value: list[Any], where: str) -> tuple[int, ...]:
     if not value:
         raise InvalidRequest(f"'{where}' must not be empty")
+    if _PLAIN_INT.issuperset(map(type, value)):  # every id a plain int (a JSON body's): the checks in C
+        if min(value) < 0 or max(value) >= 2**32:
+            raise InvalidRequest(f"'{where}' token ids must be in [0, 2^32)")
+        return tuple(value)
     if not all(_is_int(t) for t in value):
         raise InvalidRequest(f"'{where}' must be a string or a list of token ids")
     if any(t < 0 or t >= 2**32 for t in value):

@@ -111,3 +111,29 @@ async def test_a_rejection_cancels_the_early_pick_and_stops_early_picks() -> Non
     events.clear()
     await _one(f)
     assert events == ["admit-start", "admit-end", "pick"]
+
+
+@dataclass
+class CreditAdmission(Admission):
+    """An admission client holding a credit for band 0 (``admits_at_once``, as :class:`AdmissionClient`)."""
+
+    credits: int = 1
+    asked: list[tuple[int, object]] = field(default_factory=list)
+
+    def admits_at_once(self, priority: int, options: object = None) -> bool:
+        self.asked.append((priority, options))
+        return self.credits > 0 and priority == 0
+
+
+async def test_no_early_pick_when_a_credit_admits_at_once() -> None:
+    """Admitted on a credit there is nothing to overlap: the pick runs after admission, inline."""
+    events: list[str] = []
+    admission = CreditAdmission(events)
+    f, picker = flow(events, admission)
+    await _one(f)
+    assert events == ["admit-start", "admit-end", "pick"] and len(picker.queries) == 1
+    assert admission.asked == [(0, None)]
+    admission.credits = 0  # no credit held: the pick goes beside admission again
+    events.clear()
+    await _one(f)
+    assert events.index("pick") < events.index("admit-end")

@@ -73,6 +73,8 @@ class CountingServicer(EndpointPickerServicer):
         super().__init__(scheduler)
         self.streams = self.unary_picks = self.unary_completed = 0
         self.batch_sizes: list[int] = []
+        self.writes: list[tuple[int, int]] = []
+        """(entries, completions) of each ``PickMany`` write received."""
 
     async def Pick(self, request: epp_pb2.PickRequest, context: grpc.aio.ServicerContext) -> epp_pb2.PickResponse:
         self.unary_picks += 1
@@ -88,6 +90,7 @@ class CountingServicer(EndpointPickerServicer):
         async def counted() -> AsyncIterator[epp_pb2.PickBatch]:
             async for batch in request_iterator:
                 self.batch_sizes.append(len(batch.entries))
+                self.writes.append((len(batch.entries), len(batch.completed)))
                 yield batch
 
         await super().PickMany(counted(), context)
@@ -113,8 +116,10 @@ async def _serve(servicer: EndpointPickerServicer, port: int = 0, *, old: bool =
     return server, bound
 
 
-async def _client(port: int, *, multiplexed: bool = True, timeout: float = 5.0) -> PickerClient:
-    client = PickerClient(f"127.0.0.1:{port}", timeout_seconds=timeout, multiplexed=multiplexed)
+async def _client(port: int, *, multiplexed: bool = True, timeout: float = 5.0,
+                  completed_flush_seconds: float = 0.0) -> PickerClient:
+    client = PickerClient(f"127.0.0.1:{port}", timeout_seconds=timeout, multiplexed=multiplexed,
+                          completed_flush_seconds=completed_flush_seconds)
     await client.connect()
     return client
 
@@ -328,4 +333,32 @@ async def test_a_half_closed_stream_answers_its_picks_in_flight_then_ends() -> N
         assert await call.code() == grpc.StatusCode.OK
     finally:
         await channel.close()
+        await server.stop(0)
+
+
+async def test_a_deferred_completion_rides_the_next_pick_or_goes_within_the_flush_time() -> None:
+    """``completed_flush_seconds``: a finished request's report waits for the next pick's write
+    (one write carries both, so epp frees the load just before it decides) and otherwise goes on
+    its own within the flush time; nothing is lost either way."""
+    scheduler, datastore = _scheduler()
+    servicer = CountingServicer(scheduler)
+    server, port = await _serve(servicer)
+    client = await _client(port, completed_flush_seconds=0.5)
+    try:
+        first = await client.pick(PickQuery("r1", "m"))
+        client.report_completed(RequestCompletion("r1", first.candidates[0].id, 10, 0, CompletionOutcome.SUCCESS))
+        await asyncio.sleep(0.05)  # well inside the flush time: not written yet
+        assert servicer.writes == [(1, 0)]
+        second_pick = await client.pick(PickQuery("r2", "m"))
+        assert servicer.writes == [(1, 0), (1, 1)]  # the completion rode the pick's write
+        pending = {c.id: c.metrics.pending_picks for c in datastore.candidates("m")}
+        assert sum(pending.values()) == 1  # r1 freed, r2 in flight
+        second = servicer.writes[:]
+        client.report_completed(RequestCompletion("r2", second_pick.candidates[0].id, 10, 0, CompletionOutcome.SUCCESS))
+        started = time.monotonic()
+        await _until(lambda: len(servicer.writes) > len(second))
+        assert servicer.writes[-1] == (0, 1) and time.monotonic() - started >= 0.3  # alone, after the flush time
+        assert servicer.unary_completed == 0 and servicer.streams == 1
+    finally:
+        await client.close()
         await server.stop(0)
