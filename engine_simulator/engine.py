@@ -3,10 +3,20 @@
 One task runs the loop: schedule a step, wait its modelled duration on the injected
 :class:`kvmesh.clock.Clock` (``ScaledClock`` for ``--time-scale``, ``ManualClock`` offline),
 apply it, publish the step's KV events (one ZMQ message per step, like vLLM's engine core), record
-metrics and hand each request its new tokens through an ``asyncio.Queue``. The loop sleeps until
-the step's *target* time, so Python overhead inside a step does not stretch model time. With no
-work it waits on an event; a ``reset_prefix_cache`` therefore publishes ``AllBlocksCleared``
-only at the next step, as vLLM does.
+metrics and hand each request its new tokens through an ``asyncio.Queue``. With no work it waits on
+an event; a ``reset_prefix_cache`` therefore publishes ``AllBlocksCleared`` only at the next step, as
+vLLM does.
+
+Model time is kept on a schedule, not re-read at each step: while the engine has work, a step starts
+where the previous one was modelled to end, and the loop sleeps until the step's modelled end. When
+the host starves the process (Python overhead, other processes on the same cores: the simulator's
+model time then runs behind the wall clock), the steps behind schedule run back to back until the
+engine is on schedule again, so a late wake-up delays tokens but does not cost the engine throughput
+(a GPU does not slow down because its host's CPU was busy). The debt is bounded by
+:data:`MAX_CATCH_UP_SECONDS`; what exceeds it is given up and counted in
+``kvmesh_sim_step_lost_seconds_total``, and ``kvmesh_sim_step_lag_seconds`` is the current lag
+(issue 9: at ``--time-scale 2`` on a loaded 2-core host, engines that re-read the clock each step ran
+38-57 % of their model time late, and the policy whose run met more load lost throughput for it).
 """
 
 from __future__ import annotations
@@ -22,6 +32,9 @@ from engine_simulator.scheduler import EngineCore, Request, RequestOutput
 from kvmesh.clock import Clock
 
 logger = logging.getLogger(__name__)
+
+MAX_CATCH_UP_SECONDS = 5.0
+"""Most model seconds a busy engine may run behind its schedule and still catch up (module docstring)."""
 
 
 class AsyncEngine:
@@ -99,12 +112,17 @@ class AsyncEngine:
     # -- the loop ----------------------------------------------------------------------
     async def _run(self) -> None:
         core, clock, latency = self.core, self.clock, self.latency
+        scheduled_end: float | None = None  # modelled end of the last step while busy; None after idling
         while True:
             if not core.has_work():
+                scheduled_end = None
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            t0 = clock.now()
+            now = clock.now()
+            t0 = now if scheduled_end is None else max(scheduled_end, now - MAX_CATCH_UP_SECONDS)
+            if scheduled_end is not None and t0 > scheduled_end and self.metrics is not None:
+                self.metrics.record_lost_time(t0 - scheduled_end)
             q0, h0, p0 = core.prefix_queries_tokens, core.prefix_hits_tokens, core.num_preemptions
             eq0, eh0 = core.external_queries_tokens, core.external_hits_tokens
             step = core.schedule(t0)
@@ -117,6 +135,7 @@ class AsyncEngine:
                 # nothing fits (e.g. every block is held by preempted work); wait for a change
                 self._publish()
                 self._record_step(0, core.num_preemptions - p0, 0)
+                scheduled_end = None  # waiting is not running late
                 ready = core.next_load_ready()  # offload loads in flight (engine_simulator/offload.py)
                 if ready is not None:
                     await clock.sleep(max(ready - clock.now(), 0.0))
@@ -125,11 +144,12 @@ class AsyncEngine:
                 await self._wake.wait()
                 continue
             dt = latency.step_seconds(step.prefill_tokens, step.decode_seqs, step.decode_context_tokens)
-            remaining = t0 + dt - clock.now()
+            scheduled_end = t0 + dt
+            remaining = scheduled_end - clock.now()
             if remaining > 0:
                 await clock.sleep(remaining)
             else:
-                await asyncio.sleep(0)
+                await asyncio.sleep(0)  # behind schedule: catch up, but let the server answer meanwhile
             now = clock.now()
             outputs = core.update(step)
             self.num_steps += 1
@@ -137,6 +157,8 @@ class AsyncEngine:
             for out in outputs:
                 self._deliver(out, now)
             self._record_step(step.prefill_tokens + step.decode_seqs, core.num_preemptions - p0, len(outputs))
+            if self.metrics is not None:
+                self.metrics.record_step_time(model_seconds=dt, lag_seconds=clock.now() - scheduled_end)
 
     def _publish(self) -> None:
         events = self.core.cache.take_events()

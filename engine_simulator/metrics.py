@@ -304,6 +304,24 @@ class EngineMetrics:
         self._iteration = self.iteration_tokens.labels(**lv)
         self._ttft = self.ttft.labels(**lv)
         self._itl = self.itl.labels(**lv)
+        # The simulator's own (not vLLM's): how faithfully the loop keeps model time on a busy host
+        # (engine_simulator/engine.py's schedule).
+        self.step_model_seconds = Counter(
+            "kvmesh_sim_step_model_seconds", "Model seconds of the steps run (the latency model's durations).",
+            registry=r,
+        )
+        self.step_lag_seconds = Gauge(
+            "kvmesh_sim_step_lag_seconds",
+            "Model seconds the last step ended behind its modelled end (the host starving the simulator; "
+            "its tokens reach clients that much late).",
+            registry=r,
+        )
+        self.step_lost_seconds = Counter(
+            "kvmesh_sim_step_lost_seconds",
+            "Model seconds of schedule given up because the loop ran more than the catch-up bound behind "
+            "(capacity the latency model promised and the host did not deliver).",
+            registry=r,
+        )
 
     # -- record helpers ------------------------------------------------------------------
     def record_step(
@@ -327,6 +345,15 @@ class EngineMetrics:
             self._preemptions.inc(new_preemptions)
         if new_generation_tokens:
             self._generation.inc(new_generation_tokens)
+
+    def record_step_time(self, *, model_seconds: float, lag_seconds: float) -> None:
+        """After every non-empty step: its modelled duration and how far past its modelled end it finished."""
+        self.step_model_seconds.inc(model_seconds)
+        self.step_lag_seconds.set(max(0.0, lag_seconds))
+
+    def record_lost_time(self, seconds: float) -> None:
+        """Schedule debt beyond the catch-up bound, given up (model seconds)."""
+        self.step_lost_seconds.inc(seconds)
 
     def record_scheduled(
         self, *, prompt_tokens: int, cached_tokens: int, external_queries: int = 0, external_hits: int = 0

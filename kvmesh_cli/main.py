@@ -23,15 +23,21 @@ every session over all engines, keeps evicting; precise-prefix keeps a session w
 is), and ``--time-scale`` ``DEFAULT_TIME_SCALE`` (1.0: faster replays multiply the mesh's own
 Python overhead into model time). ``--workload multi-turn`` is issue 2's chat workload. ``--peers`` adds
 the Rust peer routers (``kvmesh_cli/peers.py``) over the same engines; ``--sweep`` runs every
-column at several rate scales and finds each one's goodput at ``--slo-ttft``.
+column at several rate scales and finds each one's goodput at ``--slo-ttft``. ``--timeline DIR``
+samples each run's engines, router stages and the client's own loop lag (``kvmesh_cli/timeline.py``:
+whether a run measured the routing or a starved host); ``--parallel`` runs a rate's columns at the
+same time, each on its own mesh, so that on a busy host they all meet the same load.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -84,6 +90,7 @@ from kvmesh_cli.report import (
     load_split,
     offload_hit_rate,
     per_engine,
+    percentile,
     slo_crossed,
     slo_throughput,
     summarize,
@@ -91,6 +98,7 @@ from kvmesh_cli.report import (
     sweep_table,
     usage_cached_fraction,
 )
+from kvmesh_cli.timeline import EngineSampler, router_breakdown, timeline_line, timeline_summary, write_timeline
 from kvmesh_cli.workloads import (
     DEFAULT_MAX_OUTPUT_TOKENS,
     AgenticParams,
@@ -114,6 +122,8 @@ DEFAULT_AGENTIC_SESSIONS_PER_ENGINE = 4
 """``compare``'s default ``--sessions`` for agentic workloads, per engine: about a third more live history
 than the default pools (:data:`~kvmesh_cli.workloads.DEFAULT_AGENTIC_BLOCKS`) hold."""
 DEFAULT_SLO_TTFT_S = 2.0
+TIMELINE_INTERVAL_S = 0.5
+"""Wall seconds between two samples of ``compare --timeline``."""
 OFFLOAD_MODES = ("off", "cpu", "cpu+kv_store")
 OffloadOpt = Annotated[str, typer.Option(
     "--offload", help="Simulated engines' KV offload (vLLM's OffloadingConnector): off, cpu (a local CPU tier), "
@@ -246,10 +256,11 @@ def _workload_line(wl: Workload, label: str) -> str:
 def _run_replay(
     wl: Workload, router_url: str, engine_urls: list[str], time_scale: float, concurrency: int,
     model: str | None, label: str, *, sessions: int | None = None, prompt_format: str = "tokens",
+    sampler: EngineSampler | None = None, show_progress: bool = True,
 ) -> ReplayOutcome:
     with Progress(
         TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn("errors {task.fields[errors]}"),
-        TimeElapsedColumn(), console=console, transient=False,
+        TimeElapsedColumn(), console=console, transient=False, disable=not show_progress,
     ) as progress:
         task = progress.add_task(label, total=len(wl.requests), errors=0)
         errors = 0
@@ -263,7 +274,7 @@ def _run_replay(
             return asyncio.run(replay(
                 wl, router_url=router_url, engine_urls=engine_urls, time_scale=time_scale,
                 concurrency_limit=concurrency, model=model, on_done=on_done, max_sessions=sessions,
-                prompt_format=prompt_format,
+                prompt_format=prompt_format, sampler=sampler,
             ))
         except httpx.HTTPError as exc:  # discovering the model; requests themselves never raise
             progress.stop()
@@ -299,6 +310,10 @@ def _engine_line(outcome: ReplayOutcome) -> None:
              for url, (n, rate) in sorted(per_engine(outcome.counters_before, outcome.counters_after).items())]
     if parts:
         console.print("engines (port): " + "; ".join(parts), soft_wrap=True)
+    if outcome.loop_lag_s:
+        lags = outcome.loop_lag_s
+        console.print(f"replay client loop lag (wall ms): mean {1e3 * sum(lags) / len(lags):.1f}, "
+                      f"p99 {1e3 * (percentile(lags, 99) or 0.0):.1f}, max {1e3 * max(lags):.1f}", soft_wrap=True)
 
 
 def _first_errors(outcome: ReplayOutcome, n: int = 3) -> None:
@@ -516,23 +531,31 @@ class RunSettings:
     sessions: int | None
     slo_ttft_s: float
     etcd: str | None
+    parallel: bool = False
+    """Run a rate's columns at once, each on its own mesh (``compare --parallel``)."""
 
 
 def _run_one(wl: Workload, rs: RunSettings, run_dir: Path, name: str, policy: str | None, peer: str | None,
-             label: str, offload: str = "off") -> dict[str, object]:
+             label: str, offload: str = "off", timeline: Path | None = None) -> dict[str, object]:
     """One fresh mesh (engines with ``offload``); the replay through its router (``policy``) or through a
-    peer router over its engines."""
+    peer router over its engines. ``timeline``: sample the engines' load during it, print its summary
+    line and write the samples there (JSON lines)."""
     spec = MeshSpec(
         run_dir=run_dir, engines=rs.engines, policy=policy or "round-robin", time_scale=rs.time_scale,
         num_gpu_blocks=rs.num_gpu_blocks, block_size_tokens=rs.block_size_tokens, max_num_seqs=rs.max_num_seqs,
         etcd=rs.etcd, offload=offload,
     )
     t0 = time.monotonic()
+    sampler: EngineSampler | None = None
     with Mesh(spec) as mesh:
+        if timeline is not None:
+            router_metrics = next((m.metrics for m in mesh.members if m.name == "router"), None) if peer is None else None
+            sampler = EngineSampler(mesh.engine_urls, TIMELINE_INTERVAL_S, rs.time_scale,
+                                    router_metrics_url=router_metrics)
         if peer is None:
             console.print(f"[bold]{name}[/bold]: mesh up in {time.monotonic() - t0:.1f}s", soft_wrap=True)
             outcome = _run_replay(wl, mesh.router_url, mesh.engine_urls, rs.time_scale, rs.concurrency, None, label,
-                                  sessions=rs.sessions)
+                                  sessions=rs.sessions, sampler=sampler, show_progress=not rs.parallel)
         else:
             from engine_simulator.tokenizer import ensure_tokenizer
             from kvmesh_cli.peers import PeerRouter
@@ -546,14 +569,28 @@ def _run_one(wl: Workload, rs: RunSettings, run_dir: Path, name: str, policy: st
                 console.print(f"[bold]{name}[/bold]: engines and {peer} up in {time.monotonic() - t0:.1f}s",
                               soft_wrap=True)
                 outcome = _run_replay(wl, router.url, mesh.engine_urls, rs.time_scale, rs.concurrency, mesh.spec.model,
-                                      label, sessions=rs.sessions, prompt_format=router.spec.prompt_format)
+                                      label, sessions=rs.sessions, prompt_format=router.spec.prompt_format,
+                                      sampler=sampler, show_progress=not rs.parallel)
             finally:
                 router.__exit__()
         engine_urls = list(mesh.engine_urls)
+    if rs.parallel:
+        console.print(f"[bold]{name}[/bold]: {len(outcome.results)} requests done", soft_wrap=True)
     _first_errors(outcome)
     _engine_line(outcome)
-    return _summary(outcome, rs.time_scale, wl=wl, slo_ttft_s=rs.slo_ttft_s, engine_urls=engine_urls,
-                    block_size=rs.block_size_tokens or SIMULATOR_DEFAULTS.block_size_tokens, offload=offload)
+    summary = _summary(outcome, rs.time_scale, wl=wl, slo_ttft_s=rs.slo_ttft_s, engine_urls=engine_urls,
+                       block_size=rs.block_size_tokens or SIMULATOR_DEFAULTS.block_size_tokens, offload=offload)
+    if sampler is not None and timeline is not None:
+        timeline.parent.mkdir(parents=True, exist_ok=True)
+        write_timeline(sampler.points, timeline)
+        reduced = timeline_summary(sampler.points)
+        console.print(timeline_line(reduced), soft_wrap=True)
+        if sampler.router_first is not None and sampler.router_last is not None:
+            hop = {k: v * rs.time_scale for k, v in router_breakdown(sampler.router_first, sampler.router_last).items()}
+            reduced["router_mean_model_s"] = hop
+            console.print("router means (model s): " + ", ".join(f"{k} {v:.3f}" for k, v in hop.items()), soft_wrap=True)
+        summary["engine_timeline"] = reduced
+    return summary
 
 
 def _parse_scales(value: str | None) -> list[float]:
@@ -606,6 +643,13 @@ def compare(
     plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG (needs matplotlib): bars per policy, or the "
                                               "sweep's curve.")] = None,
     offload: OffloadOpt = "off",
+    timeline: Annotated[Path | None, typer.Option("--timeline", help="Sample every engine's waiting / running / KV "
+                                                  f"usage / preemptions every {TIMELINE_INTERVAL_S:g} wall s during "
+                                                  "each run; print a summary line per run and write the samples as "
+                                                  "JSON lines into this folder.")] = None,
+    parallel: Annotated[bool, typer.Option("--parallel", help="Run each rate's columns at the same time, each on its "
+                                           "own mesh, so they share whatever else loads the host (a fair A/B on a "
+                                           "busy machine; each column gets a share of the CPU).")] = False,
     verbose: VerboseOpt = False,
 ) -> None:
     """Replay one workload against a fresh mesh per routing policy (and peer router) and print them side by side."""
@@ -618,7 +662,7 @@ def compare(
     if sessions is None and base_wl.name.startswith("agentic"):
         sessions = DEFAULT_AGENTIC_SESSIONS_PER_ENGINE * engines
     rs = RunSettings(engines, num_gpu_blocks or default_num_gpu_blocks(trace, workload), block_size_tokens,
-                     max_num_seqs, time_scale, concurrency_limit, sessions, slo_ttft, etcd)
+                     max_num_seqs, time_scale, concurrency_limit, sessions, slo_ttft, etcd, parallel)
     bs = block_size_tokens or SIMULATOR_DEFAULTS.block_size_tokens
     longest = max((r.input_length + 1 + r.max_tokens for r in base_wl.requests), default=0)
     if -(-longest // bs) > rs.num_gpu_blocks - 1:
@@ -637,12 +681,22 @@ def compare(
     with exit_on_signals(), mesh_errors():
         for k, scale in enumerate(scales or [rate_scale]):
             wl = scale_load(base_wl, scale)
+            runs: list[tuple[str, str, Callable[[], dict[str, object]]]] = []
             for i, col in enumerate(columns):
                 name = col.name
                 tag = f"{name} x{scale:g}" if scales else name
                 stem = Path(col.policy or col.peer or name).stem
-                summary = _run_one(wl, rs, base / f"{k}-{i}-{column_label(stem, col.offload)}", tag, col.policy,
-                                   col.peer, tag, col.offload)
+                run_name = f"{k}-{i}-{column_label(stem, col.offload)}"
+                runs.append((name, tag, functools.partial(
+                    _run_one, wl, rs, base / run_name, tag, col.policy, col.peer, tag, col.offload,
+                    timeline=None if timeline is None else timeline / f"{run_name}.jsonl")))
+            if parallel:
+                with ThreadPoolExecutor(len(runs)) as pool:
+                    futures = [pool.submit(run) for _, _, run in runs]
+                    done = [f.result() for f in futures]
+            else:
+                done = [run() for _, _, run in runs]
+            for (name, tag, _), summary in zip(runs, done, strict=True):
                 summaries[tag if scales else name] = summary
                 curves.setdefault(name, []).append(SweepPoint(
                     scale, float(summary.get("requests_per_s") or 0.0), summary.get("ttft_p90_s"),  # type: ignore[arg-type]

@@ -28,10 +28,11 @@ engines come from the caller (a mesh it started), epp's ``ListEndpoints`` or etc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from httpx_sse import aconnect_sse
@@ -46,6 +47,7 @@ from kvmesh_cli.report import (
     RequestResult,
     parse_prometheus_counter,
 )
+from kvmesh_cli.timeline import EngineSampler
 from kvmesh_cli.workloads import Workload, WorkloadRequest, request_text, request_token_ids
 
 logger = logging.getLogger(__name__)
@@ -58,6 +60,9 @@ class ReplayOutcome:
     """First send to last completion, wall seconds."""
     counters_before: dict[str, tuple[float, ...]]
     counters_after: dict[str, tuple[float, ...]]
+    loop_lag_s: list[float] = field(default_factory=list)
+    """The client's own event-loop lag, wall seconds, one sample per ``LAG_PROBE_S`` (:func:`probe_loop_lag`):
+    how late the client itself noticed what it measures (a starved client inflates every TTFT)."""
 
 
 async def scrape_counters(
@@ -129,6 +134,17 @@ async def engines_from_etcd(etcd_address: str) -> list[str]:
 
 
 PROMPT_FORMATS = ("tokens", "text")
+LAG_PROBE_S = 0.05
+"""Wall seconds between two probes of the client's event-loop lag."""
+
+
+async def probe_loop_lag(out: list[float], interval_s: float = LAG_PROBE_S) -> None:
+    """Append, every ``interval_s``, how much later than asked a sleep of ``interval_s`` returned; until cancelled."""
+    loop = asyncio.get_running_loop()
+    while True:
+        asked = loop.time() + interval_s
+        await asyncio.sleep(interval_s)
+        out.append(max(0.0, loop.time() - asked))
 
 
 async def send_one(
@@ -205,8 +221,12 @@ async def replay(
     max_sessions: int | None = None,
     prompt_format: str = "tokens",
     transport: httpx.AsyncBaseTransport | None = None,
+    sampler: EngineSampler | None = None,
 ) -> ReplayOutcome:
     """Replay ``workload`` (open or closed loop per request, see the module doc) and collect results.
+
+    ``sampler`` (optional) samples the engines' load through the same client from the first send to the
+    last completion (:mod:`kvmesh_cli.timeline`).
 
     Raises:
         ValueError: when ``time_scale`` <= 0, ``concurrency_limit`` < 1, ``max_sessions`` < 1 or
@@ -278,8 +298,18 @@ async def replay(
                             and session_started[req.session].is_set():
                         session_slots.release()
 
-        await asyncio.gather(*(run(r) for r in workload.requests))
+        sampling = asyncio.create_task(sampler.run(client)) if sampler is not None else None
+        lags: list[float] = []
+        probing = asyncio.create_task(probe_loop_lag(lags))
+        try:
+            await asyncio.gather(*(run(r) for r in workload.requests))
+        finally:
+            for task in (sampling, probing):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
         after = await scrape_counters(client, engine_urls)
     wall = last_end - (min(first_send) if first_send else start)
     results.sort(key=lambda r: r.index)
-    return ReplayOutcome(results, wall, before, after)
+    return ReplayOutcome(results, wall, before, after, lags)

@@ -92,8 +92,9 @@ def test_compare_runs_each_column_with_its_offload(monkeypatch: pytest.MonkeyPat
     runs: list[tuple[str, str | None, str]] = []
 
     def fake_run_one(wl: object, rs: object, run_dir: Path, name: str, policy: str | None, peer: str | None,
-                     label: str, offload: str = "off") -> dict[str, object]:
+                     label: str, offload: str = "off", timeline: Path | None = None) -> dict[str, object]:
         runs.append((name, policy, offload))
+        assert timeline is None  # no --timeline given
         assert run_dir.name.endswith(column_label(policy or "", offload))
         return summarize([], wall_duration_s=1.0, time_scale=1.0, prefix_hit_rate=0.5, offload=offload,
                          offload_hit_rate=0.25 if offload != "off" else 0.0, oracle_hit_rate=0.8)
@@ -152,3 +153,35 @@ def test_table_rows_and_document_keys() -> None:
                 "GPU + offload hit rate", "captured of oracle (GPU hits)", "captured of oracle (GPU + offload)"):
         assert row in text
     assert "70.0 %" in text and "87.5 %" in text and "cpu" in text
+
+
+def test_parallel_runs_a_rates_columns_at_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``--parallel``: every column of one rate runs at the same time (both are in flight together), the rates
+    one after the other; the table and the sweep keep the columns' order; ``--timeline`` names a file per run."""
+    import threading
+
+    both_in_flight = threading.Barrier(2, timeout=10)
+    runs: list[tuple[str, str]] = []
+
+    def fake_run_one(wl: object, rs: main.RunSettings, run_dir: Path, name: str, policy: str | None,
+                     peer: str | None, label: str, offload: str = "off", timeline: Path | None = None
+                     ) -> dict[str, object]:
+        assert rs.parallel
+        assert timeline is not None and timeline.name == f"{run_dir.name}.jsonl"
+        both_in_flight.wait()  # raises BrokenBarrierError unless the other column of this rate runs now
+        runs.append((name, run_dir.name))
+        return summarize([], wall_duration_s=1.0, time_scale=1.0, prefix_hit_rate=0.5 if policy == "round-robin" else 0.6)
+
+    monkeypatch.setattr(main, "_run_one", fake_run_one)
+    out = tmp_path / "c.json"
+    result = CliRunner().invoke(app, [
+        "compare", "--workload", "multi-turn", "--requests", "4", "--run-dir", str(tmp_path / "run"),
+        "--policies", "round-robin,precise-prefix", "--sweep", "1,2", "--parallel", "--timeline", str(tmp_path / "tl"),
+        "--json-out", str(out),
+    ], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    assert sorted(runs[:2]) == [("round-robin x1", "0-0-round-robin"), ("precise-prefix x1", "0-1-precise-prefix")][::-1]
+    assert {r[1] for r in runs[2:]} == {"1-0-round-robin", "1-1-precise-prefix"}
+    doc = json.loads(out.read_text())
+    assert list(doc["policies"]) == ["round-robin x1", "precise-prefix x1", "round-robin x2", "precise-prefix x2"]
+    assert doc["policies"]["precise-prefix x2"]["prefix_hit_rate"] == 0.6
