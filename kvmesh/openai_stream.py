@@ -112,10 +112,21 @@ class Usage:
             return None
         details = usage.get("prompt_tokens_details") or {}
         return cls(
-            int(usage.get("prompt_tokens") or 0),
-            int(usage.get("completion_tokens") or 0),
-            int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0,
+            _token_count(usage.get("prompt_tokens")),
+            _token_count(usage.get("completion_tokens")),
+            _token_count(details.get("cached_tokens")) if isinstance(details, dict) else 0,
         )
+
+
+def _token_count(value: Any) -> int:
+    """A usage count as an int: a non-negative integer (or an integral float) as is; anything else an engine
+    may send (NaN, Infinity, a string, a list, a negative or fractional number, a bool) counts 0, so a
+    malformed ``usage`` never fails the request it describes."""
+    if type(value) is int:
+        return value if value >= 0 else 0
+    if type(value) is float and value.is_integer() and value >= 0:
+        return int(value)
+    return 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -106,6 +106,19 @@ def test_usage_from_json(usage: object, expected: Usage | None) -> None:
     assert Usage.from_json(usage) == expected
 
 
+@pytest.mark.parametrize("bad", ["NaN", "Infinity", "-Infinity", '"12"', "[3]", "-4", "2.5", "true", "{}", "1e400"])
+def test_a_malformed_usage_count_counts_zero_and_never_fails_the_answer(bad: str) -> None:
+    """An engine's ``usage`` count that is not a non-negative integer (Python's json accepts NaN and Infinity)
+    counts 0 in the answer and in each stream chunk; the rest of the answer is kept."""
+    body = ('{"id": "x", "choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}], '
+            f'"usage": {{"prompt_tokens": {bad}, "completion_tokens": 3, "prompt_tokens_details": {{"cached_tokens": {bad}}}}}}}')
+    assert parse_completion(body.encode()) == Completion("hi", "stop", Usage(0, 3, 0), "x")
+    piece = parse_event('{"id": "x", "choices": [{"text": "t", "finish_reason": null}], '
+                        f'"usage": {{"prompt_tokens": 5, "completion_tokens": {bad}}}}}')
+    assert piece is not None and piece.usage == Usage(5, 0, 0) and piece.text == "t"
+    assert Usage.from_json({"prompt_tokens": 7.0}) == Usage(7, 0, 0)  # an integral float is its integer
+
+
 def test_parse_completion() -> None:
     chat = json.dumps({"id": "x", "choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}],
                        "usage": {"prompt_tokens": 4, "completion_tokens": 1}}).encode()
