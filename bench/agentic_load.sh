@@ -12,6 +12,10 @@
 # Prompts are the trace's at 8 tokens per 64-token hash block (--block-tokens), capped at 24,576 tokens;
 # outputs capped at 64 tokens (streaming cost on 2 cores); --time-scale 0.5 halves the mesh's own Python
 # overhead in model time. JSON goes to .run/bench/, the sweep plot to docs/img/agentic_sweep.png.
+# Issue 9's headline (target regime: round-robin TTFT p50 >= 2 s; llm-d-blend = precise-prefix without its
+# sticky-session margin):  REQUESTS=640 SESSIONS=100 RATE_SCALE=20 \
+#   POLICIES=round-robin,llm-d-blend+cpu,precise-prefix+cpu,tier-cost+cpu PEERS=vllm-router-cache-aware+cpu \
+#   bench/agentic_load.sh point --block-tokens 16
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .run/bench docs/img

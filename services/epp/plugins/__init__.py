@@ -6,11 +6,18 @@ from services.epp.framework.registry import PluginRegistry
 from services.epp.plugins.filters import live_endpoint
 from services.epp.plugins.pickers import max_score, random_picker, round_robin
 from services.epp.plugins.prepare import prefix_match
-from services.epp.plugins.scorers import kv_cache_utilization, precise_prefix_cache, prefill_cost, queue, tier_cost
+from services.epp.plugins.scorers import (
+    kv_cache_utilization,
+    precise_prefix_cache,
+    prefill_cost,
+    queue,
+    session_affinity,
+    tier_cost,
+)
 
 _MODULES = (
     prefix_match, live_endpoint, queue, kv_cache_utilization, precise_prefix_cache, prefill_cost, tier_cost, max_score,
-    random_picker, round_robin,
+    random_picker, round_robin, session_affinity,
 )
 
 

@@ -85,9 +85,16 @@ async def _decisions(config: str, picks: int = 60) -> tuple[list[str], str]:
 
 
 PINNED: dict[str, tuple[list[str], str]] = {
-    "precise-prefix": (
+    # llm-d's blend: `precise-prefix` as recorded before issue 9's sticky-session margin (same digest).
+    "llm-d-blend": (
         ['10.0.0.12:8000', '10.0.0.34:8000', '10.0.0.10:8000', '10.0.0.12:8000', '10.0.0.5:8000', '10.0.0.24:8000', '10.0.0.17:8000', '10.0.0.8:8000'],
         "d2091de58ec7d9b28f0251053b51e1f3e1b490d252da1017d8e2fb24b7639665",
+    ),
+    # Re-pinned 2026-11-30 (issue 9, wave 6): the config gained `session-affinity-scorer` (weight 10), so
+    # every breakdown has one more column; recorded with the code whose blend pin is unchanged above.
+    "precise-prefix": (
+        ['10.0.0.12:8000', '10.0.0.34:8000', '10.0.0.10:8000', '10.0.0.12:8000', '10.0.0.5:8000', '10.0.0.24:8000', '10.0.0.17:8000', '10.0.0.8:8000'],
+        "9f4690f5381fcdb134048d9d00ffa91b1a8dd8c0f7f9d977af2e965f4ba5fa28",
     ),
     "prefill-cost": (
         ['10.0.0.27:8000', '10.0.0.33:8000', '10.0.0.22:8000', '10.0.0.18:8000', '10.0.0.16:8000', '10.0.0.38:8000', '10.0.0.17:8000', '10.0.0.36:8000'],

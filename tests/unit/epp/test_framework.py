@@ -195,10 +195,13 @@ class _NullIndex:
     [
         ("round-robin", [], {}, "round-robin-picker", False),
         ("load-only", [], {"queue": 1.0, "kv-utilization": 1.0}, "max-score-picker", False),
-        ("precise-prefix", ["prefix-match"], {"prefix": 3.0, "queue": 2.0, "kv-utilization": 2.0}, "max-score-picker", True),
+        ("llm-d-blend", ["prefix-match"], {"prefix": 3.0, "queue": 2.0, "kv-utilization": 2.0}, "max-score-picker", True),
+        ("precise-prefix", ["prefix-match"], {"sticky": 10.0, "prefix": 3.0, "queue": 2.0, "kv-utilization": 2.0},
+         "max-score-picker", True),
         ("prefill-cost", ["prefix-match"], {"prefill-cost": 1.0, "prefix": 0.01}, "max-score-picker", True),
+        ("tier-cost", ["prefix-match"], {"sticky": 10.0, "tier-cost": 1.0, "prefix": 0.01}, "max-score-picker", True),
     ],
-    ids=["round-robin", "load-only", "precise-prefix", "prefill-cost"],
+    ids=["round-robin", "load-only", "llm-d-blend", "precise-prefix", "prefill-cost", "tier-cost"],
 )
 def test_named_configs(name: str, steps: list[str], scorers: dict[str, float], picker: str, needs_prompt: bool) -> None:
     assert name in named_configs()

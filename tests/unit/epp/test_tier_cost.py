@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Mapping
+from typing import Any
 
 import pytest
 
@@ -138,11 +140,19 @@ def test_params_validated() -> None:
             parse_params(TierCostParams, "tier-cost-scorer", "t", bad)
 
 
-def _mesh(n: int) -> tuple[ManualClock, Datastore, FakeIndex, Scheduler, list[Endpoint]]:
+def _without_sticky(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``tier-cost`` config without its ``session-affinity-scorer``: the cost model's own picks."""
+    sticky = {p["name"] for p in data["plugins"] if p["type"] == "session-affinity-scorer"}
+    profile = {**data["profiles"][0], "plugins": [r for r in data["profiles"][0]["plugins"] if r["ref"] not in sticky]}
+    return {**data, "plugins": [p for p in data["plugins"] if p.get("name") not in sticky], "profiles": [profile]}
+
+
+def _mesh(n: int, *, sticky: bool = False) -> tuple[ManualClock, Datastore, FakeIndex, Scheduler, list[Endpoint]]:
     clock = ManualClock()
     ds = Datastore(clock)
     index = FakeIndex(PrefixMatch(32, {}))
     source, data = resolve_scheduling_config("tier-cost")
+    data = data if sticky else _without_sticky(data)
     profile = build_profile(data, default_registry(), PluginHandle(rng=random.Random(0), prefix_index=index), source)
     eps = [Endpoint(id=EndpointId(f"127.0.0.1:{p}"), url=f"http://127.0.0.1:{p}", model="m") for p in range(1, n + 1)]
     ds.set_endpoints({e.id: e for e in eps})
@@ -166,15 +176,18 @@ async def test_burst_spreads_instead_of_piling_on_the_warm_endpoint() -> None:
     assert targets[:10] == [eps[0].id] * 10
 
 
-@pytest.mark.parametrize("reported", [False, True], ids=["no-completion", "router-reported"])
-async def test_completion_keeps_a_session_on_its_engine(reported: bool) -> None:
+@pytest.mark.parametrize(("reported", "sticky"), [(False, False), (True, False), (False, True)],
+                         ids=["no-completion", "router-reported", "sticky-margin"])
+async def test_completion_keeps_a_session_on_its_engine(reported: bool, sticky: bool) -> None:
     """Closed-loop session, issue 9's case: call 1 goes to endpoint 1 (24 of 32 blocks on its GPU);
     another request (1,200 uncached tokens) is picked there after it; call 1's answer arrives and
     call 2 (same prefix) is picked before any scrape. Counting call 1 as still queued, endpoint 1
     costs (512 + 1,200 + 512) tokens in 2 steps = 0.0843 s against 2,048 tokens in 1 step = 0.0726 s
     on endpoint 2, and the session would leave its history; with the router's completion, call 1
-    (FCFS: and nothing picked after it) is freed: 1,712 tokens, 0.0616 s, and it stays."""
-    _, ds, index, sched, eps = _mesh(2)
+    (FCFS: and nothing picked after it) is freed: 1,712 tokens, 0.0616 s, and it stays. The shipped
+    config's sticky margin (``session-affinity-scorer``: 1,712 queued tokens are within 2 x 1,536 +
+    2,048 of the idle endpoint's 0) keeps it even without the completion."""
+    _, ds, index, sched, eps = _mesh(2, sticky=sticky)
     index.match = PrefixMatch(32, {eps[0].id: 24}, {eps[0].id: {"GPU": 24}})
     tokens = tuple(range(2048))
     assert (await sched.pick(SchedulingRequest(model="m", request_id="s1-c1", token_ids=tokens))).target.id == eps[0].id
@@ -184,7 +197,7 @@ async def test_completion_keeps_a_session_on_its_engine(reported: bool) -> None:
         m = ds.candidates("m")[0].metrics
         assert (m.pending_picks, m.unprefilled_requests, m.queued_prefill_tokens) == (1, 1, 1200)
     call2 = await sched.pick(SchedulingRequest(model="m", request_id="s1-c2", token_ids=tokens))
-    assert call2.target.id == (eps[0].id if reported else eps[1].id)
+    assert call2.target.id == (eps[0].id if reported or sticky else eps[1].id)
 
 
 def _used(port: int, usage: float, **kw: int) -> Candidate:

@@ -21,9 +21,9 @@ Example YAML::
 Failure modes:
     kv_indexer unreachable or slow, or tokenization failing: the step writes no match and every
     candidate scores 0, so the pick falls back to the other scorers. Susceptible to hot-spotting when
-    one endpoint holds a popular prefix; pair it with load scorers (the ``precise-prefix`` config:
-    prefix 3, queue 2, kv-utilization 2), or price hits and load in tokens (``prefill-cost-scorer``,
-    the ``prefill-cost`` config).
+    one endpoint holds a popular prefix; pair it with load scorers (the ``llm-d-blend`` config: prefix 3,
+    queue 2, kv-utilization 2; ``precise-prefix`` puts ``session-affinity-scorer`` in front of that blend),
+    or price hits and load in tokens (``prefill-cost-scorer``, the ``prefill-cost`` config).
 """
 
 from __future__ import annotations
