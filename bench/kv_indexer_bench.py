@@ -34,6 +34,9 @@ import sys
 import tempfile
 import time
 from array import array
+from collections.abc import Sequence
+from itertools import islice, repeat, takewhile
+from operator import methodcaller
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -45,17 +48,41 @@ from kvmesh.types import Endpoint, EndpointId
 from kvmesh_cli.launcher import free_port
 from services.kv_indexer.events.pool import EndpointState, EventPool
 from services.kv_indexer.events.replay import ZmqReplayer
-from services.kv_indexer.index import InMemoryIndex
+from services.kv_indexer.index import ApplyOutcome, InMemoryIndex
 from services.kv_indexer.index.residency import ResidencyLog
-from services.kv_indexer.scoring import longest_prefix_matches, prefix_matches
+from services.kv_indexer.scoring import prefix_matches
+
+
+def set_walk(keys: list[int], table: dict[int, dict[EndpointId, int]]) -> dict[EndpointId, int]:
+    """The shared prefix walk before wave 6 (a subset test per block, ``takewhile`` once one endpoint
+    is left), kept here as the ``ref walk`` column's A/B for :func:`kvmesh.prefix_index.longest_prefix_matches`."""
+    first = table.get(keys[0]) if keys else None
+    if not first:
+        return {}
+    active, result, i, n, get = set(first), {}, 1, len(keys), table.get
+    while i < n and len(active) > 1:
+        holders = get(keys[i])
+        if not holders:
+            break
+        if not holders.keys() >= active:
+            survivors = active.intersection(holders.keys())
+            result.update(dict.fromkeys(active - survivors, i))
+            active = survivors
+        i += 1
+    if len(active) == 1 and i < n:
+        (only,) = active
+        i += len(list(takewhile(methodcaller("__contains__", only), map(get, islice(keys, i, None), repeat({})))))
+    result.update(dict.fromkeys(active, i))
+    return result
 
 
 def bench(
     tokens: int, block_size: int, endpoints: int, repeats: int, mode: str = "cold", turn_tokens: int = 256
 ) -> tuple[float, float, float, int, float, float]:
     """p50 and p99 of one ``score`` (ms), cold key cost (µs per block), the index's blocks, and
-    the p50 of the prefix walk alone (ms): kv_indexer's (``scoring.prefix_matches``) and the
-    reference walk (``kvmesh.prefix_index.longest_prefix_matches``), timed on the same keys.
+    the p50 of the prefix walk alone (ms): the shared walk (``scoring.prefix_matches``, i.e.
+    ``kvmesh.prefix_index.longest_prefix_matches``) and the walk before wave 6 (:func:`set_walk`),
+    timed on the same keys and asserted equal.
 
     ``mode``: ``cold`` (every block hashed: a fresh prompt per repeat, the key cache off) or
     ``grown`` (each repeat's prompt extends the last by ``turn_tokens``)."""
@@ -103,7 +130,7 @@ def bench(
         walk = prefix_matches(keys, table)
         walk_times.append(time.perf_counter() - start)
         start = time.perf_counter()
-        assert longest_prefix_matches(keys, table) == walk
+        assert set_walk(keys, table) == walk
         ref_walk_times.append(time.perf_counter() - start)
         if mode == "cold":
             assert result.scores[0].matched_blocks == blocks - 1
@@ -154,6 +181,14 @@ class _PerEvent:
         return self.inner.apply(endpoint_id, event)
 
 
+class _GeneralPath(InMemoryIndex):
+    """``apply_batch`` through the general per-event code (``_apply_stored`` / ``_apply_removed`` per
+    event): the batch path as it was before issue 10's wave 6 inlined the common store (the A/B's "before")."""
+
+    def apply_batch(self, endpoint_id: EndpointId, events: Sequence[KVEvent]) -> list[ApplyOutcome]:  # type: ignore[override]
+        return [self.apply(endpoint_id, event) for event in events]
+
+
 async def ingest_bench(messages: int, capacity: int, repeats: int, watched: bool = False,
                        variants: tuple[str, ...] = ("batch",)) -> dict[str, float]:
     """Decode-only and end-to-end (EventPool -> InMemoryIndex) rates, and memory per held block.
@@ -161,7 +196,8 @@ async def ingest_bench(messages: int, capacity: int, repeats: int, watched: bool
     ``watched``: a replica watches (``KVIndexer/Watch``): the index records residency changes and a
     task drains them into ``WatchResponse`` deltas as the servicer does (no socket), in the same loop.
     ``variants`` (run interleaved, best of ``repeats`` each; the first is the headline row):
-    ``batch`` (the pool hands the index a batch: ``InMemoryIndex.apply_batch``), ``per-event``
+    ``batch`` (the pool hands the index a batch: ``InMemoryIndex.apply_batch``), ``general`` (a batch
+    per call, each event through the general per-event code: the path before wave 6), ``per-event``
     (``apply`` per event), ``service`` (``batch`` through ``InstrumentedIndex``, the metrics the
     service records). ``cpu`` columns use the process's CPU time (``time.process_time``), steadier
     than wall time on a shared machine."""
@@ -188,6 +224,10 @@ async def ingest_bench(messages: int, capacity: int, repeats: int, watched: bool
         target: object = index
         if variant == "per-event":
             target = _PerEvent(index)
+        elif variant == "general":
+            index = _GeneralPath()
+            index.register_endpoint(endpoint)
+            target = index
         elif variant == "service":
             target = InstrumentedIndex(index)
         pool = EventPool(target, workers=1, queue_size=len(payloads) + 1)  # type: ignore[arg-type]
@@ -415,8 +455,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--tokens", type=int, default=0, help="score: only rows of this prompt length (0: all)")
     parser.add_argument("--ab", action="store_true",
-                        help="ingest: also per-event apply (no apply_batch) and the service's wrapping "
-                             "(InstrumentedIndex + parity), interleaved with the default")
+                        help="ingest: also the general path (before wave 6), per-event apply (no apply_batch) "
+                             "and the service's wrapping (InstrumentedIndex's metrics), interleaved with the default")
     parser.add_argument("--watched", action="store_true", help="ingest: also with a replica watching (Watch deltas built)")
     parser.add_argument("--plot", type=Path, default=None, help="score/ingest: write a PNG here (matplotlib)")
     args = parser.parse_args()
@@ -427,7 +467,7 @@ def main() -> None:
         asyncio.run(etcd_pause_bench(args.engines, args.pause, args.lease_ttl, args.requests))
         return
     if args.mode == "ingest":
-        variants = ("batch", "per-event", "service") if args.ab else ("batch",)
+        variants = ("batch", "general", "per-event", "service") if args.ab else ("batch",)
         row = asyncio.run(ingest_bench(args.messages, args.capacity, max(1, min(args.repeats, 3)), variants=variants))
         if args.watched:
             print("the same, a replica watching:")

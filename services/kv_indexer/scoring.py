@@ -7,9 +7,9 @@ order keeping the set of endpoints that matched every block so far. An endpoint 
 the first block it does not hold; its match is the number of blocks before it. The walk stops when
 the set is empty or a key has no holder at all.
 
-Cost: O(matched blocks) set operations over the active endpoints (a subset test per block, done in
-C; the survivors are recomputed only at blocks where someone drops out), after O(n) to compute the
-keys (once per request and block size). Per-medium counts cost another O(matched blocks) per
+Cost: O(matched blocks) C-level work (holders fetched with ``map(table.get)``, runs of equal
+holders skipped by ``groupby``; a subset test and the survivors only where the holders change),
+after O(n) to compute the keys (once per request and block size). Per-medium counts cost another O(matched blocks) per
 endpoint, and only for endpoints holding blocks on more than one medium (the index knows). Same
 walk as llm-d's longest-prefix scorer and Dynamo's ``find_matches``, on a flat hash map since the
 keys are already chained.
@@ -17,8 +17,7 @@ keys are already chained.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
-from itertools import groupby
+from collections.abc import Mapping, Sequence
 
 from kvmesh.prefix_index import longest_prefix_matches
 from kvmesh.types import EndpointId, Medium
@@ -28,58 +27,10 @@ __all__ = [
     "media_of", "prefix_matches",
 ]
 
-_FIRST_CHUNK = 32
-"""Blocks fetched in the walk's first pass; each later pass fetches 4x more."""
-
-
-def prefix_matches(
-    keys: Sequence[int], table: Mapping[int, Holders], candidates: Collection[EndpointId] | None = None
-) -> dict[EndpointId, int]:
-    """Same answer as :func:`kvmesh.prefix_index.longest_prefix_matches`, walked in C-level passes.
-
-    The holders of a pass's keys are fetched with one ``map(table.get, ...)``; runs of equal
-    holders (the one shared value of keys a single endpoint holds alone, or equal dicts) are
-    skipped by :func:`itertools.groupby`, so Python work is per change of holders, not per block.
-    Passes start at 32 blocks and grow 4x, so a prompt whose prefix nobody holds past a few blocks
-    fetches little. Stops at the first key with no holder or when every endpoint has dropped out.
-
-    Returns:
-        ``{endpoint: n}`` with ``1 <= n <= len(keys)``, for endpoints holding at least block 0.
-    """
-    total = len(keys)
-    if not total:
-        return {}
-    get = table.get
-    first = get(keys[0])
-    if not first:
-        return {}
-    active = set(first) if candidates is None else set(first).intersection(candidates)
-    result: dict[EndpointId, int] = {}
-    matched = 0  # blocks every endpoint in ``active`` holds
-    checked: object = None  # the last holders value found to cover ``active``
-    chunk = _FIRST_CHUNK
-    while active and matched < total:
-        stop = min(total, matched + chunk)
-        chunk *= 4
-        for holders, run in groupby(map(get, keys[matched:stop])):
-            if not holders:  # nobody holds this block: nobody matches further
-                for endpoint_id in active:
-                    result[endpoint_id] = matched
-                return result
-            if holders is not checked:
-                present = holders.keys()
-                if not present >= active:
-                    survivors = active.intersection(present)
-                    for endpoint_id in active.difference(survivors):
-                        result[endpoint_id] = matched
-                    active = survivors
-                    if not active:
-                        return result
-                checked = holders
-            matched += len(list(run))
-    for endpoint_id in active:
-        result[endpoint_id] = matched
-    return result
+prefix_matches = longest_prefix_matches
+"""The walk (:func:`kvmesh.prefix_index.longest_prefix_matches`, shared with epp's replica) under the
+name this service's index uses: per endpoint holding block 0 (among ``candidates``), its matched
+leading blocks."""
 
 Holders = Mapping[EndpointId, int]
 """Endpoints holding one block key, and on which media: per endpoint one int packing a 32-bit

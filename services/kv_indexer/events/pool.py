@@ -168,6 +168,8 @@ class EventPool:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self._index = index
+        self._apply_batch = getattr(index, "apply_batch", None)
+        """The index's whole-batch apply (None: ``apply`` per event)."""
         self._queues: list[asyncio.Queue[RawMessage | None]] = [asyncio.Queue(queue_size) for _ in range(workers)]
         self._tasks: list[asyncio.Task[None]] = []
         self._recoveries: set[asyncio.Task[None]] = set()
@@ -303,17 +305,25 @@ class EventPool:
     # -- workers ----------------------------------------------------------------------------
 
     async def _work(self, queue: asyncio.Queue[RawMessage | None]) -> None:
+        """Handle the queue's messages in order; what is already queued is taken with ``get_nowait``
+        (``await queue.get()`` does not yield while the queue is non-empty either, so the loop's
+        fairness is unchanged; only the coroutine per message is saved)."""
+        handle = self._handle
         while True:
             message = await queue.get()
-            try:
-                if message is None:
-                    return
-                self._handle(message)
-            except Exception:
-                logger.exception("event message failed endpoint=%s", message.endpoint_id if message else "")
-                self.record_drop("internal_error")
-            finally:
-                queue.task_done()
+            while True:
+                try:
+                    if message is None:
+                        return
+                    handle(message)
+                except Exception:
+                    logger.exception("event message failed endpoint=%s", message.endpoint_id if message else "")
+                    self.record_drop("internal_error")
+                finally:
+                    queue.task_done()
+                if queue.empty():
+                    break
+                message = queue.get_nowait()
 
     def _handle(self, message: RawMessage) -> None:
         endpoint_id = message.endpoint_id
@@ -327,7 +337,7 @@ class EventPool:
         self._sequence(track, message)
 
     def _sequence(self, track: _Track, message: RawMessage) -> None:
-        stats = self.stats.per_endpoint.setdefault(message.endpoint_id, EndpointIngestStats())
+        stats = self._endpoint_stats(message.endpoint_id)
         stats.messages += 1
         if track.recovery is not None:
             self._buffer(track, message)
@@ -356,12 +366,18 @@ class EventPool:
             )
             self._start_recovery(track, expected, trigger, message)
             return
-        self._apply_message(track, message)
+        self._apply_message(track, message, stats)
 
-    def _apply_message(self, track: _Track, message: RawMessage) -> bool:
+    def _endpoint_stats(self, endpoint_id: EndpointId) -> EndpointIngestStats:
+        stats = self.stats.per_endpoint.get(endpoint_id)
+        if stats is None:
+            stats = self.stats.per_endpoint[endpoint_id] = EndpointIngestStats()
+        return stats
+
+    def _apply_message(self, track: _Track, message: RawMessage, stats: EndpointIngestStats | None = None) -> bool:
         """Decode and apply one in-order message; False when its payload was undecodable."""
         track.next_seq = message.seq + 1
-        self.stats.per_endpoint.setdefault(message.endpoint_id, EndpointIngestStats()).last_seq = message.seq
+        (stats or self._endpoint_stats(message.endpoint_id)).last_seq = message.seq
         try:
             batch = decode_batch(message.payload)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
@@ -379,16 +395,17 @@ class EventPool:
         endpoint_id = track.endpoint.id
         events = batch.events
         parity = self._parity
-        for event in events:
-            kind = type(event)
-            if kind is BlockStored:
-                if parity is not None:
-                    parity.check(endpoint_id, event)  # type: ignore[arg-type]
-            elif kind is AllBlocksCleared and not track.reliable:
-                track.reliable = True
-                logger.info("endpoint=%s cleared its cache: reliable again", endpoint_id)
+        if parity is not None or not track.reliable:
+            for event in events:
+                kind = type(event)
+                if kind is BlockStored:
+                    if parity is not None:
+                        parity.check(endpoint_id, event)  # type: ignore[arg-type]
+                elif kind is AllBlocksCleared and not track.reliable:
+                    track.reliable = True
+                    logger.info("endpoint=%s cleared its cache: reliable again", endpoint_id)
         admitted = self._fields.admit_all(endpoint_id, events)  # KV groups, ignored fields (events/fields.py)
-        apply_batch = getattr(self._index, "apply_batch", None)
+        apply_batch = self._apply_batch
         if apply_batch is not None:
             apply_batch(endpoint_id, admitted)
             return

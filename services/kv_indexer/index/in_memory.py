@@ -9,8 +9,9 @@ Layout (``E`` = endpoint id, ``M`` = medium):
   tokens under two hashes, e.g. two LoRA adapters).
 * per registered endpoint: ``blocks: engine hash -> key | media bitmask << 64`` (one int: what
   ``BlockRemoved`` needs; bit ``i`` of the mask is ``Medium`` number ``i``),
-  and ``recent``: the latest removed ``engine hash -> key`` pairs (between ``recent_removed_blocks``
-  and twice that), so a chain stored after its parent was evicted can still be placed.
+  and ``recent`` / ``older``: the latest removed ``engine hash -> key`` pairs (two generations,
+  at least the newest ``recent_removed_blocks``), so a chain stored after its parent was evicted
+  can still be placed.
 * per registered endpoint, ``orphans: engine hash -> (parent hash, tokens, media)``: blocks whose
   parent's key is not known yet (the index restarted, or lost the parent); ``waiting[(model,
   block size)]: parent hash -> endpoints with orphans under it``. An orphan is keyed (moved into
@@ -31,7 +32,7 @@ import logging
 from collections import Counter, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import islice, repeat
+from itertools import repeat
 from operator import or_ as _or
 from operator import xor as _xor
 
@@ -125,6 +126,14 @@ def _release(table: Table, key: BlockKey, endpoint_id: EndpointId, lane: int, la
     return not packed & lane_mask
 
 
+def _new_uint64(hashes: list[int], blocks: dict[EngineBlockHash, int]) -> bool:
+    """Whether an event's block hashes are all uint64 ints (vLLM's default) and none is in ``blocks``."""
+    try:
+        return type(low := min(hashes)) is int and low >= 0 and max(hashes) <= _KEY_MASK and blocks.keys().isdisjoint(hashes)
+    except TypeError:  # 32-byte digests, or a mix
+        return False
+
+
 def _uint64_hashes(raw: list[int | bytes]) -> list[int]:
     """An event's block hashes as uint64 (:func:`external_hash_to_int`), the list itself when it
     already is (vLLM's default: two C-level passes instead of a Python loop)."""
@@ -161,9 +170,12 @@ class _EndpointState:
     blocks: dict[EngineBlockHash, int] = field(default_factory=dict)
     """Engine hash -> ``(key | media bitmask << 64) ^ _FLIP`` (a GPU-only block: its key)."""
     recent: dict[EngineBlockHash, BlockKey] = field(default_factory=dict)
-    """Removed ``engine hash -> key``, oldest first (insertion order; a re-removed hash is moved to
-    the end). Trimmed to the newest ``recent_removed_blocks`` whenever it reaches twice that (one
-    rebuild per ``recent_removed_blocks`` removals instead of an LRU update per block)."""
+    """Removed ``engine hash -> key``, the current generation (fewer than ``recent_removed_blocks``;
+    a re-removed hash's value is overwritten in place). When it reaches that many it becomes
+    ``older`` and a new one starts: one ``dict.update`` per removal, no per-block LRU upkeep and no
+    rebuild, and at least the newest ``recent_removed_blocks`` pairs are always remembered."""
+    older: dict[EngineBlockHash, BlockKey] = field(default_factory=dict)
+    """The previous generation of ``recent`` (looked up after it)."""
     medium_blocks: Counter[Medium] = field(default_factory=Counter)
     """Blocks held per medium: with one medium in use, Score needs no per-medium walk."""
     events_applied: int = 0
@@ -258,7 +270,14 @@ class InMemoryIndex:
 
     def apply_batch(self, endpoint_id: EndpointId, events: Iterable[IndexEvent]) -> list[ApplyOutcome]:
         """:meth:`apply` of each event in order (one ZMQ message's batch), with one dispatch and
-        one outcome count per batch instead of per event. Returns the outcomes, in order."""
+        one outcome count per batch instead of per event. Returns the outcomes, in order.
+
+        A ``BlockStored`` in the common shape (a known medium, the endpoint's block size, uint64
+        hashes new to the endpoint, keys new to the index, no LoRA / salt / content extras, its
+        parent held by the endpoint or none, no orphan waiting in its key space) is applied inline:
+        its keys, then one ``dict.update`` into the endpoint's blocks and one into the key table
+        (every key sharing the endpoint's sole-holder value). Anything else takes the general path
+        (:meth:`_apply_stored`), with the same result."""
         state = self._endpoints.get(endpoint_id)
         if state is None:
             outcomes = [ApplyOutcome.UNREGISTERED for _ in events]
@@ -266,18 +285,62 @@ class InMemoryIndex:
             return outcomes
         outcomes = []
         append = outcomes.append
+        applied = ApplyOutcome.APPLIED
+        blocks = state.blocks
+        counts = state.medium_blocks
+        log = self.residency
+        # what the general path may change, re-read after it runs
+        size, table = state.block_size, state.table
+        quiet = not state.children and not self._waiting.get((state.endpoint.model, size))
         for event in events:
             kind = type(event)
             if kind is BlockStored:
+                stored_event: BlockStored = event  # type: ignore[assignment]
+                medium = _MEDIUM_OF.get(stored_event.medium)
+                hashes: list[int] = stored_event.block_hashes  # type: ignore[assignment]  # checked below
+                n = len(hashes)
+                parent = stored_event.parent_block_hash
+                parent_key = 0 if parent is None else blocks.get(parent)  # type: ignore[arg-type]  # a digest: not held
+                common = (
+                    quiet and medium is not None and parent_key is not None and n > 0
+                    and stored_event.block_size == size and len(stored_event.token_ids) == n * size
+                    and stored_event.lora_name is None and stored_event.lora_id is None
+                    and not stored_event.extra_keys and type(stored_event.cache_salt) is not str
+                    and _new_uint64(hashes, blocks)
+                )
+                if common and medium is not None and parent_key is not None:  # (the checks again, for the type checker)
+                    try:
+                        keys = list_block_keys(stored_event.token_ids, size, parent_key & _KEY_MASK)
+                    except (OverflowError, ValueError, TypeError):
+                        keys = None  # the general path says INVALID
+                    if keys is not None and table.keys().isdisjoint(keys):
+                        stored = _MEDIUM_TAG[medium] ^ _FLIP
+                        before_blocks, before_keys = len(blocks), len(table)
+                        blocks.update(zip(hashes, map(_or, keys, repeat(stored, n)) if stored else keys, strict=True))
+                        sole = state.sole.get(medium) or state.sole_for(medium)
+                        table.update(zip(keys, repeat(sole, n), strict=True))
+                        if len(blocks) - before_blocks == n and len(table) - before_keys == n:
+                            counts[medium] += n
+                            if log is not None:
+                                log.record(endpoint_id, str(medium), keys, ())
+                            append(applied)
+                            continue
+                        # a hash or a key repeated within the chain: undo, the general path below
+                        deque(map(blocks.pop, hashes, repeat(None, n)), maxlen=0)
+                        deque(map(table.pop, keys, repeat(None, n)), maxlen=0)
                 append(self._apply_stored(state, event))  # type: ignore[arg-type]
             elif kind is BlockRemoved:
                 append(self._apply_removed(state, event))  # type: ignore[arg-type]
+                continue  # a removal neither orphans nor changes the key space
             else:  # AllBlocksCleared, KeyedBlockStored, anything else
                 append(self._apply_one(state, event))
-        applied = outcomes.count(ApplyOutcome.APPLIED)
-        state.events_applied += applied
-        if applied == len(outcomes):
-            self._outcomes[ApplyOutcome.APPLIED] += applied
+            blocks = state.blocks
+            size, table = state.block_size, state.table
+            quiet = not state.children and not self._waiting.get((state.endpoint.model, size))
+        applied_count = outcomes.count(applied)
+        state.events_applied += applied_count
+        if applied_count == len(outcomes):
+            self._outcomes[applied] += applied_count
         else:
             self._outcomes.update(outcomes)
         return outcomes
@@ -442,17 +505,19 @@ class InMemoryIndex:
         return ApplyOutcome.APPLIED
 
     def _remember_removed(self, state: _EndpointState, hashes: list[int], keys: list[int]) -> None:
-        """Blocks that left the endpoint go to ``recent`` (newest last); see ``_EndpointState.recent``."""
+        """Blocks that left the endpoint go to ``recent``; see ``_EndpointState.recent``."""
         limit = self._recent_limit
         if not limit:
             return
+        if len(hashes) >= limit:  # one removal fills a generation: its newest ``limit`` pairs
+            state.older = dict(zip(hashes[-limit:], keys[-limit:], strict=True))
+            state.recent = {}
+            return
         recent = state.recent
-        if not recent.keys().isdisjoint(hashes):  # removed before: to the end
-            for block_hash in hashes:
-                recent.pop(block_hash, None)
         recent.update(zip(hashes, keys, strict=True))
-        if len(recent) >= 2 * limit:
-            state.recent = dict(islice(recent.items(), len(recent) - limit, None))
+        if len(recent) >= limit:
+            state.older = recent
+            state.recent = {}
 
     # -- chains without their parents -------------------------------------------------------
 
@@ -463,6 +528,8 @@ class InMemoryIndex:
         if held is not None:
             return held & _KEY_MASK
         recent = state.recent.get(block_hash)
+        if recent is None:
+            recent = state.older.get(block_hash)
         if recent is not None:
             return recent
         for other in self._endpoints.values():
@@ -722,6 +789,7 @@ class InMemoryIndex:
                 self._unlink(state.table, held & _KEY_MASK, state.endpoint.id, medium)
         state.blocks.clear()
         state.recent.clear()
+        state.older.clear()
         state.medium_blocks.clear()
         for block_hash in list(state.orphans):
             self._forget_orphan(state, block_hash)

@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from kvmesh.hashing import DEFAULT_SCOPE, KeyScope
+from kvmesh.kv_events import BlockRemoved, BlockStored
 from kvmesh.types import Endpoint, EndpointId, Medium
 from services.kv_indexer import metrics
 from services.kv_indexer.index.base import (
@@ -61,7 +62,15 @@ class InstrumentedIndex:
             outcomes: list[ApplyOutcome] = inner_batch(endpoint_id, events)
         else:
             outcomes = [self.inner.apply(endpoint_id, event) for event in events]
-        for (kind, outcome), count in Counter(zip(map(type, events), outcomes, strict=True)).items():
+        kinds = list(map(type, events))
+        stored, removed = kinds.count(BlockStored), kinds.count(BlockRemoved)
+        if stored + removed == len(kinds) and outcomes.count(ApplyOutcome.APPLIED) == len(kinds):  # the common batch
+            if stored:
+                metrics.record_event("BlockStored", "applied", stored)
+            if removed:
+                metrics.record_event("BlockRemoved", "applied", removed)
+            return outcomes
+        for (kind, outcome), count in Counter(zip(kinds, outcomes, strict=True)).items():
             metrics.record_event(kind.__name__, outcome.value, count)
         return outcomes
 

@@ -163,8 +163,9 @@ def test_recent_removals_place_a_chain_after_bulk_removal() -> None:
     tokens = list(range(40))
     index.apply_batch(ep, [BlockStored(block_hashes=list(range(1, 11)), parent_block_hash=None, token_ids=tokens,
                                        block_size=B)])
-    index.apply_batch(ep, [BlockRemoved(block_hashes=list(range(1, 11)))])  # 10 > 2 * 4: trimmed
-    assert 4 <= len(index._endpoints[ep].recent) < 8 and 10 in index._endpoints[ep].recent
+    index.apply_batch(ep, [BlockRemoved(block_hashes=list(range(1, 11)))])  # 10 > 4: the newest 4 kept
+    state = index._endpoints[ep]
+    assert set(state.older) | set(state.recent) == {7, 8, 9, 10}
     outcome = index.apply(ep, BlockStored(block_hashes=[11], parent_block_hash=10, token_ids=list(range(40, 44)),
                                           block_size=B))
     assert outcome.value == "applied"
@@ -174,9 +175,28 @@ def test_recent_removals_place_a_chain_after_bulk_removal() -> None:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_prefix_matches_equals_the_reference_walk(seed: int) -> None:
-    """``scoring.prefix_matches`` (C-level passes) answers as ``kvmesh.prefix_index``'s walk:
-    shared sole-holder values, equal and different dicts, holes, late starters, candidates."""
-    from services.kv_indexer.scoring import longest_prefix_matches, prefix_matches
+    """``scoring.prefix_matches`` (``kvmesh.prefix_index.longest_prefix_matches``, C-level passes)
+    answers as a plain per-block walk: shared sole-holder values, equal and different dicts, holes,
+    late starters, candidates."""
+    from services.kv_indexer.scoring import prefix_matches
+
+    def reference(keys: list[int], table: dict[int, dict[str, int]], candidates: set[str] | None) -> dict[str, int]:
+        first = table.get(keys[0]) if keys else None
+        if not first:
+            return {}
+        active = {e for e in first if candidates is None or e in candidates}
+        result: dict[str, int] = {}
+        for i, key in enumerate(keys):
+            holders = table.get(key) or {}
+            for e in [e for e in active if e not in holders]:
+                result[e] = i
+                active.discard(e)
+            if not holders:
+                break
+        else:
+            i = len(keys)
+        result.update(dict.fromkeys(active, i))
+        return result
 
     rnd = random.Random(seed)
     for _ in range(300):
@@ -196,4 +216,99 @@ def test_prefix_matches_equals_the_reference_walk(seed: int) -> None:
                     table[key] = {**holders, ep: 1}
         candidates = None if rnd.random() < 0.5 else {ep for ep in endpoints if rnd.random() < 0.6}
         keys = list(range(n))
-        assert prefix_matches(keys, table, candidates) == longest_prefix_matches(keys, table, candidates)
+        assert prefix_matches(keys, table, candidates) == reference(keys, table, candidates)  # type: ignore[arg-type]
+
+
+# -- the batch fast path against the per-event path (Hypothesis) ---------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_PROMPTS = [[(p * 7919 + i * 31) % 97 for i in range(B * 8)] for p in range(3)]
+_PROMPTS.append(_PROMPTS[0][: B * 4] + [(i * 13) % 89 for i in range(B * 4)])  # shares 4 blocks with prompt 0
+
+
+@st.composite
+def _event(draw: st.DrawFn, used: list[int | bytes], mine: list[int | bytes]) -> KVEvent:
+    """An event of one endpoint: ``used`` every hash sent so far, ``mine`` the ones this endpoint stored."""
+    kind = draw(st.sampled_from(["stored"] * 6 + ["removed"] * 3 + ["cleared"]))
+    medium = draw(st.sampled_from(["GPU", "GPU", "CPU", "cpu"]))
+    if kind == "cleared":
+        return AllBlocksCleared()
+    if kind == "removed":
+        hashes = draw(st.lists(st.sampled_from(used or [1]), max_size=6)) + draw(st.lists(st.integers(10**6, 10**6 + 3), max_size=1))
+        return BlockRemoved(block_hashes=hashes, medium=medium)
+    fresh = draw(st.lists(st.integers(0, 2**32 - 1), min_size=B * 8, max_size=B * 8))  # keys new to the index
+    prompt = draw(st.sampled_from([fresh, fresh, *_PROMPTS]))
+    start = draw(st.integers(0, 7))
+    count = draw(st.integers(0 if draw(st.booleans()) and start else 1, 8 - start))
+    hashes: list[int | bytes] = []
+    for _ in range(count):
+        shape = draw(st.sampled_from(["new"] * 30 + ["used", "repeat", "negative", "digest"]))
+        if shape == "used" and used:
+            hashes.append(draw(st.sampled_from(used)))
+        elif shape == "repeat" and hashes:
+            hashes.append(hashes[-1])
+        elif shape == "negative":
+            hashes.append(-draw(st.integers(1, 50)))
+        elif shape == "digest":
+            hashes.append(draw(st.integers(0, 50)).to_bytes(32, "big"))
+        else:
+            hashes.append(len(used) + 100 + draw(st.integers(0, 10**6)))
+        used.append(hashes[-1])
+        mine.append(hashes[-1])
+    parent_shape = draw(st.sampled_from(["none"] * 8 + ["used"] * 11 + ["unknown"]))
+    parent = None if parent_shape == "none" or not mine else (
+        draw(st.sampled_from(mine[-8:])) if parent_shape == "used" else 5 * 10**6 + draw(st.integers(0, 3)))
+    tokens = prompt[start * B : (start + count) * B]
+    if draw(st.integers(0, 19)) == 0:
+        tokens = tokens[:-1]  # not whole blocks: invalid
+    return BlockStored(
+        block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=draw(st.sampled_from([B] * 12 + [8])),
+        medium=medium, lora_name=draw(st.sampled_from([None] * 9 + ["adapter"])),
+    )
+
+
+@st.composite
+def _batches(draw: st.DrawFn) -> list[tuple[int, list[KVEvent]]]:
+    used: list[int | bytes] = []
+    mine: list[list[int | bytes]] = [[], [], []]
+    batches = []
+    for _ in range(draw(st.integers(1, 25))):
+        ep = draw(st.integers(0, 2))
+        batches.append((ep, draw(st.lists(_event(used, mine[ep]), min_size=1, max_size=6))))
+    return batches
+
+
+def _state(index: InMemoryIndex, endpoints: list[EndpointId]) -> object:
+    per_endpoint = [
+        (index.held_blocks(ep), dict(index._endpoints[ep].recent), dict(index._endpoints[ep].older),
+         dict(index._endpoints[ep].medium_blocks), index._endpoints[ep].block_size)
+        for ep in endpoints
+    ]
+    tables = {space: {k: dict(v) for k, v in table.items()} for space, table in index._tables.items()}
+    return tables, per_endpoint, index.orphan_count(), index.stats(), sorted(index.residency_snapshot())
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_batches())
+def test_apply_batch_fast_path_equals_the_per_event_path(batches: list[tuple[int, list[KVEvent]]]) -> None:
+    """``apply_batch`` (whole-chain ``dict.update``s for common stores, the general path for the
+    rest) leaves the index exactly as ``apply`` per event does: tables, blocks and media, recent
+    removals, orphans, outcomes, residency records (vLLM 0.32-shaped events with chains under held,
+    evicted and unknown parents, repeated and reused hashes, SGLang int64 and 32-byte digest hashes,
+    two media, a LoRA scope, a wrong block size, partial blocks, clears)."""
+    endpoints = [EndpointId(f"127.0.0.1:{9000 + i}") for i in range(3)]
+    fast, slow = InMemoryIndex(recent_removed_blocks=4), InMemoryIndex(recent_removed_blocks=4)
+    logs = []
+    for index in (fast, slow):
+        index.residency = ResidencyLog(max_keys=10**9)
+        logs.append(index.residency)
+        for ep in endpoints:
+            index.register_endpoint(Endpoint(id=ep, url="", model="m", block_size_tokens=B, hash_algo="sha256_cbor"))
+    for i, events in batches:
+        outcomes = fast.apply_batch(endpoints[i], events)
+        assert outcomes == [slow.apply(endpoints[i], e) for e in events]
+        assert _state(fast, endpoints) == _state(slow, endpoints)
+    assert [(r.endpoint_id, r.medium, r.cleared, list(r.added), list(r.removed)) for r in logs[0].since(0, 10**9) or []] == \
+        [(r.endpoint_id, r.medium, r.cleared, list(r.added), list(r.removed)) for r in logs[1].since(0, 10**9) or []]
