@@ -277,6 +277,9 @@ class _MuxCall(Generic[_EntryT, _ReplyT]):
         self._wake = asyncio.Event()
         self.broken = False
         self.error: BaseException | None = None
+        self.answered = False
+        """Whether the server sent any message on this call (a call that ended before answering anything
+        may have failed on its first write with a bare status that hides the server's own)."""
 
     def _start(self, task_prefix: str) -> None:
         self._writer = asyncio.create_task(self._write(), name=f"{task_prefix}-writer")
@@ -360,6 +363,7 @@ class _MuxCall(Generic[_EntryT, _ReplyT]):
                 if message is grpc.aio.EOF:
                     self._fail(self._ended())
                     return
+                self.answered = True
                 self._on_message(message)
         except asyncio.CancelledError:
             raise
@@ -1014,10 +1018,14 @@ class PickerClient:
             stream.send(epp_pb2.PickEntry(id=key, cancel=True))
             raise
         except PickerUnreachable:
-            if not stream.unimplemented():
+            if stream.unimplemented():
+                logger.warning("epp does not implement PickMany; picking with one unary call per request")
+                self._multiplexed = False
+            elif stream.answered:
                 raise
-            logger.warning("epp does not implement PickMany; picking with one unary call per request")
-            self._multiplexed = False
+            # A stream that ended before answering anything (an older epp whose UNIMPLEMENTED a failed
+            # first write hid behind a bare INTERNAL, or an epp restarting): this pick goes unary, which
+            # any epp serves, within what is left of its deadline; the next pick tries the stream again.
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
                 raise

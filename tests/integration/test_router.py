@@ -425,7 +425,9 @@ async def test_grpc_binds_api_keys_to_tenants(mesh: Mesh, start_service, tmp_pat
     _, address = start_service("router", "--config", str(config), "--shutdown-grace-seconds", "0.5",
                                "--shutdown-http-grace-seconds", "0.5", "--http-port", str(free_port()),
                                "--flow-control-address", mesh.flow_control, "--epp-address", mesh.epp_address)
-    mesh.engines[0].token_delay = 0.05
+    for engine in mesh.engines:  # both requests stay in flight wherever they are sent
+        engine.token_delay = 0.05
+    picks_before = len(mesh.epp.picks)
     held = router_pb2.CompletionRequest(model=MODEL, prompt="hold", max_tokens=200, flow_id="spoof", priority=50)
     async with grpc.aio.insecure_channel(address) as channel, grpc.aio.insecure_channel(mesh.flow_control) as fc:
         stub = router_pb2_grpc.InferenceStub(channel)
@@ -449,6 +451,8 @@ async def test_grpc_binds_api_keys_to_tenants(mesh: Mesh, start_service, tmp_pat
 
         await _until(both_flows, 5, "both requests' flows in flow_control's Stats")
         assert flows == [("acme", 5, 1), ("default", 1, 1)]
+        # This epp has no PickMany: both picks were asked of it with unary calls (never a degraded local pick).
+        assert len(mesh.epp.picks) - picks_before == 2
         anonymous.cancel()
         keyed.cancel()
         with pytest.raises(grpc.aio.AioRpcError) as info:

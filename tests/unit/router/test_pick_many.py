@@ -315,6 +315,40 @@ async def test_an_old_epp_without_pick_many_is_asked_with_unary_calls() -> None:
         await server.stop(0)
 
 
+class _UnansweringStreamServicer(CountingServicer):
+    """An epp whose ``PickMany`` ends before answering anything, with a bare status (``code``): what an
+    older epp's ``UNIMPLEMENTED`` reads as when a failed first write hides it, or an epp going down."""
+
+    def __init__(self, scheduler: Scheduler, code: grpc.StatusCode) -> None:
+        super().__init__(scheduler)
+        self.code = code
+
+    async def PickMany(self, request_iterator: AsyncIterator[epp_pb2.PickBatch], context: grpc.aio.ServicerContext) -> None:
+        self.streams += 1
+        await context.abort(self.code, "Internal error from Core")
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNAVAILABLE])
+async def test_a_stream_that_ends_before_answering_leaves_the_pick_to_a_unary_call(code: grpc.StatusCode) -> None:
+    """Seen in the router's integration test against an epp without ``PickMany``: the stream failed
+    INTERNAL, not UNIMPLEMENTED, and the router picked locally in degraded mode. A stream that ended
+    before answering anything now hands its pick to one unary call (any epp serves it); the next
+    pick tries the stream again; a stream that did answer and then failed is still the degraded cue."""
+    scheduler, _ = _scheduler()
+    servicer = _UnansweringStreamServicer(scheduler, code)
+    server, port = await _serve(servicer)
+    client = await _client(port)
+    try:
+        for i in range(3):
+            assert (await client.pick(PickQuery(f"r{i}", "m"))).candidates
+        assert servicer.unary_picks == 3 and servicer.streams == 3  # each pick tried the stream first
+        with pytest.raises(errors.UnknownModel):  # the unary call's domain errors are kept
+            await client.pick(PickQuery("x", "no-such-model"))
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
 async def test_a_half_closed_stream_answers_its_picks_in_flight_then_ends() -> None:
     """grpcurl and other clients send their entries and close their side: the answers still come."""
     scheduler, _ = _scheduler("precise-prefix", _Index(delay=0.1))
