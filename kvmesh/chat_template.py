@@ -103,7 +103,7 @@ def _parse_arguments(tool_calls: Any) -> Any:
         if isinstance(args, str):
             try:
                 function["arguments"] = json.loads(args)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # not JSON, an int past the digit limit, nested too deeply
                 function["arguments"] = {}
         elif not isinstance(args, (dict, list)):
             function["arguments"] = {}

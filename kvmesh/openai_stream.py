@@ -161,7 +161,7 @@ def parse_event(payload: str) -> StreamPiece | None:
         return None
     try:
         data = _loads(payload)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, an int past the digit limit, nested too deeply
         return None
     if not isinstance(data, dict):
         return None
@@ -193,7 +193,7 @@ def parse_completion(body: bytes) -> Completion:
     """Parse a non-streamed answer body; an empty :class:`Completion` when it is not a JSON object."""
     try:
         data = _loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (ValueError, RecursionError):  # not JSON (or UTF-8), an int past the digit limit, nested too deeply
         return Completion("", None, None, "")
     if not isinstance(data, dict):
         return Completion("", None, None, "")

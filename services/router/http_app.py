@@ -413,7 +413,7 @@ class _ProxiedAnswer(Response):
 def _is_openai_error(payload: bytes) -> bool:
     try:
         data = json.loads(payload)
-    except (UnicodeDecodeError, ValueError):
+    except (ValueError, RecursionError):
         return False
     return isinstance(data, dict) and isinstance(data.get("error"), dict) and "message" in data["error"]
 

@@ -108,7 +108,7 @@ def engine_error_message(body: bytes) -> str:
     ``ErrorResponse``) or FastAPI's ``detail``; "" when the body is none of these."""
     try:
         data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (ValueError, RecursionError):  # not JSON (or UTF-8), an int past the digit limit, nested too deeply
         return ""
     if not isinstance(data, dict):
         return ""

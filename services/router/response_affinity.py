@@ -109,7 +109,7 @@ def response_id_of(payload: bytes) -> str | None:
     """The ``id`` of a non-streamed ``/v1/responses`` answer (``{"id": "resp_...", "object": "response"}``)."""
     try:
         data = json.loads(payload)
-    except (UnicodeDecodeError, ValueError):
+    except (ValueError, RecursionError):
         return None
     if isinstance(data, dict) and data.get("object") == "response" and isinstance(data.get("id"), str):
         return str(data["id"])
@@ -124,7 +124,7 @@ def response_id_in_events(raw: bytes) -> str | None:
             continue
         try:
             data = json.loads(line[5:])
-        except (UnicodeDecodeError, ValueError):
+        except (ValueError, RecursionError):
             continue
         inner = data.get("response") if isinstance(data, dict) else None
         if isinstance(inner, dict) and isinstance(inner.get("id"), str):

@@ -320,3 +320,13 @@ def json_copy(value: Any) -> Any:
     import json
 
     return json.loads(json.dumps(value))
+
+
+@pytest.mark.parametrize("arguments", ["[" * 5000 + "]" * 5000, "{not json", "9" * 5000])
+def test_tool_call_arguments_that_do_not_decode_render_as_an_empty_object(arguments: str) -> None:
+    """A fresh user's HTTP 500: a tool call whose ``arguments`` string nests 5,000 brackets raised
+    RecursionError in the engine simulator's renderer; any argument string that does not decode
+    (malformed, nested too deeply, an integer past the digit limit) renders as ``{}``."""
+    template = ChatTemplate(ARGS_TOJSON, SPECIALS)
+    body = {"messages": [{"role": "user", "content": "go"}, _tool_turn(arguments)]}
+    assert "<assistant>{}" in render_request(template, body)

@@ -132,3 +132,11 @@ def test_writing_events() -> None:
     assert sse_event(b'{"a":1}') == b'data: {"a":1}\n\n'
     framer = SseFramer()
     assert framer.feed(DONE_EVENT).data == (DONE,)
+
+
+@pytest.mark.parametrize("payload", ["[" * 5000 + "]" * 5000, '{"a": ' * 3000 + "1" + "}" * 3000, "1" * 5000])
+def test_an_undecodable_engine_payload_is_no_answer_never_an_exception(payload: str) -> None:
+    """JSON nested past the parser's recursion limit, or an integer past Python's digit limit: a chunk
+    or an answer that reads as not-JSON, as malformed JSON does (the request is not failed by a raise)."""
+    assert parse_event(payload) is None
+    assert parse_completion(payload.encode()) == Completion("", None, None, "")
