@@ -208,6 +208,7 @@ async def ingest_bench(messages: int, capacity: int, repeats: int, watched: bool
     from services.kv_indexer.events.pool import RawMessage
     from services.kv_indexer.index import InstrumentedIndex
 
+    load = os.getloadavg()  # 1-minute load average: the figures are only comparable on a quiet machine
     payloads, block_events, events = vllm_batches(messages, 16, capacity)
     endpoint = Endpoint(id=EndpointId("127.0.0.1:1"), url="", model="m", block_size_tokens=16)
     decode_s: list[float] = []
@@ -291,7 +292,8 @@ async def ingest_bench(messages: int, capacity: int, repeats: int, watched: bool
               f"{row['decode_rate']:>12,.0f} {wall:>12.3f} {block_events / wall:>14,.0f} {block_events / cpu:>10,.0f} "
               f"{events / wall:>9,.0f} {held:>11,} {row['bytes_per_block']:>8.0f}")
     print(f"(best of {repeats}; target >= 1,000,000 block events/s: {'met' if row['rate'] >= 1e6 else 'MISSED'}; "
-          f"B/block = traced bytes of the index / held blocks, including {recent:,} recently removed hash->key pairs)")
+          f"B/block = traced bytes of the index / held blocks, including {recent:,} recently removed hash->key pairs; "
+          f"load average {load[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end)")
     return row
 
 

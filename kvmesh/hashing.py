@@ -201,7 +201,8 @@ def list_block_keys(token_ids: Sequence[int], block_size: int, parent_key: int =
     least per-call work (the ingest path: one ``BlockStored`` per call, no content extras).
 
     Same keys as ``block_keys(token_ids, block_size, parent_key)``; the ids go into one
-    ``array('I')`` and every block is hashed over a slice of its memoryview (no per-block copy).
+    ``array('I')``, hashed as it is when it is one block, else as ``bytes`` slices of it (a bytes
+    slice is cheaper to make and to hash than a memoryview slice).
 
     Raises:
         ValueError: when ``block_size`` is not positive.
@@ -210,12 +211,16 @@ def list_block_keys(token_ids: Sequence[int], block_size: int, parent_key: int =
     """
     if not _NATIVE_U32 or block_size <= 0:
         return block_keys(token_ids, block_size, parent_key)
-    view = memoryview(array("I", token_ids))
+    ids = array("I", token_ids)
+    prev = parent_key & 0xFFFFFFFFFFFFFFFF
+    if len(ids) == block_size:  # one block (a decode step's event): no copy, no slice
+        return [_xxh3(ids, prev)]
+    raw = ids.tobytes()
+    width = block_size * 4
     keys: list[int] = []
     append = keys.append
-    prev = parent_key & 0xFFFFFFFFFFFFFFFF
-    for offset in range(0, len(view) - block_size + 1, block_size):
-        prev = _xxh3(view[offset : offset + block_size], prev)
+    for offset in range(0, len(raw) - width + 1, width):
+        prev = _xxh3(raw[offset : offset + width], prev)
         append(prev)
     return keys
 

@@ -21,7 +21,8 @@ Layout (``E`` = endpoint id, ``M`` = medium):
 
 Costs: ``BlockStored`` of ``b`` blocks is O(b) hashing + O(b) dict writes; ``BlockRemoved`` O(b);
 both are applied a chain at a time (:meth:`InMemoryIndex.apply_batch`: bulk ``dict.update`` /
-``map(dict.pop)`` passes while one medium is in use and the hashes are new, a loop otherwise);
+``map(dict.pop)`` passes while one medium is in use and the hashes are new, a loop otherwise; a
+batch's consecutive common stores share one ``dict.update`` per dict);
 ``AllBlocksCleared`` and ``remove_endpoint`` O(blocks of that endpoint); ``score`` see
 :mod:`services.kv_indexer.scoring`.
 """
@@ -29,6 +30,7 @@ both are applied a chain at a time (:meth:`InMemoryIndex.apply_batch`: bulk ``di
 from __future__ import annotations
 
 import logging
+from array import array
 from collections import Counter, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -126,17 +128,14 @@ def _release(table: Table, key: BlockKey, endpoint_id: EndpointId, lane: int, la
     return not packed & lane_mask
 
 
-def _new_uint64(hashes: list[int], blocks: dict[EngineBlockHash, int]) -> bool:
-    """Whether an event's block hashes are all uint64 ints (vLLM's default) and none is in ``blocks``."""
-    try:
-        return type(low := min(hashes)) is int and low >= 0 and max(hashes) <= _KEY_MASK and blocks.keys().isdisjoint(hashes)
-    except TypeError:  # 32-byte digests, or a mix
-        return False
-
-
 def _uint64_hashes(raw: list[int | bytes]) -> list[int]:
     """An event's block hashes as uint64 (:func:`external_hash_to_int`), the list itself when it
-    already is (vLLM's default: two C-level passes instead of a Python loop)."""
+    already is (vLLM's default: one C-level pass, ``array('Q')``, instead of a Python loop)."""
+    try:
+        array("Q", raw)  # type: ignore[type-var]  # uint64 ints: raises for a negative, a digest, a non-int
+        return raw  # type: ignore[return-value]
+    except (OverflowError, TypeError):
+        pass
     try:
         if not raw or (min(raw) >= 0 and max(raw) <= _KEY_MASK):  # type: ignore[operator]
             return raw  # type: ignore[return-value]
@@ -272,12 +271,15 @@ class InMemoryIndex:
         """:meth:`apply` of each event in order (one ZMQ message's batch), with one dispatch and
         one outcome count per batch instead of per event. Returns the outcomes, in order.
 
-        A ``BlockStored`` in the common shape (a known medium, the endpoint's block size, uint64
-        hashes new to the endpoint, keys new to the index, no LoRA / salt / content extras, its
-        parent held by the endpoint or none, no orphan waiting in its key space) is applied inline:
-        its keys, then one ``dict.update`` into the endpoint's blocks and one into the key table
-        (every key sharing the endpoint's sole-holder value). Anything else takes the general path
-        (:meth:`_apply_stored`), with the same result."""
+        A ``BlockStored`` in the common shape (a known medium, the endpoint's block size, whole
+        blocks, uint64 hashes, no LoRA / salt / content extras, its parent held by the endpoint or
+        none, no orphan waiting in its key space) only has its keys computed here; consecutive
+        common stores on one medium form a run, written by :meth:`_write_run` with one
+        ``dict.update`` into the endpoint's blocks and one into the key table for the whole run
+        (every key sharing the endpoint's sole-holder value) when its hashes are new to the
+        endpoint and its keys new to the index. Anything else writes the run first, then takes
+        the general path (:meth:`_apply_stored` and the rest), with the same result as
+        :meth:`apply` per event."""
         state = self._endpoints.get(endpoint_id)
         if state is None:
             outcomes = [ApplyOutcome.UNREGISTERED for _ in events]
@@ -287,56 +289,74 @@ class InMemoryIndex:
         append = outcomes.append
         applied = ApplyOutcome.APPLIED
         blocks = state.blocks
-        counts = state.medium_blocks
-        log = self.residency
-        # what the general path may change, re-read after it runs
-        size, table = state.block_size, state.table
+        size = state.block_size  # what the general path may change, re-read after it runs
         quiet = not state.children and not self._waiting.get((state.endpoint.model, size))
+        run: list[BlockStored] = []  # common stores not written yet, in order, all on run_medium
+        run_hashes: list[int] = []
+        run_keys: list[int] = []
+        run_medium: Medium | None = None
         for event in events:
             kind = type(event)
             if kind is BlockStored:
                 stored_event: BlockStored = event  # type: ignore[assignment]
                 medium = _MEDIUM_OF.get(stored_event.medium)
+                if run and medium is not run_medium:  # a run is on one medium: write it first
+                    self._write_run(state, run, run_hashes, run_keys, run_medium, outcomes)  # type: ignore[arg-type]
+                    run, run_hashes, run_keys = [], [], []
                 hashes: list[int] = stored_event.block_hashes  # type: ignore[assignment]  # checked below
                 n = len(hashes)
                 parent = stored_event.parent_block_hash
-                parent_key = 0 if parent is None else blocks.get(parent)  # type: ignore[arg-type]  # a digest: not held
-                common = (
+                if parent is None:
+                    parent_key: int | None = 0
+                else:
+                    parent_key = blocks.get(parent)  # type: ignore[arg-type]  # a digest: not held
+                    if parent_key is None and run:  # maybe stored earlier in the run: write it first
+                        self._write_run(state, run, run_hashes, run_keys, run_medium, outcomes)  # type: ignore[arg-type]
+                        run, run_hashes, run_keys = [], [], []
+                        parent_key = blocks.get(parent)  # type: ignore[arg-type]
+                # Nothing below writes the run, so the parent's key and this chain's keys are what
+                # apply() per event would compute unless the run also re-sends a hash the endpoint
+                # holds (the parent's, say): then _write_run re-applies every event of the run.
+                if (
                     quiet and medium is not None and parent_key is not None and n > 0
                     and stored_event.block_size == size and len(stored_event.token_ids) == n * size
                     and stored_event.lora_name is None and stored_event.lora_id is None
                     and not stored_event.extra_keys and type(stored_event.cache_salt) is not str
-                    and _new_uint64(hashes, blocks)
-                )
-                if common and medium is not None and parent_key is not None:  # (the checks again, for the type checker)
+                ):
                     try:
+                        array("Q", hashes)  # uint64 ints (vLLM's), else (SGLang's int64, digests) the general path
                         keys = list_block_keys(stored_event.token_ids, size, parent_key & _KEY_MASK)
                     except (OverflowError, ValueError, TypeError):
-                        keys = None  # the general path says INVALID
-                    if keys is not None and table.keys().isdisjoint(keys):
-                        stored = _MEDIUM_TAG[medium] ^ _FLIP
-                        before_blocks, before_keys = len(blocks), len(table)
-                        blocks.update(zip(hashes, map(_or, keys, repeat(stored, n)) if stored else keys, strict=True))
-                        sole = state.sole.get(medium) or state.sole_for(medium)
-                        table.update(zip(keys, repeat(sole, n), strict=True))
-                        if len(blocks) - before_blocks == n and len(table) - before_keys == n:
-                            counts[medium] += n
-                            if log is not None:
-                                log.record(endpoint_id, str(medium), keys, ())
-                            append(applied)
-                            continue
-                        # a hash or a key repeated within the chain: undo, the general path below
-                        deque(map(blocks.pop, hashes, repeat(None, n)), maxlen=0)
-                        deque(map(table.pop, keys, repeat(None, n)), maxlen=0)
-                append(self._apply_stored(state, event))  # type: ignore[arg-type]
+                        keys = None  # the general path (which says INVALID for bad token ids)
+                    if keys is not None:
+                        if run:
+                            run_keys += keys
+                        else:
+                            run_medium = medium
+                            run_keys = keys
+                        run.append(stored_event)
+                        run_hashes += hashes
+                        continue
+                if run:
+                    self._write_run(state, run, run_hashes, run_keys, run_medium, outcomes)  # type: ignore[arg-type]
+                    run, run_hashes, run_keys = [], [], []
+                append(self._apply_stored(state, stored_event))
             elif kind is BlockRemoved:
+                if run:
+                    self._write_run(state, run, run_hashes, run_keys, run_medium, outcomes)  # type: ignore[arg-type]
+                    run, run_hashes, run_keys = [], [], []
                 append(self._apply_removed(state, event))  # type: ignore[arg-type]
                 continue  # a removal neither orphans nor changes the key space
             else:  # AllBlocksCleared, KeyedBlockStored, anything else
+                if run:
+                    self._write_run(state, run, run_hashes, run_keys, run_medium, outcomes)  # type: ignore[arg-type]
+                    run, run_hashes, run_keys = [], [], []
                 append(self._apply_one(state, event))
             blocks = state.blocks
-            size, table = state.block_size, state.table
+            size = state.block_size
             quiet = not state.children and not self._waiting.get((state.endpoint.model, size))
+        if run:
+            self._write_run(state, run, run_hashes, run_keys, run_medium, outcomes)  # type: ignore[arg-type]
         applied_count = outcomes.count(applied)
         state.events_applied += applied_count
         if applied_count == len(outcomes):
@@ -344,6 +364,48 @@ class InMemoryIndex:
         else:
             self._outcomes.update(outcomes)
         return outcomes
+
+    def _write_run(
+        self,
+        state: _EndpointState,
+        run: list[BlockStored],
+        hashes: list[int],
+        keys: list[int],
+        medium: Medium,
+        outcomes: list[ApplyOutcome],
+    ) -> None:
+        """Write a run of common stores (:meth:`apply_batch`; ``hashes`` and ``keys`` their chains
+        end to end) and append their outcomes. When every hash is new to the endpoint and every key
+        new to the index, with none repeated within the run: one ``dict.update`` per dict, one
+        medium count, the residency records per event as :meth:`apply` makes them. Otherwise (a
+        hash the endpoint holds or the run repeats, a key the index holds or the run repeats) each
+        event goes through :meth:`_apply_stored` in order instead, with nothing of the run written."""
+        blocks, table = state.blocks, state.table
+        n = len(hashes)
+        if blocks.keys().isdisjoint(hashes) and table.keys().isdisjoint(keys):
+            stored = _MEDIUM_TAG[medium] ^ _FLIP
+            before_blocks, before_keys = len(blocks), len(table)
+            blocks.update(zip(hashes, map(_or, keys, repeat(stored, n)) if stored else keys, strict=True))
+            table.update(zip(keys, repeat(state.sole.get(medium) or state.sole_for(medium), n), strict=True))
+            if len(blocks) - before_blocks == n and len(table) - before_keys == n:
+                state.medium_blocks[medium] += n
+                log = self.residency
+                if log is not None:
+                    endpoint_id, name = state.endpoint.id, str(medium)
+                    if len(run) == 1:
+                        log.record(endpoint_id, name, keys, ())
+                    else:
+                        start = 0
+                        for event in run:
+                            end = start + len(event.block_hashes)
+                            log.record(endpoint_id, name, keys[start:end], ())
+                            start = end
+                outcomes += repeat(ApplyOutcome.APPLIED, len(run))
+                return
+            # a hash or a key repeated within the run: undo, each event through the general path
+            deque(map(blocks.pop, hashes, repeat(None, n)), maxlen=0)
+            deque(map(table.pop, keys, repeat(None, n)), maxlen=0)
+        outcomes += map(self._apply_stored, repeat(state), run)
 
     def _apply_stored(self, state: _EndpointState, event: BlockStored) -> ApplyOutcome:
         medium = _MEDIUM_OF.get(event.medium)

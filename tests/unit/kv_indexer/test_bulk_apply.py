@@ -173,6 +173,26 @@ def test_recent_removals_place_a_chain_after_bulk_removal() -> None:
     assert index.score("m", tokens + list(range(40, 44))).scores == []  # blocks 0..9 are gone
 
 
+def test_list_block_keys_equals_block_keys() -> None:
+    """The ingest path's ``list_block_keys`` (one block hashed from its ``array``, longer chains as
+    ``bytes`` slices) gives ``block_keys``' values: one block, many, a trailing partial block, none,
+    a parent key (masked to 64 bits), block sizes 1-64; token ids outside uint32 or not ints raise."""
+    from kvmesh.hashing import list_block_keys
+
+    rnd = random.Random(7)
+    for _ in range(400):
+        size = rnd.choice((1, 2, 4, 16, 64))
+        tokens = [rnd.randrange(2**32) for _ in range(rnd.randint(0, 9) * size + rnd.choice((0, 0, 0, 1)))]
+        parent = rnd.choice((0, rnd.randrange(2**64), 2**64 + 5))
+        assert list_block_keys(tokens, size, parent) == block_keys(tokens, size, parent)
+    assert list_block_keys([7] * 16, 16) == block_keys([7] * 16, 16) != list_block_keys([7] * 16, 16, 1)
+    for bad, error in (([2**32] + [0] * 15, OverflowError), ([-1] + [0] * 15, OverflowError), (["x"] * 16, TypeError)):
+        with pytest.raises(error):
+            list_block_keys(bad, 16)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        list_block_keys([1], 0)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_prefix_matches_equals_the_reference_walk(seed: int) -> None:
     """``scoring.prefix_matches`` (``kvmesh.prefix_index.longest_prefix_matches``, C-level passes)
@@ -290,25 +310,137 @@ def _state(index: InMemoryIndex, endpoints: list[EndpointId]) -> object:
     return tables, per_endpoint, index.orphan_count(), index.stats(), sorted(index.residency_snapshot())
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(_batches())
-def test_apply_batch_fast_path_equals_the_per_event_path(batches: list[tuple[int, list[KVEvent]]]) -> None:
-    """``apply_batch`` (whole-chain ``dict.update``s for common stores, the general path for the
-    rest) leaves the index exactly as ``apply`` per event does: tables, blocks and media, recent
-    removals, orphans, outcomes, residency records (vLLM 0.32-shaped events with chains under held,
-    evicted and unknown parents, repeated and reused hashes, SGLang int64 and 32-byte digest hashes,
-    two media, a LoRA scope, a wrong block size, partial blocks, clears)."""
-    endpoints = [EndpointId(f"127.0.0.1:{9000 + i}") for i in range(3)]
+def _assert_batches_equal_per_event(batches: list[tuple[int, list[KVEvent]]], endpoints: int, watched: bool) -> None:
+    """``apply_batch`` of each batch on one index, ``apply`` per event on another: the same outcomes
+    and the same state after every batch, and (``watched``) the same residency records in order."""
+    eps = [EndpointId(f"127.0.0.1:{9000 + i}") for i in range(endpoints)]
     fast, slow = InMemoryIndex(recent_removed_blocks=4), InMemoryIndex(recent_removed_blocks=4)
     logs = []
     for index in (fast, slow):
-        index.residency = ResidencyLog(max_keys=10**9)
-        logs.append(index.residency)
-        for ep in endpoints:
+        if watched:
+            index.residency = ResidencyLog(max_keys=10**9)
+            logs.append(index.residency)
+        for ep in eps:
             index.register_endpoint(Endpoint(id=ep, url="", model="m", block_size_tokens=B, hash_algo="sha256_cbor"))
     for i, events in batches:
-        outcomes = fast.apply_batch(endpoints[i], events)
-        assert outcomes == [slow.apply(endpoints[i], e) for e in events]
-        assert _state(fast, endpoints) == _state(slow, endpoints)
-    assert [(r.endpoint_id, r.medium, r.cleared, list(r.added), list(r.removed)) for r in logs[0].since(0, 10**9) or []] == \
-        [(r.endpoint_id, r.medium, r.cleared, list(r.added), list(r.removed)) for r in logs[1].since(0, 10**9) or []]
+        outcomes = fast.apply_batch(eps[i], events)
+        assert outcomes == [slow.apply(eps[i], e) for e in events]
+        assert _state(fast, eps) == _state(slow, eps)
+    if watched:
+        assert [(r.endpoint_id, r.medium, r.cleared, list(r.added), list(r.removed)) for r in logs[0].since(0, 10**9) or []] == \
+            [(r.endpoint_id, r.medium, r.cleared, list(r.added), list(r.removed)) for r in logs[1].since(0, 10**9) or []]
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_batches(), st.booleans())
+def test_apply_batch_fast_path_equals_the_per_event_path(batches: list[tuple[int, list[KVEvent]]], watched: bool) -> None:
+    """``apply_batch`` (runs of common stores written with whole-run ``dict.update``s, the general
+    path for the rest) leaves the index exactly as ``apply`` per event does: tables, blocks and
+    media, recent removals, orphans, outcomes, residency records (vLLM 0.32-shaped events with
+    chains under held, evicted and unknown parents, repeated and reused hashes, SGLang int64 and
+    32-byte digest hashes, two media, a LoRA scope, a wrong block size, partial blocks, clears)."""
+    _assert_batches_equal_per_event(batches, 3, watched)
+
+
+_SHARED = [(i * 37) % 101 for i in range(B * 4)]
+"""Tokens any store may send again (parent None: the same keys as an earlier store's)."""
+
+
+@st.composite
+def _run_store(draw: st.DrawFn, mine: list[int], batch: list[int], counter: list[int]) -> BlockStored:
+    """A store shaped to join a run of common stores, or to break one: ``mine`` every hash the
+    endpoint was sent, ``batch`` the ones this batch sent so far, ``counter`` the last new hash."""
+    count = draw(st.integers(1, 4))
+    hashes: list[int] = []
+    for _ in range(count):
+        shape = draw(st.sampled_from(["new"] * 14 + ["batch", "repeat", "held"]))
+        if shape == "batch" and batch:  # a hash an earlier store of this batch (this run) sent
+            hashes.append(draw(st.sampled_from(batch)))
+        elif shape == "repeat" and hashes:  # repeated within the event
+            hashes.append(hashes[-1])
+        elif shape == "held" and mine:  # sent in an earlier batch (held, removed or cleared since)
+            hashes.append(draw(st.sampled_from(mine)))
+        else:
+            counter[0] += 1
+            hashes.append(counter[0])
+    parent_shape = draw(st.sampled_from(["none"] * 4 + ["chain"] * 3 + ["batch", "held", "unknown"]))
+    parent: int | None = None
+    if parent_shape == "chain" and batch:  # continues the previous store of this batch
+        parent = batch[-1]
+    elif parent_shape == "batch" and batch:
+        parent = draw(st.sampled_from(batch))
+    elif parent_shape == "held" and mine:
+        parent = draw(st.sampled_from(mine))
+    elif parent_shape == "unknown":
+        parent = 10**9 + draw(st.integers(0, 3))
+    if draw(st.integers(0, 7)) == 0:
+        tokens = _SHARED[: count * B]  # keys another store (this run, an earlier batch, another endpoint) has
+    else:
+        counter[1] += 1
+        tokens = [(counter[1] * 7919 + i) % 2**32 for i in range(count * B)]  # keys new to the index
+    medium = draw(st.sampled_from(["GPU"] * 7 + ["CPU"]))
+    batch.extend(hashes)
+    mine.extend(hashes)
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=B, medium=medium)
+
+
+@st.composite
+def _run_batches(draw: st.DrawFn) -> list[tuple[int, list[KVEvent]]]:
+    """Batches of 1-8 events over 2 endpoints, mostly common stores (so runs of several form),
+    with removals and clears between them."""
+    mine: list[list[int]] = [[], []]
+    counter = [0, 0]
+    batches: list[tuple[int, list[KVEvent]]] = []
+    for _ in range(draw(st.integers(1, 12))):
+        ep = draw(st.integers(0, 1))
+        in_batch: list[int] = []
+        events: list[KVEvent] = []
+        for _ in range(draw(st.integers(1, 8))):
+            kind = draw(st.sampled_from(["stored"] * 12 + ["removed"] * 2 + ["cleared"]))
+            if kind == "removed" and mine[ep]:
+                hashes = draw(st.lists(st.sampled_from(mine[ep]), min_size=1, max_size=4))
+                events.append(BlockRemoved(block_hashes=hashes, medium=draw(st.sampled_from(["GPU", "GPU", "CPU"]))))
+            elif kind == "cleared":
+                events.append(AllBlocksCleared())
+            else:
+                events.append(draw(_run_store(mine[ep], in_batch, counter)))
+        batches.append((ep, events))
+    return batches
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_run_batches(), st.booleans())
+def test_merged_runs_of_stores_equal_the_per_event_path(batches: list[tuple[int, list[KVEvent]]], watched: bool) -> None:
+    """Runs of several common stores in one batch (``InMemoryIndex._write_run``: one ``dict.update``
+    per dict for the run) against ``apply`` per event: chains whose parent is stored earlier in the
+    same run, a hash repeated within an event, across the run or held from an earlier batch, keys
+    repeated across the run or already indexed, a medium change, removals and clears between stores,
+    with and without a residency log."""
+    _assert_batches_equal_per_event(batches, 2, watched)
+
+
+def test_merged_runs_cases() -> None:
+    """The run cases by hand (each batch against ``apply`` per event, records in order)."""
+    def store(hashes: list[int], tokens: list[int], parent: int | None = None, medium: str = "GPU") -> BlockStored:
+        return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=B, medium=medium)
+
+    t = [list(range(i * 100, i * 100 + 2 * B)) for i in range(8)]
+    cases: list[list[KVEvent]] = [
+        [store([1, 2], t[0]), store([3, 4], t[1]), store([5, 6], t[2])],  # one run, one update per dict
+        [store([1, 2], t[0]), store([3], t[1][:B], parent=2), store([4], t[2][:B], parent=3)],  # chains in the run
+        [store([1, 2], t[0]), store([3, 1], t[1])],  # a hash repeated across the run
+        [store([1, 1], t[0]), store([3, 4], t[1])],  # a hash repeated within an event
+        [store([1, 2], t[0]), store([3, 4], t[0])],  # the same keys under other hashes
+        [store([1, 2], t[0]), BlockRemoved(block_hashes=[2]), store([3], t[1][:B], parent=1), store([4, 5], t[2])],
+        [store([1, 2], t[0]), store([3, 4], t[1], medium="CPU"), store([5, 6], t[2])],  # a medium change
+        [store([1, 2], t[0]), store([3], t[1][:B], parent=99), store([4, 5], t[2])],  # an orphan between
+        [store([1, 2], t[0]), AllBlocksCleared(), store([1, 2], t[0]), store([3, 4], t[3])],
+        # hash 1 re-sent for other tokens (the engine reused it), then a chain under it: in one run,
+        # and across a medium change (the chain's parent key is the new one in both)
+        [store([1, 2], t[0]), store([1], t[5][:B]), store([6], t[6][:B], parent=1)],
+        [store([1, 2], t[0]), store([5], t[4][:B]), store([1], t[7][:B], medium="CPU"), store([7], t[6][:B], parent=1)],
+    ]
+    for watched in (False, True):
+        for events in cases:
+            _assert_batches_equal_per_event([(0, events)], 1, watched)
+        _assert_batches_equal_per_event([(0, events) for events in cases], 1, watched)  # each on what the last left
