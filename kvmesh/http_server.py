@@ -8,7 +8,11 @@ through the root handler), and uvicorn runs as one task of the running loop.
 Lifecycle: ``await start()`` returns once the socket is bound (``port`` then holds the bound port,
 also when 0 asked for a free one). ``await stop()`` stops accepting, lets open requests finish
 for ``grace_seconds`` (uvicorn's ``timeout_graceful_shutdown``, rounded up to whole seconds),
-then cancels what is left; a server still not down one second later is force-closed.
+then cancels what is left; a server still not down one second later is force-closed. A request
+still without a response when ``grace_seconds`` run out is answered ``503`` with an OpenAI-shaped
+error body and ``retry-after: 1`` (its handler cancelled, its clean-up run), not the bare
+``text/plain`` 500 uvicorn sends for a task it cancels; one whose response already started (a
+stream) ends as uvicorn ends it.
 ``await wait()`` returns when the server ends on its own (a crash, or after ``stop``).
 """
 
@@ -22,7 +26,60 @@ from collections.abc import Generator
 from typing import Literal
 
 import uvicorn
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+_DRAIN_MARGIN_SECONDS = 0.2
+"""How long before uvicorn's own cancel (``ceil(grace_seconds)``) the unanswered requests get their 503."""
+_DRAINED_BODY = (b'{"error": {"message": "the server is shutting down; retry the request", '
+                 b'"type": "service_unavailable", "param": null, "code": 503}}')
+
+
+class _DrainOnShutdown:
+    """ASGI middleware: the HTTP requests in flight, and at :meth:`drain` a 503 for each one whose
+    response has not started (its handler task cancelled; the cancellation reaches the app's own
+    clean-up first). One dict entry and one ``send`` wrapper per request; no task."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self._open: dict[asyncio.Task[object], list[bool]] = {}  # request task -> [response started]
+        self._drained: set[asyncio.Task[object]] = set()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        if scope["type"] != "http" or task is None:
+            await self.app(scope, receive, send)
+            return
+        started = [False]
+
+        async def send_marked(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                started[0] = True
+            await send(message)
+
+        self._open[task] = started
+        try:
+            await self.app(scope, receive, send_marked)
+        except asyncio.CancelledError:
+            if task not in self._drained or started[0]:
+                raise
+            task.uncancel()
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
+                                    (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": _DRAINED_BODY})
+        finally:
+            self._open.pop(task, None)
+            self._drained.discard(task)
+
+    def drain(self) -> int:
+        """Cancel every open request whose response has not started (each is answered 503); their count."""
+        count = 0
+        for task, started in list(self._open.items()):
+            if not started[0] and not task.done():
+                self._drained.add(task)
+                task.cancel()
+                count += 1
+        return count
 
 
 def bind_tcp(host: str, port: int) -> socket.socket:
@@ -84,8 +141,9 @@ class HttpServer:
         sock: socket.socket | None = None,
         http: Literal["auto", "h11", "httptools"] = "auto",
     ) -> None:
+        self._drain = _DrainOnShutdown(app)
         config = uvicorn.Config(
-            app,
+            self._drain,
             host=host,
             port=port,
             lifespan="off",
@@ -133,8 +191,13 @@ class HttpServer:
         if self._task is None:
             return
         self._server.should_exit = True
+        drain_at = max(0.0, min(self._grace, math.ceil(self._grace) - _DRAIN_MARGIN_SECONDS))
+        with contextlib.suppress(TimeoutError):  # the server went down within the grace: nothing to drain
+            await asyncio.wait_for(asyncio.shield(self._task), drain_at)
+        if not self._task.done():
+            self._drain.drain()
         try:
-            await asyncio.wait_for(asyncio.shield(self._task), math.ceil(self._grace) + 1.0)
+            await asyncio.wait_for(asyncio.shield(self._task), math.ceil(self._grace) - drain_at + 1.0)
         except TimeoutError:
             self._server.force_exit = True
             with contextlib.suppress(Exception):

@@ -288,7 +288,13 @@ async def test_epp_restart_next_pick_opens_a_new_stream() -> None:
                 except PickerUnreachable:
                     await asyncio.sleep(0.05)  # the channel's reconnect backoff (100 ms .. 1 s)
         assert reply.candidates
-        assert (first.streams, second.streams, second.unary_picks) == (1, 1, 0)
+        # While the channel reconnects, a stream that ends before answering hands its pick to a unary
+        # call: the restarted epp may have seen such a stream and call; once up, picks ride one stream.
+        assert first.streams == 1 and second.streams >= 1
+        streams, unary = second.streams, second.unary_picks
+        for i in range(3):
+            assert (await client.pick(PickQuery(f"d{i}", "m"))).candidates
+        assert (second.streams, second.unary_picks) == (streams, unary)
     finally:
         await client.close()
         await server.stop(0)
