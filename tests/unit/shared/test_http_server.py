@@ -88,16 +88,16 @@ async def test_a_started_stream_is_not_answered_twice() -> None:
     the stream cut, never a second status line)."""
     app = _App()
     server = await _serve(app, 0.6)
-    async with httpx.AsyncClient(timeout=10) as client:
-        async with client.stream("POST", f"http://127.0.0.1:{server.port}/stream", json={}) as response:
-            assert response.status_code == 200
-            await asyncio.wait_for(app.entered.wait(), 5)
-            stopping = asyncio.create_task(server.stop())
-            chunks = []
-            try:
-                async for chunk in response.aiter_bytes():
-                    chunks.append(chunk)
-            except httpx.HTTPError:
-                pass
-            await stopping
+    async with httpx.AsyncClient(timeout=10) as client, \
+            client.stream("POST", f"http://127.0.0.1:{server.port}/stream", json={}) as response:
+        assert response.status_code == 200
+        await asyncio.wait_for(app.entered.wait(), 5)
+        stopping = asyncio.create_task(server.stop())
+        chunks = []
+        try:
+            async for chunk in response.aiter_bytes():
+                chunks.append(chunk)
+        except httpx.HTTPError:
+            pass
+        await stopping
     assert b"".join(chunks).startswith(b"data: first") and b"never" not in b"".join(chunks)
