@@ -88,6 +88,7 @@ def build_service(config: RouterConfig) -> GrpcService:
         time.monotonic,
         degradable=frozenset(name for name, mode in (("flow_control", config.flow_control_failure_mode),
                                                      ("epp", config.epp_failure_mode)) if mode == "open"),
+        hang_tolerant=frozenset({"epp"}),  # a hung epp: each pick falls back after pick_timeout_seconds
     )
     passthrough_http = build_passthrough_client(config)  # /tokenize, /detokenize: off the hot path
     passthrough = Passthrough(config, passthrough_http,

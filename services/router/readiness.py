@@ -13,7 +13,9 @@ is ``open``, see ``docs/degraded-modes.md``) that is *unreachable* (``UNAVAILABL
 ``NOT_CONNECTED``) does not make the router unready: the answer is 200 with ``"status": "degraded"``
 and ``"degraded": [names]``, since requests are still served (a readiness probe that failed here
 would turn one dead dependency into an outage of every router). A hung one (``DEADLINE_EXCEEDED``)
-or one that says ``NOT_SERVING`` still fails readiness.
+is degraded too when requests are still served past its timeout (``hang_tolerant``: epp, whose
+Pick falls back to the local pick after ``pick_timeout_seconds``), and fails readiness otherwise
+(flow_control: a hung admission answers 504); one that says ``NOT_SERVING`` fails readiness.
 
 Both gRPC checks run concurrently; one result is reused for ``health_cache_seconds`` (1 s by
 default), and concurrent probes share one in-flight check, so a load balancer probing often costs
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 
 SERVING = "SERVING"
 UNREACHABLE = frozenset({"UNAVAILABLE", "NOT_CONNECTED"})
+HUNG = "DEADLINE_EXCEEDED"
 """Check results that mean "cannot be reached" (as opposed to hung or not serving)."""
 
 HealthCheck = Callable[[float], Awaitable[str]]
@@ -41,12 +44,14 @@ class Readiness:
     dependencies: dict[str, str]
     endpoints: int
     degradable: frozenset[str] = frozenset()
+    hang_tolerant: frozenset[str] = frozenset()
 
     @property
     def degraded(self) -> list[str]:
-        """Unreachable dependencies the router serves without (their degraded mode is on)."""
+        """Failing dependencies the router serves without (their degraded mode is on): unreachable, or
+        hung for those in ``hang_tolerant``."""
         return [name for name, status in self.dependencies.items()
-                if status in UNREACHABLE and name in self.degradable]
+                if name in self.degradable and (status in UNREACHABLE or (status == HUNG and name in self.hang_tolerant))]
 
     @property
     def failing(self) -> list[str]:
@@ -91,8 +96,10 @@ class ReadinessProbe:
         cache_seconds: float,
         clock: Callable[[], float],
         degradable: frozenset[str] = frozenset(),
+        hang_tolerant: frozenset[str] = frozenset(),
     ) -> None:
         self._degradable = degradable
+        self._hang_tolerant = hang_tolerant
         self._checks = checks
         self._endpoints = endpoints
         self._timeout = timeout_seconds
@@ -117,6 +124,7 @@ class ReadinessProbe:
     async def _evaluate(self) -> Readiness:
         names = list(self._checks)
         statuses = await asyncio.gather(*(self._checks[n](self._timeout) for n in names))
-        result = Readiness(dict(zip(names, statuses, strict=True)), self._endpoints(), self._degradable)
+        result = Readiness(dict(zip(names, statuses, strict=True)), self._endpoints(), self._degradable,
+                           self._hang_tolerant)
         self._last, self._last_at = result, self._clock()
         return result

@@ -189,3 +189,20 @@ async def test_readiness_names_failures_and_caches() -> None:
     state = await probe.readiness()
     assert state.failing == ["epp", "endpoints"]
     assert "no live endpoint" in state.body()["error"]["message"]  # type: ignore[index]
+
+
+@pytest.mark.parametrize(("epp", "fc", "status", "degraded"), [
+    ("DEADLINE_EXCEEDED", "SERVING", "degraded", ["epp"]),  # a hung epp: picks fall back after the pick timeout
+    ("UNAVAILABLE", "SERVING", "degraded", ["epp"]),
+    ("SERVING", "UNAVAILABLE", "degraded", ["flow_control"]),
+    ("SERVING", "DEADLINE_EXCEEDED", "unavailable", []),  # a hung flow_control: admission answers 504
+    ("NOT_SERVING", "SERVING", "unavailable", []),
+])
+async def test_readiness_of_a_hung_or_unreachable_dependency(epp: str, fc: str, status: str, degraded: list[str]) -> None:
+    """A fresh user saw /health 503 for a SIGSTOPped epp while every request was served (late, by the
+    local pick), against docs/degraded-modes.md: a hung epp is degraded; a hung flow_control is not ready."""
+    probe = ReadinessProbe({"flow_control": _Check(fc), "epp": _Check(epp)}, lambda: 2, 0.5, 1.0, lambda: 0.0,
+                           degradable=frozenset({"flow_control", "epp"}), hang_tolerant=frozenset({"epp"}))
+    state = await probe.readiness()
+    assert state.body()["status"] == status and state.degraded == degraded
+    assert state.ready == (status != "unavailable")
