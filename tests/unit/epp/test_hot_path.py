@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_simulator.tokenizer import ensure_tokenizer, synthetic_corpus
+from engine_simulator.tokenizer import synthetic_corpus
 from kvmesh.hashing import GrowingTokenIds, block_keys
 from kvmesh.prefix_index import PackedTokenIds, PrefixReplica, ReplicaEndpoint, longest_prefix_matches
 from kvmesh.types import EndpointId
@@ -84,11 +84,6 @@ def test_packed_token_ids_are_the_ids_bytes() -> None:
         PackedTokenIds(b"\x00" * 6)
     with pytest.raises(OverflowError):
         PackedTokenIds.build([-1])
-
-
-@pytest.fixture(scope="module")
-def tok_dir() -> Path:
-    return ensure_tokenizer()
 
 
 def test_growing_chat_ids_carry_their_exact_bytes_and_score_alike(tok_dir: Path) -> None:

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import kvmesh.hashing as hashing
 from engine_simulator.rendering import Renderer
-from engine_simulator.tokenizer import ensure_tokenizer, load_chat_template, load_tokenizer, synthetic_corpus
+from engine_simulator.tokenizer import synthetic_corpus
 from kvmesh.chat_template import render_request
 from kvmesh.hashing import GrowingTokenIds, PrefixKeyCache, block_keys
 from services.epp.framework.interfaces import ChatMessage, SchedulingRequest
@@ -72,16 +72,6 @@ def test_growing_ids_hash_only_their_new_blocks() -> None:
     assert grown._base is ids._base  # and the history's bytes were not copied
     edited = grown.spliced(64 * 10 + 1, [5])  # an early edit: a new, flat base
     assert cache.block_keys(edited, 64) == block_keys(edited.tolist(), 64) and edited._base is not ids._base
-
-
-@pytest.fixture(scope="module")
-def tok_dir() -> Path:
-    return ensure_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def engine(tok_dir: Path) -> Renderer:
-    return Renderer(load_tokenizer(str(tok_dir)), load_chat_template(tok_dir))
 
 
 def _request(messages: list[dict[str, Any]]) -> SchedulingRequest:

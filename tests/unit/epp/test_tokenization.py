@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine_simulator.rendering import Renderer
-from engine_simulator.tokenizer import ensure_tokenizer, load_chat_template, load_tokenizer, synthetic_corpus
+from engine_simulator.tokenizer import synthetic_corpus
 from kvmesh.types import Endpoint, EndpointId
 from services.epp.framework.interfaces import Candidate, ChatMessage, SchedulingRequest
 from services.epp.tokenization.in_process import TOKENIZER_LABEL, InProcessTokenizer
@@ -35,16 +35,6 @@ CASE3 = {
         {"role": "user", "content": "thanks"},
     ],
 }
-
-
-@pytest.fixture(scope="module")
-def tok_dir() -> Path:
-    return ensure_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def engine(tok_dir: Path) -> Renderer:
-    return Renderer(load_tokenizer(str(tok_dir)), load_chat_template(tok_dir))
 
 
 def _candidate(tok_dir: Path) -> Candidate:
