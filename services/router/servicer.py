@@ -43,6 +43,7 @@ from services.router.http_app import (
     FAIRNESS_HEADER,
     GIE_FAIRNESS_HEADER,
     GIE_OBJECTIVE_HEADER,
+    MAX_FLOW_ID_CHARS,
     OBJECTIVE_HEADER,
     PRIORITY_HEADER,
     request_meta,
@@ -100,6 +101,9 @@ def metadata_headers(
             headers.setdefault(name, value)
     if request is not None:
         if request.flow_id and not any(n in headers for n in (GIE_FAIRNESS_HEADER, FAIRNESS_HEADER)):
+            if len(request.flow_id) > MAX_FLOW_ID_CHARS:  # named as the caller sent it, not as the header it becomes
+                raise errors.InvalidRequest(
+                    f"'flow_id' is {len(request.flow_id)} characters (at most {MAX_FLOW_ID_CHARS})")
             headers[GIE_FAIRNESS_HEADER] = request.flow_id
         if request.priority and not any(n in headers for n in (PRIORITY_HEADER, GIE_OBJECTIVE_HEADER, OBJECTIVE_HEADER)):
             headers[PRIORITY_HEADER] = str(request.priority)

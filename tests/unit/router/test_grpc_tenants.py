@@ -266,3 +266,12 @@ async def test_open_mode_trusts_fields_and_metadata(open_mode: Router) -> None:
     await open_mode.stub.Complete(PROMPT, metadata=(("x-gateway-inference-objective", "sheddable"),
                                                     ("x-gateway-inference-fairness-id", "m1")), timeout=5)
     assert (open_mode.last().flow_id, open_mode.last().priority) == ("m1", -10)
+
+
+def test_a_long_flow_id_is_refused_by_its_field_name() -> None:
+    """A fresh user's gRPC ``flow_id`` of 1,000 characters was refused as "'x-gateway-inference-fairness-id'
+    header is 1000 characters": the error names the field the caller sent; the header's own check stays."""
+    with pytest.raises(errors.InvalidRequest, match=r"^'flow_id' is 1000 characters \(at most 256\)$"):
+        metadata_headers((), router_pb2.CompletionRequest(model=MODEL, prompt="x", flow_id="f" * 1000))
+    assert metadata_headers((), router_pb2.CompletionRequest(model=MODEL, prompt="x", flow_id="f" * 256))[
+        "x-gateway-inference-fairness-id"] == "f" * 256
