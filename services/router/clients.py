@@ -270,13 +270,11 @@ class _MuxCall(Generic[_EntryT, _ReplyT]):
     _what = "stream"
     """The call's name in logs."""
 
-    def __init__(self, call: Any, flush_seconds: float = 0.0) -> None:
+    def __init__(self, call: Any) -> None:
         self._call = call
         self._pending: dict[int, asyncio.Future[_ReplyT]] = {}
         self._outbox: list[_EntryT] = []
         self._wake = asyncio.Event()
-        self._flush_seconds = flush_seconds
-        self._flush: asyncio.TimerHandle | None = None
         self.broken = False
         self.error: BaseException | None = None
         self.answered = False
@@ -304,19 +302,6 @@ class _MuxCall(Generic[_EntryT, _ReplyT]):
 
     def forget(self, key: int) -> None:
         self._pending.pop(key, None)
-
-    def _wake_soon(self) -> None:
-        """Write what is queued with the next write, or within ``flush_seconds`` at the latest (0: at once)."""
-        if self._flush_seconds <= 0:
-            self._wake.set()
-        elif self._flush is None:
-            self._flush = asyncio.get_running_loop().call_later(self._flush_seconds, self._wake.set)
-
-    def _flush_now(self) -> None:
-        """Everything queued is being written (or dropped): no deferred wake-up is left pending."""
-        if self._flush is not None:
-            self._flush.cancel()
-            self._flush = None
 
     def _take_batch(self) -> Any:
         """The message carrying everything queued (and clearing it); None when nothing is queued."""
@@ -390,7 +375,6 @@ class _MuxCall(Generic[_EntryT, _ReplyT]):
             return
         self.broken, self.error = True, exc
         self._outbox.clear()
-        self._flush_now()
         self._on_fail()
         pending, self._pending = self._pending, {}
         for future in pending.values():
@@ -431,9 +415,11 @@ class _AdmitStream(_MuxCall[fc_pb2.AdmitEntry, fc_pb2.AdmitResponse]):
     _what = "admission stream"
 
     def __init__(self, stub: fc_pb2_grpc.FlowControlStub, credits: int = 0, flush_seconds: float = 0.0) -> None:
-        super().__init__(stub.AdmitMany(), flush_seconds)
+        super().__init__(stub.AdmitMany())
         self.credits = 0
         self.credit_priority = 0
+        self._flush_seconds = flush_seconds
+        self._flush: asyncio.TimerHandle | None = None
         if credits > 0:
             self.send(fc_pb2.AdmitEntry(credit_request=fc_pb2.CreditRequest(max_credits=credits)))
         self._start("router-admit-many")
@@ -443,7 +429,10 @@ class _AdmitStream(_MuxCall[fc_pb2.AdmitEntry, fc_pb2.AdmitResponse]):
         if self.broken:
             return
         self._outbox.append(entry)
-        self._wake_soon()
+        if self._flush_seconds <= 0:
+            self._wake.set()
+        elif self._flush is None:
+            self._flush = asyncio.get_running_loop().call_later(self._flush_seconds, self._wake.set)
 
     def spend(self, priority: int) -> bool:
         """Take one credit for a request of band ``priority``; False when none is held for it."""
@@ -462,7 +451,9 @@ class _AdmitStream(_MuxCall[fc_pb2.AdmitEntry, fc_pb2.AdmitResponse]):
     def _take_batch(self) -> fc_pb2.AdmitBatch | None:
         if not self._outbox:
             return None
-        self._flush_now()
+        if self._flush is not None:  # everything queued goes now
+            self._flush.cancel()
+            self._flush = None
         batch, self._outbox = self._outbox, []
         return fc_pb2.AdmitBatch(entries=batch)
 
@@ -482,6 +473,9 @@ class _AdmitStream(_MuxCall[fc_pb2.AdmitEntry, fc_pb2.AdmitResponse]):
 
     def _on_fail(self) -> None:
         self.credits = 0  # flow_control freed them with the stream
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
 
 
 def _admit_error(exc: BaseException) -> BaseException:
@@ -745,8 +739,10 @@ class _PickStream(_MuxCall[epp_pb2.PickEntry, epp_pb2.PickResult]):
     _what = "pick stream"
 
     def __init__(self, stub: epp_pb2_grpc.EndpointPickerStub, completed_flush_seconds: float = 0.0) -> None:
-        super().__init__(stub.PickMany(), completed_flush_seconds)
+        super().__init__(stub.PickMany())
         self._completed: list[epp_pb2.CompletedRequest] = []
+        self._flush_seconds = completed_flush_seconds
+        self._flush: asyncio.TimerHandle | None = None
         self._start("router-pick-many")
 
     def send_completed(self, completed: list[epp_pb2.CompletedRequest]) -> bool:
@@ -755,13 +751,18 @@ class _PickStream(_MuxCall[epp_pb2.PickEntry, epp_pb2.PickResult]):
         if self.broken:
             return False
         self._completed.extend(completed)
-        self._wake_soon()
+        if self._flush_seconds <= 0:
+            self._wake.set()
+        elif self._flush is None:
+            self._flush = asyncio.get_running_loop().call_later(self._flush_seconds, self._wake.set)
         return True
 
     def _take_batch(self) -> epp_pb2.PickBatch | None:
         if not self._outbox and not self._completed:
             return None
-        self._flush_now()
+        if self._flush is not None:  # everything queued goes now
+            self._flush.cancel()
+            self._flush = None
         entries, self._outbox = self._outbox, []
         completed, self._completed = self._completed, []
         return epp_pb2.PickBatch(entries=entries, completed=completed)
@@ -779,6 +780,9 @@ class _PickStream(_MuxCall[epp_pb2.PickEntry, epp_pb2.PickResult]):
         return _pick_call_error(exc)
 
     def _on_fail(self) -> None:
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
         if self._completed:
             metrics.EPP_COMPLETIONS_DROPPED.labels("unreachable").inc(len(self._completed))
             self._completed.clear()
