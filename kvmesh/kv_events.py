@@ -130,7 +130,7 @@ def peek_data_parallel_rank(payload: bytes) -> int | None:
 # -- what kvmesh does with each field -----------------------------------------------------------
 
 FIELD_HANDLING: Mapping[str, str] = {
-    "EventBatch.ts": "ignored, not counted (engine clock, present in every batch; not comparable across hosts)",
+    "EventBatch.ts": "honoured: within one endpoint, tells a duplicate (not newer) from a publisher restart (newer) when seq goes back",
     "EventBatch.events": "honoured: applied in order",
     "EventBatch.data_parallel_rank": "honoured: part of the endpoint identity (kvmesh.types.dp_endpoint_id)",
     "BlockStored.block_hashes": "honoured: engine hash -> kvmesh key map (BlockRemoved needs it)",

@@ -22,7 +22,8 @@ from the final ``usage`` (falling back to the number of text chunks). Events are
 fails the request).
 
 Engine prefix-cache counters are scraped from each engine's ``/metrics`` before and after; the
-engines come from the caller (a mesh it started), epp's ``ListEndpoints`` or etcd.
+engines come from the caller (a mesh it started), epp's ``ListEndpoints`` or etcd
+(:mod:`kvmesh_cli.discovery`).
 """
 
 from __future__ import annotations
@@ -108,29 +109,6 @@ async def discover_model(client: httpx.AsyncClient, router_url: str) -> str:
     if not data:
         raise RuntimeError(f"{router_url}/v1/models lists no model")
     return str(data[0]["id"])
-
-
-def engines_from_epp(epp_address: str) -> list[str]:
-    """Engine base URLs from epp's ``ListEndpoints``."""
-    import grpc
-
-    from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
-
-    with grpc.insecure_channel(epp_address) as channel:
-        reply = epp_pb2_grpc.EndpointPickerStub(channel).ListEndpoints(epp_pb2.ListEndpointsRequest(), timeout=5.0)
-    return sorted({s.endpoint.url for s in reply.endpoints})
-
-
-async def engines_from_etcd(etcd_address: str) -> list[str]:
-    """Engine base URLs registered under ``/kvmesh/v1/endpoints/`` in etcd."""
-    from kvmesh.membership import EndpointWatcher
-
-    watcher = EndpointWatcher([etcd_address])
-    await watcher.start()
-    try:
-        return sorted({ep.url for ep in watcher.snapshot().values()})
-    finally:
-        await watcher.stop()
 
 
 PROMPT_FORMATS = ("tokens", "text")

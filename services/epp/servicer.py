@@ -36,6 +36,7 @@ from kvmesh.errors import InvalidRequest, mapping_for
 from kvmesh.hashing import KeyScope
 from kvmesh.interceptors import translate
 from kvmesh.prefix_index import PackedTokenIds
+from kvmesh.streams import stop_stream_writer
 from kvmesh.wire import completion_from_proto, endpoint_to_proto
 from services.epp.framework.interfaces import ChatMessage, SchedulingRequest
 from services.epp.metrics import record_completions
@@ -298,13 +299,7 @@ class _PickSession:
         if running:
             await asyncio.gather(*running.values(), return_exceptions=True)
         self._closing = True
-        self._wake.set()
-        try:
-            await asyncio.wait_for(asyncio.shield(self._writer), _FLUSH_SECONDS)
-        except Exception:  # the call is gone (a write fails) or the client stopped reading
-            pass
-        finally:
-            self._writer.cancel()
+        await stop_stream_writer(self._writer, self._wake, _FLUSH_SECONDS)
         if running:
             logger.info("pick-many stream ended picks_stopped=%d", len(running))
 

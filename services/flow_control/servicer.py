@@ -27,6 +27,7 @@ from opentelemetry import propagate, trace
 
 from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2, flow_control_pb2_grpc
 from kvmesh.errors import InvalidRequest
+from kvmesh.streams import stop_stream_writer
 from services.flow_control.controller import FlowController, Ticket
 from services.flow_control.credits import CreditAccount
 from services.flow_control.types import (
@@ -337,13 +338,9 @@ class _AdmitSession:
         for waiter in self._waiters.values():
             waiter.cancel()
         self._closing = True
-        self._wake.set()
         try:
-            await asyncio.wait_for(asyncio.shield(self._writer), _FLUSH_SECONDS)
-        except Exception:  # the call is gone (a write fails) or the client stopped reading
-            pass
+            await stop_stream_writer(self._writer, self._wake, _FLUSH_SECONDS)
         finally:
-            self._writer.cancel()
             if self._credits is not None:
                 self._controller.close_credits(self._credits)
             released = len(self._tickets)

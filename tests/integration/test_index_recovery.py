@@ -274,3 +274,33 @@ async def test_kv_indexer_restarted_under_load_is_warm_and_exact(mesh: Mesh) -> 
     stub = mesh.stub()
     for engine in engines:
         await assert_index_equals_cache(stub, engine, timeout=20)
+
+
+async def test_kv_indexer_restarted_cold_under_load_replays_once_per_engine_and_reads_no_publisher_restart(
+    mesh: Mesh,
+) -> None:
+    """The engines keep serving (and publishing) while kv_indexer restarts without a snapshot: the
+    messages that queue on its SUB socket while it starts are older than what its startup replay
+    applied. They are duplicates, not a publisher restart: each engine is replayed once, nothing is
+    purged, and the index equals the caches (vLLM 0.32's PUB + replay ROUTER, as the simulator)."""
+    mesh.start_indexer()
+    engines = [mesh.start_engine(), mesh.start_engine()]
+    stub = mesh.stub()
+    await load(engines, 16)
+    loading = asyncio.create_task(load(engines, 64, seed=7))
+    await asyncio.sleep(0.3)
+    assert mesh.indexer is not None
+    mesh.indexer.stop()
+    await asyncio.sleep(0.3)
+    mesh.start_indexer()  # cold: SERVING once its startup replays settled, the engines still publishing
+    restarted = mesh.indexer
+    stub = mesh.stub()
+    await loading
+    for engine in engines:
+        assert await assert_index_equals_cache(stub, engine, timeout=20) > 0
+    log = await asyncio.to_thread(restarted.log_path.read_text, errors="replace")
+    assert "publisher restarted" not in log
+    for engine in engines:
+        from_zero = [line for line in log.splitlines() if f"kv event recovery endpoint={engine.id} " in line and " from=0 " in line]
+        assert len(from_zero) == 1, from_zero  # one replay of the engine's buffer for the restart
+        assert "result=recovered" in from_zero[0]

@@ -15,11 +15,22 @@ messages 0, 1, 2, ... per publisher). A message with
   protocol); replayed and buffered messages are then applied in order, each seq once. A range the
   replay did not cover (no replay endpoint, timeout past ``replay_timeout_seconds``, buffer already
   rolled over, too many live messages buffered meanwhile) marks the endpoint ``unreliable``;
-* a lower seq means the publisher restarted (a new incarnation the registration did not reveal):
-  the endpoint's entries are purged and the count starts again.
+* a lower seq is either a *duplicate* or a *publisher restart*, told apart by the batch's ``ts``
+  (vLLM stamps each ``KVEventBatch`` with the engine's ``time.time()``): a message no newer than the
+  last one applied is a duplicate, dropped (``batches_dropped{reason="duplicate"}``). Duplicates are
+  normal after a recovery: the replay answers up to the publisher's newest message, while the same
+  messages are still on their way over the live SUB socket (queued in ZMQ while the indexer was
+  starting, or in the worker's queue). A newer one means the publisher restarted (a new incarnation
+  the registration did not reveal; vLLM numbers from 0 again): the endpoint's entries are purged
+  and its stream starts afresh, as below.
 
-An endpoint whose start is unknown (the indexer restarted without its snapshot of it) recovers from
-seq 0 on its first message with seq > 0; :meth:`recover` does the same at once (startup).
+**Fresh start.** An endpoint whose start is unknown (no message applied yet for its incarnation:
+the indexer restarted without its snapshot of it, or the publisher restarted) holds no entry that
+a lost message could have made stale, so the first sequence it gets is its start, not a gap. If
+its publisher has a replay endpoint, its buffer is asked once (from seq 0, ``trigger=first_batch``,
+or at once by :meth:`recover` at startup) and the first replayed seq is the start; otherwise, or
+when the replay fails, the first live message is (a replay that found the buffer empty does not
+count: the next message with seq > 0 asks again). A hole *after* the start is a gap as usual.
 ``unreliable`` lasts until a fresh state is known: an ``AllBlocksCleared`` or a new incarnation.
 
 **Registration race.** An engine may publish before the indexer's etcd watch sees it join. A
@@ -116,6 +127,8 @@ class _Recovery:
     from_seq: int
     trigger: str
     started: float
+    fresh: bool = False
+    """The stream's start is unknown: the first message obtained (replayed or live) is its start."""
     buffer: list[RawMessage] = field(default_factory=list)
     overflowed: bool = False
 
@@ -126,8 +139,13 @@ class _Track:
 
     endpoint: Endpoint
     next_seq: int | None = None
+    """The next seq expected; None while the start is unknown (nothing applied for this incarnation)."""
     reliable: bool = True
     recovery: _Recovery | None = None
+    last_ts: float | None = None
+    """``ts`` of the last batch applied in this process (None: none yet, or restored from a snapshot)."""
+    history_asked: bool = False
+    """The replay buffer was already asked for this fresh start (one replay per start)."""
 
     @property
     def state(self) -> EndpointState:
@@ -277,11 +295,14 @@ class EventPool:
 
     def export(self) -> dict[EndpointId, tuple[int | None, bool]]:
         """Per tracked endpoint ``(next expected seq, reliable)``, for a snapshot. A recovering
-        endpoint exports the seq its recovery starts from (what was applied before the gap)."""
-        return {
-            eid: (t.recovery.from_seq if t.recovery is not None else t.next_seq, t.reliable and t.recovery is None)
-            for eid, t in self._tracks.items()
-        }
+        endpoint exports the seq its recovery starts from (what was applied before the gap: the
+        restarted indexer's startup replay covers the gap again); one recovering from a fresh start
+        exports what it applied so far (None: nothing yet)."""
+        out: dict[EndpointId, tuple[int | None, bool]] = {}
+        for eid, t in self._tracks.items():
+            recovery = t.recovery
+            out[eid] = (t.next_seq if recovery is None or recovery.fresh else recovery.from_seq, t.reliable)
+        return out
 
     def state(self, endpoint_id: EndpointId) -> EndpointState | None:
         track = self._tracks.get(endpoint_id)
@@ -296,7 +317,10 @@ class EventPool:
         track = self._tracks.get(endpoint.id)
         if track is None or track.recovery is not None or not endpoint.replay_endpoint or self._replayer is None:
             return
-        self._start_recovery(track, track.next_seq or 0, trigger, None)
+        fresh = track.next_seq is None
+        if fresh:
+            track.history_asked = True
+        self._start_recovery(track, track.next_seq or 0, trigger, None, fresh=fresh)
 
     async def settled(self) -> None:
         """Return once no recovery is running."""
@@ -344,29 +368,67 @@ class EventPool:
             return
         seq = message.seq
         expected = track.next_seq
-        if expected is not None and seq < expected:
-            logger.warning(
-                "kv event sequence went back endpoint=%s expected=%d got=%d: publisher restarted, purging its entries",
-                message.endpoint_id, expected, seq,
-            )
-            metrics.record_incarnation("sequence_reset")
-            self._index.apply(message.endpoint_id, AllBlocksCleared())
-            track.reliable = True
-            expected = 0
-        elif expected is None:
-            expected = 0
+        if expected is None:
+            self._start_fresh(track, message, stats)
+            return
+        if seq < expected:
+            self._older(track, message, expected, stats)
+            return
         if seq > expected:
             missed = seq - expected
             stats.sequence_gaps += missed
             metrics.record_sequence_gap(missed)
-            trigger = "gap" if track.next_seq is not None else "first_batch"
             logger.warning(
                 "kv event sequence gap endpoint=%s expected=%d got=%d missed=%d: replaying",
                 message.endpoint_id, expected, seq, missed,
             )
-            self._start_recovery(track, expected, trigger, message)
+            self._start_recovery(track, expected, "gap", message)
             return
         self._apply_message(track, message, stats)
+
+    def _start_fresh(self, track: _Track, message: RawMessage, stats: EndpointIngestStats) -> None:
+        """The first message of a stream whose start is unknown: ask the replay buffer once for
+        what came before it (when there is one and seq > 0), else take it as the start."""
+        if message.seq > 0 and not track.history_asked and self._replayer is not None and track.endpoint.replay_endpoint:
+            track.history_asked = True
+            logger.info(
+                "kv event stream of endpoint=%s starts at seq=%d: replaying its publisher's buffer from 0",
+                message.endpoint_id, message.seq,
+            )
+            self._start_recovery(track, 0, "first_batch", message, fresh=True)
+            return
+        self._apply_message(track, message, stats)
+
+    def _older(self, track: _Track, message: RawMessage, expected: int, stats: EndpointIngestStats) -> None:
+        """A seq below the expected one: a duplicate (``ts`` no newer than the last batch applied)
+        is dropped; anything else is a publisher restart: purge, then start afresh with it."""
+        try:
+            ts = decode_batch(message.payload).ts
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            logger.warning(
+                "dropping undecodable event message endpoint=%s seq=%d error=%s", message.endpoint_id, message.seq, exc
+            )
+            self.record_drop("bad_payload")
+            return
+        if track.last_ts is not None and ts <= track.last_ts:
+            logger.debug(
+                "dropping duplicate kv event message endpoint=%s seq=%d (next expected %d)",
+                message.endpoint_id, message.seq, expected,
+            )
+            self.record_drop("duplicate")
+            return
+        logger.warning(
+            "kv event sequence went back endpoint=%s expected=%d got=%d with a newer batch: publisher restarted, "
+            "purging its entries",
+            message.endpoint_id, expected, message.seq,
+        )
+        metrics.record_incarnation("sequence_reset")
+        self._index.apply(message.endpoint_id, AllBlocksCleared())
+        track.reliable = True
+        track.next_seq = None
+        track.last_ts = None
+        track.history_asked = False
+        self._start_fresh(track, message, stats)
 
     def _endpoint_stats(self, endpoint_id: EndpointId) -> EndpointIngestStats:
         stats = self.stats.per_endpoint.get(endpoint_id)
@@ -386,6 +448,7 @@ class EventPool:
             )
             self.record_drop("bad_payload")
             return False
+        track.last_ts = batch.ts
         self._apply(track, batch)
         return True
 
@@ -422,8 +485,10 @@ class EventPool:
             recovery.buffer.pop(0)
         recovery.buffer.append(message)
 
-    def _start_recovery(self, track: _Track, from_seq: int, trigger: str, first: RawMessage | None) -> None:
-        recovery = _Recovery(from_seq, trigger, self._clock())
+    def _start_recovery(
+        self, track: _Track, from_seq: int, trigger: str, first: RawMessage | None, fresh: bool = False
+    ) -> None:
+        recovery = _Recovery(from_seq, trigger, self._clock(), fresh)
         if first is not None:
             recovery.buffer.append(first)
         track.recovery = recovery
@@ -458,13 +523,17 @@ class EventPool:
         if track.recovery is not recovery:
             return  # the endpoint left or restarted meanwhile
         expected = recovery.from_seq
-        complete = not failure and not recovery.overflowed
+        # a fresh start loses nothing by a failed replay or an overflowed buffer: only a hole after
+        # the first message applied (``started``) can leave stale entries
+        complete = recovery.fresh or (not failure and not recovery.overflowed)
+        started = not recovery.fresh
         replayed = 0
         for i, (seq, payload) in enumerate(replies):
             if seq < expected:
-                continue
-            if seq > expected:
+                continue  # answered twice
+            if seq > expected and started:
                 complete = False
+            started = True
             self._apply_message(track, RawMessage(endpoint.id, endpoint.model, seq, payload))
             expected = seq + 1
             replayed += 1
@@ -476,13 +545,16 @@ class EventPool:
             buffered, recovery.buffer = recovery.buffer, []
             for message in sorted(buffered, key=lambda m: m.seq):
                 if message.seq < expected:
-                    continue
-                if message.seq > expected:
+                    continue  # replayed already, or buffered twice
+                if message.seq > expected and started:
                     complete = False
+                started = True
                 self._apply_message(track, message)
                 expected = message.seq + 1
         track.recovery = None
-        track.next_seq = expected
+        track.next_seq = expected if started else None
+        if not started:  # the buffer was empty then: what the first live message follows may be there now
+            track.history_asked = False
         if not complete:
             track.reliable = False
         result = "recovered" if complete else "unreliable"

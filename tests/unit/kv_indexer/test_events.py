@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 import zmq
@@ -20,6 +21,8 @@ from tests.support import wait_until_async
 A = EndpointId("127.0.0.1:9001")
 TOPIC = make_topic(A, "m").encode()
 TOKENS = list(range(8))
+_TS = itertools.count(1_700_000_000)
+"""Batch timestamps: each payload is newer than the last, as vLLM's ``time.time()`` stamps are."""
 
 
 def payload(*hashes_and_parents: tuple[int, int | None]) -> bytes:
@@ -27,7 +30,7 @@ def payload(*hashes_and_parents: tuple[int, int | None]) -> bytes:
         BlockStored(block_hashes=[h], parent_block_hash=p, token_ids=TOKENS[4 * i : 4 * i + 4] if p is None and i == 0 else TOKENS[4:8], block_size=4)
         for i, (h, p) in enumerate(hashes_and_parents)
     ]
-    return encode_batch(EventBatch(ts=1.0, events=events, data_parallel_rank=0))
+    return encode_batch(EventBatch(ts=float(next(_TS)), events=events, data_parallel_rank=0))
 
 
 def endpoint(url_port: int = 9001, events: str = "") -> Endpoint:
@@ -129,7 +132,9 @@ async def test_gap_is_replayed_from_a_real_vllm_style_replay_socket_exactly_once
         await pool.shutdown()
 
 
-async def test_first_batch_after_an_indexer_restart_recovers_from_zero_or_is_unreliable() -> None:
+async def test_first_batch_after_an_indexer_restart_takes_the_replays_first_seq_as_its_start() -> None:
+    """A fresh stream holds nothing a lost message could make stale: a replay buffer that rolled past
+    seq 0 gives the start, and the stream is live (vLLM 0.32's replay ROUTER, buffer_steps=2)."""
     replay = f"tcp://127.0.0.1:{free_port()}"
     publisher = ZmqEventPublisher(f"tcp://127.0.0.1:{free_port()}", TOPIC.decode(), replay_endpoint=replay, buffer_steps=2)
     for p in (payload((1, None)), payload((2, 1)), payload((3, 2))):
@@ -141,11 +146,28 @@ async def test_first_batch_after_an_indexer_restart_recovers_from_zero_or_is_unr
     try:
         pool.submit(RawMessage(A, "m", 2, payload((3, 2))))
         await pool.drained()
-        assert pool.state(A) is EndpointState.UNRELIABLE  # seq 0 could not be replayed
+        assert pool.state(A) is EndpointState.LIVE  # the replay's first seq (1) is the start
         assert set(index.held_blocks(A)) == {2, 3}  # chains without their parent are still held
+        assert pool.export()[A] == (3, True) and pool.stats.per_endpoint[A].sequence_gaps == 0
+        pool.submit(RawMessage(A, "m", 5, payload((4, 3))))  # a hole after the start is a gap
+        await pool.drained()
+        assert pool.state(A) is EndpointState.UNRELIABLE  # seq 3-4 were never published: not replayable
     finally:
         publisher.shutdown()
         await pool.shutdown()
+
+
+async def test_fresh_stream_without_replay_endpoint_starts_at_its_first_message() -> None:
+    index = InMemoryIndex()
+    pool = EventPool(index, workers=1, replayer=ZmqReplayer())
+    joined(index, pool)
+    pool.start()
+    pool.submit(RawMessage(A, "m", 41, payload((1, None))))
+    pool.submit(RawMessage(A, "m", 42, payload((2, 1))))
+    await pool.drained()
+    assert pool.state(A) is EndpointState.LIVE and scores(index) == {A: 2}
+    assert pool.stats.per_endpoint[A].sequence_gaps == 0 and pool.export()[A] == (43, True)
+    await pool.shutdown()
 
 
 async def test_sequence_going_back_is_a_new_incarnation_and_purges() -> None:
