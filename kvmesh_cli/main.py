@@ -51,6 +51,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvmesh_cli.checks import check_router_url, fail, mesh_errors, probe_router, resolve_policy
+from kvmesh_cli.discovery import DiscoveryError, find_engines, split_host_port
 from kvmesh_cli.mesh import DEFAULT_MODEL, Mesh, MeshSpec, exit_on_signals
 from kvmesh_cli.options import (
     SIMULATOR_DEFAULTS,
@@ -80,7 +81,7 @@ from kvmesh_cli.options import (
 )
 from kvmesh_cli.peers import PEERS, peer_missing_reason
 from kvmesh_cli.plotting import write_plot, write_sweep_plot
-from kvmesh_cli.replay import PROMPT_FORMATS, ReplayOutcome, engines_from_epp, engines_from_etcd, replay
+from kvmesh_cli.replay import PROMPT_FORMATS, ReplayOutcome, replay
 from kvmesh_cli.report import (
     RequestResult,
     SweepPoint,
@@ -302,6 +303,8 @@ def _summary(
         prefix_hit_rate=hit_rate(outcome.counters_before, outcome.counters_after), slo_ttft_s=slo_ttft_s,
         oracle_hit_rate=oracle, split=split, offload=offload,
         offload_hit_rate=offload_hit_rate(outcome.counters_before, outcome.counters_after),
+        first_calls=(frozenset(r.index for r in wl.requests if r.after is None)
+                     if wl is not None and any(r.after is not None for r in wl.requests) else None),
     )
 
 
@@ -436,7 +439,8 @@ def replay_cmd(
     router: Annotated[str | None, typer.Option("--router", help="Router base URL, e.g. http://127.0.0.1:8000; "
                                                "default: start a mesh for this replay.")] = None,
     epp: Annotated[str | None, typer.Option("--epp", help="epp gRPC host:port, to find the engines to scrape "
-                                            "(with --router).")] = None,
+                                            "(with --router); when it does not answer, --etcd is asked for "
+                                            "another epp, then for the engines.")] = None,
     etcd: EtcdOpt = None,
     trace: TraceOpt = None,
     workload: WorkloadOpt = "multi-turn",
@@ -462,10 +466,18 @@ def replay_cmd(
     """Send a workload through the router and report TTFT, latency, throughput and prefix-cache hits.
 
     With --router, the engines whose /metrics are scraped for the hit rate come from --epp
-    (ListEndpoints) or --etcd; --time-scale must then match the engines' own. Without --router, a
-    mesh with --engines/--policy/--num-gpu-blocks is started for the replay and stopped after.
+    (ListEndpoints) or --etcd (an epp registered there, else the engines registered there, when --epp
+    does not answer); an --epp that does not answer without --etcd, or an --etcd that does not answer,
+    is an error before any request is sent. --time-scale must then match the engines' own. Without
+    --router, a mesh with --engines/--policy/--num-gpu-blocks is started for the replay and stopped after.
     """
     _setup_logging(verbose)
+    for value, hint in ((epp, "--epp"), (etcd, "--etcd")):
+        if value:
+            try:
+                split_host_port(value)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint=hint) from None
     if router is not None:
         router = check_router_url(router)
     else:
@@ -478,20 +490,16 @@ def replay_cmd(
     num_gpu_blocks = num_gpu_blocks or default_num_gpu_blocks(trace, workload)
     console.print(_workload_line(wl, label), soft_wrap=True)
     if router is not None:
+        try:
+            engine_urls = find_engines(epp, etcd, say=lambda line: console.print(line, soft_wrap=True, markup=False))
+        except DiscoveryError as exc:
+            fail(str(exc))
         probe_router(router)
-        if epp:
-            try:
-                engine_urls = engines_from_epp(epp)
-            except grpc.RpcError as exc:
-                fail(f"cannot list the engines from epp {epp}: {exc.code().name}: {exc.details()}")
-        elif etcd:
-            engine_urls = asyncio.run(engines_from_etcd(etcd))
-            if not engine_urls:
-                console.print(f"no engines registered in etcd {etcd}: the engine prefix-cache hit rate is not "
-                              "measured", soft_wrap=True)
-        else:
-            engine_urls = []
+        if not epp and not etcd:
             console.print("no --epp/--etcd: the engine prefix-cache hit rate is not measured", soft_wrap=True)
+        elif not engine_urls:
+            console.print(f"no engines listed by {'epp ' + epp if epp else 'etcd ' + str(etcd)}: the engine "
+                          "prefix-cache hit rate is not measured", soft_wrap=True, markup=False)
         outcome = _run_replay(wl, router, engine_urls, time_scale, concurrency_limit, model, label,
                               sessions=sessions, prompt_format=prompt_format)
         column = router

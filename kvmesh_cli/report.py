@@ -30,6 +30,7 @@ EXTRA_KEYS = (
     "itl_p50_s", "itl_p90_s", "e2e_p90_s", "requests_per_s", "goodput_rps", "slo_ttft_s", "oracle_hit_rate",
     "oracle_fraction", "load_imbalance", "engine_requests", "engine_prefill_tokens",
     "offload", "offload_hit_rate", "total_hit_rate", "oracle_fraction_total",
+    "ttft_first_call_p50_s", "ttft_follow_up_p50_s", "ttft_follow_up_p90_s",
 )
 """Keys added by issue 9 (after :data:`SUMMARY_KEYS`, which keep their meaning).
 
@@ -45,7 +46,12 @@ Offload (issue 9, per column): ``offload`` is the engines' offload mode of the r
 (``vllm:external_prefix_cache_hits_total`` delta over ``vllm:prefix_cache_queries_total`` delta);
 ``total_hit_rate`` GPU + offloaded (``prefix_hit_rate`` stays the GPU pool's alone);
 ``oracle_fraction_total`` = ``total_hit_rate`` over the oracle (``oracle_fraction`` counts GPU hits only).
-Prefill tokens of the imbalance are those computed: queries - GPU hits - offloaded hits."""
+Prefill tokens of the imbalance are those computed: queries - GPU hits - offloaded hits.
+
+Closed-loop sessions (agentic traces, built-in multi-turn): ``ttft_first_call_p50_s`` is the TTFT p50 of the
+calls that open a session (nothing before them to reuse: a cold prefill for every policy and the oracle),
+``ttft_follow_up_p50_s`` / ``_p90_s`` of the calls sent after an earlier answer of their session (what
+routing can make warm); ``None`` for open-loop traces."""
 
 
 @dataclass
@@ -192,12 +198,14 @@ def summarize(
     split: tuple[list[int], list[float], float | None] | None = None,
     offload: str | None = None,
     offload_hit_rate: float | None = None,
+    first_calls: frozenset[int] | None = None,
 ) -> dict[str, object]:
     """The summary of one replay: :data:`SUMMARY_KEYS` then :data:`EXTRA_KEYS`, times in model seconds.
 
     ``output_tokens_per_s`` and ``requests_per_s`` are over the replay's makespan (first send to
     last completion), successful requests only. ``split`` is :func:`load_split`'s answer; ``offload`` the
-    engines' offload mode and ``offload_hit_rate`` :func:`offload_hit_rate`'s answer.
+    engines' offload mode and ``offload_hit_rate`` :func:`offload_hit_rate`'s answer. ``first_calls``: the
+    request indices that open a closed-loop session (the rest follow an answer); ``None`` for open loop.
     """
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft_s * time_scale for r in ok if r.ttft_s is not None]
@@ -206,6 +214,12 @@ def summarize(
     out_tokens = sum(r.output_tokens for r in ok)
     model_duration = wall_duration_s * time_scale
     reqs, prefill, imbalance = split if split is not None else (None, None, None)
+    first: list[float] = []
+    follow: list[float] = []
+    if first_calls is not None:
+        for r in ok:
+            if r.ttft_s is not None:
+                (first if r.index in first_calls else follow).append(r.ttft_s * time_scale)
     total = (prefix_hit_rate + (offload_hit_rate or 0.0)) if prefix_hit_rate is not None else None
     return {
         "requests": len(results),
@@ -232,6 +246,9 @@ def summarize(
         "offload_hit_rate": offload_hit_rate,
         "total_hit_rate": total,
         "oracle_fraction_total": (total / oracle_hit_rate if total is not None and oracle_hit_rate else None),
+        "ttft_first_call_p50_s": percentile(first, 50) if first_calls is not None else None,
+        "ttft_follow_up_p50_s": percentile(follow, 50) if first_calls is not None else None,
+        "ttft_follow_up_p90_s": percentile(follow, 90) if first_calls is not None else None,
     }
 
 
@@ -263,6 +280,9 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("TTFT p50 (s)", "ttft_p50_s", "s"),
     ("TTFT p90 (s)", "ttft_p90_s", "s"),
     ("TTFT p99 (s)", "ttft_p99_s", "s"),
+    ("TTFT p50, sessions' first calls (s)", "ttft_first_call_p50_s", "s"),
+    ("TTFT p50, follow-up calls (s)", "ttft_follow_up_p50_s", "s"),
+    ("TTFT p90, follow-up calls (s)", "ttft_follow_up_p90_s", "s"),
     ("end-to-end p50 (s)", "e2e_p50_s", "s"),
     ("output tokens/s", "output_tokens_per_s", "rate"),
     ("offload (engines' KV connector)", "offload", "str"),
