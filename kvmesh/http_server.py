@@ -14,6 +14,10 @@ error body and ``retry-after: 1`` (its handler cancelled, its clean-up run), not
 ``text/plain`` 500 uvicorn sends for a task it cancels; one whose response already started (a
 stream) ends as uvicorn ends it.
 ``await wait()`` returns when the server ends on its own (a crash, or after ``stop``).
+
+Binding: the socket is bound here (:func:`bind_tcp`) before uvicorn starts, so an address that cannot
+be bound is a :class:`ListenError` from ``start()`` (one line at the process's exit), never uvicorn's
+``sys.exit`` from inside its task.
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ from typing import Literal
 
 import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvmesh.listen import ListenError, bind_tcp
+
+__all__ = ["HttpServer", "ListenError", "bind_tcp"]
 
 _DRAIN_MARGIN_SECONDS = 0.2
 """How long before uvicorn's own cancel (``ceil(grace_seconds)``) the unanswered requests get their 503."""
@@ -80,28 +88,6 @@ class _DrainOnShutdown:
                 task.cancel()
                 count += 1
         return count
-
-
-def bind_tcp(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (0: the kernel picks a free port; read ``getsockname()``).
-
-    ``SO_REUSEADDR`` only (a restart may rebind a port in TIME_WAIT), never ``SO_REUSEPORT``: a port
-    another process listens on is an ``OSError`` here, not a silently shared port.
-
-    Raises:
-        OSError: the address cannot be bound (in use, no such interface).
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(2048)
-        sock.setblocking(False)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
@@ -165,9 +151,15 @@ class HttpServer:
         """Start serving; returns once the socket is bound.
 
         Raises:
-            OSError: when uvicorn could not bind within ``timeout_seconds``.
+            ListenError: ``host:port`` cannot be bound (in use, no such interface).
+            OSError: when uvicorn could not start within ``timeout_seconds``.
         """
-        sockets = [self._sock] if self._sock is not None else None
+        if self._sock is None:  # bound here, not by uvicorn (which logs and calls sys.exit inside its task)
+            try:
+                self._sock = bind_tcp(self.host, self.port)
+            except OSError as exc:
+                raise ListenError("http", self.host, self.port, exc.strerror or str(exc)) from None
+        sockets = [self._sock]
         self._task = asyncio.create_task(self._server.serve(sockets=sockets), name=self._name)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_seconds

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvmesh.config import GrpcServiceConfig, ProcessConfig, load_config
 from kvmesh.interceptors import server_interceptors
+from kvmesh.listen import ListenError
 from kvmesh.logging import setup_logging
 from kvmesh.membership import LeaseRegistration, service_key
 from kvmesh.metrics import MetricsServer, start_metrics_server
@@ -129,12 +131,19 @@ class GrpcService:
         reflection.enable_server_reflection(
             [*self.spec.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
         )
-        self.grpc_port = server.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
+        host = self.config.host
+        try:
+            self.grpc_port = server.add_insecure_port(f"{host}:{self.config.grpc_port}")
+        except RuntimeError:  # grpcio: "Failed to bind to address"
+            self.grpc_port = 0
         if self.grpc_port == 0:
-            raise OSError(f"cannot bind {self.config.host}:{self.config.grpc_port}")
+            raise ListenError.probe("grpc", host, self.config.grpc_port, "gRPC could not bind the address")
         await server.start()
         self._server = server
-        self._metrics = start_metrics_server(self.config.host, self.config.metrics_port)
+        try:
+            self._metrics = start_metrics_server(host, self.config.metrics_port)
+        except OSError as exc:
+            raise ListenError("metrics", host, self.config.metrics_port, exc.strerror or str(exc)) from None
         self.metrics_port = self._metrics.port
         write_ports_file(self.config.ports_file, {"grpc": self.grpc_port, "metrics": self.metrics_port, **self.extra_ports})
         for coro_fn in self.spec.background:
@@ -203,7 +212,13 @@ class GrpcService:
 
     async def run(self) -> None:
         """Start, wait for SIGTERM/SIGINT (or a background task to crash), then stop. A background
-        task that returns normally (a one-shot readiness gate) ends without stopping the service."""
+        task that returns normally (a one-shot readiness gate) ends without stopping the service.
+
+        Raises:
+            ListenError: a listener cannot bind its address.
+            Exception: whatever made a background task crash, re-raised once the service has stopped
+                (the process then exits non-zero, not 0 as after SIGTERM).
+        """
         loop = asyncio.get_running_loop()
         stop_requested = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -212,16 +227,18 @@ class GrpcService:
             await self.start()
             waiter = asyncio.create_task(stop_requested.wait())
             pending: set[asyncio.Task[Any]] = {waiter, *self._tasks}
-            failed = False
-            while not waiter.done() and not failed:  # a task that ends normally (readiness) does not stop us
+            failure: BaseException | None = None
+            while not waiter.done() and failure is None:  # a task that ends normally (readiness) does not stop us
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     if task is not waiter and not task.cancelled() and task.exception() is not None:
                         logger.error("%s background task failed: %r", self.spec.name, task.exception())
-                        failed = True
+                        failure = task.exception()
             waiter.cancel()
         finally:
             await self.stop()
+        if failure is not None:  # the process exits non-zero (main: one line for a listener that cannot bind)
+            raise failure
 
 
 def write_ports_file(path: str, ports: dict[str, int]) -> None:
@@ -264,19 +281,35 @@ def main(
 
     Raises:
         SystemExit: 2 on a bad flag or value, and when ``build_service`` raises ``ValueError``
-            (a config it cannot build, e.g. an invalid scheduling config); the message is written
-            to stderr as ``<name>: <message>``.
+            (a config it cannot build, e.g. an invalid scheduling config); 1 when a listener cannot
+            bind its address (:class:`~kvmesh.http_server.ListenError`: a port in use); the message is
+            written to stderr as ``<name>: <message>``, without a traceback.
     """
     config = load_config(config_cls, argv, prog=prog)
     setup_logging(name, config.log_level)
     logger.info("config %s", json.dumps(config.model_dump(mode="json")))
     try:
-        process = build_service(config)
-    except ValueError as exc:
-        sys.stderr.write(f"{name}: {exc}\n")
-        raise SystemExit(2) from None
-    with asyncio.Runner(loop_factory=event_loop_factory(config.event_loop)) as runner:
-        runner.run(process.run())
+        try:
+            process = build_service(config)
+        except ValueError as exc:
+            sys.stderr.write(f"{name}: {exc}\n")
+            raise SystemExit(2) from None
+        with asyncio.Runner(loop_factory=event_loop_factory(config.event_loop)) as runner:
+            runner.run(process.run())
+    except ListenError as exc:  # a port in use: one line, not a traceback
+        flag = f"--{exc.what}-port"
+        sys.stderr.write(f"{name}: {exc} (another process may be listening there; choose another port with {flag})\n")
+        raise SystemExit(1) from None
+    except Exception as exc:
+        if getattr(exc, "errno", None) not in _LISTEN_ERRNOS:
+            raise
+        # another listener (a ZMQ bind: zmq.ZMQError carries the errno) that cannot bind its address
+        sys.stderr.write(f"{name}: cannot listen: {exc}\n")
+        raise SystemExit(1) from None
+
+
+_LISTEN_ERRNOS = frozenset({errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES})
+"""Errors of a bind that :func:`main` reports in one line (in use; no such local address; a privileged port)."""
 
 
 def event_loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop] | None:

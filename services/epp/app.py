@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvmesh._proto.kvmesh.epp.v1 import epp_pb2_grpc
 from kvmesh.interceptors import server_interceptors
+from kvmesh.listen import ListenError
 from kvmesh.membership import EndpointWatcher
 from kvmesh.server import GrpcService, ServiceSpec
 from services.epp.config import EppConfig
@@ -124,9 +125,12 @@ def build_service(config: EppConfig) -> GrpcService:
         ext_proc_servers.append((ext_proc_server, ext_proc_health))
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(ext_proc, ext_proc_server)
         health_pb2_grpc.add_HealthServicer_to_server(ext_proc_health, ext_proc_server)
-        port = ext_proc_server.add_insecure_port(f"{config.host}:{config.ext_proc_port}")
+        try:
+            port = ext_proc_server.add_insecure_port(f"{config.host}:{config.ext_proc_port}")
+        except RuntimeError:  # grpcio: "Failed to bind to address" (kvmesh.server.main prints one line)
+            port = 0
         if port == 0:
-            raise OSError(f"cannot bind the ext_proc port {config.host}:{config.ext_proc_port}")
+            raise ListenError.probe("ext-proc", config.host, config.ext_proc_port, "gRPC could not bind the address")
         await ext_proc_server.start()
         for name in ext_proc_names:
             await ext_proc_health.set(name, health_pb2.HealthCheckResponse.SERVING)

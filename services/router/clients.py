@@ -59,7 +59,7 @@ from kvmesh.channels import answered, insecure_channel, to_domain_error, trace_m
 from kvmesh.types import Endpoint, RequestCompletion
 from kvmesh.wire import completion_to_proto, endpoint_from_proto
 from services.router import metrics
-from services.router.degraded import FlowControlUnreachable, PickerUnreachable
+from services.router.degraded import AdmissionTimedOut, FlowControlUnreachable, PickerUnreachable
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ _ADMIT_STATUS_OVERRIDES: dict[grpc.StatusCode, type[errors.KvmeshError]] = {
     grpc.StatusCode.INTERNAL: FlowControlUnreachable,
     grpc.StatusCode.CANCELLED: FlowControlUnreachable,
     grpc.StatusCode.UNIMPLEMENTED: FlowControlUnreachable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: errors.QueueTTLExpired,  # a deadline on Admit is the queue's (504)
+    grpc.StatusCode.DEADLINE_EXCEEDED: AdmissionTimedOut,  # a deadline on Admit is the queue's (504)
 }
 _EntryT = TypeVar("_EntryT")
 _ReplyT = TypeVar("_ReplyT")
@@ -573,7 +573,7 @@ class AdmissionClient:
         except TimeoutError as exc:
             stream.forget(key)
             stream.send(fc_pb2.AdmitEntry(ticket=key, release=_RELEASE))
-            raise errors.QueueTTLExpired(f"not dispatched within {self._timeout:g}s") from exc
+            raise AdmissionTimedOut(f"not dispatched within {self._timeout:g}s (flow_control gave no decision)") from exc
         except asyncio.CancelledError:
             stream.forget(key)
             stream.send(fc_pb2.AdmitEntry(ticket=key, release=_RELEASE))
@@ -620,7 +620,7 @@ class AdmissionClient:
                 return AdmissionTicket(call, reply.queue_seconds, self._close_timeout)
             raise rejection
         except TimeoutError as exc:
-            raise errors.QueueTTLExpired(f"not dispatched within {self._timeout:g}s") from exc
+            raise AdmissionTimedOut(f"not dispatched within {self._timeout:g}s (flow_control gave no decision)") from exc
         except grpc.aio.AioRpcError as exc:
             if answered(exc) and exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # flow_control's own answer
                 raise to_domain_error(exc) from exc

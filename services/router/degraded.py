@@ -38,6 +38,12 @@ class FlowControlUnreachable(errors.NotReady):
     not admitted locally)."""
 
 
+class AdmissionTimedOut(errors.QueueTTLExpired):
+    """flow_control gave no decision within ``admission_timeout_seconds`` (hung, or far behind): 504,
+    logged (rate-limited) and counted as ``kvmesh_router_degraded_total{dependency="flow_control",
+    action="timed_out"}``."""
+
+
 class PickerUnreachable(errors.NoEndpointsAvailable):
     """epp could not be reached or failed the Pick call (503 when no local pick is possible)."""
 
@@ -115,13 +121,16 @@ class DegradedLog:
         self._last: dict[str, float] = {}
         self._suppressed: Counter[str] = Counter()
 
-    def warn(self, dependency: str, message: str, *args: object) -> None:
+    def warn(self, dependency: str, message: str, *args: object, cause: str = "") -> None:
+        """One warning line, unless one for the same ``(dependency, cause)`` went out within the interval
+        (then counted, and the count shown on the next line)."""
         now = self._clock()
-        last = self._last.get(dependency)
+        key = f"{dependency}/{cause}"
+        last = self._last.get(key)
         if last is not None and now - last < self._interval:
-            self._suppressed[dependency] += 1
+            self._suppressed[key] += 1
             return
-        self._last[dependency] = now
-        more = self._suppressed.pop(dependency, 0)
+        self._last[key] = now
+        more = self._suppressed.pop(key, 0)
         suffix = f" (+{more} more since the last line)" if more else ""
         logger.warning("degraded mode dependency=%s " + message + suffix, dependency, *args)

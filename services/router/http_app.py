@@ -10,10 +10,11 @@
 | ``GET /v1/models`` | OpenAI model list aggregated over the live etcd endpoints: models (``max_model_len``, endpoint count) and their LoRA adapters (``parent``) |
 | ``GET /health`` | 200 ``{"status": "ok", ...}`` when ready, else 503 naming what fails (:mod:`services.router.readiness`) |
 
-Request headers: ``x-request-id`` (kept, truncated to 128 characters, else generated; one with a
-character outside printable ASCII is a 400, since it is forwarded to the engine),
-``x-gateway-inference-fairness-id`` (GIE/llm-d's current name) or ``x-llm-d-inference-fairness-id``
-(flow, default ``default``; over 256 characters is a 400), priority from ``x-kvmesh-priority`` (an
+Request headers: ``x-request-id`` (kept as sent, else generated; over 256 characters or with a
+character outside printable ASCII (space included) it is a 400 naming the header: it is forwarded to
+the engine, logged and echoed, and silently cutting or replacing it would break the client's
+correlation), ``x-gateway-inference-fairness-id`` (GIE/llm-d's current name) or ``x-llm-d-inference-fairness-id``
+(flow, default ``default``; over 256 characters or with a control character is a 400), priority from ``x-kvmesh-priority`` (an
 integer; wins when both are sent) or ``x-gateway-inference-objective`` / ``x-llm-d-inference-objective``
 (an integer, or a name in ``objective_priorities``: critical 10, standard 0, sheddable -10; unknown
 names are a 400). Integers are plain decimal (``[+-]?[0-9]+``: no spaces, no ``_``) within int32,
@@ -24,7 +25,8 @@ API keys (``Authorization: Bearer <key>`` or ``x-api-key``) bind the request to 
 id, maximum priority and quotas once tenants are configured (:mod:`services.router.tenants`); a
 malformed or unknown key is a 401 with an OpenAI error body.
 Headers to the engine: :mod:`services.router.headers` (hop-by-hop, kvmesh's own and credentials
-never; ``authorization``: the pool's engine key, else the client's in open mode only).
+never; ``authorization``: the pool's engine key, else the client's in open mode only); more than
+16 KiB of them in all is a 431 (an engine's uvicorn would refuse the request).
 Response headers: ``x-request-id`` and ``x-kvmesh-endpoint`` (the endpoint id that served it). An
 admission rejection (429) carries ``retry-after`` (flow_control's hint, at least
 ``retry_after_seconds``) and ``x-llm-d-request-dropped-reason`` (llm-d's header:
@@ -36,7 +38,10 @@ pool does not serve, vLLM's ``{"error": "Unauthorized"}``) is rewritten to one, 
 Bodies: a ``content-type`` other than JSON (``application/json`` or ``*/*+json``), when sent with a
 body, is a 400 (as vLLM/OpenAI reject non-JSON bodies with a 4xx JSON error); no content-type is read as
 JSON. Bodies over ``max_request_body_bytes`` are a 413, from ``content-length`` before reading and
-counted while reading a chunked body.
+counted while reading a chunked body. ``content-encoding: gzip`` (``x-gzip``) or ``deflate`` bodies are
+decoded, the same bound applied to the decoded bytes while inflating (a zip bomb is a 413 after
+``max_request_body_bytes + 1`` bytes); any other coding (``br``, ``zstd``, two codings) is a 415
+naming it, a corrupt or truncated one a 400.
 
 Errors are OpenAI error bodies everywhere, status from the one error table
 (:mod:`services.router.http_errors`): including unknown paths (404), wrong methods (405, with
@@ -62,6 +67,7 @@ import math
 import re
 import time
 import uuid
+import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
@@ -81,8 +87,19 @@ from services.router.catalog import ModelCatalog
 from services.router.clients import AdmitOptions
 from services.router.config import RouterConfig
 from services.router.headers import forwarded_headers
-from services.router.http_errors import RequestTooLarge, error_body, http_error, render_json
-from services.router.passthrough import Passthrough
+from services.router.http_errors import (
+    MAX_ENGINE_ERROR_BYTES,
+    HeadersTooLarge,
+    RequestTooLarge,
+    UnsupportedMediaType,
+    body_snippet,
+    engine_error_status,
+    error_body,
+    http_error,
+    normalize_engine_error,
+    render_json,
+)
+from services.router.passthrough import PassedAnswer, Passthrough
 from services.router.readiness import ReadinessProbe
 from services.router.request_flow import (
     ENDPOINT_HEADER,
@@ -120,7 +137,11 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 _DECIMAL = re.compile(r"[+-]?[0-9]+")
 _LOOSE_INT = re.compile(r"\s*[+-]?[0-9][0-9_]*\s*")
 _REQUEST_ID = re.compile(r"[\x21-\x7e]+")
-MAX_REQUEST_ID_CHARS = 128
+MAX_REQUEST_ID_CHARS = 256
+"""Longest ``x-request-id`` accepted (Envoy's and OpenAI's ids are 36-64 characters; a longer one is a 400)."""
+MAX_FORWARDED_HEADER_BYTES = 16 * 1024
+"""Most bytes of client headers passed on to an engine (uvicorn's h11 refuses a header block over 16 KiB:
+a larger one would fail every engine tried, so it is the client's 431 here instead)."""
 _JSON_CONTENT = re.compile(r"application/(?:[\w.+-]+\+)?json", re.IGNORECASE)
 
 
@@ -169,6 +190,8 @@ def request_meta(
         Unauthenticated: a malformed or unknown API key, or none while ``require_api_key`` (tenants configured).
     """
     raw_id = headers.get(REQUEST_ID_HEADER)
+    if raw_id and len(raw_id) > MAX_REQUEST_ID_CHARS:
+        raise errors.InvalidRequest(f"'{REQUEST_ID_HEADER}' header is {len(raw_id)} characters (at most {MAX_REQUEST_ID_CHARS})")
     if raw_id and not _REQUEST_ID.fullmatch(raw_id):
         raise errors.InvalidRequest(f"'{REQUEST_ID_HEADER}' header must be printable ASCII without spaces")
     request_id = raw_id or uuid.uuid4().hex
@@ -176,6 +199,8 @@ def request_meta(
         value_of = headers.get(name)
         if value_of is not None and len(value_of) > MAX_FLOW_ID_CHARS:
             raise errors.InvalidRequest(f"'{name}' header is {len(value_of)} characters (at most {MAX_FLOW_ID_CHARS})")
+        if value_of is not None and not value_of.isprintable():  # it is logged, labelled and sent to flow_control
+            raise errors.InvalidRequest(f"'{name}' header must be printable text (no control characters)")
     header_flow = headers.get(GIE_FAIRNESS_HEADER) or headers.get(FAIRNESS_HEADER)
     priority: int | None = None
     raw_priority = headers.get(PRIORITY_HEADER)
@@ -204,16 +229,21 @@ def request_meta(
         rate_per_second=binding.rate_per_second, burst=binding.burst,
     )
     items: list[tuple[str, str]] = list(headers.items())
+    forward = forwarded_headers(items, pass_authorization=not directory.enabled)
+    forward_bytes = sum(len(k) + len(v) + 4 for k, v in forward)
+    if forward_bytes > MAX_FORWARDED_HEADER_BYTES:
+        raise HeadersTooLarge(f"'headers' passed on to the engine total {forward_bytes} bytes (at most "
+                              f"{MAX_FORWARDED_HEADER_BYTES}); send fewer or shorter custom headers")
     return RequestMeta(
-        request_id=request_id[:MAX_REQUEST_ID_CHARS], flow_id=binding.flow_id or config.default_flow_id,
+        request_id=request_id, flow_id=binding.flow_id or config.default_flow_id,
         priority=binding.priority, trace_context=trace_context, server_span=True, admit_options=options,
-        forward_headers=forwarded_headers(items, pass_authorization=not directory.enabled),
+        forward_headers=forward,
     )
 
 
 def _valid_request_id(raw: str | None) -> str | None:
     """The client's request id when it may be echoed in a response header, else None."""
-    return raw[:MAX_REQUEST_ID_CHARS] if raw and _REQUEST_ID.fullmatch(raw) else None
+    return raw if raw and len(raw) <= MAX_REQUEST_ID_CHARS and _REQUEST_ID.fullmatch(raw) else None
 
 
 class OpenAIJSONResponse(Response):
@@ -244,6 +274,45 @@ async def read_body(request: Request, limit: int) -> bytes:
         if len(body) > limit:
             raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
     return bytes(body)
+
+
+_DECODERS = {"gzip": zlib.MAX_WBITS | 16, "x-gzip": zlib.MAX_WBITS | 16, "deflate": zlib.MAX_WBITS}
+"""``content-encoding`` codings the router decodes (RFC 9110 8.4.1: gzip, its x-gzip alias, deflate = zlib
+format) -> zlib's ``wbits``; ``identity`` is no coding. Anything else (``br``, ``zstd``, ``compress``) is a 415."""
+
+
+def decode_body(raw: bytes, content_encoding: str | None, limit: int) -> bytes:
+    """``raw`` decoded by its ``content-encoding`` (at most one coding besides ``identity``), at most ``limit``
+    bytes decoded: the bound is enforced while inflating (a zip bomb stops at ``limit + 1`` bytes).
+
+    Raises:
+        UnsupportedMediaType: a coding other than gzip / x-gzip / deflate / identity, or more than one (415).
+        RequestTooLarge: the decoded body exceeds ``limit`` (413).
+        InvalidRequest: the body is not valid data of its coding (400).
+    """
+    if not content_encoding:
+        return raw
+    codings = [c.strip().lower() for c in content_encoding.split(",") if c.strip() and c.strip().lower() != "identity"]
+    if not codings:
+        return raw
+    if len(codings) > 1 or codings[0] not in _DECODERS:
+        raise UnsupportedMediaType(f"'content-encoding' {content_encoding[:60]!r} is not supported "
+                                   "(send the body uncompressed, or gzip / deflate encoded)")
+    coding = codings[0]
+    out = bytearray()
+    data = raw
+    try:
+        while data:  # gzip may hold several members back to back (RFC 1952 2.2)
+            inflate = zlib.decompressobj(_DECODERS[coding])
+            out += inflate.decompress(data, limit + 1 - len(out))
+            if len(out) > limit:
+                raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes once decoded ({coding})")
+            if not inflate.eof:
+                raise errors.InvalidRequest(f"'content-encoding' {coding} body is truncated")
+            data = inflate.unused_data if coding != "deflate" else b""
+    except zlib.error as exc:
+        raise errors.InvalidRequest(f"'content-encoding' {coding} body is not valid {coding} data: {exc}") from None
+    return bytes(out)
 
 
 def check_content_type(content_type: str | None, body: bytes) -> None:
@@ -368,8 +437,8 @@ class _ProxiedAnswer(Response):
         try:
             async with self._flow.session(self._routed, self._meta) as session:
                 if session.status_code >= 400:
-                    payload = await session.read_all()
-                    await engine_error_response(session, payload, self._retry_after)(scope, receive, guard.send)
+                    payload, cut = await session.read_error(MAX_ENGINE_ERROR_BYTES)
+                    await engine_error_response(session, payload, self._retry_after, cut)(scope, receive, guard.send)
                 elif self._routed.stream:
                     await self._stream(session, guard.send)
                 else:
@@ -410,6 +479,43 @@ class _ProxiedAnswer(Response):
             raise ClientGone() from exc
 
 
+def engine_error_response(session: FlowSession, payload: bytes, retry_after_seconds: int, truncated: bool = False) -> Response:
+    """An engine's error answer for the client: an OpenAI error body, ``retry-after`` on 429/503.
+
+    :func:`~services.router.http_errors.normalize_engine_error` decides: vLLM's own OpenAI error
+    passes byte for byte with its status; anything else (plain text, HTML, JSON without ``error``,
+    an oversized or cut body) is rewritten to one, its message bounded, the status kept when it is a
+    4xx/5xx (else 502). The fallback message names what happened: a 404 means the engine does not
+    serve the route (vLLM registers ``/v1/embeddings`` only for pooling models, ``/v1/responses`` only
+    for generative ones), a 401 that it refused the credentials it was sent (kvmesh's pool key when one
+    is configured, else the client's); else an excerpt of the body.
+    """
+    status = session.status_code
+    path, model = session.request.kind.value, session.request.model
+    headers = _response_headers(session)
+    if status in (404, 401) and not _is_openai_error(payload):
+        payload = b""  # FastAPI's {"detail": "Not Found"}, vLLM's {"error": "Unauthorized"}: say what they mean
+    if status == 401:
+        logger.warning("engine refused credentials request_id=%s endpoint=%s", session.meta.request_id, session.endpoint.id)
+    if status == 404:
+        fallback = f"the pool serving model '{model}' does not serve {path} (engine {session.endpoint.id} answered 404)"
+    elif status == 401:
+        fallback = f"engine {session.endpoint.id} refused the credentials for model '{model}' (engine_api_keys / Authorization)"
+    else:
+        snippet = body_snippet(payload)
+        fallback = f"engine {session.endpoint.id} answered HTTP {status}" + (f": {snippet}" if snippet else "")
+    body = normalize_engine_error(status, payload, fallback, truncated)
+    client_status = engine_error_status(status)
+    if client_status in (429, 503):
+        headers["retry-after"] = _retry_after(session.engine_header("retry-after"), retry_after_seconds)
+    if body is None:
+        return Response(payload, status, headers, session.content_type)
+    if client_status != status or truncated:
+        logger.warning("engine error answer rewritten request_id=%s endpoint=%s status=%d client_status=%d truncated=%s",
+                       session.meta.request_id, session.endpoint.id, status, client_status, truncated)
+    return OpenAIJSONResponse(body, status_code=client_status, headers=headers)
+
+
 def _is_openai_error(payload: bytes) -> bool:
     try:
         data = json.loads(payload)
@@ -418,35 +524,11 @@ def _is_openai_error(payload: bytes) -> bool:
     return isinstance(data, dict) and isinstance(data.get("error"), dict) and "message" in data["error"]
 
 
-_ENGINE_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-                       405: "invalid_request_error", 429: "rate_limit_exceeded", 503: "service_unavailable"}
-
-
-def engine_error_response(session: FlowSession, payload: bytes, retry_after_seconds: int) -> Response:
-    """An engine's error answer for the client: status kept, body an OpenAI error, ``retry-after`` on 429/503.
-
-    An OpenAI error body passes unchanged. Others are rewritten: a 404 with FastAPI's ``{"detail":
-    "Not Found"}`` means the engine does not serve the route (vLLM registers ``/v1/embeddings`` only
-    for pooling models, ``/v1/responses`` only for generative ones); a 401 means the engine refused
-    the credentials it was sent (kvmesh's pool key when one is configured, else the client's).
-    """
-    status = session.status_code
-    path, model = session.request.kind.value, session.request.model
-    headers = _response_headers(session)
-    if status in (429, 503):
-        headers["retry-after"] = session.engine_header("retry-after") or str(retry_after_seconds)
-    if _is_openai_error(payload):
-        return Response(payload, status, headers, session.content_type)
-    if status == 404:
-        message = f"the pool serving model '{model}' does not serve {path} (engine {session.endpoint.id} answered 404)"
-    elif status == 401:
-        message = f"engine {session.endpoint.id} refused the credentials for model '{model}' (engine_api_keys / Authorization)"
-        logger.warning("engine refused credentials request_id=%s endpoint=%s", session.meta.request_id, session.endpoint.id)
-    else:
-        message = f"engine {session.endpoint.id} answered HTTP {status}: {payload[:200].decode('utf-8', 'replace')}"
-    body = error_body(message, _ENGINE_ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error"),
-                      status)
-    return OpenAIJSONResponse(body, status_code=status, headers=headers)
+def _retry_after(engine_value: str | None, default_seconds: int) -> str:
+    """The engine's ``retry-after`` when it is delta-seconds (RFC 9110 10.2.3; short), else ours."""
+    if engine_value and engine_value.isascii() and engine_value.isdigit() and len(engine_value) <= 9:
+        return engine_value
+    return str(default_seconds)
 
 
 def _error_event(session: FlowSession, exc: EngineFailed) -> bytes:
@@ -534,6 +616,8 @@ class RouterHttpApi:
             hint = getattr(exc, "retry_after_seconds", 0.0)
             if hint > 0:
                 headers["retry-after"] = str(max(self._config.retry_after_seconds, math.ceil(hint)))
+        if isinstance(exc, UnsupportedMediaType):  # RFC 7694: the codings this server accepts
+            headers["accept-encoding"] = "gzip, deflate, identity"
         if request_id:
             headers[REQUEST_ID_HEADER] = request_id
         return OpenAIJSONResponse(err.body, status_code=err.status, headers=headers)
@@ -573,10 +657,7 @@ class RouterHttpApi:
                                                          holder[0], request_id, meta.forward_headers)
         except Exception as exc:
             return self.error_response(exc, request_id)
-        metrics.record_outcome(metrics.outcome_for_status(answer.status_code) if answer.status_code >= 400
-                               else metrics.RequestOutcome.SUCCESS)
-        return Response(answer.content, answer.status_code, {REQUEST_ID_HEADER: request_id,
-                                                             ENDPOINT_HEADER: answer.endpoint_id}, answer.content_type)
+        return self._passed_answer(answer, request_id)
 
     async def tokenize(self, request: Request) -> Response:
         return await self._pass(request, "/tokenize")
@@ -593,7 +674,8 @@ class RouterHttpApi:
         try:
             meta = request_meta(request.headers, self._config, None, self._tenants)
             request_id = meta.request_id
-            raw = await read_body(request, self._config.max_request_body_bytes)
+            raw = decode_body(await read_body(request, self._config.max_request_body_bytes),
+                              request.headers.get("content-encoding"), self._config.max_request_body_bytes)
             check_content_type(request.headers.get("content-type"), raw)
             body = parse_json_body(raw)
             catalog = self._catalog()
@@ -610,12 +692,25 @@ class RouterHttpApi:
             return self._client_disconnected(request_id)
         except Exception as exc:
             return self.error_response(exc, request_id)
-        metrics.record_outcome(metrics.outcome_for_status(answer.status_code) if answer.status_code >= 400
+        return self._passed_answer(answer, request_id)
+
+    def _passed_answer(self, answer: PassedAnswer, request_id: str) -> Response:
+        """A passed-through engine answer: a success unchanged; an error as an OpenAI error body (the engine's
+        own when it is one, else rewritten with a bounded message: the rule of :func:`engine_error_response`)."""
+        status = answer.status_code
+        metrics.record_outcome(metrics.outcome_for_status(engine_error_status(status)) if status >= 400
                                else metrics.RequestOutcome.SUCCESS)
         headers = {REQUEST_ID_HEADER: request_id, ENDPOINT_HEADER: answer.endpoint_id}
-        if answer.status_code in (429, 503):
+        if status < 400:
+            return Response(answer.content, status, headers, answer.content_type)
+        if engine_error_status(status) in (429, 503):
             headers["retry-after"] = str(self._config.retry_after_seconds)
-        return Response(answer.content, answer.status_code, headers, answer.content_type)
+        snippet = body_snippet(answer.content)
+        fallback = f"engine {answer.endpoint_id} answered HTTP {status}" + (f": {snippet}" if snippet else "")
+        body = normalize_engine_error(status, answer.content, fallback)
+        if body is None:
+            return Response(answer.content, status, headers, answer.content_type)
+        return OpenAIJSONResponse(body, status_code=engine_error_status(status), headers=headers)
 
     async def _proxy(self, request: Request, kind: RequestKind) -> Response:
         """Check the request here; its answer (admission to close) is a :class:`_ProxiedAnswer`."""
@@ -623,7 +718,8 @@ class RouterHttpApi:
         try:
             meta = request_meta(request.headers, self._config, extract_http_context(request.headers), self._tenants)
             request_id = meta.request_id
-            raw = await read_body(request, self._config.max_request_body_bytes)
+            raw = decode_body(await read_body(request, self._config.max_request_body_bytes),
+                              request.headers.get("content-encoding"), self._config.max_request_body_bytes)
             if meta.admit_options is not None:
                 meta = replace(meta, admit_options=replace(meta.admit_options, byte_size=len(raw)))
             check_content_type(request.headers.get("content-type"), raw)

@@ -44,7 +44,8 @@ class RequestOutcome(enum.StrEnum):
     ERROR = "error"
 
 
-_STATUS_OUTCOME = {400: RequestOutcome.INVALID, 404: RequestOutcome.NOT_FOUND, 429: RequestOutcome.REJECTED, 503: RequestOutcome.UNAVAILABLE, 504: RequestOutcome.TIMEOUT}
+_STATUS_OUTCOME = {400: RequestOutcome.INVALID, 413: RequestOutcome.INVALID, 415: RequestOutcome.INVALID,
+                   422: RequestOutcome.INVALID, 431: RequestOutcome.INVALID, 404: RequestOutcome.NOT_FOUND, 429: RequestOutcome.REJECTED, 503: RequestOutcome.UNAVAILABLE, 504: RequestOutcome.TIMEOUT}
 
 REQUEST_TTFT = Histogram(
     "kvmesh_router_request_ttft_seconds",
@@ -95,7 +96,8 @@ def record_e2e(model: str, seconds: float) -> None:
 DEGRADED = Counter(
     "kvmesh_router_degraded",
     "Requests decided by a degraded mode: dependency (flow_control, epp) unreachable; action "
-    "admitted_locally / picked_locally (served without it) or refused (503).",
+    "admitted_locally / picked_locally (served without it) or refused (503); flow_control timed_out (504: "
+    "no admission decision within admission_timeout_seconds, a hung flow_control).",
     ["dependency", "action"],
 )
 

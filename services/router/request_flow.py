@@ -39,7 +39,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -63,7 +63,14 @@ from services.router import metrics
 from services.router.catalog import ModelCatalog
 from services.router.clients import AdmitOptions, AdmitQuery, CompletionReport, PickQuery, PickReply
 from services.router.config import RouterConfig
-from services.router.degraded import DegradedLog, FlowControlUnreachable, LocalAdmission, LocalPicker, PickerUnreachable
+from services.router.degraded import (
+    AdmissionTimedOut,
+    DegradedLog,
+    FlowControlUnreachable,
+    LocalAdmission,
+    LocalPicker,
+    PickerUnreachable,
+)
 from services.router.engine_client import (
     AiohttpEngineClient,
     EngineClient,
@@ -192,7 +199,7 @@ class FlowSession:
         """The answer's ``usage`` as seen so far (the last chunk carrying one), None when absent."""
         return self._usage
 
-    async def iter_events(self) -> AsyncIterator[EngineChunk]:
+    async def iter_events(self) -> AsyncGenerator[EngineChunk, None]:
         """The engine's answer as :class:`EngineChunk` s, bytes unchanged (SSE when the request streams).
 
         A streamed answer is released in whole events only (up to the last blank line seen; the
@@ -241,6 +248,22 @@ class FlowSession:
             metrics.record_stage("proxy", self._clock() - self._first_byte_at)
         if framer is None:
             self._usage = parse_completion(bytes(self._body)).usage
+
+    async def read_error(self, limit: int) -> tuple[bytes, bool]:
+        """An error answer's body, at most ``limit`` bytes, and whether more was left unread (the rest is
+        dropped when the session closes the engine response: a huge error body is never held whole).
+
+        Raises:
+            EngineFailed: the engine connection failed mid-answer.
+        """
+        events = self.iter_events()
+        try:
+            async for _ in events:
+                if len(self._body) > limit:
+                    return bytes(self._body[:limit]), True
+        finally:
+            await events.aclose()
+        return bytes(self._body), False
 
     async def read_all(self) -> bytes:
         """The whole body of a non-streamed answer or of an error answer (a streamed success is not kept: b"").
@@ -395,6 +418,11 @@ class RequestFlow:
                     options=meta.admit_options,
                 )
             )
+        except AdmissionTimedOut as exc:  # a hung flow_control: the client gets 504; say so, and count it
+            metrics.record_degraded("flow_control", "timed_out")
+            self._degraded_log.warn("flow_control", "action=timed_out status=504 request_id=%s flow=%s model=%s error=%s",
+                                    meta.request_id, meta.flow_id, request.model, exc, cause="timed_out")
+            raise
         except FlowControlUnreachable as exc:
             local = self.local_admission
             if local.try_admit():

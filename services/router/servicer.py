@@ -48,7 +48,7 @@ from services.router.http_app import (
     PRIORITY_HEADER,
     request_meta,
 )
-from services.router.http_errors import error_from_engine, error_from_stream_event
+from services.router.http_errors import MAX_ENGINE_ERROR_BYTES, error_from_engine, error_from_stream_event
 from services.router.request_flow import REQUEST_ID_HEADER, RequestFlow, RequestMeta
 from services.router.tenants import TenantDirectory, api_key_from_headers
 from services.router.validation import RequestKind, RouterRequest, validate_request
@@ -150,7 +150,10 @@ class InferenceServicer(router_pb2_grpc.InferenceServicer):
     async def Complete(self, request: router_pb2.CompletionRequest, context: grpc.aio.ServicerContext) -> router_pb2.CompletionResponse:
         routed, meta = self._prepare(request, context, stream=False)
         async with self._flow.session(routed, meta) as session:
-            body = await session.read_all()
+            if session.status_code >= 400:
+                body, _ = await session.read_error(MAX_ENGINE_ERROR_BYTES)
+            else:
+                body = await session.read_all()
         if session.status_code >= 400:
             raise error_from_engine(session.status_code, body)
         answer = parse_completion(body)
@@ -169,7 +172,7 @@ class InferenceServicer(router_pb2_grpc.InferenceServicer):
         routed, meta = self._prepare(request, context, stream=True)
         async with self._flow.session(routed, meta) as session:
             if session.status_code >= 400:
-                raise error_from_engine(session.status_code, await session.read_all())
+                raise error_from_engine(session.status_code, (await session.read_error(MAX_ENGINE_ERROR_BYTES))[0])
             pieces = 0
             async for chunk in session.iter_events():
                 for piece in chunk.pieces:

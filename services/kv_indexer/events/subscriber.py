@@ -88,7 +88,11 @@ class ZmqSubscriber:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         if self.bind_endpoint:
-            sock.bind(self.bind_endpoint)
+            try:
+                sock.bind(self.bind_endpoint)
+            except zmq.ZMQError:  # closed here: an open socket would block the context's term() at stop forever
+                sock.close(linger=0)
+                raise
             logger.info("kv events SUB bound endpoint=%s", self.bind_endpoint)
         self._socket = sock
 

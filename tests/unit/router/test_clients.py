@@ -15,7 +15,7 @@ from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
 from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2, flow_control_pb2_grpc
 from kvmesh.channels import ERROR_CLASS_TRAILER
 from services.router.clients import AdmissionClient, AdmitQuery, PickerClient, PickQuery
-from services.router.degraded import FlowControlUnreachable, PickerUnreachable
+from services.router.degraded import AdmissionTimedOut, FlowControlUnreachable, PickerUnreachable
 from tests.support import wait_until_async
 
 QUERY = PickQuery(request_id="r1", model="tiny", prompt_token_ids=(1, 2, 3), prompt="hello",
@@ -169,7 +169,7 @@ class DownFlowControl(flow_control_pb2_grpc.FlowControlServicer):
 @pytest.mark.parametrize(("code", "error_cls", "message"), [
     (grpc.StatusCode.UNAVAILABLE, FlowControlUnreachable, "flow_control unavailable: shutting down"),
     (grpc.StatusCode.INTERNAL, FlowControlUnreachable, "flow_control unavailable: shutting down"),
-    (grpc.StatusCode.DEADLINE_EXCEEDED, errors.QueueTTLExpired, "flow_control unavailable: shutting down"),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, AdmissionTimedOut, "flow_control unavailable: shutting down"),  # a QueueTTLExpired (504)
     (grpc.StatusCode.INVALID_ARGUMENT, errors.InvalidRequest, "shutting down"),
 ], ids=lambda v: getattr(v, "name", getattr(v, "__name__", "")))
 async def test_admit_errors_use_per_call_overrides(code: grpc.StatusCode, error_cls: type[errors.KvmeshError], message: str) -> None:
