@@ -16,7 +16,7 @@ from services.router.validation import RequestKind, parse_json_body, validate_re
 from tests.unit.router.fakes import CATALOG, MODEL
 
 BODIES = [
-    b'{"a":1}', b'{"a":NaN}', b'{"a":Infinity}', b'{"a":-Infinity}', b'{"a":1e400}', b'{"a":' + b"9" * 30 + b"}",
+    b'{"a":1}', b'{"a":' + b"9" * 30 + b"}",
     b'{"a":"\\ud83d\\ude00"}', '{"a":"x"}'.encode("utf-16"), '{"a":"x"}'.encode("utf-32"), b'{"a":1,"a":2}',
     b'{"a":-0.0}', b'{"a":1.0000000000000002}', b'{"a":12345678901234567890}', b'{"a":-9223372036854775809}',
     b'\xef\xbb\xbf{"a":1}', b' {"a": [1,2,3], "b": {"c": null, "d": true}} ', b'{"a":"\xc3\xa9"}', b'{"a":0.1e-400}',
@@ -26,6 +26,9 @@ BAD_BODIES = [
     b'{"a":' + b"9" * 5000 + b"}", b"\xff\xfe", b'{"a":1} x', b'{"a":"\x01"}', b"", b'"s"', b"[1]",
     b"[" * 100_000 + b"]" * 100_000, b'{"a":' + b"[" * 3000 + b"]" * 3000 + b"}", b'{"a":' + b"[" * 70 + b"]" * 70 + b"}",
     b'{"a":"\\ud800"}',
+    # not JSON numbers (RFC 8259), read by Python's json as non-finite floats: a 400 naming the field. kvmesh's one
+    # tightening over vLLM 0.32, whose Starlette json.loads reads them (docs/openai-compat.md, non-finite numbers)
+    b'{"a":NaN}', b'{"a":Infinity}', b'{"a":-Infinity}', b'{"a":1e400}',
 ]
 
 

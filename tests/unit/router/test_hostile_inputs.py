@@ -61,9 +61,11 @@ def test_good_priority_headers(headers: dict[str, str], priority: int) -> None:
     assert request_meta(headers, CONFIG).priority == priority
 
 
-def test_request_id_kept_and_truncated() -> None:
-    assert request_meta({"x-request-id": "r" * 300}, CONFIG).request_id == "r" * 128
+def test_request_id_kept_up_to_256_characters_longer_is_a_400() -> None:
+    assert request_meta({"x-request-id": "r" * 256}, CONFIG).request_id == "r" * 256
     assert request_meta({"x-request-id": "abc-123"}, CONFIG).request_id == "abc-123"
+    with pytest.raises(errors.InvalidRequest, match="'x-request-id' header is 257 characters"):
+        request_meta({"x-request-id": "r" * 257}, CONFIG)
 
 
 SURROGATE_BODIES: list[tuple[str, RequestKind, bytes, str]] = [
