@@ -39,7 +39,9 @@ class EppConfig(GrpcServiceConfig):
     metrics_scrape_timeout_seconds: float = Field(0.5, gt=0, le=60)
     """Timeout of one /metrics scrape."""
     max_metrics_age_seconds: float = Field(2.0, gt=0, le=3600)
-    """An endpoint whose last good scrape is older than this is not a candidate."""
+    """An endpoint whose last good scrape is older than this is not a candidate. The age counts only the
+    time epp's own event loop could run (its stalls are measured and not held against the engines;
+    services/epp/datastore.py, "Freshness net of epp's own lag")."""
     max_consecutive_scrape_failures: int = Field(3, ge=1, le=1000)
     """An endpoint whose scrape failed this many times in a row is not a candidate."""
     tokenize_timeout_seconds: float = Field(2.0, gt=0, le=60)

@@ -39,6 +39,25 @@ cannot hide load for longer). Every count above is also clamped when read, not o
 a pick older than its TTL stops counting even if no scrape or completion arrives (a lost completion
 does not leak load).
 
+Freshness net of epp's own lag (``age_seconds``): an endpoint's metrics age is the time since its last
+good scrape *minus the time epp's own event loop could not run* since then, so metrics that are old only
+because epp could not run its scrapes (a long synchronous stretch such as tokenizing big prompts, a GC
+pause, a slow call on the loop, the process starved of CPU or stopped) do not make a healthy endpoint
+stale, while an engine that stops answering (scrapes failing or timing out, hung, partitioned) still
+ages at the wall-clock rate whenever epp runs, and so becomes stale within ``max_metrics_age_seconds``
+of epp's running time as before. The lag comes from the scraper's loop-lag monitor
+(:meth:`Datastore.note_loop_tick`): a tick due at ``d`` that runs at ``t > d + LOOP_LAG_SLACK_SECONDS``
+credits ``t - d`` seconds; a tick overdue right now counts as lag already (the pick that runs first after
+a stall sees it). ``age = max(0, (now - scraped_at) - (lag(now) - lag(scraped_at)))``. Without a monitor
+(no tick yet, or stopped) nothing is credited: the plain wall-clock age. Picks served on an endpoint whose
+wall-clock age exceeds the max age are counted (``kvmesh_epp_picks_on_lagged_metrics_total``,
+:meth:`Datastore.note_lagged_candidates`). Bounds: a stall is credited from the tick's due time, so up
+to one tick period of it counts as running (idle, half the idle scrape interval: an idle endpoint reads
+at most 1.5 idle intervals old right after any stall). A loop that is not stalled but saturated (every
+round of ready callbacks longer than the tick) accrues running time at about tick/round, so engines are
+judged by the scraper's own progress: a hung engine then takes about round/tick times longer in wall
+time to drop (as many scrape rounds as an idle loop would give it).
+
 :func:`parse_vllm_metrics` reads the Prometheus text of vLLM's ``/metrics`` (names as in vLLM 0.32,
 ``vllm/v1/metrics/loggers.py``): ``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
 ``vllm:kv_cache_usage_perc`` (summed / averaged over the ``engine`` label of data-parallel ranks) and
@@ -47,6 +66,7 @@ the ``block_size`` label of ``vllm:cache_config_info``.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections import OrderedDict, deque
@@ -56,6 +76,9 @@ from dataclasses import dataclass, field
 from kvmesh.clock import Clock, SystemClock
 from kvmesh.types import Endpoint, EndpointId
 from services.epp.framework.interfaces import Candidate, EndpointMetrics
+from services.epp.metrics import record_lagged_pick
+
+logger = logging.getLogger(__name__)
 
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
@@ -173,6 +196,8 @@ class _EndpointState:
     endpoint: Endpoint
     sample: ScrapeSample | None = None
     scraped_at: float | None = None
+    lag_at_scrape: float = 0.0
+    """epp's cumulative loop lag (``Datastore.loop_lag_seconds``) when ``scraped_at`` was recorded."""
     consecutive_failures: int = 0
     pending_picks: int = 0
     last_error: str = ""
@@ -203,6 +228,13 @@ can be stale, by at most this much (against ``max_metrics_age_seconds`` of 2 s).
 snapshots per pick was half of a pick's decision time at 100 endpoints (issue 10)."""
 
 
+LOOP_LAG_SLACK_SECONDS = 0.01
+"""A loop-lag tick later than this past its due time credits its whole lateness as epp's own lag;
+within it (timer resolution, ordinary scheduling) nothing is credited."""
+LAGGED_PICK_LOG_INTERVAL_SECONDS = 10.0
+"""At most one log line per this many seconds about picks served on lag-credited metrics."""
+
+
 class Datastore:
     """Endpoints by id with their metrics; every method is O(endpoints) at most and never blocks."""
 
@@ -219,6 +251,14 @@ class Datastore:
         """Request id -> the endpoint it was picked to, until its completion (bounded, oldest dropped)."""
         self._activity: list[Callable[[EndpointId | None], None]] = []
         """Called with the endpoint on every pick, with None after a membership change (the scraper's wake-up)."""
+        self._lag_total = 0.0
+        """Seconds of epp's own loop lag credited by past ticks (module docstring)."""
+        self._lag_due: float | None = None
+        """Clock time the loop-lag monitor's next tick is due; None: no monitor running (nothing credited)."""
+        self._lag_last_at = -math.inf
+        """Clock time lag was last credited (gates :meth:`note_lagged_candidates`)."""
+        self._lagged_picks = 0
+        self._lagged_log_at = -math.inf
 
     def add_activity_listener(self, listener: Callable[[EndpointId | None], None]) -> None:
         """``listener(endpoint_id)`` after every pick for it, ``listener(None)`` after a membership
@@ -242,6 +282,70 @@ class Datastore:
         joined = {i: e for i, e in endpoints.items() if i not in self._states or i in left}
         self.apply_membership(joined, left)
 
+    # -- epp's own loop lag ------------------------------------------------------------------
+    @property
+    def clock(self) -> Clock:
+        return self._clock
+
+    def note_loop_tick(self, next_in_seconds: float | None) -> float:
+        """The loop-lag monitor ran now; its next tick is due ``next_in_seconds`` from now (None: the
+        monitor stops, so nothing more is credited). Returns the lateness of this tick credited as
+        epp's own lag (seconds; 0 when it ran within ``LOOP_LAG_SLACK_SECONDS`` of its due time)."""
+        now = self._clock.now()
+        late = 0.0
+        if self._lag_due is not None and now - self._lag_due > LOOP_LAG_SLACK_SECONDS:
+            late = now - self._lag_due
+            self._lag_total += late
+            self._lag_last_at = now
+        self._lag_due = None if next_in_seconds is None else now + next_in_seconds
+        return late
+
+    def loop_lag_seconds(self, now: float | None = None) -> float:
+        """epp's cumulative loop lag up to ``now`` (clock seconds): the lateness of past ticks plus how
+        far an overdue tick is late right now (a stall still going on, or just ended). O(1)."""
+        if now is None:
+            now = self._clock.now()
+        total = self._lag_total
+        if self._lag_due is not None and now - self._lag_due > LOOP_LAG_SLACK_SECONDS:
+            total += now - self._lag_due
+        return total
+
+    def running_seconds_since(self, started: float, lag_at_start: float) -> float:
+        """Seconds since clock time ``started`` during which epp's loop was not lagging: wall time minus
+        the lag credited since (``lag_at_start``: :meth:`loop_lag_seconds` at ``started``); >= 0."""
+        now = self._clock.now()
+        return max(0.0, (now - started) - (self.loop_lag_seconds(now) - lag_at_start))
+
+    def note_lagged_candidates(self, candidates: Iterable[Candidate], max_age_seconds: float) -> int:
+        """Count a pick served with candidates whose last good scrape is older than ``max_age_seconds``
+        in wall-clock time, kept only because epp's own loop lag was credited (module docstring).
+
+        Returns how many of ``candidates`` are such; when any, ``kvmesh_epp_picks_on_lagged_metrics_total``
+        grows by one and a WARNING is logged at most once per ``LAGGED_PICK_LOG_INTERVAL_SECONDS``.
+        O(1) unless lag was credited within the last ``max_age_seconds`` (no candidate can be one
+        otherwise: its lag-net age would exceed the time since then); O(candidates) then."""
+        now = self._clock.now()
+        if now - self._lag_last_at > max_age_seconds and self.loop_lag_seconds(now) == self._lag_total:
+            return 0
+        lagged = 0
+        oldest = 0.0
+        for candidate in candidates:
+            state = self._states.get(candidate.id)
+            if state is not None and state.scraped_at is not None and now - state.scraped_at > max_age_seconds:
+                lagged += 1
+                oldest = max(oldest, now - state.scraped_at)
+        if lagged:
+            record_lagged_pick()
+            self._lagged_picks += 1
+            if now - self._lagged_log_at >= LAGGED_PICK_LOG_INTERVAL_SECONDS:
+                logger.warning(
+                    "%d pick(s) served on metrics older than max_metrics_age_seconds=%.3g s (oldest %.3f s) "
+                    "because epp's own event loop lagged (%.3f s credited in all); engines were not marked stale",
+                    self._lagged_picks, max_age_seconds, oldest, self.loop_lag_seconds(now))
+                self._lagged_picks = 0
+                self._lagged_log_at = now
+        return lagged
+
     # -- scrapes ----------------------------------------------------------------------------
     def record_scrape(self, endpoint_id: EndpointId, sample: ScrapeSample) -> None:
         state = self._states.get(endpoint_id)
@@ -251,6 +355,7 @@ class Datastore:
         state.snapshot = None
         state.sample = sample
         state.scraped_at = now
+        state.lag_at_scrape = self.loop_lag_seconds(now)
         state.consecutive_failures = 0
         state.last_error = ""
         if sample.num_requests_finished is None:
@@ -364,7 +469,8 @@ class Datastore:
     def serves(self, model: str) -> bool:
         return any(s.endpoint.model == model for s in self._states.values())
 
-    def _candidate(self, state: _EndpointState, now: float) -> Candidate:
+    def _candidate(self, state: _EndpointState, now: float, lag: float) -> Candidate:
+        """``lag``: :meth:`loop_lag_seconds` at ``now`` (computed once per :meth:`candidates`)."""
         cached = state.snapshot
         if cached is not None and now - state.snapshot_at <= SNAPSHOT_REUSE_SECONDS:
             return cached
@@ -399,7 +505,8 @@ class Datastore:
             num_requests_running=max(0.0, running),
             kv_cache_usage_perc=sample.kv_cache_usage_perc if sample is not None else 0.0,
             block_size_tokens=sample.block_size_tokens if sample is not None else None,
-            age_seconds=None if state.scraped_at is None else max(0.0, now - state.scraped_at),
+            age_seconds=None if state.scraped_at is None else max(
+                0.0, now - state.scraped_at - (lag - state.lag_at_scrape)),
             pending_picks=pending,
             consecutive_failures=state.consecutive_failures,
             unprefilled_requests=known + unknown,
@@ -423,4 +530,5 @@ class Datastore:
                 self._ordered.clear()
                 self._ordered[model] = ordered
         candidate = self._candidate
-        return [candidate(s, now) for s in ordered]
+        lag = self.loop_lag_seconds(now)
+        return [candidate(s, now, lag) for s in ordered]

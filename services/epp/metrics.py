@@ -9,6 +9,9 @@
 | ``kvmesh_epp_prefix_match_degraded_total`` | counter | ``reason`` (too_large, busy, error, kv_indexer_busy, kv_indexer_error): picks scored without a prefix match |
 | ``kvmesh_epp_completions_total`` | counter | ``result`` (matched: an in-flight pick of epp's; unmatched: unknown or forgotten id) |
 | ``kvmesh_epp_prefix_index_scores_total`` | counter | ``path`` (:class:`PrefixIndexPath`): where kv_indexer prefix scores were computed |
+| ``kvmesh_epp_loop_lag_seconds`` | histogram | none: each lateness of the scraper's loop-lag tick credited as epp's own lag (``_sum``: lag in all) |
+| ``kvmesh_epp_picks_on_lagged_metrics_total`` | counter | none: picks whose candidates included endpoints scraped longer ago than ``max_metrics_age_seconds``, kept because epp's own loop lagged |
+| ``kvmesh_epp_scrape_deadlines_extended_total`` | counter | none: scrapes whose timeout was pushed back by epp's own loop lag (not counted as the engine's failure) |
 """
 
 from __future__ import annotations
@@ -127,3 +130,32 @@ def record_completions(matched: int, unmatched: int) -> None:
 
 def record_prefix_index_score(path: PrefixIndexPath) -> None:
     PREFIX_INDEX_SCORES.labels(str(path)).inc()
+
+
+LOOP_LAG = Histogram(
+    "kvmesh_epp_loop_lag_seconds",
+    "Lateness of the scraper's loop-lag tick credited as epp's own event-loop lag (seconds): metrics ages "
+    "and scrape deadlines do not count this time against the engines.",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0),
+)
+PICKS_ON_LAGGED_METRICS = Counter(
+    "kvmesh_epp_picks_on_lagged_metrics_total",
+    "Picks whose candidates included endpoints whose last good scrape was older than max_metrics_age_seconds "
+    "in wall-clock time, kept as candidates because the excess was epp's own event-loop lag (degraded).",
+)
+SCRAPE_DEADLINES_EXTENDED = Counter(
+    "kvmesh_epp_scrape_deadlines_extended_total",
+    "Engine /metrics scrapes whose timeout was pushed back because epp's own event loop lagged while they ran.",
+)
+
+
+def record_loop_lag(seconds: float) -> None:
+    LOOP_LAG.observe(seconds)
+
+
+def record_lagged_pick() -> None:
+    PICKS_ON_LAGGED_METRICS.inc()
+
+
+def record_scrape_deadline_extended() -> None:
+    SCRAPE_DEADLINES_EXTENDED.inc()

@@ -8,12 +8,16 @@ model name so the session-wide etcd stays shared without interference.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import statistics
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import pytest
@@ -46,7 +50,13 @@ class FakeEngine:
     port: int = field(default_factory=free_port)
     tokenize_calls: int = 0
     tokenize_delay: float = 0.0
-    """Seconds each /tokenize blocks the engine's event loop (a busy engine)."""
+    """Seconds each /tokenize takes; it blocks the engine's event loop (its /metrics too: a busy engine)
+    unless ``tokenize_blocks_loop`` is false (an engine that tokenizes off its API loop, as vLLM's does)."""
+    tokenize_blocks_loop: bool = True
+    metrics_delay: float = 0.0
+    """Seconds each /metrics takes to answer (awaited: the engine stays responsive meanwhile)."""
+    metrics_mode: str = "ok"
+    """``ok``; ``hang`` (connections accepted, /metrics never answers: a hung engine); ``error`` (HTTP 500)."""
     _server: uvicorn.Server | None = None
     _thread: threading.Thread | None = None
 
@@ -55,6 +65,12 @@ class FakeEngine:
         return Endpoint(id=EndpointId(f"127.0.0.1:{self.port}"), url=f"http://127.0.0.1:{self.port}", model=self.model)
 
     async def _metrics(self, request: Request) -> Response:
+        while self.metrics_mode == "hang":  # noqa: ASYNC110 - set from another thread (no shared loop for an Event)
+            await asyncio.sleep(0.02)
+        if self.metrics_mode == "error":
+            return PlainTextResponse("engine error", status_code=500)
+        if self.metrics_delay:
+            await asyncio.sleep(self.metrics_delay)
         labels = f'engine="0",model_name="{self.model}"'
         return PlainTextResponse(
             "# TYPE vllm:num_requests_running gauge\n"
@@ -70,7 +86,10 @@ class FakeEngine:
     async def _tokenize(self, request: Request) -> Response:
         self.tokenize_calls += 1
         body = await request.json()
-        time.sleep(self.tokenize_delay)  # noqa: ASYNC251 - blocks the loop on purpose, as a long CPU-bound encode does
+        if self.tokenize_blocks_loop:
+            time.sleep(self.tokenize_delay)  # noqa: ASYNC251 - blocks the loop on purpose, as a long CPU-bound encode does
+        else:
+            await asyncio.sleep(self.tokenize_delay)
         text = body.get("prompt") or " ".join(m["content"] for m in body.get("messages", []))
         tokens = [1, *(ord(ch) for ch in text)]
         return JSONResponse({"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
@@ -85,6 +104,7 @@ class FakeEngine:
         return self
 
     def kill(self) -> None:
+        self.metrics_mode = "ok"  # a hung /metrics returns, so the server can stop
         if self._server is not None and self._thread is not None:
             self._server.should_exit = True
             self._thread.join(10)
@@ -94,7 +114,7 @@ class FakeEngine:
 async def engines(etcd: str) -> AsyncIterator[Callable[..., asyncio.Future[tuple[FakeEngine, LeaseRegistration]]]]:
     started: list[tuple[FakeEngine, LeaseRegistration]] = []
 
-    async def start(model: str, **load: float) -> tuple[FakeEngine, LeaseRegistration]:
+    async def start(model: str, **load: Any) -> tuple[FakeEngine, LeaseRegistration]:
         engine = FakeEngine(model, **load).start()
         ep = engine.endpoint
         reg = LeaseRegistration([etcd], endpoint_key(ep), ep.to_json(), ttl_seconds=3)
@@ -318,16 +338,18 @@ async def test_slow_tokenizer_is_asked_once_within_the_deadline(start_service, e
 
 async def test_many_concurrent_big_prompts_are_bounded_per_engine(start_service, engines) -> None:  # type: ignore[no-untyped-def]
     """20 concurrent distinct 50,000-character prompts against engines whose /tokenize takes 1 s: at most
-    ``--tokenize-max-concurrency-per-endpoint`` calls reach each engine, the rest are scored by load at once."""
-    # What is checked here is the per-engine tokenize bound. On 2 shared cores, 20 concurrent 50,000-character
-    # picks can hold epp's loop past the 2 s metrics freshness; the pool then read "without fresh metrics"
-    # (UNAVAILABLE) in one clean-clone run, so this epp allows older metrics.
+    ``--tokenize-max-concurrency-per-endpoint`` calls reach each engine, the rest are scored by load at once.
+    At the default ``max_metrics_age_seconds`` (2 s): no pick is refused "without fresh metrics"."""
+    # A clean-clone run once refused a pick here "without fresh metrics". Measured (kvmesh_epp_loop_lag_seconds):
+    # epp's own loop lags <= 0.1 s in this burst; the refusals came from the engines, whose /tokenize then
+    # blocked their own event loop (time.sleep) 1 s per call, two calls each, so their /metrics did not answer
+    # for ~2 s: 3+ scrape timeouts, correctly stale. These engines tokenize off their API loop (as vLLM does),
+    # so only the tokenize bound is under test. epp's own lag is covered by the stall tests below.
     address = await _precise_epp(
         start_service, "--tokenize-max-concurrency-per-endpoint", "2", "--tokenize-timeout-seconds", "3",
-        "--max-metrics-age-seconds", "10",
     )
     model = _model()
-    pool = [(await engines(model, tokenize_delay=1.0))[0] for _ in range(2)]
+    pool = [(await engines(model, tokenize_delay=1.0, tokenize_blocks_loop=False))[0] for _ in range(2)]
     async with grpc.aio.insecure_channel(address) as channel:
         stub = epp_pb2_grpc.EndpointPickerStub(channel)
         await _wait_scraped(stub, {e.endpoint.id for e in pool})
@@ -337,6 +359,112 @@ async def test_many_concurrent_big_prompts_are_bounded_per_engine(start_service,
         assert {r.target.id for r in replies} <= {e.endpoint.id for e in pool}
         assert sum(e.tokenize_calls for e in pool) <= 4
         assert elapsed < 4.0, elapsed
+
+
+def _epp_metric(proc: object, name: str) -> float:
+    """The value of one unlabelled sample of epp's own /metrics (0 when absent)."""
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{_metrics_port(proc)}/metrics", timeout=5).text
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@contextlib.asynccontextmanager
+async def _stopped(proc: object, seconds: float) -> AsyncIterator[None]:
+    """SIGSTOP the process for ``seconds`` around the block's start: epp's own loop cannot run (as under CPU
+    starvation, a long GC pause or a synchronous stretch on its loop), while everything else goes on."""
+    pid = proc.pid  # type: ignore[attr-defined]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+        await asyncio.sleep(seconds)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+async def test_epp_own_stall_does_not_make_live_engines_stale(start_service, engines) -> None:  # type: ignore[no-untyped-def]
+    """epp's own lateness is not its engines' (picks were refused "without fresh metrics" after epp's loop
+    was held): epp cannot run for 2.5 s, longer than the default ``max_metrics_age_seconds`` (2 s), while
+    both engines stay healthy. A pick sent meanwhile is served when epp runs again (before, it was refused
+    UNAVAILABLE: "2 registered, 0 excluded, 2 without fresh metrics"), counted as served on lag-credited
+    metrics, and the stall is measured. The engines answer /metrics in 0.3 s, so epp handles the pick
+    before its first scrape after the stall can land (it judges the metrics the stall left it)."""
+    proc, address = start_service("epp", "--scheduling-config", "load-only", *SCRAPE)
+    model = _model()
+    pool = [(await engines(model, metrics_delay=0.3))[0] for _ in range(2)]
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = epp_pb2_grpc.EndpointPickerStub(channel)
+        await _wait_scraped(stub, {e.endpoint.id for e in pool})
+        await _pick(stub, model)
+        lagged_before = _epp_metric(proc, "kvmesh_epp_picks_on_lagged_metrics_total")
+        async with _stopped(proc, 2.5):
+            pending = asyncio.ensure_future(_pick(stub, model))
+        reply = await pending
+        assert reply.target.id in {e.endpoint.id for e in pool}
+        assert {b.endpoint_id for b in reply.breakdown} == {e.endpoint.id for e in pool}
+        assert _epp_metric(proc, "kvmesh_epp_picks_on_lagged_metrics_total") >= lagged_before + 1
+        assert _epp_metric(proc, "kvmesh_epp_loop_lag_seconds_sum") >= 2.0
+        assert "epp event loop stalled" in proc.log_path.read_text()
+        for _ in range(5):  # and it goes on serving once its scrapes land
+            assert (await _pick(stub, model)).target.id in {e.endpoint.id for e in pool}
+
+
+async def _candidates_over(stub: epp_pb2_grpc.EndpointPickerStub, model: str, seconds: float) -> list[tuple[float, set[str]]]:
+    """Pick every 0.1 s for ``seconds``: (seconds since the start, the ids in the breakdown) per pick."""
+    seen: list[tuple[float, set[str]]] = []
+    started = time.monotonic()
+    while time.monotonic() - started < seconds:
+        reply = await _pick(stub, model)
+        seen.append((time.monotonic() - started, {b.endpoint_id for b in reply.breakdown}))
+        await asyncio.sleep(0.1)
+    return seen
+
+
+async def test_hung_engine_during_epp_stall_still_becomes_stale(start_service, engines) -> None:  # type: ignore[no-untyped-def]
+    """The other side of the rule: an engine that stops answering (its /metrics hangs) while epp itself
+    is stopped for 2.5 s is still dropped within ``max_metrics_age_seconds`` (2 s) of epp's running time
+    after it resumes (scrape timeouts count against it once epp could run; its age grows as epp runs),
+    while the healthy engine is never dropped and no pick is refused."""
+    proc, address = start_service("epp", "--scheduling-config", "load-only", *SCRAPE)
+    model = _model()
+    healthy, _ = await engines(model, metrics_delay=0.3)  # its first scrape after the stall lands 0.3 s late
+    hung, _ = await engines(model)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = epp_pb2_grpc.EndpointPickerStub(channel)
+        await _wait_scraped(stub, {healthy.endpoint.id, hung.endpoint.id})
+        hung.metrics_mode = "hang"
+        async with _stopped(proc, 2.5):
+            pass
+        seen = await _candidates_over(stub, model, 3.5)
+    assert all(healthy.endpoint.id in ids for _, ids in seen), seen
+    dropped = next((at for at, ids in seen if hung.endpoint.id not in ids), None)
+    assert dropped is not None and dropped <= 2.6, seen  # within the max age (2 s) of running time, + picks' cadence
+    assert all(hung.endpoint.id not in ids for at, ids in seen if at > dropped + 0.05), seen
+
+
+async def test_failing_engine_stays_excluded_through_epp_stall(start_service, engines) -> None:  # type: ignore[no-untyped-def]
+    """An engine whose scrapes fail (HTTP 500) is excluded, and an epp stall (2.5 s, past the max age)
+    does not bring it back: lag credit makes no failing engine fresh. The healthy one keeps serving."""
+    proc, address = start_service("epp", "--scheduling-config", "load-only", *SCRAPE)
+    model = _model()
+    healthy, _ = await engines(model, metrics_delay=0.3)  # its first scrape after the stall lands 0.3 s late
+    failing, _ = await engines(model)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = epp_pb2_grpc.EndpointPickerStub(channel)
+        await _wait_scraped(stub, {healthy.endpoint.id, failing.endpoint.id})
+        failing.metrics_mode = "error"
+
+        async def excluded() -> bool:
+            return failing.endpoint.id not in {b.endpoint_id for b in (await _pick(stub, model)).breakdown}
+
+        await wait_until_async(excluded, 5, "the failing engine to be excluded")
+        async with _stopped(proc, 2.5):
+            pass
+        seen = await _candidates_over(stub, model, 1.5)
+    assert seen and all(ids == {healthy.endpoint.id} for _, ids in seen), seen
 
 
 def _metrics_port(proc: object) -> int:

@@ -97,8 +97,9 @@ class EndpointMetrics:
         num_requests_running: ``vllm:num_requests_running`` (requests).
         kv_cache_usage_perc: ``vllm:kv_cache_usage_perc``, a fraction in [0, 1] despite the name.
         block_size_tokens: ``block_size`` label of ``vllm:cache_config_info`` (None when absent).
-        age_seconds: seconds since the last successful scrape when this snapshot was taken
-            (None when never scraped).
+        age_seconds: seconds since the last successful scrape when this snapshot was taken, less the
+            time epp's own event loop lagged meanwhile (services/epp/datastore.py, "Freshness net of
+            epp's own lag"; None when never scraped).
         pending_picks: picks sent to this endpoint that its metrics do not show yet (requests).
         consecutive_failures: scrapes failed in a row since the last success.
         unprefilled_requests: requests (epp's picks, or waiting + pending without the engine's

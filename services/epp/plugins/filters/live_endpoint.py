@@ -8,7 +8,8 @@ Inputs consumed:
     ``request.model``, ``request.exclude_endpoint_ids``; per candidate ``endpoint.model``,
     ``metrics.age_seconds`` and ``metrics.consecutive_failures``.
 Parameters:
-    ``max_metrics_age_seconds`` (float > 0, default 2.0): drop endpoints whose last good scrape is older.
+    ``max_metrics_age_seconds`` (float > 0, default 2.0): drop endpoints whose last good scrape is older
+    (``age_seconds``: epp's own loop lag since the scrape not counted; services/epp/datastore.py).
     ``max_consecutive_scrape_failures`` (int >= 1, default 3): drop endpoints whose scrape failed this many
     times in a row (a dead process is dropped after about this many scrape intervals, before its etcd lease
     expires).
