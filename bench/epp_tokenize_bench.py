@@ -23,7 +23,10 @@ hashed per pick. Modes, side by side in one run: in-process with incremental ren
 code before incremental rendering), ``--levers-off`` the default path without the per-pick levers
 (the window rendered twice instead of once plus the template's static generation prompt, the encoder
 with offsets instead of the offset-free one, the whole prompt walked instead of only the blocks
-after the last pick's match; wave 6's sharing off too), ``--wave6-off`` the default path without wave 6's
+after the last pick's match; waves 6 and 7 off too), ``--wave7-off`` the default path without wave 7's
+levers alone (HF's encoder instead of the exact ASCII byte-level one, the grown text copied whole instead
+of shared as a rope, the cached prefix's messages checked in Python, the 99 fallbacks listed per pick,
+the sticky scorer's least queue computed over every candidate), ``--wave6-off`` the default path without wave 6's
 sharing alone (each call rebuilds the chat's message dicts and size count, copies its whole text and
 token ids, and finds its cached block keys by comparing bytes), ``--engine-tokenize`` tokenization through the engine's
 ``/tokenize`` only (the code before issue 10). ``--profile N`` prints the N heaviest functions
@@ -62,6 +65,7 @@ from services.epp.framework.loader import build_profile, resolve_scheduling_conf
 from services.epp.kv_indexer_client import ReplicaPrefixIndex
 from services.epp.plugins import default_registry
 from services.epp.plugins.filters.live_endpoint import LiveEndpointFilter, LiveEndpointFilterParams
+from services.epp.plugins.scorers.session_affinity import SessionAffinityScorer
 from services.epp.scheduler import Scheduler
 from services.epp.tokenization.in_process import InProcessTokenizer
 from services.epp.tokenization.local import LocalTokenizer
@@ -211,6 +215,15 @@ async def run(args: argparse.Namespace, mode: str) -> dict[str, object]:
         assert local is not None
         if mode == "full-render":
             local.renderer = None  # the whole history through the chat template on every call
+        if mode in ("wave7-off", "levers-off"):  # wave 7's levers off (the code before them; same tokens, same picks)
+            local._ascii = None  # HF's encoder instead of the exact ASCII byte-level one
+            assert local.renderer is not None
+            local.renderer.rope = False  # the grown text copied whole per pick
+            local.renderer.identity_scan = False  # the cached prefix's messages checked one by one in Python
+            scheduler.lazy_fallbacks = False  # the 99 fallbacks listed per pick
+            for plugin in profile.plugins():
+                if isinstance(plugin, SessionAffinityScorer):
+                    plugin.floor_shortcut = False  # the least queue computed over every candidate
         if mode in ("levers-off", "wave6-off"):  # wave 6: chats' messages, text and ids shared, not rebuilt per call
             in_process.remember_chats = False
             local.share_growth = False
@@ -262,7 +275,7 @@ async def run(args: argparse.Namespace, mode: str) -> dict[str, object]:
             await asyncio.sleep(0)  # let the Watch stream deliver
         picks = len(times)
         if profiler is not None:
-            pstats.Stats(profiler, stream=sys.stdout).sort_stats("cumulative").print_stats(args.profile)
+            pstats.Stats(profiler, stream=sys.stdout).sort_stats(args.profile_sort).print_stats(args.profile)
         renderer = local.renderer
         return {
             "tokenize": percentiles(tokenizer.times),
@@ -288,20 +301,24 @@ async def run(args: argparse.Namespace, mode: str) -> dict[str, object]:
 
 
 async def tokenizer_ab(args: argparse.Namespace) -> list[tuple[str, float, float, float]]:
-    """The tokenization (+ the replica's block keys) of grown chats alone, in one process: wave 6's sharing on
-    and off, interleaved per pick in random order (same chats, same calls). Rows: (variant, tokenize p50 ms,
-    keys p50 ms, p90 of their sum)."""
+    """The tokenization (+ the replica's block keys) of grown chats alone, in one process: the default, wave 7's
+    levers off, wave 6's sharing off, interleaved per pick in random order (same chats, same calls, the same
+    tokens asserted). Rows: (variant, tokenize p50 ms, keys p50 ms, p90 of their sum)."""
     from kvmesh.hashing import PrefixKeyCache
     from kvmesh.prefix_index import packed_or_ids
 
     rnd = random.Random(7)
     tok_dir = ensure_tokenizer(Path(args.workdir) / "tok")
     variants: dict[str, tuple[InProcessTokenizer, PrefixKeyCache, list[float], list[float]]] = {}
-    for name, share in (("wave 6 sharing on (default)", True), ("wave 6 sharing off", False)):
+    for name, share, wave7 in (("default (waves 6 and 7 on)", True, True), ("wave 7 off", True, False),
+                               ("wave 6 sharing off", False, True)):
         tokenizer = InProcessTokenizer({MODEL: str(tok_dir)}, None, max_prompt_chars=1 << 30)
         local = tokenizer.local(MODEL)
-        assert local is not None
+        assert local is not None and local.renderer is not None
         tokenizer.remember_chats = local.share_growth = share
+        if not wave7:  # HF's encoder, the grown text copied whole, the prefix's messages scanned in Python
+            local._ascii = None
+            local.renderer.rope = local.renderer.identity_scan = False
         variants[name] = (tokenizer, PrefixKeyCache(), [], [])
     reference = LocalTokenizer(tok_dir)
 
@@ -335,7 +352,7 @@ async def tokenizer_ab(args: argparse.Namespace) -> list[tuple[str, float, float
                 key_times.append(CLOCK() - t1)
                 tok_times.append(t1 - t0)
                 results.append(ids)
-            assert results[0] == results[1]  # the same tokens either way
+            assert all(r == results[0] for r in results)  # the same tokens every way
     rows = []
     for name, (_, _, tok_times, key_times) in variants.items():
         total = sorted(a + b for a, b in zip(tok_times, key_times, strict=True))
@@ -361,13 +378,19 @@ def main() -> None:
                         help="also run the incremental path without wave 6's sharing (each call rebuilds the chat's "
                              "message dicts and size, copies its whole text and ids, finds its keys by comparing "
                              "bytes): the A/B in one run")
+    parser.add_argument("--wave7-off", action="store_true",
+                        help="also run the default path without wave 7's levers (HF's encoder instead of the exact "
+                             "ASCII byte-level one, the grown text copied whole instead of a rope): the A/B in one run")
     parser.add_argument("--tokenizer-ab", action="store_true",
-                        help="only the tokenization and block keys of grown chats, in one process, wave 6's sharing on "
-                             "and off interleaved per pick (use --clock thread on a loaded machine)")
+                        help="only the tokenization and block keys of grown chats, in one process: the default, wave 7's "
+                             "levers off and wave 6's sharing off, interleaved per pick (use --clock thread on a loaded "
+                             "machine)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="run the modes this many times, interleaved (A/B on a noisy machine)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="print the N heaviest functions of the default mode's incremental picks (cProfile)")
+    parser.add_argument("--profile-sort", default="cumulative", choices=("cumulative", "tottime"),
+                        help="--profile's order: cumulative (default) or own time")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--clock", choices=("wall", "cpu", "thread"), default="wall",
                         help="time with the wall clock (default), the process's CPU time or this thread's (loaded machines)")
@@ -387,6 +410,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         args.workdir = args.workdir or tmp
         modes = [("in-process (default)", "incremental")]
+        modes += [("in-process, wave 7 off", "wave7-off")] if args.wave7_off else []
         modes += [("in-process, wave 6 off", "wave6-off")] if args.wave6_off else []
         modes += [("in-process, levers off", "levers-off")] if args.levers_off else []
         modes += [("in-process, full render", "full-render")] if args.full_render else []

@@ -45,6 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
+from operator import is_
 from typing import Any
 
 import jinja2
@@ -617,6 +618,114 @@ def _probe_conversations() -> list[tuple[list[dict[str, Any]], Any]]:
     return [(plain, None), (system, None), (system, tools), (agent, None), (agent, tools), (plain[:9], tools)]
 
 
+ROPE_MAX_DEPTH = 32
+"""Appended pieces a :class:`TextRope` chains before it is flattened into one string (one history-sized copy
+per this many grown calls of a chat, instead of one per call)."""
+
+
+class TextRope:
+    """An immutable text built by appending: ``parent``'s text followed by ``piece``.
+
+    Why: a grown chat's text is the cached prefix's text plus the new turn; built as a ``str`` that is a
+    history-sized copy (130 KB at 30k tokens) into freshly allocated memory on every call, and the copy
+    plus its page faults cost ~0.05 ms median (far more at the tail) per Pick. A rope shares the prefix:
+    appending allocates only the piece and a node. Slices near the end (the tokenizer encodes only the
+    new turn) walk back over the last nodes; :meth:`__str__` joins the whole (a full encode, ``render``).
+    At most :data:`ROPE_MAX_DEPTH` nodes deep (:func:`rope_append` flattens beyond), so every operation is
+    O(depth + the characters it returns). ``==`` compares texts (with ``str`` too); not hashable.
+    """
+
+    __slots__ = ("_depth", "_len", "_parent", "_piece", "_start")
+
+    _depth: int
+    _len: int
+    _start: int
+
+    def __init__(self, parent: str | TextRope, piece: str) -> None:
+        self._parent = parent
+        self._piece = piece
+        self._start = len(parent)
+        self._len = self._start + len(piece)
+        self._depth = parent._depth + 1 if isinstance(parent, TextRope) else 1
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __str__(self) -> str:
+        return self.joined()
+
+    def joined(self, tail: str = "") -> str:
+        """``str(self) + tail`` built in one copy."""
+        pieces: list[str] = [tail]
+        node: str | TextRope = self
+        while isinstance(node, TextRope):
+            pieces.append(node._piece)
+            node = node._parent
+        pieces.append(node)
+        return "".join(reversed(pieces))
+
+    def slice(self, start: int, stop: int | None = None) -> str:
+        """``str(self)[start:stop]`` (non-negative bounds, as ``str`` clamps them), walking only the nodes it covers."""
+        stop = self._len if stop is None or stop > self._len else stop
+        if start >= stop:
+            return ""
+        pieces: list[str] = []
+        node: str | TextRope = self
+        while isinstance(node, TextRope):
+            begin = node._start
+            if begin < stop:
+                pieces.append(node._piece[max(0, start - begin): stop - begin])
+                if begin <= start:
+                    break
+            node = node._parent
+        else:
+            pieces.append(node[start:stop])
+        return pieces[0] if len(pieces) == 1 else "".join(reversed(pieces))
+
+    def startswith(self, prefix: str) -> bool:
+        return len(prefix) <= self._len and self.slice(0, len(prefix)) == prefix
+
+    def endswith(self, suffix: str) -> bool:
+        return len(suffix) <= self._len and self.slice(self._len - len(suffix)) == suffix
+
+    def __eq__(self, other: object) -> bool:
+        if other is self:
+            return True
+        if isinstance(other, TextRope | str):
+            return len(other) == self._len and str(self) == str(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"TextRope(len={self._len}, depth={self._depth})"
+
+
+Text = str | TextRope
+"""A rendered chat's text: a ``str``, or a :class:`TextRope` sharing a cached prefix."""
+
+
+def rope_append(text: Text, piece: str) -> Text:
+    """``text + piece`` without copying ``text`` (a :class:`TextRope`; flattened to a ``str`` past :data:`ROPE_MAX_DEPTH`)."""
+    if not piece:
+        return text
+    if isinstance(text, TextRope) and text._depth >= ROPE_MAX_DEPTH:
+        return str(text) + piece
+    return TextRope(text, piece)
+
+
+def text_slice(text: Text, start: int, stop: int | None = None) -> str:
+    """``text[start:stop]`` as a ``str`` for either form (non-negative bounds)."""
+    return text.slice(start, stop) if isinstance(text, TextRope) else text[start:stop]
+
+
+def flat(text: Text, tail: str = "") -> str:
+    """``text + tail`` as one ``str`` (one copy for a :class:`TextRope`; ``text`` itself for a ``str`` and no tail)."""
+    if isinstance(text, str):
+        return text + tail if tail else text
+    return text.joined(tail)
+
+
 class IncrementalRenderer:
     """:meth:`ChatTemplate.render` for chats that grow by appending messages, rendering only the new ones.
 
@@ -666,13 +775,19 @@ class IncrementalRenderer:
         """Whether the generation prompt is appended text fixed per root (:func:`_static_generation_prompt`,
         confirmed on the probe chats): then a grown chat's window is rendered once, not twice."""
         self._generation: dict[str, str] = {}  # root -> the generation prompt's text (static templates)
-        self.last_prefix: str | None = None
+        self.last_prefix: Text | None = None
         """The cached prefix text the last :meth:`render` started its result with (None: a full render);
         a hint for the tokenizer's common-prefix search, which verifies it."""
         self._cache: OrderedDict[int, _Rendered] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self.stats = {"full": 0, "incremental": 0, "fallback": 0}
+        self.rope = True
+        """A grown chat's text shares its cached prefix (:class:`TextRope`); off: copied whole into one ``str``
+        per call (the benchmark's A/B switch; same text)."""
+        self.identity_scan = True
+        """:func:`same_as_rendered` checks the cached prefix's messages by identity in C first (off: the
+        per-message Python scan; the benchmark's A/B switch; same answer)."""
 
     def render(self, body: Mapping[str, Any]) -> str:
         """The prompt text of a chat body, exactly :func:`render_request`'s.
@@ -681,15 +796,16 @@ class IncrementalRenderer:
             MultimodalContent, InvalidRequest: as :func:`render_request`.
         """
         head, tail, _ = self.render_parts(body)
-        return head + tail if tail else head
+        return flat(head, tail)
 
-    def render_parts(self, body: Mapping[str, Any]) -> tuple[str, str, str | None]:
+    def render_parts(self, body: Mapping[str, Any]) -> tuple[Text, str, Text | None]:
         """:meth:`render`'s text as ``(head, tail, base)``, the text being ``head + tail``: ``head`` is the chat
         without the generation prompt (the object this renderer caches, so a caller keeping it holds no
-        copy), ``tail`` the generation prompt ("" after a full render: then ``head`` is the whole text);
+        copy; a :class:`TextRope` when grown from a cached prefix: the prefix's text is shared, not copied),
+        ``tail`` the generation prompt ("" after a full render: then ``head`` is the whole text);
         ``base``: the cached text object ``head`` was built by appending to (``head`` starts with it by
-        construction), None after a full render. A grown chat's text is thus never copied whole a second
-        time, nor compared whole with the last call's.
+        construction), None after a full render. A grown chat's text is thus never copied whole, nor
+        compared whole with the last call's.
 
         Raises:
             MultimodalContent, InvalidRequest: as :func:`render_request`.
@@ -708,7 +824,7 @@ class IncrementalRenderer:
             key = prefix_key(root, messages, i + 1)
             found = cache.get(key)
             if found is not None and found.root == root and len(found.messages) == i + 1 \
-                    and same_as_rendered(found.messages, messages):
+                    and same_as_rendered(found.messages, messages, self.identity_scan):
                 with self._lock:  # a worker thread may render a long chat meanwhile
                     if key in cache:
                         cache.move_to_end(key)
@@ -749,6 +865,8 @@ class IncrementalRenderer:
         base = entry.text if entry is not None else None
         self.last_prefix = base
         grown, suffix, window_text = done
+        if not self.rope and isinstance(grown, TextRope):
+            grown = str(grown)
         self._store(prefix_key(root, messages, n), _Rendered(root, list(messages), grown, j, window_text))
         return grown, suffix, base
 
@@ -775,7 +893,7 @@ class _Rendered:
 
     root: str
     messages: list[Any]
-    text: str
+    text: Text
     start: int  # j: the window was m[:2] + m[j:k]
     window_text: str  # render(m[:2] + m[j:k], False)
     size: int = 0
@@ -784,9 +902,9 @@ class _Rendered:
         self.size = 2 * len(self.text) + len(self.window_text) + len(self.root) + 256 * len(self.messages)
 
 
-def _window_render(template: ChatTemplate, body: Mapping[str, Any], window: list[Any], prefix: str,
+def _window_render(template: ChatTemplate, body: Mapping[str, Any], window: list[Any], prefix: Text,
                    cut: int | None, agp: bool, why: list[str] | None = None,
-                   a: str | None = None, generation: str | None = None) -> tuple[str, str, str] | None:
+                   a: str | None = None, generation: str | None = None) -> tuple[Text, str, str] | None:
     """(render(m, False), the generation prompt's text, render(window, False)) from a prefix's text and window
     renders, where ``render(m, agp)`` is the first plus the second (kept apart: the whole chat's text is not
     copied a second time); None: unsafe.
@@ -815,7 +933,7 @@ def _window_render(template: ChatTemplate, body: Mapping[str, Any], window: list
         if why is not None:
             why.append("prefix")  # a message renders otherwise once another follows it (last-message output)
         return None
-    whole = prefix + b[len(a):]
+    whole = rope_append(prefix, b[len(a):])  # the prefix shared, not copied (a TextRope)
     if not agp:
         return whole, "", b
     if generation is not None:
@@ -847,13 +965,14 @@ def _role(message: Any) -> Any:
     return message.get("role") if isinstance(message, Mapping) else None
 
 
-def _splice_of(part: str, text: str) -> bool:
-    """Whether ``part == text[:p] + text[len(text) - (len(part) - p):]`` for some ``p`` (a start and an end of ``text``)."""
-    if len(part) > len(text):
+def _splice_of(part: str, whole: Text) -> bool:
+    """Whether ``part == whole[:p] + whole[len(whole) - (len(part) - p):]`` for some ``p`` (a start and an end of ``whole``)."""
+    if len(part) > len(whole):
         return False
     n = len(part)
+    text = text_slice(whole, 0, n)
     lo, hi = 0, n  # the longest common prefix of part and text: part[:lo] == text[:lo]
-    if part == text[:n]:
+    if part == text:
         return True
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -861,16 +980,18 @@ def _splice_of(part: str, text: str) -> bool:
             lo = mid
         else:
             hi = mid
-    return text.endswith(part[lo:])
+    return text_slice(whole, len(whole) - (n - lo)) == part[lo:]
 
 
-def same_as_rendered(cached: Sequence[Any], messages: Sequence[Any]) -> bool:
+def same_as_rendered(cached: Sequence[Any], messages: Sequence[Any], identity_scan: bool = True) -> bool:
     """Whether ``messages`` starts with ``cached``, value for value as a template renders them: the same
     object, or the same ``repr`` (JSON values: ``1``, ``1.0`` and ``True`` are ``==`` in Python and two dicts
     in other key orders too, yet ``tojson`` and ``string`` render them differently). O(len(cached)),
     identity first; a message that is only ``==`` costs its ``repr``."""
     if len(messages) < len(cached):
         return False
+    if identity_scan and all(map(is_, cached, messages)):  # the common case (a grown chat's reused messages), in C
+        return True
     return all(a is b or (type(a) is type(b) and repr(a) == repr(b)) for a, b in zip(cached, messages, strict=False))
 
 
@@ -956,7 +1077,7 @@ def _probe(source: str, special_tokens: tuple[tuple[str, str], ...]) -> tuple[bo
                     if why == ["context"] and clean:
                         return False, (f"the window sees the history otherwise than the full render (state over the "
                                        f"whole history; probe of {len(messages)} messages, k={k}, n={n})")
-                    if got is not None and got[0] + got[1] != expected:
+                    if got is not None and flat(got[0]) + got[1] != expected:
                         return False, f"window render differs from the full render (probe of {len(messages)} messages, k={k}, n={n})"
                     checked += 1
                     fell_back += got is None

@@ -27,7 +27,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
+from operator import eq
+from typing import overload
 
 from kvmesh.errors import InvalidRequest, KvmeshError, NoEndpointsAvailable, UnknownModel
 from kvmesh.types import Endpoint
@@ -47,12 +51,53 @@ from services.epp.plugins.prepare.prefix_match import (
 logger = logging.getLogger(__name__)
 
 
+class RankedFallbacks(Sequence[Endpoint]):
+    """The endpoints of ``ranked[1:]`` (best first), read on access: a router's pick reads the first few of
+    99, so the list is not built per pick. Read only; ``==`` compares with any sequence of endpoints."""
+
+    __slots__ = ("_ranked",)
+
+    def __init__(self, ranked: Sequence[ScoredCandidate]) -> None:
+        self._ranked = ranked
+
+    def __len__(self) -> int:
+        return max(0, len(self._ranked) - 1)
+
+    @overload
+    def __getitem__(self, i: int) -> Endpoint: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Endpoint]: ...
+
+    def __getitem__(self, i: int | slice) -> Endpoint | list[Endpoint]:
+        if isinstance(i, slice):
+            return [s.candidate.endpoint for s in self._ranked[1:][i]]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(i)
+        return self._ranked[i + 1].candidate.endpoint
+
+    def __iter__(self) -> Iterator[Endpoint]:
+        return (s.candidate.endpoint for s in islice(self._ranked, 1, None))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Sequence) and not isinstance(other, str | bytes):
+            return len(other) == len(self) and all(map(eq, self, other))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
 @dataclass(frozen=True, slots=True)
 class PickDecision:
     """The target, fallbacks best first, every candidate's breakdown (ranked order), the profile run."""
 
     target: Endpoint
-    fallbacks: list[Endpoint]
+    fallbacks: Sequence[Endpoint]  # a RankedFallbacks (built on access), or a list
     breakdown: list[ScoredCandidate]
     profile: str
     prompt_tokens: int = 0
@@ -70,6 +115,9 @@ class Scheduler:
         self.datastore = datastore
         self.profile = profile
         self._live_filter = live_filter
+        self.lazy_fallbacks = True
+        """Fallbacks as :class:`RankedFallbacks` (read on access); off: a list built per pick (the benchmark's
+        A/B switch; the same endpoints)."""
 
     async def pick(self, request: SchedulingRequest) -> PickDecision:
         """Choose an endpoint for ``request``.
@@ -122,6 +170,8 @@ class Scheduler:
                 f"no live endpoint for model {request.model!r}: {len(all_of_model)} registered, "
                 f"{excluded} excluded, {len(all_of_model) - excluded} without fresh metrics"
             )
+        if final:  # served on metrics kept fresh only by crediting epp's own loop lag: counted (O(1) without lag)
+            self.datastore.note_lagged_candidates(candidates, self._live_filter.params.max_metrics_age_seconds)
         return candidates
 
     async def _pick(self, request: SchedulingRequest) -> PickDecision:
@@ -145,7 +195,7 @@ class Scheduler:
         tokens = state.get(TOKEN_IDS)
         return PickDecision(
             target=target.candidate.endpoint,
-            fallbacks=[s.candidate.endpoint for s in result.ranked[1:]],
+            fallbacks=RankedFallbacks(result.ranked) if self.lazy_fallbacks else [s.candidate.endpoint for s in result.ranked[1:]],
             breakdown=result.ranked,
             profile=result.profile,
             prompt_tokens=len(tokens) if tokens and not request.token_ids else 0,
