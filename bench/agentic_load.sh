@@ -5,6 +5,7 @@
 # for goodput at a TTFT-p90 SLO. Figures: docs/BENCHMARKS.md, "Agentic sessions at load".
 #   bench/agentic_load.sh point   [extra compare flags]   # one load, every policy and peer
 #   bench/agentic_load.sh sweep   [extra compare flags]   # rate scales, round-robin vs precise-prefix
+#   bench/agentic_load.sh steady  [extra compare flags]   # sessions arriving over time (issue 9, wave 7)
 # Columns name their engines' KV offload (vLLM's OffloadingConnector, simulated): NAME+cpu, NAME+cpu+kv_store,
 # plain NAME = --offload (off). The point run puts round-robin without offload (the plain Kubernetes Service of
 # llm-d's headline) beside prefix routing with CPU offload, and round-robin with offload too; POLICIES, PEERS,
@@ -16,6 +17,9 @@
 # sticky-session margin):  REQUESTS=640 SESSIONS=100 RATE_SCALE=20 \
 #   POLICIES=round-robin,llm-d-blend+cpu,precise-prefix+cpu,tier-cost+cpu PEERS=vllm-router-cache-aware+cpu \
 #   bench/agentic_load.sh point --block-tokens 16
+# `steady` is the same comparison with sessions arriving over time instead of all at once: 960 calls of 100
+# sessions starting 2 model s apart on average (0.17 s after RATE_SCALE=12), so the run measures a pool serving
+# a stream of agent sessions rather than 100 cold first calls queued together (round-robin's TTFT p50 ~2 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .run/bench docs/img
@@ -29,8 +33,13 @@ case "$MODE" in
       --policies "${POLICIES:-round-robin,round-robin+cpu,precise-prefix+cpu,tier-cost+cpu}" \
       --peers "${PEERS-sglang-router+cpu,vllm-router-cache-aware+cpu}" \
       --json-out .run/bench/agentic_point.json --plot .run/bench/agentic_point.png "$@" ;;
+  steady)
+    exec .venv/bin/kvmesh compare "${COMMON[@]}" --requests "${REQUESTS:-960}" --sessions "${SESSIONS:-100}" \
+      --session-gap "${GAP:-2}" --block-tokens 16 --rate-scale "${RATE_SCALE:-12}" \
+      --policies "${POLICIES:-round-robin,precise-prefix+cpu}" --peers "${PEERS-vllm-router-cache-aware+cpu}" \
+      --json-out .run/bench/agentic_steady.json --plot .run/bench/agentic_steady.png "$@" ;;
   sweep)
     exec .venv/bin/kvmesh compare "${COMMON[@]}" --policies "${POLICIES:-round-robin,precise-prefix+cpu}" \
       --sweep "${SCALES:-2,5,10}" --json-out .run/bench/agentic_sweep.json --plot docs/img/agentic_sweep.png "$@" ;;
-  *) echo "usage: $0 point|sweep [compare flags]" >&2; exit 2 ;;
+  *) echo "usage: $0 point|sweep|steady [compare flags]" >&2; exit 2 ;;
 esac

@@ -147,16 +147,26 @@ class ManagedProcess:
 
     def start(self) -> ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        argv, preexec = list(self.argv), None
+        if self.die_with_parent and sys.platform.startswith("linux"):
+            # util-linux's setpriv sets the death signal and execs the command: no Python runs between fork
+            # and exec (a preexec_fn there is unsafe in a threaded parent: a parent with gRPC's threads saw
+            # children die before exec, "epoll_wait error: Bad file descriptor"); the hook only without it
+            setpriv = shutil.which("setpriv")
+            if setpriv:
+                argv = [setpriv, "--pdeathsig", "KILL", "--", *argv]
+            else:
+                preexec = _die_with_parent
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                list(self.argv),
+                argv,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, **self.env},
                 cwd=self.cwd,
                 start_new_session=True,
-                preexec_fn=_die_with_parent if self.die_with_parent and sys.platform.startswith("linux") else None,
+                preexec_fn=preexec,
             )
         return self
 

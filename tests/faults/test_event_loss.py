@@ -64,7 +64,8 @@ class DroppingTap:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(5)
+        if self._thread.ident is not None:  # never started when the mesh failed to start
+            self._thread.join(5)
         self._sub.close(0)
         self._pub.close(0)
         self._ctx.term()
@@ -121,4 +122,12 @@ async def test_dropped_events_cost_no_request_and_the_index_converges(tapped: tu
             break
         await asyncio.sleep(0.2)
     print(f"index converged {time.monotonic() - t_stopped:.1f}s after dropping stopped: prefix scores {scores}")
+    if max(scores.values(), default=0.0) <= 0.5:
+        dump = [f"scores {scores}"]
+        for name in ("kv_indexer", "epp", "router"):
+            try:
+                dump.append(f"===== {name}\n" + mesh.member(name).process.log_tail(150))
+            except Exception as exc:
+                dump.append(f"{name}: {exc}")
+        print("\n".join(dump))  # shown by pytest with the failure: what each service logged last
     assert max(scores.values(), default=0.0) > 0.5, (scores, indexer.process.log_tail(40))
