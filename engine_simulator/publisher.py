@@ -108,7 +108,12 @@ class ZmqEventPublisher:
             router = self._ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
             router.setsockopt(zmq.SNDHWM, 0)
-            router.bind(replay_endpoint)
+            try:
+                router.bind(replay_endpoint)
+            except zmq.ZMQError:  # closed here: open sockets would block the shared context's term() forever
+                router.close(linger=0)
+                self._sock.close(linger=0)
+                raise
             bound = router.getsockopt(zmq.LAST_ENDPOINT)
             self.replay_endpoint = bound.decode() if isinstance(bound, bytes) else str(bound)  # "*" port resolved
             self._replay_thread = threading.Thread(

@@ -137,6 +137,7 @@ class GrpcService:
         except RuntimeError:  # grpcio: "Failed to bind to address"
             self.grpc_port = 0
         if self.grpc_port == 0:
+            await server.stop(None)  # never started, but its C-core resources are released now, not at exit
             raise ListenError.probe("grpc", host, self.config.grpc_port, "gRPC could not bind the address")
         await server.start()
         self._server = server
@@ -201,8 +202,12 @@ class GrpcService:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         for hook in self.spec.on_stop:
-            try:
-                await hook()
+            try:  # bounded: a hook that never returns must not keep a stopping process alive forever
+                await asyncio.wait_for(hook(), self.config.shutdown_grace_seconds + _HOOK_STOP_SECONDS)
+            except TimeoutError:
+                logger.error("%s on_stop hook %s did not finish within %.1f s; going on",
+                             self.spec.name, getattr(hook, "__qualname__", hook),
+                             self.config.shutdown_grace_seconds + _HOOK_STOP_SECONDS)
             except Exception:
                 logger.exception("%s on_stop hook failed", self.spec.name)
         if self._metrics is not None:
@@ -239,6 +244,10 @@ class GrpcService:
             await self.stop()
         if failure is not None:  # the process exits non-zero (main: one line for a listener that cannot bind)
             raise failure
+
+
+_HOOK_STOP_SECONDS = 10.0
+"""What an ``on_stop`` hook may take beyond the shutdown grace before :meth:`GrpcService.stop` goes on without it."""
 
 
 def write_ports_file(path: str, ports: dict[str, int]) -> None:

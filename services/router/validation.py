@@ -40,6 +40,7 @@ import enum
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,29 +192,45 @@ def _json_loads(raw: bytes) -> Any:
 
 def find_non_finite(value: Any, path: str = "") -> str | None:
     """The JSON path (``logit_bias.50256``, ``tools[0].x``) of the first non-finite number, else None."""
-    if isinstance(value, float):
-        return None if math.isfinite(value) else (path or "body")
-    if isinstance(value, dict):
-        for key, item in value.items():
-            found = find_non_finite(item, f"{path}.{key}" if path else str(key))
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            found = find_non_finite(item, f"{path}[{i}]")
-            if found is not None:
-                return found
-    return None
+    return _first_path(value, _non_finite, path, keys=False)
 
 
 def find_lone_surrogate(value: Any, path: str = "") -> str | None:
     """The JSON path (``messages[0].content``) of the first string or key holding a lone surrogate, else None."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
+    return _first_path(value, _has_lone_surrogate, path, keys=True)
+
+
+def _non_finite(value: Any) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _first_path(value: Any, bad: Callable[[Any], bool], path: str, *, keys: bool) -> str | None:
+    """The JSON path of the first leaf (and, with ``keys``, object key: ``<path> key``) for which ``bad`` holds."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if keys and bad(key):
+                return (path or "body") + " key"
+            found = _first_path(item, bad, f"{path}.{key}" if path else str(key), keys=keys)
+            if found is not None:
+                return found
         return None
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _first_path(item, bad, f"{path}[{i}]", keys=keys)
+            if found is not None:
+                return found
+        return None
+    return (path or "body") if bad(value) else None
     if isinstance(value, dict):
         for key, item in value.items():
             sub = f"{path}.{key}" if path else str(key)

@@ -9,6 +9,7 @@ time (each is a real start-up: config, logging, etcd, the listeners in their ord
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 import sys
 from collections.abc import Iterator
@@ -61,15 +62,30 @@ async def _run(service: str, args: list[str], etcd: str, slots: asyncio.Semaphor
 
 async def _run_one(service: str, args: list[str], etcd: str) -> tuple[int, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", f"services.{service}", *args, "--etcd-endpoints", etcd,
+        sys.executable, "-X", "faulthandler", "-m", f"services.{service}", *args, "--etcd-endpoints", etcd,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    assert proc.stdout is not None
+    chunks: list[bytes] = []
+
+    async def drain() -> None:
+        assert proc.stdout is not None
+        while chunk := await proc.stdout.read(65536):
+            chunks.append(chunk)
+
+    reader = asyncio.create_task(drain())
     try:
-        out, _ = await asyncio.wait_for(proc.communicate(), 60)
-    except TimeoutError:
-        proc.kill()
-        out, _ = await proc.communicate()
-        return -1, out.decode(errors="replace")
-    return proc.returncode or 0, out.decode(errors="replace")
+        await asyncio.wait_for(asyncio.shield(proc.wait()), 60)
+    except TimeoutError:  # a hang: SIGABRT makes faulthandler print every thread's stack into the output
+        proc.send_signal(signal.SIGABRT)
+        try:
+            await asyncio.wait_for(asyncio.shield(proc.wait()), 10)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+        await asyncio.wait_for(reader, 10)
+        return -1, b"".join(chunks).decode(errors="replace")
+    await asyncio.wait_for(reader, 10)
+    return proc.returncode or 0, b"".join(chunks).decode(errors="replace")
 
 
 async def test_port_in_use_is_one_line_and_exit_1(taken: int, etcd: str) -> None:

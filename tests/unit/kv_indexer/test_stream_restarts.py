@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
+import time
 from collections.abc import AsyncIterator, Iterable
 
 import pytest
@@ -51,7 +53,15 @@ class Engine:
     """A vLLM-0.32-like publisher plus the truth: the blocks it holds after what it published."""
 
     def __init__(self, bind: str, replay: str, publisher: type[ZmqEventPublisher] = ZmqEventPublisher) -> None:
-        self.publisher = publisher(bind, TOPIC, replay_endpoint=replay, buffer_steps=100_000)
+        deadline = time.monotonic() + 10.0
+        while True:  # a restart on the same addresses: libzmq releases the old replay port in its I/O thread, soon after close
+            try:
+                self.publisher = publisher(bind, TOPIC, replay_endpoint=replay, buffer_steps=100_000)
+                break
+            except zmq.ZMQError as exc:
+                if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
         self.held: set[int] = set()
 
     def store(self, block: int) -> None:
