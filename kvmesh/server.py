@@ -83,7 +83,8 @@ class ServiceSpec:
         add_servicers: registers the servicers on the server.
         on_start: awaited before the port opens (connect clients, start watchers).
         background: long-running coroutines, cancelled on stop.
-        on_stop: awaited after the server stopped (close clients), in order.
+        on_stop: awaited after the server stopped (close clients), in order; each bounded by the shutdown grace
+            + :data:`_HOOK_STOP_SECONDS` (one that overruns is logged and left behind).
         ready: when set, health stays NOT_SERVING after start until it returns (warm-up gating).
     """
 

@@ -115,3 +115,44 @@ async def test_health_goes_not_serving_on_drain() -> None:
         stopping = asyncio.create_task(svc.stop())
         assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
         await stopping
+
+
+async def test_a_hook_that_never_returns_does_not_hold_the_stop(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvmesh.server as server_module
+
+    monkeypatch.setattr(server_module, "_HOOK_STOP_SECONDS", 0.3)
+    ran: list[str] = []
+
+    async def hangs() -> None:
+        ran.append("hangs")
+        await asyncio.Event().wait()
+
+    async def after() -> None:
+        ran.append("after")
+
+    config = GrpcServiceConfig(etcd_endpoints=[], shutdown_grace_seconds=0.1)
+    svc = GrpcService(config, ServiceSpec("probe", [SERVICE], _add, register_in_etcd=False, on_stop=[hangs, after]))
+    await svc.start()
+    started = asyncio.get_running_loop().time()
+    await asyncio.wait_for(svc.stop(), 10)
+    assert ran == ["hangs", "after"]  # the hook after the stuck one still ran
+    assert asyncio.get_running_loop().time() - started < 5
+
+
+async def test_a_taken_grpc_port_is_a_listen_error_and_stops_cleanly() -> None:
+    import socket
+
+    from kvmesh.listen import ListenError
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    try:
+        port = holder.getsockname()[1]
+        config = GrpcServiceConfig(etcd_endpoints=[], grpc_port=port, shutdown_grace_seconds=0.1)
+        svc = GrpcService(config, ServiceSpec("probe", [SERVICE], _add, register_in_etcd=False))
+        with pytest.raises(ListenError, match=f"127.0.0.1:{port}"):
+            await svc.start()
+        await asyncio.wait_for(svc.stop(), 10)
+    finally:
+        holder.close()
