@@ -6,6 +6,8 @@
 - ``wait_until`` / ``wait_until_async``: the one deadline-poll for "eventually true" conditions. On
   timeout they raise ``WaitTimeout`` (an ``AssertionError``) naming what was awaited and the last
   value the probe returned (or the last exception it raised, when told to tolerate it).
+- ``serve_registered`` / ``stop_registered``: a test's own HTTP engine (any ASGI app) on 127.0.0.1 with
+  an etcd registration under its endpoint key, as a real engine's sidecar would write it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from pathlib import Path
 from typing import Any, TypeVar, overload
 
 import pytest
+
+from kvmesh.http_server import HttpServer
+from kvmesh.membership import LeaseRegistration, endpoint_key
+from kvmesh.types import Endpoint, EndpointId
 
 T = TypeVar("T")
 
@@ -183,3 +189,24 @@ async def wait_until_async(
             if poll.holds(value):
                 return value
         await asyncio.sleep(interval)
+
+
+async def serve_registered(app: Any, etcd: str, model: str,
+                           labels: dict[str, str]) -> tuple[HttpServer, Endpoint, LeaseRegistration]:
+    """Serve ``app`` on 127.0.0.1 (a free port) and register it in ``etcd`` as an engine of ``model``
+    (lease TTL 3 s); stop both with :func:`stop_registered`."""
+    server = HttpServer(app, "127.0.0.1", 0, grace_seconds=0.2)
+    await server.start()
+    port = server.port
+    endpoint = Endpoint(id=EndpointId(f"127.0.0.1:{port}"), url=f"http://127.0.0.1:{port}", model=model, labels=labels)
+    registration = LeaseRegistration([etcd], endpoint_key(endpoint), endpoint.to_json(), ttl_seconds=3)
+    await registration.start()
+    return server, endpoint, registration
+
+
+async def stop_registered(server: HttpServer | None, registration: LeaseRegistration | None) -> None:
+    """Deregister, then stop serving (either may be None: not started)."""
+    if registration is not None:
+        await registration.stop()
+    if server is not None:
+        await server.stop()

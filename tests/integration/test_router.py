@@ -33,11 +33,11 @@ from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2, flow_control_
 from kvmesh._proto.kvmesh.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.channels import ERROR_CLASS_TRAILER
 from kvmesh.http_server import HttpServer
-from kvmesh.membership import LeaseRegistration, endpoint_key
+from kvmesh.membership import LeaseRegistration
 from kvmesh.openai_stream import DONE, SseFramer, parse_event
 from kvmesh.types import Endpoint, EndpointId
 from kvmesh_cli.launcher import ManagedProcess, free_port, python_module, wait_grpc_healthy, wait_http_ok
-from tests.support import wait_until_async
+from tests.support import serve_registered, stop_registered, wait_until_async
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 256
@@ -99,21 +99,13 @@ class FakeEngine:
     async def start(self, etcd: str) -> FakeEngine:
         app = Starlette(routes=[Route("/v1/completions", self._handle, methods=["POST"]),
                                 Route("/v1/chat/completions", self._handle, methods=["POST"])])
-        self.server = HttpServer(app, "127.0.0.1", 0, grace_seconds=0.2)
-        await self.server.start()
-        port = self.server.port
-        self.endpoint = Endpoint(id=EndpointId(f"127.0.0.1:{port}"), url=f"http://127.0.0.1:{port}", model=MODEL,
-                                 labels={"engine": "test", "max_model_len": str(MAX_MODEL_LEN)})
-        self.registration = LeaseRegistration([etcd], endpoint_key(self.endpoint), self.endpoint.to_json(), ttl_seconds=3)
-        await self.registration.start()
+        self.server, self.endpoint, self.registration = await serve_registered(
+            app, etcd, MODEL, {"engine": "test", "max_model_len": str(MAX_MODEL_LEN)})
         return self
 
     async def stop(self) -> None:
-        if self.registration is not None:
-            await self.registration.stop()
-        if self.server is not None:
-            await self.server.stop()
-            self.server = None
+        await stop_registered(self.server, self.registration)
+        self.server = None
 
 
 def _ep_pb(ep: Endpoint) -> common_pb2.Endpoint:

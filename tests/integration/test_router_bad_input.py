@@ -34,8 +34,8 @@ from starlette.routing import Route
 
 from kvmesh._proto.kvmesh.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.http_server import HttpServer
-from kvmesh.membership import LeaseRegistration, endpoint_key
-from kvmesh.types import Endpoint, EndpointId
+from kvmesh.membership import LeaseRegistration
+from kvmesh.types import Endpoint
 from kvmesh_cli.launcher import free_port
 from tests.integration.test_router import (  # noqa: F401  (fixtures: mesh, client, _reset)
     BODY_LIMIT,
@@ -49,6 +49,7 @@ from tests.integration.test_router import (  # noqa: F401  (fixtures: mesh, clie
     client,
     mesh,
 )
+from tests.support import serve_registered, stop_registered
 
 BROKEN = "broken"
 """The model only the error engine serves (so picks and /tokenize both reach it)."""
@@ -72,21 +73,13 @@ class ErrorEngine:
 
     async def start(self, etcd: str) -> ErrorEngine:
         paths = ("/v1/completions", "/v1/chat/completions", "/tokenize")
-        self.server = HttpServer(Starlette(routes=[Route(p, self._handle, methods=["POST"]) for p in paths]),
-                                 "127.0.0.1", 0, grace_seconds=0.2)
-        await self.server.start()
-        port = self.server.port
-        self.endpoint = Endpoint(id=EndpointId(f"127.0.0.1:{port}"), url=f"http://127.0.0.1:{port}", model=BROKEN,
-                                 labels={"engine": "test", "max_model_len": "256"})
-        self.registration = LeaseRegistration([etcd], endpoint_key(self.endpoint), self.endpoint.to_json(), ttl_seconds=3)
-        await self.registration.start()
+        app = Starlette(routes=[Route(p, self._handle, methods=["POST"]) for p in paths])
+        self.server, self.endpoint, self.registration = await serve_registered(
+            app, etcd, BROKEN, {"engine": "test", "max_model_len": "256"})
         return self
 
     async def stop(self) -> None:
-        if self.registration is not None:
-            await self.registration.stop()
-        if self.server is not None:
-            await self.server.stop()
+        await stop_registered(self.server, self.registration)
 
 
 @pytest.fixture(scope="module")
