@@ -20,6 +20,13 @@
 # `steady` is the same comparison with sessions arriving over time instead of all at once: 960 calls of 100
 # sessions starting 2 model s apart on average (0.17 s after RATE_SCALE=12), so the run measures a pool serving
 # a stream of agent sessions rather than 100 cold first calls queued together (round-robin's TTFT p50 ~2 s).
+# LONG_PREFILL=N gives every engine vLLM 0.32's --long-prefill-token-threshold N (a long prefill then shares each
+# step with newer requests instead of running to its end first; off by default, as in vLLM), LONG_PREFILL_ADAPTIVE=1
+# adds --long-prefill-token-threshold-adaptive (the cap floored at 2048 / (running + waiting)); the JSON records
+# both under "engine_scheduler". A/B on the steady regime: the same command with and without, e.g.
+#   LONG_PREFILL=512 bench/agentic_load.sh steady --json-out .run/bench/agentic_steady_lp512.json
+# RESERVE_FULL_ISL=1 (or 0) passes --scheduler-reserve-full-isl (--no-...): vLLM 0.32 admits a waiting request only
+# when its whole prompt's KV blocks are free (its default); the simulator's default is off (earlier figures).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .run/bench docs/img
@@ -27,6 +34,12 @@ MODE=${1:-point}; shift || true
 TRACE=${TRACE:-../shared/data/traces/kv-cache-tester_agentic_traces_first100.tar.gz}
 COMMON=(--trace "$TRACE" --engines 8 --num-gpu-blocks "${BLOCKS:-1024}" --requests "${REQUESTS:-480}" --session-gap 0.5
         --sessions "${SESSIONS:-48}" --time-scale 0.5 --max-output-tokens 64 --slo-ttft 2)
+if [[ -n "${LONG_PREFILL:-}" ]]; then COMMON+=(--long-prefill-token-threshold "$LONG_PREFILL"); fi
+if [[ "${LONG_PREFILL_ADAPTIVE:-0}" == 1 ]]; then COMMON+=(--long-prefill-token-threshold-adaptive); fi
+case "${RESERVE_FULL_ISL:-}" in
+  1) COMMON+=(--scheduler-reserve-full-isl) ;;
+  0) COMMON+=(--no-scheduler-reserve-full-isl) ;;
+esac
 case "$MODE" in
   point)
     exec .venv/bin/kvmesh compare "${COMMON[@]}" --rate-scale "${RATE_SCALE:-10}" \

@@ -111,7 +111,10 @@ class EngineSimulator:
                             offload=self.offload)
         self.core = EngineCore(
             SchedulerConfig(
-                config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len, renderer.vocab_size
+                config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len, renderer.vocab_size,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
+                long_prefill_token_threshold_adaptive=config.long_prefill_token_threshold_adaptive,
+                scheduler_reserve_full_isl=config.scheduler_reserve_full_isl,
             ),
             cache,
         )
@@ -204,13 +207,18 @@ class EngineSimulator:
             write_ports_file(config.ports_file, {"http": http.port})
             logger.info(
                 "engine simulator listening url=http://%s model=%s block_size=%d num_gpu_blocks=%d "
-                "events=%s time_scale=%s",
+                "events=%s time_scale=%s max_num_batched_tokens=%d long_prefill_token_threshold=%d%s "
+                "scheduler_reserve_full_isl=%s",
                 self.endpoint_id,
                 config.model,
                 config.block_size_tokens,
                 config.num_gpu_blocks,
                 config.events_endpoint or "off",
                 config.time_scale,
+                config.max_num_batched_tokens,
+                config.long_prefill_token_threshold,
+                " (adaptive)" if config.long_prefill_token_threshold_adaptive else "",
+                config.scheduler_reserve_full_isl,
             )
             if config.etcd_endpoints:
                 ep = self.endpoint()

@@ -2,9 +2,11 @@
 
 The flags pinned in the team brief (``--host --port --model --block-size-tokens --num-gpu-blocks
 --max-num-seqs --max-num-batched-tokens --max-model-len --events-endpoint --etcd-endpoints
---lease-ttl-seconds --time-scale --tokenizer-path --role``) are fields here. The simulator serves
-no gRPC, so its base is :class:`~kvmesh.config.ProcessConfig`; the inherited ``--metrics-port`` is
-unused (HTTP, ``/metrics`` included, is on ``--port``).
+--lease-ttl-seconds --time-scale --tokenizer-path --role``) are fields here, and so are vLLM 0.32's
+``--long-prefill-token-threshold`` and ``--long-prefill-token-threshold-adaptive`` (same names, defaults and
+validation as ``vllm/config/scheduler.py``). The simulator serves no gRPC, so its base is
+:class:`~kvmesh.config.ProcessConfig`; the inherited ``--metrics-port`` is unused (HTTP, ``/metrics``
+included, is on ``--port``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from engine_simulator.scheduler import check_long_prefill_token_threshold
 from kvmesh.config import ProcessConfig
 from kvmesh.types import EndpointRole
 
@@ -39,6 +42,19 @@ class SimulatorConfig(ProcessConfig):
     context its KV cache cannot hold (at start-up it refuses a ``max_model_len`` that does not fit):
     otherwise a chat without ``max_tokens`` (which defaults to the room left in the context) could never
     be scheduled. An explicit value is kept (vLLM with ``--num-gpu-blocks-override`` starts too)."""
+    long_prefill_token_threshold: int = Field(0, ge=0)
+    """vLLM 0.32's ``--long-prefill-token-threshold`` (``vllm/config/scheduler.py``): while more than one request
+    is running or waiting, no request gets more than this many tokens in one step, so a long prefill shares
+    the step's budget with newer requests instead of running to its end first (FCFS chunked prefill); a lone
+    request is not capped. 0 (the default, as vLLM's) disables it. Must be <= ``max_model_len``."""
+    long_prefill_token_threshold_adaptive: bool = False
+    """vLLM 0.32's ``--long-prefill-token-threshold-adaptive``: raise that cap to a fair share of the step,
+    ``max_num_batched_tokens // (running + waiting requests)``. Here a value flag (``true``/``false``), where
+    vLLM's is a switch (``--long-prefill-token-threshold-adaptive`` / ``--no-...``). No effect at threshold 0."""
+    scheduler_reserve_full_isl: bool = False
+    """vLLM 0.32's ``--scheduler-reserve-full-isl``: admit a waiting request only when its whole sequence's KV
+    blocks are free, not only its first chunk's. vLLM's default is true; the simulator's is false (its behaviour
+    before the field existed, so earlier figures stay comparable; README "Known deliberate differences")."""
     enable_prefix_caching: bool = True
     """Reuse cached blocks across requests (and publish KV events)."""
     events_endpoint: str = ""
@@ -99,6 +115,7 @@ class SimulatorConfig(ProcessConfig):
         capacity = (self.num_gpu_blocks - 1) * self.block_size_tokens
         if "max_model_len" not in self.model_fields_set and self.max_model_len > capacity:
             self.max_model_len = max(2, capacity)
+        check_long_prefill_token_threshold(self.long_prefill_token_threshold, self.max_model_len)
         if self.offload == "cpu+kv_store" and not self.kv_stores.strip():
             raise ValueError("--offload cpu+kv_store needs --kv-stores (kv_store gRPC addresses)")
         return self

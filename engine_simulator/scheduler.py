@@ -7,6 +7,9 @@ outside cannot tell (KV events, cached-token counts, queueing):
   admission order: a decoding one takes 1 token, one still in (chunked) prefill takes
   ``min(remaining, budget)``. Then waiting requests in FCFS order while budget is left and fewer
   than ``max_num_seqs`` run. A request that cannot get blocks stops the waiting queue.
+* ``long_prefill_token_threshold`` (vLLM's ``--long-prefill-token-threshold``, off by default) caps
+  every request's chunk in a step, running and waiting alike, so that one long prefill cannot take
+  the whole budget while others wait; see :meth:`EngineCore.long_prefill_cap` for vLLM 0.32's rule.
 * A running request that cannot get a block preempts the last admitted running request
   (vLLM's RECOMPUTE preemption: its blocks are freed, it goes back to the front of the waiting
   queue and recomputes later, usually from its own cached blocks).
@@ -51,12 +54,51 @@ class FinishReason(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """Engine limits (vLLM's ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--max-model-len``)."""
+    """Engine limits (vLLM's ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--max-model-len``) and
+    vLLM 0.32's long-prefill knobs (``vllm/config/scheduler.py`` ``SchedulerConfig``).
+
+    Attributes:
+        long_prefill_token_threshold: tokens; a request (running or waiting) is given at most this many
+            tokens in one step while more than one request is running or waiting
+            (``--long-prefill-token-threshold``). 0, the default, disables the cap (vLLM's default too).
+        long_prefill_token_threshold_adaptive: floor that cap at a fair share of the step,
+            ``max_num_batched_tokens // (running + waiting)`` (``--long-prefill-token-threshold-adaptive``);
+            no effect while the threshold is 0 (default False, as vLLM).
+        scheduler_reserve_full_isl: admit a waiting request only when the blocks of its whole sequence are free,
+            not only those of its first chunk (vLLM 0.32's ``--scheduler-reserve-full-isl``, ``allocate_slots(...,
+            full_sequence_must_fit=True)``). **vLLM's default is True**; the simulator's is False, its behaviour
+            before this field existed, so that earlier figures stay comparable (a deliberate difference).
+
+    Raises:
+        ValueError: ``long_prefill_token_threshold`` negative (vLLM: ``ge=0``) or greater than
+            ``max_model_len`` (vLLM's ``verify_max_model_len``, same message).
+    """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 131072
     vocab_size: int = 2048
+    long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold_adaptive: bool = False
+    scheduler_reserve_full_isl: bool = False
+
+    def __post_init__(self) -> None:
+        check_long_prefill_token_threshold(self.long_prefill_token_threshold, self.max_model_len)
+
+
+def check_long_prefill_token_threshold(threshold: int, max_model_len: int) -> None:
+    """vLLM 0.32's validation of ``long_prefill_token_threshold`` (``vllm/config/scheduler.py``: the field is
+    ``ge=0``; ``verify_max_model_len`` refuses one above ``max_model_len``).
+
+    Raises:
+        ValueError: ``threshold < 0`` or ``threshold > max_model_len``.
+    """
+    if threshold < 0:
+        raise ValueError(f"long_prefill_token_threshold ({threshold}) must be >= 0 (0 disables it)")
+    if threshold > max_model_len:
+        raise ValueError(
+            f"long_prefill_token_threshold ({threshold}) cannot be greater than the max_model_len ({max_model_len})."
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,6 +382,17 @@ class EngineCore:
             )
             req.num_cached_blocks = num_full
 
+    def _full_sequence_fits(self, req: Request, hit_blocks: Sequence[int] = ()) -> bool:
+        """vLLM 0.32's admission check with ``scheduler_reserve_full_isl`` (``KVCacheManager.allocate_slots`` with
+        ``full_sequence_must_fit``): the blocks for the request's whole sequence (``min(num_tokens,
+        max_model_len)``), less those it holds and its prefix hits, plus the hits that sit evictable in the free
+        queue, must all be free now. Always True when the option is off."""
+        if not self.config.scheduler_reserve_full_isl:
+            return True
+        full = min(req.num_tokens, self.config.max_model_len)
+        need = max(-(-full // self.block_size) - len(req.blocks) - len(hit_blocks), 0)
+        return need + self.cache.num_evictable(hit_blocks) <= self.cache.num_free_blocks
+
     def _preempt(self, req: Request) -> None:
         self._free(req)
         req.num_computed_tokens = 0
@@ -393,7 +446,8 @@ class EngineCore:
         ext = offload.lookup(hashes[len(hits):])
         if ext == 0:
             return None
-        if not self._allocate(req, ext * self.block_size, hits, cache=False):
+        if not self._full_sequence_fits(req, hits) or not self._allocate(req, ext * self.block_size, hits,
+                                                                          cache=False):
             return False
         req.num_cached_blocks = len(hits)
         req.load_plan = offload.start_load(hashes[len(hits):len(hits) + ext])
@@ -408,10 +462,31 @@ class EngineCore:
             self.external_queries_tokens += req.num_tokens - len(hits) * self.block_size
         return True
 
+    def long_prefill_cap(self) -> int:
+        """This step's cap on one request's tokens (0: none), as vLLM 0.32 computes it once per step at the top of
+        ``Scheduler.schedule`` (``vllm/v1/core/sched/scheduler.py``).
+
+        With ``n = running + waiting`` requests (vLLM's ``get_request_counts``: ``running``, ``waiting`` and
+        ``kv_holding_waiting``, the last being the simulator's :attr:`loading` requests and waiting ones that
+        hold loaded blocks), the cap is ``long_prefill_token_threshold`` when ``n > 1`` and 0 otherwise (a lone
+        request has nobody to starve and gets the whole budget). With ``long_prefill_token_threshold_adaptive``
+        a non-zero cap is raised to ``max_num_batched_tokens // n`` (the whole step's budget, not what is left
+        of it). The cap applies to running and waiting requests before the remaining budget does
+        (``if 0 < cap < num_new_tokens: num_new_tokens = cap``), so a decode (1 token) is never cut.
+        """
+        cfg = self.config
+        n = len(self.running) + len(self.waiting) + len(self.loading)
+        cap = cfg.long_prefill_token_threshold if n > 1 else 0
+        if cap > 0 and cfg.long_prefill_token_threshold_adaptive:
+            cap = max(cap, cfg.max_num_batched_tokens // n)
+        return cap
+
     def schedule(self, now: float) -> ScheduledStep:
-        """Pick this step's work within the token budget and ``max_num_seqs``."""
+        """Pick this step's work within the token budget, ``max_num_seqs`` and the long-prefill cap
+        (:meth:`long_prefill_cap`)."""
         if self.cache.offload is not None:
             self.cache.offload.advance(now)  # offload stores and kv_store writes due by now complete
+        cap = self.long_prefill_cap()  # before _finish_loads, which only moves loading -> waiting (same count)
         if self.loading:
             self._finish_loads(now)
         budget = self.config.max_num_batched_tokens
@@ -420,7 +495,10 @@ class EngineCore:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = req.num_tokens - req.num_computed_tokens
+            if 0 < cap < n:
+                n = cap
+            n = min(n, budget)
             while not self._allocate(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -439,8 +517,11 @@ class EngineCore:
                 req = self.waiting[0]
                 if req.blocks:  # its prefix was loaded from an offloaded tier: already computed
                     hit_tokens = req.num_computed_tokens
-                    n = min(req.num_tokens - hit_tokens, budget)
-                    if not self._allocate(req, n):
+                    n = req.num_tokens - hit_tokens
+                    if 0 < cap < n:
+                        n = cap
+                    n = min(n, budget)
+                    if not self._full_sequence_fits(req) or not self._allocate(req, n):
                         if self._release_waiting_blocks(req):
                             continue
                         break
@@ -455,8 +536,11 @@ class EngineCore:
                         self.loading.append(self.waiting.popleft())
                         continue
                     hit_tokens = len(hits) * self.block_size
-                    n = min(req.num_tokens - hit_tokens, budget)
-                    if not self._allocate(req, n, hits):
+                    n = req.num_tokens - hit_tokens
+                    if 0 < cap < n:
+                        n = cap
+                    n = min(n, budget)
+                    if not self._full_sequence_fits(req, hits) or not self._allocate(req, n, hits):
                         if self._release_waiting_blocks(req):
                             continue
                         break

@@ -63,12 +63,15 @@ from kvmesh_cli.options import (
     EnginesOpt,
     EtcdOpt,
     JsonOutOpt,
+    LongPrefillAdaptiveOpt,
+    LongPrefillOpt,
     MaxInOpt,
     MaxOutOpt,
     MaxSeqsOpt,
     MaxThinkOpt,
     RateScaleOpt,
     RequestsOpt,
+    ReserveFullIslOpt,
     RunDirOpt,
     SeedOpt,
     SessionGapOpt,
@@ -129,6 +132,44 @@ OFFLOAD_MODES = ("off", "cpu", "cpu+kv_store")
 OffloadOpt = Annotated[str, typer.Option(
     "--offload", help="Simulated engines' KV offload (vLLM's OffloadingConnector): off, cpu (a local CPU tier), "
     "cpu+kv_store (and the mesh's kv_store, published to kv_indexer). See engine_simulator/README.md.")]
+
+
+def engine_scheduler(threshold: int | None, adaptive: bool, max_model_len: int,
+                     reserve_full_isl: bool | None = None) -> dict[str, object]:
+    """The engines' scheduler settings (``--long-prefill-token-threshold[-adaptive]``,
+    ``--[no-]scheduler-reserve-full-isl``), the threshold checked as vLLM 0.32 checks it against the engines'
+    ``max_model_len``; the dict is what ``compare``'s JSON records as ``engine_scheduler`` (the simulated
+    engines' effective values: threshold 0 = off, their default).
+
+    Raises:
+        typer.BadParameter: a threshold above ``max_model_len`` (vLLM refuses to start with one).
+    """
+    from engine_simulator.scheduler import check_long_prefill_token_threshold
+
+    if threshold is not None:
+        try:
+            check_long_prefill_token_threshold(threshold, max_model_len)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--long-prefill-token-threshold") from None
+    if adaptive and not threshold:
+        console.print("--long-prefill-token-threshold-adaptive has no effect without a non-zero "
+                      "--long-prefill-token-threshold (as in vLLM)", soft_wrap=True)
+    return {"long_prefill_token_threshold": SIMULATOR_DEFAULTS.long_prefill_token_threshold if threshold is None
+            else threshold, "long_prefill_token_threshold_adaptive": adaptive,
+            "scheduler_reserve_full_isl": SIMULATOR_DEFAULTS.scheduler_reserve_full_isl if reserve_full_isl is None
+            else reserve_full_isl}
+
+
+def engine_scheduler_label(settings: dict[str, object]) -> str:
+    """``", long_prefill_token_threshold 512 (adaptive)"`` for a table title (and ``", scheduler_reserve_full_isl"``
+    when on); empty for the simulator's defaults."""
+    out = ""
+    if settings.get("long_prefill_token_threshold"):
+        adaptive = " (adaptive)" if settings.get("long_prefill_token_threshold_adaptive") else ""
+        out = f", long_prefill_token_threshold {settings['long_prefill_token_threshold']}{adaptive}"
+    if settings.get("scheduler_reserve_full_isl"):
+        out += ", scheduler_reserve_full_isl"
+    return out
 
 
 def _offload_mode(value: str) -> str:
@@ -386,6 +427,9 @@ def up(
         "registration sidecar (needs `make vllm-env model`; ~30-60 s to start, ~3 GB RAM and 2 cores each). "
         "--time-scale and --num-gpu-blocks apply to the simulator only.")] = "simulator",
     offload: OffloadOpt = "off",
+    long_prefill_token_threshold: LongPrefillOpt = None,
+    long_prefill_token_threshold_adaptive: LongPrefillAdaptiveOpt = False,
+    scheduler_reserve_full_isl: ReserveFullIslOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
     """Start etcd, the five services and N engines (simulated, or real vLLM) in the foreground; Ctrl-C stops all."""
@@ -404,12 +448,19 @@ def up(
         extra = {"engine": "vllm", "max_model_len": 2048, "start_timeout_seconds": 120.0 + 60.0 * engines}
     elif engine != "simulator":
         raise typer.BadParameter(f"{engine!r}: expected simulator or vllm", param_hint="--engine")
+    engine_max_model_len = 2048 if engine == "vllm" else min(
+        SIMULATOR_DEFAULTS.max_model_len,
+        (num_gpu_blocks - 1) * (block_size_tokens or SIMULATOR_DEFAULTS.block_size_tokens))
+    engine_scheduler(long_prefill_token_threshold, long_prefill_token_threshold_adaptive, engine_max_model_len)
     policy = resolve_policy(policy)
     spec = MeshSpec(
         run_dir=(run_dir or _default_run_dir("up")).resolve(), engines=engines, policy=policy,
         time_scale=time_scale, model=model or DEFAULT_MODEL, num_gpu_blocks=num_gpu_blocks,
         block_size_tokens=block_size_tokens, max_num_seqs=max_num_seqs, etcd=etcd,
         router_http_port=router_port, router_grpc_port=router_grpc_port, offload=_offload_mode(offload),
+        long_prefill_token_threshold=long_prefill_token_threshold,
+        long_prefill_token_threshold_adaptive=long_prefill_token_threshold_adaptive,
+        scheduler_reserve_full_isl=scheduler_reserve_full_isl,
         **extra,  # type: ignore[arg-type]
     )
     console.print(f"starting mesh in {spec.run_dir} ...", soft_wrap=True)
@@ -541,6 +592,12 @@ class RunSettings:
     etcd: str | None
     parallel: bool = False
     """Run a rate's columns at once, each on its own mesh (``compare --parallel``)."""
+    long_prefill_token_threshold: int | None = None
+    """Every engine's ``--long-prefill-token-threshold`` (None: the engine's default, off)."""
+    long_prefill_token_threshold_adaptive: bool = False
+    """Every engine's ``--long-prefill-token-threshold-adaptive``."""
+    scheduler_reserve_full_isl: bool | None = None
+    """Every engine's ``--[no-]scheduler-reserve-full-isl`` (None: the engine's default)."""
 
 
 def _run_one(wl: Workload, rs: RunSettings, run_dir: Path, name: str, policy: str | None, peer: str | None,
@@ -551,7 +608,9 @@ def _run_one(wl: Workload, rs: RunSettings, run_dir: Path, name: str, policy: st
     spec = MeshSpec(
         run_dir=run_dir, engines=rs.engines, policy=policy or "round-robin", time_scale=rs.time_scale,
         num_gpu_blocks=rs.num_gpu_blocks, block_size_tokens=rs.block_size_tokens, max_num_seqs=rs.max_num_seqs,
-        etcd=rs.etcd, offload=offload,
+        etcd=rs.etcd, offload=offload, long_prefill_token_threshold=rs.long_prefill_token_threshold,
+        long_prefill_token_threshold_adaptive=rs.long_prefill_token_threshold_adaptive,
+        scheduler_reserve_full_isl=rs.scheduler_reserve_full_isl,
     )
     t0 = time.monotonic()
     sampler: EngineSampler | None = None
@@ -658,6 +717,9 @@ def compare(
     parallel: Annotated[bool, typer.Option("--parallel", help="Run each rate's columns at the same time, each on its "
                                            "own mesh, so they share whatever else loads the host (a fair A/B on a "
                                            "busy machine; each column gets a share of the CPU).")] = False,
+    long_prefill_token_threshold: LongPrefillOpt = None,
+    long_prefill_token_threshold_adaptive: LongPrefillAdaptiveOpt = False,
+    scheduler_reserve_full_isl: ReserveFullIslOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
     """Replay one workload against a fresh mesh per routing policy (and peer router) and print them side by side."""
@@ -670,8 +732,12 @@ def compare(
     if sessions is None and base_wl.name.startswith("agentic"):
         sessions = DEFAULT_AGENTIC_SESSIONS_PER_ENGINE * engines
     rs = RunSettings(engines, num_gpu_blocks or default_num_gpu_blocks(trace, workload), block_size_tokens,
-                     max_num_seqs, time_scale, concurrency_limit, sessions, slo_ttft, etcd, parallel)
+                     max_num_seqs, time_scale, concurrency_limit, sessions, slo_ttft, etcd, parallel,
+                     long_prefill_token_threshold, long_prefill_token_threshold_adaptive, scheduler_reserve_full_isl)
     bs = block_size_tokens or SIMULATOR_DEFAULTS.block_size_tokens
+    scheduler_settings = engine_scheduler(long_prefill_token_threshold, long_prefill_token_threshold_adaptive,
+                                          min(SIMULATOR_DEFAULTS.max_model_len, (rs.num_gpu_blocks - 1) * bs),
+                                          scheduler_reserve_full_isl)
     longest = max((r.input_length + 1 + r.max_tokens for r in base_wl.requests), default=0)
     if -(-longest // bs) > rs.num_gpu_blocks - 1:
         raise typer.BadParameter(
@@ -682,7 +748,7 @@ def compare(
     console.print(f"{engines} engines x {rs.num_gpu_blocks} blocks of "
                   f"{block_size_tokens or SIMULATOR_DEFAULTS.block_size_tokens} tokens, time scale "
                   f"{time_scale}, rate scale {sweep if scales else rate_scale}"
-                  f"{f', {sessions} sessions' if sessions else ''}, "
+                  f"{f', {sessions} sessions' if sessions else ''}{engine_scheduler_label(scheduler_settings)}, "
                   f"logs in {base}", soft_wrap=True)
     summaries: dict[str, dict[str, object]] = {}
     curves: dict[str, list[SweepPoint]] = {}
@@ -710,13 +776,14 @@ def compare(
                     scale, float(summary.get("requests_per_s") or 0.0), summary.get("ttft_p90_s"),  # type: ignore[arg-type]
                     summary.get("ttft_p50_s"), summary.get("output_tokens_per_s")))  # type: ignore[arg-type]
     extra: dict[str, object] = {"rate_scale": rate_scale, "sessions": sessions, "slo_ttft_s": slo_ttft,
-                                "offload": {c.name: c.offload for c in columns}}
+                                "offload": {c.name: c.offload for c in columns},
+                                "engine_scheduler": scheduler_settings}
     if scales:
         extra["sweep"] = {name: {"points": [p.__dict__ for p in pts], "goodput_rps": slo_throughput(pts, slo_ttft),
                                  "slo_crossed": slo_crossed(pts, slo_ttft)}
                           for name, pts in curves.items()}
     doc = compare_document(label, engines, len(base_wl.requests), summaries, **extra)
-    title = f"{label}: {len(base_wl.requests)} requests, {engines} engines"
+    title = f"{label}: {len(base_wl.requests)} requests, {engines} engines{engine_scheduler_label(scheduler_settings)}"
     print_table(console, summary_table(doc["policies"], title))  # type: ignore[arg-type]
     if scales:
         print_table(console, sweep_table(curves, slo_ttft, f"{title}: load sweep"))

@@ -125,6 +125,14 @@ class MeshSpec:
     offload: str = "off"
     """Simulated engines' KV offload connector (``--offload``): ``off``, ``cpu`` or ``cpu+kv_store`` (the
     mesh's kv_store then publishes to kv_indexer and each engine names it in ``--kv-stores``)."""
+    long_prefill_token_threshold: int | None = None
+    """vLLM 0.32's ``--long-prefill-token-threshold`` for every engine, simulated or real (0 disables it)."""
+    long_prefill_token_threshold_adaptive: bool = False
+    """vLLM 0.32's ``--long-prefill-token-threshold-adaptive`` for every engine (the cap floored at
+    ``max_num_batched_tokens // (running + waiting)``)."""
+    scheduler_reserve_full_isl: bool | None = None
+    """vLLM 0.32's ``--scheduler-reserve-full-isl`` for every engine (admit a request only when its whole sequence's
+    blocks are free); None: the engine's default (vLLM: true; the simulator: false)."""
     engine_api_key: str | None = None
     """vLLM's ``--api-key`` for every engine (simulated or real); the pool's engine key is then given to
     the router and epp (``--engine-api-key``) and to each vLLM registration sidecar, so kvmesh's own calls
@@ -419,6 +427,11 @@ class Mesh:
                     max_num_batched_tokens=spec.max_num_batched_tokens,
                     max_model_len=spec.max_model_len,
                     time_scale=None if spec.time_scale is None else float(spec.time_scale),
+                    long_prefill_token_threshold=spec.long_prefill_token_threshold,
+                    long_prefill_token_threshold_adaptive="true" if spec.long_prefill_token_threshold_adaptive
+                    else None,
+                    scheduler_reserve_full_isl=None if spec.scheduler_reserve_full_isl is None
+                    else str(spec.scheduler_reserve_full_isl).lower(),
                 ),
             )
 
@@ -483,6 +496,9 @@ class Mesh:
             extra_args=spec.vllm_extra_args,
             replay_port=free_port(),
             api_key=spec.engine_api_key,
+            long_prefill_token_threshold=spec.long_prefill_token_threshold,
+            long_prefill_token_threshold_adaptive=spec.long_prefill_token_threshold_adaptive,
+            scheduler_reserve_full_isl=spec.scheduler_reserve_full_isl,
         )
         name = f"engine-{i}"
         proc = ManagedProcess(name, engine.argv(), spec.run_dir / f"{name}.log",

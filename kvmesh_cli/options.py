@@ -97,3 +97,23 @@ SessionGapOpt = Annotated[
 MaxThinkOpt = Annotated[
     float, typer.Option("--max-think", min=0.0, help="Agentic: cap on a recorded think time (model s).")
 ]
+LongPrefillOpt = Annotated[
+    int | None,
+    typer.Option("--long-prefill-token-threshold", min=0,
+                 help="vLLM's --long-prefill-token-threshold for every engine (simulated or real): while more than "
+                      "one request is running or waiting, none gets more than this many tokens per step, so a long "
+                      "prefill shares the step with newer requests (warm follow-ups start at once); a lone request "
+                      f"is not capped. 0 disables it (default: the engine's, "
+                      f"{SIMULATOR_DEFAULTS.long_prefill_token_threshold}, as vLLM 0.32's).")]
+LongPrefillAdaptiveOpt = Annotated[
+    bool,
+    typer.Option("--long-prefill-token-threshold-adaptive",
+                 help="vLLM's --long-prefill-token-threshold-adaptive for every engine: raise that cap to a fair "
+                      "share of the step, max-num-batched-tokens / (running + waiting requests). Needs a non-zero "
+                      "--long-prefill-token-threshold.")]
+ReserveFullIslOpt = Annotated[
+    bool | None,
+    typer.Option("--scheduler-reserve-full-isl/--no-scheduler-reserve-full-isl",
+                 help="vLLM's --scheduler-reserve-full-isl for every engine: admit a waiting request only when the KV "
+                      "blocks of its whole prompt are free, not only its first chunk's (default: the engine's; vLLM "
+                      f"0.32: on, the simulator: {'on' if SIMULATOR_DEFAULTS.scheduler_reserve_full_isl else 'off'}).")]

@@ -92,6 +92,12 @@ class VllmEngineSpec:
     api_key: str | None = None
     """vLLM's ``--api-key`` (``/v1/*`` then needs ``Authorization: Bearer``); the sidecar gets it as
     ``--engine-api-key``. None: open."""
+    long_prefill_token_threshold: int | None = None
+    """vLLM's ``--long-prefill-token-threshold`` (``vllm/config/scheduler.py``; 0 disables it); None: vLLM's default."""
+    long_prefill_token_threshold_adaptive: bool = False
+    """vLLM's ``--long-prefill-token-threshold-adaptive`` switch."""
+    scheduler_reserve_full_isl: bool | None = None
+    """vLLM's ``--scheduler-reserve-full-isl`` / ``--no-scheduler-reserve-full-isl``; None: vLLM's default (on)."""
 
     @property
     def replay_endpoint(self) -> str:
@@ -139,6 +145,12 @@ class VllmEngineSpec:
             args += ["--num-gpu-blocks-override", str(self.num_gpu_blocks_override)]
         if self.api_key:
             args += ["--api-key", self.api_key]
+        if self.long_prefill_token_threshold is not None:
+            args += ["--long-prefill-token-threshold", str(self.long_prefill_token_threshold)]
+        if self.long_prefill_token_threshold_adaptive:
+            args.append("--long-prefill-token-threshold-adaptive")
+        if self.scheduler_reserve_full_isl is not None:
+            args.append(("--" if self.scheduler_reserve_full_isl else "--no-") + "scheduler-reserve-full-isl")
         return [*args, *self.extra_args]
 
     def env(self) -> dict[str, str]:
