@@ -26,7 +26,7 @@
 # both under "engine_scheduler". A/B on the steady regime: the same command with and without, e.g.
 #   LONG_PREFILL=512 bench/agentic_load.sh steady --json-out .run/bench/agentic_steady_lp512.json
 # RESERVE_FULL_ISL=1 (or 0) passes --scheduler-reserve-full-isl (--no-...): vLLM 0.32 admits a waiting request only
-# when its whole prompt's KV blocks are free (its default); the simulator's default is off (earlier figures).
+# when its whole prompt's KV blocks are free (its default, and the simulator's); 0 gives first-chunk admission.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .run/bench docs/img

@@ -51,10 +51,11 @@ class SimulatorConfig(ProcessConfig):
     """vLLM 0.32's ``--long-prefill-token-threshold-adaptive``: raise that cap to a fair share of the step,
     ``max_num_batched_tokens // (running + waiting requests)``. Here a value flag (``true``/``false``), where
     vLLM's is a switch (``--long-prefill-token-threshold-adaptive`` / ``--no-...``). No effect at threshold 0."""
-    scheduler_reserve_full_isl: bool = False
-    """vLLM 0.32's ``--scheduler-reserve-full-isl``: admit a waiting request only when its whole sequence's KV
-    blocks are free, not only its first chunk's. vLLM's default is true; the simulator's is false (its behaviour
-    before the field existed, so earlier figures stay comparable; README "Known deliberate differences")."""
+    scheduler_reserve_full_isl: bool = True
+    """vLLM 0.32's ``--scheduler-reserve-full-isl`` (``vllm/config/scheduler.py``, default true, as here): admit a
+    waiting request only when its whole sequence's KV blocks are free, not only its first chunk's; a load from an
+    offloaded tier is checked the same way (README "Long prefills and admission"). ``false``: first-chunk
+    admission, the simulator's behaviour before this field existed."""
     enable_prefix_caching: bool = True
     """Reuse cached blocks across requests (and publish KV events)."""
     events_endpoint: str = ""

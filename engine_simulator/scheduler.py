@@ -7,6 +7,11 @@ outside cannot tell (KV events, cached-token counts, queueing):
   admission order: a decoding one takes 1 token, one still in (chunked) prefill takes
   ``min(remaining, budget)``. Then waiting requests in FCFS order while budget is left and fewer
   than ``max_num_seqs`` run. A request that cannot get blocks stops the waiting queue.
+* Admission reserves the whole sequence (vLLM 0.32's ``scheduler_reserve_full_isl``, on by default): a
+  waiting request starts only when the blocks of its whole prompt are free, not only its first chunk's.
+  Requests holding KV blocks while they wait (loads from an offloaded tier, and loaded prefixes) are tried
+  before the waiting queue, and a load starts only if its blocks leave free what every in-flight prefill
+  still needs (vLLM's ``reserved_blocks``); see :meth:`EngineCore.schedule`.
 * ``long_prefill_token_threshold`` (vLLM's ``--long-prefill-token-threshold``, off by default) caps
   every request's chunk in a step, running and waiting alike, so that one long prefill cannot take
   the whole budget while others wait; see :meth:`EngineCore.long_prefill_cap` for vLLM 0.32's rule.
@@ -66,8 +71,7 @@ class SchedulerConfig:
             no effect while the threshold is 0 (default False, as vLLM).
         scheduler_reserve_full_isl: admit a waiting request only when the blocks of its whole sequence are free,
             not only those of its first chunk (vLLM 0.32's ``--scheduler-reserve-full-isl``, ``allocate_slots(...,
-            full_sequence_must_fit=True)``). **vLLM's default is True**; the simulator's is False, its behaviour
-            before this field existed, so that earlier figures stay comparable (a deliberate difference).
+            full_sequence_must_fit=True)``). True by default, as vLLM 0.32 (``vllm/config/scheduler.py``).
 
     Raises:
         ValueError: ``long_prefill_token_threshold`` negative (vLLM: ``ge=0``) or greater than
@@ -80,7 +84,7 @@ class SchedulerConfig:
     vocab_size: int = 2048
     long_prefill_token_threshold: int = 0
     long_prefill_token_threshold_adaptive: bool = False
-    scheduler_reserve_full_isl: bool = False
+    scheduler_reserve_full_isl: bool = True
 
     def __post_init__(self) -> None:
         check_long_prefill_token_threshold(self.long_prefill_token_threshold, self.max_model_len)
@@ -146,6 +150,10 @@ class Request:
     """While its prefix loads from an offloaded tier: the model time the load completes (else None)."""
     load_plan: LoadPlan | None = None
     """The last offload load of this request (blocks per tier, modeled seconds)."""
+    inflight_prefill: bool = False
+    """In vLLM's ``Scheduler._inflight_prefills``: its load is in flight or done but not yet scheduled, or it was
+    admitted with a chunk that does not finish its prefill; cleared once a step completes the prefill, and on
+    preemption, finish or abort. Its remaining blocks are reserved against new loads."""
     first_token_time: float | None = None
     last_token_time: float | None = None
     _digests: list[bytes] = field(default_factory=list, repr=False)
@@ -259,7 +267,9 @@ class EngineCore:
         self.prefix_hits_tokens = 0
         self.num_preemptions = 0
         self.loading: list[Request] = []
-        """Requests waiting for an offload load (vLLM's ``WAITING_FOR_REMOTE_KVS``): blocks held, not running."""
+        """Waiting requests that hold KV blocks, in the order their loads started (vLLM's ``kv_holding_waiting``):
+        loads from an offloaded tier in flight (``WAITING_FOR_REMOTE_KVS``, ``load_ready_time`` set) and loaded
+        prefixes waiting for the rest of their blocks (``load_ready_time`` None). Tried before :attr:`waiting`."""
         self.external_hits_tokens = 0
         """Prompt tokens loaded from offloaded tiers instead of computed (vLLM's external prefix-cache hits)."""
         self.external_queries_tokens = 0
@@ -320,7 +330,8 @@ class EngineCore:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Waiting requests, loaded prefixes included, loads in flight not."""
+        return len(self.waiting) + sum(1 for r in self.loading if r.load_ready_time is None)
 
     @property
     def num_running(self) -> int:
@@ -336,6 +347,7 @@ class EngineCore:
             self.cache.free(req.blocks)
         req.blocks = []
         req.num_cached_blocks = 0
+        req.inflight_prefill = False
 
     def _computed_blocks(self, req: Request) -> list[int]:
         """Prefix-hit blocks, capped so the last token is always computed (vLLM)."""
@@ -346,12 +358,14 @@ class EngineCore:
             return []
         return self.cache.lookup(req.block_hashes(max_blocks, self.block_size))
 
-    def _allocate(self, req: Request, num_new_tokens: int, hit_blocks: Sequence[int] = (), cache: bool = True) -> bool:
-        """vLLM ``allocate_slots``: reference hits, allocate blocks for the new tokens, cache full ones."""
+    def _allocate(self, req: Request, num_new_tokens: int, hit_blocks: Sequence[int] = (), cache: bool = True,
+                  reserved: int = 0) -> bool:
+        """vLLM ``allocate_slots``: reference hits, allocate blocks for the new tokens, cache full ones. The
+        blocks must fit in the free ones less ``reserved`` (vLLM's ``reserved_blocks``, for async loads)."""
         bs = self.block_size
         total = req.num_computed_tokens + len(hit_blocks) * bs + num_new_tokens
         need = -(-total // bs) - len(req.blocks) - len(hit_blocks)
-        if need > 0 and need + self.cache.num_evictable(hit_blocks) > self.cache.num_free_blocks:
+        if need > 0 and need + self.cache.num_evictable(hit_blocks) > self.cache.num_free_blocks - reserved:
             return False
         if hit_blocks:
             self.cache.touch(hit_blocks)
@@ -386,58 +400,48 @@ class EngineCore:
         """vLLM 0.32's admission check with ``scheduler_reserve_full_isl`` (``KVCacheManager.allocate_slots`` with
         ``full_sequence_must_fit``): the blocks for the request's whole sequence (``min(num_tokens,
         max_model_len)``), less those it holds and its prefix hits, plus the hits that sit evictable in the free
-        queue, must all be free now. Always True when the option is off."""
+        queue, must all be free now (``reserved_blocks`` are not subtracted here, as in vLLM). Always True when the
+        option is off."""
         if not self.config.scheduler_reserve_full_isl:
             return True
-        full = min(req.num_tokens, self.config.max_model_len)
-        need = max(-(-full // self.block_size) - len(req.blocks) - len(hit_blocks), 0)
+        need = self._remaining_blocks(req, len(hit_blocks))
         return need + self.cache.num_evictable(hit_blocks) <= self.cache.num_free_blocks
 
+    def _remaining_blocks(self, req: Request, num_hit_blocks: int = 0) -> int:
+        """Blocks ``req`` still needs for its whole sequence (``min(num_tokens, max_model_len)`` tokens) beyond those
+        it holds and ``num_hit_blocks`` prefix hits (vLLM's ``Scheduler._request_remaining_blocks``)."""
+        full = min(req.num_tokens, self.config.max_model_len)
+        return max(-(-full // self.block_size) - len(req.blocks) - num_hit_blocks, 0)
+
+    def _inflight_reserved_blocks(self) -> int:
+        """vLLM 0.32's ``Scheduler._inflight_prefill_reserved_blocks``: the blocks every in-flight prefill (a load in
+        flight or done, a running request whose prefill is not complete) still needs to finish."""
+        return sum(self._remaining_blocks(r) for r in (*self.running, *self.loading) if r.inflight_prefill)
+
     def _preempt(self, req: Request) -> None:
-        self._free(req)
+        self._free(req)  # also leaves vLLM's _inflight_prefills, as _preempt_request does
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _release_waiting_blocks(self, head: Request) -> bool:
-        """Nothing runs, nothing loads and ``head`` cannot get its blocks: free the blocks that other
-        waiting requests hold (prefixes loaded from an offloaded tier, waiting for the rest of their
-        blocks), as a preemption does; True when any were freed (the caller retries ``head``).
-
-        Loaded blocks entered the GPU prefix cache when their load finished, so a freed request finds
-        them again as GPU hits while they are not evicted. Without this, requests that each hold a
-        loaded prefix and wait for more blocks than are free would wait for one another forever with
-        nothing running to free any (seen on agentic sessions with CPU offload: 7-13 requests waiting,
-        0 running, 75 % of the pool held). Running requests are left alone: their own progress frees
-        blocks, as vLLM waits for them.
-        """
-        if self.running or self.loading:
-            return False
-        freed = False
-        for other in self.waiting:
-            if other is not head and other.blocks:
-                self._free(other)
-                other.num_computed_tokens = 0
-                other.num_preemptions += 1
-                self.num_preemptions += 1
-                freed = True
-        return freed
-
     # -- the step ----------------------------------------------------------------------
-    def _finish_loads(self, now: float) -> None:
-        """Loads done by ``now``: the loaded blocks count as computed and enter the GPU prefix cache (as vLLM
-        caches them once the connector reports the load finished); the request goes back to the waiting head."""
-        done = [r for r in self.loading if r.load_ready_time is not None and r.load_ready_time <= now]
-        for req in reversed(done):
-            self.loading.remove(req)
-            req.load_ready_time = None
-            self._cache_full(req, req.num_computed_tokens)
-            self.waiting.appendleft(req)
+    def _promote_load(self, req: Request) -> None:
+        """A finished load (vLLM's ``_update_waiting_for_remote_kv``, run when the waiting loop reaches the request):
+        the loaded blocks count as computed and enter the GPU prefix cache."""
+        req.load_ready_time = None
+        self._cache_full(req, req.num_computed_tokens)
 
     def _start_load(self, req: Request, hits: list[int], now: float) -> bool | None:
         """Offload lookup after the GPU hit (vLLM's ``get_num_new_matched_tokens``): None when no offloaded block
-        follows the hit; False when the GPU has no blocks for the load; True when the load started."""
+        follows the hit; False when the GPU has no blocks for the load; True when the load started.
+
+        vLLM 0.32 admits an async load (``Scheduler.schedule``, ``load_kv_async``) with ``allocate_slots(request, 0,
+        ..., num_external_computed_tokens=ext, delay_cache_blocks=True, full_sequence_must_fit=
+        scheduler_reserve_full_isl, reserved_blocks=_inflight_prefill_reserved_blocks())``: the whole sequence
+        must fit in the free blocks (when reserving the full ISL), and the blocks of the hit and the load must
+        fit in the free blocks less what every in-flight prefill still needs. The request then joins the
+        in-flight prefills, so later loads leave its remaining blocks free."""
         offload = self.cache.offload
         if offload is None or not self.cache.enable_caching:
             return None
@@ -446,10 +450,11 @@ class EngineCore:
         ext = offload.lookup(hashes[len(hits):])
         if ext == 0:
             return None
-        if not self._full_sequence_fits(req, hits) or not self._allocate(req, ext * self.block_size, hits,
-                                                                          cache=False):
+        if not self._full_sequence_fits(req, hits) or not self._allocate(
+                req, ext * self.block_size, hits, cache=False, reserved=self._inflight_reserved_blocks()):
             return False
         req.num_cached_blocks = len(hits)
+        req.inflight_prefill = True
         req.load_plan = offload.start_load(hashes[len(hits):len(hits) + ext])
         req.load_ready_time = now + req.load_plan.seconds
         req.num_computed_tokens = (len(hits) + ext) * self.block_size
@@ -467,8 +472,8 @@ class EngineCore:
         ``Scheduler.schedule`` (``vllm/v1/core/sched/scheduler.py``).
 
         With ``n = running + waiting`` requests (vLLM's ``get_request_counts``: ``running``, ``waiting`` and
-        ``kv_holding_waiting``, the last being the simulator's :attr:`loading` requests and waiting ones that
-        hold loaded blocks), the cap is ``long_prefill_token_threshold`` when ``n > 1`` and 0 otherwise (a lone
+        ``kv_holding_waiting``, the last being the simulator's :attr:`loading`: loads in flight and loaded
+        prefixes), the cap is ``long_prefill_token_threshold`` when ``n > 1`` and 0 otherwise (a lone
         request has nobody to starve and gets the whole budget). With ``long_prefill_token_threshold_adaptive``
         a non-zero cap is raised to ``max_num_batched_tokens // n`` (the whole step's budget, not what is left
         of it). The cap applies to running and waiting requests before the remaining budget does
@@ -483,15 +488,19 @@ class EngineCore:
 
     def schedule(self, now: float) -> ScheduledStep:
         """Pick this step's work within the token budget, ``max_num_seqs`` and the long-prefill cap
-        (:meth:`long_prefill_cap`)."""
+        (:meth:`long_prefill_cap`), as vLLM 0.32's ``Scheduler.schedule`` (``vllm/v1/core/sched/scheduler.py``):
+        running requests first (a request that cannot get a block preempts the last running one); then, unless
+        this step preempted, the waiting side while budget and ``max_num_seqs`` allow: first :attr:`loading`
+        (vLLM's ``kv_holding_waiting``: a load still in flight is skipped; a finished one is promoted and
+        admitted), then :attr:`waiting` (FCFS: a request whose prefix continues in an offloaded tier starts a
+        load, see :meth:`_start_load`, and is passed over; otherwise it is admitted). Every admission from the
+        waiting side is checked by :meth:`_full_sequence_fits` (``full_sequence_must_fit``) and a refused one
+        ends the step's admissions (vLLM's ``break``)."""
         if self.cache.offload is not None:
             self.cache.offload.advance(now)  # offload stores and kv_store writes due by now complete
-        cap = self.long_prefill_cap()  # before _finish_loads, which only moves loading -> waiting (same count)
-        if self.loading:
-            self._finish_loads(now)
+        cap = self.long_prefill_cap()
         budget = self.config.max_num_batched_tokens
         step = ScheduledStep([])
-        scheduled_ids: set[int] = set()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -507,33 +516,39 @@ class EngineCore:
                     break
             else:
                 step.scheduled.append((req, n))
-                scheduled_ids.add(id(req))
                 budget -= n
                 i += 1
                 continue
             break  # req itself was preempted
         if not step.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                req = self.waiting[0]
-                if req.blocks:  # its prefix was loaded from an offloaded tier: already computed
+            k = 0  # next request of self.loading (vLLM's kv_holding_waiting) to look at; those before it are skipped
+            while budget > 0 and len(self.running) < self.config.max_num_seqs:
+                if k < len(self.loading):  # vLLM drains kv_holding_waiting first
+                    req = self.loading[k]
+                    if req.load_ready_time is not None:
+                        if req.load_ready_time > now:  # still WAITING_FOR_REMOTE_KVS: skipped this step
+                            k += 1
+                            continue
+                        self._promote_load(req)
                     hit_tokens = req.num_computed_tokens
                     n = req.num_tokens - hit_tokens
                     if 0 < cap < n:
                         n = cap
                     n = min(n, budget)
                     if not self._full_sequence_fits(req) or not self._allocate(req, n):
-                        if self._release_waiting_blocks(req):
-                            continue
                         break
+                    del self.loading[k]
                 else:
+                    if not self.waiting:
+                        break
+                    req = self.waiting[0]
                     hits = self._computed_blocks(req)
                     loading = self._start_load(req, hits, now)
                     if loading is False:
-                        if self._release_waiting_blocks(req):
-                            continue
                         break
-                    if loading:
+                    if loading:  # vLLM: skipped into kv_holding_waiting, behind the kv-holding ones seen this step
                         self.loading.append(self.waiting.popleft())
+                        k += 1
                         continue
                     hit_tokens = len(hits) * self.block_size
                     n = req.num_tokens - hit_tokens
@@ -541,11 +556,11 @@ class EngineCore:
                         n = cap
                     n = min(n, budget)
                     if not self._full_sequence_fits(req, hits) or not self._allocate(req, n, hits):
-                        if self._release_waiting_blocks(req):
-                            continue
                         break
-                self.waiting.popleft()
+                    self.waiting.popleft()
                 req.num_computed_tokens = hit_tokens
+                if hit_tokens + n < req.num_tokens:
+                    req.inflight_prefill = True
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = hit_tokens
                     req.first_scheduled_time = now
@@ -575,6 +590,7 @@ class EngineCore:
             req.num_computed_tokens += n
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a prefill chunk: nothing sampled yet
+            req.inflight_prefill = False  # prefill complete (vLLM's _update_after_schedule)
             tok = req.next_token(cfg.vocab_size)
             req.output_token_ids.append(tok)
             done = None

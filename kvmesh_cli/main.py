@@ -161,14 +161,14 @@ def engine_scheduler(threshold: int | None, adaptive: bool, max_model_len: int,
 
 
 def engine_scheduler_label(settings: dict[str, object]) -> str:
-    """``", long_prefill_token_threshold 512 (adaptive)"`` for a table title (and ``", scheduler_reserve_full_isl"``
-    when on); empty for the simulator's defaults."""
+    """``", long_prefill_token_threshold 512 (adaptive)"`` for a table title (and ``", no scheduler_reserve_full_isl"``
+    when that is off); empty for the simulator's defaults (vLLM 0.32's: threshold off, full-ISL reservation on)."""
     out = ""
     if settings.get("long_prefill_token_threshold"):
         adaptive = " (adaptive)" if settings.get("long_prefill_token_threshold_adaptive") else ""
         out = f", long_prefill_token_threshold {settings['long_prefill_token_threshold']}{adaptive}"
-    if settings.get("scheduler_reserve_full_isl"):
-        out += ", scheduler_reserve_full_isl"
+    if settings.get("scheduler_reserve_full_isl", True) is False:
+        out += ", no scheduler_reserve_full_isl"
     return out
 
 

@@ -212,7 +212,7 @@ def test_waiting_requests_loading_from_an_offloaded_tier_count() -> None:
 
 def test_reserve_full_isl_admits_a_request_only_when_its_whole_prompt_fits() -> None:
     """vLLM 0.32's ``scheduler_reserve_full_isl`` (its default): a 30-block pool (29 usable), A (300 tokens, 19 blocks)
-    prefilling; B (250 tokens, 16 blocks) arrives. First-chunk admission (the simulator's default) starts B with the
+    prefilling; B (250 tokens, 16 blocks) arrives. First-chunk admission (``false``) starts B with the
     20 tokens left in step 5 (2 blocks free for its chunk); full-ISL admission waits until A has finished and
     freed its blocks (10 free < 16 needed before). Both schedules are vLLM 0.32's (tests/compat cross-check)."""
     def run(reserve: bool) -> list[list[tuple[str, int]]]:
@@ -244,6 +244,7 @@ def test_simulator_flags_carry_vllms_names_defaults_and_validation(tmp_path: Pat
 
     defaults = SimulatorConfig()
     assert defaults.long_prefill_token_threshold == 0 and defaults.long_prefill_token_threshold_adaptive is False
+    assert defaults.scheduler_reserve_full_isl is True and SchedulerConfig().scheduler_reserve_full_isl is True
     cfg = load_config(SimulatorConfig, ["--long-prefill-token-threshold", "512",
                                         "--long-prefill-token-threshold-adaptive", "true",
                                         "--tokenizer-path", str(tmp_path), "--etcd-endpoints", ""])
@@ -260,7 +261,8 @@ def test_simulator_flags_carry_vllms_names_defaults_and_validation(tmp_path: Pat
 
 def test_mesh_gives_every_simulated_engine_the_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``MeshSpec.long_prefill_token_threshold[_adaptive]`` -> each engine's command line, which the simulator parses
-    back to the same settings; unset, no flag is passed (the engine's default, off)."""
+    back to the same settings; unset, no flag is passed (the engine's defaults: threshold off, full-ISL reservation on,
+    as vLLM 0.32)."""
     from kvmesh_cli.mesh import Mesh, MeshSpec
 
     monkeypatch.setattr(Mesh, "_spawn", lambda self, member, ports: None)
@@ -271,12 +273,12 @@ def test_mesh_gives_every_simulated_engine_the_flags(tmp_path: Path, monkeypatch
         return load_config(SimulatorConfig, argv[3:])
 
     on = engine_config(MeshSpec(run_dir=tmp_path, long_prefill_token_threshold=512,
-                                long_prefill_token_threshold_adaptive=True, scheduler_reserve_full_isl=True))
+                                long_prefill_token_threshold_adaptive=True, scheduler_reserve_full_isl=False))
     assert on.long_prefill_token_threshold == 512 and on.long_prefill_token_threshold_adaptive is True
-    assert on.scheduler_reserve_full_isl is True
+    assert on.scheduler_reserve_full_isl is False
     off = engine_config(MeshSpec(run_dir=tmp_path))
     assert off.long_prefill_token_threshold == 0 and off.long_prefill_token_threshold_adaptive is False
-    assert off.scheduler_reserve_full_isl is False
+    assert off.scheduler_reserve_full_isl is True  # vLLM 0.32's default (vllm/config/scheduler.py)
 
 
 def test_real_vllm_gets_vllms_own_spelling(tmp_path: Path) -> None:
@@ -307,8 +309,9 @@ def test_cli_takes_the_threshold_and_refuses_one_above_the_context(command: str)
                                                                            env={"COLUMNS": "240"}).output
     settings = engine_scheduler(512, True, 16_000)
     assert settings == {"long_prefill_token_threshold": 512, "long_prefill_token_threshold_adaptive": True,
-                        "scheduler_reserve_full_isl": False}
+                        "scheduler_reserve_full_isl": True}
     assert engine_scheduler_label(settings) == ", long_prefill_token_threshold 512 (adaptive)"
     assert engine_scheduler(None, False, 16_000)["long_prefill_token_threshold"] == 0
     assert engine_scheduler_label(engine_scheduler(None, False, 16_000)) == ""
-    assert engine_scheduler_label(engine_scheduler(None, False, 16_000, True)) == ", scheduler_reserve_full_isl"
+    assert engine_scheduler_label(engine_scheduler(None, False, 16_000, True)) == ""
+    assert engine_scheduler_label(engine_scheduler(None, False, 16_000, False)) == ", no scheduler_reserve_full_isl"

@@ -284,12 +284,19 @@ def test_load_waits_modeled_time_and_does_not_block_others() -> None:
     assert core.cache.num_free_blocks == 15
 
 
-def test_waiting_requests_holding_loaded_prefixes_never_wait_on_each_other() -> None:
-    """Two requests load their 5-block prefixes from CPU into an 11-block pool (10 blocks held), then
-    each needs 4 more blocks for its new tokens: with nothing running, the head frees the other's
-    loaded blocks instead of both waiting forever; the other then finds its prefix as GPU hits."""
+@pytest.mark.parametrize("reserve_full_isl", [True, False])
+def test_a_load_that_would_wait_on_another_loaded_prefix_does_not_start(reserve_full_isl: bool) -> None:
+    """vLLM 0.32 (``vllm/v1/core/sched/scheduler.py`` ``Scheduler.schedule``, the ``load_kv_async`` branch): a load
+    is admitted by ``allocate_slots(..., full_sequence_must_fit=scheduler_reserve_full_isl,
+    reserved_blocks=_inflight_prefill_reserved_blocks())``. Two requests whose 5-block prefixes sit in CPU, each 10
+    blocks in all, on an 11-block pool: x's load starts (10 <= 11 free; 5 <= 11 - 0 reserved); y's does not, with
+    the full-ISL check (10 > 6 free) and, when that is off, by the reservation alone (5 > 6 free - 5 that x still
+    needs). y starts only once x has finished, and nobody is preempted. (The simulator used to start both loads,
+    leaving both waiting for 4 more blocks with 1 free, and then freed y's loaded blocks by a preemption vLLM does
+    not have; vLLM never gets there.)"""
     off = _offload()
-    core = _core(12, off)
+    core = EngineCore(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512,
+                                      scheduler_reserve_full_isl=reserve_full_isl), PrefixCache(12, B, offload=off))
     prefixes = [list(range(k * 1000, k * 1000 + 5 * B)) for k in (1, 2)]
     for prefix in prefixes:
         off.store(_stored_event(prefix))
@@ -297,11 +304,110 @@ def test_waiting_requests_holding_loaded_prefixes_never_wait_on_each_other() -> 
     off.take_events()
     x = Request("x", prefixes[0] + list(range(50_000, 50_000 + 4 * B + 3)), max_tokens=1, ignore_eos=True)
     y = Request("y", prefixes[1] + list(range(60_000, 60_000 + 4 * B + 3)), max_tokens=1, ignore_eos=True)
-    _drive(core, x, y, now=10.0)  # raised "did not finish" / a stalled step before the fix
-    assert x.finish_reason is not None and y.finish_reason is not None
-    assert x.load_plan is not None and x.load_plan.cpu_blocks == 5
-    assert y.num_preemptions == 1 and core.num_preemptions == 1
-    assert core.cache.num_free_blocks == 11
+    core.add_request(x)
+    core.add_request(y)
+    assert core.schedule(10.0).empty  # x loads 5 blocks (5 ms); y's load is refused and stops the queue
+    assert core.loading == [x] and list(core.waiting) == [y] and not y.blocks and core.cache.num_free_blocks == 6
+    step = core.schedule(10.005)  # x's load done: its 67-token tail, 64 now (4 more blocks); y still refused
+    assert step.scheduled == [(x, 64)] and list(core.waiting) == [y] and core.cache.num_free_blocks == 2
+    core.update(step)
+    step = core.schedule(11.005)
+    assert step.scheduled == [(x, 3)] and not y.blocks
+    core.update(step)  # x done: its 10 blocks are free (cached)
+    assert x.finish_reason is not None and core.schedule(12.005).empty and core.loading == [y]
+    _drive(core, now=12.01)
+    assert y.finish_reason is not None and y.load_plan is not None and y.load_plan.cpu_blocks == 5
+    assert core.num_preemptions == 0 and y.num_preemptions == 0 and core.cache.num_free_blocks == 11
+
+
+def test_a_load_leaves_free_what_in_flight_prefills_still_need() -> None:
+    """vLLM 0.32's ``reserved_blocks`` for async loads (``Scheduler._inflight_prefill_reserved_blocks``: every
+    request still prefilling, loads in flight included, reserves the blocks of its whole sequence it does not hold
+    yet). 21-block pool (20 free). x (227 tokens, 15 blocks) loads its 2 offloaded blocks: 15 <= 20, 2 <= 20; it
+    then needs 13 more. y (147 tokens, 10 blocks, 9 of them offloaded) passes the full-ISL check (10 <= 18 free)
+    but not the reservation (9 > 18 - 13), and stops the queue. A request without a load is not held to the
+    reservation (vLLM passes ``reserved_blocks`` only with ``load_kv_async``): z (5 blocks, no offloaded prefix)
+    in y's place starts at once."""
+    def setup(second: Request) -> EngineCore:
+        off = _offload()
+        core = _core(21, off)
+        off.store(_stored_event(list(range(1000, 1000 + 2 * B))))
+        off.store(_stored_event(list(range(2000, 2000 + 9 * B))))
+        off.advance(10.0)
+        off.take_events()
+        core.add_request(Request("x", list(range(1000, 1000 + 14 * B + 3)), max_tokens=1, ignore_eos=True))
+        core.add_request(second)
+        return core
+
+    y = Request("y", list(range(2000, 2000 + 9 * B + 3)), max_tokens=1, ignore_eos=True)
+    core = setup(y)
+    assert core.schedule(10.0).empty
+    assert [r.request_id for r in core.loading] == ["x"] and list(core.waiting) == [y] and not y.blocks
+    assert core.cache.num_free_blocks == 18
+    z = Request("z", list(range(7000, 7000 + 4 * B + 3)), max_tokens=1, ignore_eos=True)
+    core = setup(z)
+    assert core.schedule(10.0).scheduled == [(z, 64)]
+    assert [r.request_id for r in core.loading] == ["x"] and core.cache.num_free_blocks == 14
+
+
+def test_a_load_refused_its_full_sequence_stops_the_waiting_queue() -> None:
+    """A load refused by the full-ISL check ends the step's admissions as any refused allocation does (``allocate_slots``
+    returns None: ``break``): x (6 blocks, 4 offloaded) cannot start its load beside w (5 free); v (1 block), behind
+    it, waits too; once w has finished, x's load starts and v beside it."""
+    off = _offload()
+    core = _core(9, off)  # 8 free
+    prefix = list(range(1000, 1000 + 4 * B))
+    off.store(_stored_event(prefix))
+    off.advance(10.0)
+    off.take_events()
+    x = Request("x", prefix + list(range(9000, 9000 + B + 3)), max_tokens=1, ignore_eos=True)  # 83 tokens, 6 blocks
+    w = Request("w", list(range(3000, 3000 + 3 * B)), max_tokens=2, ignore_eos=True)  # 48 tokens, 4 blocks
+    core.add_request(w)
+    core.add_request(x)
+    step = core.schedule(10.0)  # w starts (3 blocks now); x loads 4 blocks: full 6 <= 5? no
+    assert step.scheduled == [(w, 48)] and core.loading == [] and list(core.waiting) == [x]
+    core.update(step)
+    v = Request("v", list(range(5000, 5010)), max_tokens=1, ignore_eos=True)
+    core.add_request(v)
+    step = core.schedule(11.0)  # w decodes (4th block); x: full 6 > 4 free: break, v stays behind it
+    assert step.scheduled == [(w, 1)] and list(core.waiting) == [x, v]
+    core.update(step)
+    assert w.finish_reason is not None
+    step = core.schedule(12.0)  # x's load starts (6 <= 8; 4 <= 8 - 0); v (1 block) then starts beside it
+    assert step.scheduled == [(v, 10)] and core.loading == [x]
+    core.update(step)
+    step = core.schedule(12.01)  # x's load done: tried first, its 19-token rest
+    assert step.scheduled == [(x, 19)] and core.loading == [] and not core.waiting
+
+
+def test_loaded_prefixes_go_before_the_waiting_queue_and_stop_it() -> None:
+    """vLLM 0.32 drains ``kv_holding_waiting`` (loads in flight, skipped, and finished loads) before ``waiting``, and a
+    finished load that cannot get its blocks ends the step's admissions (``break``; its full-ISL check, blocks it
+    holds subtracted, runs again when it resumes). 9-block pool (8 free): x (83 tokens, 6 blocks) loads its 2
+    offloaded blocks (6 <= 8); w (80 tokens, 5 blocks, a fresh request, no reservation) starts beside it with 64
+    tokens (5 <= 6 free; 4 blocks). Next step w takes its 5th block (1 free); x's load is done but it needs 4 more
+    blocks: break, so v (10 tokens, 1 block, 1 free) behind it in ``waiting`` does not start."""
+    off = _offload()
+    core = _core(9, off)
+    prefix = list(range(1000, 1000 + 2 * B))
+    off.store(_stored_event(prefix))
+    off.advance(10.0)
+    off.take_events()
+    x = Request("x", prefix + list(range(9000, 9000 + 3 * B + 3)), max_tokens=1, ignore_eos=True)
+    w = Request("w", list(range(3000, 3000 + 5 * B)), max_tokens=3, ignore_eos=True)
+    core.add_request(x)
+    core.add_request(w)
+    step = core.schedule(10.0)
+    assert step.scheduled == [(w, 64)] and core.loading == [x] and core.cache.num_free_blocks == 2
+    core.update(step)
+    v = Request("v", list(range(5000, 5010)), max_tokens=1, ignore_eos=True)
+    core.add_request(v)
+    step = core.schedule(11.0)
+    assert step.scheduled == [(w, 16)] and core.loading == [x] and x.load_ready_time is None
+    assert list(core.waiting) == [v] and core.cache.num_free_blocks == 1 and core.num_waiting == 2
+    core.update(step)
+    _drive(core, now=12.0)
+    assert v.finish_reason is not None and x.finish_reason is not None and core.num_preemptions == 0
 
 
 async def test_async_engine_sleeps_through_a_load_on_manual_clock() -> None:

@@ -265,7 +265,10 @@ def _saturated_split(rate: float, requests: int, seed: int = 0, abandoned: float
     rng = random.Random(seed)
     latency = get_profile("llama-3.1-8b-h100")
     n, block = 4, 64
-    cores = [EngineCore(SchedulerConfig(64, 2048, 131072), PrefixCache(512, block)) for _ in range(n)]
+    # first-chunk admission, as the simulated engines of the live runs had (the simulator's default then; vLLM's
+    # default full-ISL reservation preempts far less, and this test uses preemptions as its proof of saturation)
+    cores = [EngineCore(SchedulerConfig(64, 2048, 131072, scheduler_reserve_full_isl=False), PrefixCache(512, block))
+             for _ in range(n)]
     eps = [Endpoint(id=EndpointId(f"127.0.0.1:{i + 1}"), url=f"http://127.0.0.1:{i + 1}", model="m") for i in range(n)]
     clock = ManualClock()
     ds = Datastore(clock)
