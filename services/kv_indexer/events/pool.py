@@ -12,9 +12,11 @@ messages 0, 1, 2, ... per publisher). A message with
 * the expected seq is decoded and applied;
 * a higher seq is a *gap*: the endpoint enters ``recovering``, its live messages are buffered, and
   the missing range is asked of the publisher's replay buffer (:class:`Replayer`, vLLM's ROUTER
-  protocol); replayed and buffered messages are then applied in order, each seq once. A range the
-  replay did not cover (no replay endpoint, timeout past ``replay_timeout_seconds``, buffer already
-  rolled over, too many live messages buffered meanwhile) marks the endpoint ``unreliable``;
+  protocol); replayed and buffered messages are then applied in order, each seq once. Live messages
+  lost *while* the replay was answered (published after the publisher answered) leave a hole in the
+  buffered ones that is still in the publisher's buffer: it is asked for again. A range the
+  publisher can no longer serve (no replay endpoint, timeout past ``replay_timeout_seconds``, buffer
+  already rolled over, too many live messages buffered meanwhile) marks the endpoint ``unreliable``;
 * a lower seq is either a *duplicate* or a *publisher restart*, told apart by the batch's ``ts``
   (vLLM stamps each ``KVEventBatch`` with the engine's ``time.time()``): a message no newer than the
   last one applied is a duplicate, dropped (``batches_dropped{reason="duplicate"}``). Duplicates are
@@ -507,50 +509,80 @@ class EventPool:
         if not self._recoveries:
             self._settled.set()
 
-    async def _recover(self, track: _Track, recovery: _Recovery) -> None:
-        endpoint = track.endpoint
-        replies: list[tuple[int, bytes]] = []
-        failure = ""
+    async def _ask(self, endpoint: Endpoint, from_seq: int) -> tuple[list[tuple[int, bytes]], str]:
+        """The publisher's buffered messages from ``from_seq`` on, and ``""``; or ``[]`` and why not."""
         if self._replayer is None or not endpoint.replay_endpoint:
-            failure = "no replay endpoint"
-        else:
-            try:
-                replies = await self._replayer.replay(endpoint, recovery.from_seq, self._replay_timeout)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                failure = f"{type(exc).__name__}: {exc}"
-        if track.recovery is not recovery:
-            return  # the endpoint left or restarted meanwhile
+            return [], "no replay endpoint"
+        try:
+            return await self._replayer.replay(endpoint, from_seq, self._replay_timeout), ""
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            return [], f"{type(exc).__name__}: {exc}"
+
+    async def _recover(self, track: _Track, recovery: _Recovery) -> None:
+        """Replay from ``recovery.from_seq``, then apply the buffered live messages, in seq order.
+
+        The publisher answers with what it had *when asked*; live messages published after that can
+        be lost on their way too (the loss that caused the gap may still be going on), so the
+        buffer may hold a hole the replay could not cover. Such a hole is still in the publisher's
+        buffer: it is asked for again (one more round per hole, each round from the first missing
+        seq), and only a hole the publisher can no longer serve (a failed or empty answer, an
+        answer starting past the hole, an overflowed live buffer) makes the endpoint ``unreliable``.
+        """
+        endpoint = track.endpoint
         expected = recovery.from_seq
         # a fresh start loses nothing by a failed replay or an overflowed buffer: only a hole after
         # the first message applied (``started``) can leave stale entries
-        complete = recovery.fresh or (not failure and not recovery.overflowed)
         started = not recovery.fresh
+        complete = True
+        failure = ""
         replayed = 0
-        for i, (seq, payload) in enumerate(replies):
-            if seq < expected:
-                continue  # answered twice
-            if seq > expected and started:
+        rounds = 0
+        hole = False  # the previous round left a hole in the buffered messages: this round must fill it
+        while True:
+            rounds += 1
+            asked = expected
+            replies, failure = await self._ask(endpoint, asked)
+            if track.recovery is not recovery:
+                return  # the endpoint left or restarted meanwhile
+            if (failure or recovery.overflowed) and started:
                 complete = False
-            started = True
-            self._apply_message(track, RawMessage(endpoint.id, endpoint.model, seq, payload))
-            expected = seq + 1
-            replayed += 1
-            if i % _APPLY_CHUNK == _APPLY_CHUNK - 1:
-                await asyncio.sleep(0)
-                if track.recovery is not recovery:
-                    return
-        while recovery.buffer:  # live messages that arrived meanwhile (more may come while we yield)
-            buffered, recovery.buffer = recovery.buffer, []
-            for message in sorted(buffered, key=lambda m: m.seq):
+            for i, (seq, payload) in enumerate(replies):
+                if seq < expected:
+                    continue  # answered twice
+                if seq > expected and started:
+                    complete = False
+                started = True
+                self._apply_message(track, RawMessage(endpoint.id, endpoint.model, seq, payload))
+                expected = seq + 1
+                replayed += 1
+                if i % _APPLY_CHUNK == _APPLY_CHUNK - 1:
+                    await asyncio.sleep(0)
+                    if track.recovery is not recovery:
+                        return
+            if hole and expected == asked:
+                complete = False  # it published the missing seq (later ones arrived) and cannot serve it: lost
+            hole = False
+            buffered, recovery.buffer = sorted(recovery.buffer, key=lambda m: m.seq), []
+            for k, message in enumerate(buffered):  # live messages that arrived meanwhile
                 if message.seq < expected:
                     continue  # replayed already, or buffered twice
                 if message.seq > expected and started:
+                    if complete and not failure and not recovery.overflowed:
+                        hole = True  # lost after the publisher answered: still in its buffer, ask again
+                        recovery.buffer = buffered[k:]
+                        break
                     complete = False
                 started = True
                 self._apply_message(track, message)
                 expected = message.seq + 1
+            if not hole:
+                break
+            logger.info(
+                "kv event recovery endpoint=%s: live messages from seq=%d on were lost while replaying; asking again",
+                endpoint.id, expected,
+            )
         track.recovery = None
         track.next_seq = expected if started else None
         if not started:  # the buffer was empty then: what the first live message follows may be there now
@@ -560,11 +592,12 @@ class EventPool:
         result = "recovered" if complete else "unreliable"
         duration = self._clock() - recovery.started
         metrics.record_recovery(recovery.trigger, result, duration, replayed)
-        log = logger.info if complete else logger.warning
+        log = logger.info if complete and track.reliable else logger.warning
         log(
-            "kv event recovery endpoint=%s trigger=%s from=%d to=%d replayed=%d result=%s%s duration=%.3fs",
-            endpoint.id, recovery.trigger, recovery.from_seq, expected, replayed, result,
-            f" ({failure})" if failure else "", duration,
+            "kv event recovery endpoint=%s trigger=%s from=%d to=%d replayed=%d rounds=%d result=%s%s state=%s "
+            "duration=%.3fs",
+            endpoint.id, recovery.trigger, recovery.from_seq, expected, replayed, rounds, result,
+            f" ({failure})" if failure else "", track.state, duration,
         )
 
     # -- held messages ----------------------------------------------------------------------
