@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
+from collections import Counter
+from collections.abc import Callable
 
 _FORMAT = "%(asctime)s %(levelname)s [%(service)s] %(name)s: %(message)s"
 
@@ -31,3 +34,45 @@ def setup_logging(service: str, level: str = "INFO") -> None:
     # Quiet chatty libraries at INFO.
     for name in ("httpx", "httpcore", "uvicorn.access", "aetcd"):
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+class RateLimitedLog:
+    """Rate-limited log lines per kind: the first at once, then at most one per ``interval_seconds``,
+    which says how many lines of that kind were suppressed since the last one (the convention of
+    :class:`kvmesh.membership.EtcdState`'s etcd warnings). Not thread-safe: one event loop.
+
+    Args:
+        logger: where lines go.
+        interval_seconds: minimum seconds between two lines of one kind.
+        clock: monotonic seconds (injectable for tests).
+    """
+
+    def __init__(self, logger: logging.Logger, interval_seconds: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._logger = logger
+        self._interval = interval_seconds
+        self._clock = clock
+        self._last: dict[str, float] = {}
+        self._suppressed: Counter[str] = Counter()
+
+    def log(self, level: int, kind: str, message: str, *args: object) -> bool:
+        """Log ``message % args`` at ``level`` unless a line of ``kind`` went out within the interval
+        (then only counted). Returns whether a line was written."""
+        now = self._clock()
+        last = self._last.get(kind)
+        if last is not None and now - last < self._interval:
+            self._suppressed[kind] += 1
+            return False
+        self._last[kind] = now
+        more = self._suppressed.pop(kind, 0)
+        suffix = f" (+{more} more {kind} lines suppressed in the last {self._interval:.0f}s)" if more else ""
+        self._logger.log(level, message + suffix, *args)
+        return True
+
+    def warning(self, kind: str, message: str, *args: object) -> bool:
+        """:meth:`log` at WARNING."""
+        return self.log(logging.WARNING, kind, message, *args)
+
+    def suppressed(self, kind: str) -> int:
+        """Lines of ``kind`` suppressed since its last line."""
+        return self._suppressed[kind]

@@ -304,3 +304,65 @@ async def test_kv_indexer_restarted_cold_under_load_replays_once_per_engine_and_
         from_zero = [line for line in log.splitlines() if f"kv event recovery endpoint={engine.id} " in line and " from=0 " in line]
         assert len(from_zero) == 1, from_zero  # one replay of the engine's buffer for the restart
         assert "result=recovered" in from_zero[0]
+
+
+async def test_malformed_message_on_a_live_engines_topic_moves_no_seq_and_purges_nothing(mesh: Mesh) -> None:
+    """The fresh-user trial's repro, over a real ZMQ socket into the real process: a PUB connected to
+    the indexer's events bind address sends ``[b"kv@<engine>@<model>", seq=10**12, b"\\xc1\\xc1\\xc1"]``
+    (and a msgpack map, decodable but not vLLM 0.32's ``EventBatch``) on a live simulated engine's
+    topic. Both are counted as dropped; the engine stays ``live`` at its last seq, its next real
+    batches apply in order (no sequence gap, no "publisher restarted" purge, no replay), and 50 more
+    such messages log one rate-limited line, not 50."""
+    import zmq
+
+    from kvmesh.kv_events import encode_seq, make_topic
+
+    mesh.start_indexer()
+    engine = mesh.start_engine()
+    stub = mesh.stub()
+    await load([engine], 8)
+    await assert_index_equals_cache(stub, engine)
+
+    async def stats() -> tuple[int, pb.EndpointIndexStats]:
+        reply = await stub.Stats(pb.StatsRequest(), timeout=5)
+        return reply.batches_dropped, {e.endpoint_id: e for e in reply.per_endpoint}[engine.id]
+
+    dropped_before, before = await stats()
+    assert before.state == "live" and before.last_seq > 0
+    topic = make_topic(engine.id, MODEL).encode()
+    malformed = [
+        [topic, encode_seq(10**12), b"\xc1\xc1\xc1"],  # not msgpack
+        [topic, encode_seq(10**12 + 1), b"\x82\xa2ts\xcb" + b"\x00" * 8 + b"\xa6events\x90"],  # a map, not an EventBatch
+    ]
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(mesh.bind)
+    try:
+        async def send_and_count() -> int:  # a PUB drops what it sends before the connection is up
+            for frames in malformed:
+                sock.send_multipart(frames)
+            return (await stats())[0]
+
+        await wait_until_async(send_and_count, 10, "malformed messages counted", until=lambda n: n >= dropped_before + 2)
+        for i in range(50):
+            sock.send_multipart([topic, encode_seq(10**12 + 2 + i), b"\xc1\xc1\xc1"])
+        await wait_until_async(lambda: stats(), 10, "50 more counted", until=lambda s: s[0] >= dropped_before + 52)
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    _, after = await stats()
+    assert (after.state, after.last_seq, after.blocks) == ("live", before.last_seq, before.blocks)
+
+    await load([engine], 8, seed=9)  # the engine's next real batches: in order, nothing purged or replayed
+    await assert_index_equals_cache(stub, engine)
+    _, later = await stats()
+    assert before.last_seq < later.last_seq < 10**12 and later.state == "live"
+    assert mesh.indexer is not None
+    log = await asyncio.to_thread(mesh.indexer.log_path.read_text, errors="replace")
+    drop_lines = [line for line in log.splitlines() if "dropping malformed kv event message reason=bad_payload" in line]
+    assert "publisher restarted" not in log
+    # no gap, recovery or seq other than the drop lines ever names the forged seq (a real loss on the
+    # wire, replayed, is not this test's business)
+    assert [line for line in log.splitlines() if "1000000000" in line and line not in drop_lines] == []
+    assert 1 <= len(drop_lines) <= 3, drop_lines  # rate-limited: one line per 10 s, not one per message

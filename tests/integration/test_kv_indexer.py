@@ -224,14 +224,55 @@ async def test_malformed_batches_are_dropped_and_service_keeps_answering(mesh: d
         pub.send_raw([pub.topic, encode_seq(100)])  # two frames
         pub.send_raw([b"kv@tiny", encode_seq(101), b"\x93"])  # vLLM's bare topic: no endpoint
         pub.send_raw([pub.topic, b"\x00\x01", b"\x90"])  # bad sequence frame
-        pub.send_payload(b"\xc1not msgpack")  # bad payload (with the next seq: no gap)
-        pub.send_payload(b"\x93\xcb" + b"\x00" * 8 + b"\x91\x81\xa4type\xa4Nope\x00")  # unknown event
+        # bad payloads on the engine's topic, with the seq it will use next and one far ahead: dropped
+        # before sequencing, so neither moves its seq (docs/kv-index.md, "Malformed and forged messages")
+        pub.send_raw([pub.topic, encode_seq(pub.pub.next_seq), b"\xc1not msgpack"])
+        pub.send_raw([pub.topic, encode_seq(10**12), b"\x93\xcb" + b"\x00" * 8 + b"\x91\x81\xa4type\xa4Nope\x00"])
         await wait_until_async(lambda: dropped(stub), 10, "5 more batches dropped", until=lambda n: n >= before + 5)
-        pub.send(stored([2], PROMPT[4:8], parent=1))
+        pub.send(stored([2], PROMPT[4:8], parent=1))  # the engine's next seq: in order, nothing purged
         await scores_become(stub, {ep.id: 2})
+        per = {e.endpoint_id: e for e in (await stub.Stats(pb.StatsRequest(), timeout=5)).per_endpoint}[ep.id]
+        assert (per.state, per.last_seq) == ("live", pub.pub.next_seq - 1)
         assert mesh["proc"].alive
     finally:
         await reg.stop()
+
+
+async def test_a_model_the_index_holds_nothing_for_is_a_ready_empty_answer_not_an_error(mesh: dict) -> None:
+    """The proto's rule, and what epp (Score's client) needs: a model with no registered endpoint, or
+    whose endpoints sent no event yet, is not an error: ``INDEX_STATE_READY`` with no scores (the
+    index's best knowledge: nothing cached), so an epp picking for it right after it registers (epp
+    and kv_indexer learn membership from etcd separately) does not count a degraded Score. Only a
+    missing ``model`` is refused (``INVALID_ARGUMENT``)."""
+    from services.epp.kv_indexer_client import GrpcPrefixIndex
+
+    stub = mesh["stub"]
+    never = await stub.Score(pb.ScoreRequest(model="nope", token_ids=PROMPT), timeout=5)
+    assert never.state == pb.INDEX_STATE_READY
+    assert (list(never.scores), list(never.unknown_endpoint_ids)) == ([], [])
+    assert list((await stub.Lookup(pb.LookupRequest(model="nope", token_ids=PROMPT), timeout=5)).blocks) == []
+
+    port = free_port()
+    quiet = Endpoint(id=EndpointId(f"127.0.0.1:{port}"), url=f"http://127.0.0.1:{port}", model="quiet",
+                     block_size_tokens=BLOCK, instance_id="boot-1")
+    reg = LeaseRegistration([mesh["etcd"]], endpoint_key(quiet), quiet.to_json(), ttl_seconds=3)
+    await reg.start()
+    try:
+        await registered_includes(stub, {quiet.id})
+        reply = await stub.Score(pb.ScoreRequest(model="quiet", token_ids=PROMPT), timeout=5)
+        assert reply.state == pb.INDEX_STATE_READY and list(reply.scores) == []
+        assert (reply.total_blocks, reply.block_size_tokens) == (4, BLOCK)
+        client = GrpcPrefixIndex(mesh["address"], 5.0)
+        try:
+            for model in ("nope", "quiet"):  # epp reads both as "no prefix match", not a failed call
+                assert (await client.score(model, PROMPT, [])).matched_blocks == {}
+        finally:
+            await client.close()
+    finally:
+        await reg.stop()
+    with pytest.raises(grpc.aio.AioRpcError) as exc_info:
+        await stub.Score(pb.ScoreRequest(model="", token_ids=PROMPT), timeout=5)
+    assert exc_info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 async def registered_includes(stub: kv_indexer_pb2_grpc.KVIndexerStub, ids: set[str]) -> None:

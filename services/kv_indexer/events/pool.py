@@ -35,6 +35,17 @@ when the replay fails, the first live message is (a replay that found the buffer
 count: the next message with seq > 0 asks again). A hole *after* the start is a gap as usual.
 ``unreliable`` lasts until a fresh state is known: an ``AllBlocksCleared`` or a new incarnation.
 
+**Malformed messages.** A message is decoded *before* it is sequenced: one whose payload is not a
+vLLM 0.32 / SGLang 0.5.23 ``EventBatch`` (undecodable msgpack, another shape, an unknown event
+type, a field of the wrong type, a non-finite ``ts``) is dropped and counted
+(``batches_dropped{reason="bad_payload"}``) without touching its endpoint's sequence, state or
+entries: its seq is not evidence of anything. A replayed message that cannot be decoded is a
+message lost (a hole, asked for again, then ``unreliable``). Drop lines are rate-limited per reason
+(:class:`kvmesh.logging.RateLimitedLog`: one per 10 s with the count suppressed). A *valid* message
+is trusted, whoever sent it: vLLM's ZMQ protocol has no authentication, so a well-formed batch with
+a far-ahead seq is a gap (then, when the engine's real seq follows, a publisher restart), exactly as
+if the engine had sent it. Keep the events bind address on a network only engines reach.
+
 **Registration race.** An engine may publish before the indexer's etcd watch sees it join. A
 message for an endpoint that was never registered is held (at most ``pending_batches`` per
 endpoint, for ``pending_ttl_seconds``) and sequenced when it joins. Messages for an endpoint
@@ -47,6 +58,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import math
 import time
 import zlib
 from collections import Counter, deque
@@ -57,6 +69,7 @@ from typing import Protocol
 import msgspec
 
 from kvmesh.kv_events import AllBlocksCleared, BlockStored, EventBatch, decode_batch
+from kvmesh.logging import RateLimitedLog
 from kvmesh.types import Endpoint, EndpointId
 from services.kv_indexer import metrics
 from services.kv_indexer.events.fields import EventFieldFilter
@@ -93,14 +106,33 @@ class ParityCheck(Protocol):
     def check(self, endpoint_id: EndpointId, event: BlockStored) -> None: ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RawMessage:
-    """One ZMQ message whose frames parsed: endpoint and model from the topic, seq, raw payload."""
+    """One ZMQ message whose frames parsed: endpoint and model from the topic, seq, raw payload;
+    ``batch`` is the decoded payload, set by the pool before the message is sequenced."""
 
     endpoint_id: EndpointId
     model: str
     seq: int
     payload: bytes
+    batch: EventBatch | None = field(default=None, compare=False, repr=False)
+
+
+DROP_LOG_INTERVAL_SECONDS = 10.0
+"""At most one drop line per reason (bad frames, bad topic, bad seq, bad payload) per this many seconds."""
+
+
+def decode_payload(payload: bytes) -> EventBatch:
+    """The payload as an :class:`EventBatch` (vLLM 0.32 / SGLang 0.5.23, ``kvmesh.kv_events``).
+
+    Raises:
+        msgspec.DecodeError: not msgpack, or not an ``EventBatch`` (``msgspec.ValidationError``).
+        ValueError: a non-finite ``ts`` (vLLM and SGLang stamp ``time.time()``).
+    """
+    batch = decode_batch(payload)
+    if not math.isfinite(batch.ts):
+        raise ValueError(f"batch ts {batch.ts!r} is not a finite time")
+    return batch
 
 
 @dataclass
@@ -204,6 +236,7 @@ class EventPool:
         self._parity = parity
         self._fields = EventFieldFilter()
         self._clock = clock
+        self._drop_log = RateLimitedLog(logger, DROP_LOG_INTERVAL_SECONDS, clock)
         self._settled = asyncio.Event()
         self._settled.set()
         self.stats = IngestStats()
@@ -245,6 +278,24 @@ class EventPool:
         """Count a message dropped before reaching the pool (bad frames, bad topic) or in it."""
         self.stats.dropped[reason] += 1
         metrics.record_batch_dropped(reason)
+
+    def drop_malformed(self, reason: str, message: str, *args: object) -> None:
+        """Count a malformed message (``frame_count``, ``bad_topic``, ``bad_seq``, ``bad_payload``) and
+        log ``message % args``, rate-limited per reason (one line per 10 s, with the count suppressed)."""
+        self.record_drop(reason)
+        self._drop_log.warning(reason, "dropping malformed kv event message reason=%s " + message, reason, *args)
+
+    def _decode(self, message: RawMessage) -> bool:
+        """Set ``message.batch``; False (counted, logged, nothing else touched) when it cannot be decoded."""
+        try:
+            message.batch = decode_payload(message.payload)
+        except (msgspec.DecodeError, ValueError) as exc:
+            self.drop_malformed(
+                "bad_payload", "endpoint=%s seq=%d bytes=%d error=%s",
+                message.endpoint_id, message.seq, len(message.payload), exc,
+            )
+            return False
+        return True
 
     async def drained(self) -> None:
         """Wait until every queued message has been handled and no recovery is running."""
@@ -352,6 +403,8 @@ class EventPool:
                 message = queue.get_nowait()
 
     def _handle(self, message: RawMessage) -> None:
+        if message.batch is None and not self._decode(message):
+            return  # before sequencing: a malformed message moves no seq and purges nothing
         endpoint_id = message.endpoint_id
         track = self._tracks.get(endpoint_id)
         if track is None or not self._index.is_registered(endpoint_id):
@@ -404,14 +457,10 @@ class EventPool:
     def _older(self, track: _Track, message: RawMessage, expected: int, stats: EndpointIngestStats) -> None:
         """A seq below the expected one: a duplicate (``ts`` no newer than the last batch applied)
         is dropped; anything else is a publisher restart: purge, then start afresh with it."""
-        try:
-            ts = decode_batch(message.payload).ts
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-            logger.warning(
-                "dropping undecodable event message endpoint=%s seq=%d error=%s", message.endpoint_id, message.seq, exc
-            )
-            self.record_drop("bad_payload")
+        if message.batch is None and not self._decode(message):
             return
+        assert message.batch is not None
+        ts = message.batch.ts
         if track.last_ts is not None and ts <= track.last_ts:
             logger.debug(
                 "dropping duplicate kv event message endpoint=%s seq=%d (next expected %d)",
@@ -438,21 +487,14 @@ class EventPool:
             stats = self.stats.per_endpoint[endpoint_id] = EndpointIngestStats()
         return stats
 
-    def _apply_message(self, track: _Track, message: RawMessage, stats: EndpointIngestStats | None = None) -> bool:
-        """Decode and apply one in-order message; False when its payload was undecodable."""
+    def _apply_message(self, track: _Track, message: RawMessage, stats: EndpointIngestStats | None = None) -> None:
+        """Apply one in-order message, already decoded (``message.batch``), and move the seq past it."""
+        batch = message.batch
+        assert batch is not None, "messages are decoded before they are sequenced"
         track.next_seq = message.seq + 1
         (stats or self._endpoint_stats(message.endpoint_id)).last_seq = message.seq
-        try:
-            batch = decode_batch(message.payload)
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-            logger.warning(
-                "dropping undecodable event message endpoint=%s seq=%d error=%s", message.endpoint_id, message.seq, exc
-            )
-            self.record_drop("bad_payload")
-            return False
         track.last_ts = batch.ts
         self._apply(track, batch)
-        return True
 
     def _apply(self, track: _Track, batch: EventBatch) -> None:
         """One batch, in order: parity checks, reliability, the field filter, then the index (a
@@ -551,10 +593,13 @@ class EventPool:
             for i, (seq, payload) in enumerate(replies):
                 if seq < expected:
                     continue  # answered twice
+                replay = RawMessage(endpoint.id, endpoint.model, seq, payload)
+                if not self._decode(replay):
+                    continue  # unreadable: lost, so the next seq applied is past a hole
                 if seq > expected and started:
                     complete = False
                 started = True
-                self._apply_message(track, RawMessage(endpoint.id, endpoint.model, seq, payload))
+                self._apply_message(track, replay)
                 expected = seq + 1
                 replayed += 1
                 if i % _APPLY_CHUNK == _APPLY_CHUNK - 1:

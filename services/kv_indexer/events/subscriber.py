@@ -11,8 +11,9 @@ One SUB socket, subscribed to every topic, that
 A message is three frames ``[topic, seq (8-byte big-endian), msgpack payload]``; the topic
 ``kv@<host:port>@<model>`` (llm-d's convention, :func:`kvmesh.kv_events.parse_topic`) names the
 endpoint. Well-formed frames go to the :class:`~services.kv_indexer.events.pool.EventPool`
-(which decodes the payload in the endpoint's worker); anything else is dropped and counted, and
-the receive loop keeps running.
+(which decodes the payload in the endpoint's worker, before the seq is looked at); anything else is
+dropped and counted (``frame_count``, ``bad_topic``, ``bad_seq``; one rate-limited line per reason),
+moving no endpoint's sequence, and the receive loop keeps running.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.asyncio
 
-from kvmesh.kv_events import decode_seq, parse_topic, peek_data_parallel_rank
+from kvmesh.kv_events import END_SEQ, decode_seq, parse_topic, peek_data_parallel_rank
 from kvmesh.types import Endpoint, EndpointId, dp_endpoint_id
 from services.kv_indexer.events.pool import EventPool, RawMessage
 
@@ -32,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 
 def parse_frames(frames: list[bytes]) -> RawMessage | str:
-    """A :class:`RawMessage`, or the drop reason (``frame_count``, ``bad_topic``, ``bad_seq``)."""
+    """A :class:`RawMessage`, or the drop reason (``frame_count``, ``bad_topic``, ``bad_seq``: not 8
+    bytes, or vLLM's end-of-replay marker ``-1``, which a live publisher never sends)."""
     if len(frames) != 3:
         return "frame_count"
     topic, seq_frame, payload = frames
@@ -40,6 +42,8 @@ def parse_frames(frames: list[bytes]) -> RawMessage | str:
         endpoint_id, model = parse_topic(topic)
     except (ValueError, UnicodeDecodeError):
         return "bad_topic"
+    if seq_frame == END_SEQ:
+        return "bad_seq"
     try:
         seq = decode_seq(seq_frame)
     except ValueError:
@@ -128,8 +132,7 @@ class ZmqSubscriber:
             frames = await self._socket.recv_multipart()
             parsed = parse_frames(frames)
             if isinstance(parsed, str):
-                logger.warning("dropping kv event message reason=%s frames=%d", parsed, len(frames))
-                self._pool.record_drop(parsed)
+                self._pool.drop_malformed(parsed, "frames=%d topic=%r", len(frames), frames[0][:120] if frames else b"")
             else:
                 self._pool.submit(parsed)
 
