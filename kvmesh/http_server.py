@@ -15,6 +15,10 @@ error body and ``retry-after: 1`` (its handler cancelled, its clean-up run), not
 stream) ends as uvicorn ends it.
 ``await wait()`` returns when the server ends on its own (a crash, or after ``stop``).
 
+Slow clients: with ``header_timeout_seconds`` a connection whose request headers are not complete
+that long after the request's first byte (or after it opened) is closed; uvicorn alone bounds only
+idle keep-alive connections, so a client dripping header bytes held one forever.
+
 Binding: the socket is bound here (:func:`bind_tcp`) before uvicorn starts, so an address that cannot
 be bound is a :class:`ListenError` from ``start()`` (one line at the process's exit), never uvicorn's
 ``sys.exit`` from inside its task.
@@ -31,6 +35,8 @@ from typing import Literal
 
 import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.config import HTTP_PROTOCOLS
+from uvicorn.importer import import_from_string
 
 from kvmesh.listen import ListenError, bind_tcp
 
@@ -90,6 +96,51 @@ class _DrainOnShutdown:
         return count
 
 
+def _header_deadline(protocol: type[asyncio.Protocol], seconds: float) -> type[asyncio.Protocol]:
+    """``protocol`` (uvicorn's httptools or h11 connection) with a deadline on receiving a request's
+    headers: a connection that opened, or finished its last answer and sent a byte of the next request,
+    and has not completed that request's headers ``seconds`` later is closed (uvicorn bounds only an
+    *idle* keep-alive connection; a slowloris client dripping header bytes held one forever).
+    nginx's ``client_header_timeout`` (60 s) does the same."""
+
+    class HeaderDeadline(protocol):  # type: ignore[valid-type,misc]
+        _deadline: asyncio.TimerHandle | None = None
+        _armed_for: object = None
+
+        def _arm(self) -> None:
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:
+                return  # a request is in progress: its headers are complete
+            if self._deadline is not None and self._armed_for is cycle:
+                return
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._armed_for = cycle
+            self._deadline = self.loop.call_later(seconds, self._expired, cycle)
+
+        def _expired(self, cycle: object) -> None:
+            self._deadline = None
+            if self.cycle is cycle and not self.transport.is_closing():  # no request's headers completed since
+                self.transport.close()
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if not self.transport.is_closing():
+                self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+            super().connection_lost(exc)
+
+    return HeaderDeadline
+
+
 class _EmbeddedUvicorn(uvicorn.Server):
     """uvicorn without its own signal handling: the process owns SIGTERM/SIGINT."""
 
@@ -113,6 +164,8 @@ class HttpServer:
             ``host:port``; its port is known before :meth:`start` (the simulator names itself by it).
         http: uvicorn's HTTP/1.1 implementation: ``"httptools"`` (C parser), ``"h11"`` (pure
             Python) or ``"auto"`` (httptools when installed).
+        header_timeout_seconds: close a connection whose request headers are not complete this long
+            after its first byte (or after it opened); None: unbounded (uvicorn's own behaviour).
     """
 
     def __init__(
@@ -126,8 +179,12 @@ class HttpServer:
         name: str = "http",
         sock: socket.socket | None = None,
         http: Literal["auto", "h11", "httptools"] = "auto",
+        header_timeout_seconds: float | None = None,
     ) -> None:
         self._drain = _DrainOnShutdown(app)
+        protocol: Literal["auto", "h11", "httptools"] | type[asyncio.Protocol] = http
+        if header_timeout_seconds is not None:
+            protocol = _header_deadline(import_from_string(HTTP_PROTOCOLS[http]), header_timeout_seconds)
         config = uvicorn.Config(
             self._drain,
             host=host,
@@ -136,7 +193,7 @@ class HttpServer:
             log_config=None,
             log_level=log_level,
             access_log=False,
-            http=http,
+            http=protocol,
             timeout_graceful_shutdown=math.ceil(grace_seconds),
         )
         self._server = _EmbeddedUvicorn(config)

@@ -8,7 +8,11 @@ HTTP server, :class:`kvmesh.server.GrpcService`'s gRPC and metrics listeners), a
 
 from __future__ import annotations
 
+import re
 import socket
+from collections.abc import Mapping
+
+_PORT_HINT = re.compile(r"(choose another port with )(--[A-Za-z0-9-]+)")
 
 
 class ListenError(OSError):
@@ -26,6 +30,16 @@ class ListenError(OSError):
     def __init__(self, what: str, host: str, port: int, reason: str) -> None:
         super().__init__(f"cannot listen for {what} on {host}:{port}: {reason}")
         self.what, self.host, self.port, self.reason = what, host, port, reason
+
+    @property
+    def flag(self) -> str:
+        """The process's own flag for this listener's port (``--http-port``, ``--grpc-port``, ``--metrics-port``)."""
+        return f"--{self.what}-port"
+
+    def hint(self) -> str:
+        """What to do about it, naming :attr:`flag`; a launcher that starts the process under flags of its
+        own rewrites the name with :func:`rename_port_flags`."""
+        return f"another process may be listening there; choose another port with {self.flag}"
 
     @classmethod
     def probe(cls, what: str, host: str, port: int, fallback: str) -> ListenError:
@@ -58,3 +72,13 @@ def bind_tcp(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def rename_port_flags(text: str, flags: Mapping[str, str]) -> str:
+    """``text`` (a process's stderr or log tail) with the port flag each :meth:`ListenError.hint` names
+    replaced by the launcher's own flag for it (``{"--http-port": "--router-port"}`` for ``kvmesh up``'s
+    router); a flag without an entry is left as it is.
+
+    Example: ``"... choose another port with --http-port)"`` -> ``"... choose another port with --router-port)"``.
+    """
+    return _PORT_HINT.sub(lambda m: m.group(1) + flags.get(m.group(2), m.group(2)), text)

@@ -12,6 +12,12 @@ refreshes it every TTL/3; if the lease is lost (etcd restarted, a long pause) it
 new one and puts the key again. ``stop()`` revokes the lease so watchers see the leave at
 once. A :class:`EndpointWatcher` loads the prefix, then follows its watch stream; when etcd
 is unreachable it keeps the last known view, logs it, and resynchronises on reconnect.
+
+etcd unreachable is a degraded mode of every process (docs/degraded-modes.md): :data:`ETCD_STATE`
+(one per process, shared by every registration and watcher in it) exports ``kvmesh_etcd_up`` (1/0)
+and ``kvmesh_etcd_failures_total{operation}`` on the process's ``/metrics``, rate-limits the warning
+lines (the first at once, then at most one per 10 s per operation with the count suppressed) and
+answers :meth:`EtcdState.up` for health endpoints (the router's ``/health`` says ``"degraded"``).
 """
 
 from __future__ import annotations
@@ -19,9 +25,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
 
 import aetcd
+from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from kvmesh.types import Endpoint, EndpointId
 
@@ -37,6 +49,149 @@ DEPARTURE_GRACE_SECONDS = 2.0
 """How long a watcher keeps an endpoint whose key went away, for it to register again
 (:class:`EndpointWatcher`): above the ~0.5-1 s engines take to re-register after etcd expired their
 leases on resuming, below the fault suite's "membership converges within the lease TTL" margin."""
+
+
+ETCD_LOG_INTERVAL_SECONDS = 10.0
+"""At most one etcd warning line per operation per this many seconds (the count of the others is shown)."""
+
+ETCD_OPERATIONS = ("register", "keepalive", "update", "watch")
+"""``operation`` label values of ``kvmesh_etcd_failures_total``: a lease grant + put (first or after
+the lease was lost), a lease refresh, a value update under the lease, a prefix load + watch stream."""
+
+
+class EtcdState:
+    """This process's view of etcd reachability, fed by every :class:`LeaseRegistration` and
+    :class:`EndpointWatcher` in it (thread-safe: engines refresh their lease from their own thread).
+
+    ``up()`` is True while no client's last etcd call failed, False while any did, None before any
+    client started (a process without etcd). Each failure is counted by operation; warnings are
+    rate-limited per operation (the first at once, then one per ``log_interval_seconds`` saying how
+    many were suppressed), and the return to reachable is one INFO line with the outage's length.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 log_interval_seconds: float = ETCD_LOG_INTERVAL_SECONDS) -> None:
+        self._clock = clock
+        self._interval = log_interval_seconds
+        self._lock = threading.Lock()
+        self._clients: set[int] = set()
+        self._failing: set[int] = set()
+        self._failures: Counter[str] = Counter()
+        self._last_line: dict[str, float] = {}
+        self._suppressed: Counter[str] = Counter()
+        self._down_since: float | None = None
+        self._down_failures = 0
+
+    def up(self) -> bool | None:
+        """True: reachable (as last seen by every client); False: some client's last call failed;
+        None: no client yet."""
+        with self._lock:
+            if not self._clients:
+                return None
+            return not self._failing
+
+    def failures(self, operation: str) -> int:
+        """Failures counted for ``operation`` (one of :data:`ETCD_OPERATIONS`) since the process started."""
+        with self._lock:
+            return self._failures[operation]
+
+    def succeeded(self, client: object) -> None:
+        """``client`` reached etcd; the last failing client recovering logs the outage once."""
+        with self._lock:
+            self._clients.add(id(client))
+            self._failing.discard(id(client))
+            recovered = not self._failing and self._down_since is not None
+            if recovered:
+                down_for, count = self._clock() - (self._down_since or 0.0), self._down_failures
+                self._down_since, self._down_failures = None, 0
+                self._last_line.clear()
+                self._suppressed.clear()
+        if recovered:
+            logger.info("etcd reachable again after %.1fs (%d failed etcd calls meanwhile)", down_for, count)
+
+    def failed(self, client: object, operation: str, message: str, *args: object) -> None:
+        """``client``'s ``operation`` failed: counted, and a WARNING ``message % args`` unless one for
+        the same operation went out less than the interval ago."""
+        now = self._clock()
+        with self._lock:
+            self._clients.add(id(client))
+            self._failing.add(id(client))
+            self._failures[operation] += 1
+            if self._down_since is None:
+                self._down_since = now
+            self._down_failures += 1
+            last = self._last_line.get(operation)
+            if last is not None and now - last < self._interval:
+                self._suppressed[operation] += 1
+                return
+            self._last_line[operation] = now
+            more = self._suppressed.pop(operation, 0)
+        suffix = f" (+{more} more {operation} failures in the last {self._interval:.0f}s)" if more else ""
+        logger.warning("degraded mode dependency=etcd operation=%s " + message + suffix
+                       + "; serving from the last known membership", operation, *args)
+
+    def forget(self, client: object) -> None:
+        """``client`` stopped: it no longer counts for :meth:`up`."""
+        with self._lock:
+            self._clients.discard(id(client))
+            self._failing.discard(id(client))
+            if not self._failing:
+                self._down_since, self._down_failures = None, 0
+
+
+class EtcdCollector(Collector):
+    """``kvmesh_etcd_up`` and ``kvmesh_etcd_failures_total{operation}`` from an :class:`EtcdState`.
+
+    ``kvmesh_etcd_up`` is absent while the process has no etcd client (etcd not configured)."""
+
+    def __init__(self, state: EtcdState) -> None:
+        self._state = state
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily(
+            "kvmesh_etcd_up",
+            "1 while every etcd client of this process (lease keepalives, membership watches) reaches etcd, "
+            "0 while one fails: membership is served from the last known view (docs/degraded-modes.md)",
+        )
+        state = self._state.up()
+        if state is not None:
+            up.add_metric([], 1.0 if state else 0.0)
+        yield up
+        failures = CounterMetricFamily(
+            "kvmesh_etcd_failures", "Failed etcd calls of this process, by operation", labels=["operation"]
+        )
+        for operation in ETCD_OPERATIONS:
+            failures.add_metric([operation], float(self._state.failures(operation)))
+        yield failures
+
+    def describe(self) -> Iterator[Metric]:
+        return self.collect()
+
+
+ETCD_STATE = EtcdState()
+"""The process-wide :class:`EtcdState` (exported on the default Prometheus registry)."""
+
+
+def register_etcd_metrics(registry: CollectorRegistry = REGISTRY, state: EtcdState = ETCD_STATE) -> EtcdCollector:
+    """Export ``state`` on ``registry`` (done once for the default registry at import)."""
+    collector = EtcdCollector(state)
+    registry.register(collector)
+    return collector
+
+
+register_etcd_metrics()
+
+
+async def etcd_health(timeout_seconds: float = 0.0, state: EtcdState = ETCD_STATE) -> str:
+    """A health check in grpc.health.v1 terms from ``state`` (no I/O, ``timeout_seconds`` unused):
+    ``"UNAVAILABLE"`` while an etcd client of this process fails, else ``"SERVING"``."""
+    return "UNAVAILABLE" if state.up() is False else "SERVING"
+
+
+def _short(exc: BaseException) -> str:
+    """One line for an etcd client error (aetcd wraps grpc errors whose str spans many lines)."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def endpoint_key(endpoint: Endpoint) -> str:
@@ -110,7 +265,11 @@ class LeaseRegistration:
         """Change the registered value (kept under the same lease)."""
         self._value = value
         if self._client is not None and self._lease is not None:
-            await self._client.put(self.key.encode(), value.encode(), lease=self._lease)
+            try:
+                await self._client.put(self.key.encode(), value.encode(), lease=self._lease)
+            except Exception as exc:
+                ETCD_STATE.failed(self, "update", "key=%s error=%s", self.key, exc)
+                raise
 
     async def _register(self) -> None:
         if self._client is None:
@@ -119,15 +278,18 @@ class LeaseRegistration:
         self._lease = await self._client.lease(self.ttl_seconds)
         await self._client.put(self.key.encode(), self._value.encode(), lease=self._lease)
         self._registered.set()
+        ETCD_STATE.succeeded(self)
         logger.info("registered key=%s lease=%x ttl=%ds", self.key, self._lease.id, self.ttl_seconds)
 
     async def _run(self) -> None:
         interval = max(0.5, self.ttl_seconds / 3)
         while True:
+            operation = "register"
             try:
                 if self._lease is None:
                     await self._register()
                 await asyncio.sleep(interval)
+                operation = "keepalive"
                 # One LeaseKeepAlive per refresh: its reply carries the TTL left, 0 once etcd forgot the
                 # lease (as etcd's clientv3 reads it), so no LeaseTimeToLive call beside it (idle cost, issue 10).
                 reply = await self._lease.refresh()  # type: ignore[union-attr]
@@ -135,10 +297,11 @@ class LeaseRegistration:
                     logger.warning("lease lost key=%s; registering again", self.key)
                     self._lease = None
                     continue
+                ETCD_STATE.succeeded(self)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                logger.warning("etcd keepalive failed key=%s error=%s", self.key, exc)
+                ETCD_STATE.failed(self, operation, "key=%s error=%s", self.key, _short(exc))
                 self._lease = None
                 await self._close_client()
                 await asyncio.sleep(_RETRY_SECONDS)
@@ -161,6 +324,7 @@ class LeaseRegistration:
             logger.info("deregistered key=%s", self.key)
         self._lease = None
         await self._close_client()
+        ETCD_STATE.forget(self)
 
 
 MembershipListener = Callable[[dict[EndpointId, Endpoint], dict[EndpointId, Endpoint]], None]
@@ -218,6 +382,7 @@ class EndpointWatcher:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        ETCD_STATE.forget(self)
 
     async def wait_for(self, predicate: Callable[[dict[EndpointId, Endpoint]], bool], timeout: float) -> bool:
         """Wait until ``predicate(snapshot())`` holds; False on timeout."""
@@ -289,6 +454,7 @@ class EndpointWatcher:
                     if ep is not None:
                         view[kv.key.decode()] = ep
                 revision = result.header.revision if result.header is not None else None
+                ETCD_STATE.succeeded(self)
                 await self._replace(view)
                 self._synced.set()
                 watch = await client.watch_prefix(
@@ -309,10 +475,8 @@ class EndpointWatcher:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                logger.warning(
-                    "etcd watch failed prefix=%s error=%s; keeping last view of %d endpoints",
-                    self.prefix, exc, len(self._view),
-                )
+                ETCD_STATE.failed(self, "watch", "prefix=%s error=%s; keeping the last view of %d endpoints",
+                                  self.prefix, _short(exc), len(self._view))
                 await asyncio.sleep(_RETRY_SECONDS)
             finally:
                 with contextlib.suppress(Exception):

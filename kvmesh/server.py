@@ -307,8 +307,7 @@ def main(
         with asyncio.Runner(loop_factory=event_loop_factory(config.event_loop)) as runner:
             runner.run(process.run())
     except ListenError as exc:  # a port in use: one line, not a traceback
-        flag = f"--{exc.what}-port"
-        sys.stderr.write(f"{name}: {exc} (another process may be listening there; choose another port with {flag})\n")
+        sys.stderr.write(f"{name}: {exc} ({exc.hint()})\n")
         raise SystemExit(1) from None
     except Exception as exc:
         if getattr(exc, "errno", None) not in _LISTEN_ERRNOS:

@@ -80,8 +80,10 @@ async def _read_prefix(etcd_address: str, prefix: str, timeout_s: float) -> list
             await client.close()
 
 
-def read_etcd_prefix(etcd_address: str, prefix: str, timeout_s: float = DISCOVERY_TIMEOUT_S) -> list[bytes]:
-    """The values under ``prefix`` in etcd, read once.
+def read_etcd_prefix(etcd_address: str, prefix: str, timeout_s: float = DISCOVERY_TIMEOUT_S,
+                     hint: str = "pass the etcd the mesh registers in (kvmesh up prints it), or leave --etcd out",
+                     ) -> list[bytes]:
+    """The values under ``prefix`` in etcd, read once (``hint`` ends the error line).
 
     Raises:
         DiscoveryError: etcd did not answer within ``timeout_s`` (one line naming it).
@@ -93,8 +95,7 @@ def read_etcd_prefix(etcd_address: str, prefix: str, timeout_s: float = DISCOVER
     except Exception as exc:  # aetcd and grpc raise several kinds for a dead or wrong address
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise DiscoveryError(
-            f"etcd {etcd_address} did not answer ({reason}); pass the etcd the mesh registers in "
-            "(kvmesh up prints it), or leave --etcd out"
+            f"etcd {etcd_address} did not answer within {timeout_s:g}s ({reason}); {hint}"
         ) from exc
 
 
@@ -119,8 +120,20 @@ def epps_from_etcd(etcd_address: str, timeout_s: float = DISCOVERY_TIMEOUT_S) ->
     Raises:
         DiscoveryError, ValueError: as :func:`read_etcd_prefix`.
     """
+    return services_from_etcd(etcd_address, EPP_SERVICE, timeout_s)
+
+
+def services_from_etcd(etcd_address: str, service: str, timeout_s: float = DISCOVERY_TIMEOUT_S,
+                       hint: str = "pass the etcd the mesh registers in (kvmesh up prints it), or leave --etcd out",
+                       ) -> list[str]:
+    """gRPC addresses of the ``service`` instances (``epp``, ``flow_control``, ...) registered under
+    ``/kvmesh/v1/services/<service>/``, sorted (records without a ``grpc_address`` skipped).
+
+    Raises:
+        DiscoveryError, ValueError: as :func:`read_etcd_prefix`.
+    """
     addresses: set[str] = set()
-    for value in read_etcd_prefix(etcd_address, f"{SERVICES_PREFIX}{EPP_SERVICE}/", timeout_s):
+    for value in read_etcd_prefix(etcd_address, f"{SERVICES_PREFIX}{service}/", timeout_s, hint=hint):
         try:
             address = json.loads(value)["grpc_address"]
         except (ValueError, KeyError, TypeError):

@@ -37,6 +37,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import shutil
 import signal
 import threading
 import time
@@ -50,6 +51,7 @@ from typing import Any, Literal, Self
 import grpc
 import httpx
 
+from kvmesh.listen import rename_port_flags
 from kvmesh_cli.launcher import (
     LOOPBACK,
     ManagedProcess,
@@ -161,6 +163,9 @@ class Member:
 
 _RUNNING: weakref.WeakSet[Mesh] = weakref.WeakSet()
 
+_PORT_FLAGS: dict[str, dict[str, str]] = {"router": {"--http-port": "--router-port", "--grpc-port": "--router-grpc-port"}}
+"""A member's own port flags -> ``kvmesh up``'s flags for the same ports (the others are always 0: free)."""
+
 
 @atexit.register
 def _stop_all() -> None:
@@ -198,11 +203,38 @@ class MeshStartError(RuntimeError):
     """A member did not come up; the message carries its log tail."""
 
 
+PROGRESS_EVERY_SECONDS = 5.0
+"""How often a long start-up wait reports what it still waits for."""
+ETCD_CHECK_TIMEOUT_S = 5.0
+"""How long ``--etcd`` (an external etcd) gets to answer one read before the mesh refuses to start."""
+
+
+def check_etcd(address: str, timeout_s: float = ETCD_CHECK_TIMEOUT_S) -> None:
+    """Read once from the external etcd at ``address`` before anything starts.
+
+    Raises:
+        MeshStartError: it did not answer within ``timeout_s`` (one line naming the address), or the
+            address is not ``host:port``.
+    """
+    from kvmesh_cli.discovery import DiscoveryError, read_etcd_prefix
+
+    try:
+        read_etcd_prefix(address, "/kvmesh/v1/services/", timeout_s,
+                         hint="start it, or leave --etcd out and the mesh starts its own")
+    except DiscoveryError as exc:
+        raise MeshStartError(str(exc)) from None
+    except ValueError as exc:
+        raise MeshStartError(f"--etcd {address!r}: {exc}") from None
+
+
 class Mesh:
     """Start/stop a mesh described by a :class:`MeshSpec`; a context manager."""
 
-    def __init__(self, spec: MeshSpec) -> None:
+    def __init__(self, spec: MeshSpec, progress: Callable[[str], None] | None = None) -> None:
+        """``progress``: called with one line per start-up stage and, during a long wait, every
+        :data:`PROGRESS_EVERY_SECONDS` with what is awaited (``kvmesh up`` prints them)."""
         self.spec = spec
+        self._progress = progress or (lambda line: logger.info("%s", line))
         self.members: list[Member] = []
         self.etcd_address: str = spec.etcd or ""
         self.router_url = ""
@@ -247,6 +279,10 @@ class Mesh:
         if spec.etcd is None:
             proc, self.etcd_address = start_etcd(spec.run_dir, die_with_parent=True)
             self.members.append(Member("etcd", proc, grpc=self.etcd_address, http=f"http://{self.etcd_address}"))
+            self._progress(f"etcd listening on {self.etcd_address}")
+        else:
+            check_etcd(spec.etcd)
+            self._progress(f"etcd {spec.etcd} answers")
         from engine_simulator.tokenizer import ensure_tokenizer  # the simulator package, not the mesh
 
         tokenizer_path = ensure_tokenizer(None)
@@ -300,6 +336,7 @@ class Mesh:
                 self._resolve(member, deadline)
         self.router_url = router.http or ""
         self.engine_urls = [e.http or "" for e in engines]
+        self._progress(f"services started; waiting for their health and {len(engines)} engine(s) ...")
         self._await([kv_indexer, *others, epp, router], deadline, self._grpc_ready)
         self._await(engines, deadline, self._http_ready)
         self._wait_until(deadline, "epp to list all engines", [epp], self._epp_sees_all_engines)
@@ -334,6 +371,10 @@ class Mesh:
                 t.join()
         for m in self.members:  # belt and braces
             m.process.kill()
+        if self.spec.etcd is None and any(m.name == "etcd" for m in self.members):
+            # The etcd this mesh started holds only its leases and registrations, dead with it; its WAL
+            # preallocates ~62 MB, left behind by every `kvmesh up`/`compare` run. The logs stay.
+            shutil.rmtree(self.spec.run_dir / "etcd", ignore_errors=True)
 
     def pids(self) -> list[int]:
         return [m.process.pid for m in self.members if m.process.proc is not None]
@@ -379,8 +420,9 @@ class Mesh:
         assert member.ports_file is not None
         try:
             ports = wait_ports_file(member.ports_file, member.process, max(0.1, deadline - time.monotonic()))
-        except RuntimeError:
-            raise MeshStartError(f"{member.name} exited during start-up:\n{member.process.log_tail()}") from None
+        except RuntimeError:  # a port in use is named by the flag of this CLI, not the service's own
+            tail = rename_port_flags(member.process.log_tail(), _PORT_FLAGS.get(member.name, {}))
+            raise MeshStartError(f"{member.name} exited during start-up:\n{tail}") from None
         except TimeoutError:
             raise MeshStartError(f"{member.name} not ready in time:\n{member.process.log_tail()}") from None
         member.ports = ports
@@ -558,14 +600,20 @@ class Mesh:
         return any(m.get("id") == self.spec.model for m in reply.json().get("data", []))
 
     def _wait_until(self, deadline: float, what: str, members: list[Member], probe: Callable[[Member], bool]) -> None:
+        started = last_said = time.monotonic()
         while True:
             for m in members:
                 if not m.process.alive():
                     raise MeshStartError(f"{m.name} exited while waiting for {what}:\n{m.process.log_tail()}")
             if probe(members[0]):
                 return
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise MeshStartError(f"timed out waiting for {what}; see logs in {self.spec.run_dir}")
+            if now - last_said >= PROGRESS_EVERY_SECONDS:
+                last_said = now
+                self._progress(f"still waiting for {what} ({now - started:.0f}s, gives up in {deadline - now:.0f}s; "
+                               f"logs in {self.spec.run_dir})")
             time.sleep(0.1)
 
     def _await(self, members: list[Member], deadline: float, probe: Callable[[Member], bool]) -> None:

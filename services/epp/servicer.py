@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import struct
 import sys
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -84,9 +85,36 @@ def _token_ids(request: epp_pb2.PickRequest) -> Sequence[int]:
     return struct.unpack(f"<{len(packed) // 4}I", packed)
 
 
+PROMPT_FORMS = ("prompt", "prompt_token_ids", "messages")
+"""The prompt's forms (the router's ``CompletionRequest`` has the same three): at most one per request."""
+
+
+def _check_prompt_forms(request: epp_pb2.PickRequest) -> None:
+    """Raises InvalidRequest when more than one of ``prompt``, ``prompt_token_ids`` (repeated or
+    packed) and ``messages`` is set: the router's ``Complete`` refuses the same mix with the same
+    words. None at all is accepted (``PickerInfo.needs_prompt`` false: the caller may leave them out)."""
+    present = (bool(request.prompt), bool(request.prompt_token_ids) or bool(request.prompt_token_ids_packed),
+               bool(request.messages))
+    if sum(present) > 1:
+        named = " and ".join(f"'{name}'" for name, set_ in zip(PROMPT_FORMS, present, strict=True) if set_)
+        raise InvalidRequest(f"at most one of 'prompt', 'prompt_token_ids', 'messages' may be set (got {named})")
+
+
+def check_timeout_seconds(value: float) -> float:
+    """A ``PickEntry.timeout_seconds`` as read: 0 means no deadline.
+
+    Raises: InvalidRequest for a negative or non-finite value (a unary ``Pick``'s gRPC deadline
+    cannot be either)."""
+    if not math.isfinite(value) or value < 0:
+        raise InvalidRequest(f"'timeout_seconds' must be a finite number >= 0 (0: no deadline), got {value}")
+    return value
+
+
 def request_from_proto(request: epp_pb2.PickRequest) -> SchedulingRequest:
-    """Raises: InvalidRequest when ``render_json`` is not a JSON object, or the token ids are
-    malformed (both forms set, a packed length not a multiple of 4)."""
+    """Raises: InvalidRequest when ``render_json`` is not a JSON object, more than one prompt form
+    is set (:func:`_check_prompt_forms`), or the token ids are malformed (both forms set, a packed
+    length not a multiple of 4)."""
+    _check_prompt_forms(request)
     return SchedulingRequest(
         model=request.model,
         request_id=request.request_id,
@@ -217,7 +245,8 @@ class _PickSession:
     or kv_indexer) under the entry's own deadline (``timeout_seconds``); its result or error goes
     to the outbox, and one writer task writes everything ready at that moment in one
     ``PickResults`` (under load one write carries many). A malformed entry (zero or duplicate id,
-    ``render_json`` that is not a JSON object) is answered ``INVALID_ARGUMENT`` for that id alone;
+    a negative or non-finite ``timeout_seconds``, a request ``Pick`` refuses: more than one prompt
+    form, ``render_json`` that is not a JSON object) is answered ``INVALID_ARGUMENT`` for that id alone;
     a ``cancel`` entry stops its pick and nothing is answered for it. The session's end cancels
     every pick still running.
     """
@@ -241,6 +270,7 @@ class _PickSession:
         try:
             if key == 0 or key in self._running:
                 raise InvalidRequest(f"pick id {key} is zero or already in flight on this stream")
+            check_timeout_seconds(entry.timeout_seconds)
             request = request_from_proto(entry.request)
         except InvalidRequest as exc:
             self._answer(epp_pb2.PickResult(id=key, error=error_to_proto(exc)))

@@ -18,15 +18,16 @@ error or server shutdown.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 import grpc
 from opentelemetry import propagate, trace
 
 from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2, flow_control_pb2_grpc
-from kvmesh.errors import InvalidRequest
+from kvmesh.errors import InvalidRequest, KvmeshError, NotFound, mapping_for
 from kvmesh.streams import stop_stream_writer
 from services.flow_control.controller import FlowController, Ticket
 from services.flow_control.credits import CreditAccount
@@ -92,6 +93,19 @@ class FlowControlServicer(flow_control_pb2_grpc.FlowControlServicer):
         request_iterator: AsyncIterator[flow_control_pb2.AdmitRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[flow_control_pb2.AdmitResponse]:
+        """One request's admission (the proto's stream protocol: an Enqueue, one AdmitResponse, at
+        most one Complete, the client's half-close). The rest of the stream is read from the first
+        message on (:class:`_FollowUps`), so a protocol error is answered when it arrives:
+
+        - a second Enqueue (or an empty message) before the decision: ``INVALID_ARGUMENT`` at once,
+          the queued request leaves the queue; a Complete sent ahead of the decision (grpcurl sends
+          both messages at once) is applied after dispatch;
+        - after a rejection: the call ends OK once the client half-closes, or after
+          ``_REJECTED_GRACE_SECONDS``; a second Enqueue sent along is ``INVALID_ARGUMENT``;
+        - after dispatch: a second Enqueue, a second Complete or an empty message is ``INVALID_ARGUMENT``.
+
+        The slot is released when the handler ends, for any reason.
+        """
         try:
             first = await anext(request_iterator)
         except StopAsyncIteration:
@@ -103,8 +117,12 @@ class FlowControlServicer(flow_control_pb2_grpc.FlowControlServicer):
         if not first.enqueue.request_id:
             raise InvalidRequest("enqueue.request_id is required")
         ticket = self._controller.enqueue(admission_request(first.enqueue))
+        rest = _FollowUps(request_iterator)
         try:
-            decision = await ticket.wait()
+            if ticket.decision is None:
+                await rest.until(ticket.wait())
+            decision = ticket.decision
+            assert decision is not None
             _annotate_admit(first.enqueue, decision)
             yield flow_control_pb2.AdmitResponse(
                 outcome=_OUTCOME_TO_PROTO[decision.outcome],
@@ -113,10 +131,13 @@ class FlowControlServicer(flow_control_pb2_grpc.FlowControlServicer):
                 retry_after_seconds=decision.retry_after_seconds,
             )
             if decision.outcome is not QueueOutcome.DISPATCHED:
+                await rest.settle(_REJECTED_GRACE_SECONDS)
                 return
-            async for message in request_iterator:
+            completed = False
+            while (message := await rest.next()) is not None:
                 kind = message.WhichOneof("kind")
-                if kind == "complete":
+                if kind == "complete" and not completed:
+                    completed = True
                     done = message.complete
                     self._controller.complete(ticket, ServedTokens(done.prompt_tokens, done.completion_tokens))
                     logger.debug(
@@ -125,8 +146,9 @@ class FlowControlServicer(flow_control_pb2_grpc.FlowControlServicer):
                         done.e2e_seconds,
                     )
                 else:
-                    raise InvalidRequest(f"unexpected Admit message after dispatch: {kind or 'an empty message'}")
+                    raise InvalidRequest(_protocol_error(kind, "after dispatch"))
         finally:
+            rest.stop()
             self._controller.release(ticket)
 
     async def AdmitMany(
@@ -181,6 +203,83 @@ class FlowControlServicer(flow_control_pb2_grpc.FlowControlServicer):
         )
 
 
+_REJECTED_GRACE_SECONDS = 0.1
+"""How long a rejected ``Admit`` stream waits for the client's half-close (or a second Enqueue sent
+along with the first, answered ``INVALID_ARGUMENT``) before it ends the call itself: messages that
+reach a call already ended cannot be answered. A client that half-closes (grpcurl) or cancels (the
+router) ends it at once."""
+
+
+def _protocol_error(kind: str | None, when: str) -> str:
+    """The ``INVALID_ARGUMENT`` message for an ``AdmitRequest`` of ``kind`` that the Admit protocol does not allow ``when``."""
+    if kind == "enqueue":
+        return (f"a second enqueue on one Admit stream ({when}): an Admit stream carries one request; "
+                "open a new stream per request, or use AdmitMany")
+    if kind == "complete":
+        return f"a second complete on one Admit stream ({when}): a request is completed once"
+    return f"unexpected Admit message {when}: an empty message (set enqueue or complete)"
+
+
+class _FollowUps:
+    """The messages of an ``Admit`` stream after its Enqueue, read by a task of their own so a
+    protocol error is seen while the request waits in the queue. Reading stops after the first
+    message that breaks the protocol (anything but one Complete): at most three are held."""
+
+    def __init__(self, stream: AsyncIterator[flow_control_pb2.AdmitRequest]) -> None:
+        self._queue: asyncio.Queue[flow_control_pb2.AdmitRequest | None] = asyncio.Queue()
+        self._broken = asyncio.Event()
+        self._violation: str | None = None
+        self._task = asyncio.create_task(self._read(stream), name="flow_control-admit-reader")
+
+    async def _read(self, stream: AsyncIterator[flow_control_pb2.AdmitRequest]) -> None:
+        completes = 0
+        try:
+            async for message in stream:
+                self._queue.put_nowait(message)
+                kind = message.WhichOneof("kind")
+                completes += kind == "complete"
+                if kind != "complete" or completes > 1:
+                    self._violation = _protocol_error(kind, "before its decision")
+                    self._broken.set()
+                    return
+        except Exception as exc:  # the call broke (cancelled, reset): the handler is ending too
+            logger.debug("admit stream read ended: %r", exc)
+        finally:
+            self._queue.put_nowait(None)
+
+    async def until(self, decided: Awaitable[object]) -> None:
+        """Wait for ``decided``; raises InvalidRequest when the client breaks the protocol meanwhile
+        (a Complete sent ahead is kept for :meth:`next`)."""
+        waiter = asyncio.ensure_future(decided)
+        alarm = asyncio.ensure_future(self._broken.wait())
+        done = False
+        try:
+            await asyncio.wait((waiter, alarm), return_when=asyncio.FIRST_COMPLETED)
+            done = waiter.done()
+        finally:  # the call cancelled, or a protocol error: nothing is left waiting
+            alarm.cancel()
+            if not waiter.done():
+                waiter.cancel()
+        if not done:
+            raise InvalidRequest(self._violation or "Admit protocol error")
+
+    async def settle(self, seconds: float) -> None:
+        """After a rejection: wait (at most ``seconds``) for the client's half-close; raises
+        InvalidRequest when it sent a second Enqueue or an empty message (a Complete is moot)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                while (message := await self._queue.get()) is not None:
+                    if message.WhichOneof("kind") != "complete":
+                        raise InvalidRequest(_protocol_error(message.WhichOneof("kind"), "after a rejection"))
+
+    async def next(self) -> flow_control_pb2.AdmitRequest | None:
+        """The next message in order; None once the client half-closed (or the call broke)."""
+        return await self._queue.get()
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
 def _annotate_admit(enqueue: flow_control_pb2.Enqueue, decision: object) -> None:
     """Trace attributes on the Admit span (issue 11): request id, model, flow, priority, the outcome
     and the time the request waited in the queue (seconds)."""
@@ -207,10 +306,13 @@ class _AdmitSession:
     common case: no task); a queued one gets a task that waits for its decision. Decisions are
     written by one writer task, every decision ready at that moment in one ``AdmitDecisions``
     (under load one write carries many). A ``Complete`` reports and releases, a ``Release``
-    releases (a queued request is cancelled); an entry for an unknown ticket is ignored (the
-    client gave up on it and the slot is already free). A malformed enqueue (bad flow id, TTL,
-    duplicate or zero ticket) is answered for that ticket alone, with ``QUEUE_OUTCOME_UNSPECIFIED``
-    and the reason (the client's ``InvalidRequest``); the stream goes on.
+    releases (a queued request is cancelled). Every entry the session refuses is answered for its
+    ticket alone with an ``AdmitDecision.error`` (status and class from kvmesh/errors.py's table, as
+    epp's ``PickMany``), and the stream goes on: a malformed enqueue (bad flow id, TTL, duplicate or
+    zero ticket) is ``INVALID_ARGUMENT`` / ``InvalidRequest``; a Complete or Release for a ticket
+    the stream does not hold is ``NOT_FOUND`` / ``NotFound`` (its slot is already free: a client
+    that gave up on the ticket ignores the answer); an entry with no kind, or a CreditReturn
+    without a CreditRequest, is ``INVALID_ARGUMENT``.
 
     Credits: a ``CreditRequest`` opens (or resizes) the stream's :class:`CreditAccount`; its
     grants and revocations ride the writer's next ``AdmitDecisions`` (``credits``). An Enqueue
@@ -236,21 +338,33 @@ class _AdmitSession:
             self._enqueue(entry)
         elif kind == "complete":
             ticket = self._forget(entry.ticket)
-            if ticket is not None:
-                done = entry.complete
-                self._controller.complete(ticket, ServedTokens(done.prompt_tokens, done.completion_tokens))
-                self._controller.release(ticket)
+            if ticket is None:
+                self._refuse(entry.ticket, _not_held(entry.ticket, "complete"))
+                return
+            done = entry.complete
+            self._controller.complete(ticket, ServedTokens(done.prompt_tokens, done.completion_tokens))
+            self._controller.release(ticket)
         elif kind == "release":
             ticket = self._forget(entry.ticket)
-            if ticket is not None:
-                self._controller.release(ticket)
+            if ticket is None:
+                self._refuse(entry.ticket, _not_held(entry.ticket, "release"))
+                return
+            self._controller.release(ticket)
         elif kind == "credit_request":
             if self._credits is None:
                 self._credits = self._controller.open_credits(entry.credit_request.max_credits, self._wake.set)
             else:
                 self._controller.want_credits(self._credits, entry.credit_request.max_credits)
-        elif kind == "credit_return" and self._credits is not None:
+        elif kind == "credit_return":
+            if self._credits is None:
+                self._refuse(entry.ticket, InvalidRequest(
+                    "credit_return without a credit_request on this stream: no credits were lent"))
+                return
             self._controller.credits_returned(self._credits, entry.credit_return.returned)
+        else:
+            self._refuse(entry.ticket, InvalidRequest(
+                f"entry for ticket {entry.ticket} carries nothing: set one of enqueue, complete, release, "
+                "credit_request, credit_return"))
 
     def _enqueue(self, entry: flow_control_pb2.AdmitEntry) -> None:
         enqueue = entry.enqueue
@@ -264,8 +378,7 @@ class _AdmitSession:
         except InvalidRequest as exc:
             if entry.on_credit:  # the client spent the credit on it: gone, nothing in flight
                 self._controller.spend_credit(self._credits)
-            self._answer(entry.ticket, flow_control_pb2.AdmitResponse(
-                outcome=flow_control_pb2.QUEUE_OUTCOME_UNSPECIFIED, reason=str(exc)))
+            self._refuse(entry.ticket, exc)
             if span is not None:
                 span.end()
             return
@@ -316,6 +429,11 @@ class _AdmitSession:
         self._outbox.append(flow_control_pb2.AdmitDecision(ticket=key, response=response))
         self._wake.set()
 
+    def _refuse(self, key: int, exc: KvmeshError) -> None:
+        """Answer ``key`` with what a unary call would have answered for ``exc`` (kvmesh/errors.py's table)."""
+        self._outbox.append(flow_control_pb2.AdmitDecision(ticket=key, error=error_to_proto(exc)))
+        self._wake.set()
+
     async def _write(self) -> None:
         while True:
             await self._wake.wait()
@@ -350,6 +468,18 @@ class _AdmitSession:
             self._waiters.clear()
         if released:
             logger.info("admit-many stream ended released=%d", released)
+
+
+def error_to_proto(exc: KvmeshError) -> flow_control_pb2.AdmitError:
+    """An entry's error as ``AdmitError``: the gRPC status name and class of ``exc`` from
+    kvmesh/errors.py's table (the shape of epp's ``PickError``)."""
+    return flow_control_pb2.AdmitError(code=mapping_for(exc).grpc_status, error_class=type(exc).__name__,
+                                       message=str(exc))
+
+
+def _not_held(key: int, kind: str) -> NotFound:
+    return NotFound(f"{kind} for ticket {key}, which this stream does not hold (never enqueued, rejected, "
+                    "refused, or already completed or released)")
 
 
 _SAMPLED_LAST_HEX = frozenset("13579bdfBDF")

@@ -108,6 +108,10 @@ class KVIndexerServicer(kv_indexer_pb2_grpc.KVIndexerServicer):
         return endpoints, {e.endpoint_id for e in endpoints}
 
     async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
+        """Per-endpoint prefix matches. A model the index holds nothing for (no registered endpoint,
+        or no event yet) is ``INDEX_STATE_READY`` with no scores, not ``NOT_FOUND``: epp picks for
+        models it learnt from etcd on its own, and must not count a degraded Score for one kv_indexer
+        has not seen yet or that has no cached block. Raises InvalidRequest for an empty model."""
         if not request.model:
             raise InvalidRequest("model is required")
         endpoint_ids = [EndpointId(e) for e in request.endpoint_ids] or None

@@ -4,7 +4,9 @@
 a chunk of ``data``; the sizes must add up exactly. ``Get`` streams the value back in chunks of
 ``get_chunk_bytes``, the first message carrying ``total_bytes`` and ``medium``; ``BatchGet`` does
 the same for a list of keys (a prefix of KV blocks), tagging each chunk with the key's index.
-Every size or key problem is ``INVALID_ARGUMENT``; a missing key is ``NOT_FOUND``; a failed first
+Every size or key problem is ``INVALID_ARGUMENT``, the same for a key in every call (an empty or
+over-long key is refused by ``Put``, ``Get``, ``Delete``, ``Contains``, ``Lookup`` and ``BatchGet``
+alike; a many-key call checks all its keys before it answers anything); a missing key is ``NOT_FOUND``; a failed first
 tier is ``UNAVAILABLE`` or ``RESOURCE_EXHAUSTED`` (all via the shared interceptor).
 
 **Copies.** A value is assembled once from its Put chunks: ``parse_put_request`` reads each
@@ -37,7 +39,7 @@ from kvmesh.errors import InvalidRequest
 from kvmesh.wire import medium_to_proto
 from services.kv_store.errors import KeyNotFound
 from services.kv_store.residency import BadBlockEvent, parse_block_event
-from services.kv_store.store import MAX_CONTAINS_KEYS, BlockStore
+from services.kv_store.store import BlockStore, validate_keys
 
 SERVICE_NAME = kv_store_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name
 _GET_DATA_FIELD = kv_store_pb2.GetResponse.DESCRIPTOR.fields_by_name["data"].number
@@ -245,8 +247,7 @@ class KVStoreServicer(kv_store_pb2_grpc.KVStoreServicer):
     async def BatchGet(
         self, request: kv_store_pb2.BatchGetRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
-        if len(request.keys) > MAX_CONTAINS_KEYS:
-            raise InvalidRequest(f"{len(request.keys)} keys in one BatchGet call, at most {MAX_CONTAINS_KEYS}")
+        validate_keys(request.keys, "BatchGet")  # every key before the first byte: the call fails whole or not at all
         for index, key in enumerate(request.keys):
             try:
                 stored = await self._store.get(key)

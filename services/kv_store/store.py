@@ -28,7 +28,8 @@ inside the tiers. Nothing is ever served from a tier that failed.
 Per tier the store measures ``StoreMetrics``: latency of each verb (a fixed-bucket histogram,
 seconds) and bytes moved into it by reason (``put``, ``demote``, ``promote``, ``write_through``).
 
-Keys are non-empty strings of at most :data:`MAX_KEY_BYTES` UTF-8 bytes. No grpc here: the
+Keys are non-empty strings of at most :data:`MAX_KEY_BYTES` UTF-8 bytes; every call refuses
+any other key alike (:func:`validate_key`, :func:`validate_keys`). No grpc here: the
 servicer assembles chunk streams into ``bytes`` and maps the domain errors raised below. With
 only the CPU tier no operation suspends.
 """
@@ -104,12 +105,27 @@ class StoreMetrics:
     """tier -> operations that raised TierUnavailable / StorageFull (the tier was skipped)."""
 
 
-def validate_key(key: str) -> None:
-    """Raises :class:`InvalidRequest` for an empty or over-long key."""
+def validate_key(key: str, where: str = "key") -> None:
+    """Raises :class:`InvalidRequest` for an empty or over-long key, naming it ``where`` (``keys[2]``)."""
     if not key:
-        raise InvalidRequest("key must not be empty")
-    if len(key.encode()) > MAX_KEY_BYTES:
-        raise InvalidRequest(f"key of {len(key.encode())} bytes exceeds {MAX_KEY_BYTES} bytes")
+        raise InvalidRequest(f"{where} must not be empty")
+    if len(key) > MAX_KEY_BYTES // 4 and len(key.encode()) > MAX_KEY_BYTES:  # <= 4 UTF-8 bytes per character
+        raise InvalidRequest(f"{where} of {len(key.encode())} bytes exceeds {MAX_KEY_BYTES} bytes")
+
+
+def validate_keys(keys: Sequence[str], call: str) -> None:
+    """Every key of a many-key call (``Contains``, ``Lookup``, ``BatchGet``) as :func:`validate_key`
+    checks one, before anything is read or answered: the same key is refused the same way by every
+    call, and a many-key call fails whole or not at all.
+
+    Raises:
+        InvalidRequest: more than :data:`MAX_CONTAINS_KEYS` keys, or a bad key (named ``keys[i]``).
+    """
+    if len(keys) > MAX_CONTAINS_KEYS:
+        raise InvalidRequest(f"{len(keys)} keys in one {call} call, at most {MAX_CONTAINS_KEYS}")
+    for index, key in enumerate(keys):
+        if not key or len(key) > MAX_KEY_BYTES // 4:
+            validate_key(key, f"keys[{index}]")
 
 
 class BlockStore:
@@ -335,13 +351,13 @@ class BlockStore:
                 self._failed(tier)
 
     async def contains(self, keys: Sequence[str]) -> list[bool]:
-        """One flag per key, in order (empty keys are simply absent); no LRU effect.
+        """One flag per key, in order; no LRU effect.
 
         Raises:
-            InvalidRequest: more than :data:`MAX_CONTAINS_KEYS` keys.
+            InvalidRequest: more than :data:`MAX_CONTAINS_KEYS` keys, or an empty or over-long key
+                (:func:`validate_keys`: refused as ``get`` refuses it, not reported absent).
         """
-        if len(keys) > MAX_CONTAINS_KEYS:
-            raise InvalidRequest(f"{len(keys)} keys in one Contains call, at most {MAX_CONTAINS_KEYS}")
+        validate_keys(keys, "Contains")
         present = [False] * len(keys)
         for tier in self.tiers:
             pending = [i for i, found in enumerate(present) if not found]
@@ -353,9 +369,12 @@ class BlockStore:
         return present
 
     async def media(self, keys: Sequence[str]) -> list[Medium | None]:
-        """For each key the medium of the fastest tier holding it, ``None`` when absent; no LRU effect."""
-        if len(keys) > MAX_CONTAINS_KEYS:
-            raise InvalidRequest(f"{len(keys)} keys in one call, at most {MAX_CONTAINS_KEYS}")
+        """For each key the medium of the fastest tier holding it, ``None`` when absent; no LRU effect.
+
+        Raises:
+            InvalidRequest: as :meth:`contains`.
+        """
+        validate_keys(keys, "Lookup")
         found: list[Medium | None] = [None] * len(keys)
         for tier in self.tiers:
             pending = [i for i, medium in enumerate(found) if medium is None]

@@ -8,7 +8,9 @@ The etcd :class:`~kvmesh.membership.EndpointWatcher` keeps the model catalog cur
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -16,7 +18,7 @@ import grpc
 
 from kvmesh._proto.kvmesh.router.v1 import router_pb2_grpc
 from kvmesh.http_server import HttpServer
-from kvmesh.membership import EndpointWatcher
+from kvmesh.membership import EndpointWatcher, etcd_health
 from kvmesh.server import GrpcService, ServiceSpec
 from kvmesh.types import Endpoint, EndpointId
 from services.router.catalog import ModelCatalog, ModelMemory
@@ -29,6 +31,10 @@ from services.router.request_flow import RequestFlow, build_http_client, build_p
 from services.router.servicer import SERVICE_NAME, InferenceServicer
 
 logger = logging.getLogger(__name__)
+
+_END_MARGIN_SECONDS = 0.6
+"""How long before uvicorn cancels what is left (``ceil(shutdown_http_grace_seconds)``) the streams
+still running are ended with the in-stream error, so they finish on their own."""
 
 
 class WatchedCatalog:
@@ -81,13 +87,15 @@ def build_service(config: RouterConfig) -> GrpcService:
     flow = RequestFlow(config, catalog, admission, picker, http_client,
                        endpoints=lambda model: watcher.snapshot().values() if watcher is not None else ())
     readiness = ReadinessProbe(
-        {"flow_control": admission.health, "epp": picker.health},
+        {"flow_control": admission.health, "epp": picker.health,
+         # etcd unreachable: served from the last known membership, so "degraded", never unready
+         **({"etcd": etcd_health} if config.etcd_endpoints else {})},
         catalog.endpoint_count,
         config.health_check_timeout_seconds,
         config.health_cache_seconds,
         time.monotonic,
         degradable=frozenset(name for name, mode in (("flow_control", config.flow_control_failure_mode),
-                                                     ("epp", config.epp_failure_mode)) if mode == "open"),
+                                                     ("epp", config.epp_failure_mode)) if mode == "open") | {"etcd"},
         hang_tolerant=frozenset({"epp"}),  # a hung epp: each pick falls back after pick_timeout_seconds
     )
     passthrough_http = build_passthrough_client(config)  # /tokenize, /detokenize: off the hot path
@@ -95,7 +103,8 @@ def build_service(config: RouterConfig) -> GrpcService:
                               lambda model: watcher.snapshot().values() if watcher is not None else (), flow.local_picker)
     api = RouterHttpApi(config, flow, catalog, readiness, passthrough)
     http_server = HttpServer(api.app(), config.host, config.http_port, config.shutdown_http_grace_seconds,
-                             name="router-http", http=config.http_parser)
+                             name="router-http", http=config.http_parser,
+                             header_timeout_seconds=config.request_header_timeout_seconds)
     servicer = InferenceServicer(config, flow, catalog)
 
     def add_servicers(server: grpc.aio.Server) -> None:
@@ -105,9 +114,28 @@ def build_service(config: RouterConfig) -> GrpcService:
         await admission.connect()
         await picker.connect()
 
+    def on_membership(joined: dict[EndpointId, Endpoint], left: dict[EndpointId, Endpoint]) -> None:
+        if watcher is not None and left:  # an endpoint gone (not just re-labelled): requests hung on it end
+            live = watcher.snapshot()
+            gone = [endpoint_id for endpoint_id in left if endpoint_id not in live]
+            if gone and (ended := flow.endpoints_left(gone)):
+                logger.warning("endpoint left with requests waiting on it endpoints=%s ended=%d", gone, ended)
+
+    async def stop_http() -> None:
+        """Stop HTTP; streams still running when the grace is nearly over end with the in-stream
+        error (503 "shutting down") + ``[DONE]`` instead of being cut by uvicorn's cancel."""
+        stopping = asyncio.ensure_future(http_server.stop())
+        grace = config.shutdown_http_grace_seconds
+        done, _ = await asyncio.wait([stopping], timeout=max(0.0, min(grace, math.ceil(grace) - _END_MARGIN_SECONDS)))
+        if not done and (ended := flow.end_all()):
+            logger.info("shutting down: ended %d request(s) still on an engine", ended)
+        await stopping
+        await flow.aclose()
+
     async def start_watcher() -> None:
         if watcher is not None:
             watcher.add_listener(catalog.refresh)
+            watcher.add_listener(on_membership)
             await watcher.start()
             catalog.refresh()
             logger.info("router models=%s", catalog().names())
@@ -132,7 +160,7 @@ def build_service(config: RouterConfig) -> GrpcService:
             service_names=[SERVICE_NAME],
             add_servicers=add_servicers,
             on_start=[start_clients, start_watcher, start_http],
-            on_stop=[http_server.stop, close_clients],
+            on_stop=[stop_http, close_clients],
         ),
     )
     return service

@@ -459,6 +459,11 @@ class _AdmitStream(_MuxCall[fc_pb2.AdmitEntry, fc_pb2.AdmitResponse]):
 
     def _on_message(self, message: fc_pb2.AdmitDecisions) -> None:
         for decision in message.decisions:
+            if decision.HasField("error"):  # the entry was refused: that admission fails, the stream goes on
+                future = self._pending.pop(decision.ticket, None)
+                if future is not None and not future.done():
+                    future.set_exception(_admit_entry_error(decision.error))
+                continue
             self._resolve(decision.ticket, decision.response)
         if message.HasField("credits"):
             self._credit_update(message.credits)
@@ -489,11 +494,19 @@ def _admit_error(exc: BaseException) -> BaseException:
     return FlowControlUnreachable(f"flow_control unavailable: admission call failed ({exc!r})")
 
 
+def _admit_entry_error(error: fc_pb2.AdmitError) -> errors.KvmeshError:
+    """An ``AdmitMany`` entry's ``AdmitError`` as the domain error the unary call's status would
+    read as (its class when flow_control named one of the table's, else the status's row)."""
+    message = f"rejected by admission: {error.message or error.code}"
+    named = errors.error_class_named(error.error_class, error.code) if error.error_class else None
+    return named(message) if named is not None else errors.from_grpc_status(error.code, message)
+
+
 def _decision(reply: fc_pb2.AdmitResponse) -> errors.KvmeshError | None:
     """None for DISPATCHED, else the rejection's domain error."""
     if reply.outcome == fc_pb2.QUEUE_OUTCOME_DISPATCHED:
         return None
-    if reply.outcome == fc_pb2.QUEUE_OUTCOME_UNSPECIFIED and reply.reason:  # AdmitMany: a malformed enqueue
+    if reply.outcome == fc_pb2.QUEUE_OUTCOME_UNSPECIFIED and reply.reason:  # an older flow_control's AdmitMany: a malformed enqueue
         return errors.InvalidRequest(f"rejected by admission: {reply.reason}")
     error_cls = _REJECTIONS.get(reply.outcome, errors.Saturated)
     message = f"rejected by admission: {reply.reason or fc_pb2.QueueOutcome.Name(reply.outcome)}"

@@ -36,6 +36,31 @@ class RouterConfig(GrpcServiceConfig):
     """TCP connect timeout to an engine; a failed connect moves on to the next fallback. Sized for
     a loaded host: on a starved machine an accept can take seconds (2 s lost requests under a
     replay on 2 busy cores); a dead engine refuses at once and is not waited for."""
+    engine_first_byte_timeout_seconds: float = Field(300.0, gt=0, le=86400)
+    """Longest wait from sending a *streamed* request to an engine to the first byte of its answer
+    (queueing in the engine plus prefill); past it the engine is judged hung and the request, which
+    the client has not seen a byte of yet, is sent to the next candidate (as a refused connection
+    is). 300 s as Envoy's default ``stream_idle_timeout``: a long prefill on a loaded engine stays
+    well within it. A non-streamed answer is its first byte (the whole generation), so it waits up
+    to ``request_timeout_seconds``."""
+    engine_stream_idle_timeout_seconds: float = Field(120.0, gt=0, le=86400)
+    """Longest silence of an engine between two pieces of an answer that started; past it the
+    answer ends as a failed engine's does (SSE: the in-stream error event + ``[DONE]``; gRPC
+    ``UNAVAILABLE``). Decode steps are milliseconds apart; 120 s leaves room for a request
+    preempted while others prefill."""
+    engine_departed_idle_seconds: float = Field(5.0, gt=0, le=3600)
+    """Once an endpoint left membership (its lease expired: the engine hung or died without a
+    reset), how long a request may still wait on it without a byte before it is ended (re-sent
+    elsewhere when the client has seen nothing, else the in-stream error). A draining engine that
+    deregistered first keeps sending tokens and is not cut."""
+    request_body_timeout_seconds: float = Field(60.0, gt=0, le=3600)
+    """Longest time to receive a request's whole body once its headers arrived (nginx's
+    ``client_body_timeout`` is 60 s): a client that declares more than it sends (or drips it) gets
+    408 and the connection is closed, instead of holding it forever."""
+    request_header_timeout_seconds: float = Field(60.0, gt=0, le=3600)
+    """Longest time from a connection's first byte of a request (or its opening) to the end of that
+    request's headers; past it the connection is closed (nginx's ``client_header_timeout``, 60 s).
+    uvicorn bounds only idle keep-alive connections, so a client dripping header bytes held one."""
     admission_timeout_seconds: float = Field(35.0, gt=0, le=86400)
     """Longest wait for flow_control's dispatch decision, then 504. A few seconds above flow_control's
     default queue TTL (30 s), which normally fires first; this one bounds a hung flow_control."""

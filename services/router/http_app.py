@@ -90,6 +90,7 @@ from services.router.headers import forwarded_headers
 from services.router.http_errors import (
     MAX_ENGINE_ERROR_BYTES,
     HeadersTooLarge,
+    RequestTimedOut,
     RequestTooLarge,
     UnsupportedMediaType,
     body_snippet,
@@ -106,9 +107,11 @@ from services.router.request_flow import (
     REQUEST_ID_HEADER,
     ClientGone,
     EngineFailed,
+    EngineStalled,
     FlowSession,
     RequestFlow,
     RequestMeta,
+    ShuttingDown,
 )
 from services.router.response_affinity import (
     ResponseAffinity,
@@ -255,13 +258,27 @@ class OpenAIJSONResponse(Response):
         return render_json(content)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, at most ``limit`` bytes.
+async def read_body(request: Request, limit: int, timeout_seconds: float | None = None) -> bytes:
+    """The request body, at most ``limit`` bytes, all of it within ``timeout_seconds`` (None: no bound).
 
     Raises:
         RequestTooLarge: ``content-length`` says more than ``limit``, or the bytes read exceed it.
         InvalidRequest: a ``content-length`` that is not a number.
+        RequestTimedOut: the body did not arrive in time (fewer bytes than ``content-length`` said,
+            or a drip): 408, and the connection is closed.
     """
+    if timeout_seconds is None:
+        return await _read_body(request, limit)
+    try:
+        async with asyncio.timeout(timeout_seconds):
+            return await _read_body(request, limit)
+    except TimeoutError:
+        declared = request.headers.get("content-length")
+        raise RequestTimedOut(f"request body not received within {timeout_seconds:g}s"
+                              + (f" (content-length says {declared} bytes)" if declared else "")) from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.strip().isdigit():
@@ -533,10 +550,13 @@ def _retry_after(engine_value: str | None, default_seconds: int) -> str:
 
 def _error_event(session: FlowSession, exc: EngineFailed) -> bytes:
     """The in-stream error (vLLM's convention): ``data: {"error": {...}}`` then ``data: [DONE]``."""
-    cause = exc.__cause__ or exc
-    err = http_error(errors.NoEndpointsAvailable(
-        f"engine {session.endpoint.id} failed mid-stream ({type(cause).__name__}); the answer is incomplete"
-    ))
+    if isinstance(exc, EngineStalled | ShuttingDown):  # its own words: a hung engine, the router stopping
+        err = http_error(exc)
+    else:
+        cause = exc.__cause__ or exc
+        err = http_error(errors.NoEndpointsAvailable(
+            f"engine {session.endpoint.id} failed mid-stream ({type(cause).__name__}); the answer is incomplete"
+        ))
     return sse_event(render_json(err.body)) + DONE_EVENT
 
 
@@ -618,6 +638,8 @@ class RouterHttpApi:
                 headers["retry-after"] = str(max(self._config.retry_after_seconds, math.ceil(hint)))
         if isinstance(exc, UnsupportedMediaType):  # RFC 7694: the codings this server accepts
             headers["accept-encoding"] = "gzip, deflate, identity"
+        if isinstance(exc, RequestTimedOut):  # the rest of the body may still come: this connection is done
+            headers["connection"] = "close"
         if request_id:
             headers[REQUEST_ID_HEADER] = request_id
         return OpenAIJSONResponse(err.body, status_code=err.status, headers=headers)
@@ -668,13 +690,15 @@ class RouterHttpApi:
     async def _pass(self, request: Request, path: str) -> Response:
         """``/tokenize`` / ``/detokenize``: the body to one live endpoint of its model (no admission, no pick).
 
-        ``model`` may be left out when exactly one model is served (vLLM's field is optional).
+        ``model`` may be left out when exactly one model is served (vLLM's field is optional); with
+        none live it is ``NoEndpointsAvailable`` (503 + ``retry-after``) whether given or not, as for a completion.
         """
         request_id = _valid_request_id(request.headers.get(REQUEST_ID_HEADER))
         try:
             meta = request_meta(request.headers, self._config, None, self._tenants)
             request_id = meta.request_id
-            raw = decode_body(await read_body(request, self._config.max_request_body_bytes),
+            raw = decode_body(await read_body(request, self._config.max_request_body_bytes,
+                                              self._config.request_body_timeout_seconds),
                               request.headers.get("content-encoding"), self._config.max_request_body_bytes)
             check_content_type(request.headers.get("content-type"), raw)
             body = parse_json_body(raw)
@@ -684,6 +708,8 @@ class RouterHttpApi:
                 name = catalog.names()[0]
             elif name is None and catalog.models:
                 raise errors.InvalidRequest(f"'model' is required: {len(catalog.models)} models are served")
+            elif name is None:  # nothing live: retryable, as a completion is then (503 + retry-after), not a 400
+                raise errors.NoEndpointsAvailable("no model endpoints are live; retry later")
             model, _ = resolve_model(name, catalog)
             if self._passthrough is None:
                 raise errors.NoEndpointsAvailable(f"{path} is not passed through by this router")
@@ -718,7 +744,8 @@ class RouterHttpApi:
         try:
             meta = request_meta(request.headers, self._config, extract_http_context(request.headers), self._tenants)
             request_id = meta.request_id
-            raw = decode_body(await read_body(request, self._config.max_request_body_bytes),
+            raw = decode_body(await read_body(request, self._config.max_request_body_bytes,
+                                              self._config.request_body_timeout_seconds),
                               request.headers.get("content-encoding"), self._config.max_request_body_bytes)
             if meta.admit_options is not None:
                 meta = replace(meta, admit_options=replace(meta.admit_options, byte_size=len(raw)))

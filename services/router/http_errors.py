@@ -46,7 +46,12 @@ class UnsupportedMediaType(InvalidRequest):
     """A request body in an encoding (``content-encoding``) the router does not decode (HTTP 415)."""
 
 
-_STATUS_OVERRIDES: dict[type[KvmeshError], int] = {RequestTooLarge: 413, HeadersTooLarge: 431, UnsupportedMediaType: 415}
+class RequestTimedOut(InvalidRequest):
+    """The request body did not arrive within ``request_body_timeout_seconds`` (HTTP 408, connection closed)."""
+
+
+_STATUS_OVERRIDES: dict[type[KvmeshError], int] = {RequestTooLarge: 413, HeadersTooLarge: 431, UnsupportedMediaType: 415,
+                                                    RequestTimedOut: 408}
 
 
 def render_json(body: object) -> bytes:

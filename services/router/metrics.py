@@ -9,6 +9,7 @@
 | ``kvmesh_router_upstream_retries_total`` | counter | — |
 | ``kvmesh_router_stage_duration_seconds`` | histogram (STAGE_BUCKETS_SECONDS) | stage |
 | ``kvmesh_router_epp_completions_dropped_total`` | counter | reason (queue_full, unreachable): completions not told to epp |
+| ``kvmesh_router_engine_stalled_total`` | counter | reason (first_byte_timeout, idle_timeout, endpoint_left), action (redispatched, ended) |
 
 ``stage`` (:data:`STAGES`, where a request's time goes in the router; epp's own stages, the
 prefix-match step's tokenize and Score included, are epp's ``kvmesh_epp_plugin_duration_seconds``):
@@ -44,7 +45,7 @@ class RequestOutcome(enum.StrEnum):
     ERROR = "error"
 
 
-_STATUS_OUTCOME = {400: RequestOutcome.INVALID, 413: RequestOutcome.INVALID, 415: RequestOutcome.INVALID,
+_STATUS_OUTCOME = {400: RequestOutcome.INVALID, 408: RequestOutcome.INVALID, 413: RequestOutcome.INVALID, 415: RequestOutcome.INVALID,
                    422: RequestOutcome.INVALID, 431: RequestOutcome.INVALID, 404: RequestOutcome.NOT_FOUND, 429: RequestOutcome.REJECTED, 503: RequestOutcome.UNAVAILABLE, 504: RequestOutcome.TIMEOUT}
 
 REQUEST_TTFT = Histogram(
@@ -106,6 +107,20 @@ EPP_COMPLETIONS_DROPPED = Counter(
     "Request completions not reported to epp (its Completed RPC): queue_full, or unreachable (call failed).",
     ["reason"],
 )
+
+
+ENGINE_STALLED = Counter(
+    "kvmesh_router_engine_stalled",
+    "Engine requests ended because the engine stopped answering without failing: reason first_byte_timeout "
+    "(engine_first_byte_timeout_seconds), idle_timeout (engine_stream_idle_timeout_seconds mid-answer) or "
+    "endpoint_left (its membership lease expired while the request waited on it); action redispatched (no byte "
+    "had reached the client: sent to the next candidate) or ended (the answer had started: in-stream error).",
+    ["reason", "action"],
+)
+
+
+def record_engine_stalled(reason: str, action: str) -> None:
+    ENGINE_STALLED.labels(reason=reason, action=action).inc()
 
 
 def record_degraded(dependency: str, action: str) -> None:

@@ -7,6 +7,7 @@ Ready means all of:
 | ``flow_control`` | grpc.health.v1 ``Check("")`` within ``health_check_timeout_seconds`` | its status or the failed call's code: ``NOT_SERVING``, ``UNAVAILABLE``, ``DEADLINE_EXCEEDED`` |
 | ``epp`` | same | same |
 | ``endpoints`` | at least one live endpoint (etcd) serves a model | ``0`` |
+| ``etcd`` (with etcd configured) | :func:`kvmesh.membership.etcd_health`: this process's etcd clients, no I/O | ``UNAVAILABLE``: always degraded, never unready (the last known membership serves) |
 
 A dependency with a degraded mode (``degradable``: flow_control and epp when their failure mode
 is ``open``, see ``docs/degraded-modes.md``) that is *unreachable* (``UNAVAILABLE``,

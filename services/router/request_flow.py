@@ -102,6 +102,111 @@ class EngineFailed(errors.NoEndpointsAvailable):
     """
 
 
+class EngineStalled(EngineFailed):
+    """The engine stopped sending after its answer started: silent past
+    ``engine_stream_idle_timeout_seconds``, or it left membership while the request waited on it
+    (``engine_departed_idle_seconds``). The answer ends as a failed engine's: 503 / ``UNAVAILABLE``,
+    an SSE stream with the in-stream error event and ``[DONE]``."""
+
+
+SHUTDOWN_MESSAGE = "the server is shutting down; retry the request"
+
+
+class ShuttingDown(EngineFailed):
+    """The router is stopping and the request was still waiting on its engine (503 + ``retry-after``,
+    or the in-stream error event when the answer had started)."""
+
+
+class EngineStall(EngineUnreachable):
+    """No first byte from the engine within ``engine_first_byte_timeout_seconds`` (or it left
+    membership while the request waited): the request moves to the next candidate, as for a refused
+    connection. ``reason``: ``first_byte_timeout`` or ``endpoint_left``."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+STALL_REASONS = ("first_byte_timeout", "idle_timeout", "endpoint_left")
+_SHUTDOWN = "shutdown"
+
+
+@dataclass(eq=False, slots=True)
+class _EngineWatch:
+    """One request's wait on its engine, seen by :meth:`RequestFlow._reap` (no timer per read).
+
+    ``since`` is set while the request's task awaits the engine (headers, a body chunk), None
+    otherwise (e.g. while writing to a slow client: that is not the engine's silence). Ending it
+    sets ``reason`` and cancels the task *at that await*, where the cancellation is turned into
+    :class:`EngineStall` (before the first byte), :class:`EngineStalled` or :class:`ShuttingDown`.
+    """
+
+    task: asyncio.Task[object] | None
+    endpoint_id: str
+    request_id: str
+    limit: float
+    on_stall: Callable[[_EngineWatch, str], None]
+    first: bool = True
+    since: float | None = None
+    departed: bool = False
+    reason: str | None = None
+    waited: float = 0.0
+    cancelled: bool = False
+
+    def owns_cancel(self) -> bool:
+        """Whether the CancelledError being handled is this watch's own (then it is consumed)."""
+        if not self.cancelled:
+            return False
+        task = asyncio.current_task()
+        return task is None or task.uncancel() == 0
+
+    def failure(self) -> EngineFailed:
+        """The error that ends an answer which started (counted and logged once, rate-limited)."""
+        if self.reason == _SHUTDOWN:
+            return ShuttingDown(SHUTDOWN_MESSAGE)
+        self.on_stall(self, "ended")
+        why = ("it left the pool (membership lease expired)" if self.reason == "endpoint_left"
+               else f"no data for {self.waited:.0f}s")
+        return EngineStalled(f"engine {self.endpoint_id} stopped answering mid-stream ({why}); the answer is incomplete")
+
+    def unreachable(self) -> Exception:
+        """The error for an engine that gave no first byte: the next candidate is tried (not on shutdown)."""
+        if self.reason == _SHUTDOWN:
+            return ShuttingDown(SHUTDOWN_MESSAGE)
+        self.on_stall(self, "redispatched")
+        why = ("it left the pool (membership lease expired)" if self.reason == "endpoint_left"
+               else f"no first byte within {self.waited:.0f}s")
+        return EngineStall(self.reason or "first_byte_timeout", f"engine {self.endpoint_id} did not answer: {why}")
+
+
+class _PrimedResponse:
+    """An engine answer whose first body chunk was already read (to know the engine answers before
+    the request is bound to it); yields that chunk, then the rest."""
+
+    __slots__ = ("_first", "_inner", "_rest", "content_type", "headers", "primed_at", "status_code")
+
+    def __init__(self, inner: EngineResponse, first: bytes, rest: AsyncIterator[bytes] | None, primed_at: float) -> None:
+        self._inner, self._first, self._rest, self.primed_at = inner, first, rest, primed_at
+        self.status_code = inner.status_code
+        self.content_type = inner.content_type
+        self.headers = inner.headers
+
+    @property
+    def is_closed(self) -> bool:
+        return self._inner.is_closed
+
+    async def aiter_bytes(self) -> AsyncIterator[bytes]:
+        first, self._first = self._first, b""
+        if first:
+            yield first
+        if self._rest is not None:
+            async for chunk in self._rest:
+                yield chunk
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
 _CLIENT_GONE = (asyncio.CancelledError, GeneratorExit, ClientGone)
 
 
@@ -184,6 +289,8 @@ class FlowSession:
     _usage: Usage | None = None
     _chunks: int = 0
     _body: bytearray = field(default_factory=bytearray)
+    _watch: _EngineWatch | None = None
+    _ttft_recorded: bool = False
 
     @property
     def ttft_seconds(self) -> float:
@@ -209,24 +316,41 @@ class FlowSession:
 
         Raises:
             EngineFailed: the engine connection failed mid-answer (logged here).
+            EngineStalled: the engine went silent past ``engine_stream_idle_timeout_seconds``, or
+                left membership while this answer waited on it.
+            ShuttingDown: the router is stopping.
         """
         # an error answer is one JSON body even for a streamed request (vLLM answers 4xx before any event)
         framer = SseFramer() if self.request.stream and self.status_code < 400 else None
         chunks = self._response.aiter_bytes()
+        watch = self._watch
         while True:
+            if watch is not None:
+                if watch.reason is not None:  # ended while not waiting on the engine (the router stopping)
+                    raise watch.failure()
+                watch.since = _now()
             try:
                 chunk = await anext(chunks)
             except StopAsyncIteration:
                 break
+            except asyncio.CancelledError:
+                if watch is None or not watch.owns_cancel():
+                    raise
+                raise watch.failure() from None
             except Exception as exc:
                 logger.warning(
                     "engine failed mid-answer request_id=%s endpoint=%s error=%r", self.meta.request_id, self.endpoint.id, exc
                 )
                 raise EngineFailed(f"engine {self.endpoint.id} failed mid-response") from exc
+            finally:
+                if watch is not None:
+                    watch.since = None
             if not chunk:
                 continue
-            if self._first_byte_at is None:
-                self._first_byte_at = self._clock()
+            if not self._ttft_recorded:
+                self._ttft_recorded = True
+                if self._first_byte_at is None:
+                    self._first_byte_at = self._clock()
                 metrics.record_ttft(self.request.model, self.ttft_seconds)
             if framer is None:
                 self._body += chunk
@@ -403,6 +527,89 @@ class RequestFlow:
         self._degraded_log = DegradedLog(clock)
         self._admitting_at_once = True
         """Whether the last admission dispatched without queueing (or was rejected): early picks go on."""
+        self._watches: set[_EngineWatch] = set()
+        self._reaper: asyncio.Task[None] | None = None
+        self._reap_tick = max(0.05, min(1.0, config.engine_first_byte_timeout_seconds / 4,
+                                        config.engine_stream_idle_timeout_seconds / 4,
+                                        config.engine_departed_idle_seconds / 4))
+
+    # -- engines that stop answering (docs/degraded-modes.md, "an engine hung") --------------------
+
+    def _watch(self, endpoint_id: str, request_id: str, stream: bool) -> _EngineWatch:
+        first = self._config.engine_first_byte_timeout_seconds if stream else self._config.request_timeout_seconds
+        watch = _EngineWatch(asyncio.current_task(), endpoint_id, request_id, first, self._stalled)
+        self._watches.add(watch)
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.ensure_future(self._reap())
+        return watch
+
+    def _unwatch(self, watch: _EngineWatch | None) -> None:
+        if watch is not None:
+            watch.since = None
+            self._watches.discard(watch)
+
+    def _stalled(self, watch: _EngineWatch, action: str) -> None:
+        reason = watch.reason or "idle_timeout"
+        metrics.record_engine_stalled(reason, action)
+        self._degraded_log.warn("engine", "action=%s reason=%s endpoint=%s request_id=%s waited=%.1fs",
+                                action, reason, watch.endpoint_id, watch.request_id, watch.waited, cause=reason)
+
+    def _end(self, watch: _EngineWatch, reason: str, now: float) -> None:
+        """End ``watch``'s wait: cancel its task at the engine await (a wait not in progress sees
+        ``reason`` at its next read)."""
+        watch.reason = reason
+        if watch.since is not None:
+            watch.waited = now - watch.since
+            if watch.task is not None and not watch.task.done():
+                watch.cancelled = True
+                watch.task.cancel()
+
+    async def _reap(self) -> None:
+        """Every tick: end the waits past their limit (first byte, idle, or departed endpoint)."""
+        departed_limit = self._config.engine_departed_idle_seconds
+        while self._watches:
+            await asyncio.sleep(self._reap_tick)
+            now = _now()
+            for watch in list(self._watches):
+                if watch.since is None or watch.reason is not None:
+                    continue
+                waited = now - watch.since
+                if watch.departed and waited > departed_limit:
+                    self._end(watch, "endpoint_left", now)
+                elif waited > watch.limit:
+                    self._end(watch, "first_byte_timeout" if watch.first else "idle_timeout", now)
+
+    def endpoints_left(self, endpoint_ids: Iterable[str]) -> int:
+        """Membership says these endpoints left (lease expired or deregistered): requests waiting on
+        one of them for over ``engine_departed_idle_seconds`` end now, the others once they wait that
+        long (a draining engine that deregistered first keeps answering and is not cut). The count
+        ended now."""
+        gone = set(endpoint_ids)
+        now, ended = _now(), 0
+        for watch in list(self._watches):
+            if watch.endpoint_id in gone and watch.reason is None:
+                watch.departed = True
+                if watch.since is not None and now - watch.since > self._config.engine_departed_idle_seconds:
+                    self._end(watch, "endpoint_left", now)
+                    ended += 1
+        return ended
+
+    def end_all(self) -> int:
+        """The router is stopping: every request bound to an engine ends (503 before its answer
+        started, else the in-stream error event + ``[DONE]``: :data:`SHUTDOWN_MESSAGE`). Their count."""
+        now = _now()
+        watches = [w for w in self._watches if w.reason is None]
+        for watch in watches:
+            self._end(watch, _SHUTDOWN, now)
+        return len(watches)
+
+    async def aclose(self) -> None:
+        """Stop the reaper (at shutdown, after the HTTP server stopped)."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+            self._reaper = None
 
     async def _admit(self, request: RouterRequest, meta: RequestMeta) -> Ticket:
         """flow_control's decision; when it is unreachable, the degraded mode's (a local slot or 503)."""
@@ -519,6 +726,7 @@ class RequestFlow:
             ),
         )
         metrics.IN_FLIGHT.inc()
+        watch: _EngineWatch | None = None
         try:
             with trace.use_span(life.span, end_on_exit=False):
                 early_pick = self._start_early_pick(request, meta)
@@ -531,7 +739,7 @@ class RequestFlow:
                     raise
                 metrics.record_stage("admission", self._clock() - life.started)
                 early_pick = await self._keep_early_pick(early_pick, life.ticket)
-                response, endpoint, life.proxy_span, attempts = await self._connect(request, meta, early_pick)
+                response, endpoint, life.proxy_span, attempts, watch = await self._connect(request, meta, early_pick)
             life.span.set_attribute("kvmesh.endpoint", endpoint.id)
             self.local_picker.note_start(endpoint.id)
             life.on_end = lambda: self.local_picker.note_end(endpoint.id)
@@ -546,7 +754,10 @@ class RequestFlow:
                 _response=response,
                 _clock=self._clock,
                 _started=life.started,
+                _watch=watch,
             )
+            if isinstance(response, _PrimedResponse):
+                life.session._first_byte_at = response.primed_at
             yield life.session
         except _CLIENT_GONE as exc:
             life.client_gone, life.exception = True, exc
@@ -555,6 +766,7 @@ class RequestFlow:
             life.exception = exc
             raise
         finally:
+            self._unwatch(watch)
             await life.close()
 
     def _start_early_pick(self, request: RouterRequest, meta: RequestMeta) -> asyncio.Task[PickReply] | None:
@@ -587,7 +799,7 @@ class RequestFlow:
 
     async def _connect(
         self, request: RouterRequest, meta: RequestMeta, early_pick: asyncio.Task[PickReply] | None = None
-    ) -> tuple[EngineResponse, Endpoint, trace.Span, int]:
+    ) -> tuple[EngineResponse, Endpoint, trace.Span, int, _EngineWatch]:
         tried: list[str] = []
         last_error: Exception | None = None
         max_attempts = self._config.max_fallback_attempts
@@ -611,19 +823,69 @@ class RequestFlow:
                 if len(tried) >= max_attempts:
                     break
                 tried.append(endpoint.id)
+                watch = self._watch(endpoint.id, meta.request_id, request.stream)
                 try:
-                    response, proxy_span = await self._send(request, meta, endpoint, len(tried))
-                    return response, endpoint, proxy_span, len(tried)
+                    response, proxy_span = await self._attempt(request, meta, endpoint, len(tried), watch)
+                    watch.first, watch.limit = False, self._config.engine_stream_idle_timeout_seconds
+                    return response, endpoint, proxy_span, len(tried), watch
                 except EngineUnreachable as exc:
+                    self._unwatch(watch)
                     last_error = exc
                     metrics.record_retry()
                     logger.warning(
                         "engine failed before first byte request_id=%s endpoint=%s attempt=%d error=%r",
                         meta.request_id, endpoint.id, len(tried), exc,
                     )
+                except BaseException:
+                    self._unwatch(watch)
+                    raise
         raise errors.NoEndpointsAvailable(
             f"no endpoint answered for model '{request.model}' after {len(tried)} attempt(s): {last_error!r}"
         )
+
+    async def _attempt(
+        self, request: RouterRequest, meta: RequestMeta, endpoint: Endpoint, attempt: int, watch: _EngineWatch
+    ) -> tuple[EngineResponse, trace.Span]:
+        """Send to ``endpoint`` and wait for the first byte of a successful answer (the request is bound
+        to an engine only once it answers: until then the client has seen nothing and any failure
+        moves on), under ``watch``: past ``engine_first_byte_timeout_seconds`` (streamed; a
+        non-streamed answer is its first byte: ``request_timeout_seconds``) or once the endpoint left
+        membership the engine is judged hung.
+
+        Raises:
+            EngineUnreachable: refused, reset or timed out before the first byte (:class:`EngineStall`:
+                judged hung); the caller tries the next candidate.
+            ShuttingDown: the router is stopping.
+        """
+        watch.since = _now()
+        response: EngineResponse | None = None
+        span: trace.Span | None = None
+        try:
+            response, span = await self._send(request, meta, endpoint, attempt)
+            if response.status_code >= 400:
+                return response, span
+            chunks = response.aiter_bytes()
+            first, rest = b"", chunks
+            try:
+                while not first:
+                    first = await anext(chunks)
+            except StopAsyncIteration:
+                return _PrimedResponse(response, first, None, self._clock()), span
+            return _PrimedResponse(response, first, rest, self._clock()), span
+        except asyncio.CancelledError:
+            owned = watch.owns_cancel()
+            await _abandon(response, span)
+            if not owned:
+                raise
+            raise watch.unreachable() from None
+        except EngineUnreachable:
+            await _abandon(response, span)
+            raise
+        except Exception as exc:  # the answer failed after its headers, before any byte: nothing was passed on
+            await _abandon(response, span)
+            raise EngineUnreachable(f"{type(exc).__name__} before the first byte: {exc}") from exc
+        finally:
+            watch.since = None
 
     async def _send(
         self, request: RouterRequest, meta: RequestMeta, endpoint: Endpoint, attempt: int
@@ -663,6 +925,20 @@ class RequestFlow:
             raise
         span.set_attribute("http.response.status_code", response.status_code)
         return response, span
+
+
+_now = time.monotonic
+"""The clock of the hung-engine watch (real time, whatever clock the flow's metrics use)."""
+
+
+async def _abandon(response: EngineResponse | None, span: trace.Span | None) -> None:
+    """Drop an engine answer that will not be used (its connection closed: the engine sees the cancel)."""
+    if span is not None:
+        span.set_status(Status(StatusCode.ERROR, "abandoned before the first byte"))
+        span.end()
+    if response is not None:
+        with contextlib.suppress(Exception):
+            await response.aclose()
 
 
 async def _discard(task: asyncio.Task[PickReply] | None) -> None:

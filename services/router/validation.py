@@ -513,16 +513,16 @@ def _content_text(content: Any, index: int) -> str:
                 parts.append(part)
                 continue
             if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                raise InvalidRequest(f"messages[{index}].content: each part must be an object with a 'type'")
+                raise InvalidRequest(f"'messages[{index}].content': each part must be an object with a 'type'")
             if part["type"] in ("text", "input_text", "output_text", "refusal"):
                 text = part.get("text", part.get("refusal"))
                 if not isinstance(text, str):
-                    raise InvalidRequest(f"messages[{index}].content: a {part['type']} part needs a string 'text'")
+                    raise InvalidRequest(f"'messages[{index}].content': a {part['type']} part needs a string 'text'")
                 parts.append(text)
         return _utf8_or_invalid("\n".join(parts), f"messages[{index}].content")
     if content is None:
         return ""
-    raise InvalidRequest(f"messages[{index}].content must be a string or a list of text parts")
+    raise InvalidRequest(f"'messages[{index}].content' must be a string or a list of text parts")
 
 
 @dataclass(frozen=True, slots=True)
@@ -593,12 +593,12 @@ def _chat_messages(messages: Any) -> tuple[tuple[str, str], ...]:
     out: list[tuple[str, str]] = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise InvalidRequest(f"messages[{i}] must be an object")
+            raise InvalidRequest(f"'messages[{i}]' must be an object")
         role = message.get("role")
         if not isinstance(role, str) or not role:
-            raise InvalidRequest(f"messages[{i}].role must be a non-empty string")
+            raise InvalidRequest(f"'messages[{i}].role' must be a non-empty string")
         if role not in CHAT_ROLES:
-            raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(sorted(CHAT_ROLES))}, got {role!r}")
+            raise InvalidRequest(f"'messages[{i}].role' must be one of {', '.join(sorted(CHAT_ROLES))}, got {role!r}")
         out.append((role, _content_text(message.get("content"), i)))
     return tuple(out)
 
@@ -626,11 +626,11 @@ def _responses_input(body: dict[str, Any]) -> _Prompt:
     out = list(head)
     for i, item in enumerate(value):
         if not isinstance(item, dict):
-            raise InvalidRequest(f"input[{i}] must be an object")
+            raise InvalidRequest(f"'input[{i}]' must be an object")
         role = item.get("role")
         if isinstance(role, str) and item.get("type", "message") == "message":
             if role not in CHAT_ROLES:
-                raise InvalidRequest(f"input[{i}].role must be one of {', '.join(sorted(CHAT_ROLES))}, got {role!r}")
+                raise InvalidRequest(f"'input[{i}].role' must be one of {', '.join(sorted(CHAT_ROLES))}, got {role!r}")
             out.append((role, _content_text(item.get("content"), i)))
     return _messages_prompt(tuple(out))
 

@@ -35,6 +35,18 @@ def normalise(text: str) -> str:
     return "\n".join(kept) + "\n"
 
 
+def etcd(registry: CollectorRegistry = REGISTRY) -> None:
+    """The shared etcd families every etcd-using process serves (``kvmesh.membership``): one client
+    failed a watch, then reached etcd again. On the default registry they are there from import."""
+    from kvmesh import membership
+
+    if registry is not REGISTRY:
+        membership.register_etcd_metrics(registry)
+    client = object()
+    membership.ETCD_STATE.failed(client, "watch", "scenario")
+    membership.ETCD_STATE.succeeded(client)
+
+
 def router() -> bytes:
     from services.router import metrics
 
@@ -47,7 +59,9 @@ def router() -> bytes:
     metrics.record_e2e("tiny", 1.5)
     metrics.record_retry()
     metrics.record_stage("pick", 0.0004)
+    metrics.record_engine_stalled("first_byte_timeout", "redispatched")
     metrics.IN_FLIGHT.inc()
+    etcd()
     return generate_latest(REGISTRY)
 
 
@@ -66,6 +80,7 @@ def epp() -> bytes:
     metrics.record_prefix_index_score(metrics.PrefixIndexPath.REPLICA)
     metrics.record_prefix_index_score(metrics.PrefixIndexPath.REPLICA)
     metrics.record_prefix_index_score(metrics.PrefixIndexPath.RPC_FALLBACK)
+    etcd()
     return generate_latest(REGISTRY)
 
 
@@ -88,6 +103,7 @@ def kv_indexer() -> bytes:
     metrics.set_ready(True)
     metrics.record_snapshot("save", 0.004)
     metrics.track_states(lambda: {"live": 2, "unreliable": 1}, lambda: 5.0)
+    etcd()
     return generate_latest(REGISTRY)
 
 
@@ -118,6 +134,7 @@ def kv_store() -> bytes:
     lm.observe(LmCommand.GET, 0.0002)
     lm.protocol_error("bad_command")
     register_lmcache_metrics(lm, registry)
+    etcd(registry)
     return generate_latest(registry)
 
 
@@ -132,6 +149,7 @@ def flow_control() -> bytes:
     observer.on_outcome(request, QueueOutcome.DISPATCHED, 0.2)
     observer.on_outcome(request, QueueOutcome.EVICTED_TTL, 30.0)
     observer.on_state(3, 2)
+    etcd(registry)
     return generate_latest(registry)
 
 
@@ -142,6 +160,7 @@ def registration_sidecar() -> bytes:
     metrics.HEALTH_CHECKS.labels("ok").inc(3)
     metrics.HEALTH_CHECKS.labels("failed").inc()
     metrics.TRANSITIONS.labels("register").inc()
+    etcd()
     return generate_latest(REGISTRY)
 
 

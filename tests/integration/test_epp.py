@@ -28,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from kvmesh._proto.kvmesh.common.v1 import common_pb2
 from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
 from kvmesh.membership import LeaseRegistration, endpoint_key
 from kvmesh.types import Endpoint, EndpointId
@@ -221,6 +222,62 @@ async def test_bad_requests_get_statuses_and_service_stays_up(start_service, eng
         assert (await _pick(stub, model)).target.id == engine.endpoint.id
         health = health_pb2_grpc.HealthStub(channel)
         assert (await health.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING
+    proc.check_alive()
+
+
+_MESSAGES = [common_pb2.ChatMessage(role="user", content="hi")]
+MIXED_PROMPT_FORMS = {
+    "prompt+messages": {"prompt": "hi", "messages": _MESSAGES},
+    "prompt+token_ids": {"prompt": "hi", "prompt_token_ids": [1, 2]},
+    "token_ids+messages": {"prompt_token_ids": [1, 2], "messages": _MESSAGES},
+    "packed+prompt": {"prompt_token_ids_packed": b"\x01\x00\x00\x00", "prompt": "hi"},
+}
+"""More than one prompt form in a PickRequest: the router's ``Complete`` refuses the same mixes."""
+BAD_TIMEOUTS = [-5.0, float("nan"), float("inf"), float("-inf")]
+
+
+async def test_pick_and_pick_many_refuse_the_same_bad_requests_alike(start_service, engines) -> None:  # type: ignore[no-untyped-def]
+    """The same mistake, the same answer: mixed prompt forms are INVALID_ARGUMENT / InvalidRequest on
+    ``Pick`` (status + ``kvmesh-error-class`` trailer) and on ``PickMany`` (that entry's ``PickError``),
+    with the router's "one of 'prompt', 'prompt_token_ids', 'messages'" words; a negative or non-finite
+    ``timeout_seconds`` is refused on ``PickMany``; the stream keeps answering good entries meanwhile."""
+    proc, address = start_service("epp", "--scheduling-config", "load-only", *SCRAPE)
+    model = _model()
+    engine, _ = await engines(model)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = epp_pb2_grpc.EndpointPickerStub(channel)
+        await _wait_scraped(stub, {engine.endpoint.id})
+        for name, fields in MIXED_PROMPT_FORMS.items():
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Pick(epp_pb2.PickRequest(model=model, **fields), timeout=5)  # type: ignore[arg-type]
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+            assert "one of 'prompt', 'prompt_token_ids', 'messages'" in (info.value.details() or ""), name
+            assert ("kvmesh-error-class", "InvalidRequest") in tuple(info.value.trailing_metadata() or ()), name
+
+        call = stub.PickMany()
+        entries = [epp_pb2.PickEntry(id=i + 1, request=epp_pb2.PickRequest(model=model, **fields))  # type: ignore[arg-type]
+                   for i, fields in enumerate(MIXED_PROMPT_FORMS.values())]
+        entries += [epp_pb2.PickEntry(id=100 + i, request=epp_pb2.PickRequest(model=model, prompt="hi"), timeout_seconds=t)
+                    for i, t in enumerate(BAD_TIMEOUTS)]
+        good = [epp_pb2.PickEntry(id=200, request=epp_pb2.PickRequest(model=model, prompt="hi"), timeout_seconds=5),
+                epp_pb2.PickEntry(id=201, request=epp_pb2.PickRequest(model=model, prompt="hi"))]  # 0: no deadline
+        await call.write(epp_pb2.PickBatch(entries=entries + good))
+        results: dict[int, epp_pb2.PickResult] = {}
+        while len(results) < len(entries) + len(good):
+            message = await asyncio.wait_for(call.read(), 10)
+            assert message is not grpc.aio.EOF
+            results.update((r.id, r) for r in message.results)
+        for entry in entries:
+            result = results[entry.id]
+            assert result.WhichOneof("outcome") == "error", entry
+            assert (result.error.code, result.error.error_class) == ("INVALID_ARGUMENT", "InvalidRequest"), result
+        assert all("one of 'prompt', 'prompt_token_ids', 'messages'" in results[i + 1].error.message
+                   for i in range(len(MIXED_PROMPT_FORMS)))
+        assert all("timeout_seconds" in results[100 + i].error.message for i in range(len(BAD_TIMEOUTS)))
+        assert all(results[e.id].response.target.id == engine.endpoint.id for e in good)
+        await call.done_writing()
+        assert await call.read() is grpc.aio.EOF
+        assert await call.code() == grpc.StatusCode.OK
     proc.check_alive()
 
 

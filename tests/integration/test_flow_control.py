@@ -158,6 +158,135 @@ async def test_bad_first_message_is_invalid_argument(start_service) -> None:
         await stats_become(stub, in_flight=0, queued=0)
 
 
+async def test_admit_stream_protocol_errors_are_answered(start_service) -> None:
+    """The Admit protocol (the proto: an Enqueue, one answer, at most one Complete, half-close): a
+    second Enqueue is INVALID_ARGUMENT (while queued: at once, the request leaves the queue; after
+    dispatch: at once, the slot is released), as is a second Complete; a Complete sent ahead of the decision (grpcurl's two messages) is applied after dispatch."""
+    _, address = start_service("flow_control", "--max-in-flight", "1", "--queue-ttl-seconds", "30")
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.FlowControlStub(channel)
+        holder = await admit(stub, "holder")
+        assert (await holder.read()).outcome == pb.QUEUE_OUTCOME_DISPATCHED
+
+        queued = await admit(stub, "queued")
+        await stats_become(stub, in_flight=1, queued=1)
+        await queued.write(enqueue("queued-again"))
+        with pytest.raises(grpc.aio.AioRpcError) as exc_info:
+            await asyncio.wait_for(queued.read(), 5)  # answered while still queued, not at dispatch
+        assert exc_info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "second enqueue" in (exc_info.value.details() or "")
+        await stats_become(stub, in_flight=1, queued=0)
+
+        rejected = stub.Admit()  # both messages at once, as grpcurl sends them; the first would be rejected
+        await rejected.write(enqueue("short-ttl", ttl_seconds=2.0))
+        await rejected.write(enqueue("short-ttl-again"))
+        await rejected.done_writing()
+        with pytest.raises(grpc.aio.AioRpcError) as exc_info:
+            await asyncio.wait_for(rejected.read(), 5)  # the second enqueue is seen while the first waits
+        assert exc_info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+        ahead = stub.Admit()  # enqueue + complete + half-close while the slot is taken
+        await ahead.write(enqueue("ahead"))
+        await ahead.write(pb.AdmitRequest(complete=pb.Complete(success=True, completion_tokens=3)))
+        await ahead.done_writing()
+        await stats_become(stub, in_flight=1, queued=1)
+        holder.cancel()
+        assert (await ahead.read()).outcome == pb.QUEUE_OUTCOME_DISPATCHED
+        assert await ahead.read() == grpc.aio.EOF
+        assert await ahead.code() == grpc.StatusCode.OK
+        await stats_become(stub, in_flight=0, queued=0)
+
+        twice = await admit(stub, "twice")
+        assert (await twice.read()).outcome == pb.QUEUE_OUTCOME_DISPATCHED
+        await twice.write(pb.AdmitRequest(complete=pb.Complete(success=True)))
+        await twice.write(pb.AdmitRequest(complete=pb.Complete(success=True)))
+        with pytest.raises(grpc.aio.AioRpcError) as exc_info:
+            await twice.read()
+        assert exc_info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "second complete" in (exc_info.value.details() or "")
+        await stats_become(stub, in_flight=0, queued=0)
+        # The service keeps serving.
+        ok = await admit(stub, "ok")
+        assert (await ok.read()).outcome == pb.QUEUE_OUTCOME_DISPATCHED
+        await ok.done_writing()
+        assert await ok.read() == grpc.aio.EOF
+
+
+async def _decisions(call: grpc.aio.StreamStreamCall, want: set[int]) -> dict[int, pb.AdmitDecision]:
+    got: dict[int, pb.AdmitDecision] = {}
+    while not want <= got.keys():
+        message = await asyncio.wait_for(call.read(), 5)
+        assert message is not grpc.aio.EOF, got
+        got.update((d.ticket, d) for d in message.decisions)
+    return got
+
+
+async def test_admit_many_answers_every_refused_entry_with_an_error_and_goes_on(start_service) -> None:
+    """Every AdmitMany entry flow_control refuses gets an ``AdmitDecision.error`` (status and class
+    from kvmesh/errors.py's table, the shape of epp's PickMany ``PickError``) for its ticket alone;
+    the stream and the tickets it holds go on."""
+    _, address = start_service("flow_control", "--max-in-flight", "4")
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.FlowControlStub(channel)
+        call = stub.AdmitMany()
+        await call.write(pb.AdmitBatch(entries=[pb.AdmitEntry(ticket=1, enqueue=pb.Enqueue(request_id="a", model="m"))]))
+        first = await _decisions(call, {1})
+        assert first[1].WhichOneof("outcome") == "response"
+        assert first[1].response.outcome == pb.QUEUE_OUTCOME_DISPATCHED
+        bad = [
+            pb.AdmitEntry(ticket=1, enqueue=pb.Enqueue(request_id="dup", model="m")),  # duplicate ticket
+            pb.AdmitEntry(ticket=0, enqueue=pb.Enqueue(request_id="zero", model="m")),  # zero ticket
+            pb.AdmitEntry(ticket=97, enqueue=pb.Enqueue(request_id="long", model="m", flow_id="x" * 257)),
+            pb.AdmitEntry(ticket=96, enqueue=pb.Enqueue(request_id="nan", model="m", ttl_seconds=float("nan"))),
+            pb.AdmitEntry(ticket=99, complete=pb.Complete()),  # completion for an unknown ticket
+            pb.AdmitEntry(ticket=95, release=pb.Release()),  # release of an unknown ticket
+            pb.AdmitEntry(ticket=98),  # no body
+        ]
+        await call.write(pb.AdmitBatch(entries=bad))
+        got = await _decisions(call, {0, 1, 95, 96, 97, 98, 99})
+        expected = {1: "INVALID_ARGUMENT", 0: "INVALID_ARGUMENT", 97: "INVALID_ARGUMENT", 96: "INVALID_ARGUMENT",
+                    99: "NOT_FOUND", 95: "NOT_FOUND", 98: "INVALID_ARGUMENT"}
+        for ticket, code in expected.items():
+            decision = got[ticket]
+            assert decision.WhichOneof("outcome") == "error", decision
+            classes = {"INVALID_ARGUMENT": "InvalidRequest", "NOT_FOUND": "NotFound"}
+            assert (decision.error.code, decision.error.error_class) == (code, classes[code]), decision
+            assert decision.error.message
+        assert "ticket 99" in got[99].error.message and "ticket 98" in got[98].error.message
+        # The stream goes on: ticket 1 is still held (its Complete is not answered), new tickets are admitted.
+        stats = await stub.Stats(pb.StatsRequest())
+        assert (stats.in_flight, stats.queued) == (1, 0)
+        await call.write(pb.AdmitBatch(entries=[
+            pb.AdmitEntry(ticket=1, complete=pb.Complete(success=True)),
+            pb.AdmitEntry(ticket=2, enqueue=pb.Enqueue(request_id="b", model="m")),
+        ]))
+        later = await _decisions(call, {2})
+        assert set(later) == {2} and later[2].response.outcome == pb.QUEUE_OUTCOME_DISPATCHED
+        await stats_become(stub, in_flight=1, queued=0)
+        await call.done_writing()
+        assert await call.read() == grpc.aio.EOF
+        await stats_become(stub, in_flight=0, queued=0)
+
+
+async def test_router_admission_client_reads_the_entry_error(start_service) -> None:
+    """The router (AdmitMany's client) turns an ``AdmitDecision.error`` into the domain error of its
+    class (a malformed enqueue: InvalidRequest -> HTTP 400), and its stream keeps admitting."""
+    from kvmesh import errors
+    from services.router.clients import AdmissionClient, AdmitQuery
+
+    _, address = start_service("flow_control", "--max-in-flight", "4")
+    client = AdmissionClient(address, admission_timeout_seconds=5, close_timeout_seconds=1)
+    await client.connect()
+    try:
+        with pytest.raises(errors.InvalidRequest, match="at most 256") as exc_info:
+            await client.admit(AdmitQuery("r1", "x" * 300, 0, 10, 10, "m"))
+        assert type(exc_info.value) is errors.InvalidRequest
+        ticket = await client.admit(AdmitQuery("r2", "f", 0, 10, 10, "m"))
+        await ticket.close()
+    finally:
+        await client.close()
+
+
 def test_reflection_lists_methods(start_service) -> None:
     _, address = start_service("flow_control")
     with grpc.insecure_channel(address) as channel:

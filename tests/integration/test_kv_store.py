@@ -191,3 +191,52 @@ async def test_a_missing_shared_mount_degrades_and_the_service_stays_up(start_se
         assert exc_info.value.code() == grpc.StatusCode.NOT_FOUND
         tiers = {t.name: t for t in (await stub.Stats(pb.StatsRequest())).tiers}
         assert tiers["sharedfs"].errors >= 1
+
+
+BAD_KEYS = {"empty": "", "over-long": "k" * 4097}
+"""Keys every kv_store call refuses the same way (``services.kv_store.store.validate_key``)."""
+
+
+@pytest.mark.parametrize("bad", list(BAD_KEYS.values()), ids=list(BAD_KEYS))
+async def test_a_bad_key_is_refused_alike_by_every_call(start_service, bad: str) -> None:
+    """The same bad key, the same answer: ``INVALID_ARGUMENT`` from Put, Get, Delete, Contains, Lookup and
+    BatchGet (a many-key call names it ``keys[i]``); BatchGet checks every key before it streams anything
+    (no partial answer then a failure), nothing stored is lost and the service keeps answering."""
+    _, address = start_service("kv_store")
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.KVStoreStub(channel)
+        await stub.Put(chunks("k", b"value"))
+        many = ["k", "absent", bad]
+        received: list[pb.BatchGetResponse] = []
+
+        async def batch_get_streamed() -> None:
+            async for reply in stub.BatchGet(pb.BatchGetRequest(keys=many)):
+                received.append(reply)
+
+        calls = {
+            "Put": lambda: stub.Put(chunks(bad, b"x")),
+            "Get": lambda: get(stub, bad),
+            "Delete": lambda: stub.Delete(pb.DeleteRequest(key=bad)),
+            "Contains": lambda: stub.Contains(pb.ContainsRequest(keys=many)),
+            "Lookup": lambda: stub.Lookup(pb.LookupRequest(keys=many)),
+            "BatchGet": batch_get_streamed,
+        }
+        for name, call in calls.items():
+            with pytest.raises(grpc.aio.AioRpcError) as exc_info:
+                await call()
+            assert exc_info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+            details = exc_info.value.details() or ""
+            words = "must not be empty" if not bad else "exceeds 4096 bytes"
+            assert words in details, (name, details)
+            if name in ("Contains", "Lookup", "BatchGet"):
+                assert details.startswith("keys[2] "), (name, details)
+            assert ("kvmesh-error-class", "InvalidRequest") in tuple(exc_info.value.trailing_metadata() or ()), name
+        assert received == []  # refused before the first message, not after two
+        # Nothing was lost, and the good keys still answer.
+        assert (await get(stub, "k"))[0] == b"value"
+        assert list((await stub.Lookup(pb.LookupRequest(keys=["k", "absent"]))).present) == [True, False]
+        assert [(r.index, r.found) for r in await batch_get_ok(stub)] == [(0, True), (1, False)]
+
+
+async def batch_get_ok(stub: pb_grpc.KVStoreStub) -> list[pb.BatchGetResponse]:
+    return [r async for r in stub.BatchGet(pb.BatchGetRequest(keys=["k", "absent"]))]

@@ -22,6 +22,7 @@ import signal
 import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -36,7 +37,7 @@ from kvmesh._proto.kvmesh.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.http_server import HttpServer
 from kvmesh.membership import LeaseRegistration
 from kvmesh.types import Endpoint
-from kvmesh_cli.launcher import free_port
+from kvmesh_cli.launcher import free_port, start_etcd
 from tests.integration.test_router import (  # noqa: F401  (fixtures: mesh, client, _reset)
     BODY_LIMIT,
     MODEL,
@@ -44,6 +45,7 @@ from tests.integration.test_router import (  # noqa: F401  (fixtures: mesh, clie
     _healthy,
     _models,
     _reset,
+    _start,
     _until,
     _zero,
     client,
@@ -175,6 +177,57 @@ async def test_typed_fields_refused_naming_the_field(mesh: Mesh, client: httpx.A
     assert reply.headers["x-request-id"] == "bad-type"
     assert sum(len(e.requests) for e in mesh.engines) == before  # nothing reached an engine
     mesh.router.check_alive()
+
+
+MESSAGE_PATH_CASES = [  # (id, path, body, param): a field inside a message is named by its path, as any other field
+    ("chat-role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ("chat-role-empty", "/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages[0].role"),
+    ("chat-message-string", "/v1/chat/completions", {"messages": ["hi"]}, "messages[0]"),
+    ("chat-content-number", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ("chat-content-part", "/v1/chat/completions", {"messages": [{"role": "user", "content": [5]}]}, "messages[0].content"),
+    ("responses-role", "/v1/responses", {"input": [{"role": "wizard", "content": "hi"}]}, "input[0].role"),
+    ("responses-item", "/v1/responses", {"input": ["hi"]}, "input[0]"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [c[1:] for c in MESSAGE_PATH_CASES], ids=[c[0] for c in MESSAGE_PATH_CASES])
+async def test_message_fields_refused_naming_their_path(mesh: Mesh, client: httpx.AsyncClient, path: str,  # noqa: F811
+                                                       body: dict[str, Any], param: str) -> None:
+    reply = await client.post(f"{mesh.http}{path}", json={"model": MODEL, **body})
+    assert reply.status_code == 400, reply.text
+    error = _error(reply)
+    assert (error["type"], error["param"]) == ("invalid_request_error", param), error
+    mesh.router.check_alive()
+
+
+async def test_no_live_engine_is_503_with_retry_after_on_every_route(run_dir: Path, mesh: Mesh) -> None:  # noqa: F811
+    """A router whose etcd has no engine at all (its own etcd): ``/tokenize`` with or without ``model``
+    answers as a completion does, 503 + ``retry-after`` (retryable: the engines may be starting), not a
+    400 "'model' is required"; and the router stays up."""
+    etcd_proc, lonely_etcd = start_etcd(run_dir / f"lonely-{free_port()}")
+    http_port = free_port()
+    try:
+        router, _ = _start("router", run_dir, lonely_etcd, "--http-port", str(http_port), "--flow-control-address",
+                           mesh.flow_control, "--epp-address", mesh.epp_address, "--shutdown-grace-seconds", "0.5",
+                           "--shutdown-http-grace-seconds", "0.5")
+        try:
+            http = f"http://127.0.0.1:{http_port}"
+            async with httpx.AsyncClient(timeout=10) as client:
+                replies = {
+                    "tokenize-no-model": await client.post(f"{http}/tokenize", json={"prompt": "hi"}),
+                    "tokenize-model": await client.post(f"{http}/tokenize", json={"model": MODEL, "prompt": "hi"}),
+                    "detokenize-no-model": await client.post(f"{http}/detokenize", json={"tokens": [1, 2]}),
+                    "completions": await client.post(f"{http}/v1/completions", json=CMPL),
+                }
+            for name, reply in replies.items():
+                assert reply.status_code == 503, (name, reply.text)
+                assert reply.headers.get("retry-after"), name
+                assert _error(reply)["type"] == "service_unavailable", name
+            router.check_alive()
+        finally:
+            router.stop()
+    finally:
+        etcd_proc.stop()
 
 
 @pytest.mark.parametrize(("path", "extra", "streamed"), [

@@ -98,7 +98,7 @@ def test_replay_bad_trace_names_file_and_line(tmp_path: Path) -> None:
 class FailingMesh:
     """Stands in for :class:`Mesh` whose start failed (a real one has stopped its members by then)."""
 
-    def __init__(self, spec: object) -> None:
+    def __init__(self, spec: object, progress: object = None) -> None:
         self.spec = spec
 
     def __enter__(self) -> NoReturn:
@@ -131,6 +131,9 @@ def fake_mesh() -> SimpleNamespace:
         spec=SimpleNamespace(engines=3, policy="precise-prefix", model="sim-model", time_scale=None),
         describe=lambda: rows, router_url="http://127.0.0.1:8000", epp_address="127.0.0.1:9001",
         etcd_address="127.0.0.1:2379",
+        members=[SimpleNamespace(name=name, grpc=f"127.0.0.1:{port}") for name, port in
+                 (("etcd", 2379), ("kv_indexer", 9003), ("kv_store", 9005), ("epp", 9001), ("flow_control", 9004),
+                  ("router", 9000))],
     )
 
 
@@ -158,10 +161,13 @@ def test_table_on_a_narrow_terminal_keeps_addresses_whole() -> None:
 
 
 def test_ready_lines_name_router_epp_and_etcd() -> None:
-    first, hint = cli.ready_lines(fake_mesh())  # type: ignore[arg-type]
+    first, hint, _flows = cli.ready_lines(fake_mesh())  # type: ignore[arg-type]
     assert first.startswith("kvmesh ready: router ") and first.split()[3] == "http://127.0.0.1:8000"
     assert "epp 127.0.0.1:9001" in first and "etcd 127.0.0.1:2379" in first
     assert "--router http://127.0.0.1:8000 --epp 127.0.0.1:9001" in hint and "--time-scale" not in hint
+    # every service's address, so `kvmesh flows --flow-control` and grpcurl need no guessing
+    assert "flow_control 127.0.0.1:9004 kv_indexer 127.0.0.1:9003 kv_store 127.0.0.1:9005 (Ctrl-C" in first
+    assert cli.ready_lines(fake_mesh())[2] == "admission state: kvmesh flows --etcd 127.0.0.1:2379"  # type: ignore[arg-type]
     scaled = fake_mesh()
     scaled.spec.time_scale = 20.0
     assert cli.ready_lines(scaled)[1].endswith(" --time-scale 20")  # type: ignore[arg-type]  # replay's must match

@@ -120,13 +120,25 @@ class AdmitBatch(_message.Message):
     entries: _containers.RepeatedCompositeFieldContainer[AdmitEntry]
     def __init__(self, entries: _Optional[_Iterable[_Union[AdmitEntry, _Mapping]]] = ...) -> None: ...
 
+class AdmitError(_message.Message):
+    __slots__ = ("code", "error_class", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CLASS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    error_class: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., error_class: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
 class AdmitDecision(_message.Message):
-    __slots__ = ("ticket", "response")
+    __slots__ = ("ticket", "response", "error")
     TICKET_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     ticket: int
     response: AdmitResponse
-    def __init__(self, ticket: _Optional[int] = ..., response: _Optional[_Union[AdmitResponse, _Mapping]] = ...) -> None: ...
+    error: AdmitError
+    def __init__(self, ticket: _Optional[int] = ..., response: _Optional[_Union[AdmitResponse, _Mapping]] = ..., error: _Optional[_Union[AdmitError, _Mapping]] = ...) -> None: ...
 
 class CreditUpdate(_message.Message):
     __slots__ = ("grant", "revoke", "priority")

@@ -56,8 +56,10 @@ class FlowControlServicer:
 
     def Admit(self, request_iterator, context):
         """The router sends one AdmitRequest with an Enqueue, receives one AdmitResponse
-        (DISPATCHED or a rejection), may later send a Complete, and closes the stream.
-        Closing the stream, for any reason, releases the slot.
+        (DISPATCHED or a rejection), may later send one Complete, and closes the stream.
+        Closing the stream, for any reason, releases the slot. Anything else (a first message that is
+        not an Enqueue, a second Enqueue, a message before the decision, a second Complete) ends the
+        call with INVALID_ARGUMENT (after the decision, when one was sent) and releases the slot.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -68,7 +70,9 @@ class FlowControlServicer:
         Each AdmitBatch carries entries keyed by a client-chosen ticket id (unique for the stream's
         life): an Enqueue, then later a Complete (report and release) or a Release (release without a
         report; cancels a queued request). Each AdmitDecisions answers enqueues, one decision per
-        ticket, in any order. Ending the stream, for any reason, releases every slot it holds.
+        ticket, in any order; a Complete or Release of a held ticket is not answered. An entry the
+        server refuses (see AdmitDecision.error) is answered with an error for its ticket alone and
+        the stream goes on. Ending the stream, for any reason, releases every slot it holds.
         Admission credits (issue 10): a client that sends a CreditRequest may be lent pre-admitted
         slots (CreditUpdate.grant); it dispatches a request on one at once and sends its Enqueue with
         on_credit set (no decision comes back for it). A CreditUpdate.revoke asks the client to drop

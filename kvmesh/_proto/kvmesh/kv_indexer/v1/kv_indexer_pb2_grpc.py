@@ -66,13 +66,18 @@ class KVIndexerServicer:
 
     def Score(self, request, context):
         """Per endpoint, the longest consecutive prefix of the prompt's full blocks that it holds.
+        A model the index holds nothing for is not an error: one with no registered endpoint (never
+        served, or not seen yet: kv_indexer and its callers learn membership from etcd separately) or
+        whose endpoints sent no event yet answers INDEX_STATE_READY with no scores (total_blocks and
+        block_size_tokens 0 while no endpoint of the model is registered). An empty model is INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Lookup(self, request, context):
-        """Which endpoints hold each block of a prompt, on which medium.
+        """Which endpoints hold each block of a prompt, on which medium. A model with no registered
+        endpoint answers no blocks (as Score, not an error); an empty model is INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,438 @@
+"""An engine that stops answering without dying, a client that stops sending, and the router stopping
+mid-stream: real router, flow_control and simulator processes, real etcd (docs/degraded-modes.md,
+"an engine hung").
+
+The hung engine is either the real simulator paused with SIGSTOP (its membership lease then
+expires and it leaves the pool) or an in-test OpenAI-wire engine that goes silent while its lease
+is kept alive (a hung engine whose registration lives on: only the router's timeouts can tell).
+epp is an in-test grpc.aio picker (``FakeEpp``) so each case chooses the target and the fallback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvmesh._proto.kvmesh.epp.v1 import epp_pb2_grpc
+from kvmesh._proto.kvmesh.router.v1 import router_pb2, router_pb2_grpc
+from kvmesh.http_server import HttpServer
+from kvmesh.membership import LeaseRegistration
+from kvmesh.types import Endpoint, EndpointId
+from kvmesh_cli.launcher import ManagedProcess, free_port, python_module
+from tests.integration.test_router import FakeEpp, _start
+from tests.support import serve_registered, stop_registered, wait_until_async
+
+MODEL = "hung"
+FIRST_BYTE_S, IDLE_S, DEPARTED_S, BODY_S, HEADER_S, GRACE_S = 2, 10, 1, 2, 2, 2
+ROUTER_FLAGS = ("--engine-first-byte-timeout-seconds", str(FIRST_BYTE_S), "--engine-stream-idle-timeout-seconds",
+                str(IDLE_S), "--engine-departed-idle-seconds", str(DEPARTED_S), "--request-body-timeout-seconds",
+                str(BODY_S), "--request-header-timeout-seconds", str(HEADER_S), "--shutdown-http-grace-seconds",
+                str(GRACE_S))
+
+
+@dataclass
+class ScriptedEngine:
+    """An OpenAI-wire engine of ``MODEL``: streams ``tok0 tok1 ...`` every ``delay`` s; after
+    ``stall_after`` events (0: before any byte; a non-streamed answer never comes) it goes silent,
+    its etcd lease still kept alive."""
+
+    stall_after: int | None = None
+    delay: float = 0.05
+    server: HttpServer | None = None
+    registration: LeaseRegistration | None = None
+    endpoint: Endpoint | None = None
+    served: int = 0
+    stalled: int = 0
+    _forever: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def _handle(self, request: Request) -> Response:
+        body = await request.json()
+        n = int(body.get("max_tokens") or 8)
+        stall = self.stall_after
+        if not body.get("stream"):
+            if stall is not None:
+                self.stalled += 1
+                await self._forever.wait()
+            self.served += 1
+            return JSONResponse({"id": "cmpl-s", "object": "text_completion", "model": MODEL, "choices": [
+                {"index": 0, "text": "ok", "finish_reason": "length"}]})
+
+        async def events() -> AsyncIterator[bytes]:
+            for i in range(n):
+                if stall is not None and i == stall:
+                    self.stalled += 1
+                    await self._forever.wait()
+                await asyncio.sleep(self.delay)
+                yield f"data: {json.dumps({'id': 'cmpl-s', 'choices': [{'index': 0, 'text': f'tok{i} '}]})}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+            self.served += 1
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def start(self, etcd: str) -> ScriptedEngine:
+        app = Starlette(routes=[Route("/v1/completions", self._handle, methods=["POST"])])
+        self.server, self.endpoint, self.registration = await serve_registered(
+            app, etcd, MODEL, {"engine": "test", "max_model_len": "4096"})
+        return self
+
+    async def stop(self) -> None:
+        await stop_registered(self.server, self.registration)
+
+
+@dataclass
+class HungMesh:
+    http: str
+    grpc_address: str
+    metrics: str
+    epp: FakeEpp
+    epp_address: str
+    flow_control: str
+    sim: ManagedProcess
+    sim_endpoint: Endpoint
+    good: ScriptedEngine
+    silent: ScriptedEngine
+    router: ManagedProcess
+
+
+@pytest.fixture(scope="module")
+async def hung(etcd: str, run_dir: Path) -> AsyncIterator[HungMesh]:
+    epp = FakeEpp()
+    epp_server = grpc.aio.server()
+    epp_pb2_grpc.add_EndpointPickerServicer_to_server(epp, epp_server)
+    epp_health = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(epp_health, epp_server)
+    await epp_health.set("", health_pb2.HealthCheckResponse.SERVING)
+    epp_port = epp_server.add_insecure_port("127.0.0.1:0")
+    await epp_server.start()
+    good, silent = await ScriptedEngine().start(etcd), await ScriptedEngine().start(etcd)
+    port = free_port()
+    sim = ManagedProcess("engine", python_module(
+        "engine_simulator", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL, "--events-endpoint", "",
+        "--etcd-endpoints", etcd, "--lease-ttl-seconds", "2", "--max-model-len", "4096", "--time-scale", "0.2"),
+        run_dir / f"hung-sim-{port}.log").start()
+    procs: list[ManagedProcess] = [sim]
+    try:
+        fc_proc, fc_addr = _start("flow_control", run_dir, etcd, "--max-in-flight", "16", "--max-queue-size", "100")
+        procs.append(fc_proc)
+        http_port, metrics_port = free_port(), free_port()
+        router, router_addr = _start("router", run_dir, etcd, "--http-port", str(http_port), "--flow-control-address",
+                                     fc_addr, "--epp-address", f"127.0.0.1:{epp_port}", *ROUTER_FLAGS,
+                                     metrics_port=metrics_port)
+        procs.append(router)
+        sim_ep = Endpoint(id=EndpointId(f"127.0.0.1:{port}"), url=f"http://127.0.0.1:{port}", model=MODEL)
+        mesh = HungMesh(f"http://127.0.0.1:{http_port}", router_addr, f"http://127.0.0.1:{metrics_port}", epp,
+                        f"127.0.0.1:{epp_port}", fc_addr, sim, sim_ep, good, silent, router)
+        await _all_listed(mesh)
+        yield mesh
+    finally:
+        if sim.alive():
+            os.killpg(sim.pid, signal.SIGCONT)
+        for proc in reversed(procs):
+            proc.stop()
+        await good.stop()
+        await silent.stop()
+        await epp_server.stop(0)
+
+
+async def _all_listed(mesh: HungMesh, timeout: float = 60) -> None:
+    async with httpx.AsyncClient(timeout=5) as client:
+        async def listed() -> bool:
+            try:
+                data = (await client.get(f"{mesh.http}/v1/models")).json()["data"]
+            except httpx.HTTPError:
+                return False
+            return any(m["id"] == MODEL and m["endpoints"] == 3 for m in data)
+
+        await wait_until_async(listed, timeout, "router to list the simulator and both scripted engines", interval=0.1)
+
+
+@pytest.fixture(autouse=True)
+def _reset(hung: HungMesh) -> None:
+    hung.good.stall_after = None
+    hung.silent.stall_after = 0
+    assert hung.good.endpoint is not None
+    hung.epp.order = [hung.good.endpoint]
+
+
+def _stalled(metrics_url: str) -> dict[tuple[str, str], float]:
+    """``kvmesh_router_engine_stalled_total`` by (reason, action)."""
+    out: dict[tuple[str, str], float] = {}
+    for line in httpx.get(f"{metrics_url}/metrics", timeout=5).text.splitlines():
+        if line.startswith("kvmesh_router_engine_stalled_total{"):
+            labels = dict(part.split("=", 1) for part in line[line.index("{") + 1:line.index("}")].split(","))
+            out[(labels["reason"].strip('"'), labels["action"].strip('"'))] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _grew(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float], key: tuple[str, str]) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def _events(raw: bytes) -> list[str]:
+    return [e for e in raw.decode().split("\n\n") if e]
+
+
+async def _stream(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, dict[str, str], bytes]:
+    async with client.stream("POST", url, json=body) as reply:
+        raw = b"".join([chunk async for chunk in reply.aiter_bytes()])
+        return reply.status_code, dict(reply.headers), raw
+
+
+async def test_paused_engine_requests_move_to_another_endpoint(hung: HungMesh) -> None:
+    """The issue's repro: SIGSTOP an engine, 4 concurrent completions (2 streamed) picked for it: every one
+    is answered by the other endpoint. Streamed ones move at the first-byte timeout; non-streamed ones
+    (silent for a whole generation legitimately) once the paused engine's lease expires."""
+    assert hung.good.endpoint is not None
+    hung.epp.order = [hung.sim_endpoint, hung.good.endpoint]
+    before = _stalled(hung.metrics)
+    served_before = hung.good.served
+    os.killpg(hung.sim.pid, signal.SIGSTOP)
+    try:
+        async with httpx.AsyncClient(timeout=40) as client:
+            url = f"{hung.http}/v1/completions"
+            started = time.monotonic()
+            streamed = [_stream(client, url, {"model": MODEL, "prompt": f"s{i}", "max_tokens": 4, "stream": True})
+                        for i in range(2)]
+            plain = [client.post(url, json={"model": MODEL, "prompt": f"p{i}", "max_tokens": 4}) for i in range(2)]
+            results = await asyncio.gather(*streamed, *plain)
+            elapsed = time.monotonic() - started
+        for status, headers, raw in results[:2]:
+            assert status == 200 and headers["x-kvmesh-endpoint"] == hung.good.endpoint.id, raw[-300:]
+            assert _events(raw)[-1] == "data: [DONE]" and b'"error"' not in raw
+        for reply in results[2:]:
+            assert reply.status_code == 200, reply.text
+            assert reply.headers["x-kvmesh-endpoint"] == hung.good.endpoint.id
+        assert hung.good.served - served_before == 4
+        assert elapsed < 30, elapsed
+        after = _stalled(hung.metrics)
+        assert _grew(before, after, ("first_byte_timeout", "redispatched")) >= 2, after
+        assert _grew(before, after, ("endpoint_left", "redispatched")) == 2, after
+    finally:
+        os.killpg(hung.sim.pid, signal.SIGCONT)
+    await _all_listed(hung)  # the simulator re-establishes its lease
+
+
+async def test_paused_engine_mid_stream_ends_with_error_event(hung: HungMesh) -> None:
+    """SIGSTOP mid-stream: once the engine leaves membership the stream ends with the in-stream error
+    event + [DONE] (not an SSE gap until the 600 s request timeout); counted as endpoint_left/ended."""
+    hung.epp.order = [hung.sim_endpoint]
+    before = _stalled(hung.metrics)
+    raw = b""
+    paused_at = 0.0
+    try:
+        async with httpx.AsyncClient(timeout=60) as client, client.stream("POST", f"{hung.http}/v1/completions", json={
+                "model": MODEL, "prompt": "a long one", "max_tokens": 3000, "stream": True, "ignore_eos": True}) as s:
+            assert s.status_code == 200
+            async for chunk in s.aiter_bytes():
+                raw += chunk
+                if not paused_at and raw.count(b"\n\n") >= 2:
+                    os.killpg(hung.sim.pid, signal.SIGSTOP)
+                    paused_at = time.monotonic()
+        ended_after = time.monotonic() - paused_at
+    finally:
+        os.killpg(hung.sim.pid, signal.SIGCONT)
+    events = _events(raw)
+    assert events[-1] == "data: [DONE]", raw[-300:]
+    error = json.loads(events[-2][6:])["error"]
+    assert error["type"] == "service_unavailable" and error["code"] == 503 and "mid-stream" in error["message"]
+    for event in events[:-2]:
+        assert "choices" in json.loads(event[6:])  # whole events before the error
+    assert ended_after < IDLE_S + 5, ended_after
+    after = _stalled(hung.metrics)
+    ended = _grew(before, after, ("endpoint_left", "ended")) + _grew(before, after, ("idle_timeout", "ended"))
+    assert ended == 1, after
+    if ended_after < IDLE_S:
+        assert "left the pool" in error["message"], error
+    await _all_listed(hung)
+
+
+async def test_silent_engine_without_first_byte_is_redispatched(hung: HungMesh) -> None:
+    """An engine that accepts the request and never answers, its lease alive: the first-byte timeout moves
+    the streamed request to the next candidate; the client sees one clean answer."""
+    assert hung.silent.endpoint is not None and hung.good.endpoint is not None
+    hung.epp.order = [hung.silent.endpoint, hung.good.endpoint]
+    before = _stalled(hung.metrics)
+    async with httpx.AsyncClient(timeout=30) as client:
+        started = time.monotonic()
+        status, headers, raw = await _stream(client, f"{hung.http}/v1/completions",
+                                             {"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": True})
+        elapsed = time.monotonic() - started
+    assert status == 200 and headers["x-kvmesh-endpoint"] == hung.good.endpoint.id
+    assert _events(raw)[-1] == "data: [DONE]" and b'"error"' not in raw
+    assert FIRST_BYTE_S <= elapsed < FIRST_BYTE_S + 6, elapsed
+    assert _grew(before, _stalled(hung.metrics), ("first_byte_timeout", "redispatched")) == 1
+
+
+async def test_silent_engine_mid_stream_idle_timeout_http_and_grpc(hung: HungMesh) -> None:
+    """An engine silent mid-answer with its lease alive: after engine_stream_idle_timeout_seconds the SSE
+    stream ends with the in-stream error + [DONE], and gRPC CompleteStream with UNAVAILABLE."""
+    assert hung.silent.endpoint is not None
+    hung.silent.stall_after = 2
+    hung.epp.order = [hung.silent.endpoint]
+    before = _stalled(hung.metrics)
+
+    async def over_grpc() -> grpc.StatusCode | None:
+        async with grpc.aio.insecure_channel(hung.grpc_address) as channel:
+            call = router_pb2_grpc.InferenceStub(channel).CompleteStream(
+                router_pb2.CompletionRequest(model=MODEL, prompt="g", max_tokens=8), timeout=IDLE_S + 20)
+            try:
+                async for _ in call:
+                    pass
+            except grpc.aio.AioRpcError as exc:
+                assert "stopped answering mid-stream" in (exc.details() or ""), exc.details()
+                return exc.code()
+        return None
+
+    async with httpx.AsyncClient(timeout=IDLE_S + 20) as client:
+        started = time.monotonic()
+        (status, _, raw), code = await asyncio.gather(
+            _stream(client, f"{hung.http}/v1/completions", {"model": MODEL, "prompt": "h", "max_tokens": 8, "stream": True}),
+            over_grpc())
+        elapsed = time.monotonic() - started
+    assert code == grpc.StatusCode.UNAVAILABLE
+    events = _events(raw)
+    assert status == 200 and events[-1] == "data: [DONE]", raw[-300:]
+    error = json.loads(events[-2][6:])["error"]
+    assert error["code"] == 503 and f"no data for {IDLE_S}s" in error["message"], error
+    assert len(events) == 4  # two tokens, the error, [DONE]
+    assert IDLE_S <= elapsed < IDLE_S + 6, elapsed
+    assert _grew(before, _stalled(hung.metrics), ("idle_timeout", "ended")) == 2
+
+
+def _raw_request(http: str, head: bytes, body: bytes) -> tuple[bytes, float, bool]:
+    """Send ``head`` + ``body`` on a raw socket kept open; the answer, when it came, and whether the
+    router closed the connection after it."""
+    host, port = http.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=BODY_S + 10) as sock:
+        started = time.monotonic()
+        sock.sendall(head + body)
+        answer = b""
+        while True:
+            try:
+                data = sock.recv(65536)
+            except TimeoutError:
+                return answer, time.monotonic() - started, False
+            if not data:
+                return answer, time.monotonic() - started, True
+            answer += data
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["short-content-length", "chunked-drip"])
+async def test_body_shorter_than_declared_is_408_and_closed(hung: HungMesh, chunked: bool) -> None:
+    """A body that never completes (58 bytes of a declared 200; a chunked body stopping midway) is a 408
+    after request_body_timeout_seconds and the connection is closed, not held forever."""
+    body = json.dumps({"model": MODEL, "prompt": "hello there", "max_tokens": 2}).encode()[:58].ljust(58, b" ")
+    if chunked:
+        head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+        payload = b"%x\r\n%s\r\n" % (len(body), body)
+    else:
+        head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 200\r\n\r\n"
+        payload = body
+    answer, elapsed, closed = await asyncio.to_thread(_raw_request, hung.http, head, payload)
+    status_line, _, rest = answer.partition(b"\r\n")
+    assert status_line == b"HTTP/1.1 408 Request Timeout", answer[:300]
+    error = json.loads(rest.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["code"] == 408 and "not received within" in error["message"]
+    assert closed and BODY_S <= elapsed < BODY_S + 5, (closed, elapsed)
+
+
+def _held_open(http: str, first: bytes, drip: bytes) -> tuple[bytes, float, bool]:
+    """Send ``first``, read its answer if any, then ``drip`` one byte a second; the bytes received, the
+    seconds the connection stayed open after ``first``, and whether the router closed it."""
+    host, port = http.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=1) as sock:
+        started = time.monotonic()
+        if first:
+            sock.sendall(first)
+        received = b""
+        for i in range(HEADER_S + 10):
+            try:
+                data = sock.recv(65536)
+                if not data:
+                    return received, time.monotonic() - started, True
+                received += data
+                continue
+            except TimeoutError:
+                pass
+            try:
+                if i < len(drip):
+                    sock.sendall(drip[i:i + 1])
+            except OSError:
+                return received, time.monotonic() - started, True
+        return received, time.monotonic() - started, False
+
+
+_GET_MODELS = b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n"
+
+
+@pytest.mark.parametrize(("first", "drip"), [
+    (b"", b""),
+    (b"", b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-a: " + b"a" * 40),
+    (_GET_MODELS, b"GET /v1/models HTTP/1.1\r\nhost: x\r\nx-a: " + b"a" * 40),
+], ids=["silent-connection", "header-drip", "header-drip-after-a-request"])
+async def test_slow_headers_are_cut_at_the_header_deadline(hung: HungMesh, first: bytes, drip: bytes) -> None:
+    """Slowloris siblings: a connection that sends nothing, or drips header bytes (first request or the
+    next one on a kept-alive connection), is closed once request_header_timeout_seconds passed since
+    its request began; uvicorn alone held the dripping ones forever."""
+    received, held, closed = await asyncio.to_thread(_held_open, hung.http, first, drip)
+    assert closed, (held, received[:200])
+    assert held < HEADER_S + 3, held
+    if first:
+        assert received.startswith(b"HTTP/1.1 200 OK"), received[:200]  # the complete request was answered
+
+
+async def test_sigterm_mid_stream_ends_with_error_event_and_no_traceback(hung: HungMesh, etcd: str, run_dir: Path) -> None:
+    """SIGTERM a router while a stream waits on a silent engine: the stream ends with the in-stream error
+    (503 "shutting down") + [DONE] within the grace, and the router's log has no traceback."""
+    assert hung.silent.endpoint is not None
+    hung.silent.stall_after = 2
+    hung.epp.order = [hung.silent.endpoint]
+    http_port = free_port()
+    router, _ = _start("router", run_dir, etcd, "--http-port", str(http_port), "--flow-control-address",
+                       hung.flow_control, "--epp-address", hung.epp_address, *ROUTER_FLAGS)
+    http = f"http://127.0.0.1:{http_port}"
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            async def listed() -> bool:
+                data = (await client.get(f"{http}/v1/models")).json()["data"]
+                return any(m["id"] == MODEL for m in data)
+
+            await wait_until_async(listed, 20, "router to list the model", interval=0.1)
+            raw = b""
+            stopped_at = 0.0
+            async with client.stream("POST", f"{http}/v1/completions",
+                                     json={"model": MODEL, "prompt": "t", "max_tokens": 8, "stream": True}) as s:
+                async for chunk in s.aiter_bytes():
+                    raw += chunk
+                    if not stopped_at and raw.count(b"\n\n") >= 2:
+                        os.killpg(router.pid, signal.SIGTERM)
+                        stopped_at = time.monotonic()
+            ended_after = time.monotonic() - stopped_at
+        events = _events(raw)
+        assert events[-1] == "data: [DONE]", raw[-300:]
+        error = json.loads(events[-2][6:])["error"]
+        assert error["code"] == 503 and error["message"] == "the server is shutting down; retry the request"
+        assert ended_after < GRACE_S + 2, ended_after
+        assert router.proc is not None
+        router.proc.wait(15)
+        log = router.log_path.read_text(errors="replace")
+        for bad in ("Traceback", "Exception in ASGI application", "timeout graceful shutdown exceeded"):
+            assert bad not in log, log[-3000:]
+    finally:
+        router.stop()
