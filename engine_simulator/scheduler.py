@@ -458,9 +458,8 @@ class EngineCore:
         req.load_plan = offload.start_load(hashes[len(hits):len(hits) + ext])
         req.load_ready_time = now + req.load_plan.seconds
         req.num_computed_tokens = (len(hits) + ext) * self.block_size
-        if req.num_cached_tokens < 0:
+        if req.num_cached_tokens < 0:  # first_scheduled_time waits for the load (vLLM: queue time includes it)
             req.num_cached_tokens = req.num_computed_tokens
-            req.first_scheduled_time = now
             self.prefix_queries_tokens += req.num_tokens
             self.prefix_hits_tokens += len(hits) * self.block_size
             self.external_hits_tokens += ext * self.block_size
@@ -538,6 +537,8 @@ class EngineCore:
                     if not self._full_sequence_fits(req) or not self._allocate(req, n):
                         break
                     del self.loading[k]
+                    if req.first_scheduled_time is None:  # vLLM 0.32 records SCHEDULED (the end of
+                        req.first_scheduled_time = now  # vllm:request_queue_time_seconds) here, after its load
                 else:
                     if not self.waiting:
                         break

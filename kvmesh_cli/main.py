@@ -32,11 +32,12 @@ same time, each on its own mesh, so that on a busy host they all meet the same l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +51,7 @@ from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvmesh_cli.checks import check_router_url, fail, mesh_errors, probe_router, resolve_policy
+from kvmesh_cli.checks import check_router_url, err_console, fail, mesh_errors, probe_router, resolve_policy
 from kvmesh_cli.discovery import DiscoveryError, find_engines, split_host_port
 from kvmesh_cli.mesh import DEFAULT_MODEL, Mesh, MeshSpec, exit_on_signals
 from kvmesh_cli.options import (
@@ -100,10 +101,12 @@ from kvmesh_cli.report import (
     summarize,
     summary_table,
     sweep_table,
+    ttft_breakdown,
     usage_cached_fraction,
 )
 from kvmesh_cli.timeline import EngineSampler, router_breakdown, timeline_line, timeline_summary, write_timeline
 from kvmesh_cli.workloads import (
+    DEFAULT_AGENTIC_ARCHIVE,
     DEFAULT_MAX_OUTPUT_TOKENS,
     AgenticParams,
     Workload,
@@ -288,17 +291,25 @@ def build_workload(
         raise typer.BadParameter(str(exc), param_hint=exc.option) from None
 
 
-def _workload_line(wl: Workload, label: str) -> str:
+def _workload_line(wl: Workload, label: str, asked: str | None = None) -> str:
+    """One line describing ``wl``; when ``asked`` is ``agentic`` and the traces were missing (so the
+    sessions were generated), a second line saying which path was looked for."""
     st = workload_stats(wl)
-    return (f"workload {label}: {st['requests']} requests over {st.get('span_s', 0):.1f} model s, "
+    line = (f"workload {label}: {st['requests']} requests over {st.get('span_s', 0):.1f} model s, "
             f"prompt mean {st.get('input_tokens_mean', 0):.0f} / max {st.get('input_tokens_max', 0)} tokens, "
             f"output mean {st.get('output_tokens_mean', 0):.0f} tokens")
+    if asked == "agentic" and wl.name == "agentic-synthetic":
+        line += (f"\n  (agentic-synthetic: no kv-cache-tester traces at {DEFAULT_AGENTIC_ARCHIVE}, the checkout's "
+                 "sibling shared/data/traces/; generated sessions of the same shape instead. "
+                 "A real trace: --trace FILE, or make run TRACE=FILE)")
+    return line
 
 
 def _run_replay(
     wl: Workload, router_url: str, engine_urls: list[str], time_scale: float, concurrency: int,
     model: str | None, label: str, *, sessions: int | None = None, prompt_format: str = "tokens",
-    sampler: EngineSampler | None = None, show_progress: bool = True,
+    sampler: EngineSampler | None = None, show_progress: bool = True, router_metrics_url: str | None = None,
+    flow_control_metrics_url: str | None = None,
 ) -> ReplayOutcome:
     with Progress(
         TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn("errors {task.fields[errors]}"),
@@ -316,7 +327,8 @@ def _run_replay(
             return asyncio.run(replay(
                 wl, router_url=router_url, engine_urls=engine_urls, time_scale=time_scale,
                 concurrency_limit=concurrency, model=model, on_done=on_done, max_sessions=sessions,
-                prompt_format=prompt_format, sampler=sampler,
+                prompt_format=prompt_format, sampler=sampler, router_metrics_url=router_metrics_url,
+                flow_control_metrics_url=flow_control_metrics_url,
             ))
         except httpx.HTTPError as exc:  # discovering the model; requests themselves never raise
             progress.stop()
@@ -337,6 +349,10 @@ def _summary(
         sent = sorted((r for r in outcome.results if r.sent_at is not None), key=lambda r: r.sent_at or 0.0)
         hits, queries = oracle_hits((by_index[r.index] for r in sent), block_size)
         oracle = hits / queries if queries else None
+    ttfts = [r.ttft_s * time_scale for r in outcome.results if r.ok and r.ttft_s is not None]
+    breakdown = ttft_breakdown(outcome.histograms_before, outcome.histograms_after, outcome.router_before,
+                               outcome.router_after, time_scale=time_scale,
+                               ttft_mean_s=sum(ttfts) / len(ttfts) if ttfts else None, load=outcome.load)
     split = load_split(outcome.counters_before, outcome.counters_after, engine_urls) if engine_urls or \
         outcome.counters_after else None
     return summarize(
@@ -346,6 +362,7 @@ def _summary(
         offload_hit_rate=offload_hit_rate(outcome.counters_before, outcome.counters_after),
         first_calls=(frozenset(r.index for r in wl.requests if r.after is None)
                      if wl is not None and any(r.after is not None for r in wl.requests) else None),
+        breakdown=breakdown,
     )
 
 
@@ -395,11 +412,14 @@ def print_table(out: Console, table: Table) -> None:
 
 def ready_lines(mesh: Mesh) -> list[str]:
     """The ``kvmesh ready`` line (router URL is its 4th word) and how to replay against this mesh."""
+    grpc_of = {m.name: m.grpc for m in mesh.members if m.grpc}
+    others = " ".join(f"{name} {grpc_of[name]}" for name in ("flow_control", "kv_indexer", "kv_store") if name in grpc_of)
     return [
         (f"kvmesh ready: router {mesh.router_url} model {mesh.spec.model} epp {mesh.epp_address} "
-         f"etcd {mesh.etcd_address} (Ctrl-C to stop)"),
+         f"etcd {mesh.etcd_address} {others} (Ctrl-C to stop)"),
         (f"replay against it: kvmesh replay --router {mesh.router_url} --epp {mesh.epp_address}"
          + (f" --time-scale {mesh.spec.time_scale:g}" if mesh.spec.time_scale not in (None, 1.0) else "")),
+        f"admission state: kvmesh flows --etcd {mesh.etcd_address}",
     ]
 
 
@@ -466,7 +486,8 @@ def up(
     console.print(f"starting mesh in {spec.run_dir} ...", soft_wrap=True)
     with exit_on_signals(), mesh_errors():
         try:
-            with Mesh(spec) as mesh:
+            with Mesh(spec, progress=lambda line: console.print(f"  {line}", soft_wrap=True, markup=False,
+                                                                 highlight=False)) as mesh:
                 print_table(console, mesh_table(mesh))
                 for line in ready_lines(mesh):
                     console.print(line, soft_wrap=True, markup=False, highlight=False)
@@ -539,7 +560,7 @@ def replay_cmd(
     wl = scale_load(build_workload(trace, workload, requests, seed, max_input_tokens, max_output_tokens), rate_scale)
     label = trace.name if trace else workload
     num_gpu_blocks = num_gpu_blocks or default_num_gpu_blocks(trace, workload)
-    console.print(_workload_line(wl, label), soft_wrap=True)
+    console.print(_workload_line(wl, label, None if trace else workload), soft_wrap=True, markup=False)
     if router is not None:
         try:
             engine_urls = find_engines(epp, etcd, say=lambda line: console.print(line, soft_wrap=True, markup=False))
@@ -615,6 +636,7 @@ def _run_one(wl: Workload, rs: RunSettings, run_dir: Path, name: str, policy: st
     t0 = time.monotonic()
     sampler: EngineSampler | None = None
     with Mesh(spec) as mesh:
+        metrics_urls = {m.name: m.metrics for m in mesh.members if m.name in ("router", "flow_control")}
         if timeline is not None:
             router_metrics = next((m.metrics for m in mesh.members if m.name == "router"), None) if peer is None else None
             sampler = EngineSampler(mesh.engine_urls, TIMELINE_INTERVAL_S, rs.time_scale,
@@ -622,7 +644,9 @@ def _run_one(wl: Workload, rs: RunSettings, run_dir: Path, name: str, policy: st
         if peer is None:
             console.print(f"[bold]{name}[/bold]: mesh up in {time.monotonic() - t0:.1f}s", soft_wrap=True)
             outcome = _run_replay(wl, mesh.router_url, mesh.engine_urls, rs.time_scale, rs.concurrency, None, label,
-                                  sessions=rs.sessions, sampler=sampler, show_progress=not rs.parallel)
+                                  sessions=rs.sessions, sampler=sampler, show_progress=not rs.parallel,
+                                  router_metrics_url=metrics_urls.get("router"),
+                                  flow_control_metrics_url=metrics_urls.get("flow_control"))
         else:
             from engine_simulator.tokenizer import ensure_tokenizer
             from kvmesh_cli.peers import PeerRouter
@@ -670,6 +694,25 @@ def _parse_scales(value: str | None) -> list[float]:
     if not scales or scales[0] <= 0:
         raise typer.BadParameter("rate scales must be > 0", param_hint="--sweep")
     return scales
+
+
+@contextlib.contextmanager
+def _compare_interrupted(summaries: dict[str, dict[str, object]], total_runs: int, base: Path,
+                         json_out: Path | None, plot: Path | None) -> Iterator[None]:
+    """Ctrl-C (or SIGTERM/SIGHUP) during ``compare``: the meshes are already stopped by their ``with``;
+    say so, say what was and was not written, exit 130 (128 + SIGINT, as a shell reports it)."""
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        signum = str(exc).removeprefix("signal ")
+        how = f"signal {signum}" if signum.isdigit() else "Ctrl-C"
+        unwritten = [str(p) for p in (json_out, plot) if p is not None]
+        err_console.print(
+            f"interrupted ({how}): {len(summaries)} of {total_runs} runs finished ({', '.join(summaries) or 'none'}), "
+            f"every mesh stopped; no table printed"
+            + (f", nothing written to {' or '.join(unwritten)}" if unwritten else "")
+            + f"; the runs' logs are in {base}", soft_wrap=True, markup=False, highlight=False)
+        raise typer.Exit(130) from None
 
 
 @app.command()
@@ -744,7 +787,7 @@ def compare(
             f"the longest request needs {-(-longest // bs)} KV blocks of {bs} tokens; an engine has "
             f"{rs.num_gpu_blocks - 1}: raise it or lower --max-input-tokens", param_hint="--num-gpu-blocks")
     base = (run_dir or _default_run_dir("compare")).resolve()
-    console.print(_workload_line(base_wl, label), soft_wrap=True)
+    console.print(_workload_line(base_wl, label, None if trace else workload), soft_wrap=True, markup=False)
     console.print(f"{engines} engines x {rs.num_gpu_blocks} blocks of "
                   f"{block_size_tokens or SIMULATOR_DEFAULTS.block_size_tokens} tokens, time scale "
                   f"{time_scale}, rate scale {sweep if scales else rate_scale}"
@@ -752,7 +795,8 @@ def compare(
                   f"logs in {base}", soft_wrap=True)
     summaries: dict[str, dict[str, object]] = {}
     curves: dict[str, list[SweepPoint]] = {}
-    with exit_on_signals(), mesh_errors():
+    total_runs = len(scales or [rate_scale]) * len(columns)
+    with exit_on_signals(), mesh_errors(), _compare_interrupted(summaries, total_runs, base, json_out, plot):
         for k, scale in enumerate(scales or [rate_scale]):
             wl = scale_load(base_wl, scale)
             runs: list[tuple[str, str, Callable[[], dict[str, object]]]] = []
@@ -832,9 +876,39 @@ async def _flow_stats(address: str, timeout: float) -> object:
         return await flow_control_pb2_grpc.FlowControlStub(channel).Stats(flow_control_pb2.StatsRequest(), timeout=timeout)
 
 
+DEFAULT_FLOW_CONTROL = "127.0.0.1:50054"
+"""flow_control's gRPC address in the compose deployment (compose/docker-compose.yml, docs/compose.md)."""
+
+
+def flow_control_address(flow_control: str | None, etcd: str | None) -> str:
+    """``--flow-control`` as given, else the flow_control registered in ``--etcd``, else the compose
+    default :data:`DEFAULT_FLOW_CONTROL` (``kvmesh up`` prints its own on the ``kvmesh ready`` line)."""
+    if flow_control:
+        return flow_control
+    if not etcd:
+        return DEFAULT_FLOW_CONTROL
+    from kvmesh_cli.discovery import DiscoveryError, services_from_etcd
+
+    try:
+        found = services_from_etcd(etcd, "flow_control",
+                                   hint="pass the etcd the mesh registers in (kvmesh up prints it), or --flow-control")
+    except (DiscoveryError, ValueError) as exc:
+        fail(str(exc))
+    if not found:
+        fail(f"no flow_control registered in etcd {etcd}; pass --flow-control HOST:PORT")
+    if len(found) > 1:
+        err_console.print(f"{len(found)} flow_control instances registered in etcd {etcd}: showing {found[0]} "
+                      f"(others: {', '.join(found[1:])})", soft_wrap=True, markup=False)
+    return found[0]
+
+
 @app.command()
 def flows(
-    flow_control: Annotated[str, typer.Option("--flow-control", help="host:port of flow_control's gRPC API.")] = "127.0.0.1:50060",
+    flow_control: Annotated[str | None, typer.Option(
+        "--flow-control", help=f"host:port of flow_control's gRPC API (default: the one registered in --etcd, "
+        f"else {DEFAULT_FLOW_CONTROL}, compose's; `kvmesh up` prints its own on the `kvmesh ready` line).")] = None,
+    etcd: Annotated[str | None, typer.Option(
+        "--etcd", help="host:port of the mesh's etcd: find flow_control registered there.")] = None,
     watch: Annotated[float, typer.Option("--watch", help="Refresh every SECONDS (0: print once).", min=0)] = 0.0,
     json_out: Annotated[bool, typer.Option("--json", help="Print the Stats reply as JSON.")] = False,
 ) -> None:
@@ -842,11 +916,15 @@ def flows(
     from google.protobuf.json_format import MessageToDict
     from rich.live import Live
 
+    address = flow_control_address(flow_control, etcd)
+
     def fetch() -> object:
         try:
-            return asyncio.run(_flow_stats(flow_control, 5.0))
+            return asyncio.run(_flow_stats(address, 5.0))
         except grpc.RpcError as exc:
-            fail(f"flow_control at {flow_control} did not answer Stats: {exc.code().name}")
+            hint = "" if flow_control or etcd else (" (the compose default; for `kvmesh up` pass --etcd or "
+                                                     "--flow-control from its `kvmesh ready` line)")
+            fail(f"flow_control at {address} did not answer Stats: {exc.code().name}{hint}")
 
     if json_out:
         console.print_json(json.dumps(MessageToDict(fetch(), always_print_fields_with_no_presence=True)))

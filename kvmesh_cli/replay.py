@@ -23,7 +23,11 @@ fails the request).
 
 Engine prefix-cache counters are scraped from each engine's ``/metrics`` before and after; the
 engines come from the caller (a mesh it started), epp's ``ListEndpoints`` or etcd
-(:mod:`kvmesh_cli.discovery`).
+(:mod:`kvmesh_cli.discovery`). The same scrapes keep vLLM's per-request histograms
+(:data:`~kvmesh_cli.report.ENGINE_HISTOGRAMS`), and, given the router's and flow_control's ``/metrics``
+URLs, the router's stage histograms; a light sampler reads the engines' running / waiting gauges (and
+flow_control's queue size) every ``load_interval_s`` during the run: the TTFT breakdown
+(:func:`kvmesh_cli.report.ttft_breakdown`).
 """
 
 from __future__ import annotations
@@ -40,12 +44,16 @@ from httpx_sse import aconnect_sse
 
 from kvmesh.openai_stream import DONE, parse_event
 from kvmesh_cli.report import (
+    ENGINE_HISTOGRAMS,
     EXTERNAL_HITS_METRIC,
     EXTERNAL_QUERIES_METRIC,
     HITS_METRIC,
     QUERIES_METRIC,
     REQUESTS_METRIC,
+    ROUTER_STAGE_HISTOGRAM,
+    Hist,
     RequestResult,
+    parse_histograms,
     parse_prometheus_counter,
 )
 from kvmesh_cli.timeline import EngineSampler
@@ -64,19 +72,29 @@ class ReplayOutcome:
     loop_lag_s: list[float] = field(default_factory=list)
     """The client's own event-loop lag, wall seconds, one sample per ``LAG_PROBE_S`` (:func:`probe_loop_lag`):
     how late the client itself noticed what it measures (a starved client inflates every TTFT)."""
+    histograms_before: dict[str, dict[str, Hist]] = field(default_factory=dict)
+    """Per engine URL, :data:`~kvmesh_cli.report.ENGINE_HISTOGRAMS` at the scrape before the run."""
+    histograms_after: dict[str, dict[str, Hist]] = field(default_factory=dict)
+    router_before: dict[str, Hist] | None = None
+    """The router's ``kvmesh_router_stage_duration_seconds`` by stage before the run (None: no router URL)."""
+    router_after: dict[str, Hist] | None = None
+    load: list[tuple[float, float, float | None]] = field(default_factory=list)
+    """Samples of (running, waiting) per engine (mean over the engines that answered) and flow_control's
+    queue size (None without its URL), one per ``load_interval_s`` (:func:`sample_load`)."""
 
 
-async def scrape_counters(
+async def scrape_engines(
     client: httpx.AsyncClient, engine_urls: Sequence[str]
-) -> dict[str, tuple[float, ...]]:
-    """``{engine url: (prefix_cache_hits_total, prefix_cache_queries_total, request_success_total,
-    external_prefix_cache_hits_total, external_prefix_cache_queries_total)}`` (vLLM 0.32's names; the
-    external pair is the offload connector's, 0 without one).
+) -> tuple[dict[str, tuple[float, ...]], dict[str, dict[str, Hist]]]:
+    """One ``/metrics`` scrape per engine: ``({engine url: (prefix_cache_hits_total, prefix_cache_queries_total,
+    request_success_total, external_prefix_cache_hits_total, external_prefix_cache_queries_total)},
+    {engine url: {histogram name: Hist}})`` (vLLM 0.32's names; the external pair is the offload connector's,
+    0 without one; the histograms are :data:`~kvmesh_cli.report.ENGINE_HISTOGRAMS`).
 
     Unreachable engines are omitted (and logged).
     """
 
-    async def one(url: str) -> tuple[str, tuple[float, ...]] | None:
+    async def one(url: str) -> tuple[str, tuple[float, ...], dict[str, Hist]] | None:
         try:
             reply = await client.get(f"{url}/metrics", timeout=5.0)
             reply.raise_for_status()
@@ -88,13 +106,90 @@ async def scrape_counters(
             return url, (parse_prometheus_counter(text, HITS_METRIC), parse_prometheus_counter(text, QUERIES_METRIC),
                          parse_prometheus_counter(text, REQUESTS_METRIC),
                          parse_prometheus_counter(text, EXTERNAL_HITS_METRIC),
-                         parse_prometheus_counter(text, EXTERNAL_QUERIES_METRIC))
+                         parse_prometheus_counter(text, EXTERNAL_QUERIES_METRIC)), \
+                parse_histograms(text, ENGINE_HISTOGRAMS)
         except ValueError as exc:
             logger.warning("unparsable %s/metrics: %s", url, exc)
             return None
 
-    pairs = await asyncio.gather(*(one(u) for u in engine_urls))
-    return dict(p for p in pairs if p is not None)
+    got = [g for g in await asyncio.gather(*(one(u) for u in engine_urls)) if g is not None]
+    return {url: c for url, c, _ in got}, {url: h for url, _, h in got}
+
+
+async def scrape_counters(
+    client: httpx.AsyncClient, engine_urls: Sequence[str]
+) -> dict[str, tuple[float, ...]]:
+    """The counters half of :func:`scrape_engines`."""
+    return (await scrape_engines(client, engine_urls))[0]
+
+
+async def scrape_router_stages(client: httpx.AsyncClient, metrics_url: str | None) -> dict[str, Hist] | None:
+    """The router's ``kvmesh_router_stage_duration_seconds`` by stage from ``metrics_url`` (the full
+    ``.../metrics`` URL); None without a URL or when it does not answer (logged)."""
+    if metrics_url is None:
+        return None
+    try:
+        reply = await client.get(metrics_url, timeout=5.0)
+        reply.raise_for_status()
+        return parse_histograms(reply.text, (ROUTER_STAGE_HISTOGRAM,), by_label="stage")
+    except (httpx.HTTPError, ValueError) as exc:
+        logger.warning("cannot scrape the router's %s: %s", metrics_url, exc)
+        return None
+
+
+_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "kvmesh_flow_control_queue_size")
+
+
+def read_gauges(text: str) -> dict[str, float]:
+    """The sums (over label sets) of the gauges in ``_GAUGES`` found in Prometheus text: one pass over the
+    lines by prefix, not the full parser (it runs every second on every engine during the replay).
+
+    Raises:
+        ValueError: when a wanted line carries no number.
+    """
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(("vllm:num_requests_", "kvmesh_flow_control_queue_size")):
+            continue
+        name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
+        name = line[:name_end]
+        if name not in _GAUGES:
+            continue
+        rest = line[name_end:]
+        try:
+            out[name] = out.get(name, 0.0) + float((rest.rsplit("}", 1)[-1] if rest[0] == "{" else rest).split()[0])
+        except (ValueError, IndexError):
+            raise ValueError(f"unparsable /metrics line: {line[:120]!r}") from None
+    return out
+
+
+async def sample_load(
+    client: httpx.AsyncClient, engine_urls: Sequence[str], out: list[tuple[float, float, float | None]],
+    interval_s: float = 1.0, flow_control_metrics_url: str | None = None,
+) -> None:
+    """Append, every ``interval_s`` wall seconds until cancelled, ``(running, waiting)`` averaged over the engines
+    that answered and flow_control's ``kvmesh_flow_control_queue_size`` (None without its URL or answer)."""
+
+    async def one(url: str) -> dict[str, float] | None:
+        try:
+            reply = await client.get(url, timeout=5.0)
+            reply.raise_for_status()
+            return read_gauges(reply.text)
+        except (httpx.HTTPError, ValueError) as exc:
+            logger.debug("load sample: %s: %s", url, exc)
+            return None
+
+    while True:
+        began = time.monotonic()
+        got = await asyncio.gather(*(one(f"{u}/metrics") for u in engine_urls),
+                                   *([one(flow_control_metrics_url)] if flow_control_metrics_url else []))
+        engines = [g for g in got[:len(engine_urls)] if g is not None]
+        fc = got[len(engine_urls)] if flow_control_metrics_url else None
+        if engines:
+            out.append((sum(g.get(_GAUGES[0], 0.0) for g in engines) / len(engines),
+                        sum(g.get(_GAUGES[1], 0.0) for g in engines) / len(engines),
+                        fc.get(_GAUGES[2], 0.0) if fc is not None else None))
+        await asyncio.sleep(max(0.0, began + interval_s - time.monotonic()))
 
 
 async def discover_model(client: httpx.AsyncClient, router_url: str) -> str:
@@ -200,11 +295,16 @@ async def replay(
     prompt_format: str = "tokens",
     transport: httpx.AsyncBaseTransport | None = None,
     sampler: EngineSampler | None = None,
+    router_metrics_url: str | None = None,
+    flow_control_metrics_url: str | None = None,
+    load_interval_s: float = 1.0,
 ) -> ReplayOutcome:
     """Replay ``workload`` (open or closed loop per request, see the module doc) and collect results.
 
     ``sampler`` (optional) samples the engines' load through the same client from the first send to the
-    last completion (:mod:`kvmesh_cli.timeline`).
+    last completion (:mod:`kvmesh_cli.timeline`). ``router_metrics_url`` / ``flow_control_metrics_url``
+    (full ``.../metrics`` URLs of a kvmesh mesh): the router's stages are scraped before and after, flow_control's
+    queue size sampled with the engines' load every ``load_interval_s`` wall seconds (:class:`ReplayOutcome`).
 
     Raises:
         ValueError: when ``time_scale`` <= 0, ``concurrency_limit`` < 1, ``max_sessions`` < 1 or
@@ -222,7 +322,8 @@ async def replay(
     timeout = httpx.Timeout(request_timeout_s, connect=10.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout, transport=transport) as client:
         model = model or await discover_model(client, router_url)
-        before = await scrape_counters(client, engine_urls)
+        before, hists_before = await scrape_engines(client, engine_urls)
+        router_before = await scrape_router_stages(client, router_metrics_url)
         sem = asyncio.Semaphore(concurrency_limit)
         done: dict[int, asyncio.Event] = {r.index: asyncio.Event() for r in workload.requests}
         session_slots = asyncio.Semaphore(max_sessions) if max_sessions is not None else None
@@ -279,15 +380,20 @@ async def replay(
         sampling = asyncio.create_task(sampler.run(client)) if sampler is not None else None
         lags: list[float] = []
         probing = asyncio.create_task(probe_loop_lag(lags))
+        load: list[tuple[float, float, float | None]] = []
+        loading = asyncio.create_task(sample_load(client, engine_urls, load, load_interval_s,
+                                                  flow_control_metrics_url)) if engine_urls else None
         try:
             await asyncio.gather(*(run(r) for r in workload.requests))
         finally:
-            for task in (sampling, probing):
+            for task in (sampling, probing, loading):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
-        after = await scrape_counters(client, engine_urls)
+        after, hists_after = await scrape_engines(client, engine_urls)
+        router_after = await scrape_router_stages(client, router_metrics_url)
     wall = last_end - (min(first_send) if first_send else start)
     results.sort(key=lambda r: r.index)
-    return ReplayOutcome(results, wall, before, after, lags)
+    return ReplayOutcome(results, wall, before, after, lags, hists_before, hists_after, router_before,
+                         router_after, load)

@@ -21,6 +21,14 @@ from dataclasses import dataclass
 from prometheus_client.parser import text_string_to_metric_families
 from rich.table import Table
 
+BREAKDOWN_KEYS = (
+    "ttft_mean_s", "mesh_admission_mean_s", "mesh_admission_p50_s", "mesh_pick_mean_s", "mesh_pick_p50_s",
+    "mesh_pre_dispatch_mean_s", "engine_ttft_mean_s", "engine_ttft_p50_s", "engine_queue_mean_s",
+    "engine_queue_p50_s", "engine_queue_p50_bucket_s", "engine_queue_p90_s", "engine_prefill_mean_s",
+    "engine_prefill_p50_s", "engine_prefill_p50_bucket_s", "engine_prefill_p90_s", "ttft_unaccounted_mean_s", "engine_running_mean", "engine_waiting_mean",
+    "flow_control_queue_mean",
+)
+"""Where TTFT goes, per column (issue 9; :func:`ttft_breakdown`): measured from histogram deltas over the run."""
 SUMMARY_KEYS = (
     "requests", "errors", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_p50_s",
     "output_tokens_per_s", "prefix_hit_rate",
@@ -31,6 +39,7 @@ EXTRA_KEYS = (
     "oracle_fraction", "load_imbalance", "engine_requests", "engine_prefill_tokens",
     "offload", "offload_hit_rate", "total_hit_rate", "oracle_fraction_total",
     "ttft_first_call_p50_s", "ttft_follow_up_p50_s", "ttft_follow_up_p90_s",
+    *BREAKDOWN_KEYS,
 )
 """Keys added by issue 9 (after :data:`SUMMARY_KEYS`, which keep their meaning).
 
@@ -51,7 +60,23 @@ Prefill tokens of the imbalance are those computed: queries - GPU hits - offload
 Closed-loop sessions (agentic traces, built-in multi-turn): ``ttft_first_call_p50_s`` is the TTFT p50 of the
 calls that open a session (nothing before them to reuse: a cold prefill for every policy and the oracle),
 ``ttft_follow_up_p50_s`` / ``_p90_s`` of the calls sent after an earlier answer of their session (what
-routing can make warm); ``None`` for open-loop traces."""
+routing can make warm); ``None`` for open-loop traces.
+
+TTFT breakdown (:data:`BREAKDOWN_KEYS`, :func:`ttft_breakdown`; model seconds; ``None`` where not measured, e.g.
+the mesh's stages behind a peer router): ``ttft_mean_s`` the client's TTFT mean (means add up, percentiles do
+not); ``mesh_admission_*`` / ``mesh_pick_*`` the router's ``kvmesh_router_stage_duration_seconds{stage}``
+(admission: arrival to flow_control's DISPATCHED; pick: the epp Pick), ``mesh_pre_dispatch_mean_s`` their sum;
+``engine_ttft_*`` vLLM's ``vllm:time_to_first_token_seconds`` (arrival at the engine to first token),
+``engine_queue_*`` ``vllm:request_queue_time_seconds`` (WAITING: queued to first scheduled),
+``engine_prefill_*`` ``vllm:request_prefill_time_seconds`` (first scheduled to first token), all over every
+engine; ``*_p50_s`` are histogram quantiles (:func:`hist_quantile`) and ``*_p50_bucket_s`` the ``[lower, upper]``
+bucket the p50 lies in: vLLM's request-latency buckets start at 0.3 s, so a p50 under 0.3 s is an interpolation
+inside ``[0, 0.3]`` and only the mean is exact; ``engine_queue_p90_s`` / ``engine_prefill_p90_s`` the same estimate
+of the tail. ``ttft_unaccounted_mean_s`` = ``ttft_mean_s`` -
+``mesh_pre_dispatch_mean_s`` - ``engine_ttft_mean_s``: proxying, HTTP and the client's own lag.
+``engine_running_mean`` / ``engine_waiting_mean``: ``vllm:num_requests_running`` / ``_waiting`` per engine,
+averaged over engines and the replay's periodic samples; ``flow_control_queue_mean``:
+``kvmesh_flow_control_queue_size`` over the same samples."""
 
 
 @dataclass
@@ -118,6 +143,151 @@ EXTERNAL_QUERIES_METRIC = "vllm:external_prefix_cache_queries_total"
 Counters = Mapping[str, Sequence[float]]
 """Per engine: ``(hits, queries, requests[, external hits, external queries])`` as
 :func:`kvmesh_cli.replay.scrape_counters` gives them (missing trailing values count as 0)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Hist:
+    """One Prometheus histogram (summed over label sets): ``buckets`` as ``(le, cumulative count)`` in
+    ascending ``le`` (``+Inf`` last), ``sum`` in the metric's unit, ``count`` observations."""
+
+    buckets: tuple[tuple[float, float], ...]
+    sum: float
+    count: float
+
+    def minus(self, before: Hist | None) -> Hist:
+        """This histogram's increase since ``before`` (a scrape of the same series; None: since 0). Counts
+        that went down (the process restarted) count from 0."""
+        if before is None:
+            return self
+        old = dict(before.buckets)
+        if self.count < before.count or any(c < old.get(le, 0.0) for le, c in self.buckets):
+            return self
+        return Hist(tuple((le, c - old.get(le, 0.0)) for le, c in self.buckets),
+                    self.sum - before.sum, self.count - before.count)
+
+    @property
+    def mean(self) -> float | None:
+        return self.sum / self.count if self.count > 0 else None
+
+
+def parse_histograms(text: str, names: Sequence[str], by_label: str | None = None) -> dict[str, Hist]:
+    """The histograms ``names`` (family names, without ``_bucket``) in Prometheus text exposition, each summed
+    over its label sets; with ``by_label``, one per value of that label, keyed ``name{by_label=value}`` is
+    shortened to the value alone (``{"admission": Hist, "pick": Hist}`` for the router's stages). Absent
+    histograms are absent from the answer.
+
+    Raises:
+        ValueError: when ``text`` is not valid Prometheus text exposition.
+    """
+    wanted = set(names)
+    acc: dict[str, tuple[dict[float, float], list[float]]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name not in wanted or family.type != "histogram":
+            continue
+        for sample in family.samples:
+            key = family.name if by_label is None else sample.labels.get(by_label, "")
+            buckets, totals = acc.setdefault(key, ({}, [0.0, 0.0]))
+            if sample.name.endswith("_bucket"):
+                le = float(sample.labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + sample.value
+            elif sample.name.endswith("_sum"):
+                totals[0] += sample.value
+            elif sample.name.endswith("_count"):
+                totals[1] += sample.value
+    return {k: Hist(tuple(sorted(b.items())), t[0], t[1]) for k, (b, t) in acc.items()}
+
+
+def merge_hists(hists: Sequence[Hist]) -> Hist | None:
+    """Several histograms with the same buckets as one (the engines' together); None for none."""
+    if not hists:
+        return None
+    buckets: dict[float, float] = {}
+    for h in hists:
+        for le, c in h.buckets:
+            buckets[le] = buckets.get(le, 0.0) + c
+    return Hist(tuple(sorted(buckets.items())), sum(h.sum for h in hists), sum(h.count for h in hists))
+
+
+def hist_quantile(h: Hist | None, q: float) -> tuple[float, float, float] | None:
+    """``(value, lower, upper)``: the ``q``-quantile (0..1) of ``h`` the way Prometheus' ``histogram_quantile``
+    estimates it (linear interpolation inside the bucket holding rank ``q * count``, the first bucket from 0;
+    a rank in the ``+Inf`` bucket answers the highest finite bound), and that bucket's bounds. None for an
+    empty histogram.
+
+    Raises:
+        ValueError: when ``q`` is outside [0, 1].
+    """
+    if not 0 <= q <= 1:
+        raise ValueError(f"quantile must be in [0, 1], got {q}")
+    if h is None or h.count <= 0 or not h.buckets:
+        return None
+    rank = q * h.count
+    lower, below = 0.0, 0.0
+    for le, cum in h.buckets:
+        if cum >= rank and cum > below:
+            if math.isinf(le):
+                return lower, lower, le
+            return lower + (le - lower) * (rank - below) / (cum - below), lower, le
+        lower, below = (le if not math.isinf(le) else lower), cum
+    return lower, lower, math.inf
+
+
+ENGINE_HISTOGRAMS = ("vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds",
+                     "vllm:request_prefill_time_seconds")
+"""vLLM 0.32's per-request histograms the TTFT breakdown reads from every engine (``vllm/v1/metrics/loggers.py``)."""
+ROUTER_STAGE_HISTOGRAM = "kvmesh_router_stage_duration_seconds"
+MESH_STAGES = ("admission", "pick")
+"""The router's stages before the request is sent to its engine (services/router/metrics.py)."""
+
+
+def ttft_breakdown(
+    engines_before: Mapping[str, Mapping[str, Hist]], engines_after: Mapping[str, Mapping[str, Hist]],
+    router_before: Mapping[str, Hist] | None, router_after: Mapping[str, Hist] | None, *, time_scale: float,
+    ttft_mean_s: float | None = None, load: Sequence[tuple[float, float, float | None]] = (),
+) -> dict[str, object]:
+    """:data:`BREAKDOWN_KEYS` (but ``ttft_mean_s``, the caller's) from scrapes before and after a run.
+
+    ``engines_*``: per engine URL, :func:`parse_histograms` of :data:`ENGINE_HISTOGRAMS`, whose seconds are the
+    engine's clock (model seconds for the simulator; a real vLLM runs at time scale 1); ``router_*``: the
+    router's stages (:data:`ROUTER_STAGE_HISTOGRAM` by ``stage``) in wall seconds, times ``time_scale``; None
+    without a kvmesh router (a peer). ``ttft_mean_s`` (model s) gives ``ttft_unaccounted_mean_s``. ``load``:
+    samples of ``(running, waiting, flow_control queue or None)``, the first two per engine (averaged).
+    """
+    out: dict[str, object] = dict.fromkeys(BREAKDOWN_KEYS)
+    out.pop("ttft_mean_s")
+    deltas: dict[str, Hist | None] = {}
+    for name in ENGINE_HISTOGRAMS:
+        deltas[name] = merge_hists([after[name].minus(engines_before.get(url, {}).get(name))
+                                    for url, after in engines_after.items() if name in after])
+    for key, name in (("engine_ttft", ENGINE_HISTOGRAMS[0]), ("engine_queue", ENGINE_HISTOGRAMS[1]),
+                      ("engine_prefill", ENGINE_HISTOGRAMS[2])):
+        h = deltas[name]
+        out[f"{key}_mean_s"] = h.mean if h is not None else None
+        p50 = hist_quantile(h, 0.5)
+        out[f"{key}_p50_s"] = p50[0] if p50 is not None else None
+        if f"{key}_p50_bucket_s" in out:
+            out[f"{key}_p50_bucket_s"] = [p50[1], p50[2] if math.isfinite(p50[2]) else None] if p50 else None
+            p90 = hist_quantile(h, 0.9)
+            out[f"{key}_p90_s"] = p90[0] if p90 is not None else None
+    if router_after is not None:
+        pre = 0.0
+        for stage in MESH_STAGES:
+            h = router_after[stage].minus((router_before or {}).get(stage)) if stage in router_after else None
+            mean = h.mean if h is not None else None
+            p50 = hist_quantile(h, 0.5)
+            out[f"mesh_{stage}_mean_s"] = mean * time_scale if mean is not None else None
+            out[f"mesh_{stage}_p50_s"] = p50[0] * time_scale if p50 is not None else None
+            pre += mean * time_scale if mean is not None else 0.0
+        out["mesh_pre_dispatch_mean_s"] = pre
+    engine_ttft = out["engine_ttft_mean_s"]
+    if ttft_mean_s is not None and isinstance(engine_ttft, float):
+        out["ttft_unaccounted_mean_s"] = ttft_mean_s - engine_ttft - float(out["mesh_pre_dispatch_mean_s"] or 0.0)  # type: ignore[arg-type]
+    if load:
+        out["engine_running_mean"] = sum(s[0] for s in load) / len(load)
+        out["engine_waiting_mean"] = sum(s[1] for s in load) / len(load)
+        queues = [s[2] for s in load if s[2] is not None]
+        out["flow_control_queue_mean"] = sum(queues) / len(queues) if queues else None
+    return out
 
 
 def _counter(values: Sequence[float] | None, i: int) -> float:
@@ -199,6 +369,7 @@ def summarize(
     offload: str | None = None,
     offload_hit_rate: float | None = None,
     first_calls: frozenset[int] | None = None,
+    breakdown: Mapping[str, object] | None = None,
 ) -> dict[str, object]:
     """The summary of one replay: :data:`SUMMARY_KEYS` then :data:`EXTRA_KEYS`, times in model seconds.
 
@@ -206,6 +377,7 @@ def summarize(
     last completion), successful requests only. ``split`` is :func:`load_split`'s answer; ``offload`` the
     engines' offload mode and ``offload_hit_rate`` :func:`offload_hit_rate`'s answer. ``first_calls``: the
     request indices that open a closed-loop session (the rest follow an answer); ``None`` for open loop.
+    ``breakdown``: :func:`ttft_breakdown`'s answer (its keys are added; ``ttft_mean_s`` is always measured).
     """
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft_s * time_scale for r in ok if r.ttft_s is not None]
@@ -249,6 +421,9 @@ def summarize(
         "ttft_first_call_p50_s": percentile(first, 50) if first_calls is not None else None,
         "ttft_follow_up_p50_s": percentile(follow, 50) if first_calls is not None else None,
         "ttft_follow_up_p90_s": percentile(follow, 90) if first_calls is not None else None,
+        **dict.fromkeys(BREAKDOWN_KEYS),
+        **(breakdown or {}),
+        "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else None,
     }
 
 
@@ -283,6 +458,18 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("TTFT p50, sessions' first calls (s)", "ttft_first_call_p50_s", "s"),
     ("TTFT p50, follow-up calls (s)", "ttft_follow_up_p50_s", "s"),
     ("TTFT p90, follow-up calls (s)", "ttft_follow_up_p90_s", "s"),
+    ("TTFT mean (s)", "ttft_mean_s", "s"),
+    ("  mesh before dispatch, mean (s)", "mesh_pre_dispatch_mean_s", "s"),
+    ("    admission wait mean / p50 (s)", "mesh_admission", "mean_p50"),
+    ("    pick mean / p50 (s)", "mesh_pick", "mean_p50"),
+    ("  engine TTFT mean / p50 (s)", "engine_ttft", "mean_p50"),
+    ("    engine queue mean / p50 (its bucket), s", "engine_queue", "mean_p50_bucket"),
+    ("    engine queue p90 (s, from vLLM's buckets)", "engine_queue_p90_s", "s"),
+    ("    engine prefill mean / p50 (its bucket), s", "engine_prefill", "mean_p50_bucket"),
+    ("    engine prefill p90 (s, from vLLM's buckets)", "engine_prefill_p90_s", "s"),
+    ("  rest (proxy, HTTP, client), mean (s)", "ttft_unaccounted_mean_s", "s"),
+    ("engine running / waiting (mean per engine)", "engine_load", "load"),
+    ("flow_control queue (mean)", "flow_control_queue_mean", "rate"),
     ("end-to-end p50 (s)", "e2e_p50_s", "s"),
     ("output tokens/s", "output_tokens_per_s", "rate"),
     ("offload (engines' KV connector)", "offload", "str"),
@@ -324,6 +511,33 @@ def fmt(value: object, kind: str) -> str:
     return f"{100 * float(value):.1f} %"
 
 
+def _mean_p50(summary: Mapping[str, object], key: str) -> str:
+    mean, p50 = summary.get(f"{key}_mean_s"), summary.get(f"{key}_p50_s")
+    return "-" if mean is None and p50 is None else f"{fmt(mean, 's')} / {fmt(p50, 's')}"
+
+
+def _mean_p50_bucket(summary: Mapping[str, object], key: str) -> str:
+    """``mean / p50 (lower-upper)``, or ``mean / <upper`` when the p50 lies in the first bucket: an
+    interpolation from 0 there says nothing (vLLM's request-latency buckets start at 0.3 s)."""
+    cell = _mean_p50(summary, key)
+    bucket = summary.get(f"{key}_p50_bucket_s")
+    if cell == "-" or not isinstance(bucket, list | tuple) or len(bucket) != 2:
+        return cell
+    hi = "inf" if bucket[1] is None else f"{float(bucket[1]):g}"
+    if float(bucket[0]) == 0.0:
+        return f"{fmt(summary.get(f'{key}_mean_s'), 's')} / <{hi}"
+    return f"{cell} ({float(bucket[0]):g}-{hi})"
+
+
+def _load(summary: Mapping[str, object], _key: str) -> str:
+    run, wait = summary.get("engine_running_mean"), summary.get("engine_waiting_mean")
+    return "-" if run is None and wait is None else f"{fmt(run, 'rate')} / {fmt(wait, 'rate')}"
+
+
+_COMPOSITE = {"mean_p50": _mean_p50, "mean_p50_bucket": _mean_p50_bucket, "load": _load}
+"""Table cells built from several keys (the TTFT breakdown's mean / p50 pairs)."""
+
+
 def summary_table(columns: Mapping[str, Mapping[str, object]], title: str) -> Table:
     """Metrics as rows, one column per summary (a policy, or a single replay)."""
     table = Table(title=title)
@@ -331,6 +545,11 @@ def summary_table(columns: Mapping[str, Mapping[str, object]], title: str) -> Ta
     for name in columns:
         table.add_column(name, justify="right")
     for label, key, kind in _ROWS:
+        if kind in _COMPOSITE:
+            cells = [_COMPOSITE[kind](summary, key) for summary in columns.values()]
+            if any(c != "-" for c in cells):
+                table.add_row(label, *cells)
+            continue
         if key not in SUMMARY_KEYS and all(summary.get(key) is None for summary in columns.values()):
             continue  # a row no column measured (a replay against a router without engines to scrape)
         if key == "goodput_rps":

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -143,6 +144,18 @@ def test_compare_tiny_writes_json_and_leaves_no_process(tmp_path: Path) -> None:
         assert 0.0 < entry["prefix_hit_rate"] <= 1.0  # shared system prompts hit under any policy
     assert doc["policies"]["round-robin"]["offload_hit_rate"] == 0.0
     assert "prefix-cache hit rate" in text
+    # the TTFT breakdown (issue 9), measured from the engines' vLLM histograms and the router's stages
+    for name, entry in doc["policies"].items():
+        parts = ("mesh_pre_dispatch_mean_s", "mesh_admission_mean_s", "mesh_pick_mean_s", "engine_ttft_mean_s",
+                 "engine_queue_mean_s", "engine_prefill_mean_s", "engine_running_mean", "engine_waiting_mean")
+        assert all(entry[k] is not None and entry[k] >= 0.0 for k in parts), (name, {k: entry[k] for k in parts})
+        assert entry["engine_queue_p50_s"] is not None and entry["engine_queue_p50_bucket_s"][0] >= 0.0
+        assert entry["engine_ttft_mean_s"] == pytest.approx(entry["engine_queue_mean_s"] + entry["engine_prefill_mean_s"],
+                                                            rel=0.05, abs=1e-3), name
+        # the parts are inside the client's TTFT (up to the routers' and clients' clock skew: 10 %)
+        assert entry["mesh_pre_dispatch_mean_s"] + entry["engine_ttft_mean_s"] <= 1.1 * entry["ttft_mean_s"], name
+        assert entry["mesh_pre_dispatch_mean_s"] == pytest.approx(entry["mesh_admission_mean_s"] + entry["mesh_pick_mean_s"])
+    assert "engine queue mean / p50" in text and "mesh before dispatch" in text
 
 
 def test_compare_sweep_agentic_with_peer_tiny(tmp_path: Path) -> None:
@@ -169,6 +182,9 @@ def test_compare_sweep_agentic_with_peer_tiny(tmp_path: Path) -> None:
         assert len(entry["engine_requests"]) == 2 and sum(entry["engine_requests"]) == 12
         assert 0 < entry["oracle_hit_rate"] < 1 and entry["load_imbalance"] >= 1.0
         assert entry["prefix_hit_rate"] <= entry["oracle_hit_rate"] + 1e-9
+        # TTFT breakdown: the engines' parts for every column, the mesh's stages only behind kvmesh's router
+        assert entry["engine_ttft_mean_s"] >= 0.0 and entry["engine_queue_mean_s"] >= 0.0, name
+        assert (entry["mesh_pre_dispatch_mean_s"] is None) == name.startswith("vllm-router"), name
     for name in names:
         curve = doc["sweep"][name]
         assert [p["rate_scale"] for p in curve["points"]] == [1.0, 8.0]
@@ -198,7 +214,7 @@ def up_process(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], queue.Qu
 
 
 def test_up_serves_then_stops_on_sigterm_without_orphans(
-    up_process: tuple[subprocess.Popen[str], queue.Queue[str]],
+    up_process: tuple[subprocess.Popen[str], queue.Queue[str]], tmp_path: Path,
 ) -> None:
     proc, lines = up_process
     sampler = ChildSampler(proc.pid)
@@ -224,6 +240,13 @@ def test_up_serves_then_stops_on_sigterm_without_orphans(
     assert epp and etcd, ready
     epp_row = next(line for line in transcript if " epp " in line and "│" in line)
     assert epp.group(1) in epp_row, text
+    flow_control = re.search(r" flow_control (127\.0\.0\.1:\d+) kv_indexer 127\.0\.0\.1:\d+ kv_store 127\.0\.0\.1:\d+ ", ready)
+    assert flow_control, ready
+    # `kvmesh flows` finds this mesh's flow_control through etcd (as printed), or takes it from the ready line
+    for how in (["--etcd", etcd.group(1)], ["--flow-control", flow_control.group(1)]):
+        flows = subprocess.run(kvmesh("flows", "--json", *how), capture_output=True, text=True, env=ENV, timeout=60,
+                               check=False)
+        assert flows.returncode == 0 and '"bands"' in flows.stdout, (how, flows.stdout, flows.stderr)
 
     models = httpx.get(f"{router}/v1/models", timeout=10).json()
     model = models["data"][0]["id"]
@@ -243,6 +266,24 @@ def test_up_serves_then_stops_on_sigterm_without_orphans(
     rest: list[str] = []
     wait_until(lambda: "".join(drain(lines, rest)), 10, "'kvmesh stopped'", until=lambda text: "kvmesh stopped" in text)
     assert survivors(seen) == [], "".join(rest)
+    # the etcd it started is gone with its data (~62 MB of WAL per run), the logs stay
+    assert not (tmp_path / "run" / "etcd").exists() and (tmp_path / "run" / "etcd.log").is_file()
+
+
+def test_up_with_an_unreachable_etcd_fails_at_once_naming_it(tmp_path: Path) -> None:
+    """`kvmesh up --etcd` of an etcd that does not answer: one error line naming it within seconds
+    (before: 2 min of silence, then "timed out waiting for epp to list all engines"), nothing started."""
+    dead = "127.0.0.1:1"
+    started = time.monotonic()
+    proc = subprocess.run(kvmesh("up", "--engines", "1", "--etcd", dead, "--run-dir", str(tmp_path / "run")),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=PIPED_ENV, timeout=60,
+                          check=False)
+    took = time.monotonic() - started
+    assert proc.returncode == 1, proc.stdout
+    assert f"error: the mesh did not start: etcd {dead} did not answer within 5s" in proc.stdout, proc.stdout
+    assert "leave --etcd out" in proc.stdout and "Traceback" not in proc.stdout, proc.stdout
+    assert took < 30, took
+    assert not list((tmp_path / "run").glob("*.log")), "nothing should have started"
 
 
 def test_up_member_start_failure_is_one_clean_error_and_no_orphans(tmp_path: Path) -> None:
@@ -266,4 +307,31 @@ def test_up_member_start_failure_is_one_clean_error_and_no_orphans(tmp_path: Pat
     assert "bad-policy.yaml: plugins: List should have at least 1 item" in text, text  # epp's log tail
     assert "Traceback" not in text, text
     assert len(seen) >= 2, "expected etcd and kv_indexer at least"
+    assert survivors(seen) == []
+
+
+def test_compare_interrupted_says_so_writes_nothing_and_exits_130(tmp_path: Path) -> None:
+    """SIGINT (Ctrl-C) while a column's mesh runs: one line saying it was interrupted, how many runs
+    finished and that --json-out was not written; exit status 130; every process it started gone."""
+    out, run = tmp_path / "never.json", tmp_path / "run"
+    proc = subprocess.Popen(
+        kvmesh("compare", "--workload", "agentic-synthetic", "--policies", "round-robin,precise-prefix",
+               "--engines", "1", "--requests", "400", "--json-out", str(out), "--run-dir", str(run)),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV,
+    )
+    sampler = ChildSampler(proc.pid)
+    try:
+        wait_until(lambda: next(run.glob("*/router.ports.json"), None), 120, "the first column's router up",
+                   interval=0.2)
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        seen = sampler.stop()
+        if proc.poll() is None:
+            proc.kill()
+    text = output.decode(errors="replace")
+    assert proc.returncode == 130, text
+    assert "interrupted (signal 2): 0 of 2 runs finished (none), every mesh stopped; no table printed, " \
+           f"nothing written to {out}" in text, text
+    assert not out.exists() and "Traceback" not in text, text
     assert survivors(seen) == []
