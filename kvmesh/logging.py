@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -36,36 +38,51 @@ def setup_logging(service: str, level: str = "INFO") -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+SUPPRESSED_LINES = " (+{more} more {kind} lines suppressed in the last {interval:.0f}s)"
+"""The default suffix of a :class:`RateLimitedLog` line after suppressed ones (``str.format`` fields: ``more``,
+``kind``, ``interval``)."""
+
+
 class RateLimitedLog:
     """Rate-limited log lines per kind: the first at once, then at most one per ``interval_seconds``,
-    which says how many lines of that kind were suppressed since the last one (the convention of
-    :class:`kvmesh.membership.EtcdState`'s etcd warnings). Not thread-safe: one event loop.
+    which says how many lines of that kind were suppressed since the last one. The one rate limiter of
+    kvmesh's warning lines (etcd's :class:`kvmesh.membership.EtcdState`, the router's degraded modes,
+    epp's kv_indexer and prefix-match warnings, kv_indexer's dropped events).
 
     Args:
         logger: where lines go.
         interval_seconds: minimum seconds between two lines of one kind.
         clock: monotonic seconds (injectable for tests).
+        suffix: appended to a line that follows suppressed ones; ``str.format`` fields ``more`` (count),
+            ``kind`` and ``interval`` (seconds).
+        thread_safe: True guards the state with a lock, for callers on several threads (the decision is
+            taken under the lock, the line written outside it); False (default) for one event loop.
     """
 
     def __init__(self, logger: logging.Logger, interval_seconds: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, suffix: str = SUPPRESSED_LINES,
+                 thread_safe: bool = False) -> None:
         self._logger = logger
         self._interval = interval_seconds
         self._clock = clock
+        self._suffix = suffix
+        self._lock: threading.Lock | contextlib.nullcontext[None] = (
+            threading.Lock() if thread_safe else contextlib.nullcontext())
         self._last: dict[str, float] = {}
         self._suppressed: Counter[str] = Counter()
 
     def log(self, level: int, kind: str, message: str, *args: object) -> bool:
         """Log ``message % args`` at ``level`` unless a line of ``kind`` went out within the interval
         (then only counted). Returns whether a line was written."""
-        now = self._clock()
-        last = self._last.get(kind)
-        if last is not None and now - last < self._interval:
-            self._suppressed[kind] += 1
-            return False
-        self._last[kind] = now
-        more = self._suppressed.pop(kind, 0)
-        suffix = f" (+{more} more {kind} lines suppressed in the last {self._interval:.0f}s)" if more else ""
+        with self._lock:
+            now = self._clock()
+            last = self._last.get(kind)
+            if last is not None and now - last < self._interval:
+                self._suppressed[kind] += 1
+                return False
+            self._last[kind] = now
+            more = self._suppressed.pop(kind, 0)
+        suffix = self._suffix.format(more=more, kind=kind, interval=self._interval) if more else ""
         self._logger.log(level, message + suffix, *args)
         return True
 
@@ -75,4 +92,11 @@ class RateLimitedLog:
 
     def suppressed(self, kind: str) -> int:
         """Lines of ``kind`` suppressed since its last line."""
-        return self._suppressed[kind]
+        with self._lock:
+            return self._suppressed[kind]
+
+    def reset(self) -> None:
+        """Forget every kind: the next line of each goes out at once, with no count (a new outage)."""
+        with self._lock:
+            self._last.clear()
+            self._suppressed.clear()

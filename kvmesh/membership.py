@@ -35,6 +35,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvmesh.logging import RateLimitedLog
 from kvmesh.types import Endpoint, EndpointId
 
 logger = logging.getLogger(__name__)
@@ -72,13 +73,12 @@ class EtcdState:
     def __init__(self, clock: Callable[[], float] = time.monotonic,
                  log_interval_seconds: float = ETCD_LOG_INTERVAL_SECONDS) -> None:
         self._clock = clock
-        self._interval = log_interval_seconds
         self._lock = threading.Lock()
         self._clients: set[int] = set()
         self._failing: set[int] = set()
         self._failures: Counter[str] = Counter()
-        self._last_line: dict[str, float] = {}
-        self._suppressed: Counter[str] = Counter()
+        self._log = RateLimitedLog(logger, log_interval_seconds, clock, thread_safe=True,
+                                   suffix=" (+{more} more {kind} failures in the last {interval:.0f}s)")
         self._down_since: float | None = None
         self._down_failures = 0
 
@@ -104,14 +104,15 @@ class EtcdState:
             if recovered:
                 down_for, count = self._clock() - (self._down_since or 0.0), self._down_failures
                 self._down_since, self._down_failures = None, 0
-                self._last_line.clear()
-                self._suppressed.clear()
+                self._log.reset()
         if recovered:
             logger.info("etcd reachable again after %.1fs (%d failed etcd calls meanwhile)", down_for, count)
 
     def failed(self, client: object, operation: str, message: str, *args: object) -> None:
-        """``client``'s ``operation`` failed: counted, and a WARNING ``message % args`` unless one for
-        the same operation went out less than the interval ago."""
+        """``client``'s ``operation`` failed: counted, and a WARNING ``degraded mode dependency=etcd
+        operation=<operation> <message % args>`` unless one for the same operation went out less than the
+        interval ago (then the next one says how many were suppressed). ``message`` says what the caller
+        does about it (a watcher serves its last view, a registration retries)."""
         now = self._clock()
         with self._lock:
             self._clients.add(id(client))
@@ -120,15 +121,7 @@ class EtcdState:
             if self._down_since is None:
                 self._down_since = now
             self._down_failures += 1
-            last = self._last_line.get(operation)
-            if last is not None and now - last < self._interval:
-                self._suppressed[operation] += 1
-                return
-            self._last_line[operation] = now
-            more = self._suppressed.pop(operation, 0)
-        suffix = f" (+{more} more {operation} failures in the last {self._interval:.0f}s)" if more else ""
-        logger.warning("degraded mode dependency=etcd operation=%s " + message + suffix
-                       + "; serving from the last known membership", operation, *args)
+        self._log.warning(operation, "degraded mode dependency=etcd operation=%s " + message, operation, *args)
 
     def forget(self, client: object) -> None:
         """``client`` stopped: it no longer counts for :meth:`up`."""
@@ -268,7 +261,7 @@ class LeaseRegistration:
             try:
                 await self._client.put(self.key.encode(), value.encode(), lease=self._lease)
             except Exception as exc:
-                ETCD_STATE.failed(self, "update", "key=%s error=%s", self.key, exc)
+                ETCD_STATE.failed(self, "update", "key=%s error=%s; raised to the caller", self.key, exc)
                 raise
 
     async def _register(self) -> None:
@@ -301,7 +294,8 @@ class LeaseRegistration:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                ETCD_STATE.failed(self, operation, "key=%s error=%s", self.key, _short(exc))
+                ETCD_STATE.failed(self, operation, "key=%s error=%s; registering again in %.0fs",
+                                  self.key, _short(exc), _RETRY_SECONDS)
                 self._lease = None
                 await self._close_client()
                 await asyncio.sleep(_RETRY_SECONDS)
@@ -475,7 +469,7 @@ class EndpointWatcher:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                ETCD_STATE.failed(self, "watch", "prefix=%s error=%s; keeping the last view of %d endpoints",
+                ETCD_STATE.failed(self, "watch", "prefix=%s error=%s; serving from the last known membership (%d endpoints)",
                                   self.prefix, _short(exc), len(self._view))
                 await asyncio.sleep(_RETRY_SECONDS)
             finally:

@@ -98,13 +98,14 @@ from kvmesh_cli.report import (
     percentile,
     slo_crossed,
     slo_throughput,
+    stage_means,
     summarize,
     summary_table,
     sweep_table,
     ttft_breakdown,
     usage_cached_fraction,
 )
-from kvmesh_cli.timeline import EngineSampler, router_breakdown, timeline_line, timeline_summary, write_timeline
+from kvmesh_cli.timeline import EngineSampler, timeline_line, timeline_summary, write_timeline
 from kvmesh_cli.workloads import (
     DEFAULT_AGENTIC_ARCHIVE,
     DEFAULT_MAX_OUTPUT_TOKENS,
@@ -677,7 +678,7 @@ def _run_one(wl: Workload, rs: RunSettings, run_dir: Path, name: str, policy: st
         reduced = timeline_summary(sampler.points)
         console.print(timeline_line(reduced), soft_wrap=True)
         if sampler.router_first is not None and sampler.router_last is not None:
-            hop = {k: v * rs.time_scale for k, v in router_breakdown(sampler.router_first, sampler.router_last).items()}
+            hop = stage_means(sampler.router_first, sampler.router_last, rs.time_scale)
             reduced["router_mean_model_s"] = hop
             console.print("router means (model s): " + ", ".join(f"{k} {v:.3f}" for k, v in hop.items()), soft_wrap=True)
         summary["engine_timeline"] = reduced

@@ -25,9 +25,9 @@ Engine prefix-cache counters are scraped from each engine's ``/metrics`` before 
 engines come from the caller (a mesh it started), epp's ``ListEndpoints`` or etcd
 (:mod:`kvmesh_cli.discovery`). The same scrapes keep vLLM's per-request histograms
 (:data:`~kvmesh_cli.report.ENGINE_HISTOGRAMS`), and, given the router's and flow_control's ``/metrics``
-URLs, the router's stage histograms; a light sampler reads the engines' running / waiting gauges (and
-flow_control's queue size) every ``load_interval_s`` during the run: the TTFT breakdown
-(:func:`kvmesh_cli.report.ttft_breakdown`).
+URLs, the router's stage histograms; one load sampler (:class:`kvmesh_cli.timeline.EngineSampler`: the
+caller's ``--timeline`` one, else one every ``load_interval_s``) reads the engines' running / waiting gauges and
+flow_control's queue size during the run: the TTFT breakdown (:func:`kvmesh_cli.report.ttft_breakdown`).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from kvmesh_cli.report import (
     parse_histograms,
     parse_prometheus_counter,
 )
-from kvmesh_cli.timeline import EngineSampler
+from kvmesh_cli.timeline import EngineSampler, load_samples
 from kvmesh_cli.workloads import Workload, WorkloadRequest, request_text, request_token_ids
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class ReplayOutcome:
     router_after: dict[str, Hist] | None = None
     load: list[tuple[float, float, float | None]] = field(default_factory=list)
     """Samples of (running, waiting) per engine (mean over the engines that answered) and flow_control's
-    queue size (None without its URL), one per ``load_interval_s`` (:func:`sample_load`)."""
+    queue size (None without its URL), one per sampler point (:func:`kvmesh_cli.timeline.load_samples`)."""
 
 
 async def scrape_engines(
@@ -135,61 +135,6 @@ async def scrape_router_stages(client: httpx.AsyncClient, metrics_url: str | Non
     except (httpx.HTTPError, ValueError) as exc:
         logger.warning("cannot scrape the router's %s: %s", metrics_url, exc)
         return None
-
-
-_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "kvmesh_flow_control_queue_size")
-
-
-def read_gauges(text: str) -> dict[str, float]:
-    """The sums (over label sets) of the gauges in ``_GAUGES`` found in Prometheus text: one pass over the
-    lines by prefix, not the full parser (it runs every second on every engine during the replay).
-
-    Raises:
-        ValueError: when a wanted line carries no number.
-    """
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith(("vllm:num_requests_", "kvmesh_flow_control_queue_size")):
-            continue
-        name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
-        name = line[:name_end]
-        if name not in _GAUGES:
-            continue
-        rest = line[name_end:]
-        try:
-            out[name] = out.get(name, 0.0) + float((rest.rsplit("}", 1)[-1] if rest[0] == "{" else rest).split()[0])
-        except (ValueError, IndexError):
-            raise ValueError(f"unparsable /metrics line: {line[:120]!r}") from None
-    return out
-
-
-async def sample_load(
-    client: httpx.AsyncClient, engine_urls: Sequence[str], out: list[tuple[float, float, float | None]],
-    interval_s: float = 1.0, flow_control_metrics_url: str | None = None,
-) -> None:
-    """Append, every ``interval_s`` wall seconds until cancelled, ``(running, waiting)`` averaged over the engines
-    that answered and flow_control's ``kvmesh_flow_control_queue_size`` (None without its URL or answer)."""
-
-    async def one(url: str) -> dict[str, float] | None:
-        try:
-            reply = await client.get(url, timeout=5.0)
-            reply.raise_for_status()
-            return read_gauges(reply.text)
-        except (httpx.HTTPError, ValueError) as exc:
-            logger.debug("load sample: %s: %s", url, exc)
-            return None
-
-    while True:
-        began = time.monotonic()
-        got = await asyncio.gather(*(one(f"{u}/metrics") for u in engine_urls),
-                                   *([one(flow_control_metrics_url)] if flow_control_metrics_url else []))
-        engines = [g for g in got[:len(engine_urls)] if g is not None]
-        fc = got[len(engine_urls)] if flow_control_metrics_url else None
-        if engines:
-            out.append((sum(g.get(_GAUGES[0], 0.0) for g in engines) / len(engines),
-                        sum(g.get(_GAUGES[1], 0.0) for g in engines) / len(engines),
-                        fc.get(_GAUGES[2], 0.0) if fc is not None else None))
-        await asyncio.sleep(max(0.0, began + interval_s - time.monotonic()))
 
 
 async def discover_model(client: httpx.AsyncClient, router_url: str) -> str:
@@ -302,9 +247,10 @@ async def replay(
     """Replay ``workload`` (open or closed loop per request, see the module doc) and collect results.
 
     ``sampler`` (optional) samples the engines' load through the same client from the first send to the
-    last completion (:mod:`kvmesh_cli.timeline`). ``router_metrics_url`` / ``flow_control_metrics_url``
-    (full ``.../metrics`` URLs of a kvmesh mesh): the router's stages are scraped before and after, flow_control's
-    queue size sampled with the engines' load every ``load_interval_s`` wall seconds (:class:`ReplayOutcome`).
+    last completion (:mod:`kvmesh_cli.timeline`); without one, an :class:`~kvmesh_cli.timeline.EngineSampler`
+    every ``load_interval_s`` wall seconds does (the run's one load sampler either way: ``ReplayOutcome.load``).
+    ``router_metrics_url`` / ``flow_control_metrics_url`` (full ``.../metrics`` URLs of a kvmesh mesh): the
+    router's stages are scraped before and after, flow_control's queue size sampled with the engines' load.
 
     Raises:
         ValueError: when ``time_scale`` <= 0, ``concurrency_limit`` < 1, ``max_sessions`` < 1 or
@@ -377,16 +323,17 @@ async def replay(
                             and session_started[req.session].is_set():
                         session_slots.release()
 
+        if sampler is None and engine_urls:
+            sampler = EngineSampler(engine_urls, load_interval_s, time_scale)
+        if sampler is not None and sampler.flow_control_metrics_url is None:
+            sampler.flow_control_metrics_url = flow_control_metrics_url
         sampling = asyncio.create_task(sampler.run(client)) if sampler is not None else None
         lags: list[float] = []
         probing = asyncio.create_task(probe_loop_lag(lags))
-        load: list[tuple[float, float, float | None]] = []
-        loading = asyncio.create_task(sample_load(client, engine_urls, load, load_interval_s,
-                                                  flow_control_metrics_url)) if engine_urls else None
         try:
             await asyncio.gather(*(run(r) for r in workload.requests))
         finally:
-            for task in (sampling, probing, loading):
+            for task in (sampling, probing):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
@@ -396,4 +343,4 @@ async def replay(
     wall = last_end - (min(first_send) if first_send else start)
     results.sort(key=lambda r: r.index)
     return ReplayOutcome(results, wall, before, after, lags, hists_before, hists_after, router_before,
-                         router_after, load)
+                         router_after, load_samples(sampler.points) if sampler is not None else [])

@@ -240,6 +240,19 @@ MESH_STAGES = ("admission", "pick")
 """The router's stages before the request is sent to its engine (services/router/metrics.py)."""
 
 
+def stage_means(before: Mapping[str, Hist] | None, after: Mapping[str, Hist], time_scale: float = 1.0) -> dict[str, float]:
+    """Mean seconds per observation of each histogram in ``after`` (by key: the router's stages, ``ttft``) over
+    its increase since ``before`` (None: since 0), times ``time_scale`` (wall to model seconds); a key without
+    observations in between is left out. The router means of the TTFT breakdown (:func:`ttft_breakdown`) and of
+    ``compare --timeline`` (:class:`kvmesh_cli.timeline.EngineSampler`'s first and last router samples)."""
+    out: dict[str, float] = {}
+    for key, h in after.items():
+        mean = h.minus((before or {}).get(key)).mean
+        if mean is not None:
+            out[key] = mean * time_scale
+    return out
+
+
 def ttft_breakdown(
     engines_before: Mapping[str, Mapping[str, Hist]], engines_after: Mapping[str, Mapping[str, Hist]],
     router_before: Mapping[str, Hist] | None, router_after: Mapping[str, Hist] | None, *, time_scale: float,
@@ -270,15 +283,13 @@ def ttft_breakdown(
             p90 = hist_quantile(h, 0.9)
             out[f"{key}_p90_s"] = p90[0] if p90 is not None else None
     if router_after is not None:
-        pre = 0.0
+        means = stage_means(router_before, {s: router_after[s] for s in MESH_STAGES if s in router_after}, time_scale)
         for stage in MESH_STAGES:
             h = router_after[stage].minus((router_before or {}).get(stage)) if stage in router_after else None
-            mean = h.mean if h is not None else None
             p50 = hist_quantile(h, 0.5)
-            out[f"mesh_{stage}_mean_s"] = mean * time_scale if mean is not None else None
+            out[f"mesh_{stage}_mean_s"] = means.get(stage)
             out[f"mesh_{stage}_p50_s"] = p50[0] * time_scale if p50 is not None else None
-            pre += mean * time_scale if mean is not None else 0.0
-        out["mesh_pre_dispatch_mean_s"] = pre
+        out["mesh_pre_dispatch_mean_s"] = sum(means.values(), 0.0)
     engine_ttft = out["engine_ttft_mean_s"]
     if ttft_mean_s is not None and isinstance(engine_ttft, float):
         out["ttft_unaccounted_mean_s"] = ttft_mean_s - engine_ttft - float(out["mesh_pre_dispatch_mean_s"] or 0.0)  # type: ignore[arg-type]

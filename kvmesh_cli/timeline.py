@@ -8,7 +8,10 @@ engine and sample, vLLM 0.32's gauges ``vllm:num_requests_waiting``, ``vllm:num_
 (prompt tokens of the requests finished) and ``vllm:generation_tokens_total``, and the simulator's
 own ``kvmesh_sim_step_model_seconds_total``, ``kvmesh_sim_step_lag_seconds`` and
 ``kvmesh_sim_step_lost_seconds_total`` (how far the host let the engine fall behind its latency
-model: engine_simulator/engine.py). :func:`timeline_summary` reduces the samples to:
+model: engine_simulator/engine.py), and, given flow_control's ``/metrics`` URL, its
+``kvmesh_flow_control_queue_size`` in the same sample. It is the replay's one load sampler:
+:func:`load_samples` gives the TTFT breakdown its running / waiting / queue means
+(:func:`kvmesh_cli.report.ttft_breakdown`). :func:`timeline_summary` reduces the samples to:
 
 * ``stranded_fraction``: the share of samples in which at least one engine had nothing to do
   (nothing running or waiting) while another had requests waiting: capacity lost to routing,
@@ -35,6 +38,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+
+from kvmesh_cli.report import Hist
 
 logger = logging.getLogger(__name__)
 
@@ -75,18 +80,32 @@ class TimelinePoint:
 
     t_s: float
     engines: dict[str, EngineSample] = field(default_factory=dict)
+    flow_control_queue: float | None = None
+    """flow_control's ``kvmesh_flow_control_queue_size`` (summed over labels); None without its URL or answer."""
+
+
+FLOW_CONTROL_QUEUE = "kvmesh_flow_control_queue_size"
+"""flow_control's queued requests gauge (services/flow_control), sampled beside the engines."""
 
 
 def parse_engine_sample(text: str) -> EngineSample:
     """The values of :class:`EngineSample` from an engine's Prometheus text (absent = 0; summed over labels).
 
-    One pass over the lines (not ``prometheus_client``'s parser: a 35 KB exposition per engine every
-    half second would cost the host the CPU the engines need).
+    Raises:
+        ValueError: when ``text`` is not valid Prometheus text exposition.
+    """
+    return EngineSample(*sum_samples(text, SAMPLES).values())
+
+
+def sum_samples(text: str, names: Sequence[str]) -> dict[str, float]:
+    """``{name: value}`` for each of ``names`` (in that order) in Prometheus text, summed over label sets
+    (absent = 0). One pass over the lines (not ``prometheus_client``'s parser: a 35 KB exposition per engine
+    every half second would cost the host the CPU the engines need).
 
     Raises:
         ValueError: when ``text`` is not valid Prometheus text exposition.
     """
-    sums = dict.fromkeys(SAMPLES, 0.0)
+    sums = dict.fromkeys(names, 0.0)
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
@@ -100,16 +119,18 @@ def parse_engine_sample(text: str) -> EngineSample:
                 sums[name] += float((rest.rsplit("}", 1)[-1] if rest[0] == "{" else rest).split()[0])
             except (ValueError, IndexError):
                 raise ValueError(f"unparsable /metrics line: {line[:120]!r}") from None
-    return EngineSample(*sums.values())
+    return sums
 
 
 ROUTER_TTFT = "kvmesh_router_request_ttft_seconds"
 ROUTER_STAGES = "kvmesh_router_stage_duration_seconds"
 
 
-def parse_router_sample(text: str) -> dict[str, float]:
-    """``{"ttft_sum", "ttft_count", "<stage>_sum", "<stage>_count"}`` from the router's ``/metrics`` (wall
-    seconds; stages as ``kvmesh_router_stage_duration_seconds{stage}``).
+def parse_router_sample(text: str) -> dict[str, Hist]:
+    """``{"ttft": Hist, "<stage>": Hist}`` from the router's ``/metrics`` (wall seconds; stages as
+    ``kvmesh_router_stage_duration_seconds{stage}``), sums and counts only (no buckets: a one-pass read of the
+    ``_sum`` / ``_count`` lines, cheap enough to run every sample); means between two samples by
+    :func:`kvmesh_cli.report.stage_means`.
 
     Raises:
         ValueError: when a wanted line has no number.
@@ -127,33 +148,22 @@ def parse_router_sample(text: str) -> dict[str, float]:
             out[key] = out.get(key, 0.0) + float(line.rsplit("}", 1)[-1].split()[0] if "}" in line else line.split()[1])
         except (ValueError, IndexError):
             raise ValueError(f"unparsable router /metrics line: {line[:120]!r}") from None
-    return out
-
-
-def router_breakdown(first: dict[str, float], last: dict[str, float]) -> dict[str, float]:
-    """Mean wall seconds per request between two router samples: ``ttft`` and each stage seen."""
-    out: dict[str, float] = {}
-    for key in last:
-        if not key.endswith("_count"):
-            continue
-        name = key[: -len("_count")]
-        n = last[key] - first.get(key, 0.0)
-        if n > 0:
-            out[name] = (last.get(name + "_sum", 0.0) - first.get(name + "_sum", 0.0)) / n
-    return out
+    names = dict.fromkeys(key.rsplit("_", 1)[0] for key in out)  # in the exposition's order
+    return {name: Hist((), out.get(name + "_sum", 0.0), out.get(name + "_count", 0.0)) for name in names}
 
 
 class EngineSampler:
     """Scrapes ``engine_urls`` every ``interval_s`` wall seconds until cancelled; ``points`` grows.
     With ``router_metrics_url`` (the full ``.../metrics`` URL), the router's metrics too (``router_first`` / ``router_last``, for
-    :func:`router_breakdown`).
+    :func:`kvmesh_cli.report.stage_means`); with ``flow_control_metrics_url``, flow_control's queue size in
+    each point (:attr:`TimelinePoint.flow_control_queue`).
 
     Raises:
         ValueError: when ``interval_s`` <= 0 or ``time_scale`` <= 0.
     """
 
     def __init__(self, engine_urls: Sequence[str], interval_s: float = 0.5, time_scale: float = 1.0,
-                 router_metrics_url: str | None = None) -> None:
+                 router_metrics_url: str | None = None, flow_control_metrics_url: str | None = None) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         if time_scale <= 0:
@@ -163,8 +173,9 @@ class EngineSampler:
         self.time_scale = time_scale
         self.points: list[TimelinePoint] = []
         self.router_metrics_url = router_metrics_url
-        self.router_first: dict[str, float] | None = None
-        self.router_last: dict[str, float] | None = None
+        self.flow_control_metrics_url = flow_control_metrics_url
+        self.router_first: dict[str, Hist] | None = None
+        self.router_last: dict[str, Hist] | None = None
 
     async def sample_router(self, client: httpx.AsyncClient) -> None:
         """One scrape of the router (kept as ``router_first`` the first time, else ``router_last``)."""
@@ -183,7 +194,8 @@ class EngineSampler:
             self.router_last = sample
 
     async def sample_once(self, client: httpx.AsyncClient, started: float) -> TimelinePoint:
-        """One scrape of every engine (an engine that does not answer is left out of the point)."""
+        """One scrape of every engine and flow_control (an engine that does not answer is left out of the point;
+        flow_control not answering leaves ``flow_control_queue`` None)."""
 
         async def one(url: str) -> tuple[str, EngineSample] | None:
             try:
@@ -194,9 +206,21 @@ class EngineSampler:
                 logger.debug("timeline: cannot sample %s: %s", url, exc)
                 return None
 
+        async def queue(url: str | None) -> float | None:
+            if url is None:
+                return None
+            try:
+                reply = await client.get(url, timeout=5.0)
+                reply.raise_for_status()
+                return sum_samples(reply.text, (FLOW_CONTROL_QUEUE,))[FLOW_CONTROL_QUEUE]
+            except (httpx.HTTPError, ValueError) as exc:
+                logger.debug("timeline: cannot sample flow_control %s: %s", url, exc)
+                return None
+
         t = (time.monotonic() - started) * self.time_scale
-        got = await asyncio.gather(*(one(u) for u in self.engine_urls))
-        point = TimelinePoint(t, dict(g for g in got if g is not None))
+        got, fc = await asyncio.gather(asyncio.gather(*(one(u) for u in self.engine_urls)),
+                                       queue(self.flow_control_metrics_url))
+        point = TimelinePoint(t, dict(g for g in got if g is not None), fc)
         self.points.append(point)
         return point
 
@@ -208,6 +232,14 @@ class EngineSampler:
             await self.sample_once(client, started)
             await self.sample_router(client)
             await asyncio.sleep(max(0.0, began + self.interval_s - time.monotonic()))
+
+
+def load_samples(points: Sequence[TimelinePoint]) -> list[tuple[float, float, float | None]]:
+    """``(running, waiting, flow_control queue or None)`` per point that has an engine, running and waiting
+    averaged over the engines that answered it: :func:`kvmesh_cli.report.ttft_breakdown`'s ``load``."""
+    return [(sum(s.running for s in p.engines.values()) / len(p.engines),
+             sum(s.waiting for s in p.engines.values()) / len(p.engines), p.flow_control_queue)
+            for p in points if p.engines]
 
 
 def timeline_summary(points: Sequence[TimelinePoint]) -> dict[str, object]:
@@ -282,7 +314,11 @@ def _lost(engine: dict[str, float]) -> float:
 
 
 def write_timeline(points: Sequence[TimelinePoint], path: Path) -> None:
-    """JSON lines: one per sample, ``{"t_s": model s, "engines": {url: {waiting, running, ...}}}``."""
+    """JSON lines: one per sample, ``{"t_s": model s, "engines": {url: {waiting, running, ...}}}`` and
+    ``"flow_control_queue"`` where sampled."""
     with path.open("w") as f:
         for p in points:
-            f.write(json.dumps({"t_s": round(p.t_s, 3), "engines": {u: asdict(s) for u, s in p.engines.items()}}) + "\n")
+            row: dict[str, object] = {"t_s": round(p.t_s, 3), "engines": {u: asdict(s) for u, s in p.engines.items()}}
+            if p.flow_control_queue is not None:
+                row["flow_control_queue"] = p.flow_control_queue
+            f.write(json.dumps(row) + "\n")

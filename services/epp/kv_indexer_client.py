@@ -29,6 +29,7 @@ import grpc
 from kvmesh._proto.kvmesh.kv_indexer.v1 import kv_indexer_pb2, kv_indexer_pb2_grpc
 from kvmesh.channels import insecure_channel
 from kvmesh.hashing import DEFAULT_SCOPE, KeyScope
+from kvmesh.logging import RateLimitedLog
 from kvmesh.prefix_index import PrefixReplica, ReplicaEndpoint, ReplicaGap
 from services.epp.framework.interfaces import PrefixMatch
 from services.epp.metrics import PrefixIndexPath, record_prefix_index_score
@@ -123,7 +124,7 @@ class ReplicaPrefixIndex:
         self.rpc_scores = 0
         self.resyncs = 0
         self.snapshots = 0
-        self._last_warning = -math.inf
+        self._watch_log = RateLimitedLog(logger, 10.0, clock)
 
     def usable(self, model: str) -> bool:
         """Whether a pick for ``model`` is scored on the replica (synced, fresh, no kv_store sources)."""
@@ -185,10 +186,8 @@ class ReplicaPrefixIndex:
                 call.cancel()
                 backoff = 0.0
             except Exception as exc:  # unreachable, restarted, UNIMPLEMENTED: the Score RPC serves meanwhile
-                now = self._clock()
-                if now - self._last_warning >= 10.0:
-                    self._last_warning = now
-                    logger.warning("kv_indexer Watch stream down (%r); scoring through Score until it is back", exc)
+                self._watch_log.warning("watch_down", "kv_indexer Watch stream down (%r); scoring through Score "
+                                        "until it is back", exc)
             self.replica.synced = False
             await asyncio.sleep(backoff)
             backoff = min(max(backoff * 2, 0.1), 2.0)

@@ -28,6 +28,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 from kvmesh import errors
+from kvmesh.logging import RateLimitedLog
 from kvmesh.types import Endpoint, EndpointRole
 
 logger = logging.getLogger(__name__)
@@ -113,24 +114,14 @@ class LocalPicker:
 
 
 class DegradedLog:
-    """Rate-limited warning lines for degraded decisions (first one at once, then one per interval)."""
+    """Rate-limited warning lines for degraded decisions (first one at once, then one per interval per
+    ``(dependency, cause)``): :class:`kvmesh.logging.RateLimitedLog` with the ``degraded mode
+    dependency=<dependency>`` prefix."""
 
     def __init__(self, clock: Callable[[], float], log_interval_seconds: float = 10.0) -> None:
-        self._clock = clock
-        self._interval = log_interval_seconds
-        self._last: dict[str, float] = {}
-        self._suppressed: Counter[str] = Counter()
+        self._log = RateLimitedLog(logger, log_interval_seconds, clock, suffix=" (+{more} more since the last line)")
 
     def warn(self, dependency: str, message: str, *args: object, cause: str = "") -> None:
         """One warning line, unless one for the same ``(dependency, cause)`` went out within the interval
         (then counted, and the count shown on the next line)."""
-        now = self._clock()
-        key = f"{dependency}/{cause}"
-        last = self._last.get(key)
-        if last is not None and now - last < self._interval:
-            self._suppressed[key] += 1
-            return
-        self._last[key] = now
-        more = self._suppressed.pop(key, 0)
-        suffix = f" (+{more} more since the last line)" if more else ""
-        logger.warning("degraded mode dependency=%s " + message + suffix, dependency, *args)
+        self._log.warning(f"{dependency}/{cause}", "degraded mode dependency=%s " + message, dependency, *args)

@@ -20,15 +20,16 @@ from engine_simulator.scheduler import Request
 from engine_simulator.server import EngineHttpApi, ServerState
 from kvmesh.clock import ScaledClock
 from kvmesh_cli.replay import probe_loop_lag
+from kvmesh_cli.report import stage_means
 from kvmesh_cli.timeline import (
     ROUTER_STAGES,
     ROUTER_TTFT,
     EngineSample,
     EngineSampler,
     TimelinePoint,
+    load_samples,
     parse_engine_sample,
     parse_router_sample,
-    router_breakdown,
     timeline_line,
     timeline_summary,
     write_timeline,
@@ -124,7 +125,7 @@ async def test_sampler_follows_a_live_simulator(tmp_path: Path) -> None:
                                                                                          "step_lag_s"}
 
 
-def test_router_breakdown_from_a_prometheus_exposition() -> None:
+def test_router_stage_means_from_a_prometheus_exposition() -> None:
     """The router's TTFT and stage histograms (names as services/router/metrics.py), rendered by prometheus_client."""
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
@@ -139,9 +140,10 @@ def test_router_breakdown_from_a_prometheus_exposition() -> None:
     stages.labels(stage="pick").observe(0.25)
     stages.labels(stage="admission").observe(0.125)
     last = parse_router_sample(generate_latest(registry).decode())
-    assert first["ttft_count"] == 1 and first["pick_sum"] == 0.5
-    assert router_breakdown(first, last) == {"ttft": 3.0, "pick": 0.25, "admission": 0.125}
-    assert router_breakdown(last, last) == {}
+    assert first["ttft"].count == 1 and first["pick"].sum == 0.5
+    assert stage_means(first, last) == {"ttft": 3.0, "pick": 0.25, "admission": 0.125}
+    assert stage_means(first, last, 4.0) == {"ttft": 12.0, "pick": 1.0, "admission": 0.5}  # model seconds
+    assert stage_means(last, last) == {}
     with pytest.raises(ValueError, match="unparsable"):
         parse_router_sample(f'{ROUTER_STAGES}_sum{{stage="pick"}} soon\n')
 
@@ -158,3 +160,60 @@ async def test_loop_lag_probe_sees_a_blocked_client() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert max(lags) >= 0.15 and len(lags) >= 2
+
+
+def test_load_samples_average_the_engines_that_answered_each_point() -> None:
+    points = [
+        TimelinePoint(0.0, {"a": EngineSample(1, 2, 0, 0, 0, 0), "b": EngineSample(3, 4, 0, 0, 0, 0)}, 5.0),
+        TimelinePoint(1.0, {}, 7.0),  # no engine answered: not a load sample
+        TimelinePoint(2.0, {"a": EngineSample(0, 6, 0, 0, 0, 0)}, None),
+    ]
+    assert load_samples(points) == [(3.0, 2.0, 5.0), (6.0, 0.0, None)]
+
+
+async def test_one_sampler_reads_the_engines_and_flow_controls_queue(tmp_path: Path) -> None:
+    """The replay's one load sampler: engines and flow_control (its real metrics, services/flow_control/metrics.py)
+    in the same point, so the TTFT breakdown needs no second scrape of the engines."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from services.flow_control.metrics import PrometheusObserver
+
+    registry = CollectorRegistry()
+    PrometheusObserver(registry).on_state(queued=4, in_flight=2)
+    config = SimulatorConfig(model="tiny", max_model_len=512, time_scale=50.0, tokenizer_path=str(tmp_path / "tok"),
+                             etcd_endpoints=[])
+    sim = build_service(config)
+    engine = AsyncEngine(sim.core, sim.latency, ScaledClock(config.time_scale), NullEventPublisher(), sim.metrics)
+    engine.start()
+    engine_app = EngineHttpApi(ServerState(engine, sim.renderer, "tiny", 512, sim.tokenizer_dir, 1700000000)).app()
+
+    async def app(scope, receive, send):  # type: ignore[no-untyped-def]  # http://fc/metrics is flow_control's
+        if scope["type"] == "http" and dict(scope["headers"]).get(b"host") == b"fc":
+            found = scope["path"] == "/metrics"
+            body = generate_latest(registry) if found else b"not found"
+            await send({"type": "http.response.start", "status": 200 if found else 404,
+                        "headers": [(b"content-type", b"text/plain; version=0.0.4")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await engine_app(scope, receive, send)
+
+    sampler = EngineSampler(["http://sim"], interval_s=0.01, time_scale=config.time_scale,
+                            flow_control_metrics_url="http://fc/metrics")
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app)) as client:
+            queue = engine.submit(Request("r", list(range(3, 200)), max_tokens=40, ignore_eos=True))
+            assert not (await queue.get()).finished
+            point = await sampler.sample_once(client, 0.0)
+            sampler.flow_control_metrics_url = "http://fc/missing"  # flow_control not answering: None
+            missing = await sampler.sample_once(client, 0.0)
+            while not (await queue.get()).finished:
+                pass
+    finally:
+        await engine.stop()
+    assert point.flow_control_queue == 4.0 and missing.flow_control_queue is None
+    assert load_samples([point]) == [(point.engines["http://sim"].running, point.engines["http://sim"].waiting, 4.0)]
+    assert point.engines["http://sim"].running + point.engines["http://sim"].waiting == 1
+    out = tmp_path / "timeline.jsonl"
+    write_timeline([point, missing], out)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[0]["flow_control_queue"] == 4.0 and "flow_control_queue" not in rows[1]

@@ -14,7 +14,6 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from engine_simulator.metrics import REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
-from kvmesh_cli.replay import read_gauges
 from kvmesh_cli.report import (
     BREAKDOWN_KEYS,
     ENGINE_HISTOGRAMS,
@@ -28,6 +27,7 @@ from kvmesh_cli.report import (
     summary_table,
     ttft_breakdown,
 )
+from kvmesh_cli.timeline import FLOW_CONTROL_QUEUE, sum_samples
 
 INF = math.inf
 
@@ -145,16 +145,18 @@ def test_a_peer_has_engine_parts_and_no_mesh_part() -> None:
     assert all(v is None for v in empty.values())
 
 
-def test_read_gauges_sums_label_sets_and_ignores_the_rest() -> None:
+def test_load_gauges_sum_label_sets_and_ignore_the_rest() -> None:
+    """The load sampler's one-pass read (kvmesh_cli.timeline.sum_samples) of the gauges the breakdown averages."""
     text = ('# HELP vllm:num_requests_running x\n'
             'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
             'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0\n'
             'vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 9.0\n'
             'kvmesh_flow_control_queue_size 4.0\n')
-    assert read_gauges(text) == {"vllm:num_requests_running": 3.0, "vllm:num_requests_waiting": 2.0,
-                                 "kvmesh_flow_control_queue_size": 4.0}
+    names = ("vllm:num_requests_running", "vllm:num_requests_waiting", FLOW_CONTROL_QUEUE)
+    assert sum_samples(text, names) == {"vllm:num_requests_running": 3.0, "vllm:num_requests_waiting": 2.0,
+                                        "kvmesh_flow_control_queue_size": 4.0}
     with pytest.raises(ValueError, match="unparsable"):
-        read_gauges("vllm:num_requests_running{} x\n")
+        sum_samples("vllm:num_requests_running{} x\n", names)
 
 
 def test_the_breakdown_reaches_the_json_and_the_table() -> None:

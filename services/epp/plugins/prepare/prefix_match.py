@@ -42,12 +42,12 @@ prefill given the match; the scheduler (for the datastore's queued-prefill accou
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pydantic
 
+from kvmesh.logging import RateLimitedLog
 from services.epp.framework.cycle_state import CycleState, StateKey
 from services.epp.framework.interfaces import (
     Candidate,
@@ -134,17 +134,14 @@ class PrefixMatchStep(PrepareStep):
         self._max_tokens = max_prompt_tokens
         self._max_scores = max_concurrent_scores
         self._scores_in_flight = 0
-        self._last_warning: dict[str, float] = {}
+        self._warnings = RateLimitedLog(logger, _WARN_EVERY_SECONDS)
 
     def _warn(self, what: str, request: SchedulingRequest, exc: BaseException | str, reason: str) -> None:
         record_prefix_match_degraded(reason)
-        now = time.monotonic()
-        if now - self._last_warning.get(what, -_WARN_EVERY_SECONDS) >= _WARN_EVERY_SECONDS:
-            self._last_warning[what] = now
-            logger.warning(
-                "%s failed; prefix scores are 0 step=%s request_id=%s model=%s error=%r",
-                what, self.name, request.request_id, request.model, exc,
-            )
+        self._warnings.warning(
+            what, "%s failed; prefix scores are 0 step=%s request_id=%s model=%s error=%r",
+            what, self.name, request.request_id, request.model, exc,
+        )
 
     async def _token_ids(self, request: SchedulingRequest, candidates: Sequence[Candidate]) -> Sequence[int]:
         tokens: Sequence[int] = request.token_ids  # no copy: 32k ids copied per pick cost ~0.1 ms
