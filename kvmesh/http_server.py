@@ -110,7 +110,12 @@ def _header_deadline(protocol: type[asyncio.Protocol], seconds: float) -> type[a
         def _arm(self) -> None:
             cycle = self.cycle
             if cycle is not None and not cycle.response_complete:
-                return  # a request is in progress: its headers are complete
+                # a request is in progress: its headers completed (in the data just parsed): drop the
+                # timer now rather than leave one per keep-alive request in the loop's heap until it fires
+                if self._deadline is not None:
+                    self._deadline.cancel()
+                    self._deadline = None
+                return
             if self._deadline is not None and self._armed_for is cycle:
                 return
             if self._deadline is not None:

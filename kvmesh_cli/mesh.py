@@ -134,7 +134,7 @@ class MeshSpec:
     ``max_num_batched_tokens // (running + waiting)``)."""
     scheduler_reserve_full_isl: bool | None = None
     """vLLM 0.32's ``--scheduler-reserve-full-isl`` for every engine (admit a request only when its whole sequence's
-    blocks are free); None: the engine's default (vLLM: true; the simulator: false)."""
+    blocks are free); None: the engine's default (true for vLLM and the simulator alike)."""
     engine_api_key: str | None = None
     """vLLM's ``--api-key`` for every engine (simulated or real); the pool's engine key is then given to
     the router and epp (``--engine-api-key``) and to each vLLM registration sidecar, so kvmesh's own calls

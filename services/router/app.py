@@ -118,8 +118,8 @@ def build_service(config: RouterConfig) -> GrpcService:
         if watcher is not None and left:  # an endpoint gone (not just re-labelled): requests hung on it end
             live = watcher.snapshot()
             gone = [endpoint_id for endpoint_id in left if endpoint_id not in live]
-            if gone and (ended := flow.endpoints_left(gone)):
-                logger.warning("endpoint left with requests waiting on it endpoints=%s ended=%d", gone, ended)
+            if gone and (waiting := flow.endpoints_left(gone)):  # cut only if its /health does not answer
+                logger.warning("endpoint left with requests waiting on it endpoints=%s waiting=%d", gone, waiting)
 
     async def stop_http() -> None:
         """Stop HTTP; streams still running when the grace is nearly over end with the in-stream

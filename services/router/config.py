@@ -51,8 +51,17 @@ class RouterConfig(GrpcServiceConfig):
     engine_departed_idle_seconds: float = Field(5.0, gt=0, le=3600)
     """Once an endpoint left membership (its lease expired: the engine hung or died without a
     reset), how long a request may still wait on it without a byte before it is ended (re-sent
-    elsewhere when the client has seen nothing, else the in-stream error). A draining engine that
-    deregistered first keeps sending tokens and is not cut."""
+    elsewhere when the client has seen nothing, else the in-stream error), *if* its ``/health``
+    does not answer either: leaving membership is no proof of a hang (a draining engine deregisters
+    first, then finishes its requests; an etcd that lost its data makes every endpoint leave), so
+    past this wait the router probes ``GET /health`` and cuts only when the probe fails or times
+    out; while it answers, the normal first-byte / idle limits apply."""
+    engine_health_probe_timeout_seconds: float = Field(1.0, gt=0, le=60)
+    """Timeout of the ``/health`` probe of a departed endpoint that requests still wait on (one probe
+    per endpoint at a time, not per request). A SIGSTOPped engine accepts TCP connects but never
+    answers: only an HTTP answer counts as alive."""
+    engine_health_probe_interval_seconds: float = Field(5.0, gt=0, le=3600)
+    """How often a departed endpoint that answered its probe is probed again while requests wait on it."""
     request_body_timeout_seconds: float = Field(60.0, gt=0, le=3600)
     """Longest time to receive a request's whole body once its headers arrived (nginx's
     ``client_body_timeout`` is 60 s): a client that declares more than it sends (or drips it) gets

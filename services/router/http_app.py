@@ -267,30 +267,53 @@ async def read_body(request: Request, limit: int, timeout_seconds: float | None 
         RequestTimedOut: the body did not arrive in time (fewer bytes than ``content-length`` said,
             or a drip): 408, and the connection is closed.
     """
-    if timeout_seconds is None:
-        return await _read_body(request, limit)
+    _check_declared(request, limit)
+    receive = request.receive
+    # Most bodies are whole in the first receive() (they came with the headers): no deadline is armed
+    # for them. One is armed for a first receive() that would wait (uvicorn's cycle: its message event
+    # not set yet; unknown receivers: always), and for the rest once ``more_body`` says there is more.
+    cycle = getattr(receive, "__self__", None)
+    event = getattr(cycle, "message_event", None)
+    ready = isinstance(event, asyncio.Event) and event.is_set()
+    if timeout_seconds is None or ready:
+        message = await receive()
+        if not message.get("more_body", False) or timeout_seconds is None:
+            return await _finish_body(request, message, limit)
     try:
         async with asyncio.timeout(timeout_seconds):
-            return await _read_body(request, limit)
+            if not ready:
+                message = await receive()
+            return await _finish_body(request, message, limit)
     except TimeoutError:
         declared = request.headers.get("content-length")
         raise RequestTimedOut(f"request body not received within {timeout_seconds:g}s"
                               + (f" (content-length says {declared} bytes)" if declared else "")) from None
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+def _check_declared(request: Request, limit: int) -> None:
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.strip().isdigit():
             raise errors.InvalidRequest("'content-length' header must be a non-negative integer")
         if int(declared) > limit:
             raise RequestTooLarge(f"request body of {int(declared)} bytes exceeds the limit of {limit} bytes")
+
+
+async def _finish_body(request: Request, message: Message, limit: int) -> bytes:
+    """The body from its first ASGI message on (Starlette's ``Request.stream`` semantics: a disconnect
+    raises ClientDisconnect); kept as ``request._body`` so a later ``request.body()`` returns it."""
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
+    while True:
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        body += message.get("body", b"")
         if len(body) > limit:
             raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
-    return bytes(body)
+        if not message.get("more_body", False):
+            break
+        message = await request.receive()
+    request._body = data = bytes(body)
+    return data
 
 
 _DECODERS = {"gzip": zlib.MAX_WBITS | 16, "x-gzip": zlib.MAX_WBITS | 16, "deflate": zlib.MAX_WBITS}

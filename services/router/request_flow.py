@@ -152,6 +152,8 @@ class _EngineWatch:
     reason: str | None = None
     waited: float = 0.0
     cancelled: bool = False
+    url: str = ""
+    """The endpoint's base URL (its ``/health`` is probed once it left membership)."""
 
     def owns_cancel(self) -> bool:
         """Whether the CancelledError being handled is this watch's own (then it is consumed)."""
@@ -165,7 +167,7 @@ class _EngineWatch:
         if self.reason == _SHUTDOWN:
             return ShuttingDown(SHUTDOWN_MESSAGE)
         self.on_stall(self, "ended")
-        why = ("it left the pool (membership lease expired)" if self.reason == "endpoint_left"
+        why = ("it left the pool and its /health does not answer" if self.reason == "endpoint_left"
                else f"no data for {self.waited:.0f}s")
         return EngineStalled(f"engine {self.endpoint_id} stopped answering mid-stream ({why}); the answer is incomplete")
 
@@ -174,9 +176,18 @@ class _EngineWatch:
         if self.reason == _SHUTDOWN:
             return ShuttingDown(SHUTDOWN_MESSAGE)
         self.on_stall(self, "redispatched")
-        why = ("it left the pool (membership lease expired)" if self.reason == "endpoint_left"
+        why = ("it left the pool and its /health does not answer" if self.reason == "endpoint_left"
                else f"no first byte within {self.waited:.0f}s")
         return EngineStall(self.reason or "first_byte_timeout", f"engine {self.endpoint_id} did not answer: {why}")
+
+
+@dataclass(slots=True)
+class _Probe:
+    """A departed endpoint's ``/health`` probe: running (``task``), its last verdict and when."""
+
+    task: asyncio.Task[None] | None = None
+    alive: bool | None = None
+    checked_at: float | None = None
 
 
 class _PrimedResponse:
@@ -194,6 +205,12 @@ class _PrimedResponse:
     @property
     def is_closed(self) -> bool:
         return self._inner.is_closed
+
+    def take(self) -> tuple[bytes, AsyncIterator[bytes] | None]:
+        """The primed first chunk and the engine's own iterator of the rest (None: the answer ended),
+        for :meth:`FlowSession.iter_events` to read directly (no generator step per chunk); once."""
+        first, rest, self._first, self._rest = self._first, self._rest, b"", None
+        return first, rest
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
         first, self._first = self._first, b""
@@ -322,29 +339,39 @@ class FlowSession:
         """
         # an error answer is one JSON body even for a streamed request (vLLM answers 4xx before any event)
         framer = SseFramer() if self.request.stream and self.status_code < 400 else None
-        chunks = self._response.aiter_bytes()
+        response = self._response
+        if isinstance(response, _PrimedResponse):  # its first chunk, then the engine's own iterator: no extra step
+            pending, chunks = response.take()
+        else:
+            pending, chunks = b"", response.aiter_bytes()
         watch = self._watch
         while True:
-            if watch is not None:
-                if watch.reason is not None:  # ended while not waiting on the engine (the router stopping)
+            if pending:
+                chunk, pending = pending, b""
+                if watch is not None and watch.reason is not None:
                     raise watch.failure()
-                watch.since = _now()
-            try:
-                chunk = await anext(chunks)
-            except StopAsyncIteration:
-                break
-            except asyncio.CancelledError:
-                if watch is None or not watch.owns_cancel():
-                    raise
-                raise watch.failure() from None
-            except Exception as exc:
-                logger.warning(
-                    "engine failed mid-answer request_id=%s endpoint=%s error=%r", self.meta.request_id, self.endpoint.id, exc
-                )
-                raise EngineFailed(f"engine {self.endpoint.id} failed mid-response") from exc
-            finally:
+            else:
+                if chunks is None:
+                    break
                 if watch is not None:
-                    watch.since = None
+                    if watch.reason is not None:  # ended while not waiting on the engine (the router stopping)
+                        raise watch.failure()
+                    watch.since = _now()  # the one clock read per chunk
+                try:
+                    chunk = await anext(chunks)
+                except StopAsyncIteration:
+                    break
+                except asyncio.CancelledError:
+                    if watch is None or not watch.owns_cancel():
+                        raise
+                    raise watch.failure() from None
+                except Exception as exc:
+                    logger.warning("engine failed mid-answer request_id=%s endpoint=%s error=%r",
+                                   self.meta.request_id, self.endpoint.id, exc)
+                    raise EngineFailed(f"engine {self.endpoint.id} failed mid-response") from exc
+                finally:
+                    if watch is not None:
+                        watch.since = None
             if not chunk:
                 continue
             if not self._ttft_recorded:
@@ -529,15 +556,19 @@ class RequestFlow:
         """Whether the last admission dispatched without queueing (or was rejected): early picks go on."""
         self._watches: set[_EngineWatch] = set()
         self._reaper: asyncio.Task[None] | None = None
+        self._probes: dict[str, _Probe] = {}
+        """Liveness of the departed endpoints that requests wait on (endpoint id ->)."""
+        self._probe_http: httpx.AsyncClient | None = http if isinstance(http, httpx.AsyncClient) else None
+        self._own_probe_http = False
         self._reap_tick = max(0.05, min(1.0, config.engine_first_byte_timeout_seconds / 4,
                                         config.engine_stream_idle_timeout_seconds / 4,
                                         config.engine_departed_idle_seconds / 4))
 
     # -- engines that stop answering (docs/degraded-modes.md, "an engine hung") --------------------
 
-    def _watch(self, endpoint_id: str, request_id: str, stream: bool) -> _EngineWatch:
+    def _watch(self, endpoint: Endpoint, request_id: str, stream: bool) -> _EngineWatch:
         first = self._config.engine_first_byte_timeout_seconds if stream else self._config.request_timeout_seconds
-        watch = _EngineWatch(asyncio.current_task(), endpoint_id, request_id, first, self._stalled)
+        watch = _EngineWatch(asyncio.current_task(), endpoint.id, request_id, first, self._stalled, url=endpoint.url)
         self._watches.add(watch)
         if self._reaper is None or self._reaper.done():
             self._reaper = asyncio.ensure_future(self._reap())
@@ -565,34 +596,80 @@ class RequestFlow:
                 watch.task.cancel()
 
     async def _reap(self) -> None:
-        """Every tick: end the waits past their limit (first byte, idle, or departed endpoint)."""
+        """Every tick: end the waits past their limit (first byte, idle), and those on a departed
+        endpoint whose ``/health`` probe failed (:meth:`_departed_alive`)."""
         departed_limit = self._config.engine_departed_idle_seconds
         while self._watches:
             await asyncio.sleep(self._reap_tick)
-            now = _now()
-            for watch in list(self._watches):
-                if watch.since is None or watch.reason is not None:
-                    continue
-                waited = now - watch.since
-                if watch.departed and waited > departed_limit:
+            self._check(departed_limit)
+
+    def _check(self, departed_limit: float) -> None:
+        now = _now()
+        departed: set[str] = set()
+        for watch in list(self._watches):
+            if watch.since is None or watch.reason is not None:
+                continue
+            waited = now - watch.since
+            if watch.departed:
+                departed.add(watch.endpoint_id)
+                if waited > departed_limit and self._departed_alive(watch, now) is False:
                     self._end(watch, "endpoint_left", now)
-                elif waited > watch.limit:
-                    self._end(watch, "first_byte_timeout" if watch.first else "idle_timeout", now)
+                    continue
+            if waited > watch.limit:
+                self._end(watch, "first_byte_timeout" if watch.first else "idle_timeout", now)
+        for endpoint_id in [e for e, p in self._probes.items() if e not in departed and p.task is None]:
+            del self._probes[endpoint_id]  # no request waits on it any more
+
+    def _departed_alive(self, watch: _EngineWatch, now: float) -> bool | None:
+        """Whether the departed endpoint ``watch`` waits on still answers its ``/health`` (None: not
+        known yet). Leaving membership is no proof of a hang: a draining engine deregisters first and
+        then finishes its requests (a non-streamed answer, or a stream still queued, sends no byte
+        until then), and an etcd that lost its data makes every endpoint "leave". One probe per
+        endpoint at a time (``engine_health_probe_timeout_seconds``), again at most every
+        ``engine_health_probe_interval_seconds`` while requests wait on it; a SIGSTOPped engine still
+        accepts TCP connects, so only an HTTP answer counts."""
+        probe = self._probes.get(watch.endpoint_id)
+        if probe is None:
+            probe = self._probes[watch.endpoint_id] = _Probe()
+        if probe.task is None and probe.alive is not False and (
+                probe.checked_at is None or now - probe.checked_at >= self._config.engine_health_probe_interval_seconds):
+            probe.task = asyncio.ensure_future(self._probe(probe, watch.url))
+        return probe.alive
+
+    async def _probe(self, probe: _Probe, url: str) -> None:
+        timeout = self._config.engine_health_probe_timeout_seconds
+        try:
+            async with asyncio.timeout(timeout):
+                alive = await self._health(url)
+        except Exception:  # refused, reset, timed out: not answering
+            alive = False
+        probe.alive, probe.checked_at, probe.task = alive, _now(), None
+        if not alive:
+            self._check(self._config.engine_departed_idle_seconds)  # end its waits now, not at the next tick
+
+    async def _health(self, url: str) -> bool:
+        """GET ``url/health`` (vLLM and the engine simulator serve it): True on a 2xx answer."""
+        if self._probe_http is None:
+            self._probe_http = httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_keepalive_connections=0))
+            self._own_probe_http = True
+        response = await self._probe_http.get(url + "/health")
+        return response.is_success
 
     def endpoints_left(self, endpoint_ids: Iterable[str]) -> int:
-        """Membership says these endpoints left (lease expired or deregistered): requests waiting on
-        one of them for over ``engine_departed_idle_seconds`` end now, the others once they wait that
-        long (a draining engine that deregistered first keeps answering and is not cut). The count
-        ended now."""
+        """Membership says these endpoints left (lease expired or deregistered): a request waiting on
+        one of them for over ``engine_departed_idle_seconds`` ends only when the endpoint's ``/health``
+        does not answer (:meth:`_departed_alive`; the probe starts now for a wait already past that
+        limit): a draining engine keeps answering and is not cut. The count of requests waiting on
+        them."""
         gone = set(endpoint_ids)
-        now, ended = _now(), 0
+        now, waiting = _now(), 0
         for watch in list(self._watches):
             if watch.endpoint_id in gone and watch.reason is None:
                 watch.departed = True
+                waiting += 1
                 if watch.since is not None and now - watch.since > self._config.engine_departed_idle_seconds:
-                    self._end(watch, "endpoint_left", now)
-                    ended += 1
-        return ended
+                    self._departed_alive(watch, now)
+        return waiting
 
     def end_all(self) -> int:
         """The router is stopping: every request bound to an engine ends (503 before its answer
@@ -610,6 +687,13 @@ class RequestFlow:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
             self._reaper = None
+        for probe in self._probes.values():
+            if probe.task is not None:
+                probe.task.cancel()
+        self._probes.clear()
+        if self._probe_http is not None and self._own_probe_http:
+            await self._probe_http.aclose()
+            self._probe_http = None
 
     async def _admit(self, request: RouterRequest, meta: RequestMeta) -> Ticket:
         """flow_control's decision; when it is unreachable, the degraded mode's (a local slot or 503)."""
@@ -740,8 +824,7 @@ class RequestFlow:
                 metrics.record_stage("admission", self._clock() - life.started)
                 early_pick = await self._keep_early_pick(early_pick, life.ticket)
                 response, endpoint, life.proxy_span, attempts, watch = await self._connect(request, meta, early_pick)
-            life.span.set_attribute("kvmesh.endpoint", endpoint.id)
-            self.local_picker.note_start(endpoint.id)
+            life.span.set_attribute("kvmesh.endpoint", endpoint.id)  # note_start ran when its headers came
             life.on_end = lambda: self.local_picker.note_end(endpoint.id)
             life.on_completed = getattr(self._picker, "report_completed", None)
             life.session = FlowSession(
@@ -823,7 +906,7 @@ class RequestFlow:
                 if len(tried) >= max_attempts:
                     break
                 tried.append(endpoint.id)
-                watch = self._watch(endpoint.id, meta.request_id, request.stream)
+                watch = self._watch(endpoint, meta.request_id, request.stream)
                 try:
                     response, proxy_span = await self._attempt(request, meta, endpoint, len(tried), watch)
                     watch.first, watch.limit = False, self._config.engine_stream_idle_timeout_seconds
@@ -862,6 +945,9 @@ class RequestFlow:
         span: trace.Span | None = None
         try:
             response, span = await self._send(request, meta, endpoint, attempt)
+            # headers arrived: the engine holds the request (queued or in prefill) for the local
+            # least-request pick from now on, not only once its first byte comes
+            self.local_picker.note_start(endpoint.id)
             if response.status_code >= 400:
                 return response, span
             chunks = response.aiter_bytes()
@@ -872,20 +958,34 @@ class RequestFlow:
             except StopAsyncIteration:
                 return _PrimedResponse(response, first, None, self._clock()), span
             return _PrimedResponse(response, first, rest, self._clock()), span
+        # Each branch first marks the wait over (``since = None``, before any await): the reaper,
+        # endpoints_left or end_all must not end the watch (cancelling the task again) while the
+        # abandoned answer closes, or that second cancel would escape as a bare CancelledError.
         except asyncio.CancelledError:
+            watch.since = None
             owned = watch.owns_cancel()
+            self._abandoned(endpoint, response)
             await _abandon(response, span)
             if not owned:
                 raise
             raise watch.unreachable() from None
         except EngineUnreachable:
+            watch.since = None
+            self._abandoned(endpoint, response)
             await _abandon(response, span)
             raise
         except Exception as exc:  # the answer failed after its headers, before any byte: nothing was passed on
+            watch.since = None
+            self._abandoned(endpoint, response)
             await _abandon(response, span)
             raise EngineUnreachable(f"{type(exc).__name__} before the first byte: {exc}") from exc
         finally:
             watch.since = None
+
+    def _abandoned(self, endpoint: Endpoint, response: EngineResponse | None) -> None:
+        """An attempt given up after its headers arrived: the local picker's count drops again."""
+        if response is not None:
+            self.local_picker.note_end(endpoint.id)
 
     async def _send(
         self, request: RouterRequest, meta: RequestMeta, endpoint: Endpoint, attempt: int

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import re
 import time
 from collections.abc import Iterator
@@ -129,11 +130,17 @@ async def test_etcd_killed_is_a_visible_degraded_mode_then_recovers(
                        for op in ("register", "keepalive", "watch"))
         assert failures >= 5, (name, failures)
         lines = _etcd_lines(m, name)
-        # ~12 s down: at most 2 lines per operation (the first, one 10 s later), the second counting the rest
+        # at most one line per operation per 10 s of outage (the first, then one every 10 s counting the
+        # rest): bounded by the time elapsed since the kill, however late this check runs on a busy host
+        down_for = time.monotonic() - killed_at
         per_operation = collections.Counter(re.search(r"operation=(\w+)", line).group(1) for line in lines)  # type: ignore[union-attr]
-        assert lines and max(per_operation.values()) <= 2, (name, lines)
+        assert lines and max(per_operation.values()) <= 1 + math.ceil(down_for / 10), (name, down_for, lines)
         assert any("more" in line and "failures in the last 10s" in line for line in lines) or failures <= len(lines), lines
-        assert all("serving from the last known membership" in line for line in lines)
+        # each line says what its client does: a watcher serves its last view, a registration retries
+        assert all(("serving from the last known membership" in line) == ("operation=watch" in line)
+                   for line in lines), lines
+        assert all("registering again in 1s" in line for line in lines
+                   if "operation=register" in line or "operation=keepalive" in line), lines
 
     restarted, _ = start_etcd(mesh.etcd_dir, client_port=etcd_ports[0], peer_port=etcd_ports[1])
     mesh.etcd = restarted

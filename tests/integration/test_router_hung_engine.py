@@ -32,7 +32,7 @@ from starlette.routing import Route
 from kvmesh._proto.kvmesh.epp.v1 import epp_pb2_grpc
 from kvmesh._proto.kvmesh.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.http_server import HttpServer
-from kvmesh.membership import LeaseRegistration
+from kvmesh.membership import LeaseRegistration, endpoint_key
 from kvmesh.types import Endpoint, EndpointId
 from kvmesh_cli.launcher import ManagedProcess, free_port, python_module
 from tests.integration.test_router import FakeEpp, _start
@@ -54,6 +54,8 @@ class ScriptedEngine:
 
     stall_after: int | None = None
     delay: float = 0.05
+    plain_delay: float = 0.0
+    """Seconds a non-streamed answer takes (a long generation: no byte until it is done)."""
     server: HttpServer | None = None
     registration: LeaseRegistration | None = None
     endpoint: Endpoint | None = None
@@ -69,6 +71,7 @@ class ScriptedEngine:
             if stall is not None:
                 self.stalled += 1
                 await self._forever.wait()
+            await asyncio.sleep(self.plain_delay)
             self.served += 1
             return JSONResponse({"id": "cmpl-s", "object": "text_completion", "model": MODEL, "choices": [
                 {"index": 0, "text": "ok", "finish_reason": "length"}]})
@@ -86,7 +89,8 @@ class ScriptedEngine:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     async def start(self, etcd: str) -> ScriptedEngine:
-        app = Starlette(routes=[Route("/v1/completions", self._handle, methods=["POST"])])
+        app = Starlette(routes=[Route("/v1/completions", self._handle, methods=["POST"]),
+                                Route("/health", lambda _: Response(status_code=200))])
         self.server, self.endpoint, self.registration = await serve_registered(
             app, etcd, MODEL, {"engine": "test", "max_model_len": "4096"})
         return self
@@ -166,6 +170,7 @@ async def _all_listed(mesh: HungMesh, timeout: float = 60) -> None:
 def _reset(hung: HungMesh) -> None:
     hung.good.stall_after = None
     hung.silent.stall_after = 0
+    hung.silent.plain_delay = 0.0
     assert hung.good.endpoint is not None
     hung.epp.order = [hung.good.endpoint]
 
@@ -221,11 +226,44 @@ async def test_paused_engine_requests_move_to_another_endpoint(hung: HungMesh) -
         assert hung.good.served - served_before == 4
         assert elapsed < 30, elapsed
         after = _stalled(hung.metrics)
-        assert _grew(before, after, ("first_byte_timeout", "redispatched")) >= 2, after
-        assert _grew(before, after, ("endpoint_left", "redispatched")) == 2, after
+        # The lease (TTL 2 s) expires 1.3-2.5 s after the stop, around the first-byte timeout (2 s): a
+        # streamed request may be cut for either reason; the non-streamed ones only once the endpoint
+        # left and its /health probe timed out (a SIGSTOPped process still accepts TCP connects).
+        moved = {reason: _grew(before, after, (reason, "redispatched")) for reason in ("first_byte_timeout", "endpoint_left")}
+        assert sum(moved.values()) == 4 and moved["endpoint_left"] >= 2, after
     finally:
         os.killpg(hung.sim.pid, signal.SIGCONT)
     await _all_listed(hung)  # the simulator re-establishes its lease
+
+
+async def test_draining_engine_that_deregistered_is_not_cut(hung: HungMesh, etcd: str) -> None:
+    """Graceful drain: the engine leaves membership (its lease revoked, as the simulator does on SIGTERM)
+    but still finishes a non-streamed request that takes far longer than engine_departed_idle_seconds
+    (no byte until the whole answer is done). Its /health answers, so the request is not cut nor re-run
+    elsewhere: it is answered by the draining engine itself."""
+    silent = hung.silent
+    assert silent.endpoint is not None and silent.registration is not None
+    silent.stall_after, silent.plain_delay = None, DEPARTED_S + 4
+    hung.epp.order = [silent.endpoint]
+    before = _stalled(hung.metrics)
+    served_before = silent.served
+    try:
+        async with httpx.AsyncClient(timeout=40) as client:
+            reply_task = asyncio.ensure_future(client.post(f"{hung.http}/v1/completions",
+                                                           json={"model": MODEL, "prompt": "drain", "max_tokens": 4}))
+            await asyncio.sleep(0.5)  # the request waits on the engine
+            await silent.registration.stop()  # deregistered: the router sees it leave at once
+            reply = await reply_task
+        assert reply.status_code == 200, reply.text
+        assert reply.headers["x-kvmesh-endpoint"] == silent.endpoint.id
+        assert silent.served - served_before == 1
+        after = _stalled(hung.metrics)
+        assert after == before, after  # nothing cut, nothing re-sent
+    finally:
+        silent.registration = LeaseRegistration([etcd], endpoint_key(silent.endpoint), silent.endpoint.to_json(),
+                                                ttl_seconds=3)
+        await silent.registration.start()
+    await _all_listed(hung)
 
 
 async def test_paused_engine_mid_stream_ends_with_error_event(hung: HungMesh) -> None:
@@ -333,12 +371,17 @@ def _raw_request(http: str, head: bytes, body: bytes) -> tuple[bytes, float, boo
             answer += data
 
 
-@pytest.mark.parametrize("chunked", [False, True], ids=["short-content-length", "chunked-drip"])
-async def test_body_shorter_than_declared_is_408_and_closed(hung: HungMesh, chunked: bool) -> None:
-    """A body that never completes (58 bytes of a declared 200; a chunked body stopping midway) is a 408
-    after request_body_timeout_seconds and the connection is closed, not held forever."""
+@pytest.mark.parametrize("mode", ["short", "chunked", "headers-only"],
+                         ids=["short-content-length", "chunked-drip", "headers-only"])
+async def test_body_shorter_than_declared_is_408_and_closed(hung: HungMesh, mode: str) -> None:
+    """A body that never completes (58 bytes of a declared 200; a chunked body stopping midway; no body
+    byte at all after the headers: the first receive() itself waits) is a 408 after
+    request_body_timeout_seconds and the connection is closed, not held forever."""
     body = json.dumps({"model": MODEL, "prompt": "hello there", "max_tokens": 2}).encode()[:58].ljust(58, b" ")
-    if chunked:
+    if mode == "headers-only":
+        head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 200\r\n\r\n"
+        payload = b""
+    elif mode == "chunked":
         head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
         payload = b"%x\r\n%s\r\n" % (len(body), body)
     else:

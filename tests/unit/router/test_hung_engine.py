@@ -1,7 +1,8 @@
 """A hung engine (accepts, then says nothing): ``RequestFlow``'s watch re-dispatches a request that has no
-first byte, ends an answer that went silent, reacts to the endpoint leaving membership, and ends what is
-left at shutdown. Engines are ``httpx.MockTransport`` answers that stall on an event; the integration
-side (real processes, SIGSTOP) is ``tests/integration/test_router_hung_engine.py``."""
+first byte, ends an answer that went silent, reacts to the endpoint leaving membership (cut only when its ``/health`` probe fails too: a draining
+engine is not cut), and ends what is left at shutdown. Engines are ``httpx.MockTransport`` answers that
+stall on an event; the integration side (real processes, SIGSTOP) is
+``tests/integration/test_router_hung_engine.py``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from kvmesh import errors
+from services.router import request_flow
 from services.router.config import RouterConfig
 from services.router.request_flow import SHUTDOWN_MESSAGE, EngineStalled, RequestFlow, RequestMeta, ShuttingDown
 from services.router.validation import RequestKind, RouterRequest, validate_request
@@ -20,7 +22,9 @@ from tests.unit.router.fakes import CATALOG, SSE, A, B, FakeAdmission, FakePicke
 
 META = RequestMeta(request_id="r-hung", flow_id="f", priority=0)
 FAST = RouterConfig(etcd_endpoints=[], engine_first_byte_timeout_seconds=0.2, engine_stream_idle_timeout_seconds=0.3,
-                    engine_departed_idle_seconds=0.1, request_timeout_seconds=30)
+                    engine_departed_idle_seconds=0.1, request_timeout_seconds=30,
+                    engine_health_probe_timeout_seconds=0.2, engine_health_probe_interval_seconds=0.2)
+SLOW = FAST.model_copy(update={"engine_first_byte_timeout_seconds": 300, "engine_stream_idle_timeout_seconds": 300})
 
 
 def _request(stream: bool) -> RouterRequest:
@@ -32,12 +36,22 @@ def _stalled(reason: str, action: str) -> float:
     return REGISTRY.get_sample_value("kvmesh_router_engine_stalled_total", {"reason": reason, "action": action}) or 0.0
 
 
-def _engines(hung_host: str, events_before_stall: int | None, stall: asyncio.Event) -> Callable[[httpx.Request], httpx.Response]:
+def _engines(hung_host: str, events_before_stall: int | None, stall: asyncio.Event,
+             health_hangs: bool = True) -> Callable[[httpx.Request], httpx.Response]:
     """``hung_host`` answers 200 and then waits on ``stall`` after that many SSE events (None: answers at
-    once, like every other host)."""
+    once, like every other host); its ``GET /health`` never answers when ``health_hangs`` (a SIGSTOPped
+    engine), else answers 200 at once (a draining engine, slow on its requests)."""
     pieces = [e + b"\n\n" for e in SSE.split(b"\n\n") if e]
 
     def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            async def health() -> AsyncIterator[bytes]:
+                if request.url.host == hung_host and health_hangs:
+                    await asyncio.Event().wait()
+                yield b""
+
+            return httpx.Response(200, content=health())
+
         async def body() -> AsyncIterator[bytes]:
             for i, piece in enumerate(pieces):
                 if request.url.host == hung_host and events_before_stall is not None and i == events_before_stall:
@@ -47,6 +61,16 @@ def _engines(hung_host: str, events_before_stall: int | None, stall: asyncio.Eve
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
 
     return answer
+
+
+async def _waiting(flow: RequestFlow, endpoint_id: str) -> request_flow._EngineWatch:
+    """The watch of a request once it waits on ``endpoint_id`` (polled, bounded)."""
+    async with asyncio.timeout(5):
+        while True:
+            for watch in list(flow._watches):
+                if watch.endpoint_id == endpoint_id and watch.since is not None:
+                    return watch
+            await asyncio.sleep(0.005)
 
 
 def _flow(config: RouterConfig, answer: Callable[[httpx.Request], httpx.Response]) -> RequestFlow:
@@ -77,28 +101,165 @@ async def test_silent_mid_answer_ends_with_engine_stalled() -> None:
     await flow.aclose()
 
 
-async def test_endpoint_leaving_membership_ends_the_wait_before_any_timeout() -> None:
-    slow = RouterConfig(etcd_endpoints=[], engine_first_byte_timeout_seconds=300, engine_stream_idle_timeout_seconds=300,
-                        engine_departed_idle_seconds=0.1)
-    flow = _flow(slow, _engines("a", 1, asyncio.Event()))
+async def test_endpoint_left_and_not_answering_health_ends_a_wait_already_past_the_limit() -> None:
+    """The wait is already past ``engine_departed_idle_seconds`` when membership says the endpoint left:
+    the /health probe starts at once and, as it does not answer, the wait ends (long before any timeout)."""
+    flow = _flow(SLOW, _engines("a", 1, asyncio.Event()))
     before = _stalled("endpoint_left", "ended")
+    got: list[bytes] = []
+
+    first_seen = asyncio.Event()
+
+    async def leave() -> None:  # once the request waits for its second event
+        await first_seen.wait()
+        watch = await _waiting(flow, A.id)
+        await asyncio.sleep(0.15)  # past departed_idle (0.1 s), far from the 300 s timeouts
+        assert flow.endpoints_left(["b:1"]) == 0  # another endpoint: nothing waits on it
+        assert flow.endpoints_left([A.id]) == 1
+        assert watch.departed and flow._probes[A.id].task is not None  # probed now, not at the next tick
+
+    leaver = asyncio.ensure_future(leave())
     with pytest.raises(EngineStalled, match="left the pool"):
         async with flow.session(_request(True), META) as session:
-            async for _ in session.iter_events():
-                await asyncio.sleep(0.15)  # the next read waits on the engine for longer than departed_idle
-                assert flow.endpoints_left(["b:1"]) == 0  # another endpoint: nothing ends
-                flow.endpoints_left([A.id])
+            async for chunk in session.iter_events():
+                got.append(chunk.raw)
+                first_seen.set()
+    await leaver
+    assert session.endpoint.id == A.id and len(got) == 1
     assert _stalled("endpoint_left", "ended") == before + 1
     await flow.aclose()
 
 
+async def test_endpoint_left_before_the_wait_is_cut_once_departed_limit_and_probe_fail() -> None:
+    """Left while the request waits but before the departed limit: the reaper ends the wait once past
+    that limit and the probe failed; before its first byte the request moves to the next candidate."""
+    flow = _flow(SLOW, _engines("a", 0, asyncio.Event()))
+    assert flow.endpoints_left([A.id]) == 0  # nothing waits yet: nothing marked
+    before = _stalled("endpoint_left", "redispatched")
+
+    async def leave() -> None:
+        await _waiting(flow, A.id)
+        assert flow.endpoints_left([A.id]) == 1  # marked; cut by the reaper after departed_idle + a failed probe
+
+    leaver = asyncio.ensure_future(leave())
+    async with flow.session(_request(True), META) as session:
+        raw = b"".join([c.raw async for c in session.iter_events()])
+    await leaver
+    assert session.endpoint.id == B.id and session.attempts == 2 and raw == SSE
+    assert _stalled("endpoint_left", "redispatched") == before + 1
+    await flow.aclose()
+
+
+async def test_a_draining_engine_that_answers_health_is_not_cut() -> None:
+    """An engine that deregistered (graceful drain) but still finishes a non-streamed request that takes
+    far longer than engine_departed_idle_seconds: no byte until the whole answer, yet /health answers,
+    so the request is not cut nor re-sent (the defect: every such request was re-run elsewhere)."""
+    stall = asyncio.Event()
+    flow = _flow(SLOW, _engines("a", 0, stall, health_hangs=False))
+    before = {reason: _stalled(reason, action) for reason in ("endpoint_left", "first_byte_timeout")
+              for action in ("redispatched", "ended")}
+
+    async def drain() -> None:
+        await _waiting(flow, A.id)
+        assert flow.endpoints_left([A.id]) == 1
+        await asyncio.sleep(1.0)  # 10 x departed_idle, several probes (interval 0.2 s), all answered
+        assert A.id in flow._probes and flow._probes[A.id].alive is True
+        stall.set()  # the answer completes
+
+    drainer = asyncio.ensure_future(drain())
+    async with flow.session(_request(False), META) as session:
+        body = await session.read_all()
+    await drainer
+    assert session.endpoint.id == A.id and session.attempts == 1 and body == SSE
+    assert {reason: _stalled(reason, action) for reason in ("endpoint_left", "first_byte_timeout")
+            for action in ("redispatched", "ended")} == before
+    await flow.aclose()
+
+
+async def test_the_local_picker_counts_a_request_waiting_on_its_engine() -> None:
+    """The degraded least-request pick sees a request from its engine's headers on (queued / in
+    prefill), not only from its first byte; the count drops when the attempt is abandoned."""
+    stall = asyncio.Event()
+    flow = _flow(FAST, _engines("a", 0, stall))
+
+    async def one() -> None:
+        async with flow.session(_request(False), META) as session:
+            await session.read_all()
+
+    task = asyncio.ensure_future(one())
+    await _waiting(flow, A.id)
+    assert flow.local_picker.in_flight(A.id) == 1
+    stall.set()
+    await task
+    assert flow.local_picker.in_flight(A.id) == 0
+    # abandoned before its first byte (first_byte_timeout on A, then B): A's count drops back too
+    flow = _flow(FAST, _engines("a", 0, asyncio.Event()))
+    async with flow.session(_request(True), META) as session:
+        assert session.endpoint.id == B.id
+        assert flow.local_picker.in_flight(A.id) == 0 and flow.local_picker.in_flight(B.id) == 1
+        await session.read_all()
+    assert flow.local_picker.in_flight(B.id) == 0
+    await flow.aclose()
+
+
+def _end_during_abandon(flow: RequestFlow, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Force the race: while an attempt's abandoned answer closes, the reaper (here called by hand)
+    ends every watch again."""
+    real = request_flow._abandon
+
+    async def racing(response: object, span: object) -> None:
+        now = request_flow._now()
+        for watch in list(flow._watches):
+            flow._end(watch, "endpoint_left", now)
+        await asyncio.sleep(0)  # the await where a second cancel would land
+        await real(response, span)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(request_flow, "_abandon", racing)
+
+
+async def test_a_stall_ended_again_while_abandoning_still_moves_to_the_next_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
+    flow = _flow(FAST, _engines("a", 0, asyncio.Event()))
+    _end_during_abandon(flow, monkeypatch)
+    async with flow.session(_request(True), META) as session:
+        raw = b"".join([c.raw async for c in session.iter_events()])
+    assert session.endpoint.id == B.id and raw == SSE
+    await flow.aclose()
+
+
+async def test_a_client_cancel_ended_again_while_abandoning_is_cancelled_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client's cancel while waiting on the engine: the watch must not cancel the task a second time
+    during the abandon (then ``uncancel()`` != 0 and the HTTP front door could not answer 499)."""
+    flow = _flow(SLOW, _engines("a", 0, asyncio.Event()))
+    _end_during_abandon(flow, monkeypatch)
+    cancelling: list[int] = []
+
+    async def one() -> None:
+        try:
+            async with flow.session(_request(True), META):
+                pass
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            assert task is not None
+            cancelling.append(task.cancelling())
+            raise
+
+    task = asyncio.ensure_future(one())
+    await _waiting(flow, A.id)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert cancelling == [1]
+    assert not flow._watches
+    await flow.aclose()
+
+
 async def test_shutdown_ends_a_wait_on_the_engine_with_the_shutdown_message() -> None:
-    flow = _flow(FAST.model_copy(update={"engine_first_byte_timeout_seconds": 300}), _engines("a", 0, asyncio.Event()))
+    flow = _flow(SLOW, _engines("a", 0, asyncio.Event()))
     picker_order = (A,)
     flow._picker = FakePicker(picker_order)  # one endpoint: nothing to move to
 
     async def stop_soon() -> None:
-        await asyncio.sleep(0.1)
+        await _waiting(flow, A.id)
         assert flow.end_all() == 1
 
     stopper = asyncio.ensure_future(stop_soon())
@@ -111,14 +272,14 @@ async def test_shutdown_ends_a_wait_on_the_engine_with_the_shutdown_message() ->
 
 
 async def test_a_client_cancel_is_not_taken_for_a_stall() -> None:
-    flow = _flow(FAST.model_copy(update={"engine_first_byte_timeout_seconds": 300}), _engines("a", 0, asyncio.Event()))
+    flow = _flow(SLOW, _engines("a", 0, asyncio.Event()))
 
     async def one() -> None:
         async with flow.session(_request(True), META):
             pass
 
     task = asyncio.ensure_future(one())
-    await asyncio.sleep(0.1)
+    await _waiting(flow, A.id)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
