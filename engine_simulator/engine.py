@@ -189,6 +189,7 @@ class AsyncEngine:
             self.metrics.record_step(
                 running=core.num_running,
                 waiting=core.num_waiting,
+                deferred=core.num_deferred,
                 usage=core.cache.usage,
                 step_tokens=step_tokens,
                 new_preemptions=preemptions,

@@ -292,6 +292,7 @@ class EngineMetrics:
         self._running = self.num_requests_running.labels(**lv)
         self._waiting = self.num_requests_waiting.labels(**lv)
         self._waiting_capacity = self.num_requests_waiting_by_reason.labels(**lv, reason="capacity")
+        self._waiting_deferred = self.num_requests_waiting_by_reason.labels(**lv, reason="deferred")
         self._usage = self.kv_cache_usage_perc.labels(**lv)
         self._queries = self.prefix_cache_queries.labels(**lv)
         self._hits = self.prefix_cache_hits.labels(**lv)
@@ -333,11 +334,22 @@ class EngineMetrics:
         step_tokens: int,
         new_preemptions: int,
         new_generation_tokens: int,
+        deferred: int = 0,
     ) -> None:
-        """After every engine step."""
+        """After every engine step (vLLM 0.32's ``PrometheusStatLogger.record``, ``vllm/v1/metrics/loggers.py``).
+
+        Args:
+            running: ``vllm:num_requests_running``.
+            waiting: ``vllm:num_requests_waiting``, every waiting request, deferred ones included
+                (``EngineCore.num_waiting``).
+            deferred: of those, the ones vLLM's ``deferred_waiting`` holds (``EngineCore.num_deferred``):
+                ``vllm:num_requests_waiting_by_reason{reason="deferred"}``; ``reason="capacity"`` is
+                ``waiting - deferred``, so the reasons sum to the gauge, as vLLM documents.
+        """
         self._running.set(running)
         self._waiting.set(waiting)
-        self._waiting_capacity.set(waiting)
+        self._waiting_capacity.set(waiting - deferred)
+        self._waiting_deferred.set(deferred)
         self._usage.set(usage)
         if step_tokens:
             self._iteration.observe(step_tokens)

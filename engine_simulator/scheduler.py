@@ -330,8 +330,29 @@ class EngineCore:
 
     @property
     def num_waiting(self) -> int:
-        """Waiting requests, loaded prefixes included, loads in flight not."""
-        return len(self.waiting) + sum(1 for r in self.loading if r.load_ready_time is None)
+        """Requests waiting to run: :attr:`waiting` plus every request of :attr:`loading` (loads in flight and loaded
+        prefixes alike), the value of vLLM 0.32's ``vllm:num_requests_waiting``.
+
+        vLLM 0.32 (``vllm/v1/core/sched/scheduler.py``): ``get_request_counts`` returns ``len(self.running),
+        len(self.waiting) + len(self.kv_holding_waiting)`` (line 2608-2610); ``make_stats`` reports
+        ``num_waiting_reqs=num_waiting - num_deferred`` and ``num_skipped_waiting_reqs=num_deferred`` with
+        ``num_deferred = len(self.deferred_waiting)`` (lines 2943-2948); and ``PrometheusStatLogger.record``
+        (``vllm/v1/metrics/loggers.py``, lines 1150-1154) sets ``vllm:num_requests_waiting`` to their sum, so the
+        gauge is ``waiting + kv_holding_waiting``: a request whose KV load is still ``WAITING_FOR_REMOTE_KVS``
+        counts. The same ``get_request_counts`` sizes the long-prefill cap (:meth:`long_prefill_cap`).
+        """
+        return len(self.waiting) + len(self.loading)
+
+    @property
+    def num_deferred(self) -> int:
+        """Waiting requests vLLM 0.32 counts as deferred (``vllm:num_requests_waiting_by_reason{reason="deferred"}``,
+        ``SchedulerStats.num_skipped_waiting_reqs``): its ``deferred_waiting`` set. A request enters it when the
+        waiting loop skips it (``skip_request``, scheduler.py line 906: an async load started, or a load still in
+        flight) and leaves it only when admitted to ``running`` (line 1344) or finished/aborted (lines 2300, 2697),
+        so every request of :attr:`loading` is in it (a finished load not yet admitted included) and none of
+        :attr:`waiting` is (the simulator has no LoRA or grammar skips). ``num_waiting - num_deferred`` is the
+        ``reason="capacity"`` value."""
+        return len(self.loading)
 
     @property
     def num_running(self) -> int:
@@ -470,16 +491,17 @@ class EngineCore:
         """This step's cap on one request's tokens (0: none), as vLLM 0.32 computes it once per step at the top of
         ``Scheduler.schedule`` (``vllm/v1/core/sched/scheduler.py``).
 
-        With ``n = running + waiting`` requests (vLLM's ``get_request_counts``: ``running``, ``waiting`` and
-        ``kv_holding_waiting``, the last being the simulator's :attr:`loading`: loads in flight and loaded
-        prefixes), the cap is ``long_prefill_token_threshold`` when ``n > 1`` and 0 otherwise (a lone
+        With ``n = running + waiting`` requests (vLLM's ``get_request_counts``, scheduler.py lines 642-643 and
+        2608-2610: ``running``, ``waiting`` and ``kv_holding_waiting``, the last being the simulator's
+        :attr:`loading`: loads in flight and loaded prefixes; deferred requests included, so ``n`` is
+        :attr:`num_running` + :attr:`num_waiting`, the two gauges), the cap is ``long_prefill_token_threshold`` when ``n > 1`` and 0 otherwise (a lone
         request has nobody to starve and gets the whole budget). With ``long_prefill_token_threshold_adaptive``
         a non-zero cap is raised to ``max_num_batched_tokens // n`` (the whole step's budget, not what is left
         of it). The cap applies to running and waiting requests before the remaining budget does
         (``if 0 < cap < num_new_tokens: num_new_tokens = cap``), so a decode (1 token) is never cut.
         """
         cfg = self.config
-        n = len(self.running) + len(self.waiting) + len(self.loading)
+        n = self.num_running + self.num_waiting
         cap = cfg.long_prefill_token_threshold if n > 1 else 0
         if cap > 0 and cfg.long_prefill_token_threshold_adaptive:
             cap = max(cap, cfg.max_num_batched_tokens // n)

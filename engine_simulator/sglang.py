@@ -118,9 +118,10 @@ class SGLangMetrics(EngineMetrics):
         self._cached_total = 0
 
     def record_step(self, *, running: int, waiting: int, usage: float, step_tokens: int, new_preemptions: int,
-                    new_generation_tokens: int) -> None:
+                    new_generation_tokens: int, deferred: int = 0) -> None:
         super().record_step(running=running, waiting=waiting, usage=usage, step_tokens=step_tokens,
-                            new_preemptions=new_preemptions, new_generation_tokens=new_generation_tokens)
+                            new_preemptions=new_preemptions, new_generation_tokens=new_generation_tokens,
+                            deferred=deferred)
         self._g_running.set(running)
         self._g_queue.set(waiting)
         self._g_usage.set(usage)

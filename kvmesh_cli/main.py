@@ -534,6 +534,9 @@ def replay_cmd(
         "precise-prefix",
     num_gpu_blocks: AutoBlocksOpt = None,
     run_dir: RunDirOpt = None,
+    long_prefill_token_threshold: LongPrefillOpt = None,
+    long_prefill_token_threshold_adaptive: LongPrefillAdaptiveOpt = False,
+    scheduler_reserve_full_isl: ReserveFullIslOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
     """Send a workload through the router and report TTFT, latency, throughput and prefix-cache hits.
@@ -542,7 +545,9 @@ def replay_cmd(
     (ListEndpoints) or --etcd (an epp registered there, else the engines registered there, when --epp
     does not answer); an --epp that does not answer without --etcd, or an --etcd that does not answer,
     is an error before any request is sent. --time-scale must then match the engines' own. Without
-    --router, a mesh with --engines/--policy/--num-gpu-blocks is started for the replay and stopped after.
+    --router, a mesh with --engines/--policy/--num-gpu-blocks (and the engines' scheduler options, as
+    ``up`` and ``compare`` take them) is started for the replay and stopped after; with --router those
+    scheduler options are refused (the engines are already running).
     """
     _setup_logging(verbose)
     for value, hint in ((epp, "--epp"), (etcd, "--etcd")):
@@ -551,16 +556,29 @@ def replay_cmd(
                 split_host_port(value)
             except ValueError as exc:
                 raise typer.BadParameter(str(exc), param_hint=hint) from None
+    num_gpu_blocks = num_gpu_blocks or default_num_gpu_blocks(trace, workload)
+    scheduler_settings: dict[str, object] | None = None
     if router is not None:
+        given = [flag for flag, value in (
+            ("--long-prefill-token-threshold", long_prefill_token_threshold is not None),
+            ("--long-prefill-token-threshold-adaptive", long_prefill_token_threshold_adaptive),
+            ("--[no-]scheduler-reserve-full-isl", scheduler_reserve_full_isl is not None)) if value]
+        if given:
+            raise typer.BadParameter("sets the engines of the mesh replay starts without --router; with --router "
+                                     "the engines are already running (set it where they are started)",
+                                     param_hint=given[0])
         router = check_router_url(router)
     else:
         policy = resolve_policy(policy)
+        scheduler_settings = engine_scheduler(
+            long_prefill_token_threshold, long_prefill_token_threshold_adaptive,
+            min(SIMULATOR_DEFAULTS.max_model_len, (num_gpu_blocks - 1) * SIMULATOR_DEFAULTS.block_size_tokens),
+            scheduler_reserve_full_isl)
     if prompt_format not in PROMPT_FORMATS:
         raise typer.BadParameter(f"{prompt_format!r}: expected one of {', '.join(PROMPT_FORMATS)}",
                                  param_hint="--prompt-format")
     wl = scale_load(build_workload(trace, workload, requests, seed, max_input_tokens, max_output_tokens), rate_scale)
     label = trace.name if trace else workload
-    num_gpu_blocks = num_gpu_blocks or default_num_gpu_blocks(trace, workload)
     console.print(_workload_line(wl, label, None if trace else workload), soft_wrap=True, markup=False)
     if router is not None:
         try:
@@ -578,7 +596,12 @@ def replay_cmd(
         column = router
     else:
         spec = MeshSpec(run_dir=(run_dir or _default_run_dir("replay")).resolve(), engines=engines, policy=policy,
-                        time_scale=time_scale, num_gpu_blocks=num_gpu_blocks, etcd=etcd)
+                        time_scale=time_scale, num_gpu_blocks=num_gpu_blocks, etcd=etcd,
+                        long_prefill_token_threshold=long_prefill_token_threshold,
+                        long_prefill_token_threshold_adaptive=long_prefill_token_threshold_adaptive,
+                        scheduler_reserve_full_isl=scheduler_reserve_full_isl)
+        if scheduler_settings is not None and (extra := engine_scheduler_label(scheduler_settings)):
+            console.print(f"engines: {extra.removeprefix(', ')}", soft_wrap=True, markup=False)
         with exit_on_signals(), mesh_errors(), Mesh(spec) as mesh:
             outcome = _run_replay(wl, mesh.router_url, mesh.engine_urls, time_scale, concurrency_limit, model, label,
                                   sessions=sessions, prompt_format=prompt_format)
@@ -592,6 +615,8 @@ def replay_cmd(
         console.print(f"cached prompt tokens reported in usage: {100 * cached:.1f} %")
     if json_out is not None:
         doc = {"workload": label, "requests": len(wl.requests), "time_scale": time_scale, **summary}
+        if scheduler_settings is not None:  # the mesh replay started (compare records the same)
+            doc["engine_scheduler"] = scheduler_settings
         json_out.write_text(json.dumps(doc, indent=2) + "\n")
         console.print(f"wrote {json_out}")
 

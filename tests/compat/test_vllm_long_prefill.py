@@ -4,7 +4,10 @@ an offloaded tier) against vLLM 0.32.0's own ``Scheduler``, step by step.
 vLLM's v1 scheduler (``vllm/v1/core/sched/scheduler.py``) is driven in process by
 ``tests/compat/vllm_long_prefill_schedule.py`` in the vLLM venv (no model runs, nothing is downloaded; the tiny
 model's ``config.json`` from ``make model`` feeds ``ModelConfig``); the same scenarios run on the simulator's
-``EngineCore``, and every step's scheduled tokens per request must be equal. Scenarios: the hand-derived cases
+``EngineCore``, and every step's scheduled tokens per request must be equal, and so must the request counts after
+each step that vLLM's ``SchedulerStats`` carries to its gauges (``vllm:num_requests_running``,
+``vllm:num_requests_waiting`` and its ``reason="deferred"`` part) against the simulator's ``num_running``,
+``num_waiting`` and ``num_deferred`` (what ``engine_simulator/engine.py`` exports after each step). Scenarios: the hand-derived cases
 of ``tests/unit/engine_simulator/test_long_prefill_threshold.py`` plus seeded random mixes (arrivals over time,
 prompts of 1-300 tokens, shared prefixes, thresholds 0-64, adaptive on and off, a pool small enough to preempt,
 ``scheduler_reserve_full_isl`` mostly on (vLLM's default and the simulator's) and sometimes off), and scenarios
@@ -149,7 +152,8 @@ def _offload(scenario: dict[str, Any]) -> OffloadManager | None:
     return off
 
 
-def _simulate(scenario: dict[str, Any]) -> list[list[tuple[str, int]]]:
+def _simulate(scenario: dict[str, Any]) -> tuple[list[list[tuple[str, int]]], list[list[int]]]:
+    """Each step's ``(request_id, tokens)`` and ``[running, waiting, deferred]`` after it."""
     core = EngineCore(SchedulerConfig(
         max_num_seqs=scenario["max_num_seqs"], max_num_batched_tokens=scenario["max_num_batched_tokens"],
         max_model_len=scenario["max_model_len"], long_prefill_token_threshold=scenario["long_prefill_token_threshold"],
@@ -158,6 +162,7 @@ def _simulate(scenario: dict[str, Any]) -> list[list[tuple[str, int]]]:
     ), PrefixCache(scenario["num_blocks"], scenario["block_size"], offload=_offload(scenario)))
     pending = sorted(scenario["requests"], key=lambda r: r[0])
     steps: list[list[tuple[str, int]]] = []
+    counts: list[list[int]] = []
     for step in range(scenario["steps"]):
         while pending and pending[0][0] <= step:
             _, rid, prompt, max_tokens = pending.pop(0)
@@ -166,11 +171,12 @@ def _simulate(scenario: dict[str, Any]) -> list[list[tuple[str, int]]]:
         out = core.schedule(float(step))
         core.update(out)
         steps.append([(r.request_id, n) for r, n in out.scheduled])
-    return steps
+        counts.append([core.num_running, core.num_waiting, core.num_deferred])
+    return steps, counts
 
 
 @pytest.fixture(scope="module")
-def vllm_schedules(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[list[tuple[str, int]]]]:
+def vllm_reply(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     home = tmp_path_factory.mktemp("vllm-sched")
     env = {**os.environ, "PYTHONPATH": "", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_CACHE_ROOT": str(home / "cache"),
@@ -181,15 +187,25 @@ def vllm_schedules(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[l
     assert proc.returncode == 0, proc.stderr[-4000:]
     reply = json.loads(proc.stdout.strip().splitlines()[-1])
     assert reply["vllm_version"] == "0.32.0"
+    return reply
+
+
+@pytest.fixture(scope="module")
+def vllm_schedules(vllm_reply: dict[str, Any]) -> dict[str, list[list[tuple[str, int]]]]:
     return {name: [[(rid, n) for rid, n in step] for step in steps]
-            for name, steps in zip(SCENARIOS, reply["results"], strict=True)}
+            for name, steps in zip(SCENARIOS, vllm_reply["results"], strict=True)}
+
+
+@pytest.fixture(scope="module")
+def vllm_counts(vllm_reply: dict[str, Any]) -> dict[str, list[list[int]]]:
+    return dict(zip(SCENARIOS, vllm_reply["counts"], strict=True))
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_simulator_schedules_like_vllm(name: str, vllm_schedules: dict[str, list[list[tuple[str, int]]]]) -> None:
     """Per step, the same requests get the same number of tokens (order: running first, then new)."""
     expected = vllm_schedules[name]
-    got = _simulate(SCENARIOS[name])
+    got, _ = _simulate(SCENARIOS[name])
     for i, (want, have) in enumerate(zip(expected, got, strict=True)):
         assert dict(have) == dict(want), f"step {i}: simulator {have} vs vLLM {want}"
     assert any(expected), "the scenario scheduled nothing"
@@ -208,3 +224,20 @@ def test_vllms_side_really_loads_and_reserves(vllm_schedules: dict[str, list[lis
     assert vllm_schedules["offload-reservation"][:3] == [[], [], [("x", 64)]]
     assert vllm_schedules["offload-loads-would-wait-on-each-other-first-chunk"][:6] == [
         [], [("x", 64)], [("x", 3)], [], [("y", 64)], [("y", 3)]]
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_simulator_counts_requests_like_vllm(name: str, vllm_counts: dict[str, list[list[int]]]) -> None:
+    """Per step, ``[running, waiting, deferred]`` after the step equal vLLM's ``SchedulerStats`` (the gauges
+    ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``..._waiting_by_reason{reason="deferred"}``)."""
+    _, got = _simulate(SCENARIOS[name])
+    for i, (want, have) in enumerate(zip(vllm_counts[name], got, strict=True)):
+        assert have == want, f"step {i}: simulator [running, waiting, deferred] {have} vs vLLM {want}"
+
+
+def test_vllm_counts_loads_in_flight_as_waiting(vllm_counts: dict[str, list[list[int]]]) -> None:
+    """A guard that the count check covers loads in flight: in ``offload-reservation`` after step 0 (nothing
+    scheduled) x's load is in flight (``WAITING_FOR_REMOTE_KVS``) and y waits, its load refused by the reservation;
+    vLLM's ``vllm:num_requests_waiting`` is 2, x being its ``deferred`` part (the simulator before this check said 1)."""
+    assert vllm_counts["offload-reservation"][0] == [0, 2, 1]
+    assert any(deferred > 0 for steps in vllm_counts.values() for _, _, deferred in steps)

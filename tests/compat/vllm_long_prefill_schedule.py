@@ -17,8 +17,11 @@ scheduler's admission of loads (``load_kv_async``, ``reserved_blocks``, ``kv_hol
 stdin: JSON ``{"model_dir", "scenarios": [scenario, ...]}``, a scenario being ``{"block_size", "num_blocks",
 "max_num_seqs", "max_num_batched_tokens", "max_model_len", "long_prefill_token_threshold",
 "long_prefill_token_threshold_adaptive", "scheduler_reserve_full_isl", "requests": [[arrival_step, request_id, prompt_token_ids, max_tokens],
-...], "steps"[, "offloaded": [[token, ...], ...], "load_steps"]}``. stdout (last line): JSON ``{"vllm_version", "results": [[[[request_id, tokens], ...], ...], ...]}``:
-per scenario, per step, running (and resumed) requests first, then new ones.
+...], "steps"[, "offloaded": [[token, ...], ...], "load_steps"]}``. stdout (last line): JSON ``{"vllm_version", "results": [[[[request_id, tokens], ...], ...], ...],
+"counts": [[[running, waiting, deferred], ...], ...]}``: per scenario, per step, the scheduled requests (running and
+resumed ones first, then new ones) and the ``SchedulerStats`` vLLM's engine core hands its stat loggers after that
+step's ``update_from_output`` (``num_running_reqs``, ``num_waiting_reqs + num_skipped_waiting_reqs``, which is
+``vllm:num_requests_waiting``, and ``num_skipped_waiting_reqs``, its ``reason="deferred"`` part).
 """
 
 from __future__ import annotations
@@ -82,8 +85,9 @@ def __getattr__(name: str) -> Any:  # PEP 562: how KVConnectorFactory finds the 
     raise AttributeError(name)
 
 
-def run(model_dir: str, scenario: dict[str, Any]) -> list[list[tuple[str, int]]]:
-    """One scenario on a fresh vLLM ``Scheduler``: each step's ``(request_id, tokens)``."""
+def run(model_dir: str, scenario: dict[str, Any]) -> tuple[list[list[tuple[str, int]]], list[list[int]]]:
+    """One scenario on a fresh vLLM ``Scheduler`` (``log_stats=True``): each step's ``(request_id, tokens)`` and its
+    ``[running, waiting, deferred]`` counts after the step."""
     import torch
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.sampling_params import SamplingParams
@@ -115,12 +119,13 @@ def run(model_dir: str, scenario: dict[str, Any]) -> list[list[tuple[str, int]]]
     kv = KVCacheConfig(num_blocks=scenario["num_blocks"], kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["layer.0"], FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=16,
                                                         dtype=torch.float32))])
-    scheduler = Scheduler(config, kv, StructuredOutputManager(config), block_size=bs)
+    scheduler = Scheduler(config, kv, StructuredOutputManager(config), block_size=bs, log_stats=True)
     hash_fn = get_hash_fn_by_name("sha256_cbor")
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(bs, hash_fn)
     pending = sorted(scenario["requests"], key=lambda r: r[0])
     steps: list[list[tuple[str, int]]] = []
+    counts: list[list[int]] = []
     load_done: dict[int, set[str]] = {}  # step -> loads reported received with that step's output
     for step in range(scenario["steps"]):
         while pending and pending[0][0] <= step:
@@ -139,18 +144,22 @@ def run(model_dir: str, scenario: dict[str, Any]) -> list[list[tuple[str, int]]]
             req = scheduler.requests[rid]
             sampled.append([100] if req.num_computed_tokens >= req.num_tokens else [])
         done = load_done.pop(step, None)
-        scheduler.update_from_output(out, ModelRunnerOutput(
+        outputs = scheduler.update_from_output(out, ModelRunnerOutput(
             req_ids=order, req_id_to_index={r: i for i, r in enumerate(order)}, sampled_token_ids=sampled,
             kv_connector_output=KVConnectorOutput(finished_recving=done) if done else None))
-    return steps
+        stats = next(eco.scheduler_stats for eco in outputs.values() if eco.scheduler_stats is not None)
+        counts.append([stats.num_running_reqs, stats.num_waiting_reqs + stats.num_skipped_waiting_reqs,
+                       stats.num_skipped_waiting_reqs])
+    return steps, counts
 
 
 def main() -> int:
     import vllm
 
     doc = json.load(sys.stdin)
-    results = [run(doc["model_dir"], scenario) for scenario in doc["scenarios"]]
-    print(json.dumps({"vllm_version": vllm.__version__, "results": results}))
+    runs = [run(doc["model_dir"], scenario) for scenario in doc["scenarios"]]
+    print(json.dumps({"vllm_version": vllm.__version__, "results": [steps for steps, _ in runs],
+                      "counts": [counts for _, counts in runs]}))
     return 0
 
 

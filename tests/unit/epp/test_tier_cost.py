@@ -277,7 +277,7 @@ def _saturated_split(rate: float, requests: int, seed: int = 0, abandoned: float
 
     def scrape() -> None:
         for i, c in enumerate(cores):
-            ds.record_scrape(eps[i].id, ScrapeSample(c.num_waiting + len(c.loading), c.num_running, c.cache.usage,
+            ds.record_scrape(eps[i].id, ScrapeSample(c.num_waiting, c.num_running, c.cache.usage,
                                                      block, finished[i], first[i]))
 
     shared = [list(range(5000 + 1000 * k, 5000 + 1000 * k + 1024)) for k in range(8)]
