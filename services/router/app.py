@@ -26,7 +26,7 @@ from services.router.clients import AdmissionClient, PickerClient
 from services.router.config import RouterConfig
 from services.router.http_app import RouterHttpApi
 from services.router.passthrough import Passthrough
-from services.router.readiness import ReadinessProbe
+from services.router.readiness import ReadinessProbe, served_around
 from services.router.request_flow import RequestFlow, build_http_client, build_passthrough_client
 from services.router.servicer import SERVICE_NAME, InferenceServicer
 
@@ -94,9 +94,10 @@ def build_service(config: RouterConfig) -> GrpcService:
         config.health_check_timeout_seconds,
         config.health_cache_seconds,
         time.monotonic,
-        degradable=frozenset(name for name, mode in (("flow_control", config.flow_control_failure_mode),
-                                                     ("epp", config.epp_failure_mode)) if mode == "open") | {"etcd"},
-        hang_tolerant=frozenset({"epp"}),  # a hung epp: each pick falls back after pick_timeout_seconds
+        # one rule: a failure this config serves around is "degraded" (200), any other is 503
+        *served_around(flow_control_failure_mode=config.flow_control_failure_mode,
+                       degraded_max_in_flight=config.degraded_max_in_flight,
+                       epp_failure_mode=config.epp_failure_mode, etcd=bool(config.etcd_endpoints)),
     )
     passthrough_http = build_passthrough_client(config)  # /tokenize, /detokenize: off the hot path
     passthrough = Passthrough(config, passthrough_http,
@@ -124,6 +125,7 @@ def build_service(config: RouterConfig) -> GrpcService:
     async def stop_http() -> None:
         """Stop HTTP; streams still running when the grace is nearly over end with the in-stream
         error (503 "shutting down") + ``[DONE]`` instead of being cut by uvicorn's cancel."""
+        readiness.stop()  # /health 503 "shutting down" from now on (kept-alive probes still get an answer)
         stopping = asyncio.ensure_future(http_server.stop())
         grace = config.shutdown_http_grace_seconds
         done, _ = await asyncio.wait([stopping], timeout=max(0.0, min(grace, math.ceil(grace) - _END_MARGIN_SECONDS)))

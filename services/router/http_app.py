@@ -812,7 +812,8 @@ class RouterHttpApi:
         return sum(info.endpoints for info in self._catalog().models.values())
 
     async def health(self, request: Request) -> Response:
-        """200 when flow_control and epp are SERVING and some endpoint is live, else 503 naming what fails."""
+        """200 ``"ok"``, or ``"degraded"`` when a failing dependency is served around; 503 naming what is
+        not served (the rule: :mod:`services.router.readiness`)."""
         if self._readiness is None:
             return OpenAIJSONResponse({"status": "ok", "endpoints": self.endpoint_count()})
         state = await self._readiness.readiness()

@@ -8,15 +8,26 @@ Ready means all of:
 | ``epp`` | same | same |
 | ``endpoints`` | at least one live endpoint (etcd) serves a model | ``0`` |
 | ``etcd`` (with etcd configured) | :func:`kvmesh.membership.etcd_health`: this process's etcd clients, no I/O | ``UNAVAILABLE``: always degraded, never unready (the last known membership serves) |
+| ``shutting_down`` | :meth:`ReadinessProbe.stop` was called (the router's ``on_stop``) | always unready from then on |
 
-A dependency with a degraded mode (``degradable``: flow_control and epp when their failure mode
-is ``open``, see ``docs/degraded-modes.md``) that is *unreachable* (``UNAVAILABLE``,
-``NOT_CONNECTED``) does not make the router unready: the answer is 200 with ``"status": "degraded"``
-and ``"degraded": [names]``, since requests are still served (a readiness probe that failed here
-would turn one dead dependency into an outage of every router). A hung one (``DEADLINE_EXCEEDED``)
-is degraded too when requests are still served past its timeout (``hang_tolerant``: epp, whose
-Pick falls back to the local pick after ``pick_timeout_seconds``), and fails readiness otherwise
-(flow_control: a hung admission answers 504); one that says ``NOT_SERVING`` fails readiness.
+One rule for every dependency: a failure the router *serves around* (a documented degraded mode
+that is on in this configuration, ``docs/degraded-modes.md``) leaves the router ready: the answer is
+200 with ``"status": "degraded"`` and ``"degraded": [names]`` (a readiness probe that failed here
+would turn one failing dependency into an outage of every router, while requests are still served).
+Only a state in which requests are *not* served is 503: a dependency failure without a degraded mode
+in this configuration, no live endpoint for any model, or the router shutting down.
+:func:`served_around` derives, from the router's config, which failures are served around:
+
+| dependency | unreachable (``UNAVAILABLE``, ``NOT_CONNECTED``) | hung (``DEADLINE_EXCEEDED``) |
+| --- | --- | --- |
+| ``etcd`` | served (last known membership) | served |
+| ``epp`` (``epp_failure_mode: open``) | served (local least-request pick) | served (local pick after ``pick_timeout_seconds``) |
+| ``epp`` (``closed``) | 503 | 503 |
+| ``flow_control`` (``open``, ``degraded_max_in_flight`` > 0) | served (local admission, up to the cap) | **not** served: past the few admission credits flow_control lent before it hung, each request waits ``admission_timeout_seconds`` and gets 504 (a slow flow_control cannot be told from a long queue) |
+| ``flow_control`` (``closed``, or a cap of 0) | 503 | 503 |
+
+``NOT_SERVING`` (a dependency starting or draining) and ``UNIMPLEMENTED`` are never served around.
+kv_indexer is not checked here: epp serves around it (prefix scores unknown).
 
 Both gRPC checks run concurrently; one result is reused for ``health_cache_seconds`` (1 s by
 default), and concurrent probes share one in-flight check, so a load balancer probing often costs
@@ -34,8 +45,26 @@ UNREACHABLE = frozenset({"UNAVAILABLE", "NOT_CONNECTED"})
 HUNG = "DEADLINE_EXCEEDED"
 """Check results that mean "cannot be reached" (as opposed to hung or not serving)."""
 
+SHUTTING_DOWN = "shutting_down"
+"""The pseudo-dependency that fails readiness while the router stops (:meth:`ReadinessProbe.stop`)."""
+
 HealthCheck = Callable[[float], Awaitable[str]]
 """``check(timeout_seconds) -> status name`` (``"SERVING"`` when healthy); must not raise."""
+
+
+def served_around(*, flow_control_failure_mode: str, degraded_max_in_flight: int, epp_failure_mode: str,
+                  etcd: bool) -> tuple[frozenset[str], frozenset[str]]:
+    """The router config's degraded modes as ``(degradable, hang_tolerant)`` for :class:`ReadinessProbe`:
+    dependencies whose *unreachable* failure is served around, and those whose *hung* failure is too
+    (the table in this module's docstring; ``services.router.config.RouterConfig`` fields)."""
+    degradable = {"etcd"} if etcd else set()
+    hang_tolerant = {"etcd"} if etcd else set()
+    if epp_failure_mode == "open":
+        degradable.add("epp")
+        hang_tolerant.add("epp")  # each pick falls back to the local pick after pick_timeout_seconds
+    if flow_control_failure_mode == "open" and degraded_max_in_flight > 0:
+        degradable.add("flow_control")  # hung: 504 at admission_timeout_seconds, not served
+    return frozenset(degradable), frozenset(hang_tolerant)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +75,7 @@ class Readiness:
     endpoints: int
     degradable: frozenset[str] = frozenset()
     hang_tolerant: frozenset[str] = frozenset()
+    stopping: bool = False
 
     @property
     def degraded(self) -> list[str]:
@@ -61,6 +91,8 @@ class Readiness:
         bad = [name for name, status in self.dependencies.items() if status != SERVING and name not in degraded]
         if self.endpoints <= 0:
             bad.append("endpoints")
+        if self.stopping:
+            bad.append(SHUTTING_DOWN)
         return bad
 
     @property
@@ -68,8 +100,9 @@ class Readiness:
         return not self.failing
 
     def body(self) -> dict[str, object]:
-        """The /health JSON: ``{"status": "ok"|"unavailable", "endpoints", "dependencies"}`` plus, when
-        not ready, an OpenAI ``error`` naming what fails (type ``service_unavailable``, code 503)."""
+        """The /health JSON: ``{"status": "ok"|"degraded"|"unavailable", "endpoints", "dependencies"}``,
+        ``"degraded": [names]`` when some failure is served around, and, when not ready, an OpenAI
+        ``error`` naming what fails (type ``service_unavailable``, code 503)."""
         out: dict[str, object] = {
             "status": ("degraded" if self.degraded else "ok") if self.ready else "unavailable",
             "endpoints": self.endpoints,
@@ -79,7 +112,9 @@ class Readiness:
             out["degraded"] = self.degraded
         if not self.ready:
             reasons = [
-                "no live endpoint serves any model" if name == "endpoints" else f"{name} is {self.dependencies[name]}"
+                "no live endpoint serves any model" if name == "endpoints"
+                else "the router is shutting down" if name == SHUTTING_DOWN
+                else f"{name} is {self.dependencies[name]}"
                 for name in self.failing
             ]
             out["error"] = {"message": "not ready: " + "; ".join(reasons), "type": "service_unavailable", "param": None, "code": 503}
@@ -109,8 +144,18 @@ class ReadinessProbe:
         self._last: Readiness | None = None
         self._last_at = 0.0
         self._pending: asyncio.Future[Readiness] | None = None
+        self._stopping = False
+
+    def stop(self) -> None:
+        """The router is shutting down: every later evaluation is not ready (a load balancer stops
+        sending it requests while the running ones finish)."""
+        self._stopping = True
 
     async def readiness(self) -> Readiness:
+        if self._stopping:
+            last = self._last
+            return Readiness(dict(last.dependencies) if last else {}, last.endpoints if last else self._endpoints(),
+                             self._degradable, self._hang_tolerant, stopping=True)
         if self._last is not None and self._clock() - self._last_at < self._cache:
             return self._last
         if self._pending is None:

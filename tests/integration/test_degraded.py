@@ -24,6 +24,7 @@ import pytest
 from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
 from kvmesh._proto.kvmesh.flow_control.v1 import flow_control_pb2, flow_control_pb2_grpc
 from kvmesh._proto.kvmesh.router.v1 import router_pb2, router_pb2_grpc
+from kvmesh_cli.launcher import ManagedProcess, python_module, wait_ports_file
 from kvmesh_cli.mesh import Mesh, MeshSpec
 from tests.support import wait_until
 
@@ -205,3 +206,98 @@ async def test_etcd_paused_keeps_last_membership_and_leases_come_back(mesh: Mesh
 
     wait_until(all_back, 30, "both engines registered again after etcd came back")
     assert (await _burst(mesh, 10)) == {200: 10}
+
+
+# -- /health follows one rule (docs/degraded-modes.md, "The router's /health") ----------------------------
+
+
+def _pause(mesh: Mesh, name: str) -> int:
+    pid = mesh.member(name).process.pid
+    os.killpg(pid, signal.SIGSTOP)
+    return pid
+
+
+def _start_router(mesh: Mesh, tmp_path: Path, *args: str) -> tuple[ManagedProcess, str]:
+    """A second router on this mesh's flow_control, epp and etcd, with ``args``; -> (process, http url)."""
+    ports_file = tmp_path / "router-extra.ports.json"
+    proc = ManagedProcess("router-extra", python_module(
+        "services.router", "--grpc-port", "0", "--metrics-port", "0", "--http-port", "0", "--ports-file", str(ports_file),
+        "--etcd-endpoints", mesh.etcd_address, "--lease-ttl-seconds", "3", "--flow-control-address",
+        mesh.member("flow_control").grpc or "", "--epp-address", mesh.epp_address, "--health-cache-seconds", "0.2",
+        "--shutdown-grace-seconds", "0.5", "--shutdown-http-grace-seconds", "0.5", *args),
+        tmp_path / "router-extra.log").start()
+    url = f"http://127.0.0.1:{wait_ports_file(ports_file, proc, 30.0)['http']}"
+    wait_until(lambda: httpx.get(f"{url}/health", timeout=5).json().get("status") == "ok", 30, "extra router ready")
+    return proc, url
+
+
+def _health_at(url: str) -> tuple[int, dict[str, object]]:
+    reply = httpx.get(f"{url}/health", timeout=5)
+    return reply.status_code, reply.json()
+
+
+def _wait_health(url: str, code: int, status: str | None = None) -> tuple[int, dict[str, object]]:
+    return wait_until(lambda: _health_at(url), 20, f"{url}/health {code} {status or ''}",
+                      until=lambda h: h[0] == code and (status is None or h[1]["status"] == status))
+
+
+async def test_epp_paused_router_serves_and_is_degraded_not_unready(mesh: Mesh) -> None:
+    """SIGSTOPped epp (hung, connection open): every request is served by the local pick after the pick
+    timeout, so /health is 200 "degraded" naming epp (dependencies.epp DEADLINE_EXCEEDED), not 503;
+    SIGCONT -> "ok" and epp picks again."""
+    wait_until(lambda: _health(mesh)[1]["status"] == "ok", 30, "router /health ok")
+    before = _metric(mesh, "kvmesh_router_degraded_total", dependency="epp", action="picked_locally")
+    pid = _pause(mesh, "epp")
+    try:
+        assert (await _burst(mesh, 6)) == {200: 6}
+        code, body = wait_until(lambda: _health(mesh), 10, "/health degraded", until=lambda h: h[1]["status"] == "degraded")
+        assert code == 200 and body["degraded"] == ["epp"] and "error" not in body, body
+        assert body["dependencies"]["epp"] == "DEADLINE_EXCEEDED", body  # type: ignore[index]
+        assert _metric(mesh, "kvmesh_router_degraded_total", dependency="epp", action="picked_locally") >= before + 6
+    finally:
+        os.killpg(pid, signal.SIGCONT)
+    _wait_health(mesh.router_url, 200, "ok")
+    local = _metric(mesh, "kvmesh_router_degraded_total", dependency="epp", action="picked_locally")
+    assert (await _burst(mesh, 6)) == {200: 6}
+    assert _metric(mesh, "kvmesh_router_degraded_total", dependency="epp", action="picked_locally") == local
+
+
+def test_fail_closed_router_is_unready_where_the_default_one_is_degraded(mesh: Mesh, tmp_path: Path) -> None:
+    """The rule is config-aware. Side by side on one mesh: epp SIGSTOPped -> the default router (fail-open)
+    200 "degraded" and serving, a router with ``--epp-failure-mode closed`` 503 naming epp and refusing
+    (503). flow_control SIGSTOPped -> not served around by either (past the credits it lent, requests
+    get 504 at the admission timeout), so 503 naming flow_control. SIGCONT -> both "ok"."""
+    wait_until(lambda: _health(mesh)[1]["status"] == "ok", 30, "router /health ok")
+    proc, closed = _start_router(mesh, tmp_path, "--epp-failure-mode", "closed", "--flow-control-failure-mode", "closed",
+                                 "--pick-timeout-seconds", "1", "--admission-timeout-seconds", "1")
+    body_json = {"model": MODEL, "prompt": "closed router", "max_tokens": 2}
+    try:
+        assert httpx.post(f"{closed}/v1/completions", json=body_json, timeout=30).status_code == 200
+        pid = _pause(mesh, "epp")
+        try:
+            code, body = wait_until(lambda: _health_at(closed), 10, "closed router unready", until=lambda h: h[0] == 503)
+            assert body["status"] == "unavailable" and body["dependencies"]["epp"] == "DEADLINE_EXCEEDED", body  # type: ignore[index]
+            assert "epp is DEADLINE_EXCEEDED" in body["error"]["message"]  # type: ignore[index]
+            assert httpx.post(f"{closed}/v1/completions", json=body_json, timeout=30).status_code == 503
+            code, body = wait_until(lambda: _health(mesh), 10, "default router degraded",
+                                    until=lambda h: h[1]["status"] == "degraded")
+            assert code == 200 and body["degraded"] == ["epp"], body
+        finally:
+            os.killpg(pid, signal.SIGCONT)
+        wait_until(lambda: _health_at(closed)[1]["status"] == "ok", 20, "closed router ok after SIGCONT")
+
+        pid = _pause(mesh, "flow_control")
+        try:
+            statuses = [httpx.post(f"{closed}/v1/completions", json=body_json, timeout=30).status_code for _ in range(6)]
+            assert set(statuses) <= {200, 504} and statuses[-1] == 504, statuses  # lent credits, then 504
+            for url in (closed, mesh.router_url):
+                code, body = _wait_health(url, 503)
+                assert body["dependencies"]["flow_control"] == "DEADLINE_EXCEEDED", body  # type: ignore[index]
+                assert "flow_control is DEADLINE_EXCEEDED" in body["error"]["message"]  # type: ignore[index]
+        finally:
+            os.killpg(pid, signal.SIGCONT)
+        for url in (closed, mesh.router_url):
+            _wait_health(url, 200, "ok")
+        assert httpx.post(f"{closed}/v1/completions", json=body_json, timeout=30).status_code == 200
+    finally:
+        proc.stop()
