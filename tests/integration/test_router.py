@@ -145,6 +145,18 @@ class Mesh:
         return stats.in_flight
 
 
+async def serve_fake_epp(epp: epp_pb2_grpc.EndpointPickerServicer) -> tuple[grpc.aio.Server, int]:
+    """Serve ``epp`` (with gRPC health SERVING) on a free 127.0.0.1 port; returns the started server and its port."""
+    server = grpc.aio.server()
+    epp_pb2_grpc.add_EndpointPickerServicer_to_server(epp, server)
+    epp_health = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(epp_health, server)
+    await epp_health.set("", health_pb2.HealthCheckResponse.SERVING)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
 def _start(name: str, run_dir: Path, etcd: str, *args: str, metrics_port: int = 0) -> tuple[ManagedProcess, str]:
     port = free_port()
     proc = ManagedProcess(
@@ -164,13 +176,7 @@ def _start(name: str, run_dir: Path, etcd: str, *args: str, metrics_port: int = 
 @pytest.fixture(scope="module")
 async def mesh(etcd: str, run_dir: Path) -> AsyncIterator[Mesh]:
     epp = FakeEpp()
-    epp_server = grpc.aio.server()
-    epp_pb2_grpc.add_EndpointPickerServicer_to_server(epp, epp_server)
-    epp_health = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(epp_health, epp_server)
-    await epp_health.set("", health_pb2.HealthCheckResponse.SERVING)
-    epp_port = epp_server.add_insecure_port("127.0.0.1:0")
-    await epp_server.start()
+    epp_server, epp_port = await serve_fake_epp(epp)
     engines = [await FakeEngine().start(etcd), await FakeEngine().start(etcd)]
     procs: list[ManagedProcess] = []
     try:

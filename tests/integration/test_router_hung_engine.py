@@ -23,19 +23,17 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvmesh._proto.kvmesh.epp.v1 import epp_pb2_grpc
 from kvmesh._proto.kvmesh.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.http_server import HttpServer
 from kvmesh.membership import LeaseRegistration, endpoint_key
 from kvmesh.types import Endpoint, EndpointId
 from kvmesh_cli.launcher import ManagedProcess, free_port, python_module
-from tests.integration.test_router import FakeEpp, _start
+from tests.integration.test_router import FakeEpp, _start, serve_fake_epp
 from tests.support import serve_registered, stop_registered, wait_until_async
 
 MODEL = "hung"
@@ -117,13 +115,7 @@ class HungMesh:
 @pytest.fixture(scope="module")
 async def hung(etcd: str, run_dir: Path) -> AsyncIterator[HungMesh]:
     epp = FakeEpp()
-    epp_server = grpc.aio.server()
-    epp_pb2_grpc.add_EndpointPickerServicer_to_server(epp, epp_server)
-    epp_health = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(epp_health, epp_server)
-    await epp_health.set("", health_pb2.HealthCheckResponse.SERVING)
-    epp_port = epp_server.add_insecure_port("127.0.0.1:0")
-    await epp_server.start()
+    epp_server, epp_port = await serve_fake_epp(epp)
     good, silent = await ScriptedEngine().start(etcd), await ScriptedEngine().start(etcd)
     port = free_port()
     sim = ManagedProcess("engine", python_module(
