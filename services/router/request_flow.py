@@ -162,13 +162,16 @@ class _EngineWatch:
         task = asyncio.current_task()
         return task is None or task.uncancel() == 0
 
+    def _why(self, timed_out: str) -> str:
+        """Why the wait ended, for the error: the departed engine's failed probe, else ``timed_out``."""
+        return "it left the pool and its /health does not answer" if self.reason == "endpoint_left" else timed_out
+
     def failure(self) -> EngineFailed:
         """The error that ends an answer which started (counted and logged once, rate-limited)."""
         if self.reason == _SHUTDOWN:
             return ShuttingDown(SHUTDOWN_MESSAGE)
         self.on_stall(self, "ended")
-        why = ("it left the pool and its /health does not answer" if self.reason == "endpoint_left"
-               else f"no data for {self.waited:.0f}s")
+        why = self._why(f"no data for {self.waited:.0f}s")
         return EngineStalled(f"engine {self.endpoint_id} stopped answering mid-stream ({why}); the answer is incomplete")
 
     def unreachable(self) -> Exception:
@@ -176,8 +179,7 @@ class _EngineWatch:
         if self.reason == _SHUTDOWN:
             return ShuttingDown(SHUTDOWN_MESSAGE)
         self.on_stall(self, "redispatched")
-        why = ("it left the pool and its /health does not answer" if self.reason == "endpoint_left"
-               else f"no first byte within {self.waited:.0f}s")
+        why = self._why(f"no first byte within {self.waited:.0f}s")
         return EngineStall(self.reason or "first_byte_timeout", f"engine {self.endpoint_id} did not answer: {why}")
 
 
