@@ -428,7 +428,7 @@ def ready_lines(mesh: Mesh) -> list[str]:
 def up(
     engines: EnginesOpt = DEFAULT_ENGINES,
     policy: Annotated[str, typer.Option("--policy", help="epp scheduling config: round-robin, load-only, "
-                                        "precise-prefix, llm-d-blend, prefill-cost, tier-cost (services/epp/configs/) "
+                                        "precise-prefix, llm-d-blend, prefill-cost, dynamo-cost, tier-cost (services/epp/configs/) "
                                         "or a YAML path.")] = "precise-prefix",
     etcd: EtcdOpt = None,
     time_scale: TimeScaleOpt = 1.0,

@@ -16,7 +16,7 @@ class EppConfig(GrpcServiceConfig):
     model_config = SettingsConfigDict(env_prefix="KVMESH_EPP_")
 
     scheduling_config: str = "load-only"
-    """A named scheduling config (round-robin, load-only, precise-prefix, prefill-cost, tier-cost, llm-d-blend) or the path of a YAML/JSON file."""
+    """A named scheduling config (round-robin, load-only, precise-prefix, prefill-cost, dynamo-cost, tier-cost, llm-d-blend) or the path of a YAML/JSON file."""
     kv_indexer_address: str = ""
     """kv_indexer gRPC host:port, needed by the prefix-match step ("" = none)."""
     kv_indexer_timeout_seconds: float = Field(0.25, gt=0, le=30)

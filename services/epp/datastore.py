@@ -39,6 +39,16 @@ cannot hide load for longer). Every count above is also clamped when read, not o
 a pick older than its TTL stops counting even if no scrape or completion arrives (a lost completion
 does not leak load).
 
+Active prompt tokens (``active_prompt_tokens``, Dynamo's "active blocks" in tokens, issue 9): the whole
+prompts of epp's picks to an endpoint that the router has not yet reported completed. vLLM 0.32 admits a
+request only when KV blocks for its whole prompt are free (``scheduler_reserve_full_isl``), so these
+tokens, not only the uncached ones, are what a new request competes with for the endpoint's KV pool.
+As in Dynamo (which counts the requests its own router sent, unless its replicas sync), requests that
+epp did not pick are not counted. Only picks with a request id count (a completion must be able to free them); one older than
+``active_ttl_seconds`` (600 s, the router's request timeout) stops counting, and at most the newest
+``ceil(running + waiting) + pending`` of them count, so a lost completion cannot hold load for long
+while the engine shows fewer requests.
+
 Freshness net of epp's own lag (``age_seconds``): an endpoint's metrics age is the time since its last
 good scrape *minus the time epp's own event loop could not run* since then, so metrics that are old only
 because epp could not run its scrapes (a long synchronous stretch such as tokenizing big prompts, a GC
@@ -111,6 +121,9 @@ _WANTED = (
 )
 DEFAULT_PENDING_PICK_TTL_SECONDS = 5.0
 DEFAULT_PREFILL_TTL_SECONDS = 120.0
+DEFAULT_ACTIVE_TTL_SECONDS = 600.0
+"""An in-flight pick whose completion never came stops counting as active after this long (the router's
+default ``request_timeout_seconds``: no request it sends lives longer)."""
 _PICK_HISTORY = 4096
 """Most picks remembered per endpoint (for their prefill tokens)."""
 _IN_FLIGHT_IDS = 65536
@@ -217,6 +230,10 @@ class _EndpointState:
     """Reported completions the last scrape did not count as finished (still in its running figure)."""
     completions: deque[float] = field(default_factory=lambda: deque(maxlen=_PICK_HISTORY))
     """Clock times of the latest reported completions, oldest first."""
+    active: OrderedDict[str, tuple[float, int]] = field(default_factory=OrderedDict)
+    """Request id -> (clock time, whole prompt tokens) of epp's picks here not yet reported completed, oldest first."""
+    active_tokens: int = 0
+    """Sum of ``active``'s prompt tokens."""
     snapshot: Candidate | None = None
     """The last :class:`Candidate` built; dropped by every change of this state (scrape, pick)."""
     snapshot_at: float = 0.0
@@ -240,10 +257,12 @@ class Datastore:
 
     def __init__(self, clock: Clock | None = None,
                  pending_pick_ttl_seconds: float = DEFAULT_PENDING_PICK_TTL_SECONDS,
-                 prefill_ttl_seconds: float = DEFAULT_PREFILL_TTL_SECONDS) -> None:
+                 prefill_ttl_seconds: float = DEFAULT_PREFILL_TTL_SECONDS,
+                 active_ttl_seconds: float = DEFAULT_ACTIVE_TTL_SECONDS) -> None:
         self._clock = clock or SystemClock()
         self._pending_ttl = pending_pick_ttl_seconds
         self._prefill_ttl = prefill_ttl_seconds
+        self._active_ttl = active_ttl_seconds
         self._states: dict[EndpointId, _EndpointState] = {}
         self._ordered: dict[str | None, list[_EndpointState]] = {}
         """Per model (None: all), the states sorted by id; rebuilt after a membership change."""
@@ -407,16 +426,28 @@ class Datastore:
         state.consecutive_failures += 1
         state.last_error = error
 
-    def note_pick(self, endpoint_id: EndpointId, prefill_tokens: int = 0, request_id: str = "") -> None:
+    def note_pick(self, endpoint_id: EndpointId, prefill_tokens: int = 0, request_id: str = "",
+                  prompt_tokens: int = 0) -> None:
         """Count a pick; ``prefill_tokens``: prompt tokens the target must compute (not cached there);
-        ``request_id`` (non-empty) lets :meth:`note_completed` find it."""
+        ``request_id`` (non-empty) lets :meth:`note_completed` find it; ``prompt_tokens``: the whole
+        prompt, counted in the target's ``active_prompt_tokens`` until the completion (request id needed)."""
         state = self._states.get(endpoint_id)
         if state is not None:
+            now = self._clock.now()
             state.snapshot = None
             state.pending_picks += 1
             state.unprefilled += 1
             state.picks_total += 1
-            state.picks.append((self._clock.now(), max(0, prefill_tokens), request_id))
+            state.picks.append((now, max(0, prefill_tokens), request_id))
+            if request_id and prompt_tokens > 0:
+                active = state.active
+                previous = active.pop(request_id, None)
+                if previous is not None:
+                    state.active_tokens -= previous[1]
+                active[request_id] = (now, prompt_tokens)
+                state.active_tokens += prompt_tokens
+                if len(active) > _PICK_HISTORY:
+                    state.active_tokens -= active.popitem(last=False)[1][1]
             if request_id:
                 self._in_flight[request_id] = endpoint_id
                 self._in_flight.move_to_end(request_id)
@@ -448,6 +479,10 @@ class Datastore:
                 picked.snapshot = None
                 picked.pending_picks = min(picked.pending_picks, after)
                 picked.unprefilled = min(picked.unprefilled, after)
+            entry = picked.active.pop(request_id, None)
+            if entry is not None:
+                picked.snapshot = None
+                picked.active_tokens -= entry[1]
         served_id = EndpointId(endpoint_id) if endpoint_id else picked_to
         served = self._states.get(served_id) if served_id is not None else None
         if served is not None:
@@ -500,6 +535,7 @@ class Datastore:
                     break
                 done += 1
             running -= done
+        active_tokens = self._active_prompt_tokens(state, now, running, sample)
         metrics = EndpointMetrics(
             num_requests_waiting=sample.num_requests_waiting if sample is not None else 0.0,
             num_requests_running=max(0.0, running),
@@ -512,10 +548,39 @@ class Datastore:
             unprefilled_requests=known + unknown,
             known_unprefilled_requests=known,
             queued_prefill_tokens=queued_tokens,
+            active_prompt_tokens=active_tokens,
         )
         candidate = state.snapshot = Candidate(state.endpoint, metrics)
         state.snapshot_at = now
         return candidate
+
+    def _active_prompt_tokens(self, state: _EndpointState, now: float, running: float,
+                              sample: ScrapeSample | None) -> int:
+        """Prompt tokens of epp's in-flight picks on ``state``'s endpoint (module docstring, "Active").
+
+        Entries older than the active TTL are dropped (a lost completion); with a scrape, only the newest
+        ``ceil(running + waiting) + pending`` count (the engine cannot hold more requests than that)."""
+        active = state.active
+        if not active:
+            return 0
+        ttl = self._active_ttl
+        while active:
+            request_id, (at, tokens) = next(iter(active.items()))
+            if now - at <= ttl:
+                break
+            del active[request_id]
+            state.active_tokens -= tokens
+        if sample is None:
+            return state.active_tokens
+        most = math.ceil(max(0.0, running) + sample.num_requests_waiting) + state.pending_picks
+        if len(active) <= most:
+            return state.active_tokens
+        total = 0
+        for i, (_, tokens) in enumerate(reversed(active.values())):
+            if i >= most:
+                break
+            total += tokens
+        return total
 
     def candidates(self, model: str | None = None) -> list[Candidate]:
         """Snapshots of every endpoint (of ``model`` when given), sorted by id (O(endpoints); a

@@ -191,7 +191,8 @@ class Scheduler:
         target = result.ranked[0]
         prompt = prompt_token_ids(state, request)
         self.datastore.note_pick(
-            target.id, uncached_prompt_tokens(target.candidate, len(prompt), state.get(PREFIX_MATCH)), request.request_id)
+            target.id, uncached_prompt_tokens(target.candidate, len(prompt), state.get(PREFIX_MATCH)), request.request_id,
+            len(prompt))
         tokens = state.get(TOKEN_IDS)
         return PickDecision(
             target=target.candidate.endpoint,

@@ -106,6 +106,8 @@ class EndpointMetrics:
             first-token count) that have not had their first token yet.
         known_unprefilled_requests: how many of those epp picked itself (their tokens are known).
         queued_prefill_tokens: prompt tokens (uncached at pick time) of those known requests (tokens).
+        active_prompt_tokens: whole prompts of epp's picks here not yet completed (tokens; Dynamo's
+            active blocks, services/epp/datastore.py "Active prompt tokens").
     """
 
     num_requests_waiting: float = 0.0
@@ -118,6 +120,7 @@ class EndpointMetrics:
     unprefilled_requests: int = 0
     known_unprefilled_requests: int = 0
     queued_prefill_tokens: int = 0
+    active_prompt_tokens: int = 0
 
     @property
     def queue_depth(self) -> float:

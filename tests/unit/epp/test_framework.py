@@ -200,8 +200,9 @@ class _NullIndex:
          "max-score-picker", True),
         ("prefill-cost", ["prefix-match"], {"prefill-cost": 1.0, "prefix": 0.01}, "max-score-picker", True),
         ("tier-cost", ["prefix-match"], {"sticky": 10.0, "tier-cost": 1.0, "prefix": 0.01}, "max-score-picker", True),
+        ("dynamo-cost", ["prefix-match"], {"dynamo-cost": 1.0, "prefix": 0.01}, "max-score-picker", True),
     ],
-    ids=["round-robin", "load-only", "llm-d-blend", "precise-prefix", "prefill-cost", "tier-cost"],
+    ids=["round-robin", "load-only", "llm-d-blend", "precise-prefix", "prefill-cost", "tier-cost", "dynamo-cost"],
 )
 def test_named_configs(name: str, steps: list[str], scorers: dict[str, float], picker: str, needs_prompt: bool) -> None:
     assert name in named_configs()

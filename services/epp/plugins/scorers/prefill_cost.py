@@ -19,17 +19,27 @@ Math:
     ``queued(e) = queued_prefill_tokens(e) + unknown(e) * guess(e)`` where
     ``unknown(e) = unprefilled_requests(e) - known_unprefilled_requests(e)`` (requests whose tokens epp
     does not know) and ``guess(e)`` is the larger of the known ones' mean and ``prompt_tokens``;
-    ``cost(e) = own(e) + queued_weight * queued(e)``; ``score(e) = 1 - cost(e) / max_e cost(e)``
-    (all 1 when every cost is 0). The best score is the least cost; scores are in [0, 1].
+    ``active(e) = active_prompt_tokens(e)``: the KV the endpoint's in-flight requests hold or will hold
+    (whole prompts of epp's picks not yet completed; the datastore's "Active prompt tokens");
+    ``cost(e) = own(e) + queued_weight * queued(e) + active_weight * (active(e) + prompt_tokens)``;
+    ``score(e) = 1 - cost(e) / max_e cost(e)`` (all 1 when every cost is 0). The best score is the least
+    cost; scores are in [0, 1]. With ``active_weight`` 1 this is Dynamo's KV router cost (NVIDIA Dynamo
+    ``docs/design_docs/router_design.md``, "Cost Calculation": ``overlap_score_weight * prefill_blocks +
+    decode_blocks``, where decode blocks are the worker's active blocks plus the request's own; here in
+    tokens, and prefill counted as the request's own uncached tokens plus those queued ahead).
 Parameters:
     ``queued_weight`` (float > 0, default 1.0): tokens queued ahead count this much relative to the
     request's own uncached tokens (Dynamo's ``overlap_score_weight``, inverted).
+    ``active_weight`` (float >= 0, default 0.0: the term off): weight of the KV held by in-flight
+    requests (Dynamo's decode blocks, weight 1 there). vLLM 0.32 admits a request only when KV blocks for
+    its whole prompt are free (``scheduler_reserve_full_isl``), so an endpoint whose pool is taken by
+    other requests' prompts makes a new one wait there however little of it is left to prefill.
 Example YAML::
 
     - type: prefix-match
     - type: prefill-cost-scorer
       name: prefill-cost
-      parameters: {queued_weight: 1.0}
+      parameters: {queued_weight: 1.0, active_weight: 0.0}
 Failure modes:
     kv_indexer or tokenization failing: ``own(e)`` is the whole prompt everywhere, so the pick is by
     queued tokens alone (still load-aware). Text prompts under ``prefix-match`` with ``tokenize: false``:
@@ -69,15 +79,17 @@ TYPE = "prefill-cost-scorer"
 class PrefillCostScorerParams(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
     queued_weight: float = pydantic.Field(default=1.0, gt=0, le=1000)
+    active_weight: float = pydantic.Field(default=0.0, ge=0, le=1000)
 
 
 def factory(name: str, params: Mapping[str, Any], handle: PluginHandle) -> PrefillCostScorer:
     parsed = parse_params(PrefillCostScorerParams, TYPE, name, params)
-    return PrefillCostScorer(name, parsed.queued_weight)
+    return PrefillCostScorer(name, parsed.queued_weight, parsed.active_weight)
 
 
 def prefill_costs(
-    candidates: Sequence[Candidate], prompt_tokens: int, match: PrefixMatch | None, queued_weight: float
+    candidates: Sequence[Candidate], prompt_tokens: int, match: PrefixMatch | None, queued_weight: float,
+    active_weight: float = 0.0,
 ) -> dict[EndpointId, float]:
     """``cost(e)`` in tokens (see the module docstring); pure."""
     costs: dict[EndpointId, float] = {}
@@ -87,7 +99,10 @@ def prefill_costs(
         known = m.known_unprefilled_requests
         guess = max(m.queued_prefill_tokens / known if known else 0, prompt_tokens)
         queued = m.queued_prefill_tokens + max(0, m.unprefilled_requests - known) * guess
-        costs[c.id] = own + queued_weight * queued
+        cost = own + queued_weight * queued
+        if active_weight:
+            cost += active_weight * (m.active_prompt_tokens + prompt_tokens)
+        costs[c.id] = cost
     return costs
 
 
@@ -98,15 +113,16 @@ class PrefillCostScorer(Scorer):
     category = ScorerCategory.BALANCE
     consumes = frozenset({TOKEN_IDS, PREFIX_MATCH})
 
-    def __init__(self, name: str, queued_weight: float = 1.0) -> None:
+    def __init__(self, name: str, queued_weight: float = 1.0, active_weight: float = 0.0) -> None:
         super().__init__(name)
         self.queued_weight = queued_weight
+        self.active_weight = active_weight
 
     def score(
         self, state: CycleState, request: SchedulingRequest, candidates: Sequence[Candidate]
     ) -> dict[EndpointId, float]:
         tokens = prompt_token_ids(state, request)
-        costs = prefill_costs(candidates, len(tokens), state.get(PREFIX_MATCH), self.queued_weight)
+        costs = prefill_costs(candidates, len(tokens), state.get(PREFIX_MATCH), self.queued_weight, self.active_weight)
         worst = max(costs.values())
         if worst <= 0:
             return {i: 1.0 for i in costs}
