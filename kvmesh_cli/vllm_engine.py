@@ -88,7 +88,7 @@ class VllmEngineSpec:
     extra_args: tuple[str, ...] = ()
     replay_port: int | None = None
     """Port of vLLM's KV-event replay ROUTER (``KVEventsConfig.replay_endpoint``), which kv_indexer asks
-    for the batches it missed; None: no replay (a gap then marks the engine unreliable until it clears)."""
+    for the batches it missed; None: no replay (a gap is then a loss: kv_indexer forgets its older entries; no tail probe)."""
     api_key: str | None = None
     """vLLM's ``--api-key`` (``/v1/*`` then needs ``Authorization: Bearer``); the sidecar gets it as
     ``--engine-api-key``. None: open."""

@@ -32,9 +32,26 @@ class KvIndexerConfig(GrpcServiceConfig):
     prompt_key_cache_mib: int = Field(64, ge=0, le=65536)
     """MiB of recently scored prompts' block keys kept, so a prompt extending one hashes only its new blocks (0: off)."""
     replay_timeout_seconds: float = Field(5.0, gt=0, le=600)
-    """Deadline of one replay request to a publisher's replay endpoint; past it the endpoint is unreliable."""
+    """Deadline of one replay request to a publisher's replay endpoint; past it the missing messages
+    count as lost (the endpoint's older entries are forgotten, docs/kv-index.md)."""
     recovery_buffer_messages: int = Field(100_000, ge=1, le=10_000_000)
-    """Live messages buffered per endpoint while its gap is replayed; overflowing marks it unreliable."""
+    """Live messages buffered per endpoint while its gap is replayed; the oldest dropped beyond it count as lost."""
+    tail_probe_quiet_seconds: float = Field(2.0, ge=0, le=3600)
+    """An endpoint with a replay endpoint that has been quiet this long after its last message is
+    asked once for what followed it (vLLM sends no heartbeat: a lost final message is otherwise never
+    noticed); 0 disables the tail probe."""
+    tail_probe_timeout_seconds: float = Field(2.0, gt=0, le=600)
+    """Deadline of one tail probe (a failed probe changes nothing; it is retried after another quiet period)."""
+    tail_probe_attempts: int = Field(3, ge=1, le=100)
+    """Failed tail probes per stream position before giving up until the endpoint's next message."""
+    tail_probe_max_per_second: float = Field(20.0, gt=0, le=10000)
+    """Tail probes started per second over all endpoints, at most."""
+    tail_probe_concurrency: int = Field(4, ge=1, le=256)
+    """Tail probes in flight at once, at most (each holds a worker thread while it waits)."""
+    tail_probe_idle_max_seconds: float = Field(30.0, ge=0, le=86400)
+    """A tail the probe confirmed is probed again while the endpoint stays idle, at doubling intervals
+    from twice ``tail_probe_quiet_seconds`` up to this (a final message lost after the last probe);
+    0: not again until the endpoint's next message."""
     departed_retention_seconds: float = Field(120.0, ge=0, le=86400)
     """A departed endpoint (lease gone) is not scored, but its entries are kept this long for a rejoin
     of the same incarnation (an etcd pause); then purged."""
@@ -46,8 +63,8 @@ class KvIndexerConfig(GrpcServiceConfig):
     """Longest time health stays NOT_SERVING while startup recoveries run; then serving regardless."""
     watch_status_poll_seconds: float = Field(0.25, gt=0, le=60)
     """How often each ``Watch`` stream (epp's prefix replica) checks endpoint states and readiness
-    when nothing woke it: the longest an event-stream state change (an endpoint recovering or
-    unreliable, a model load-only) waits to reach the replicas. Residency and membership changes (join,
+    when nothing woke it: the longest an event-stream state change (an endpoint recovering or live again,
+    a model load-only) waits to reach the replicas. Residency and membership changes (join,
     departure, purge) wake it at once. Was 0.05 s: 20 wake-ups
     per second per stream were most of an idle kv_indexer's CPU (docs/BENCHMARKS.md §3, issue 10)."""
     watch_heartbeat_seconds: float = Field(1.0, gt=0, le=60)

@@ -14,8 +14,9 @@ the event pool and the event feed:
 
 Score answers per model with an :class:`IndexState`: ``WARMING`` until the indexer is warm
 (snapshot loaded and startup recoveries done), ``LOAD_ONLY`` while the model has a parity mismatch,
-else ``READY``; endpoints whose stream is ``recovering`` or ``unreliable`` are returned as
-*unknown* rather than scored (their entries cannot be vouched for).
+else ``READY``; endpoints whose stream is ``recovering`` (a gap being replayed) are returned as
+*unknown* rather than scored (their entries cannot be vouched for). A loss no replay can serve is
+healed by the event pool (older entries forgotten, live again), so no endpoint stays unscored for it.
 
 The transport (ZMQ) and the etcd watch are plugged in by :mod:`services.kv_indexer.pipeline`;
 here the feed is only the :class:`EventFeed` port. Everything runs on one asyncio loop.
@@ -69,7 +70,7 @@ DEPARTED = "departed"
 @dataclass(frozen=True, slots=True)
 class IndexerScore:
     """A Score answer: the index's result, the state it was given in, and the endpoints whose
-    entries are unknown (recovering or unreliable streams, not scored)."""
+    entries are unknown (recovering streams, not scored)."""
 
     result: ScoreResult
     state: IndexState

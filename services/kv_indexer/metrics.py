@@ -11,9 +11,12 @@
 | ``kvmesh_kv_indexer_lookup_hit_blocks_total`` | counter | ``medium`` | matched blocks returned by Score |
 | ``kvmesh_kv_indexer_score_duration_seconds`` | histogram | | Score time in the index (keys + walk) |
 | ``kvmesh_kv_indexer_event_fields_ignored_total`` | counter | ``event_type``, ``field`` | event fields kvmesh does not act on (``kvmesh.kv_events.FIELD_HANDLING``), and events of non-full-attention KV groups skipped |
-| ``kvmesh_kv_indexer_endpoint_states`` | gauge | ``state`` | endpoints per recovery state (``live``, ``recovering``, ``unreliable``, ``departed``) |
-| ``kvmesh_kv_indexer_recoveries_total`` | counter | ``trigger``, ``result`` | gap recoveries: ``trigger`` gap / first_batch / startup; ``result`` recovered / unreliable |
-| ``kvmesh_kv_indexer_recovery_duration_seconds`` | histogram | | gap detected -> live again (or marked unreliable) |
+| ``kvmesh_kv_indexer_endpoint_states`` | gauge | ``state`` | endpoints per recovery state (``live``, ``recovering``, ``departed``; ``unreliable`` is no longer entered, a loss heals, and stays 0) |
+| ``kvmesh_kv_indexer_recoveries_total`` | counter | ``trigger``, ``result`` | replays: ``trigger`` gap / first_batch / startup / tail_probe; ``result`` recovered / healed (a loss: stale entries forgotten) |
+| ``kvmesh_kv_indexer_recovery_duration_seconds`` | histogram | | gap detected -> live again |
+| ``kvmesh_kv_indexer_stream_losses_total`` | counter | ``cause`` | messages lost for good, healed by forgetting the endpoint's older entries: ``cause`` no_replay_endpoint / replay_failed / replay_incomplete / live_buffer_overflow / snapshot |
+| ``kvmesh_kv_indexer_forgotten_blocks_total`` | counter | | entries (blocks + orphans) forgotten by those heals |
+| ``kvmesh_kv_indexer_tail_probes_total`` | counter | ``result`` | asks of a quiet endpoint's replay buffer for what followed its last message: nothing_lost / found / failed / superseded |
 | ``kvmesh_kv_indexer_replayed_messages_total`` | counter | | messages applied from publishers' replay buffers |
 | ``kvmesh_kv_indexer_incarnations_total`` | counter | ``signal`` | old incarnations purged: ``instance_id`` (registration) or ``sequence_reset`` |
 | ``kvmesh_kv_indexer_orphan_blocks`` | gauge | | blocks held by engine hash whose parent's key is unknown yet |
@@ -66,7 +69,7 @@ RECOVERIES = Counter(
 )
 RECOVERY_DURATION = Histogram(
     "kvmesh_kv_indexer_recovery_duration_seconds",
-    "From a detected gap to the endpoint being live again (or marked unreliable).",
+    "From a detected gap to the endpoint being live again.",
     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 )
 REPLAYED = Counter("kvmesh_kv_indexer_replayed_messages_total", "Messages applied from replay buffers.")
@@ -89,6 +92,30 @@ def record_recovery(trigger: str, result: str, duration_seconds: float, replayed
     RECOVERIES.labels(trigger=trigger, result=result).inc()
     RECOVERY_DURATION.observe(duration_seconds)
     REPLAYED.inc(replayed)
+
+
+STREAM_LOSSES = Counter(
+    "kvmesh_kv_indexer_stream_losses_total",
+    "Event messages lost for good (no replay could serve them), healed by forgetting the endpoint's older entries.",
+    ["cause"],
+)
+FORGOTTEN_BLOCKS = Counter(
+    "kvmesh_kv_indexer_forgotten_blocks_total", "Entries (blocks and orphans) forgotten because a loss may have made them stale."
+)
+TAIL_PROBES = Counter(
+    "kvmesh_kv_indexer_tail_probes_total",
+    "Replay asks for what followed a quiet endpoint's last applied message (a lost final message), by result.",
+    ["result"],
+)
+
+
+def record_loss(cause: str, forgotten: int) -> None:
+    STREAM_LOSSES.labels(cause=cause).inc()
+    FORGOTTEN_BLOCKS.inc(forgotten)
+
+
+def record_tail_probe(result: str) -> None:
+    TAIL_PROBES.labels(result=result).inc()
 
 
 def record_incarnation(signal: str) -> None:

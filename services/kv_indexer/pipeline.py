@@ -5,7 +5,7 @@
 | snapshot | :mod:`services.kv_indexer.snapshot` | warm start: index + stream positions restored, saved periodically and on stop |
 | membership | :class:`kvmesh.membership.EndpointWatcher` | join (same / new incarnation), leave (departed, retained), purge after retention |
 | transport | :class:`~services.kv_indexer.events.subscriber.ZmqSubscriber` | SUB socket bound for engines that connect, connected to engines that bind |
-| ordering | :class:`~services.kv_indexer.events.pool.EventPool` | exactly once, in seq order; gaps replayed (:class:`~services.kv_indexer.events.replay.ZmqReplayer`) |
+| ordering | :class:`~services.kv_indexer.events.pool.EventPool` | exactly once, in seq order; gaps replayed (:class:`~services.kv_indexer.events.replay.ZmqReplayer`), losses healed, quiet tails probed |
 | state | :class:`~services.kv_indexer.index.base.KVBlockIndex` | block keys -> endpoints and media |
 | queries | :class:`~services.kv_indexer.indexer.BlockIndexer` | ``score`` / ``lookup`` / ``stats``, what the gRPC servicer exposes |
 
@@ -54,6 +54,12 @@ class IndexerPipeline:
             replay_timeout_seconds=config.replay_timeout_seconds,
             recovery_buffer_messages=config.recovery_buffer_messages,
             parity=self.parity,
+            tail_probe_quiet_seconds=config.tail_probe_quiet_seconds,
+            tail_probe_timeout_seconds=config.tail_probe_timeout_seconds,
+            tail_probe_attempts=config.tail_probe_attempts,
+            tail_probe_max_per_second=config.tail_probe_max_per_second,
+            tail_probe_concurrency=config.tail_probe_concurrency,
+            tail_probe_idle_max_seconds=config.tail_probe_idle_max_seconds,
         )
         self.subscriber = ZmqSubscriber(self.pool, config.events_bind_endpoint, config.zmq_rcvhwm_messages)
         self.indexer = BlockIndexer(

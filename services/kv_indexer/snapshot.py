@@ -3,7 +3,8 @@
 A snapshot is one msgpack file (written to ``<path>.tmp`` then renamed, so a crash mid-write
 leaves the previous one) holding, per endpoint: its registration (``Endpoint`` JSON, with its
 ``instance_id``), the next sequence number it expects (everything before it is applied) and
-whether its stream was reliable; and the index as :meth:`KVBlockIndex.dump` events (keyed blocks,
+whether its stream was reliable (always, since a loss heals; an endpoint saved unreliable by an older
+kvmesh is restored without its entries, which may be stale); and the index as :meth:`KVBlockIndex.dump` events (keyed blocks,
 and orphans as their ``BlockStored``). Restoring registers the endpoints, re-applies the dump and
 restores the stream positions; the pipeline then asks each publisher's replay buffer for what came
 after (vLLM keeps ``buffer_steps`` messages), so the index is warm and exact without a cold start.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
 from pathlib import Path
 
 import msgspec
@@ -116,13 +118,20 @@ def load(indexer: BlockIndexer, path: str | Path) -> set[EndpointId]:
         logger.error("ignoring unreadable snapshot path=%s error=%s: cold start", path, exc)
         return set()
     restored: set[EndpointId] = set()
+    lost: set[EndpointId] = set()
     for endpoint, record in endpoints:
         indexer.index.register_endpoint(endpoint)
         indexer.parity.register(endpoint)
-        indexer.pool.restore(endpoint, record.next_seq, record.reliable)
+        indexer.pool.restore(endpoint, record.next_seq)
         restored.add(endpoint.id)
+        if not record.reliable:
+            lost.add(endpoint.id)
+    forgotten: Counter[EndpointId] = Counter()
     for block in snap.blocks:
         eid = EndpointId(block.endpoint_id)
+        if eid in lost:
+            forgotten[eid] += len(block.block_hashes) if isinstance(block, _Keyed) else 1
+            continue
         if isinstance(block, _Keyed):
             indexer.index.apply(eid, KeyedBlockStored(
                 tuple(block.block_hashes), tuple(block.block_keys), block.block_size, Medium.parse(block.medium)
@@ -132,6 +141,13 @@ def load(indexer: BlockIndexer, path: str | Path) -> set[EndpointId]:
                 block_hashes=[block.block_hash], parent_block_hash=block.parent, token_ids=block.token_ids,
                 block_size=block.block_size, medium=block.medium,
             ))
+    for endpoint_id in sorted(lost):
+        metrics.record_loss("snapshot", forgotten[endpoint_id])
+        logger.warning(
+            "snapshot endpoint=%s was saved unreliable (messages lost for good, an older kvmesh): its %d entries "
+            "are not restored, it is followed live from seq=%s", endpoint_id, forgotten[endpoint_id],
+            indexer.pool.export().get(endpoint_id, (None, True))[0],
+        )
     metrics.record_snapshot("load", time.perf_counter() - start)
     logger.info(
         "snapshot loaded path=%s age=%.1fs endpoints=%d blocks=%d",

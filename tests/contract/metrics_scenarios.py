@@ -97,6 +97,8 @@ def kv_indexer() -> bytes:
     metrics.track_index_size(lambda: 7, lambda: 2)
     metrics.record_recovery("gap", "recovered", 0.02, 3)
     metrics.record_recovery("first_batch", "unreliable", 3.0, 0)
+    metrics.record_loss("replay_incomplete", 6)
+    metrics.record_tail_probe("found")
     metrics.record_incarnation("instance_id")
     metrics.record_parity_check("ok")
     metrics.set_parity_mismatch("tiny", "hash_algo", True)

@@ -293,3 +293,34 @@ async def scores_become(
 
 async def dropped(stub: kv_indexer_pb2_grpc.KVIndexerStub) -> int:
     return (await stub.Stats(pb.StatsRequest(), timeout=5)).batches_dropped
+
+
+async def test_a_real_loss_heals_and_a_lost_final_message_is_found_by_the_tail_probe(mesh: dict) -> None:
+    """The process with its defaults (tail probe after 2 s of quiet). A publisher whose replay buffer
+    keeps one message (vLLM's ``buffer_steps=1``): a removal lost with the buffer rolled past it is a
+    real loss, healed (the stale blocks not scored, what was stored after scored, the stream live);
+    then the engine's last batch before it goes idle is lost, and only the tail probe can find it."""
+    stub = mesh["stub"]
+    ep, reg = await register(mesh["etcd"], free_port())
+    pub = ZmqEventPublisher(mesh["bind"], make_topic(ep.id, MODEL), replay_endpoint=ep.replay_endpoint, buffer_steps=1)
+    other = list(range(500, 512))  # 3 blocks
+    try:
+        await registered_includes(stub, {ep.id})
+        await scores_become(stub, {ep.id: 4}, resend=lambda: pub.publish([stored([11, 12, 13, 14], PROMPT)]))
+        pub.drop_next(2)  # numbered and buffered, never sent; the buffer keeps the newest message only
+        pub.publish([BlockRemoved(block_hashes=[13, 14])])
+        pub.publish([stored([51], list(range(600, 604)))])
+        pub.publish([stored([31, 32, 33], other)])  # reveals the gap; the replay starts past it: a loss
+        await wait_until_async(lambda: score(stub, tokens=other), 10, "the store after the loss scored",
+                               until=lambda got: got == {ep.id: 3})  # live again: healed
+        assert await score(stub) == {}  # 13-14 removed while lost: not scored (11-12 forgotten with them)
+        stats = await stub.Stats(pb.StatsRequest(), timeout=5)
+        assert {e.endpoint_id: e.state for e in stats.per_endpoint}[ep.id] == "live"
+
+        pub.drop_next(1)  # the last batch before the engine goes idle: no later seq reveals it
+        pub.publish([BlockRemoved(block_hashes=[33])])
+        await wait_until_async(lambda: score(stub, tokens=other), 10, "the tail probe finds the lost removal",
+                               until=lambda got: got == {ep.id: 2})
+    finally:
+        pub.shutdown()
+        await reg.stop()

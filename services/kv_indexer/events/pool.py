@@ -16,7 +16,7 @@ messages 0, 1, 2, ... per publisher). A message with
   lost *while* the replay was answered (published after the publisher answered) leave a hole in the
   buffered ones that is still in the publisher's buffer: it is asked for again. A range the
   publisher can no longer serve (no replay endpoint, timeout past ``replay_timeout_seconds``, buffer
-  already rolled over, too many live messages buffered meanwhile) marks the endpoint ``unreliable``;
+  already rolled over, too many live messages buffered meanwhile) is a *loss*, healed as below;
 * a lower seq is either a *duplicate* or a *publisher restart*, told apart by the batch's ``ts``
   (vLLM stamps each ``KVEventBatch`` with the engine's ``time.time()``): a message no newer than the
   last one applied is a duplicate, dropped (``batches_dropped{reason="duplicate"}``). Duplicates are
@@ -33,14 +33,40 @@ its publisher has a replay endpoint, its buffer is asked once (from seq 0, ``tri
 or at once by :meth:`recover` at startup) and the first replayed seq is the start; otherwise, or
 when the replay fails, the first live message is (a replay that found the buffer empty does not
 count: the next message with seq > 0 asks again). A hole *after* the start is a gap as usual.
-``unreliable`` lasts until a fresh state is known: an ``AllBlocksCleared`` or a new incarnation.
+
+**Healing a loss.** Messages lost for good may have removed blocks the index still holds (a false
+positive: a request routed where its prefix no longer is) and stored blocks it lacks (a false
+negative: only a lost hit). At the hole, before the first message after it is applied, the
+endpoint's entries (every medium, orphans included) are forgotten (``KVBlockIndex.forget_blocks``:
+its ``engine hash -> key`` pairs stay as recent removals so later chains still key), then the
+messages after the hole are applied and the endpoint is ``live`` (scored) at once: what it holds
+from then on was stored after the loss and not removed since, a subset of the engine's cache.
+Counted in ``stream_losses_total{cause}`` and ``forgotten_blocks_total``, logged as a warning.
+Before this, a loss made the endpoint ``unreliable`` (never scored) until an ``AllBlocksCleared`` or
+a restart, which in production may never come. Upstream: vLLM 0.32's replay buffer leaves a gap
+older than ``buffer_steps`` to the consumer; Dynamo's own workers answer such a request with a dump
+of their whole radix tree (``TreeDump``), which vLLM cannot give, and its ZMQ listener and llm-d's
+subscriber log the gap and keep applying, keeping entries the lost messages may have removed. kvmesh
+forgets instead, erring toward lost hits, never toward stale ones. The cost: blocks the engine
+still holds from before the loss are not scored until it stores them again (vLLM announces a block
+once, when it is cached, not on every hit).
+
+**Tail probe.** vLLM sends no heartbeat, so a lost *final* message (the last batch before an engine
+goes idle) is revealed by no later seq. An endpoint with a replay endpoint that has been quiet
+``tail_probe_quiet_seconds`` after its last applied message is asked once for what came after it
+(one probe in flight per endpoint, ``tail_probe_concurrency`` in all, ``tail_probe_max_per_second``;
+a failed probe changes nothing and is retried after another quiet period, ``tail_probe_attempts``
+times per position; a confirmed tail is asked again while the endpoint stays idle, at doubling
+intervals up to ``tail_probe_idle_max_seconds``, for a batch lost after it). What a probe finds is
+applied in order, a hole in it healed as a loss; the endpoint stays ``live`` (scored) while the probe
+is in flight. ``tail_probes_total{result}``.
 
 **Malformed messages.** A message is decoded *before* it is sequenced: one whose payload is not a
 vLLM 0.32 / SGLang 0.5.23 ``EventBatch`` (undecodable msgpack, another shape, an unknown event
 type, a field of the wrong type, a non-finite ``ts``) is dropped and counted
 (``batches_dropped{reason="bad_payload"}``) without touching its endpoint's sequence, state or
 entries: its seq is not evidence of anything. A replayed message that cannot be decoded is a
-message lost (a hole, asked for again, then ``unreliable``). Drop lines are rate-limited per reason
+message lost (a hole, asked for again, then healed as a loss). Drop lines are rate-limited per reason
 (:class:`kvmesh.logging.RateLimitedLog`: one per 10 s with the count suppressed). A *valid* message
 is trusted, whoever sent it: vLLM's ZMQ protocol has no authentication, so a well-formed batch with
 a far-ahead seq is a gap (then, when the engine's real seq follows, a publisher restart), exactly as
@@ -81,6 +107,7 @@ _MAX_PENDING_ENDPOINTS = 1024
 """At most this many never-registered endpoints have messages held at once."""
 _APPLY_CHUNK = 2000
 """Replayed messages applied between yields to the loop."""
+_NO_REPLAY = "no replay endpoint"
 
 
 class EndpointState(enum.StrEnum):
@@ -91,7 +118,8 @@ class EndpointState(enum.StrEnum):
     RECOVERING = "recovering"
     """A gap is being replayed; live messages are buffered."""
     UNRELIABLE = "unreliable"
-    """Messages were lost for good: its entries are scored as unknown until a fresh state."""
+    """No longer entered: a loss now heals (older entries forgotten, live again). Kept as the metric
+    label and the wire value older replicas and snapshots know."""
 
 
 class Replayer(Protocol):
@@ -137,11 +165,13 @@ def decode_payload(payload: bytes) -> EventBatch:
 
 @dataclass
 class EndpointIngestStats:
-    """Per endpoint: messages handled, the last sequence number and messages missed."""
+    """Per endpoint: messages handled, the last sequence number, messages missed and losses healed."""
 
     messages: int = 0
     last_seq: int | None = None
     sequence_gaps: int = 0
+    losses: int = 0
+    """Losses healed (messages no replay could serve; older entries forgotten)."""
 
 
 @dataclass
@@ -174,18 +204,26 @@ class _Track:
     endpoint: Endpoint
     next_seq: int | None = None
     """The next seq expected; None while the start is unknown (nothing applied for this incarnation)."""
-    reliable: bool = True
     recovery: _Recovery | None = None
     last_ts: float | None = None
     """``ts`` of the last batch applied in this process (None: none yet, or restored from a snapshot)."""
     history_asked: bool = False
     """The replay buffer was already asked for this fresh start (one replay per start)."""
+    applied_at: float | None = None
+    """Clock time the last message was applied (None: none since this incarnation was tracked)."""
+    probed_seq: int | None = None
+    """``next_seq`` when the last tail probe ended (a new position is probed after the quiet time)."""
+    probe_failures: int = 0
+    """Failed tail probes at ``probed_seq``."""
+    probe_after: float = 0.0
+    """At ``probed_seq``, no tail probe before this clock time (a failure's retry, the idle re-probe)."""
+    probe_interval: float = 0.0
+    """The idle re-probe interval at ``probed_seq`` (doubles after each probe that found nothing)."""
+    probing: bool = False
 
     @property
     def state(self) -> EndpointState:
-        if self.recovery is not None:
-            return EndpointState.RECOVERING
-        return EndpointState.LIVE if self.reliable else EndpointState.UNRELIABLE
+        return EndpointState.LIVE if self.recovery is None else EndpointState.RECOVERING
 
 
 class EventPool:
@@ -197,11 +235,21 @@ class EventPool:
         queue_size: messages each worker may queue; beyond it a message is dropped (``queue_full``).
         pending_batches: per never-registered endpoint, messages held until it joins.
         pending_ttl_seconds: how long such messages are held.
-        replayer: where missed messages are fetched from (None: every gap marks the endpoint unreliable).
+        replayer: where missed messages are fetched from (None: every gap is a loss, healed).
         replay_timeout_seconds: deadline of one replay request.
-        recovery_buffer_messages: live messages buffered per recovering endpoint before giving up.
+        recovery_buffer_messages: live messages buffered per recovering endpoint; beyond it the oldest
+            are dropped (a loss unless the replay covers them).
         parity: checks each ``BlockStored`` against the registration (optional).
         clock: monotonic seconds (injectable for tests).
+        tail_probe_quiet_seconds: quiet time after an endpoint's last message before its replay
+            buffer is asked for what followed (0: no tail probe).
+        tail_probe_timeout_seconds: deadline of one tail probe.
+        tail_probe_attempts: failed probes per stream position before waiting for the next message.
+        tail_probe_max_per_second: probes started per second, over all endpoints.
+        tail_probe_concurrency: probes in flight at once.
+        tail_probe_idle_max_seconds: a confirmed tail is probed again while the endpoint stays idle,
+            at doubling intervals from twice the quiet time up to this (0: never again until its
+            next message).
     """
 
     def __init__(
@@ -216,6 +264,12 @@ class EventPool:
         recovery_buffer_messages: int = 100_000,
         parity: ParityCheck | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tail_probe_quiet_seconds: float = 0.0,
+        tail_probe_timeout_seconds: float = 2.0,
+        tail_probe_attempts: int = 3,
+        tail_probe_max_per_second: float = 20.0,
+        tail_probe_concurrency: int = 4,
+        tail_probe_idle_max_seconds: float = 30.0,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -240,6 +294,18 @@ class EventPool:
         self._settled = asyncio.Event()
         self._settled.set()
         self.stats = IngestStats()
+        self._forget = getattr(index, "forget_blocks", None)
+        """The index's ``forget_blocks`` (None: an ``AllBlocksCleared`` heals a loss)."""
+        self._probe_quiet = tail_probe_quiet_seconds
+        self._probe_timeout = tail_probe_timeout_seconds
+        self._probe_attempts = max(tail_probe_attempts, 1)
+        self._probe_rate = tail_probe_max_per_second
+        self._probe_concurrency = max(tail_probe_concurrency, 1)
+        self._probe_idle_max = tail_probe_idle_max_seconds
+        self._probe_tokens = 0.0
+        self._probe_refilled: float | None = None
+        self._probes: set[asyncio.Task[None]] = set()
+        self._probe_loop: asyncio.Task[None] | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -247,10 +313,15 @@ class EventPool:
         """Start the workers (returns at once)."""
         for i, queue in enumerate(self._queues):
             self._tasks.append(asyncio.create_task(self._work(queue), name=f"kv-events-worker-{i}"))
+        if self._probe_quiet > 0 and self._replayer is not None and self._probe_loop is None:
+            self._probe_loop = asyncio.create_task(self._probe_tails_forever(), name="kv-tail-probes")
 
     async def shutdown(self, timeout_seconds: float = 5.0) -> None:
-        """Let the workers drain what is queued, then stop them (recoveries in flight are cancelled)."""
-        for task in list(self._recoveries):
+        """Let the workers drain what is queued, then stop them (recoveries and probes in flight are cancelled)."""
+        if self._probe_loop is not None:
+            self._probe_loop.cancel()
+            self._probe_loop = None
+        for task in [*self._recoveries, *self._probes]:
             task.cancel()
         for queue in self._queues:
             with contextlib.suppress(asyncio.QueueFull):
@@ -298,13 +369,13 @@ class EventPool:
         return True
 
     async def drained(self) -> None:
-        """Wait until every queued message has been handled and no recovery is running."""
+        """Wait until every queued message has been handled and no recovery or tail probe is running."""
         while True:
             for queue in self._queues:
                 await queue.join()
-            if not self._recoveries:
+            if not self._recoveries and not self._probes:
                 return
-            await asyncio.wait(set(self._recoveries))
+            await asyncio.wait({*self._recoveries, *self._probes})
 
     # -- membership -------------------------------------------------------------------------
 
@@ -342,19 +413,22 @@ class EventPool:
             track.recovery = None
         self._update_settled()
 
-    def restore(self, endpoint: Endpoint, next_seq: int | None, reliable: bool) -> None:
-        """Sequencing state of an endpoint restored from a snapshot (before it is confirmed by etcd)."""
-        self._tracks[endpoint.id] = _Track(endpoint, next_seq, reliable)
+    def restore(self, endpoint: Endpoint, next_seq: int | None, reliable: bool = True) -> None:
+        """Sequencing state of an endpoint restored from a snapshot (before it is confirmed by etcd).
+        ``reliable=False`` (a snapshot from before losses healed) is the caller's to heal: it does not
+        restore that endpoint's entries (:func:`services.kv_indexer.snapshot.load`)."""
+        self._tracks[endpoint.id] = _Track(endpoint, next_seq)
 
     def export(self) -> dict[EndpointId, tuple[int | None, bool]]:
-        """Per tracked endpoint ``(next expected seq, reliable)``, for a snapshot. A recovering
+        """Per tracked endpoint ``(next expected seq, reliable)``, for a snapshot (``reliable`` is always
+        True since a loss heals; the field stays for the snapshot format). A recovering
         endpoint exports the seq its recovery starts from (what was applied before the gap: the
         restarted indexer's startup replay covers the gap again); one recovering from a fresh start
         exports what it applied so far (None: nothing yet)."""
         out: dict[EndpointId, tuple[int | None, bool]] = {}
         for eid, t in self._tracks.items():
             recovery = t.recovery
-            out[eid] = (t.next_seq if recovery is None or recovery.fresh else recovery.from_seq, t.reliable)
+            out[eid] = (t.next_seq if recovery is None or recovery.fresh else recovery.from_seq, True)
         return out
 
     def state(self, endpoint_id: EndpointId) -> EndpointState | None:
@@ -475,7 +549,6 @@ class EventPool:
         )
         metrics.record_incarnation("sequence_reset")
         self._index.apply(message.endpoint_id, AllBlocksCleared())
-        track.reliable = True
         track.next_seq = None
         track.last_ts = None
         track.history_asked = False
@@ -494,23 +567,19 @@ class EventPool:
         track.next_seq = message.seq + 1
         (stats or self._endpoint_stats(message.endpoint_id)).last_seq = message.seq
         track.last_ts = batch.ts
+        track.applied_at = self._clock()
         self._apply(track, batch)
 
     def _apply(self, track: _Track, batch: EventBatch) -> None:
-        """One batch, in order: parity checks, reliability, the field filter, then the index (a
-        whole batch per call where the index has ``apply_batch``)."""
+        """One batch, in order: parity checks, the field filter, then the index (a whole batch per
+        call where the index has ``apply_batch``)."""
         endpoint_id = track.endpoint.id
         events = batch.events
         parity = self._parity
-        if parity is not None or not track.reliable:
+        if parity is not None:
             for event in events:
-                kind = type(event)
-                if kind is BlockStored:
-                    if parity is not None:
-                        parity.check(endpoint_id, event)  # type: ignore[arg-type]
-                elif kind is AllBlocksCleared and not track.reliable:
-                    track.reliable = True
-                    logger.info("endpoint=%s cleared its cache: reliable again", endpoint_id)
+                if type(event) is BlockStored:
+                    parity.check(endpoint_id, event)
         admitted = self._fields.admit_all(endpoint_id, events)  # KV groups, ignored fields (events/fields.py)
         apply_batch = self._apply_batch
         if apply_batch is not None:
@@ -551,12 +620,16 @@ class EventPool:
         if not self._recoveries:
             self._settled.set()
 
-    async def _ask(self, endpoint: Endpoint, from_seq: int) -> tuple[list[tuple[int, bytes]], str]:
-        """The publisher's buffered messages from ``from_seq`` on, and ``""``; or ``[]`` and why not."""
+    async def _ask(
+        self, endpoint: Endpoint, from_seq: int, timeout_seconds: float | None = None
+    ) -> tuple[list[tuple[int, bytes]], str]:
+        """The publisher's buffered messages from ``from_seq`` on, and ``""``; or ``[]`` and why not
+        (:data:`_NO_REPLAY` without a replay endpoint)."""
         if self._replayer is None or not endpoint.replay_endpoint:
-            return [], "no replay endpoint"
+            return [], _NO_REPLAY
         try:
-            return await self._replayer.replay(endpoint, from_seq, self._replay_timeout), ""
+            timeout = self._replay_timeout if timeout_seconds is None else timeout_seconds
+            return await self._replayer.replay(endpoint, from_seq, timeout), ""
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -569,18 +642,24 @@ class EventPool:
         be lost on their way too (the loss that caused the gap may still be going on), so the
         buffer may hold a hole the replay could not cover. Such a hole is still in the publisher's
         buffer: it is asked for again (one more round per hole, each round from the first missing
-        seq), and only a hole the publisher can no longer serve (a failed or empty answer, an
-        answer starting past the hole, an overflowed live buffer) makes the endpoint ``unreliable``.
+        seq). A hole the publisher can no longer serve (no replay endpoint, a failed answer, an
+        answer starting past it or holding an unreadable message, an overflowed live buffer, a
+        position asked again that the answer did not cover) is a loss: healed (:meth:`_lose`) just
+        before the first message after it is applied. A replay that failed with nothing to compare
+        against (a startup replay after a snapshot, no live message since) cannot tell whether the
+        publisher went on meanwhile: healed as a loss too, and the stream starts afresh (nothing is
+        left that a lost message could make stale, so its next message is a start, not a gap).
         """
         endpoint = track.endpoint
         expected = recovery.from_seq
         # a fresh start loses nothing by a failed replay or an overflowed buffer: only a hole after
         # the first message applied (``started``) can leave stale entries
         started = not recovery.fresh
-        complete = True
         failure = ""
         replayed = 0
+        applied = 0
         rounds = 0
+        losses = 0
         hole = False  # the previous round left a hole in the buffered messages: this round must fill it
         while True:
             rounds += 1
@@ -588,8 +667,6 @@ class EventPool:
             replies, failure = await self._ask(endpoint, asked)
             if track.recovery is not recovery:
                 return  # the endpoint left or restarted meanwhile
-            if (failure or recovery.overflowed) and started:
-                complete = False
             for i, (seq, payload) in enumerate(replies):
                 if seq < expected:
                     continue  # answered twice
@@ -597,52 +674,193 @@ class EventPool:
                 if not self._decode(replay):
                     continue  # unreadable: lost, so the next seq applied is past a hole
                 if seq > expected and started:
-                    complete = False
+                    losses += self._lose(track, "replay_incomplete", expected, seq)
                 started = True
                 self._apply_message(track, replay)
                 expected = seq + 1
                 replayed += 1
+                applied += 1
                 if i % _APPLY_CHUNK == _APPLY_CHUNK - 1:
                     await asyncio.sleep(0)
                     if track.recovery is not recovery:
                         return
-            if hole and expected == asked:
-                complete = False  # it published the missing seq (later ones arrived) and cannot serve it: lost
+            # the same position asked twice and still not served: the publisher cannot serve it
+            unserved = hole and expected == asked
             hole = False
             buffered, recovery.buffer = sorted(recovery.buffer, key=lambda m: m.seq), []
             for k, message in enumerate(buffered):  # live messages that arrived meanwhile
                 if message.seq < expected:
                     continue  # replayed already, or buffered twice
                 if message.seq > expected and started:
-                    if complete and not failure and not recovery.overflowed:
+                    if not (failure or recovery.overflowed or unserved):
                         hole = True  # lost after the publisher answered: still in its buffer, ask again
                         recovery.buffer = buffered[k:]
                         break
-                    complete = False
+                    cause = (
+                        ("no_replay_endpoint" if failure == _NO_REPLAY else "replay_failed") if failure
+                        else "live_buffer_overflow" if recovery.overflowed else "replay_incomplete"
+                    )
+                    losses += self._lose(track, cause, expected, message.seq)
                 started = True
                 self._apply_message(track, message)
                 expected = message.seq + 1
+                applied += 1
             if not hole:
                 break
             logger.info(
                 "kv event recovery endpoint=%s: live messages from seq=%d on were lost while replaying; asking again",
                 endpoint.id, expected,
             )
+        if failure and started and not applied and not recovery.fresh:
+            # nothing received to tell whether the publisher went on since ``from_seq``: a loss; with
+            # nothing left to go stale the stream starts afresh (its next message asks the buffer again)
+            losses += self._lose(track, "no_replay_endpoint" if failure == _NO_REPLAY else "replay_failed", expected, None)
+            started = False
         track.recovery = None
         track.next_seq = expected if started else None
         if not started:  # the buffer was empty then: what the first live message follows may be there now
             track.history_asked = False
-        if not complete:
-            track.reliable = False
-        result = "recovered" if complete else "unreliable"
+        elif track.applied_at is None:  # the replay confirmed the tail (an idle engine at startup): the
+            track.applied_at = self._clock()  # tail probe's quiet time counts from here
+        result = "healed" if losses else "recovered"
         duration = self._clock() - recovery.started
         metrics.record_recovery(recovery.trigger, result, duration, replayed)
-        log = logger.info if complete and track.reliable else logger.warning
+        log = logger.warning if losses else logger.info
         log(
             "kv event recovery endpoint=%s trigger=%s from=%d to=%d replayed=%d rounds=%d result=%s%s state=%s "
             "duration=%.3fs",
             endpoint.id, recovery.trigger, recovery.from_seq, expected, replayed, rounds, result,
             f" ({failure})" if failure else "", track.state, duration,
+        )
+
+    def _lose(self, track: _Track, cause: str, expected: int, got: int | None) -> int:
+        """Messages from ``expected`` (to ``got``, exclusive; None: unknown) are lost for good: forget
+        the endpoint's entries, which predate the loss and may be stale (removals lost), so that
+        what is applied from ``got`` on leaves it holding only blocks it really holds. Returns 1."""
+        endpoint_id = track.endpoint.id
+        if self._forget is not None:
+            forgotten = int(self._forget(endpoint_id))
+        else:
+            forgotten = len(self._index.held_blocks(endpoint_id))
+            self._index.apply(endpoint_id, AllBlocksCleared())
+        metrics.record_loss(cause, forgotten)
+        self._endpoint_stats(endpoint_id).losses += 1
+        logger.warning(
+            "kv event messages lost for good endpoint=%s cause=%s seqs=%d..%s: forgot its %d older entries "
+            "(they may be stale), following it from seq=%s on, scored again",
+            endpoint_id, cause, expected, "?" if got is None else got - 1, forgotten, "?" if got is None else got,
+        )
+        return 1
+
+    # -- tail probe -------------------------------------------------------------------------
+
+    async def _probe_tails_forever(self) -> None:
+        tick = min(max(self._probe_quiet / 4, 0.05), 1.0)
+        while True:
+            await asyncio.sleep(tick)
+            try:
+                self.probe_tails()
+            except Exception:  # never let the loop die: a probe is an optimisation of safety, not the stream
+                logger.exception("tail probe scan failed")
+
+    def probe_tails(self) -> int:
+        """Start a tail probe for each endpoint quiet ``tail_probe_quiet_seconds`` since its last
+        applied message (live, with a replay endpoint): at once at a new position, else when its
+        retry or idle re-probe is due; within the rate and concurrency bounds. Returns how many
+        were started."""
+        if self._replayer is None or self._probe_quiet <= 0:
+            return 0
+        now = self._clock()
+        last = self._probe_refilled
+        self._probe_refilled = now
+        cap = max(self._probe_rate, 1.0)
+        self._probe_tokens = min(cap, self._probe_tokens + (cap if last is None else (now - last) * self._probe_rate))
+        started = 0
+        for track in list(self._tracks.values()):
+            if len(self._probes) >= self._probe_concurrency or self._probe_tokens < 1:
+                break
+            if (
+                track.probing or track.recovery is not None or track.next_seq is None or track.applied_at is None
+                or not track.endpoint.replay_endpoint or now - track.applied_at < self._probe_quiet
+                or (track.probed_seq == track.next_seq and now < track.probe_after)
+            ):
+                continue
+            self._probe_tokens -= 1
+            track.probing = True
+            task = asyncio.create_task(self._probe(track, track.next_seq), name=f"kv-tail-probe-{track.endpoint.id}")
+            self._probes.add(task)
+            task.add_done_callback(self._probe_done)
+            started += 1
+        return started
+
+    @staticmethod
+    def _probe_ended(track: _Track, from_seq: int) -> None:
+        """A probe from ``from_seq`` ended: a new position (the stream moved since) starts its own
+        retries and idle intervals."""
+        if track.probed_seq != from_seq or track.next_seq != from_seq:
+            track.probe_failures = 0
+            track.probe_interval = 0.0
+        track.probed_seq = track.next_seq
+
+    def _probe_done(self, task: asyncio.Task[None]) -> None:
+        self._probes.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("tail probe failed", exc_info=task.exception())
+
+    async def _probe(self, track: _Track, from_seq: int) -> None:
+        """Ask for what followed ``from_seq - 1``; apply it in order (a hole in it healed as a loss)."""
+        endpoint = track.endpoint
+        started = self._clock()
+        try:
+            replies, failure = await self._ask(endpoint, from_seq, self._probe_timeout)
+        finally:
+            track.probing = False
+        if self._tracks.get(endpoint.id) is not track or track.recovery is not None or track.next_seq is None:
+            metrics.record_tail_probe("superseded")  # left, restarted or recovering meanwhile: that one rules
+            return
+        if failure:
+            self._probe_ended(track, from_seq)
+            track.probe_failures += 1
+            # retry after another quiet period; after the last attempt, only at the idle re-probe
+            last = track.probe_failures >= self._probe_attempts
+            if last and not self._probe_idle_max:
+                track.probe_after = math.inf
+            else:
+                track.probe_after = self._clock() + (self._probe_idle_max if last else self._probe_quiet)
+            if last:
+                track.probe_failures = 0
+            metrics.record_tail_probe("failed")
+            logger.info("kv event tail probe endpoint=%s from=%d failed (%s)", endpoint.id, from_seq, failure)
+            return
+        expected = track.next_seq  # live messages may have moved it while the probe travelled
+        found = 0
+        losses = 0
+        for seq, payload in replies:
+            if seq < expected:
+                continue
+            message = RawMessage(endpoint.id, endpoint.model, seq, payload)
+            if not self._decode(message):
+                continue  # unreadable: the next one is past a hole
+            if seq > expected:
+                losses += self._lose(track, "replay_incomplete", expected, seq)
+            self._apply_message(track, message)
+            expected = seq + 1
+            found += 1
+        self._probe_ended(track, from_seq)
+        track.probe_failures = 0
+        if not found:
+            # the tail is confirmed; re-probed while idle at doubling intervals (a final message lost later)
+            track.probe_interval = min(max(track.probe_interval * 2, 2 * self._probe_quiet), self._probe_idle_max)
+            track.probe_after = self._clock() + track.probe_interval if self._probe_idle_max else math.inf
+            metrics.record_tail_probe("nothing_lost")
+            return
+        track.probe_after = 0.0
+        metrics.record_tail_probe("found")
+        metrics.record_recovery("tail_probe", "healed" if losses else "recovered", self._clock() - started, found)
+        logger.warning(
+            "kv event tail probe endpoint=%s: %d message(s) from seq=%d on never arrived live (a lost final "
+            "message), applied from its replay buffer%s",
+            endpoint.id, found, from_seq, "; a loss healed" if losses else "",
         )
 
     # -- held messages ----------------------------------------------------------------------

@@ -843,6 +843,28 @@ class InMemoryIndex:
         lane = MEDIUM_LANE[medium]
         return bool(_release(table, key, endpoint_id, lane, LANE_MASK * lane))
 
+    def forget_blocks(self, endpoint_id: EndpointId) -> int:
+        """Forget every entry of ``endpoint_id`` (its blocks on every medium and its orphans), as an
+        ``AllBlocksCleared`` does, after its event stream lost messages for good: those entries may be
+        stale. Unlike a clear, its blocks' ``engine hash -> key`` pairs are kept as its recent removals
+        (until ``recent_removed_blocks`` later removals roll them out), so a chain the engine stores
+        after the loss on a parent it stored before still gets its keys; a pair only says what a hash
+        stands for, never that the block is held. Replicas see one ``cleared`` record.
+
+        Returns the entries forgotten (blocks + orphans); 0 for an unregistered endpoint.
+        """
+        state = self._endpoints.get(endpoint_id)
+        if state is None:
+            return 0
+        forgotten = len(state.blocks) + len(state.orphans)
+        pairs = {block_hash: held & _KEY_MASK for block_hash, held in state.blocks.items()}
+        recent = {**state.older, **state.recent}
+        self._clear(state)
+        if self._recent_limit:
+            recent.update(pairs)
+            state.older = recent
+        return forgotten
+
     def _clear(self, state: _EndpointState) -> None:
         if state.blocks and self.residency is not None:
             self.residency.record(state.endpoint.id, "", cleared=True)

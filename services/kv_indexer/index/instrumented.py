@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from kvmesh.hashing import DEFAULT_SCOPE, KeyScope
-from kvmesh.kv_events import BlockRemoved, BlockStored
+from kvmesh.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.types import Endpoint, EndpointId, Medium
 from services.kv_indexer import metrics
 from services.kv_indexer.index.base import (
@@ -98,6 +98,15 @@ class InstrumentedIndex:
 
     def held_blocks(self, endpoint_id: EndpointId) -> dict[EngineBlockHash, frozenset[Medium]]:
         return self.inner.held_blocks(endpoint_id)
+
+    def forget_blocks(self, endpoint_id: EndpointId) -> int:
+        """The inner index's ``forget_blocks`` (an ``AllBlocksCleared`` where it has none)."""
+        forget = getattr(self.inner, "forget_blocks", None)
+        if forget is not None:
+            return int(forget(endpoint_id))
+        held = len(self.inner.held_blocks(endpoint_id))
+        self.inner.apply(endpoint_id, AllBlocksCleared())
+        return held
 
     def dump(self) -> list[tuple[EndpointId, IndexEvent]]:
         return self.inner.dump()

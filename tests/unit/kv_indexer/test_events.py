@@ -90,7 +90,9 @@ async def test_pool_applies_in_order_and_drops_bad_payloads() -> None:
     await pool.shutdown()
 
 
-async def test_gap_without_replay_endpoint_marks_unreliable_until_all_blocks_cleared() -> None:
+async def test_gap_without_replay_endpoint_is_a_loss_healed_at_once() -> None:
+    """Nobody can replay the gap: the entries that predate it are forgotten (a lost removal may have
+    made them stale), the message after it is applied, and the endpoint is live (scored) at once."""
     index = InMemoryIndex()
     pool = EventPool(index, workers=1, replayer=ZmqReplayer())
     joined(index, pool)
@@ -98,12 +100,14 @@ async def test_gap_without_replay_endpoint_marks_unreliable_until_all_blocks_cle
     pool.submit(RawMessage(A, "m", 0, payload((1, None))))
     pool.submit(RawMessage(A, "m", 3, payload((2, 1))))  # seq 1-2 lost, nobody can replay them
     await pool.drained()
-    assert pool.state(A) is EndpointState.UNRELIABLE
-    assert pool.stats.per_endpoint[A].sequence_gaps == 2
-    assert scores(index) == {A: 2}  # applied (never silently partial: the state says unreliable)
-    pool.submit(RawMessage(A, "m", 4, encode_batch(EventBatch(ts=1.0, events=[AllBlocksCleared()]))))
+    assert pool.state(A) is EndpointState.LIVE
+    assert pool.stats.per_endpoint[A].sequence_gaps == 2 and pool.stats.per_endpoint[A].losses == 1
+    assert set(index.held_blocks(A)) == {2}  # block 1 forgotten; block 2 still keys on it (its hash's key kept)
+    assert scores(index) == {}  # a prefix starting at the forgotten block matches nothing: no stale hit
+    pool.submit(RawMessage(A, "m", 4, encode_batch(EventBatch(ts=float(next(_TS)), events=[AllBlocksCleared()]))))
+    pool.submit(RawMessage(A, "m", 5, payload((1, None), (2, 1))))  # stored again after the loss: scored
     await pool.drained()
-    assert pool.state(A) is EndpointState.LIVE and scores(index) == {}
+    assert pool.state(A) is EndpointState.LIVE and scores(index) == {A: 2}
     await pool.shutdown()
 
 
@@ -151,7 +155,9 @@ async def test_first_batch_after_an_indexer_restart_takes_the_replays_first_seq_
         assert pool.export()[A] == (3, True) and pool.stats.per_endpoint[A].sequence_gaps == 0
         pool.submit(RawMessage(A, "m", 5, payload((4, 3))))  # a hole after the start is a gap
         await pool.drained()
-        assert pool.state(A) is EndpointState.UNRELIABLE  # seq 3-4 were never published: not replayable
+        # seq 3-4 were never published: not replayable, a loss, healed: older entries forgotten, live
+        assert pool.state(A) is EndpointState.LIVE and pool.stats.per_endpoint[A].losses == 1
+        assert set(index.held_blocks(A)) == {4}
     finally:
         publisher.shutdown()
         await pool.shutdown()

@@ -83,7 +83,7 @@ async def test_a_new_incarnation_on_the_same_address_starts_empty() -> None:
     await pool.shutdown()
 
 
-async def test_unready_indexer_answers_warming_and_unreliable_endpoints_are_unknown() -> None:
+async def test_unready_indexer_answers_warming_and_a_healed_loss_is_scored_again() -> None:
     index = InMemoryIndex()
     pool = EventPool(index, workers=1)
     indexer = BlockIndexer(index, pool, RecordingFeed())
@@ -94,10 +94,12 @@ async def test_unready_indexer_answers_warming_and_unreliable_endpoints_are_unkn
     indexer.ready = False
     assert indexer.score("m", TOKENS).state is IndexState.WARMING
     indexer.ready = True
-    pool.submit(RawMessage(A, "m", 5, stored_batch()))  # a gap nobody can replay
+    pool.submit(RawMessage(A, "m", 5, stored_batch()))  # a gap nobody can replay: a loss, healed
     await pool.drained()
-    answer = indexer.score("m", TOKENS)
-    assert (answer.state, answer.result.scores, answer.unknown) == (IndexState.READY, [], [A])
+    answer = indexer.score("m", TOKENS)  # live, scored for what it stored after the loss (seq 5)
+    assert (answer.state, [(s.endpoint_id, s.matched_blocks) for s in answer.result.scores], answer.unknown) == (
+        IndexState.READY, [(A, 2)], [])
+    assert pool.stats.per_endpoint[A].losses == 1 and indexer.stats().states == {A: "live"}
     await pool.shutdown()
 
 

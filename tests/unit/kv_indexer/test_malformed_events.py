@@ -89,7 +89,7 @@ def matched(index: InMemoryIndex) -> dict[str, int]:
 @pytest.mark.parametrize("body", list(MALFORMED.values()), ids=list(MALFORMED))
 async def test_malformed_payload_moves_no_seq_and_purges_nothing(body: bytes, seq: int) -> None:
     index = InMemoryIndex()
-    pool = EventPool(index, workers=1)  # no replayer: a gap would make the endpoint unreliable at once
+    pool = EventPool(index, workers=1)  # no replayer: a gap would be a loss at once (entries forgotten)
     joined(index, pool)
     pool.start()
     pool.submit(RawMessage(A, "m", 0, good(1, None)))
@@ -140,9 +140,10 @@ async def test_malformed_message_for_an_unregistered_endpoint_is_not_held() -> N
 
 
 async def test_undecodable_replayed_message_is_a_loss_not_a_step() -> None:
-    """A replayed message that cannot be decoded was published but cannot be applied: the view is
-    partial (``unreliable``), never ``live`` past an event it did not apply (vLLM 0.32's replay ROUTER,
-    served by the simulator's publisher)."""
+    """A replayed message that cannot be decoded was published but cannot be applied: a loss, never a
+    step silently taken past an event it did not apply. Healed: the entries that predate it are
+    forgotten, what follows is applied, the stream is live (vLLM 0.32's replay ROUTER, served by the
+    simulator's publisher)."""
     replay = f"tcp://127.0.0.1:{free_port()}"
     publisher = ZmqEventPublisher(f"tcp://127.0.0.1:{free_port()}", TOPIC.decode(), replay_endpoint=replay)
     payloads = [good(1, None), MALFORMED["not-msgpack"], good(2, 1)]
@@ -156,8 +157,9 @@ async def test_undecodable_replayed_message_is_a_loss_not_a_step() -> None:
         pool.submit(RawMessage(A, "m", 0, payloads[0]))
         pool.submit(RawMessage(A, "m", 2, payloads[2]))  # seq 1 lost on PUB; its replay is garbage
         await pool.drained()
-        assert pool.state(A) is EndpointState.UNRELIABLE
-        assert pool.export()[A] == (3, False) and pool.stats.dropped["bad_payload"] >= 1
+        assert pool.state(A) is EndpointState.LIVE and pool.stats.per_endpoint[A].losses == 1
+        assert pool.export()[A] == (3, True) and pool.stats.dropped["bad_payload"] >= 1
+        assert set(index.held_blocks(A)) == {2} and matched(index) == {}  # block 1 forgotten: no stale prefix
     finally:
         publisher.shutdown()
         await pool.shutdown()
@@ -174,7 +176,8 @@ async def test_a_valid_batch_is_trusted_whoever_sent_it() -> None:
     pool.submit(RawMessage(A, "m", 0, good(1, None)))
     pool.submit(RawMessage(A, "m", FAR, encode_sglang_batch(float(next(_TS)), [])))  # SGLang's format: also valid
     await pool.drained()
-    assert pool.stats.per_endpoint[A].last_seq == FAR and pool.state(A) is EndpointState.UNRELIABLE
+    assert pool.stats.per_endpoint[A].last_seq == FAR and pool.stats.per_endpoint[A].losses == 1
+    assert pool.state(A) is EndpointState.LIVE and matched(index) == {}  # a loss: the older entries forgotten
     await pool.shutdown()
 
 

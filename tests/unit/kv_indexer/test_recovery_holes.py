@@ -4,9 +4,9 @@ A replay answers with what the publisher buffered when it was asked (vLLM 0.32's
 ``vllm/distributed/kv_events.py``); the live messages published after that keep arriving and are
 buffered by the recovery. When the loss that caused the gap is still going on, some of those are
 lost too, so the buffer holds a hole the answer could not cover. Those messages are still in the
-publisher's buffer: the recovery must ask for them again, not declare the endpoint ``unreliable``
-(which kept it unscored for good, so epp scored 0 for the engine that served a prompt). Only a hole
-the publisher can no longer serve is a loss.
+publisher's buffer: the recovery must ask for them again, not declare a loss (which then kept the
+endpoint ``unreliable``, unscored for good, so epp scored 0 for the engine that served a prompt).
+Only a hole the publisher can no longer serve is a loss (healed: ``test_loss_healing.py``).
 
 The publisher is the simulator's ``ZmqEventPublisher`` (vLLM 0.32's wire and replay protocol) and
 the client the real ``ZmqReplayer``; the test decides, inside the replay exchange, which live
@@ -179,7 +179,8 @@ async def test_a_first_batch_recovery_with_a_hole_after_its_start_asks_again(set
 
 async def test_a_hole_the_publisher_can_no_longer_serve_is_a_loss() -> None:
     """The boundary of the kind: when the missing messages left the publisher's buffer (vLLM's
-    ``buffer_steps`` rolled past them), asking again cannot help: ``unreliable``, what arrived applied."""
+    ``buffer_steps`` rolled past them), asking again cannot help: a loss. Healed: the entries that
+    predate the hole are forgotten (they may be stale), what follows it is applied, the stream is live."""
     index = InMemoryIndex()
     replayer = LossyDuringReplay()
     pool = EventPool(index, workers=1, replayer=replayer, replay_timeout_seconds=5)
@@ -198,8 +199,9 @@ async def test_a_hole_the_publisher_can_no_longer_serve_is_a_loss() -> None:
         replayer.during = iter([meanwhile])
         await pool.drained()
         assert replayer.requests == [1, 3]  # asked again once, answered from 5 on: 3-4 are gone
-        assert pool.state(A) is EndpointState.UNRELIABLE
-        assert held(index) >= {1, 2, 3, 6, 7, 8}  # what arrived is applied; the state says it is partial
+        assert pool.state(A) is EndpointState.LIVE and pool.stats.per_endpoint[A].losses == 1
+        assert held(index) == {6, 7, 8}  # 1-3 forgotten at the hole; 6-8 (seq 5-7) applied after it
+        assert index.score("m", list(range(4, 36))).scores == []  # nothing stale: 6 chains on the lost 5
     finally:
         engine.shutdown()
         await pool.shutdown()
