@@ -84,7 +84,9 @@ class ServiceSpec:
         on_start: awaited before the port opens (connect clients, start watchers).
         background: long-running coroutines, cancelled on stop.
         on_stop: awaited after the server stopped (close clients), in order; each bounded by the shutdown grace
-            + :data:`_HOOK_STOP_SECONDS` (one that overruns is logged and left behind).
+            + :data:`_HOOK_STOP_SECONDS`: one that overruns is logged and cancelled, and one still running
+            :data:`_HOOK_CANCEL_SECONDS` after its cancel (it swallowed the cancellation) is logged and left
+            behind, running; the stop goes on to the next hook either way (one that fails is logged too).
         ready: when set, health stays NOT_SERVING after start until it returns (warm-up gating).
     """
 
@@ -203,18 +205,35 @@ class GrpcService:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         for hook in self.spec.on_stop:
-            try:  # bounded: a hook that never returns must not keep a stopping process alive forever
-                await asyncio.wait_for(hook(), self.config.shutdown_grace_seconds + _HOOK_STOP_SECONDS)
-            except TimeoutError:
-                logger.error("%s on_stop hook %s did not finish within %.1f s; going on",
-                             self.spec.name, getattr(hook, "__qualname__", hook),
-                             self.config.shutdown_grace_seconds + _HOOK_STOP_SECONDS)
-            except Exception:
-                logger.exception("%s on_stop hook failed", self.spec.name)
+            await self._stop_hook(hook)
         if self._metrics is not None:
             self._metrics.stop()
         shutdown_tracing()
         logger.info("%s stopped", self.spec.name)
+
+    async def _stop_hook(self, hook: Hook) -> None:
+        """Await one ``on_stop`` hook, bounded (see :class:`ServiceSpec`): a hook that never returns,
+        even once cancelled, must not keep a stopping process alive forever (``asyncio.wait_for``
+        would wait for a cancel it swallowed)."""
+        name, bound = getattr(hook, "__qualname__", hook), self.config.shutdown_grace_seconds + _HOOK_STOP_SECONDS
+        task = asyncio.ensure_future(hook())
+        try:
+            done, _ = await asyncio.wait({task}, timeout=bound)
+            if not done:
+                task.cancel()
+                done, _ = await asyncio.wait({task}, timeout=_HOOK_CANCEL_SECONDS)
+        except asyncio.CancelledError:  # the stop itself was cancelled: the hook goes with it
+            task.cancel()
+            raise
+        if not done:
+            logger.error("%s on_stop hook %s did not finish within %.1f s nor %.1f s after its cancel; left behind",
+                         self.spec.name, name, bound, _HOOK_CANCEL_SECONDS)
+            _LEFT_BEHIND.add(task)
+            task.add_done_callback(_forget_left_behind)
+        elif task.cancelled():
+            logger.error("%s on_stop hook %s did not finish within %.1f s; cancelled, going on", self.spec.name, name, bound)
+        elif task.exception() is not None:
+            logger.error("%s on_stop hook %s failed", self.spec.name, name, exc_info=task.exception())
 
     async def run(self) -> None:
         """Start, wait for SIGTERM/SIGINT (or a background task to crash), then stop. A background
@@ -248,7 +267,17 @@ class GrpcService:
 
 
 _HOOK_STOP_SECONDS = 10.0
-"""What an ``on_stop`` hook may take beyond the shutdown grace before :meth:`GrpcService.stop` goes on without it."""
+"""What an ``on_stop`` hook may take beyond the shutdown grace before :meth:`GrpcService.stop` cancels it."""
+_HOOK_CANCEL_SECONDS = 1.0
+"""What a cancelled ``on_stop`` hook may take to end before :meth:`GrpcService.stop` goes on without it."""
+_LEFT_BEHIND: set[asyncio.Future[None]] = set()
+"""``on_stop`` hooks that ignored their cancellation, still running (a reference keeps each alive)."""
+
+
+def _forget_left_behind(task: asyncio.Future[None]) -> None:
+    _LEFT_BEHIND.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("a left-behind on_stop hook failed", exc_info=task.exception())
 
 
 def write_ports_file(path: str, ports: dict[str, int]) -> None:

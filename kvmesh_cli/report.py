@@ -23,7 +23,7 @@ from rich.table import Table
 
 BREAKDOWN_KEYS = (
     "ttft_mean_s", "mesh_admission_mean_s", "mesh_admission_p50_s", "mesh_pick_mean_s", "mesh_pick_p50_s",
-    "mesh_pre_dispatch_mean_s", "engine_ttft_mean_s", "engine_ttft_p50_s", "engine_queue_mean_s",
+    "mesh_pre_dispatch_mean_s", "mesh_pre_dispatch_p50_s", "mesh_stage_overlap_mean_s", "engine_ttft_mean_s", "engine_ttft_p50_s", "engine_queue_mean_s",
     "engine_queue_p50_s", "engine_queue_p50_bucket_s", "engine_queue_p90_s", "engine_prefill_mean_s",
     "engine_prefill_p50_s", "engine_prefill_p50_bucket_s", "engine_prefill_p90_s", "ttft_unaccounted_mean_s", "engine_running_mean", "engine_waiting_mean",
     "flow_control_queue_mean",
@@ -65,7 +65,12 @@ routing can make warm); ``None`` for open-loop traces.
 TTFT breakdown (:data:`BREAKDOWN_KEYS`, :func:`ttft_breakdown`; model seconds; ``None`` where not measured, e.g.
 the mesh's stages behind a peer router): ``ttft_mean_s`` the client's TTFT mean (means add up, percentiles do
 not); ``mesh_admission_*`` / ``mesh_pick_*`` the router's ``kvmesh_router_stage_duration_seconds{stage}``
-(admission: arrival to flow_control's DISPATCHED; pick: the epp Pick), ``mesh_pre_dispatch_mean_s`` their sum;
+(admission: arrival to flow_control's DISPATCHED; pick: the epp Pick); ``mesh_pre_dispatch_*`` the router's
+``pre_dispatch`` stage (arrival to the first POST to an engine, measured: with the router's early pick the Pick
+runs beside admission, so the two stages overlap and their sum over-counts), ``mesh_stage_overlap_mean_s`` =
+admission mean + pick mean - pre-dispatch mean (how much of the two ran at once; about the pick mean when every
+pick was early). A router without the ``pre_dispatch`` stage (before wave 9): ``mesh_pre_dispatch_mean_s`` is the
+sum of the two means (an upper bound) and the other two are None;
 ``engine_ttft_*`` vLLM's ``vllm:time_to_first_token_seconds`` (arrival at the engine to first token),
 ``engine_queue_*`` ``vllm:request_queue_time_seconds`` (WAITING: queued to first scheduled),
 ``engine_prefill_*`` ``vllm:request_prefill_time_seconds`` (first scheduled to first token), all over every
@@ -237,7 +242,10 @@ ENGINE_HISTOGRAMS = ("vllm:time_to_first_token_seconds", "vllm:request_queue_tim
 """vLLM 0.32's per-request histograms the TTFT breakdown reads from every engine (``vllm/v1/metrics/loggers.py``)."""
 ROUTER_STAGE_HISTOGRAM = "kvmesh_router_stage_duration_seconds"
 MESH_STAGES = ("admission", "pick")
-"""The router's stages before the request is sent to its engine (services/router/metrics.py)."""
+"""The router's stages before the request is sent to its engine (services/router/metrics.py); they overlap
+(the early pick runs beside admission): :data:`PRE_DISPATCH_STAGE` measures them together."""
+PRE_DISPATCH_STAGE = "pre_dispatch"
+"""The router's stage from arrival to the first POST to an engine (services/router/metrics.py)."""
 
 
 def stage_means(before: Mapping[str, Hist] | None, after: Mapping[str, Hist], time_scale: float = 1.0) -> dict[str, float]:
@@ -289,7 +297,16 @@ def ttft_breakdown(
             p50 = hist_quantile(h, 0.5)
             out[f"mesh_{stage}_mean_s"] = means.get(stage)
             out[f"mesh_{stage}_p50_s"] = p50[0] * time_scale if p50 is not None else None
-        out["mesh_pre_dispatch_mean_s"] = sum(means.values(), 0.0)
+        pre = router_after[PRE_DISPATCH_STAGE].minus((router_before or {}).get(PRE_DISPATCH_STAGE)) \
+            if PRE_DISPATCH_STAGE in router_after else None
+        if pre is not None and pre.mean is not None:  # measured: admission and pick as they overlapped
+            p50 = hist_quantile(pre, 0.5)
+            out["mesh_pre_dispatch_mean_s"] = pre.mean * time_scale
+            out["mesh_pre_dispatch_p50_s"] = p50[0] * time_scale if p50 is not None else None
+            if len(means) == len(MESH_STAGES):
+                out["mesh_stage_overlap_mean_s"] = sum(means.values(), 0.0) - pre.mean * time_scale
+        else:  # a router without the stage: the sum, an upper bound when the pick overlapped admission
+            out["mesh_pre_dispatch_mean_s"] = sum(means.values(), 0.0)
     engine_ttft = out["engine_ttft_mean_s"]
     if ttft_mean_s is not None and isinstance(engine_ttft, float):
         out["ttft_unaccounted_mean_s"] = ttft_mean_s - engine_ttft - float(out["mesh_pre_dispatch_mean_s"] or 0.0)  # type: ignore[arg-type]
@@ -470,9 +487,10 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("TTFT p50, follow-up calls (s)", "ttft_follow_up_p50_s", "s"),
     ("TTFT p90, follow-up calls (s)", "ttft_follow_up_p90_s", "s"),
     ("TTFT mean (s)", "ttft_mean_s", "s"),
-    ("  mesh before dispatch, mean (s)", "mesh_pre_dispatch_mean_s", "s"),
+    ("  mesh before dispatch, mean / p50 (s)", "mesh_pre_dispatch", "mean_p50"),
     ("    admission wait mean / p50 (s)", "mesh_admission", "mean_p50"),
     ("    pick mean / p50 (s)", "mesh_pick", "mean_p50"),
+    ("    admission and pick at once (early pick), mean (s)", "mesh_stage_overlap_mean_s", "s"),
     ("  engine TTFT mean / p50 (s)", "engine_ttft", "mean_p50"),
     ("    engine queue mean / p50 (its bucket), s", "engine_queue", "mean_p50_bucket"),
     ("    engine queue p90 (s, from vLLM's buckets)", "engine_queue_p90_s", "s"),

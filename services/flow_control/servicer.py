@@ -314,6 +314,13 @@ class _AdmitSession:
     that gave up on the ticket ignores the answer); an entry with no kind, or a CreditReturn
     without a CreditRequest, is ``INVALID_ARGUMENT``.
 
+    After an error for a ticket the stream holds nothing under it (the proto's contract; the
+    router drops a ticket on any error). So an Enqueue under a ticket the stream still holds
+    (queued, or dispatched and not yet completed or released) releases that earlier admission
+    too (a queued one leaves the queue and is never answered; a dispatched one frees its slot)
+    and the one error answers both. A ticket id is free again once the stream no longer holds it
+    (after its Complete or Release, a rejection, or an error): a later Enqueue may reuse it.
+
     Credits: a ``CreditRequest`` opens (or resizes) the stream's :class:`CreditAccount`; its
     grants and revocations ride the writer's next ``AdmitDecisions`` (``credits``). An Enqueue
     ``on_credit`` is recorded as dispatched and gets no decision (a malformed one is answered as
@@ -370,8 +377,16 @@ class _AdmitSession:
         enqueue = entry.enqueue
         span = _admit_span(entry)
         try:
-            if entry.ticket == 0 or entry.ticket in self._tickets:
-                raise InvalidRequest(f"ticket {entry.ticket} is zero or already in use on this stream")
+            if entry.ticket == 0:
+                raise InvalidRequest("ticket 0 is reserved for credit entries: an enqueue needs a non-zero ticket")
+            held = self._forget(entry.ticket)
+            if held is not None:  # an error answers the ticket: it must hold nothing after it
+                state = held.state.value
+                self._controller.release(held)
+                raise InvalidRequest(
+                    f"ticket {entry.ticket} is already in use on this stream ({state}): the duplicate enqueue is "
+                    f"refused and the earlier admission under ticket {entry.ticket} released (a queued one leaves "
+                    "the queue, a dispatched one frees its slot); the stream holds nothing for it now")
             if not enqueue.request_id:
                 raise InvalidRequest("enqueue.request_id is required")
             request = admission_request(enqueue)
@@ -398,7 +413,12 @@ class _AdmitSession:
             self._waiters[entry.ticket] = asyncio.create_task(self._wait(entry.ticket, ticket, span, enqueue))
 
     async def _wait(self, key: int, ticket: Ticket, span: trace.Span | None, enqueue: flow_control_pb2.Enqueue) -> None:
-        await ticket.wait()
+        try:
+            await ticket.wait()
+        except asyncio.CancelledError:  # released while queued (Release, a duplicate enqueue, the stream's end)
+            if span is not None:
+                span.end()
+            raise
         self._waiters.pop(key, None)
         self._decided(key, ticket, span, enqueue)
 

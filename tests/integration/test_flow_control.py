@@ -229,12 +229,13 @@ async def test_admit_many_answers_every_refused_entry_with_an_error_and_goes_on(
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.FlowControlStub(channel)
         call = stub.AdmitMany()
-        await call.write(pb.AdmitBatch(entries=[pb.AdmitEntry(ticket=1, enqueue=pb.Enqueue(request_id="a", model="m"))]))
-        first = await _decisions(call, {1})
+        await call.write(pb.AdmitBatch(entries=[pb.AdmitEntry(ticket=1, enqueue=pb.Enqueue(request_id="a", model="m")),
+                                                pb.AdmitEntry(ticket=3, enqueue=pb.Enqueue(request_id="c", model="m"))]))
+        first = await _decisions(call, {1, 3})
         assert first[1].WhichOneof("outcome") == "response"
         assert first[1].response.outcome == pb.QUEUE_OUTCOME_DISPATCHED
         bad = [
-            pb.AdmitEntry(ticket=1, enqueue=pb.Enqueue(request_id="dup", model="m")),  # duplicate ticket
+            pb.AdmitEntry(ticket=3, enqueue=pb.Enqueue(request_id="dup", model="m")),  # duplicate ticket (releases 3)
             pb.AdmitEntry(ticket=0, enqueue=pb.Enqueue(request_id="zero", model="m")),  # zero ticket
             pb.AdmitEntry(ticket=97, enqueue=pb.Enqueue(request_id="long", model="m", flow_id="x" * 257)),
             pb.AdmitEntry(ticket=96, enqueue=pb.Enqueue(request_id="nan", model="m", ttl_seconds=float("nan"))),
@@ -243,8 +244,8 @@ async def test_admit_many_answers_every_refused_entry_with_an_error_and_goes_on(
             pb.AdmitEntry(ticket=98),  # no body
         ]
         await call.write(pb.AdmitBatch(entries=bad))
-        got = await _decisions(call, {0, 1, 95, 96, 97, 98, 99})
-        expected = {1: "INVALID_ARGUMENT", 0: "INVALID_ARGUMENT", 97: "INVALID_ARGUMENT", 96: "INVALID_ARGUMENT",
+        got = await _decisions(call, {0, 3, 95, 96, 97, 98, 99})
+        expected = {3: "INVALID_ARGUMENT", 0: "INVALID_ARGUMENT", 97: "INVALID_ARGUMENT", 96: "INVALID_ARGUMENT",
                     99: "NOT_FOUND", 95: "NOT_FOUND", 98: "INVALID_ARGUMENT"}
         for ticket, code in expected.items():
             decision = got[ticket]
@@ -253,7 +254,8 @@ async def test_admit_many_answers_every_refused_entry_with_an_error_and_goes_on(
             assert (decision.error.code, decision.error.error_class) == (code, classes[code]), decision
             assert decision.error.message
         assert "ticket 99" in got[99].error.message and "ticket 98" in got[98].error.message
-        # The stream goes on: ticket 1 is still held (its Complete is not answered), new tickets are admitted.
+        # The stream goes on: ticket 1 is still held (its Complete is not answered), ticket 3 is not (its
+        # duplicate's error released it), new tickets are admitted.
         stats = await stub.Stats(pb.StatsRequest())
         assert (stats.in_flight, stats.queued) == (1, 0)
         await call.write(pb.AdmitBatch(entries=[
@@ -266,6 +268,91 @@ async def test_admit_many_answers_every_refused_entry_with_an_error_and_goes_on(
         await call.done_writing()
         assert await call.read() == grpc.aio.EOF
         await stats_become(stub, in_flight=0, queued=0)
+
+
+async def test_admit_many_duplicate_ticket_leaves_nothing_held_and_released_ids_are_reused(start_service) -> None:
+    """An error for a ticket means the stream holds nothing under it (the proto's AdmitError
+    contract; the router drops a ticket on any error): an Enqueue under a ticket still queued, or
+    dispatched and not yet released, is refused and releases the earlier admission too (no
+    decision comes later for the queued one; the dispatched one's slot is freed). An id the stream
+    no longer holds (completed, released, errored) is accepted again."""
+    _, address = start_service("flow_control", "--max-in-flight", "1", "--queue-ttl-seconds", "30")
+
+    def enq(ticket: int, request_id: str) -> pb.AdmitEntry:
+        return pb.AdmitEntry(ticket=ticket, enqueue=pb.Enqueue(request_id=request_id, model="m"))
+
+    def complete(ticket: int) -> pb.AdmitEntry:
+        return pb.AdmitEntry(ticket=ticket, complete=pb.Complete(success=True))
+
+    async def next_decisions() -> dict[int, pb.AdmitDecision]:
+        message = await asyncio.wait_for(call.read(), 5)
+        assert message is not grpc.aio.EOF
+        return {d.ticket: d for d in message.decisions}
+
+    def dispatched(decision: pb.AdmitDecision) -> bool:
+        return decision.WhichOneof("outcome") == "response" and decision.response.outcome == pb.QUEUE_OUTCOME_DISPATCHED
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.FlowControlStub(channel)
+        call = stub.AdmitMany()
+        await call.write(pb.AdmitBatch(entries=[enq(1, "a")]))
+        assert dispatched((await next_decisions())[1])
+        await call.write(pb.AdmitBatch(entries=[enq(2, "b")]))  # queued behind ticket 1
+        await stats_become(stub, in_flight=1, queued=1)
+        # A duplicate of the queued ticket: one error, and the queued request leaves the queue.
+        await call.write(pb.AdmitBatch(entries=[enq(2, "b-again")]))
+        got = await next_decisions()
+        assert set(got) == {2} and got[2].WhichOneof("outcome") == "error", got
+        assert (got[2].error.code, got[2].error.error_class) == ("INVALID_ARGUMENT", "InvalidRequest")
+        assert "already in use" in got[2].error.message and "(queued)" in got[2].error.message
+        await stats_become(stub, in_flight=1, queued=0)
+        # Ticket 1's slot goes to ticket 3, not to the released ticket 2: no decision for 2 ever comes
+        # (decisions are written in order, so a dispatch of 2 would come first and 3 would queue).
+        await call.write(pb.AdmitBatch(entries=[complete(1), enq(3, "c")]))
+        got = await next_decisions()
+        assert set(got) == {3} and dispatched(got[3]), got
+        await stats_become(stub, in_flight=1, queued=0)
+        # A duplicate of a dispatched ticket: the error frees its slot; its later Complete is NOT_FOUND.
+        await call.write(pb.AdmitBatch(entries=[enq(3, "c-again")]))
+        got = await next_decisions()
+        assert got[3].WhichOneof("outcome") == "error" and "(dispatched)" in got[3].error.message, got
+        await stats_become(stub, in_flight=0, queued=0)
+        await call.write(pb.AdmitBatch(entries=[complete(3)]))
+        got = await next_decisions()
+        assert got[3].error.code == "NOT_FOUND", got
+        # Ids the stream no longer holds are free: 2 (errored), 3 (errored), 1 (completed).
+        for ticket in (2, 3, 1):
+            await call.write(pb.AdmitBatch(entries=[enq(ticket, f"reuse-{ticket}")]))
+            got = await next_decisions()
+            assert set(got) == {ticket} and dispatched(got[ticket]), got
+            await call.write(pb.AdmitBatch(entries=[complete(ticket)]))
+            await stats_become(stub, in_flight=0, queued=0)
+        await call.done_writing()
+        assert await call.read() == grpc.aio.EOF
+        await stats_become(stub, in_flight=0, queued=0)
+
+
+async def test_admit_many_duplicate_on_credit_ticket_leaves_nothing_held(start_service) -> None:
+    """The credit sibling: an ``on_credit`` Enqueue (recorded as dispatched, no decision) under a
+    ticket the stream holds is answered with an error and both admissions are gone (the duplicate
+    spent its credit, the earlier one's slot is freed), as for a decided ticket."""
+    _, address = start_service("flow_control", "--max-in-flight", "4")
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.FlowControlStub(channel)
+        call = stub.AdmitMany()
+        await call.write(pb.AdmitBatch(entries=[pb.AdmitEntry(credit_request=pb.CreditRequest(max_credits=2))]))
+        message = await asyncio.wait_for(call.read(), 5)
+        assert message.credits.grant >= 2, message
+        on_credit = pb.AdmitEntry(ticket=5, enqueue=pb.Enqueue(request_id="a", model="m"), on_credit=True)
+        await call.write(pb.AdmitBatch(entries=[on_credit]))
+        await stats_become(stub, in_flight=1, queued=0)
+        await call.write(pb.AdmitBatch(entries=[on_credit]))  # the same ticket again, on a second credit
+        got = await _decisions(call, {5})  # past any credit top-up
+        assert got[5].WhichOneof("outcome") == "error" and "(dispatched)" in got[5].error.message, got
+        await stats_become(stub, in_flight=0, queued=0)
+        await call.done_writing()
+        while (await asyncio.wait_for(call.read(), 5)) is not grpc.aio.EOF:
+            pass
 
 
 async def test_router_admission_client_reads_the_entry_error(start_service) -> None:

@@ -139,6 +139,48 @@ async def test_a_hook_that_never_returns_does_not_hold_the_stop(monkeypatch: pyt
     assert asyncio.get_running_loop().time() - started < 5
 
 
+async def test_a_hook_that_swallows_its_cancel_is_left_behind_and_does_not_hold_the_stop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """ServiceSpec.on_stop's contract: a hook past its bound is cancelled, and one that swallows the
+    cancellation and keeps going is left behind running; the stop goes on to the next hook.
+    (``asyncio.wait_for`` would wait for it: the stop took as long as the hook chose.)"""
+    import kvmesh.server as server_module
+
+    monkeypatch.setattr(server_module, "_HOOK_STOP_SECONDS", 0.3)
+    monkeypatch.setattr(server_module, "_HOOK_CANCEL_SECONDS", 0.2, raising=False)
+    loop = asyncio.get_running_loop()
+    ran: list[str] = []
+    deaf_done = asyncio.Event()
+
+    async def deaf() -> None:
+        ran.append("deaf")
+        deadline = loop.time() + 4.0
+        try:
+            while loop.time() < deadline:
+                try:
+                    await asyncio.sleep(deadline - loop.time())
+                except asyncio.CancelledError:
+                    ran.append("swallowed")
+        finally:
+            deaf_done.set()
+
+    async def after() -> None:
+        ran.append("after")
+
+    config = GrpcServiceConfig(etcd_endpoints=[], shutdown_grace_seconds=0.1)
+    svc = GrpcService(config, ServiceSpec("probe", [SERVICE], _add, register_in_etcd=False, on_stop=[deaf, after]))
+    await svc.start()
+    started = loop.time()
+    await asyncio.wait_for(svc.stop(), 10)
+    took = loop.time() - started
+    assert ran == ["deaf", "swallowed", "after"]  # cancelled once, then the stop went on without it
+    assert took < 2.5, took  # bound 0.1 + 0.3 s, + 0.2 s after the cancel; the hook itself runs 4 s
+    assert not deaf_done.is_set() and len(server_module._LEFT_BEHIND) == 1  # left behind, still running
+    await asyncio.wait_for(deaf_done.wait(), 10)
+    await asyncio.sleep(0)
+    assert not server_module._LEFT_BEHIND  # forgotten once it ended
+
+
 async def test_a_taken_grpc_port_is_a_listen_error_and_stops_cleanly() -> None:
     import socket
 

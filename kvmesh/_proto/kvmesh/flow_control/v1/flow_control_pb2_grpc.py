@@ -67,8 +67,8 @@ class FlowControlServicer:
 
     def AdmitMany(self, request_iterator, context):
         """Every admission of one client (a router) on one long-lived stream: no call set-up per request.
-        Each AdmitBatch carries entries keyed by a client-chosen ticket id (unique for the stream's
-        life): an Enqueue, then later a Complete (report and release) or a Release (release without a
+        Each AdmitBatch carries entries keyed by a client-chosen ticket id (unique among the tickets
+        the stream holds; see AdmitEntry.ticket): an Enqueue, then later a Complete (report and release) or a Release (release without a
         report; cancels a queued request). Each AdmitDecisions answers enqueues, one decision per
         ticket, in any order; a Complete or Release of a held ticket is not answered. An entry the
         server refuses (see AdmitDecision.error) is answered with an error for its ticket alone and
