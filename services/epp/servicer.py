@@ -248,7 +248,10 @@ class _PickSession:
     a negative or non-finite ``timeout_seconds``, a request ``Pick`` refuses: more than one prompt
     form, ``render_json`` that is not a JSON object) is answered ``INVALID_ARGUMENT`` for that id alone;
     a ``cancel`` entry stops its pick and nothing is answered for it. The session's end cancels
-    every pick still running.
+    every pick still running. An entry whose id is still in flight is refused and the pick in flight
+    under that id is cancelled too: the ``INVALID_ARGUMENT`` is that id's one answer, no result follows
+    it (the client, which reads an error as the end of that id, is never answered twice), as
+    flow_control's ``AdmitMany`` does with a held ticket.
     """
 
     def __init__(self, scheduler: Scheduler, context: grpc.aio.ServicerContext) -> None:
@@ -268,8 +271,12 @@ class _PickSession:
                 task.cancel()
             return
         try:
-            if key == 0 or key in self._running:
-                raise InvalidRequest(f"pick id {key} is zero or already in flight on this stream")
+            if key == 0:
+                raise InvalidRequest("pick id 0 is reserved: ids start at 1")
+            if (held := self._running.pop(key, None)) is not None:
+                held.cancel()
+                raise InvalidRequest(
+                    f"pick id {key} is already in flight on this stream: both entries are dropped (no result follows)")
             check_timeout_seconds(entry.timeout_seconds)
             request = request_from_proto(entry.request)
         except InvalidRequest as exc:

@@ -402,3 +402,35 @@ async def test_a_deferred_completion_rides_the_next_pick_or_goes_within_the_flus
     finally:
         await client.close()
         await server.stop(0)
+
+
+async def test_a_duplicate_id_in_flight_is_its_one_answer_and_the_held_pick_is_dropped() -> None:
+    """An entry reusing an id still in flight: one INVALID_ARGUMENT for the id, the held pick cancelled
+    (no result under that id after the error), the stream goes on, and the id can be used again."""
+    index = _Index(delay=1.0)
+    scheduler, datastore = _scheduler("precise-prefix", index)
+    server, port = await _serve(EndpointPickerServicer(scheduler))
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        call = epp_pb2_grpc.EndpointPickerStub(channel).PickMany()
+        slow = epp_pb2.PickRequest(request_id="s", model="m", prompt_token_ids=range(128))
+        await call.write(epp_pb2.PickBatch(entries=[epp_pb2.PickEntry(id=5, request=slow)]))
+        await asyncio.sleep(0.2)  # epp has the first entry, waiting on the index
+        await call.write(epp_pb2.PickBatch(entries=[epp_pb2.PickEntry(id=5, request=slow)]))
+        async with asyncio.timeout(5):
+            message = await call.read()
+        assert [(r.id, r.error.code) for r in message.results] == [(5, "INVALID_ARGUMENT")]
+        assert "already in flight" in message.results[0].error.message
+        await _until(lambda: index.cancelled == 1)  # the held pick was stopped, not left to answer later
+        index.delay = 0.0
+        await call.write(epp_pb2.PickBatch(entries=[epp_pb2.PickEntry(id=5, request=slow)]))
+        async with asyncio.timeout(5):
+            message = await call.read()
+        assert [r.id for r in message.results] == [5] and message.results[0].HasField("response")
+        assert sum(datastore.picks_total(e.id) for e in ENDPOINTS) == 1  # only the last entry was picked
+        await call.done_writing()
+        async with asyncio.timeout(5):
+            assert await call.read() is grpc.aio.EOF
+    finally:
+        await channel.close()
+        await server.stop(0)
