@@ -35,7 +35,8 @@ class KvIndexerConfig(GrpcServiceConfig):
     """Deadline of one replay request to a publisher's replay endpoint; past it the missing messages
     count as lost (the endpoint's older entries are forgotten, docs/kv-index.md)."""
     recovery_buffer_messages: int = Field(100_000, ge=1, le=10_000_000)
-    """Live messages buffered per endpoint while its gap is replayed; the oldest dropped beyond it count as lost."""
+    """Live messages buffered per endpoint while its gap is replayed; the oldest dropped beyond it are
+    asked of the publisher's replay buffer again, and count as lost only when it can no longer serve them."""
     tail_probe_quiet_seconds: float = Field(2.0, ge=0, le=3600)
     """An endpoint with a replay endpoint that has been quiet this long after its last message is
     asked once for what followed it (vLLM sends no heartbeat: a lost final message is otherwise never

@@ -4,7 +4,7 @@
 | --- | --- | --- | --- |
 | ``kvmesh_kv_indexer_events_applied_total`` | counter | ``event_type`` | events applied to the index |
 | ``kvmesh_kv_indexer_events_skipped_total`` | counter | ``reason`` | events not applied (:class:`ApplyOutcome`) |
-| ``kvmesh_kv_indexer_batches_dropped_total`` | counter | ``reason`` | ZMQ messages dropped before the index (``duplicate``: a seq already applied) |
+| ``kvmesh_kv_indexer_batches_dropped_total`` | counter | ``reason`` | ZMQ messages dropped before the index (``duplicate``: a copy of a message applied, same seq and batch ``ts``) |
 | ``kvmesh_kv_indexer_sequence_gaps_total`` | counter | | messages missed per the publisher's seq |
 | ``kvmesh_kv_indexer_blocks`` | gauge | | distinct block keys in the index |
 | ``kvmesh_kv_indexer_endpoints`` | gauge | | endpoints whose events are applied |

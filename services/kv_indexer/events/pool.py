@@ -13,18 +13,26 @@ messages 0, 1, 2, ... per publisher). A message with
 * a higher seq is a *gap*: the endpoint enters ``recovering``, its live messages are buffered, and
   the missing range is asked of the publisher's replay buffer (:class:`Replayer`, vLLM's ROUTER
   protocol); replayed and buffered messages are then applied in order, each seq once. Live messages
-  lost *while* the replay was answered (published after the publisher answered) leave a hole in the
-  buffered ones that is still in the publisher's buffer: it is asked for again. A range the
-  publisher can no longer serve (no replay endpoint, timeout past ``replay_timeout_seconds``, buffer
-  already rolled over, too many live messages buffered meanwhile) is a *loss*, healed as below;
-* a lower seq is either a *duplicate* or a *publisher restart*, told apart by the batch's ``ts``
-  (vLLM stamps each ``KVEventBatch`` with the engine's ``time.time()``): a message no newer than the
-  last one applied is a duplicate, dropped (``batches_dropped{reason="duplicate"}``). Duplicates are
-  normal after a recovery: the replay answers up to the publisher's newest message, while the same
-  messages are still on their way over the live SUB socket (queued in ZMQ while the indexer was
-  starting, or in the worker's queue). A newer one means the publisher restarted (a new incarnation
-  the registration did not reveal; vLLM numbers from 0 again): the endpoint's entries are purged
-  and its stream starts afresh, as below.
+  lost *while* the replay was answered (published after the publisher answered), or dropped from a
+  live buffer that overflowed (``recovery_buffer_messages``), leave a hole in the buffered ones that
+  is still in the publisher's buffer: it is asked for again. A range the publisher can no longer
+  serve (no replay endpoint, timeout past ``replay_timeout_seconds``, buffer already rolled over) is
+  a *loss*, healed as below;
+* a lower seq is either a *duplicate* or a *publisher restart*. A duplicate is a copy of a message
+  applied: vLLM 0.32 replays the very bytes it published (``(seq, payload)`` from its buffer), so its
+  ``ts`` (the engine's ``time.time()`` when the batch was made) is the one applied at that seq. The
+  pool keeps the ``ts`` applied at each seq served by a replay (until the next in-order live message
+  shows the live stream has passed them, at most :data:`_REPLAYED_KEPT`) and at the last
+  :data:`_LIVE_KEPT` seqs applied live. A lower seq whose ``ts`` equals the one kept for it is a
+  duplicate, dropped (``batches_dropped{reason="duplicate"}``, one INFO line per endpoint per 10 s).
+  Duplicates are normal after a recovery: the replay answers up to the publisher's newest message,
+  while the same messages are still on their way over the live SUB socket (queued in ZMQ while the
+  indexer was starting, or in the worker's queue). Any other lower seq (a seq never applied, such as
+  one inside a healed hole or below a forged far-ahead seq, or one applied with another ``ts``) is
+  the publisher's: it restarted (a new incarnation the registration did not reveal; vLLM numbers
+  from 0 again per process): the endpoint's entries are purged and its stream starts afresh, as
+  below. Neither rule compares clocks, so an engine whose clock stepped back across a restart, or a
+  batch stamped far in the future, cannot make the engine's later batches read as duplicates.
 
 **Fresh start.** An endpoint whose start is unknown (no message applied yet for its incarnation:
 the indexer restarted without its snapshot of it, or the publisher restarted) holds no entry that
@@ -69,8 +77,10 @@ entries: its seq is not evidence of anything. A replayed message that cannot be 
 message lost (a hole, asked for again, then healed as a loss). Drop lines are rate-limited per reason
 (:class:`kvmesh.logging.RateLimitedLog`: one per 10 s with the count suppressed). A *valid* message
 is trusted, whoever sent it: vLLM's ZMQ protocol has no authentication, so a well-formed batch with
-a far-ahead seq is a gap (then, when the engine's real seq follows, a publisher restart), exactly as
-if the engine had sent it. Keep the events bind address on a network only engines reach.
+a far-ahead seq is a gap (healed as a loss when no replay covers it), and the engine's real seq
+after it, never applied, is a publisher restart: its entries are purged once and its stream is
+followed again from there, whatever ``ts`` the forged batch carried. Keep the events bind address on
+a network only engines reach.
 
 **Registration race.** An engine may publish before the indexer's etcd watch sees it join. A
 message for an endpoint that was never registered is held (at most ``pending_batches`` per
@@ -87,7 +97,7 @@ import logging
 import math
 import time
 import zlib
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -108,6 +118,10 @@ _MAX_PENDING_ENDPOINTS = 1024
 _APPLY_CHUNK = 2000
 """Replayed messages applied between yields to the loop."""
 _NO_REPLAY = "no replay endpoint"
+_LIVE_KEPT = 64
+"""Per endpoint, the ``ts`` of the last this many seqs applied live is kept (a re-sent live message)."""
+_REPLAYED_KEPT = 200_000
+"""Per endpoint, at most this many seqs served by a replay keep their ``ts`` (the oldest go first)."""
 
 
 class EndpointState(enum.StrEnum):
@@ -205,8 +219,11 @@ class _Track:
     next_seq: int | None = None
     """The next seq expected; None while the start is unknown (nothing applied for this incarnation)."""
     recovery: _Recovery | None = None
-    last_ts: float | None = None
-    """``ts`` of the last batch applied in this process (None: none yet, or restored from a snapshot)."""
+    live_seqs: list[int] = field(default_factory=lambda: [-1] * _LIVE_KEPT)
+    """Ring of the last seqs applied live (slot ``seq % _LIVE_KEPT``); with ``live_ts``, their batches' ``ts``."""
+    live_ts: list[float] = field(default_factory=lambda: [0.0] * _LIVE_KEPT)
+    replayed: OrderedDict[int, float] = field(default_factory=OrderedDict)
+    """``seq -> ts`` of the messages applied from a replay answer since the last in-order live message."""
     history_asked: bool = False
     """The replay buffer was already asked for this fresh start (one replay per start)."""
     applied_at: float | None = None
@@ -238,7 +255,7 @@ class EventPool:
         replayer: where missed messages are fetched from (None: every gap is a loss, healed).
         replay_timeout_seconds: deadline of one replay request.
         recovery_buffer_messages: live messages buffered per recovering endpoint; beyond it the oldest
-            are dropped (a loss unless the replay covers them).
+            are dropped (asked of the replay buffer again; a loss only when it cannot serve them).
         parity: checks each ``BlockStored`` against the registration (optional).
         clock: monotonic seconds (injectable for tests).
         tail_probe_quiet_seconds: quiet time after an endpoint's last message before its replay
@@ -513,6 +530,8 @@ class EventPool:
             )
             self._start_recovery(track, expected, "gap", message)
             return
+        if track.replayed:  # the live stream has passed every replayed seq: no copy of one can follow
+            track.replayed.clear()
         self._apply_message(track, message, stats)
 
     def _start_fresh(self, track: _Track, message: RawMessage, stats: EndpointIngestStats) -> None:
@@ -529,28 +548,31 @@ class EventPool:
         self._apply_message(track, message, stats)
 
     def _older(self, track: _Track, message: RawMessage, expected: int, stats: EndpointIngestStats) -> None:
-        """A seq below the expected one: a duplicate (``ts`` no newer than the last batch applied)
-        is dropped; anything else is a publisher restart: purge, then start afresh with it."""
-        if message.batch is None and not self._decode(message):
-            return
-        assert message.batch is not None
+        """A seq below the expected one: a copy of a message applied (the same seq with the same
+        ``ts``, kept from a replay or the last live ones) is a duplicate, dropped; anything else is
+        a publisher restart: purge, then start afresh with it."""
+        assert message.batch is not None, "messages are decoded before they are sequenced"
+        seq = message.seq
         ts = message.batch.ts
-        if track.last_ts is not None and ts <= track.last_ts:
-            logger.debug(
-                "dropping duplicate kv event message endpoint=%s seq=%d (next expected %d)",
-                message.endpoint_id, message.seq, expected,
-            )
+        slot = seq % _LIVE_KEPT
+        if track.replayed.get(seq) == ts or (track.live_seqs[slot] == seq and track.live_ts[slot] == ts):
             self.record_drop("duplicate")
+            self._drop_log.log(
+                logging.INFO, f"duplicate {message.endpoint_id}",
+                "dropping duplicate kv event message endpoint=%s seq=%d (a copy of one applied; next expected %d)",
+                message.endpoint_id, seq, expected,
+            )
             return
         logger.warning(
-            "kv event sequence went back endpoint=%s expected=%d got=%d with a newer batch: publisher restarted, "
-            "purging its entries",
-            message.endpoint_id, expected, message.seq,
+            "kv event sequence went back endpoint=%s expected=%d got=%d, a message never applied: publisher "
+            "restarted, purging its entries",
+            message.endpoint_id, expected, seq,
         )
         metrics.record_incarnation("sequence_reset")
         self._index.apply(message.endpoint_id, AllBlocksCleared())
         track.next_seq = None
-        track.last_ts = None
+        track.replayed.clear()
+        track.live_seqs[:] = [-1] * _LIVE_KEPT
         track.history_asked = False
         self._start_fresh(track, message, stats)
 
@@ -560,13 +582,25 @@ class EventPool:
             stats = self.stats.per_endpoint[endpoint_id] = EndpointIngestStats()
         return stats
 
-    def _apply_message(self, track: _Track, message: RawMessage, stats: EndpointIngestStats | None = None) -> None:
-        """Apply one in-order message, already decoded (``message.batch``), and move the seq past it."""
+    def _apply_message(
+        self, track: _Track, message: RawMessage, stats: EndpointIngestStats | None = None, replayed: bool = False
+    ) -> None:
+        """Apply one in-order message, already decoded (``message.batch``), and move the seq past it;
+        ``replayed``: it came from a replay answer (a live copy of it may follow)."""
         batch = message.batch
         assert batch is not None, "messages are decoded before they are sequenced"
-        track.next_seq = message.seq + 1
-        (stats or self._endpoint_stats(message.endpoint_id)).last_seq = message.seq
-        track.last_ts = batch.ts
+        seq = message.seq
+        track.next_seq = seq + 1
+        (stats or self._endpoint_stats(message.endpoint_id)).last_seq = seq
+        if replayed:
+            kept = track.replayed
+            kept[seq] = batch.ts
+            if len(kept) > _REPLAYED_KEPT:
+                kept.popitem(last=False)
+        else:
+            slot = seq % _LIVE_KEPT
+            track.live_seqs[slot] = seq
+            track.live_ts[slot] = batch.ts
         track.applied_at = self._clock()
         self._apply(track, batch)
 
@@ -640,11 +674,12 @@ class EventPool:
 
         The publisher answers with what it had *when asked*; live messages published after that can
         be lost on their way too (the loss that caused the gap may still be going on), so the
-        buffer may hold a hole the replay could not cover. Such a hole is still in the publisher's
-        buffer: it is asked for again (one more round per hole, each round from the first missing
-        seq). A hole the publisher can no longer serve (no replay endpoint, a failed answer, an
-        answer starting past it or holding an unreadable message, an overflowed live buffer, a
-        position asked again that the answer did not cover) is a loss: healed (:meth:`_lose`) just
+        buffer may hold a hole the replay could not cover. So may a live buffer that overflowed
+        (``recovery_buffer_messages``: its oldest messages dropped). Such a hole is usually still in
+        the publisher's buffer: it is asked for again (one more round per hole, each round from the
+        first missing seq). A hole the publisher can no longer serve (no replay endpoint, a failed
+        answer, an answer starting past it or holding an unreadable message, a position asked again
+        that the answer did not cover) is a loss: healed (:meth:`_lose`) just
         before the first message after it is applied. A replay that failed with nothing to compare
         against (a startup replay after a snapshot, no live message since) cannot tell whether the
         publisher went on meanwhile: healed as a loss too, and the stream starts afresh (nothing is
@@ -674,9 +709,10 @@ class EventPool:
                 if not self._decode(replay):
                     continue  # unreadable: lost, so the next seq applied is past a hole
                 if seq > expected and started:
-                    losses += self._lose(track, "replay_incomplete", expected, seq)
+                    cause = "live_buffer_overflow" if hole and recovery.overflowed else "replay_incomplete"
+                    losses += self._lose(track, cause, expected, seq)
                 started = True
-                self._apply_message(track, replay)
+                self._apply_message(track, replay, replayed=True)
                 expected = seq + 1
                 replayed += 1
                 applied += 1
@@ -692,8 +728,10 @@ class EventPool:
                 if message.seq < expected:
                     continue  # replayed already, or buffered twice
                 if message.seq > expected and started:
-                    if not (failure or recovery.overflowed or unserved):
-                        hole = True  # lost after the publisher answered: still in its buffer, ask again
+                    if not (failure or unserved):
+                        # lost after the publisher answered, or dropped by an overflowed live buffer:
+                        # still in its buffer, ask again
+                        hole = True
                         recovery.buffer = buffered[k:]
                         break
                     cause = (
@@ -708,8 +746,8 @@ class EventPool:
             if not hole:
                 break
             logger.info(
-                "kv event recovery endpoint=%s: live messages from seq=%d on were lost while replaying; asking again",
-                endpoint.id, expected,
+                "kv event recovery endpoint=%s: live messages from seq=%d on were lost while replaying%s; asking again",
+                endpoint.id, expected, " (live buffer overflowed)" if recovery.overflowed else "",
             )
         if failure and started and not applied and not recovery.fresh:
             # nothing received to tell whether the publisher went on since ``from_seq``: a loss; with
@@ -843,7 +881,7 @@ class EventPool:
                 continue  # unreadable: the next one is past a hole
             if seq > expected:
                 losses += self._lose(track, "replay_incomplete", expected, seq)
-            self._apply_message(track, message)
+            self._apply_message(track, message, replayed=True)
             expected = seq + 1
             found += 1
         self._probe_ended(track, from_seq)

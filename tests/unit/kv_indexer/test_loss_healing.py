@@ -239,25 +239,44 @@ async def test_a_failed_startup_replay_after_a_snapshot_forgets_its_entries_and_
     assert (matched(index, P), matched(index, S)) == (0, 3) and pool.export()[A] == (3, True)
 
 
-async def test_a_loss_by_an_overflowed_live_buffer_heals(cleanup: list[Rig]) -> None:
-    index, pool, engine, replayer = rig(recovery_buffer_messages=2, replay_timeout_seconds=5)
-    cleanup.append((index, pool, engine, replayer))
-    before = losses("live_buffer_overflow")
+async def overflow_while_replaying(engine: Engine, replayer: CountingReplayer) -> None:
+    """seq 0 applied, seq 1 lost, seq 2 the gap; while the answer travels, seqs 3-7 arrive live, more
+    than a live buffer of 2 holds (3-5 dropped from it)."""
     engine.deliver(engine.publish(chain([11, 12, 13, 14], P)))
     engine.publish(BlockRemoved(block_hashes=[13, 14]))  # seq 1: lost, replayed
     engine.deliver(engine.publish(chain([31, 32, 33], S)))  # seq 2: the gap
 
-    async def meanwhile() -> None:  # while the answer travels, more live messages than the buffer holds
+    async def meanwhile() -> None:
         first = engine.publish(BlockRemoved(block_hashes=[31, 32, 33]))  # seq 3: S evicted
         engine.publish(chain([41, 42], T))
         engine.publish(chain([61], list(range(600, 604))))
         engine.publish(chain([62], list(range(610, 614))))
         last = engine.publish(chain([63], list(range(620, 624))))
-        await engine.arrive(*range(first, last + 1))  # the buffer keeps the newest 2: 3-5 dropped
+        await engine.arrive(*range(first, last + 1))  # the live buffer keeps the newest 2: 3-5 dropped
 
     replayer.during = iter([meanwhile])
-    await pool.drained()
-    assert replayer.requests == [1]
+    await engine.pool.drained()
+
+
+async def test_messages_an_overflowed_live_buffer_dropped_are_asked_for_again(cleanup: list[Rig]) -> None:
+    """The dropped messages are still in the publisher's replay buffer: a second round serves them, no loss."""
+    index, pool, engine, replayer = rig(recovery_buffer_messages=2, replay_timeout_seconds=5)
+    cleanup.append((index, pool, engine, replayer))
+    before = losses("live_buffer_overflow")
+    await overflow_while_replaying(engine, replayer)
+    assert replayer.requests == [1, 3]  # the gap, then the seqs the overflow dropped
+    assert pool.state(A) is EndpointState.LIVE and losses("live_buffer_overflow") == before
+    assert pool.stats.per_endpoint[A].losses == 0
+    assert (matched(index, P), matched(index, S), matched(index, T)) == (2, 0, 2)  # exact: 13-14 and S removed
+    assert held(index) == {11, 12, 41, 42, 61, 62, 63} and pool.export()[A] == (8, True)
+
+
+async def test_an_overflowed_live_buffer_the_replay_buffer_rolled_past_is_a_loss_healed(cleanup: list[Rig]) -> None:
+    index, pool, engine, replayer = rig(buffer_steps=2, recovery_buffer_messages=2, replay_timeout_seconds=5)
+    cleanup.append((index, pool, engine, replayer))
+    before = losses("live_buffer_overflow")
+    await overflow_while_replaying(engine, replayer)  # the publisher keeps 2 messages: 3-5 are gone for good
+    assert replayer.requests == [1, 3]
     assert pool.state(A) is EndpointState.LIVE and losses("live_buffer_overflow") == before + 1
     assert matched(index, S) == 0  # its removal was dropped with the overflow: the stale S is forgotten
     assert (matched(index, P), matched(index, T)) == (0, 0)

@@ -1,0 +1,225 @@
+"""A lower seq is a duplicate only when it is a copy of a message applied; anything else is a restart.
+
+vLLM 0.32 (``vllm/distributed/kv_events.py``, ``ZmqEventPublisher``) numbers its messages from 0 per
+publisher process (``itertools.count()``) and replays the very ``(seq, payload)`` it published, so a
+duplicate carries the ``ts`` already applied at its seq. Before, a lower seq was a duplicate whenever
+its ``ts`` was no newer than the last batch applied: one well-formed batch stamped far in the future
+(forged, corrupt, or an engine whose clock jumped) or a restart whose wall clock stepped back made
+every later batch of the engine a "duplicate", dropped at DEBUG level, for good.
+
+The publisher is the simulator's ``ZmqEventPublisher`` (vLLM 0.32's wire and replay ROUTER
+protocol), the client the real ``ZmqReplayer``; the test decides which live messages reach the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import pytest
+from prometheus_client import REGISTRY
+
+from engine_simulator.publisher import ZmqEventPublisher
+from kvmesh.kv_events import BlockRemoved, BlockStored, EventBatch, KVEvent, encode_batch, make_topic
+from kvmesh.types import Endpoint, EndpointId
+from kvmesh_cli.launcher import free_port
+from services.kv_indexer.events.pool import EndpointState, EventPool, RawMessage
+from services.kv_indexer.events.replay import ZmqReplayer
+from services.kv_indexer.index import InMemoryIndex
+
+A = EndpointId("127.0.0.1:9001")
+NOW = 1_764_540_000.0  # the engine's wall clock at its first batch (2025-11-30)
+FAR_FUTURE = 1e15  # a well-formed, finite ts some 31 million years ahead
+DUPLICATE_LOG = "dropping duplicate kv event message"
+RESTART_LOG = "publisher restarted"
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def sequence_resets() -> float:
+    return metric("kvmesh_kv_indexer_incarnations_total", signal="sequence_reset")
+
+
+def stored(h: int, parent: int | None = None) -> BlockStored:
+    return BlockStored(block_hashes=[h], parent_block_hash=parent, token_ids=list(range(4 * h, 4 * h + 4)), block_size=4)
+
+
+class Engine:
+    """A vLLM-style publisher (PUB, and a replay ROUTER unless ``replay=False``) whose batches carry
+    the ``ts`` the test gives; its live messages reach the pool when the test delivers them."""
+
+    def __init__(self, pool: EventPool, replay: bool = True, replay_at: str = "") -> None:
+        self.replay = replay_at or (f"tcp://127.0.0.1:{free_port()}" if replay else "")
+        self.publisher = ZmqEventPublisher(f"tcp://127.0.0.1:{free_port()}", make_topic(A, "m"),
+                                           replay_endpoint=self.replay)
+        self.pool = pool
+        self.sent: dict[int, bytes] = {}
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return Endpoint(id=A, url=f"http://{A}", model="m", block_size_tokens=4, replay_endpoint=self.replay)
+
+    def publish(self, ts: float, *events: KVEvent) -> int:
+        seq = self.publisher.next_seq
+        self.sent[seq] = encode_batch(EventBatch(ts=ts, events=list(events), data_parallel_rank=0))
+        self.publisher.publish_payload(self.sent[seq])
+        return seq
+
+    def deliver(self, *seqs: int) -> None:
+        for seq in seqs:
+            self.pool.submit(RawMessage(A, "m", seq, self.sent[seq]))
+
+    def restart(self) -> None:
+        """A new publisher process on the same addresses: seq counts from 0 again."""
+        self.publisher.shutdown()
+        self.publisher = ZmqEventPublisher(f"tcp://127.0.0.1:{free_port()}", make_topic(A, "m"),
+                                           replay_endpoint=self.replay)
+        self.sent = {}
+
+
+def forge(pool: EventPool, seq: int, ts: float, *events: KVEvent) -> None:
+    """A well-formed batch on the engine's topic that the engine never published."""
+    pool.submit(RawMessage(A, "m", seq, encode_batch(EventBatch(ts=ts, events=list(events), data_parallel_rank=0))))
+
+
+Rig = tuple[InMemoryIndex, EventPool, Engine, ZmqReplayer]
+
+
+@pytest.fixture
+async def rigs() -> AsyncIterator[list[Rig]]:
+    made: list[Rig] = []
+    yield made
+    for _, pool, engine, replayer in made:
+        engine.publisher.shutdown()
+        await pool.shutdown()
+        replayer.close()
+
+
+def rig(made: list[Rig], replay: bool = True) -> Rig:
+    index = InMemoryIndex()
+    replayer = ZmqReplayer()
+    pool = EventPool(index, workers=1, replayer=replayer, replay_timeout_seconds=5)
+    engine = Engine(pool, replay)
+    index.register_endpoint(engine.endpoint)
+    pool.endpoint_joined(engine.endpoint)
+    pool.start()
+    made.append((index, pool, engine, replayer))
+    return index, pool, engine, replayer
+
+
+def held(index: InMemoryIndex) -> set[int]:
+    return {int(h) for h in index.held_blocks(A)}
+
+
+def duplicates(pool: EventPool) -> int:
+    return pool.stats.dropped["duplicate"]
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["no-replay-endpoint", "replay-endpoint"])
+async def test_a_forged_far_ahead_seq_with_a_far_future_ts_does_not_blind_the_index(
+    rigs: list[Rig], replay: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The reviewer's case: seq 10**12 with ts 1e15, then the engine's real batches."""
+    index, pool, engine, _ = rig(rigs, replay)
+    engine.deliver(engine.publish(NOW, stored(1)))
+    await pool.drained()
+    resets = sequence_resets()
+    forge(pool, 10**12, FAR_FUTURE)  # a gap no replay covers: a loss healed, the forged batch applied
+    await pool.drained()
+    assert pool.export()[A] == (10**12 + 1, True) and held(index) == set()
+
+    caplog.clear()
+    for h in range(2, 7):  # the engine's next five batches, seqs 1-5
+        engine.deliver(engine.publish(NOW + h, stored(h, h - 1)))
+    await pool.drained()
+    assert duplicates(pool) == 0  # before: all five dropped as duplicates, the engine scored 0 for good
+    assert sequence_resets() == resets + 1 and caplog.text.count(RESTART_LOG) == 1  # purged once
+    assert pool.state(A) is EndpointState.LIVE and pool.export()[A] == (6, True)
+    # what the engine holds since: with a replay buffer, the fresh start replays it from 0 (block 1 too)
+    assert held(index) == ({1} if replay else set()) | {2, 3, 4, 5, 6}
+    engine.deliver(engine.publish(NOW + 7, BlockRemoved(block_hashes=[6])))
+    await pool.drained()
+    assert 6 not in held(index)  # its removals are applied too
+
+
+async def test_the_engines_own_copies_after_a_forged_gap_are_duplicates_then_its_next_seq_a_restart(
+    rigs: list[Rig], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The forged gap's replay serves the engine's real seqs 1-2 (they were late live): their live
+    copies are duplicates (the same ts), its seq 3, never applied, is a restart, whatever the forged ts."""
+    index, pool, engine, _ = rig(rigs)
+    engine.deliver(engine.publish(NOW, stored(1)))
+    await pool.drained()
+    engine.publish(NOW + 1, stored(2, 1))  # seq 1, on its way
+    engine.publish(NOW + 2, BlockRemoved(block_hashes=[1]))  # seq 2, on its way
+    forge(pool, 10**12, FAR_FUTURE)
+    await pool.drained()
+    assert held(index) == set()  # the loss healed: entries forgotten, then the forged (empty) batch
+    resets = sequence_resets()
+    caplog.set_level(logging.INFO, "services.kv_indexer.events.pool")
+    caplog.clear()
+    engine.deliver(1, 2)  # the late live copies
+    await pool.drained()
+    assert duplicates(pool) == 2 and sequence_resets() == resets  # copies of replayed messages: no restart
+    assert caplog.text.count(DUPLICATE_LOG) == 1  # one line per endpoint per 10 s
+    engine.deliver(engine.publish(NOW + 3, stored(3, 2)))
+    await pool.drained()
+    assert sequence_resets() == resets + 1 and duplicates(pool) == 2
+    assert held(index) == {2, 3}  # rebuilt from the publisher's buffer: exactly what the engine holds
+    assert pool.state(A) is EndpointState.LIVE and pool.export()[A] == (4, True)
+
+
+async def test_a_restart_whose_wall_clock_stepped_back_purges_and_is_followed(
+    rigs: list[Rig], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The restarted engine's batches are stamped *before* the old incarnation's last one (its clock
+    was corrected backwards across the restart; the registration did not reveal a new incarnation)."""
+    index, pool, engine, _ = rig(rigs)
+    for h in range(1, 4):
+        engine.deliver(engine.publish(NOW + 100 + h, stored(h, h - 1 if h > 1 else None)))
+    await pool.drained()
+    assert held(index) == {1, 2, 3}
+    resets = sequence_resets()
+    engine.restart()
+    caplog.clear()
+    for h in range(11, 14):  # seqs 0-2 again, an hour earlier than the old ones
+        engine.deliver(engine.publish(NOW - 3600 + h, stored(h, h - 1 if h > 11 else None)))
+    await pool.drained()
+    assert duplicates(pool) == 0  # before: read as duplicates (older ts) until seq 3, the old blocks kept
+    assert sequence_resets() == resets + 1 and caplog.text.count(RESTART_LOG) == 1
+    assert held(index) == {11, 12, 13} and pool.export()[A] == (3, True)
+
+
+async def test_after_one_far_future_batch_in_order_a_later_restart_is_still_seen(rigs: list[Rig]) -> None:
+    """An engine whose clock jumped ahead (its last batch stamped 1e15), then restarted with its clock
+    corrected: copies from a replay are still duplicates, and the restart purges."""
+    index, pool, engine, _ = rig(rigs)
+    engine.deliver(engine.publish(NOW, stored(1)))
+    engine.publish(NOW + 1, stored(2, 1))  # seq 1: lost live, replayed
+    engine.deliver(engine.publish(FAR_FUTURE, stored(3, 2)))  # seq 2: the gap; the clock jumped
+    await pool.drained()
+    engine.deliver(1)  # its late live copy
+    await pool.drained()
+    assert held(index) == {1, 2, 3} and duplicates(pool) == 1
+    resets = sequence_resets()
+    engine.restart()
+    engine.deliver(engine.publish(NOW + 10, stored(21)))  # seq 0 again, ts far below the last applied
+    engine.deliver(engine.publish(NOW + 11, stored(22, 21)))
+    await pool.drained()
+    assert sequence_resets() == resets + 1 and duplicates(pool) == 1  # before: both dropped as duplicates
+    assert held(index) == {21, 22} and pool.state(A) is EndpointState.LIVE
+
+
+async def test_a_re_sent_live_message_is_a_duplicate_and_one_with_another_ts_a_restart(rigs: list[Rig]) -> None:
+    index, pool, engine, _ = rig(rigs, replay=False)
+    for h in range(1, 4):
+        engine.deliver(engine.publish(NOW + h, stored(h, h - 1 if h > 1 else None)))
+    engine.deliver(1, 2)  # copies of live messages applied
+    await pool.drained()
+    assert duplicates(pool) == 2 and held(index) == {1, 2, 3}
+    resets = sequence_resets()
+    forge(pool, 1, NOW + 1.5, stored(9))  # seq 1 again but not the batch applied at seq 1: a new stream
+    await pool.drained()
+    assert sequence_resets() == resets + 1 and held(index) == {9} and pool.export()[A] == (2, True)
