@@ -231,20 +231,6 @@ def _first_path(value: Any, bad: Callable[[Any], bool], path: str, *, keys: bool
                 return found
         return None
     return (path or "body") if bad(value) else None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            sub = f"{path}.{key}" if path else str(key)
-            if find_lone_surrogate(key, sub) is not None:
-                return (path or "body") + " key"
-            found = find_lone_surrogate(item, sub)
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            found = find_lone_surrogate(item, f"{path}[{i}]")
-            if found is not None:
-                return found
-    return None
 
 
 def _utf8_or_invalid(text: str, where: str) -> str:
