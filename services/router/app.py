@@ -3,7 +3,17 @@
 The etcd :class:`~kvmesh.membership.EndpointWatcher` keeps the model catalog current (a
 :class:`WatchedCatalog`, rebuilt on every membership change); the HTTP server
 (:class:`kvmesh.http_server.HttpServer`) runs as a task of the same event loop, started in
-``on_start`` (so HTTP is up before gRPC health says SERVING) and stopped gracefully in ``on_stop``.
+``on_start`` (so HTTP is up before gRPC health says SERVING).
+
+Shutdown (:class:`RouterService`): from SIGTERM on both front doors drain *together*, beside the
+gRPC server's own graceful stop: ``/health`` says 503 "shutting down" at once, HTTP stops accepting,
+the requests in flight on either door run on, and those still running ``_END_MARGIN_SECONDS``
+before the shorter of the two graces (``shutdown_http_grace_seconds`` for HTTP, whole seconds as
+uvicorn counts them; ``shutdown_grace_seconds`` for gRPC) are ended with "the server is shutting
+down; retry the request": HTTP a 503 (unanswered) or the in-stream error event + ``[DONE]``, gRPC
+``UNAVAILABLE`` (after the chunks a stream already sent). Before, the HTTP drain began only after
+the gRPC grace, and a gRPC stream still running at its end was cut by the gRPC server:
+``UNAVAILABLE`` "Cancelling all calls", which says nothing of a shutdown or a retry.
 """
 
 from __future__ import annotations
@@ -12,7 +22,8 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import grpc
 
@@ -35,6 +46,27 @@ logger = logging.getLogger(__name__)
 _END_MARGIN_SECONDS = 0.6
 """How long before uvicorn cancels what is left (``ceil(shutdown_http_grace_seconds)``) the streams
 still running are ended with the in-stream error, so they finish on their own."""
+
+
+@dataclass
+class RouterService(GrpcService):
+    """The router's :class:`GrpcService`: ``drain`` (both front doors' shutdown, see the module
+    docstring) starts as soon as the service is asked to stop, beside the gRPC server's graceful
+    stop (which :meth:`GrpcService.stop` awaits before its ``on_stop`` hooks), not after it."""
+
+    drain: Callable[[], Awaitable[None]] | None = None
+    _draining: asyncio.Future[None] | None = None
+
+    def draining(self) -> asyncio.Future[None]:
+        """The drain, started on the first call (the same future afterwards)."""
+        if self._draining is None:
+            drain = self.drain
+            self._draining = asyncio.ensure_future(drain() if drain is not None else asyncio.sleep(0))
+        return self._draining
+
+    async def stop(self) -> None:
+        self.draining()
+        await super().stop()
 
 
 class WatchedCatalog:
@@ -101,7 +133,8 @@ def build_service(config: RouterConfig) -> GrpcService:
     )
     passthrough_http = build_passthrough_client(config)  # /tokenize, /detokenize: off the hot path
     passthrough = Passthrough(config, passthrough_http,
-                              lambda model: watcher.snapshot().values() if watcher is not None else (), flow.local_picker)
+                              lambda model: watcher.snapshot().values() if watcher is not None else (), flow.local_picker,
+                              flow.engine_answers)
     api = RouterHttpApi(config, flow, catalog, readiness, passthrough)
     http_server = HttpServer(api.app(), config.host, config.http_port, config.shutdown_http_grace_seconds,
                              name="router-http", http=config.http_parser,
@@ -122,16 +155,29 @@ def build_service(config: RouterConfig) -> GrpcService:
             if gone and (waiting := flow.endpoints_left(gone)):  # cut only if its /health does not answer
                 logger.warning("endpoint left with requests waiting on it endpoints=%s waiting=%d", gone, waiting)
 
-    async def stop_http() -> None:
-        """Stop HTTP; streams still running when the grace is nearly over end with the in-stream
-        error (503 "shutting down") + ``[DONE]`` instead of being cut by uvicorn's cancel."""
+    async def drain() -> None:
+        """Both front doors at once (module docstring): stop HTTP, let the requests of either door
+        finish; what still runs near the end of the shorter grace ends with "shutting down"
+        instead of being cut by uvicorn's or the gRPC server's cancel."""
         readiness.stop()  # /health 503 "shutting down" from now on (kept-alive probes still get an answer)
         stopping = asyncio.ensure_future(http_server.stop())
-        grace = config.shutdown_http_grace_seconds
-        done, _ = await asyncio.wait([stopping], timeout=max(0.0, min(grace, math.ceil(grace) - _END_MARGIN_SECONDS)))
-        if not done and (ended := flow.end_all()):
-            logger.info("shutting down: ended %d request(s) still on an engine", ended)
+        loop = asyncio.get_running_loop()
+        http_grace = config.shutdown_http_grace_seconds
+        end_in = max(0.0, min(http_grace, math.ceil(http_grace) - _END_MARGIN_SECONDS,
+                              config.shutdown_grace_seconds - _END_MARGIN_SECONDS))
+        end_at = loop.time() + end_in
+        done, _ = await asyncio.wait([stopping], timeout=end_in)
+        idle = await servicer.wait_idle(end_at - loop.time())
+        if not done or not idle:
+            ended, drained = flow.end_all(), servicer.drain()
+            if ended or drained:
+                logger.info("shutting down: ended %d request(s) still on an engine and %d other gRPC call(s)",
+                            ended, drained)
         await stopping
+
+    async def stop_http() -> None:
+        """After the gRPC server stopped: the drain's end, then the hung-engine reaper."""
+        await service.draining()
         await flow.aclose()
 
     async def start_watcher() -> None:
@@ -155,7 +201,7 @@ def build_service(config: RouterConfig) -> GrpcService:
         await admission.close()
         await picker.close()
 
-    service = GrpcService(
+    service = RouterService(
         config,
         ServiceSpec(
             name="router",
@@ -164,5 +210,6 @@ def build_service(config: RouterConfig) -> GrpcService:
             on_start=[start_clients, start_watcher, start_http],
             on_stop=[stop_http, close_clients],
         ),
+        drain=drain,
     )
     return service

@@ -259,7 +259,11 @@ class _MuxCall(Generic[_EntryT, _ReplyT]):
     :attr:`broken` is set: the client opens a new call for the next request. A failed write waits
     (at most ``_STATUS_WAIT_SECONDS``) for the reader to see the call's final status: a write after
     the server ended the call fails with a bare "Internal error from Core", while the reader's
-    ``AioRpcError`` carries the real status (e.g. ``UNIMPLEMENTED`` from an older server).
+    ``AioRpcError`` usually carries the real status (e.g. ``UNIMPLEMENTED`` from an older server).
+    Not always: when the send fails just *after* the server's status arrived, grpc-python overwrites
+    that status with the bare ``INTERNAL`` for good (measured: ~1% of calls a server ends before
+    reading), so a call that ended before answering anything (:attr:`answered` False) cannot tell
+    "not implemented" from a failure; the clients then ask once with the unary / per-request RPC.
 
     Subclasses give the batch to write (:meth:`_take_batch`), what a reply message resolves
     (:meth:`_on_message`), their errors (``_unreachable``, the two messages, ``_call_error``: the RPC's
@@ -592,13 +596,18 @@ class AdmissionClient:
             stream.send(fc_pb2.AdmitEntry(ticket=key, release=_RELEASE))
             raise
         except FlowControlUnreachable:
-            failure = stream.error
-            if isinstance(failure, grpc.aio.AioRpcError) and failure.code() == grpc.StatusCode.UNIMPLEMENTED:
-                # an older flow_control: one stream per request from here on
+            if stream.unimplemented():  # an older flow_control: one stream per request from here on
                 logger.warning("flow_control does not implement AdmitMany; admitting with one stream per request")
                 self._multiplexed = False
-                return await self._admit_per_request(request)
-            raise
+            elif stream.answered:
+                raise
+            # A stream that ended before answering anything: an older flow_control whose UNIMPLEMENTED
+            # a first write racing the end of the call overwrote with a bare INTERNAL "Internal error
+            # from Core" (grpc-python sets it when the send fails, after the server's status: ~1% of
+            # such calls, the status lost for good), or a flow_control restarting. This request is
+            # admitted on its own Admit stream, whose answer decides (flow_control reads the Enqueue
+            # before it answers: no such race); the next request tries the multiplexed stream again.
+            return await self._admit_per_request(request)
         rejection = _decision(reply)
         if rejection is not None:
             raise rejection
@@ -639,7 +648,9 @@ class AdmissionClient:
                 raise to_domain_error(exc) from exc
             raise to_domain_error(exc, _ADMIT_STATUS_OVERRIDES, remote="flow_control unavailable") from exc
         except (grpc.aio.UsageError, asyncio.InvalidStateError, grpc.RpcError) as exc:
-            # the call ended under us (flow_control died between open and write): no decision
+            # the call ended under us (flow_control died between open and write): no decision. (A
+            # send failing after the call ended is an AioRpcError INTERNAL "Internal error from Core",
+            # the status the server sent lost: unreachable too, above.)
             raise FlowControlUnreachable(f"flow_control unavailable: admission call failed ({exc})") from exc
         finally:
             if not admitted:

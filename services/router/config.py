@@ -42,7 +42,8 @@ class RouterConfig(GrpcServiceConfig):
     the client has not seen a byte of yet, is sent to the next candidate (as a refused connection
     is). 300 s as Envoy's default ``stream_idle_timeout``: a long prefill on a loaded engine stays
     well within it. A non-streamed answer is its first byte (the whole generation), so it waits up
-    to ``request_timeout_seconds``."""
+    to ``request_timeout_seconds``. Either wait ends sooner when the engine's ``/health`` fails
+    (``engine_health_probe_after_seconds``)."""
     engine_stream_idle_timeout_seconds: float = Field(120.0, gt=0, le=86400)
     """Longest silence of an engine between two pieces of an answer that started; past it the
     answer ends as a failed engine's does (SSE: the in-stream error event + ``[DONE]``; gRPC
@@ -56,12 +57,26 @@ class RouterConfig(GrpcServiceConfig):
     first, then finishes its requests; an etcd that lost its data makes every endpoint leave), so
     past this wait the router probes ``GET /health`` and cuts only when the probe fails or times
     out; while it answers, the normal first-byte / idle limits apply."""
+    engine_health_probe_after_seconds: float = Field(10.0, gt=0, le=86400)
+    """How long a request may wait on an engine without a byte (before its first byte, or silent
+    mid-answer) before the router asks the engine's ``GET /health`` whether it still answers: an
+    engine that hangs while its membership lease lives on (vLLM wedged behind a registration
+    sidecar that keeps the lease; the process paused) is otherwise found only by the first-byte /
+    idle limits (300 s / 120 s) or ``request_timeout_seconds`` (600 s, non-streamed). A failed probe
+    ends the wait as a departed endpoint's does (re-sent elsewhere before the first byte, the
+    in-stream error after it: ``health_probe_failed``); an answering ``/health`` keeps it waiting
+    (a long queue or prefill is not a hang). 10 s: well past a normal TTFT and decode gap, so an
+    engine that answers quickly costs nothing (no probe, no timer per request) and a busy one at
+    most one probe per ``engine_health_probe_interval_seconds``; a hung one is found within this +
+    ``engine_health_probe_timeout_seconds`` + the reaper's tick (at most 1 s): about 12 s."""
     engine_health_probe_timeout_seconds: float = Field(1.0, gt=0, le=60)
-    """Timeout of the ``/health`` probe of a departed endpoint that requests still wait on (one probe
-    per endpoint at a time, not per request). A SIGSTOPped engine accepts TCP connects but never
-    answers: only an HTTP answer counts as alive."""
+    """Timeout of the ``/health`` probe of an endpoint that requests wait on past
+    ``engine_health_probe_after_seconds`` (or that left membership; one probe per endpoint at a
+    time, not per request). A SIGSTOPped engine accepts TCP connects but never answers: only an
+    HTTP 2xx answer within this counts as alive (vLLM answers 503 once its engine is dead)."""
     engine_health_probe_interval_seconds: float = Field(5.0, gt=0, le=3600)
-    """How often a departed endpoint that answered its probe is probed again while requests wait on it."""
+    """How often an endpoint that answered its probe is probed again while requests still wait on it
+    without a byte."""
     request_body_timeout_seconds: float = Field(60.0, gt=0, le=3600)
     """Longest time to receive a request's whole body once its headers arrived (nginx's
     ``client_body_timeout`` is 60 s): a client that declares more than it sends (or drips it) gets

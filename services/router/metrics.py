@@ -9,14 +9,16 @@
 | ``kvmesh_router_upstream_retries_total`` | counter | — |
 | ``kvmesh_router_stage_duration_seconds`` | histogram (STAGE_BUCKETS_SECONDS) | stage |
 | ``kvmesh_router_epp_completions_dropped_total`` | counter | reason (queue_full, unreachable): completions not told to epp |
-| ``kvmesh_router_engine_stalled_total`` | counter | reason (first_byte_timeout, idle_timeout, endpoint_left), action (redispatched, ended) |
+| ``kvmesh_router_engine_stalled_total`` | counter | reason (first_byte_timeout, idle_timeout, endpoint_left, health_probe_failed), action (redispatched, ended) |
 
 ``stage`` (:data:`STAGES`, where a request's time goes in the router; epp's own stages, the
 prefix-match step's tokenize and Score included, are epp's ``kvmesh_epp_plugin_duration_seconds``):
 ``admission`` (arrival to flow_control's DISPATCHED), ``pick`` (one epp Pick call, or the local
 pick), ``engine_headers`` (POST sent to the engine's response headers: pool acquire, connect when
 the pool has no idle connection, the engine's own time to its first byte), ``proxy`` (first to last
-answer byte, passed on to the client), ``release`` (Complete + closing the admission stream).
+answer byte, passed on to the client), ``release`` (Complete + closing the admission stream),
+``pre_dispatch`` (arrival to the first POST to an engine: admission and pick as they overlapped,
+the early pick running beside admission; a retry's later picks not included).
 
 ``outcome`` is one of :class:`RequestOutcome` (a closed set); ``model_name`` is the served model
 (closed: the models registered in etcd), "unknown" when empty.
@@ -62,12 +64,13 @@ REQUEST_E2E = Histogram(
 )
 REQUESTS = Counter("kvmesh_router_requests", "Requests by outcome.", ["outcome"])
 IN_FLIGHT = Gauge("kvmesh_router_requests_in_flight", "Requests admitted and not yet finished.")
-STAGES = ("admission", "pick", "engine_headers", "proxy", "release")
+STAGES = ("admission", "pick", "pre_dispatch", "engine_headers", "proxy", "release")
 STAGE_BUCKETS_SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05,
                          0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 STAGE_DURATION = Histogram(
     "kvmesh_router_stage_duration_seconds",
-    "Time a request spends in one stage of the router's hop (admission, pick, engine_headers, proxy, release).",
+    "Time a request spends in one stage of the router's hop (admission, pick, pre_dispatch, engine_headers, proxy, "
+    "release).",
     ["stage"],
     buckets=STAGE_BUCKETS_SECONDS,
 )
@@ -112,9 +115,11 @@ EPP_COMPLETIONS_DROPPED = Counter(
 ENGINE_STALLED = Counter(
     "kvmesh_router_engine_stalled",
     "Engine requests ended because the engine stopped answering without failing: reason first_byte_timeout "
-    "(engine_first_byte_timeout_seconds), idle_timeout (engine_stream_idle_timeout_seconds mid-answer) or "
-    "endpoint_left (its membership lease expired while the request waited on it); action redispatched (no byte "
-    "had reached the client: sent to the next candidate) or ended (the answer had started: in-stream error).",
+    "(engine_first_byte_timeout_seconds), idle_timeout (engine_stream_idle_timeout_seconds mid-answer), "
+    "endpoint_left (its membership lease expired while the request waited on it and its /health failed) or "
+    "health_probe_failed (no byte past engine_health_probe_after_seconds, its lease alive, and its /health "
+    "failed); action redispatched (no byte had reached the client: sent to the next candidate) or ended (the "
+    "answer had started: in-stream error).",
     ["reason", "action"],
 )
 

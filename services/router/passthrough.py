@@ -10,15 +10,23 @@ degraded pick does), with the pool's engine key and the forwarded client headers
 ``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel`` go to the one endpoint that stored the response
 (:meth:`Passthrough.to_endpoint`; :mod:`services.router.response_affinity`), with the same headers.
 
+A hung engine (docs/degraded-modes.md, "an engine hung"): an engine that gives no answer within
+``engine_health_probe_after_seconds`` has its ``GET /health`` asked (then again every
+``engine_health_probe_interval_seconds``); when that fails too the wait ends as a transport failure
+does (``/tokenize``, ``/detokenize``: the next endpoint; a stored response's route: 503), counted as
+``kvmesh_router_engine_stalled_total{reason="health_probe_failed"}``; while it answers, the wait goes
+on (up to ``request_timeout_seconds``). Before, a hung engine held these for ``request_timeout_seconds``.
+
 Errors: no live endpoint of a model served recently is :class:`~services.router.validation.ModelUnavailable`
 (503); every endpoint failing at the transport is ``NoEndpointsAvailable`` (503).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +34,7 @@ import httpx
 
 from kvmesh import errors
 from kvmesh.types import Endpoint
+from services.router import metrics
 from services.router.config import RouterConfig
 from services.router.degraded import LocalPicker
 from services.router.headers import engine_authorization
@@ -46,17 +55,50 @@ class PassedAnswer:
     endpoint_id: str
 
 
+class EngineHung(Exception):
+    """The engine gave no answer past ``engine_health_probe_after_seconds`` and its ``/health`` failed."""
+
+
 class Passthrough:
-    """Sends a body to one live endpoint of a model (see the module docstring)."""
+    """Sends a body to one live endpoint of a model (see the module docstring).
+
+    ``answers(url)``: whether the engine at ``url`` answers its ``/health``
+    (:meth:`~services.router.request_flow.RequestFlow.engine_answers`); None: waits are not probed."""
 
     def __init__(
         self, config: RouterConfig, http: httpx.AsyncClient, endpoints: Callable[[str], Iterable[Endpoint]],
-        picker: LocalPicker,
+        picker: LocalPicker, answers: Callable[[str], Awaitable[bool]] | None = None,
     ) -> None:
         self._config = config
         self._http = http
         self._endpoints = endpoints
         self._picker = picker
+        self._answers = answers
+
+    async def _answer(self, endpoint: Endpoint, sending: Awaitable[httpx.Response]) -> httpx.Response:
+        """``sending``'s answer, the engine's ``/health`` asked past the probe threshold (module docstring).
+
+        Raises:
+            EngineHung: no answer, and the probe failed (the request is cancelled).
+            httpx.TransportError: as the request raises it.
+        """
+        task = asyncio.ensure_future(sending)
+        wait = self._config.engine_health_probe_after_seconds
+        try:
+            while True:
+                done, _ = await asyncio.wait([task], timeout=wait)
+                if done:
+                    return task.result()
+                if self._answers is not None and not await self._answers(endpoint.url) and not task.done():
+                    raise EngineHung(f"engine {endpoint.id} gave no answer for "
+                                     f"{self._config.engine_health_probe_after_seconds:g}s and its /health does not answer")
+                wait = self._config.engine_health_probe_interval_seconds
+        finally:
+            if task.done():
+                if not task.cancelled():
+                    task.exception()  # retrieved (raised above when it was the answer)
+            else:
+                task.cancel()
 
     async def forward(
         self, path: str, model: str, body: dict[str, Any], request_id: str, forward_headers: tuple[tuple[str, str], ...] = (),
@@ -80,9 +122,11 @@ class Passthrough:
             tried.append(endpoint.id)
             self._picker.note_start(endpoint.id)
             try:
-                reply = await self._http.post(endpoint.url + path, content=content, headers=headers)
-            except httpx.TransportError as exc:
+                reply = await self._answer(endpoint, self._http.post(endpoint.url + path, content=content, headers=headers))
+            except (httpx.TransportError, EngineHung) as exc:
                 last_error = exc
+                if isinstance(exc, EngineHung):
+                    metrics.record_engine_stalled("health_probe_failed", "redispatched")
                 logger.warning("engine failed request_id=%s endpoint=%s path=%s error=%r", request_id, endpoint.id, path, exc)
                 continue
             finally:
@@ -110,8 +154,10 @@ class Passthrough:
         headers = [*((k, v) for k, v in forward_headers if k not in own), *own.items()]
         self._picker.note_start(endpoint.id)
         try:
-            reply = await self._http.request(method, endpoint.url + path, headers=headers)
-        except httpx.TransportError as exc:
+            reply = await self._answer(endpoint, self._http.request(method, endpoint.url + path, headers=headers))
+        except (httpx.TransportError, EngineHung) as exc:
+            if isinstance(exc, EngineHung):
+                metrics.record_engine_stalled("health_probe_failed", "ended")
             raise errors.NoEndpointsAvailable(f"endpoint {endpoint.id} did not answer {method} {path}: {exc!r}") from exc
         finally:
             self._picker.note_end(endpoint.id)

@@ -104,9 +104,10 @@ class EngineFailed(errors.NoEndpointsAvailable):
 
 class EngineStalled(EngineFailed):
     """The engine stopped sending after its answer started: silent past
-    ``engine_stream_idle_timeout_seconds``, or it left membership while the request waited on it
-    (``engine_departed_idle_seconds``). The answer ends as a failed engine's: 503 / ``UNAVAILABLE``,
-    an SSE stream with the in-stream error event and ``[DONE]``."""
+    ``engine_stream_idle_timeout_seconds``, or silent past ``engine_health_probe_after_seconds``
+    (``engine_departed_idle_seconds`` once it left membership) with its ``/health`` failing too.
+    The answer ends as a failed engine's: 503 / ``UNAVAILABLE``, an SSE stream with the in-stream
+    error event and ``[DONE]``."""
 
 
 SHUTDOWN_MESSAGE = "the server is shutting down; retry the request"
@@ -118,16 +119,21 @@ class ShuttingDown(EngineFailed):
 
 
 class EngineStall(EngineUnreachable):
-    """No first byte from the engine within ``engine_first_byte_timeout_seconds`` (or it left
-    membership while the request waited): the request moves to the next candidate, as for a refused
-    connection. ``reason``: ``first_byte_timeout`` or ``endpoint_left``."""
+    """No first byte from the engine within ``engine_first_byte_timeout_seconds``, or its ``/health``
+    failed while the request waited on it (past ``engine_health_probe_after_seconds``, or
+    ``engine_departed_idle_seconds`` once it left membership): the request moves to the next
+    candidate, as for a refused connection. ``reason``: ``first_byte_timeout``,
+    ``health_probe_failed`` or ``endpoint_left``."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
 
 
-STALL_REASONS = ("first_byte_timeout", "idle_timeout", "endpoint_left")
+STALL_REASONS = ("first_byte_timeout", "idle_timeout", "endpoint_left", "health_probe_failed")
+"""``kvmesh_router_engine_stalled_total``'s reasons: a wait past the first-byte or idle limit, or
+past the probe threshold (:meth:`RequestFlow._check`) on an endpoint whose ``/health`` failed, which
+had left membership (``endpoint_left``) or not (``health_probe_failed``: the lease lives on)."""
 _SHUTDOWN = "shutdown"
 
 
@@ -153,7 +159,7 @@ class _EngineWatch:
     waited: float = 0.0
     cancelled: bool = False
     url: str = ""
-    """The endpoint's base URL (its ``/health`` is probed once it left membership)."""
+    """The endpoint's base URL (its ``/health`` is probed once the wait passed the probe threshold)."""
 
     def owns_cancel(self) -> bool:
         """Whether the CancelledError being handled is this watch's own (then it is consumed)."""
@@ -163,8 +169,12 @@ class _EngineWatch:
         return task is None or task.uncancel() == 0
 
     def _why(self, timed_out: str) -> str:
-        """Why the wait ended, for the error: the departed engine's failed probe, else ``timed_out``."""
-        return "it left the pool and its /health does not answer" if self.reason == "endpoint_left" else timed_out
+        """Why the wait ended, for the error: the engine's failed ``/health`` probe, else ``timed_out``."""
+        if self.reason == "endpoint_left":
+            return "it left the pool and its /health does not answer"
+        if self.reason == "health_probe_failed":
+            return f"no data for {self.waited:.0f}s and its /health does not answer"
+        return timed_out
 
     def failure(self) -> EngineFailed:
         """The error that ends an answer which started (counted and logged once, rate-limited)."""
@@ -185,10 +195,12 @@ class _EngineWatch:
 
 @dataclass(slots=True)
 class _Probe:
-    """A departed endpoint's ``/health`` probe: running (``task``), its last verdict and when."""
+    """An endpoint's ``/health`` probe (requests wait on it past the probe threshold): running
+    (``task``), its last verdict, when that probe was sent and when it answered (or failed)."""
 
     task: asyncio.Task[None] | None = None
     alive: bool | None = None
+    sent_at: float = 0.0
     checked_at: float | None = None
 
 
@@ -559,12 +571,13 @@ class RequestFlow:
         self._watches: set[_EngineWatch] = set()
         self._reaper: asyncio.Task[None] | None = None
         self._probes: dict[str, _Probe] = {}
-        """Liveness of the departed endpoints that requests wait on (endpoint id ->)."""
+        """Liveness of the endpoints that requests wait on past the probe threshold (endpoint id ->)."""
         self._probe_http: httpx.AsyncClient | None = http if isinstance(http, httpx.AsyncClient) else None
         self._own_probe_http = False
         self._reap_tick = max(0.05, min(1.0, config.engine_first_byte_timeout_seconds / 4,
                                         config.engine_stream_idle_timeout_seconds / 4,
-                                        config.engine_departed_idle_seconds / 4))
+                                        config.engine_departed_idle_seconds / 4,
+                                        config.engine_health_probe_after_seconds / 4))
 
     # -- engines that stop answering (docs/degraded-modes.md, "an engine hung") --------------------
 
@@ -598,56 +611,78 @@ class RequestFlow:
                 watch.task.cancel()
 
     async def _reap(self) -> None:
-        """Every tick: end the waits past their limit (first byte, idle), and those on a departed
-        endpoint whose ``/health`` probe failed (:meth:`_departed_alive`)."""
-        departed_limit = self._config.engine_departed_idle_seconds
+        """Every tick: end the waits past their limit (first byte, idle), and those past the probe
+        threshold on an endpoint whose ``/health`` probe failed (:meth:`_check`)."""
         while self._watches:
             await asyncio.sleep(self._reap_tick)
-            self._check(departed_limit)
+            self._check()
 
-    def _check(self, departed_limit: float) -> None:
+    def _check(self) -> None:
+        """End the waits on an engine that must end now. A wait without a byte past
+        ``engine_health_probe_after_seconds`` (``engine_departed_idle_seconds`` once its endpoint
+        left membership) has the endpoint's ``/health`` probed (:meth:`_answers`) and ends when the
+        probe failed (``health_probe_failed`` / ``endpoint_left``); any wait past its own limit
+        ends (``first_byte_timeout`` / ``idle_timeout``). One pass over the waits, no timer per
+        request: a request answered before the threshold costs nothing here."""
         now = _now()
-        departed: set[str] = set()
+        config = self._config
+        probe_after, departed_after = config.engine_health_probe_after_seconds, config.engine_departed_idle_seconds
+        waited_on: set[str] = set()
         for watch in list(self._watches):
-            if watch.since is None or watch.reason is not None:
+            since = watch.since
+            if since is None or watch.reason is not None:
                 continue
-            waited = now - watch.since
-            if watch.departed:
-                departed.add(watch.endpoint_id)
-                if waited > departed_limit and self._departed_alive(watch, now) is False:
-                    self._end(watch, "endpoint_left", now)
-                    continue
+            waited_on.add(watch.endpoint_id)
+            waited = now - since
+            if waited > (departed_after if watch.departed else probe_after) and self._answers(watch, now) is False:
+                self._end(watch, "endpoint_left" if watch.departed else "health_probe_failed", now)
+                continue
             if waited > watch.limit:
                 self._end(watch, "first_byte_timeout" if watch.first else "idle_timeout", now)
-        for endpoint_id in [e for e, p in self._probes.items() if e not in departed and p.task is None]:
+        for endpoint_id in [e for e, p in self._probes.items() if e not in waited_on and p.task is None]:
             del self._probes[endpoint_id]  # no request waits on it any more
 
-    def _departed_alive(self, watch: _EngineWatch, now: float) -> bool | None:
-        """Whether the departed endpoint ``watch`` waits on still answers its ``/health`` (None: not
-        known yet). Leaving membership is no proof of a hang: a draining engine deregisters first and
-        then finishes its requests (a non-streamed answer, or a stream still queued, sends no byte
-        until then), and an etcd that lost its data makes every endpoint "leave". One probe per
-        endpoint at a time (``engine_health_probe_timeout_seconds``), again at most every
-        ``engine_health_probe_interval_seconds`` while requests wait on it; a SIGSTOPped engine still
-        accepts TCP connects, so only an HTTP answer counts."""
+    def _answers(self, watch: _EngineWatch, now: float, fresh: bool = False) -> bool | None:
+        """Whether the endpoint ``watch`` waits on answers its ``/health``: False when a probe sent
+        during this wait failed, True when one answered within ``engine_health_probe_interval_seconds``,
+        None while not known (a probe is then running). One probe per endpoint at a time, not per
+        request (``engine_health_probe_timeout_seconds``); ``fresh``: a new one unless one runs (the
+        endpoint just left membership). A wait that began after a failed probe gets a probe of its
+        own (the engine may be back). A SIGSTOPped engine still accepts TCP connects, so only an
+        HTTP 2xx answer counts. Leaving membership is no proof of a hang (a draining engine
+        deregisters first and then finishes its requests; an etcd that lost its data makes every
+        endpoint "leave"), nor is a long silence (a deep queue, a long prefill, a whole non-streamed
+        generation): a wait is cut only when the probe fails too."""
         probe = self._probes.get(watch.endpoint_id)
         if probe is None:
             probe = self._probes[watch.endpoint_id] = _Probe()
-        if probe.task is None and probe.alive is not False and (
-                probe.checked_at is None or now - probe.checked_at >= self._config.engine_health_probe_interval_seconds):
-            probe.task = asyncio.ensure_future(self._probe(probe, watch.url))
-        return probe.alive
+        if probe.task is not None:
+            return None
+        if probe.checked_at is not None and not fresh:
+            if probe.alive:
+                if now - probe.checked_at < self._config.engine_health_probe_interval_seconds:
+                    return True
+            elif watch.since is not None and probe.sent_at >= watch.since:
+                return False
+        probe.sent_at = now
+        probe.task = asyncio.ensure_future(self._probe(probe, watch.url))
+        return None
 
     async def _probe(self, probe: _Probe, url: str) -> None:
-        timeout = self._config.engine_health_probe_timeout_seconds
-        try:
-            async with asyncio.timeout(timeout):
-                alive = await self._health(url)
-        except Exception:  # refused, reset, timed out: not answering
-            alive = False
+        alive = await self.engine_answers(url)
         probe.alive, probe.checked_at, probe.task = alive, _now(), None
         if not alive:
-            self._check(self._config.engine_departed_idle_seconds)  # end its waits now, not at the next tick
+            self._check()  # end its waits now, not at the next tick
+
+    async def engine_answers(self, url: str) -> bool:
+        """Whether the engine at ``url`` answers ``GET /health`` with a 2xx within
+        ``engine_health_probe_timeout_seconds`` (refused, reset, timed out: False). The probe of the
+        waits above, and of the passthrough routes' (:mod:`services.router.passthrough`)."""
+        try:
+            async with asyncio.timeout(self._config.engine_health_probe_timeout_seconds):
+                return await self._health(url)
+        except Exception:
+            return False
 
     async def _health(self, url: str) -> bool:
         """GET ``url/health`` (vLLM and the engine simulator serve it): True on a 2xx answer."""
@@ -660,17 +695,20 @@ class RequestFlow:
     def endpoints_left(self, endpoint_ids: Iterable[str]) -> int:
         """Membership says these endpoints left (lease expired or deregistered): a request waiting on
         one of them for over ``engine_departed_idle_seconds`` ends only when the endpoint's ``/health``
-        does not answer (:meth:`_departed_alive`; the probe starts now for a wait already past that
+        does not answer (:meth:`_answers`; a fresh probe starts now for a wait already past that
         limit): a draining engine keeps answering and is not cut. The count of requests waiting on
         them."""
         gone = set(endpoint_ids)
         now, waiting = _now(), 0
+        probed: set[str] = set()
         for watch in list(self._watches):
             if watch.endpoint_id in gone and watch.reason is None:
                 watch.departed = True
                 waiting += 1
-                if watch.since is not None and now - watch.since > self._config.engine_departed_idle_seconds:
-                    self._departed_alive(watch, now)
+                if (watch.since is not None and now - watch.since > self._config.engine_departed_idle_seconds
+                        and watch.endpoint_id not in probed):
+                    probed.add(watch.endpoint_id)
+                    self._answers(watch, now, fresh=True)
         return waiting
 
     def end_all(self) -> int:
@@ -825,7 +863,8 @@ class RequestFlow:
                     raise
                 metrics.record_stage("admission", self._clock() - life.started)
                 early_pick = await self._keep_early_pick(early_pick, life.ticket)
-                response, endpoint, life.proxy_span, attempts, watch = await self._connect(request, meta, early_pick)
+                response, endpoint, life.proxy_span, attempts, watch = await self._connect(request, meta, early_pick,
+                                                                                           life.started)
             life.span.set_attribute("kvmesh.endpoint", endpoint.id)  # note_start ran when its headers came
             life.on_end = lambda: self.local_picker.note_end(endpoint.id)
             life.on_completed = getattr(self._picker, "report_completed", None)
@@ -883,7 +922,8 @@ class RequestFlow:
         return pick
 
     async def _connect(
-        self, request: RouterRequest, meta: RequestMeta, early_pick: asyncio.Task[PickReply] | None = None
+        self, request: RouterRequest, meta: RequestMeta, early_pick: asyncio.Task[PickReply] | None = None,
+        started: float | None = None,
     ) -> tuple[EngineResponse, Endpoint, trace.Span, int, _EngineWatch]:
         tried: list[str] = []
         last_error: Exception | None = None
@@ -907,6 +947,8 @@ class RequestFlow:
             for endpoint in fresh:
                 if len(tried) >= max_attempts:
                     break
+                if not tried and started is not None:  # arrival -> first POST: admission and pick as they overlapped
+                    metrics.record_stage("pre_dispatch", self._clock() - started)
                 tried.append(endpoint.id)
                 watch = self._watch(endpoint, meta.request_id, request.stream)
                 try:

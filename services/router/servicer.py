@@ -10,6 +10,12 @@ A cancelled RPC (or a stream its client closed) ends the session as cancelled: t
 request is cancelled and the flow-control slot released. ``CompleteStream`` reads the parsed
 chunks the session already has (:meth:`~services.router.request_flow.FlowSession.iter_events`).
 
+Shutdown (the router's drain, ``services/router/app.py``; docs/degraded-modes.md, "the router
+itself"): the calls in flight run on for the grace; those still running near its end end with
+``UNAVAILABLE`` "the server is shutting down; retry the request" (a stream after the chunks it
+already sent), as the HTTP front door's 503 / in-stream error: the ones waiting on an engine through
+:meth:`RequestFlow.end_all`, every other one (admission, pick) through :meth:`InferenceServicer.drain`.
+
 Who is asking comes from the call's metadata, read by the HTTP front door's own
 :func:`~services.router.http_app.request_meta` (one implementation): an API key
 (``authorization: Bearer <key>`` or ``x-api-key``) binds the call to its tenant's fairness id,
@@ -26,7 +32,9 @@ needs a key exactly when ``GET /v1/models`` does. No client metadata is forwarde
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -49,7 +57,7 @@ from services.router.http_app import (
     request_meta,
 )
 from services.router.http_errors import MAX_ENGINE_ERROR_BYTES, error_from_engine, error_from_stream_event
-from services.router.request_flow import REQUEST_ID_HEADER, RequestFlow, RequestMeta
+from services.router.request_flow import REQUEST_ID_HEADER, SHUTDOWN_MESSAGE, RequestFlow, RequestMeta, ShuttingDown
 from services.router.tenants import TenantDirectory, api_key_from_headers
 from services.router.validation import RequestKind, RouterRequest, validate_request
 
@@ -128,6 +136,60 @@ class InferenceServicer(router_pb2_grpc.InferenceServicer):
         self._catalog = catalog
         self._tenants = TenantDirectory(config.tenants, config.default_flow_id, config.require_api_key,
                                         config.anonymous_max_priority)
+        self._calls: set[asyncio.Task[Any]] = set()
+        """The tasks of the ``Complete`` / ``CompleteStream`` calls in flight (one set add per call)."""
+        self._drained: set[asyncio.Task[Any]] = set()
+
+    @contextlib.contextmanager
+    def _tracked(self) -> Iterator[None]:
+        """Count the current call as in flight; a call cancelled by :meth:`drain` ends as
+        :class:`ShuttingDown` (``UNAVAILABLE``, :data:`SHUTDOWN_MESSAGE`) instead of a cancellation."""
+        task = asyncio.current_task()
+        if task is None:
+            yield
+            return
+        self._calls.add(task)
+        try:
+            yield
+        except asyncio.CancelledError:
+            if task not in self._drained:
+                raise
+            task.uncancel()
+            raise ShuttingDown(SHUTDOWN_MESSAGE) from None
+        finally:
+            self._calls.discard(task)
+            self._drained.discard(task)
+
+    @property
+    def in_flight(self) -> int:
+        """``Complete`` / ``CompleteStream`` calls running now."""
+        return len(self._calls)
+
+    async def wait_idle(self, timeout_seconds: float) -> bool:
+        """Wait until no ``Complete`` / ``CompleteStream`` call runs (at most ``timeout_seconds``);
+        whether none does. The calls themselves are not touched."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, timeout_seconds)
+        while self._calls:
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            await asyncio.wait(list(self._calls), timeout=left)
+        return True
+
+    def drain(self) -> int:
+        """The router is stopping and the grace is nearly over: every call still running ends now
+        with ``UNAVAILABLE`` :data:`SHUTDOWN_MESSAGE` (its task cancelled where it waits: admission,
+        pick, the client), except those already being ended (:meth:`RequestFlow.end_all` cancelled
+        their wait on the engine: they end with the same status). Their count."""
+        count = 0
+        for task in list(self._calls):
+            if task.done() or task.cancelling():
+                continue
+            self._drained.add(task)
+            task.cancel()
+            count += 1
+        return count
 
     def _prepare(
         self, request: router_pb2.CompletionRequest, context: grpc.aio.ServicerContext, stream: bool,
@@ -149,11 +211,12 @@ class InferenceServicer(router_pb2_grpc.InferenceServicer):
 
     async def Complete(self, request: router_pb2.CompletionRequest, context: grpc.aio.ServicerContext) -> router_pb2.CompletionResponse:
         routed, meta = self._prepare(request, context, stream=False)
-        async with self._flow.session(routed, meta) as session:
-            if session.status_code >= 400:
-                body, _ = await session.read_error(MAX_ENGINE_ERROR_BYTES)
-            else:
-                body = await session.read_all()
+        with self._tracked():
+            async with self._flow.session(routed, meta) as session:
+                if session.status_code >= 400:
+                    body, _ = await session.read_error(MAX_ENGINE_ERROR_BYTES)
+                else:
+                    body = await session.read_all()
         if session.status_code >= 400:
             raise error_from_engine(session.status_code, body)
         answer = parse_completion(body)
@@ -170,27 +233,28 @@ class InferenceServicer(router_pb2_grpc.InferenceServicer):
         self, request: router_pb2.CompletionRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.CompletionChunk]:
         routed, meta = self._prepare(request, context, stream=True)
-        async with self._flow.session(routed, meta) as session:
-            if session.status_code >= 400:
-                raise error_from_engine(session.status_code, (await session.read_error(MAX_ENGINE_ERROR_BYTES))[0])
-            pieces = 0
-            async for chunk in session.iter_events():
-                for piece in chunk.pieces:
-                    if piece.error is not None:  # the engine's in-stream error: its status and message
-                        raise error_from_stream_event(piece.error)
-                    if piece.text or piece.finish_reason:
-                        pieces += 1
-                    if not (piece.text or piece.finish_reason or piece.usage):
-                        continue
-                    out = router_pb2.CompletionChunk(
-                        id=piece.id or meta.request_id,
-                        text=piece.text,
-                        finish_reason=piece.finish_reason or "",
-                        endpoint_id=session.endpoint.id,
-                    )
-                    if piece.finish_reason or piece.usage:
-                        out.usage.CopyFrom(_usage_pb(piece.usage or session.usage, pieces))
-                    yield out
+        with self._tracked():
+            async with self._flow.session(routed, meta) as session:
+                if session.status_code >= 400:
+                    raise error_from_engine(session.status_code, (await session.read_error(MAX_ENGINE_ERROR_BYTES))[0])
+                pieces = 0
+                async for chunk in session.iter_events():
+                    for piece in chunk.pieces:
+                        if piece.error is not None:  # the engine's in-stream error: its status and message
+                            raise error_from_stream_event(piece.error)
+                        if piece.text or piece.finish_reason:
+                            pieces += 1
+                        if not (piece.text or piece.finish_reason or piece.usage):
+                            continue
+                        out = router_pb2.CompletionChunk(
+                            id=piece.id or meta.request_id,
+                            text=piece.text,
+                            finish_reason=piece.finish_reason or "",
+                            endpoint_id=session.endpoint.id,
+                        )
+                        if piece.finish_reason or piece.usage:
+                            out.usage.CopyFrom(_usage_pb(piece.usage or session.usage, pieces))
+                        yield out
 
     async def ListModels(self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> router_pb2.ListModelsResponse:
         if self._tenants.enabled:  # as GET /v1/models: a key is checked, and needed with require_api_key

@@ -4,7 +4,8 @@ mid-stream: real router, flow_control and simulator processes, real etcd (docs/d
 
 The hung engine is either the real simulator paused with SIGSTOP (its membership lease then
 expires and it leaves the pool) or an in-test OpenAI-wire engine that goes silent while its lease
-is kept alive (a hung engine whose registration lives on: only the router's timeouts can tell).
+is kept alive (a hung engine whose registration lives on, as vLLM behind the registration sidecar:
+the router's ``/health`` probe past ``engine_health_probe_after_seconds`` or its timeouts tell).
 epp is an in-test grpc.aio picker (``FakeEpp``) so each case chooses the target and the fallback.
 """
 
@@ -16,7 +17,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,23 +38,27 @@ from tests.integration.test_router import FakeEpp, _start, serve_fake_epp
 from tests.support import serve_registered, stop_registered, wait_until_async
 
 MODEL = "hung"
-FIRST_BYTE_S, IDLE_S, DEPARTED_S, BODY_S, HEADER_S, GRACE_S = 2, 10, 1, 2, 2, 2
+FIRST_BYTE_S, IDLE_S, DEPARTED_S, PROBE_AFTER_S, BODY_S, HEADER_S, GRACE_S = 4, 10, 1, 1, 2, 2, 2
+PROBE_TIMEOUT_S = 1  # engine_health_probe_timeout_seconds' default
 ROUTER_FLAGS = ("--engine-first-byte-timeout-seconds", str(FIRST_BYTE_S), "--engine-stream-idle-timeout-seconds",
-                str(IDLE_S), "--engine-departed-idle-seconds", str(DEPARTED_S), "--request-body-timeout-seconds",
-                str(BODY_S), "--request-header-timeout-seconds", str(HEADER_S), "--shutdown-http-grace-seconds",
-                str(GRACE_S))
+                str(IDLE_S), "--engine-departed-idle-seconds", str(DEPARTED_S), "--engine-health-probe-after-seconds",
+                str(PROBE_AFTER_S), "--request-body-timeout-seconds", str(BODY_S), "--request-header-timeout-seconds",
+                str(HEADER_S), "--shutdown-http-grace-seconds", str(GRACE_S))
 
 
 @dataclass
 class ScriptedEngine:
     """An OpenAI-wire engine of ``MODEL``: streams ``tok0 tok1 ...`` every ``delay`` s; after
     ``stall_after`` events (0: before any byte; a non-streamed answer never comes) it goes silent,
-    its etcd lease still kept alive."""
+    its etcd lease still kept alive. Its ``GET /health`` answers 200 (a wedged engine core behind a
+    live API server, or one merely slow) unless ``health_hangs`` (the whole process hung)."""
 
     stall_after: int | None = None
     delay: float = 0.05
     plain_delay: float = 0.0
     """Seconds a non-streamed answer takes (a long generation: no byte until it is done)."""
+    health_hangs: bool = False
+    health_checks: int = 0
     server: HttpServer | None = None
     registration: LeaseRegistration | None = None
     endpoint: Endpoint | None = None
@@ -86,9 +91,15 @@ class ScriptedEngine:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    async def _health(self, request: Request) -> Response:
+        self.health_checks += 1
+        if self.health_hangs:
+            await self._forever.wait()
+        return Response(status_code=200)
+
     async def start(self, etcd: str) -> ScriptedEngine:
         app = Starlette(routes=[Route("/v1/completions", self._handle, methods=["POST"]),
-                                Route("/health", lambda _: Response(status_code=200))])
+                                Route("/health", self._health)])
         self.server, self.endpoint, self.registration = await serve_registered(
             app, etcd, MODEL, {"engine": "test", "max_model_len": "4096"})
         return self
@@ -161,8 +172,10 @@ async def _all_listed(mesh: HungMesh, timeout: float = 60) -> None:
 @pytest.fixture(autouse=True)
 def _reset(hung: HungMesh) -> None:
     hung.good.stall_after = None
+    hung.good.delay = hung.silent.delay = 0.05
     hung.silent.stall_after = 0
     hung.silent.plain_delay = 0.0
+    hung.silent.health_hangs = False
     assert hung.good.endpoint is not None
     hung.epp.order = [hung.good.endpoint]
 
@@ -193,8 +206,9 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int,
 
 async def test_paused_engine_requests_move_to_another_endpoint(hung: HungMesh) -> None:
     """The issue's repro: SIGSTOP an engine, 4 concurrent completions (2 streamed) picked for it: every one
-    is answered by the other endpoint. Streamed ones move at the first-byte timeout; non-streamed ones
-    (silent for a whole generation legitimately) once the paused engine's lease expires."""
+    is answered by the other endpoint, once its /health probe (past engine_health_probe_after_seconds, or
+    past engine_departed_idle_seconds once its lease expired) gives no answer: well before the first-byte
+    timeout, and the non-streamed ones (silent for a whole generation legitimately) as soon."""
     assert hung.good.endpoint is not None
     hung.epp.order = [hung.sim_endpoint, hung.good.endpoint]
     before = _stalled(hung.metrics)
@@ -216,13 +230,14 @@ async def test_paused_engine_requests_move_to_another_endpoint(hung: HungMesh) -
             assert reply.status_code == 200, reply.text
             assert reply.headers["x-kvmesh-endpoint"] == hung.good.endpoint.id
         assert hung.good.served - served_before == 4
-        assert elapsed < 30, elapsed
+        assert elapsed < FIRST_BYTE_S + 6, elapsed
         after = _stalled(hung.metrics)
-        # The lease (TTL 2 s) expires 1.3-2.5 s after the stop, around the first-byte timeout (2 s): a
-        # streamed request may be cut for either reason; the non-streamed ones only once the endpoint
-        # left and its /health probe timed out (a SIGSTOPped process still accepts TCP connects).
-        moved = {reason: _grew(before, after, (reason, "redispatched")) for reason in ("first_byte_timeout", "endpoint_left")}
-        assert sum(moved.values()) == 4 and moved["endpoint_left"] >= 2, after
+        # The lease (TTL 2 s) expires 1.3-2.5 s after the stop, around the probe threshold (1 s) + the
+        # probe's timeout (1 s; a SIGSTOPped process still accepts TCP connects): a request is cut by a
+        # failed probe with the lease alive (health_probe_failed) or after it left (endpoint_left).
+        moved = {reason: _grew(before, after, (reason, "redispatched"))
+                 for reason in ("first_byte_timeout", "endpoint_left", "health_probe_failed")}
+        assert sum(moved.values()) == 4 and moved["first_byte_timeout"] <= 2, after
     finally:
         os.killpg(hung.sim.pid, signal.SIGCONT)
     await _all_listed(hung)  # the simulator re-establishes its lease
@@ -259,8 +274,9 @@ async def test_draining_engine_that_deregistered_is_not_cut(hung: HungMesh, etcd
 
 
 async def test_paused_engine_mid_stream_ends_with_error_event(hung: HungMesh) -> None:
-    """SIGSTOP mid-stream: once the engine leaves membership the stream ends with the in-stream error
-    event + [DONE] (not an SSE gap until the 600 s request timeout); counted as endpoint_left/ended."""
+    """SIGSTOP mid-stream: once its /health probe fails (silent past the probe threshold, or after it left
+    membership) the stream ends with the in-stream error event + [DONE] (not an SSE gap until the 600 s
+    request timeout); counted as health_probe_failed or endpoint_left / ended."""
     hung.epp.order = [hung.sim_endpoint]
     before = _stalled(hung.metrics)
     raw = b""
@@ -285,10 +301,10 @@ async def test_paused_engine_mid_stream_ends_with_error_event(hung: HungMesh) ->
         assert "choices" in json.loads(event[6:])  # whole events before the error
     assert ended_after < IDLE_S + 5, ended_after
     after = _stalled(hung.metrics)
-    ended = _grew(before, after, ("endpoint_left", "ended")) + _grew(before, after, ("idle_timeout", "ended"))
+    ended = sum(_grew(before, after, (reason, "ended")) for reason in ("endpoint_left", "health_probe_failed", "idle_timeout"))
     assert ended == 1, after
     if ended_after < IDLE_S:
-        assert "left the pool" in error["message"], error
+        assert "its /health does not answer" in error["message"], error
     await _all_listed(hung)
 
 
@@ -343,6 +359,101 @@ async def test_silent_engine_mid_stream_idle_timeout_http_and_grpc(hung: HungMes
     assert len(events) == 4  # two tokens, the error, [DONE]
     assert IDLE_S <= elapsed < IDLE_S + 6, elapsed
     assert _grew(before, _stalled(hung.metrics), ("idle_timeout", "ended")) == 2
+
+
+async def _grpc_stream(address: str, prompt: str, max_tokens: int, timeout: float,
+                       chunks: list[router_pb2.CompletionChunk] | None = None) -> grpc.aio.AioRpcError | None:
+    """A gRPC ``CompleteStream`` read to its end: the error that ended it (None: OK); ``chunks`` gets the chunks."""
+    got = chunks if chunks is not None else []
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = router_pb2_grpc.InferenceStub(channel).CompleteStream(
+            router_pb2.CompletionRequest(model=MODEL, prompt=prompt, max_tokens=max_tokens), timeout=timeout)
+        try:
+            async for chunk in call:
+                got.append(chunk)
+        except grpc.aio.AioRpcError as exc:
+            return exc
+    return None
+
+
+@pytest.mark.parametrize("when", ["non-streamed", "before-first-byte", "mid-stream"])
+async def test_hung_engine_with_its_lease_alive_is_found_by_its_health_probe(hung: HungMesh, when: str) -> None:
+    """The issue: an engine that hangs whole (its /health silent too) while its lease lives on (vLLM behind
+    the registration sidecar) is found once a request waited engine_health_probe_after_seconds without a
+    byte and the probe gave no answer: the request moves to the next candidate before its first byte
+    (non-streamed: before, only the 600 s request timeout ended it), or the answer ends with the
+    in-stream error (HTTP) / UNAVAILABLE (gRPC) mid-stream, well within the idle timeout. Membership
+    never changes."""
+    silent, good = hung.silent, hung.good
+    assert silent.endpoint is not None and good.endpoint is not None
+    silent.health_hangs = True
+    silent.stall_after = 2 if when == "mid-stream" else 0
+    hung.epp.order = [silent.endpoint, good.endpoint]
+    before = _stalled(hung.metrics)
+    url = f"{hung.http}/v1/completions"
+    async with httpx.AsyncClient(timeout=30) as client:
+        started = time.monotonic()
+        if when == "non-streamed":
+            reply = await client.post(url, json={"model": MODEL, "prompt": "p", "max_tokens": 3})
+            elapsed = time.monotonic() - started
+            assert reply.status_code == 200 and reply.headers["x-kvmesh-endpoint"] == good.endpoint.id, reply.text
+            action, count = "redispatched", 1
+        elif when == "before-first-byte":
+            status, headers, raw = await _stream(client, url, {"model": MODEL, "prompt": "s", "max_tokens": 3, "stream": True})
+            elapsed = time.monotonic() - started
+            assert status == 200 and headers["x-kvmesh-endpoint"] == good.endpoint.id
+            assert _events(raw)[-1] == "data: [DONE]" and b'"error"' not in raw
+            action, count = "redispatched", 1
+        else:
+            chunks: list[router_pb2.CompletionChunk] = []
+            (status, headers, raw), grpc_error = await asyncio.gather(
+                _stream(client, url, {"model": MODEL, "prompt": "m", "max_tokens": 8, "stream": True}),
+                _grpc_stream(hung.grpc_address, "g", 8, 30, chunks))
+            elapsed = time.monotonic() - started
+            events = _events(raw)
+            assert status == 200 and headers["x-kvmesh-endpoint"] == silent.endpoint.id
+            assert events[-1] == "data: [DONE]" and len(events) == 4, raw[-300:]  # two tokens, the error, [DONE]
+            error = json.loads(events[-2][6:])["error"]
+            assert error["code"] == 503 and "its /health does not answer" in error["message"], error
+            assert grpc_error is not None and grpc_error.code() == grpc.StatusCode.UNAVAILABLE
+            assert "its /health does not answer" in (grpc_error.details() or ""), grpc_error.details()
+            assert [c.text for c in chunks] == ["tok0 ", "tok1 "]
+            action, count = "ended", 2
+    assert PROBE_AFTER_S <= elapsed < PROBE_AFTER_S + PROBE_TIMEOUT_S + 4, elapsed
+    after = _stalled(hung.metrics)
+    assert _grew(before, after, ("health_probe_failed", action)) == count, after
+    assert sum(after.values()) - sum(before.values()) == count, after  # nothing else cut
+    assert silent.health_checks > 0
+
+
+@pytest.mark.parametrize("when", ["non-streamed", "mid-stream-gap"])
+async def test_slow_engine_that_answers_health_is_not_cut(hung: HungMesh, when: str) -> None:
+    """A long wait that is not a hang (a whole non-streamed generation; a long gap between two events, a
+    preempted request) on an engine whose /health answers: probed past the threshold, answered, not cut
+    nor moved; the client gets the engine's own whole answer."""
+    silent = hung.silent
+    assert silent.endpoint is not None
+    silent.stall_after = None
+    hung.epp.order = [silent.endpoint]
+    before = _stalled(hung.metrics)
+    checks = silent.health_checks
+    url = f"{hung.http}/v1/completions"
+    async with httpx.AsyncClient(timeout=30) as client:
+        started = time.monotonic()
+        if when == "non-streamed":
+            silent.plain_delay = PROBE_AFTER_S + 2
+            reply = await client.post(url, json={"model": MODEL, "prompt": "slow", "max_tokens": 3})
+            assert reply.status_code == 200 and reply.headers["x-kvmesh-endpoint"] == silent.endpoint.id, reply.text
+        else:
+            silent.delay = PROBE_AFTER_S + 1.5  # between two events
+            status, headers, raw = await _stream(client, url, {"model": MODEL, "prompt": "gap", "max_tokens": 2, "stream": True})
+            assert status == 200 and headers["x-kvmesh-endpoint"] == silent.endpoint.id
+            assert _events(raw) == [*(f"data: {json.dumps({'id': 'cmpl-s', 'choices': [{'index': 0, 'text': f'tok{i} '}]})}"
+                                      for i in range(2)), "data: [DONE]"], raw[-300:]
+        elapsed = time.monotonic() - started
+    assert elapsed >= PROBE_AFTER_S + 2, elapsed
+    assert silent.health_checks > checks  # it was probed, and answered
+    assert _stalled(hung.metrics) == before
 
 
 def _raw_request(http: str, head: bytes, body: bytes) -> tuple[bytes, float, bool]:
@@ -469,5 +580,83 @@ async def test_sigterm_mid_stream_ends_with_error_event_and_no_traceback(hung: H
         log = router.log_path.read_text(errors="replace")
         for bad in ("Traceback", "Exception in ASGI application", "timeout graceful shutdown exceeded"):
             assert bad not in log, log[-3000:]
+    finally:
+        router.stop()
+
+
+async def test_sigterm_grpc_streams_drain_or_end_unavailable_as_http_does(hung: HungMesh, etcd: str, run_dir: Path) -> None:
+    """SIGTERM a router while three streams run: a gRPC stream that finishes within the grace is drained
+    to completion (OK, every chunk); a gRPC stream waiting on a silent engine ends, after the chunks it
+    already had, with UNAVAILABLE "the server is shutting down; retry the request" near the end of the
+    grace (before: cut by the gRPC server at its own grace, UNAVAILABLE "Cancelling all calls"), when and as the HTTP
+    stream beside it gets the in-stream error event + [DONE]. Both doors drain together (one grace, not
+    the gRPC grace and then the HTTP one); exit 0, no traceback."""
+    silent, good = hung.silent, hung.good
+    assert silent.endpoint is not None and good.endpoint is not None
+    silent.stall_after = 2
+    good.delay = 0.15  # 8 events: 1.2 s, within the grace
+    http_port = free_port()
+    router, address = _start("router", run_dir, etcd, "--http-port", str(http_port), "--flow-control-address",
+                             hung.flow_control, "--epp-address", hung.epp_address, "--shutdown-grace-seconds",
+                             str(GRACE_S), *ROUTER_FLAGS)
+    http = f"http://127.0.0.1:{http_port}"
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            async def listed() -> bool:
+                data = (await client.get(f"{http}/v1/models")).json()["data"]
+                return any(m["id"] == MODEL for m in data)
+
+            await wait_until_async(listed, 20, "router to list the model", interval=0.1)
+            hung.epp.order = [silent.endpoint]
+            stalled_chunks: list[router_pb2.CompletionChunk] = []
+            stalled_grpc = asyncio.ensure_future(_grpc_stream(address, "stalled", 8, 30, stalled_chunks))
+            http_raw = bytearray()
+            http_two = asyncio.Event()
+
+            async def over_http() -> None:
+                async with client.stream("POST", f"{http}/v1/completions",
+                                         json={"model": MODEL, "prompt": "h", "max_tokens": 8, "stream": True}) as s:
+                    async for chunk in s.aiter_bytes():
+                        http_raw.extend(chunk)
+                        if http_raw.count(b"\n\n") >= 2:
+                            http_two.set()
+
+            http_stream = asyncio.ensure_future(over_http())
+            await wait_until_async(lambda: len(stalled_chunks) >= 2 and http_two.is_set(), 20,
+                                   "both stalled streams to get two events", interval=0.05)
+            hung.epp.order = [good.endpoint]
+            done_chunks: list[router_pb2.CompletionChunk] = []
+            finishing = asyncio.ensure_future(_grpc_stream(address, "finishing", 8, 30, done_chunks))
+            await wait_until_async(lambda: len(done_chunks) >= 1, 20, "the finishing stream to start", interval=0.02)
+            os.killpg(router.pid, signal.SIGTERM)
+            stopped_at = time.monotonic()
+            ended: dict[str, float] = {}
+
+            async def timed(name: str, task: Awaitable[object]) -> object:
+                result = await task
+                ended[name] = time.monotonic() - stopped_at
+                return result
+
+            finished_error, stalled_error, _ = await asyncio.gather(
+                timed("finishing", finishing), timed("grpc", stalled_grpc), timed("http", http_stream))
+        assert finished_error is None, finished_error
+        assert [c.text for c in done_chunks] == [f"tok{i} " for i in range(8)]
+        assert isinstance(stalled_error, grpc.aio.AioRpcError), stalled_error
+        assert stalled_error.code() == grpc.StatusCode.UNAVAILABLE
+        assert stalled_error.details() == "the server is shutting down; retry the request"
+        assert [c.text for c in stalled_chunks] == ["tok0 ", "tok1 "]
+        events = _events(bytes(http_raw))
+        assert events[-1] == "data: [DONE]", http_raw[-300:]
+        error = json.loads(events[-2][6:])["error"]
+        assert error["code"] == 503 and error["message"] == "the server is shutting down; retry the request"
+        assert ended["finishing"] < GRACE_S, ended
+        assert GRACE_S - 1.5 < ended["grpc"] < GRACE_S + 2 and GRACE_S - 1.5 < ended["http"] < GRACE_S + 2, ended
+        assert abs(ended["grpc"] - ended["http"]) < 1.0, ended
+        assert router.proc is not None
+        assert router.proc.wait(15) == 0
+        log = router.log_path.read_text(errors="replace")
+        for bad in ("Traceback", "Exception in ASGI application", "timeout graceful shutdown exceeded", "on_stop hook"):
+            assert bad not in log, log[-3000:]
+        assert "shutting down: ended 2 request(s) still on an engine" in log, log[-3000:]
     finally:
         router.stop()

@@ -158,10 +158,25 @@ async def test_pick_with_epp_down_is_unreachable() -> None:
 
 
 class DownFlowControl(flow_control_pb2_grpc.FlowControlServicer):
+    """Ends every Admit with ``code`` once it read the Enqueue, as flow_control answers (it reads the
+    first message before anything else). No ``AdmitMany``: the client's multiplexed stream ends
+    ``UNIMPLEMENTED`` (an older flow_control) and it admits per request.
+
+    The flake this once was: the fake ended the call *before reading*, so the client's Enqueue write
+    raced the server's status; when the send failed just after that status arrived, grpc-python
+    replaced it with a bare ``INTERNAL`` "Internal error from Core" for good (~1% of calls, more
+    under load): on the ``AdmitMany`` stream the client then missed the ``UNIMPLEMENTED`` and failed
+    the admission as unreachable (fixed in ``AdmissionClient.admit``: a stream that ended before
+    answering anything admits that request per request, as ``PickerClient`` does: tested below), and
+    on ``Admit`` the status the test expects was lost (no server answers that way: a status sent before
+    reading the Enqueue comes from gRPC itself, read as unreachable either way)."""
+
     def __init__(self, code: grpc.StatusCode) -> None:
         self.code = code
 
     async def Admit(self, request_iterator: AsyncIterator[flow_control_pb2.AdmitRequest], context: grpc.aio.ServicerContext) -> AsyncIterator[flow_control_pb2.AdmitResponse]:
+        first = await anext(request_iterator)
+        assert first.HasField("enqueue")
         await context.abort(self.code, "shutting down")
         yield flow_control_pb2.AdmitResponse()  # never reached; makes this a generator
 
@@ -185,6 +200,83 @@ async def test_admit_errors_use_per_call_overrides(code: grpc.StatusCode, error_
         assert type(info.value) is error_cls and str(info.value) == message
     finally:
         await client.close()
+        await server.stop(0)
+
+
+class _LostStatusCall:
+    """An ``AdmitMany`` call as grpc-python leaves it when the first write raced the server's end of the
+    call and lost: the write and the read both fail with the bare ``INTERNAL`` "Internal error from Core"
+    (the server's ``UNIMPLEMENTED`` overwritten), nothing was answered."""
+
+    def __init__(self) -> None:
+        self.error = grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                          "Internal error from Core", "Failed send_message")
+
+    async def write(self, message: object) -> None:
+        raise self.error
+
+    async def read(self) -> object:
+        raise self.error
+
+    def cancel(self) -> bool:
+        return True
+
+
+class _LostStatusStub:
+    """The real stub, except that ``AdmitMany`` loses its status as above."""
+
+    def __init__(self, real: flow_control_pb2_grpc.FlowControlStub) -> None:
+        self.real = real
+        self.Admit = real.Admit
+
+    def AdmitMany(self, *args: object, **kwargs: object) -> _LostStatusCall:
+        return _LostStatusCall()
+
+
+async def test_admit_many_that_lost_its_status_admits_per_request() -> None:
+    """The flake's product half, forced: the multiplexed stream ended before answering anything with the
+    bare INTERNAL that hides an older flow_control's UNIMPLEMENTED. The request is admitted on its own
+    Admit stream (dispatched: not the degraded mode), and the next request tries the stream again."""
+    flow_control = RecordingFlowControl()
+    server = grpc.aio.server()
+    flow_control_pb2_grpc.add_FlowControlServicer_to_server(flow_control, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = AdmissionClient(f"127.0.0.1:{port}", admission_timeout_seconds=5, close_timeout_seconds=1)
+    await client.connect()
+    assert client._stub is not None
+    client._stub = _LostStatusStub(client._stub)  # type: ignore[assignment]
+    try:
+        for i in range(2):
+            ticket = await client.admit(AdmitQuery(f"r{i}", "f", 0, 10, 10, "tiny"))
+            await ticket.close()
+            assert client._multiplexed  # not switched for good: the status was not UNIMPLEMENTED
+        assert len(flow_control.metadata) == 2 and flow_control.messages[0] == "enqueue"
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+async def test_older_flow_control_is_admitted_every_time_whatever_the_race() -> None:
+    """Against a real server without ``AdmitMany`` (each client finds out on its first request), 150
+    fresh clients each admit a request: every one is dispatched (before the fix about 1 in 100 hit the
+    lost-status race and was failed as unreachable, so the request went to the degraded mode)."""
+    flow_control = RecordingFlowControl()
+    server = grpc.aio.server()
+    flow_control_pb2_grpc.add_FlowControlServicer_to_server(flow_control, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        for i in range(150):
+            client = AdmissionClient(f"127.0.0.1:{port}", admission_timeout_seconds=5, close_timeout_seconds=1)
+            await client.connect()
+            try:
+                ticket = await client.admit(AdmitQuery(f"r{i}", "f", 0, 10, 10, "tiny"))
+                await ticket.close()
+            finally:
+                await client.close()
+        assert len(flow_control.metadata) == 150
+    finally:
         await server.stop(0)
 
 

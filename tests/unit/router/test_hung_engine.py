@@ -1,6 +1,7 @@
 """A hung engine (accepts, then says nothing): ``RequestFlow``'s watch re-dispatches a request that has no
 first byte, ends an answer that went silent, reacts to the endpoint leaving membership (cut only when its ``/health`` probe fails too: a draining
-engine is not cut), and ends what is left at shutdown. Engines are ``httpx.MockTransport`` answers that
+engine is not cut), probes the ``/health`` of an engine that keeps its lease but gives no byte past
+``engine_health_probe_after_seconds`` (cut only when the probe fails: a slow engine is not), and ends what is left at shutdown. Engines are ``httpx.MockTransport`` answers that
 stall on an event; the integration side (real processes, SIGSTOP) is
 ``tests/integration/test_router_hung_engine.py``."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 import httpx
 import pytest
@@ -284,4 +286,155 @@ async def test_a_client_cancel_is_not_taken_for_a_stall() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert not flow._watches
+    await flow.aclose()
+
+
+# -- a hung engine whose membership lease lives on: found by its /health probe -----------------------
+
+PROBE = SLOW.model_copy(update={"engine_health_probe_after_seconds": 0.1})
+"""First-byte / idle limits at 300 s, request timeout 30 s: only the probe can end a wait in these tests."""
+
+
+@dataclass
+class _Engine:
+    """Host ``a``: its answers (SSE pieces) wait on ``go`` before the piece number ``stall_at`` (None: no
+    wait); its ``GET /health`` answers ``health`` after ``health_delay`` s (None: never answers, as a
+    SIGSTOPped engine). Every other host answers at once. Counts the probes and the most that ran at once."""
+
+    stall_at: int | None = 0
+    health: int | None = None
+    health_delay: float = 0.0
+    go: asyncio.Event = field(default_factory=asyncio.Event)
+    probes: int = 0
+    probing: int = 0
+    most_probing: int = 0
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        hung = request.url.host == "a"
+        if request.url.path == "/health":
+            if not hung:
+                return httpx.Response(200)
+            self.probes += 1
+            if self.health not in (None, 200):
+                return httpx.Response(self.health or 503)
+            return httpx.Response(200, content=self._probe())
+        pieces = [e + b"\n\n" for e in SSE.split(b"\n\n") if e]
+
+        async def body() -> AsyncIterator[bytes]:
+            for i, piece in enumerate(pieces):
+                if hung and i == self.stall_at:
+                    await self.go.wait()
+                yield piece
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
+
+    async def _probe(self) -> AsyncIterator[bytes]:
+        """The /health answer's body: never (``health`` None), else after ``health_delay``."""
+        self.probing += 1
+        self.most_probing = max(self.most_probing, self.probing)
+        try:
+            if self.health is None:
+                await asyncio.Event().wait()
+            await asyncio.sleep(self.health_delay)
+            yield b""
+        finally:
+            self.probing -= 1
+
+
+def _probe_flow(engine: _Engine, config: RouterConfig = PROBE) -> RequestFlow:
+    return RequestFlow(config, lambda: CATALOG, FakeAdmission(), FakePicker((A, B)),
+                       httpx.AsyncClient(transport=httpx.MockTransport(engine)))
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "non-streamed"])
+@pytest.mark.parametrize("health", [None, 503], ids=["health-silent", "health-503"])
+async def test_no_byte_past_the_probe_threshold_and_a_failed_probe_moves_the_request(stream: bool, health: int | None) -> None:
+    """The engine keeps its lease (no membership change at all) and says nothing, before its first byte;
+    its /health does not answer (or answers 503, vLLM's dead engine): the request moves to B at about
+    the threshold + the probe timeout, not after the 300 s first-byte or 30 s request timeout."""
+    engine = _Engine(stall_at=0, health=health)
+    flow = _probe_flow(engine)
+    before = _stalled("health_probe_failed", "redispatched")
+    started = asyncio.get_running_loop().time()
+    async with flow.session(_request(stream), META) as session:
+        raw = b"".join([c.raw async for c in session.iter_events()])
+    elapsed = asyncio.get_running_loop().time() - started
+    assert session.endpoint.id == B.id and session.attempts == 2 and raw == SSE
+    assert _stalled("health_probe_failed", "redispatched") == before + 1
+    assert engine.probes == 1
+    assert 0.1 <= elapsed < 3.0, elapsed  # 0.1 s threshold + at most 0.2 s probe + a 0.05 s tick, plus a loaded host
+    await flow.aclose()
+
+
+async def test_silent_mid_stream_and_a_failed_probe_ends_the_answer() -> None:
+    engine = _Engine(stall_at=1, health=None)
+    flow = _probe_flow(engine)
+    before = _stalled("health_probe_failed", "ended")
+    got: list[bytes] = []
+    with pytest.raises(EngineStalled, match=r"stopped answering mid-stream .*its /health does not answer"):
+        async with flow.session(_request(True), META) as session:
+            async for chunk in session.iter_events():
+                got.append(chunk.raw)
+    assert session.endpoint.id == A.id and len(got) == 1
+    assert _stalled("health_probe_failed", "ended") == before + 1
+    await flow.aclose()
+
+
+@pytest.mark.parametrize("stall_at", [0, 1], ids=["before-first-byte", "mid-stream"])
+async def test_a_slow_engine_that_answers_health_is_not_cut_and_is_probed_once_at_a_time(stall_at: int) -> None:
+    """A long queue or prefill (no first byte), or a long gap mid-answer, on an engine whose /health
+    answers (slowly: 0.1 s, half the probe timeout): three requests wait 1 s, 10 x the threshold; none
+    is cut or moved, the probes run one at a time for the endpoint (not one per request) and again
+    every engine_health_probe_interval_seconds (0.2 s) while the requests wait."""
+    engine = _Engine(stall_at=stall_at, health=200, health_delay=0.1)
+    flow = _probe_flow(engine)
+    before = {(r, a): _stalled(r, a) for r in request_flow.STALL_REASONS for a in ("redispatched", "ended")}
+
+    async def one(stream: bool) -> tuple[str, int, bytes]:
+        async with flow.session(_request(stream), META) as session:
+            raw = b"".join([c.raw async for c in session.iter_events()])
+        return session.endpoint.id, session.attempts, raw
+
+    tasks = [asyncio.ensure_future(one(stream)) for stream in (True, True, False)]
+    await asyncio.sleep(1.0)
+    engine.go.set()
+    results = await asyncio.gather(*tasks)
+    assert results == [(A.id, 1, SSE)] * 3
+    assert engine.most_probing == 1 and 2 <= engine.probes <= 8, (engine.probes, engine.most_probing)
+    assert {(r, a): _stalled(r, a) for r in request_flow.STALL_REASONS for a in ("redispatched", "ended")} == before
+    await flow.aclose()
+
+
+async def test_an_engine_that_answers_before_the_threshold_is_never_probed() -> None:
+    engine = _Engine(stall_at=None, health=None)
+    flow = _probe_flow(engine, SLOW)  # the default threshold (10 s)
+    for stream in (True, False):
+        async with flow.session(_request(stream), META) as session:
+            assert b"".join([c.raw async for c in session.iter_events()]) == SSE
+    assert engine.probes == 0 and not flow._probes
+    await flow.aclose()
+
+
+async def test_a_wait_that_began_after_a_failed_probe_is_probed_again() -> None:
+    """The engine hung (probe failed: the request moved to B), then came back: a later request that waits
+    on it past the threshold gets a probe of its own, which answers, so it is not cut by the old verdict."""
+    engine = _Engine(stall_at=0, health=None)
+    flow = _probe_flow(engine)
+    async with flow.session(_request(True), META) as session:
+        assert session.endpoint.id == B.id
+        await session.read_all()
+    assert engine.probes == 1
+    engine.health = 200
+    engine.go = asyncio.Event()
+
+    async def release() -> None:
+        await asyncio.sleep(0.6)
+        engine.go.set()
+
+    releaser = asyncio.ensure_future(release())
+    async with flow.session(_request(True), META) as session:
+        raw = b"".join([c.raw async for c in session.iter_events()])
+    await releaser
+    assert session.endpoint.id == A.id and session.attempts == 1 and raw == SSE
+    assert engine.probes >= 2
     await flow.aclose()

@@ -1,0 +1,95 @@
+"""The passthrough routes (``/tokenize``, ``/detokenize``, a stored response's routes) on a hung engine:
+no answer past ``engine_health_probe_after_seconds`` and a failed ``/health`` probe end the wait (the
+next endpoint, or 503), where a hung engine held them for ``request_timeout_seconds``; an engine whose
+``/health`` answers is waited for. Engines are ``httpx.MockTransport`` answers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+from prometheus_client import REGISTRY
+
+from kvmesh import errors
+from services.router.config import RouterConfig
+from services.router.degraded import LocalPicker
+from services.router.passthrough import Passthrough
+from services.router.request_flow import RequestFlow
+from tests.unit.router.fakes import CATALOG, A, B, FakeAdmission, FakePicker
+
+CONFIG = RouterConfig(etcd_endpoints=[], request_timeout_seconds=30, engine_health_probe_after_seconds=0.1,
+                      engine_health_probe_timeout_seconds=0.2, engine_health_probe_interval_seconds=0.2)
+
+
+def _stalled(reason: str, action: str) -> float:
+    return REGISTRY.get_sample_value("kvmesh_router_engine_stalled_total", {"reason": reason, "action": action}) or 0.0
+
+
+@dataclass
+class _Engines:
+    """Host ``a`` answers after ``go`` is set, its /health answers only when ``health``; ``b`` at once."""
+
+    health: bool = False
+    go: asyncio.Event = field(default_factory=asyncio.Event)
+    probes: int = 0
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        hung = request.url.host == "a"
+        if request.url.path == "/health":
+            self.probes += hung
+            return httpx.Response(200, content=self._health() if hung else b"")
+        if hung:
+            return httpx.Response(200, headers={"content-type": "application/json"}, content=self._late())
+        return httpx.Response(200, json={"tokens": [1, 2], "host": request.url.host})
+
+    async def _health(self) -> AsyncIterator[bytes]:
+        if not self.health:
+            await asyncio.Event().wait()
+        yield b""
+
+    async def _late(self) -> AsyncIterator[bytes]:
+        await self.go.wait()
+        yield b'{"tokens": [1, 2], "host": "a"}'
+
+
+def _passthrough(engines: _Engines) -> tuple[Passthrough, RequestFlow]:
+    http = httpx.AsyncClient(transport=httpx.MockTransport(engines))
+    flow = RequestFlow(CONFIG, lambda: CATALOG, FakeAdmission(), FakePicker(), http)
+    picker = LocalPicker()
+    picker.note_start(B.id)  # A is the least loaded: tried first
+    return Passthrough(CONFIG, http, lambda model: (A, B), picker, flow.engine_answers), flow
+
+
+async def test_tokenize_on_a_hung_engine_moves_to_the_next_endpoint() -> None:
+    engines = _Engines(health=False)
+    passthrough, flow = _passthrough(engines)
+    before = _stalled("health_probe_failed", "redispatched")
+    started = asyncio.get_running_loop().time()
+    answer = await passthrough.forward("/tokenize", "tiny", {"model": "tiny", "prompt": "hi"}, "r1")
+    assert answer.endpoint_id == B.id and answer.status_code == 200
+    assert asyncio.get_running_loop().time() - started < 3.0  # 0.1 s + a 0.2 s probe, plus a loaded host
+    assert engines.probes == 1 and _stalled("health_probe_failed", "redispatched") == before + 1
+    await flow.aclose()
+
+
+async def test_a_stored_response_on_a_hung_engine_is_503() -> None:
+    engines = _Engines(health=False)
+    passthrough, flow = _passthrough(engines)
+    before = _stalled("health_probe_failed", "ended")
+    with pytest.raises(errors.NoEndpointsAvailable, match="its /health does not answer"):
+        await passthrough.to_endpoint("GET", "/v1/responses/resp_1", "tiny", A.id, "r2")
+    assert _stalled("health_probe_failed", "ended") == before + 1
+    await flow.aclose()
+
+
+async def test_a_slow_engine_that_answers_health_is_waited_for() -> None:
+    engines = _Engines(health=True)
+    passthrough, flow = _passthrough(engines)
+    asyncio.get_running_loop().call_later(0.7, engines.go.set)
+    answer = await passthrough.forward("/tokenize", "tiny", {"model": "tiny", "prompt": "hi"}, "r3")
+    assert answer.endpoint_id == A.id and answer.status_code == 200
+    assert engines.probes >= 2  # probed past 0.1 s, then every 0.2 s, answered each time
+    await flow.aclose()
