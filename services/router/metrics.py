@@ -9,7 +9,7 @@
 | ``kvmesh_router_upstream_retries_total`` | counter | — |
 | ``kvmesh_router_stage_duration_seconds`` | histogram (STAGE_BUCKETS_SECONDS) | stage |
 | ``kvmesh_router_epp_completions_dropped_total`` | counter | reason (queue_full, unreachable): completions not told to epp |
-| ``kvmesh_router_engine_stalled_total`` | counter | reason (first_byte_timeout, idle_timeout, endpoint_left, health_probe_failed), action (redispatched, ended) |
+| ``kvmesh_router_engine_stalled_total`` | counter | reason (first_byte_timeout, idle_timeout, endpoint_left, health_probe_failed), action (redispatched, abandoned, ended) |
 
 ``stage`` (:data:`STAGES`, where a request's time goes in the router; epp's own stages, the
 prefix-match step's tokenize and Score included, are epp's ``kvmesh_epp_plugin_duration_seconds``):
@@ -75,7 +75,9 @@ STAGE_DURATION = Histogram(
     buckets=STAGE_BUCKETS_SECONDS,
 )
 _STAGE_CHILDREN = {stage: STAGE_DURATION.labels(stage=stage) for stage in STAGES}
-RETRIES = Counter("kvmesh_router_upstream_retries", "Engine attempts that failed before the first byte and moved on.")
+RETRIES = Counter("kvmesh_router_upstream_retries",
+                  "Engine attempts that failed before the first byte and were followed by another attempt (a "
+                  "failed last attempt is not a retry).")
 
 
 def outcome_for_status(status: int) -> RequestOutcome:
@@ -116,10 +118,13 @@ ENGINE_STALLED = Counter(
     "kvmesh_router_engine_stalled",
     "Engine requests ended because the engine stopped answering without failing: reason first_byte_timeout "
     "(engine_first_byte_timeout_seconds), idle_timeout (engine_stream_idle_timeout_seconds mid-answer), "
-    "endpoint_left (its membership lease expired while the request waited on it and its /health failed) or "
-    "health_probe_failed (no byte past engine_health_probe_after_seconds, its lease alive, and its /health "
-    "failed); action redispatched (no byte had reached the client: sent to the next candidate) or ended (the "
-    "answer had started: in-stream error).",
+    "endpoint_left (it left membership, lease expired or deregistered, while the request waited on it and its "
+    "/health failed) or health_probe_failed (no byte past engine_health_probe_after_seconds, its lease alive, and its /health "
+    "failed); action redispatched (no byte had reached the client and another attempt started: the next "
+    "candidate), abandoned (no byte had reached the client and no attempt followed: no candidate left, the "
+    "re-pick failed or the client went away; the request ends with that error, e.g. 503) or ended (the answer had "
+    "started: in-stream error, gRPC UNAVAILABLE). A wait ended by the router stopping is not counted, nor the "
+    "silence of an engine whose answer was already whole.",
     ["reason", "action"],
 )
 

@@ -14,7 +14,8 @@ A hung engine (docs/degraded-modes.md, "an engine hung"): an engine that gives n
 ``engine_health_probe_after_seconds`` has its ``GET /health`` asked (then again every
 ``engine_health_probe_interval_seconds``); when that fails too the wait ends as a transport failure
 does (``/tokenize``, ``/detokenize``: the next endpoint; a stored response's route: 503), counted as
-``kvmesh_router_engine_stalled_total{reason="health_probe_failed"}``; while it answers, the wait goes
+``kvmesh_router_engine_stalled_total{reason="health_probe_failed"}`` (``action="redispatched"`` once
+another endpoint is tried, and a retry; ``"abandoned"`` when none is left: 503); while it answers, the wait goes
 on (up to ``request_timeout_seconds``). Before, a hung engine held these for ``request_timeout_seconds``.
 
 Errors: no live endpoint of a model served recently is :class:`~services.router.validation.ModelUnavailable`
@@ -118,22 +119,30 @@ class Passthrough:
         candidates = self._picker.order([ep for ep in self._endpoints(model) if ep.model == model], tried)
         if not candidates:
             raise ModelUnavailable(f"model '{model}' has no live endpoint right now; retry later")
-        for endpoint in candidates[: self._config.max_fallback_attempts]:
-            tried.append(endpoint.id)
-            self._picker.note_start(endpoint.id)
-            try:
-                reply = await self._answer(endpoint, self._http.post(endpoint.url + path, content=content, headers=headers))
-            except (httpx.TransportError, EngineHung) as exc:
-                last_error = exc
-                if isinstance(exc, EngineHung):
-                    metrics.record_engine_stalled("health_probe_failed", "redispatched")
-                logger.warning("engine failed request_id=%s endpoint=%s path=%s error=%r", request_id, endpoint.id, path, exc)
-                continue
-            finally:
-                self._picker.note_end(endpoint.id)
-            return PassedAnswer(reply.status_code, reply.content, reply.headers.get("content-type", "application/json"),
-                                endpoint.id)
-        raise errors.NoEndpointsAvailable(f"no endpoint answered {path} for model '{model}' after {len(tried)} attempt(s): {last_error!r}")
+        try:
+            for endpoint in candidates[: self._config.max_fallback_attempts]:
+                if last_error is not None:  # another attempt starts: the failed one moved on
+                    _moved_on(last_error)
+                tried.append(endpoint.id)
+                self._picker.note_start(endpoint.id)
+                try:
+                    reply = await self._answer(endpoint, self._http.post(endpoint.url + path, content=content,
+                                                                         headers=headers))
+                except (httpx.TransportError, EngineHung) as exc:
+                    last_error = exc
+                    logger.warning("engine failed request_id=%s endpoint=%s path=%s error=%r", request_id, endpoint.id,
+                                   path, exc)
+                    continue
+                finally:
+                    self._picker.note_end(endpoint.id)
+                last_error = None
+                return PassedAnswer(reply.status_code, reply.content, reply.headers.get("content-type", "application/json"),
+                                    endpoint.id)
+            raise errors.NoEndpointsAvailable(
+                f"no endpoint answered {path} for model '{model}' after {len(tried)} attempt(s): {last_error!r}")
+        finally:
+            if isinstance(last_error, EngineHung):  # no attempt followed it: the client gets 503 (or went away)
+                metrics.record_engine_stalled("health_probe_failed", "abandoned")
 
     async def to_endpoint(
         self, method: str, path: str, model: str, endpoint_id: str, request_id: str,
@@ -156,10 +165,17 @@ class Passthrough:
         try:
             reply = await self._answer(endpoint, self._http.request(method, endpoint.url + path, headers=headers))
         except (httpx.TransportError, EngineHung) as exc:
-            if isinstance(exc, EngineHung):
-                metrics.record_engine_stalled("health_probe_failed", "ended")
+            if isinstance(exc, EngineHung):  # no byte reached the client, and no other endpoint holds it: 503
+                metrics.record_engine_stalled("health_probe_failed", "abandoned")
             raise errors.NoEndpointsAvailable(f"endpoint {endpoint.id} did not answer {method} {path}: {exc!r}") from exc
         finally:
             self._picker.note_end(endpoint.id)
         return PassedAnswer(reply.status_code, reply.content, reply.headers.get("content-type", "application/json"),
                             endpoint.id)
+
+
+def _moved_on(failed: Exception) -> None:
+    """Another endpoint is tried after ``failed``: one retry, and a stall ``redispatched`` for a hung engine."""
+    metrics.record_retry()
+    if isinstance(failed, EngineHung):
+        metrics.record_engine_stalled("health_probe_failed", "redispatched")

@@ -50,7 +50,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from kvmesh import errors
-from kvmesh.openai_stream import SseFramer, StreamPiece, Usage, parse_completion, parse_event
+from kvmesh.openai_stream import DONE, SseFramer, StreamPiece, Usage, parse_completion, parse_event
 from kvmesh.tracing import inject_http_headers, tracer
 from kvmesh.types import (
     DATA_PARALLEL_RANK_HEADER,
@@ -123,11 +123,22 @@ class EngineStall(EngineUnreachable):
     failed while the request waited on it (past ``engine_health_probe_after_seconds``, or
     ``engine_departed_idle_seconds`` once it left membership): the request moves to the next
     candidate, as for a refused connection. ``reason``: ``first_byte_timeout``,
-    ``health_probe_failed`` or ``endpoint_left``."""
+    ``health_probe_failed`` or ``endpoint_left``; ``endpoint_id``, ``request_id`` and ``waited``
+    (seconds without a byte) for the stall's count and log line, which wait until it is known
+    whether another attempt starts (``redispatched``) or not (``abandoned``)."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, endpoint_id: str = "", request_id: str = "",
+                 waited: float = 0.0) -> None:
         super().__init__(message)
-        self.reason = reason
+        self.reason, self.endpoint_id, self.request_id, self.waited = reason, endpoint_id, request_id, waited
+
+
+def seconds_text(seconds: float) -> str:
+    """A wait for a message: two significant digits below 10 s (``0.25s``, ``1.5s``), whole seconds
+    above (``120s``); never ``0s`` for a wait that lasted."""
+    if seconds >= 10:
+        return f"{seconds:.0f}s"
+    return f"{seconds:.2g}s" if seconds > 0 else "0s"
 
 
 STALL_REASONS = ("first_byte_timeout", "idle_timeout", "endpoint_left", "health_probe_failed")
@@ -173,7 +184,7 @@ class _EngineWatch:
         if self.reason == "endpoint_left":
             return "it left the pool and its /health does not answer"
         if self.reason == "health_probe_failed":
-            return f"no data for {self.waited:.0f}s and its /health does not answer"
+            return f"no data for {seconds_text(self.waited)} and its /health does not answer"
         return timed_out
 
     def failure(self) -> EngineFailed:
@@ -181,16 +192,17 @@ class _EngineWatch:
         if self.reason == _SHUTDOWN:
             return ShuttingDown(SHUTDOWN_MESSAGE)
         self.on_stall(self, "ended")
-        why = self._why(f"no data for {self.waited:.0f}s")
+        why = self._why(f"no data for {seconds_text(self.waited)}")
         return EngineStalled(f"engine {self.endpoint_id} stopped answering mid-stream ({why}); the answer is incomplete")
 
     def unreachable(self) -> Exception:
-        """The error for an engine that gave no first byte: the next candidate is tried (not on shutdown)."""
+        """The error for an engine that gave no first byte: the next candidate is tried (not on shutdown).
+        Not counted here: :meth:`RequestFlow._connect` counts it once it knows whether another attempt starts."""
         if self.reason == _SHUTDOWN:
             return ShuttingDown(SHUTDOWN_MESSAGE)
-        self.on_stall(self, "redispatched")
-        why = self._why(f"no first byte within {self.waited:.0f}s")
-        return EngineStall(self.reason or "first_byte_timeout", f"engine {self.endpoint_id} did not answer: {why}")
+        why = self._why(f"no first byte within {seconds_text(self.waited)}")
+        return EngineStall(self.reason or "first_byte_timeout", f"engine {self.endpoint_id} did not answer: {why}",
+                           self.endpoint_id, self.request_id, self.waited)
 
 
 @dataclass(slots=True)
@@ -239,6 +251,30 @@ class _PrimedResponse:
 
 
 _CLIENT_GONE = (asyncio.CancelledError, GeneratorExit, ClientGone)
+
+AFTER_WHOLE_SECONDS = 1.0
+"""How long the router waits for an engine to close an answer that is already whole (``[DONE]`` passed,
+the Content-Length read) before it closes the response itself, as a success (at most this plus a
+reaper tick; a normal engine closes it at once: nothing waits)."""
+
+
+def _whole(watch: _EngineWatch | None) -> bool:
+    """The answer is whole: from now on a silent engine is waited for :data:`AFTER_WHOLE_SECONDS` only."""
+    if watch is not None:
+        watch.limit = min(watch.limit, AFTER_WHOLE_SECONDS)
+    return True
+
+
+def _content_length(response: EngineResponse | _PrimedResponse) -> int | None:
+    """The body's length when the engine sent it unencoded with a ``content-length`` (None otherwise)."""
+    headers = response.headers
+    length = headers.get("content-length")
+    if length is None or headers.get("content-encoding", "identity") != "identity":
+        return None
+    try:
+        return int(length)
+    except ValueError:
+        return None
 
 
 class Ticket(Protocol):
@@ -345,11 +381,18 @@ class FlowSession:
         engine failure never lands inside a half-sent event. Usage and the number of content
         chunks are taken from the parsed pieces as they pass.
 
+        Once the answer is whole (the framer passed ``data: [DONE]``; a non-streamed body reached its
+        ``content-length``) the rest of the body is still read, so that the connection goes back to the
+        pool, but the engine can no longer fail it: silence past :data:`AFTER_WHOLE_SECONDS` (a pause,
+        a GC, SIGSTOP before it closed the body), a failed ``/health`` probe, the router stopping or a
+        reset end it as a success (the response is closed by the session's exit), with nothing added.
+
         Raises:
             EngineFailed: the engine connection failed mid-answer (logged here).
-            EngineStalled: the engine went silent past ``engine_stream_idle_timeout_seconds``, or
-                left membership while this answer waited on it.
-            ShuttingDown: the router is stopping.
+            EngineStalled: the engine went silent past ``engine_stream_idle_timeout_seconds``, or past
+                ``engine_health_probe_after_seconds`` (``engine_departed_idle_seconds`` once it left
+                membership) with its ``/health`` failing, before the answer was whole.
+            ShuttingDown: the router is stopping (before the answer was whole).
         """
         # an error answer is one JSON body even for a streamed request (vLLM answers 4xx before any event)
         framer = SseFramer() if self.request.stream and self.status_code < 400 else None
@@ -359,6 +402,11 @@ class FlowSession:
         else:
             pending, chunks = b"", response.aiter_bytes()
         watch = self._watch
+        # Whole once the framer passed ``[DONE]`` or a non-streamed body reached its Content-Length: the
+        # body is still read to its end (the connection goes back to the pool), but silence, a probe
+        # that fails, the router stopping or a reset from then on only ends it, as a success.
+        whole = False
+        expected = _content_length(response) if framer is None else None
         while True:
             if pending:
                 chunk, pending = pending, b""
@@ -369,6 +417,8 @@ class FlowSession:
                     break
                 if watch is not None:
                     if watch.reason is not None:  # ended while not waiting on the engine (the router stopping)
+                        if whole:
+                            break
                         raise watch.failure()
                     watch.since = _now()  # the one clock read per chunk
                 try:
@@ -378,8 +428,14 @@ class FlowSession:
                 except asyncio.CancelledError:
                     if watch is None or not watch.owns_cancel():
                         raise
+                    if whole:
+                        self._ended_after_whole(watch.reason)
+                        break
                     raise watch.failure() from None
                 except Exception as exc:
+                    if whole:
+                        self._ended_after_whole(repr(exc))
+                        break
                     logger.warning("engine failed mid-answer request_id=%s endpoint=%s error=%r",
                                    self.meta.request_id, self.endpoint.id, exc)
                     raise EngineFailed(f"engine {self.endpoint.id} failed mid-response") from exc
@@ -395,6 +451,8 @@ class FlowSession:
                 metrics.record_ttft(self.request.model, self.ttft_seconds)
             if framer is None:
                 self._body += chunk
+                if expected is not None and not whole and len(self._body) >= expected:
+                    whole = _whole(watch)
                 yield EngineChunk(chunk)
                 continue
             cut = framer.feed(chunk)
@@ -404,6 +462,8 @@ class FlowSession:
                     self._chunks += 1
                 if piece.usage is not None:
                     self._usage = piece.usage
+            if not whole and len(pieces) < len(cut.data) and any(p.strip() == DONE for p in cut.data):
+                whole = _whole(watch)
             if cut.raw:
                 yield EngineChunk(cut.raw, pieces)
         if framer is not None and (rest := framer.flush()):
@@ -414,12 +474,19 @@ class FlowSession:
         if framer is None:
             self._usage = parse_completion(bytes(self._body)).usage
 
+    def _ended_after_whole(self, why: str | None) -> None:
+        logger.debug("engine answer already whole, ended without its close request_id=%s endpoint=%s why=%s",
+                     self.meta.request_id, self.endpoint.id, why)
+
     async def read_error(self, limit: int) -> tuple[bytes, bool]:
         """An error answer's body, at most ``limit`` bytes, and whether more was left unread (the rest is
         dropped when the session closes the engine response: a huge error body is never held whole).
 
         Raises:
             EngineFailed: the engine connection failed mid-answer.
+            EngineStalled: the engine went silent before the body was whole (past
+                ``engine_stream_idle_timeout_seconds``, or past the probe threshold with its ``/health`` failing).
+            ShuttingDown: the router is stopping.
         """
         events = self.iter_events()
         try:
@@ -435,6 +502,9 @@ class FlowSession:
 
         Raises:
             EngineFailed: the engine connection failed mid-answer.
+            EngineStalled: the engine went silent before the body was whole (past
+                ``engine_stream_idle_timeout_seconds``, or past the probe threshold with its ``/health`` failing).
+            ShuttingDown: the router is stopping.
         """
         async for _ in self.iter_events():
             pass
@@ -595,10 +665,32 @@ class RequestFlow:
             self._watches.discard(watch)
 
     def _stalled(self, watch: _EngineWatch, action: str) -> None:
-        reason = watch.reason or "idle_timeout"
+        """Count and log an answer that started and is ended (``action="ended"``) because its engine stalled."""
+        self._stall_seen(watch.reason or "idle_timeout", action, watch.endpoint_id, watch.request_id, watch.waited)
+
+    def _stall_seen(self, reason: str, action: str, endpoint_id: str, request_id: str, waited: float,
+                    outcome: str = "") -> None:
         metrics.record_engine_stalled(reason, action)
-        self._degraded_log.warn("engine", "action=%s reason=%s endpoint=%s request_id=%s waited=%.1fs",
-                                action, reason, watch.endpoint_id, watch.request_id, watch.waited, cause=reason)
+        self._degraded_log.warn("engine", "action=%s reason=%s endpoint=%s request_id=%s waited=%s%s",
+                                action, reason, endpoint_id, request_id, seconds_text(waited), outcome, cause=reason)
+
+    def _moved_on(self, failed: EngineUnreachable) -> None:
+        """Another attempt starts after ``failed``: one retry, and a stall ``redispatched``."""
+        metrics.record_retry()
+        if isinstance(failed, EngineStall):
+            self._stall_seen(failed.reason, "redispatched", failed.endpoint_id, failed.request_id, failed.waited)
+
+    def _gave_up(self, failed: EngineUnreachable, exc: BaseException) -> None:
+        """No attempt follows ``failed`` (no candidate left, the re-pick failed, the client went away):
+        a stall is counted ``abandoned``, logged with the request's real outcome (``exc`` ends it)."""
+        if not isinstance(failed, EngineStall):
+            return
+        if isinstance(exc, _CLIENT_GONE):
+            outcome = f" outcome={RequestOutcome.CANCELLED.value}"
+        else:
+            status = errors.mapping_for(exc).http_status
+            outcome = f" outcome={metrics.outcome_for_status(status).value} status={status}"
+        self._stall_seen(failed.reason, "abandoned", failed.endpoint_id, failed.request_id, failed.waited, outcome)
 
     def _end(self, watch: _EngineWatch, reason: str, now: float) -> None:
         """End ``watch``'s wait: cancel its task at the engine await (a wait not in progress sees
@@ -926,49 +1018,59 @@ class RequestFlow:
         started: float | None = None,
     ) -> tuple[EngineResponse, Endpoint, trace.Span, int, _EngineWatch]:
         tried: list[str] = []
-        last_error: Exception | None = None
+        # the last failed attempt: counted (a retry, a stall "redispatched") only once another attempt
+        # starts; when none does, a stall is "abandoned" (_gave_up)
+        last_error: EngineUnreachable | None = None
         max_attempts = self._config.max_fallback_attempts
-        while len(tried) < max_attempts:
-            try:
-                if early_pick is not None:
-                    pick, early_pick = await early_pick, None
-                else:
-                    pick = await self._timed_pick(request, meta, tried)
-            except errors.NoEndpointsAvailable:
-                if last_error is None:
-                    raise
-                break
-            if pick.prompt_tokens and not tried:
-                info = self._catalog().get(request.model)
-                check_context(request.model, info.max_model_len if info else None, pick.prompt_tokens, request.max_tokens)
-            fresh = [ep for ep in pick.candidates if ep.id not in tried]
-            if not fresh:
-                break
-            for endpoint in fresh:
-                if len(tried) >= max_attempts:
-                    break
-                if not tried and started is not None:  # arrival -> first POST: admission and pick as they overlapped
-                    metrics.record_stage("pre_dispatch", self._clock() - started)
-                tried.append(endpoint.id)
-                watch = self._watch(endpoint, meta.request_id, request.stream)
+        try:
+            while len(tried) < max_attempts:
                 try:
-                    response, proxy_span = await self._attempt(request, meta, endpoint, len(tried), watch)
-                    watch.first, watch.limit = False, self._config.engine_stream_idle_timeout_seconds
-                    return response, endpoint, proxy_span, len(tried), watch
-                except EngineUnreachable as exc:
-                    self._unwatch(watch)
-                    last_error = exc
-                    metrics.record_retry()
-                    logger.warning(
-                        "engine failed before first byte request_id=%s endpoint=%s attempt=%d error=%r",
-                        meta.request_id, endpoint.id, len(tried), exc,
-                    )
-                except BaseException:
-                    self._unwatch(watch)
-                    raise
-        raise errors.NoEndpointsAvailable(
-            f"no endpoint answered for model '{request.model}' after {len(tried)} attempt(s): {last_error!r}"
-        )
+                    if early_pick is not None:
+                        pick, early_pick = await early_pick, None
+                    else:
+                        pick = await self._timed_pick(request, meta, tried)
+                except errors.NoEndpointsAvailable:
+                    if last_error is None:
+                        raise
+                    break
+                if pick.prompt_tokens and not tried:
+                    info = self._catalog().get(request.model)
+                    check_context(request.model, info.max_model_len if info else None, pick.prompt_tokens,
+                                  request.max_tokens)
+                fresh = [ep for ep in pick.candidates if ep.id not in tried]
+                if not fresh:
+                    break
+                for endpoint in fresh:
+                    if len(tried) >= max_attempts:
+                        break
+                    if not tried and started is not None:  # arrival -> first POST: admission and pick as they overlapped
+                        metrics.record_stage("pre_dispatch", self._clock() - started)
+                    if last_error is not None:  # another attempt starts now: the failed one moved on
+                        failed, last_error = last_error, None
+                        self._moved_on(failed)
+                    tried.append(endpoint.id)
+                    watch = self._watch(endpoint, meta.request_id, request.stream)
+                    try:
+                        response, proxy_span = await self._attempt(request, meta, endpoint, len(tried), watch)
+                        watch.first, watch.limit = False, self._config.engine_stream_idle_timeout_seconds
+                        return response, endpoint, proxy_span, len(tried), watch
+                    except EngineUnreachable as exc:
+                        self._unwatch(watch)
+                        last_error = exc
+                        logger.warning(
+                            "engine failed before first byte request_id=%s endpoint=%s attempt=%d error=%r",
+                            meta.request_id, endpoint.id, len(tried), exc,
+                        )
+                    except BaseException:
+                        self._unwatch(watch)
+                        raise
+            raise errors.NoEndpointsAvailable(
+                f"no endpoint answered for model '{request.model}' after {len(tried)} attempt(s): {last_error!r}"
+            )
+        except BaseException as exc:
+            if last_error is not None:
+                self._gave_up(last_error, exc)
+            raise
 
     async def _attempt(
         self, request: RouterRequest, meta: RequestMeta, endpoint: Endpoint, attempt: int, watch: _EngineWatch

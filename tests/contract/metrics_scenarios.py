@@ -60,6 +60,7 @@ def router() -> bytes:
     metrics.record_retry()
     metrics.record_stage("pick", 0.0004)
     metrics.record_engine_stalled("first_byte_timeout", "redispatched")
+    metrics.record_engine_stalled("first_byte_timeout", "abandoned")
     metrics.IN_FLIGHT.inc()
     etcd()
     return generate_latest(REGISTRY)

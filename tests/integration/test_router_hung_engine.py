@@ -17,7 +17,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,6 +58,9 @@ class ScriptedEngine:
     plain_delay: float = 0.0
     """Seconds a non-streamed answer takes (a long generation: no byte until it is done)."""
     health_hangs: bool = False
+    hang_after_done: bool = False
+    """Silent once the whole answer is sent (``[DONE]``, or a non-streamed body of its content-length),
+    the body never closed: a pause, a GC or SIGSTOP after the last write."""
     health_checks: int = 0
     server: HttpServer | None = None
     registration: LeaseRegistration | None = None
@@ -76,8 +79,9 @@ class ScriptedEngine:
                 await self._forever.wait()
             await asyncio.sleep(self.plain_delay)
             self.served += 1
-            return JSONResponse({"id": "cmpl-s", "object": "text_completion", "model": MODEL, "choices": [
-                {"index": 0, "text": "ok", "finish_reason": "length"}]})
+            answer = {"id": "cmpl-s", "object": "text_completion", "model": MODEL, "choices": [
+                {"index": 0, "text": "ok", "finish_reason": "length"}]}
+            return _UnclosedJSON(answer, self._forever) if self.hang_after_done else JSONResponse(answer)
 
         async def events() -> AsyncIterator[bytes]:
             for i in range(n):
@@ -88,6 +92,8 @@ class ScriptedEngine:
                 yield f"data: {json.dumps({'id': 'cmpl-s', 'choices': [{'index': 0, 'text': f'tok{i} '}]})}\n\n".encode()
             yield b"data: [DONE]\n\n"
             self.served += 1
+            if self.hang_after_done:
+                await self._forever.wait()
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -106,6 +112,21 @@ class ScriptedEngine:
 
     async def stop(self) -> None:
         await stop_registered(self.server, self.registration)
+
+
+class _UnclosedJSON(JSONResponse):
+    """A JSON answer sent whole (its content-length) and then never ended (``more_body`` stays True).
+    ``connection: close``: the router's pool must not send the next request on a connection whose
+    handler never finishes (uvicorn would hold that request behind it, a hang of its own)."""
+
+    def __init__(self, content: object, forever: asyncio.Event) -> None:
+        super().__init__(content, headers={"connection": "close"})
+        self._forever_event = forever
+
+    async def __call__(self, scope: object, receive: object, send: Callable[[dict], Awaitable[None]]) -> None:  # type: ignore[override]
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self.body, "more_body": True})
+        await self._forever_event.wait()
 
 
 @dataclass
@@ -176,6 +197,7 @@ def _reset(hung: HungMesh) -> None:
     hung.silent.stall_after = 0
     hung.silent.plain_delay = 0.0
     hung.silent.health_hangs = False
+    hung.good.hang_after_done = hung.silent.hang_after_done = False
     assert hung.good.endpoint is not None
     hung.epp.order = [hung.good.endpoint]
 
@@ -187,6 +209,16 @@ def _stalled(metrics_url: str) -> dict[tuple[str, str], float]:
         if line.startswith("kvmesh_router_engine_stalled_total{"):
             labels = dict(part.split("=", 1) for part in line[line.index("{") + 1:line.index("}")].split(","))
             out[(labels["reason"].strip('"'), labels["action"].strip('"'))] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _samples(metrics_url: str, name: str) -> dict[str, float]:
+    """One metric's samples, by their label text (``""`` for an unlabelled one)."""
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{metrics_url}/metrics", timeout=5).text.splitlines():
+        if line.startswith((name + "{", name + " ")):
+            labels = line[line.index("{") + 1:line.index("}")] if "{" in line else ""
+            out[labels] = float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -660,3 +692,59 @@ async def test_sigterm_grpc_streams_drain_or_end_unavailable_as_http_does(hung: 
         assert "shutting down: ended 2 request(s) still on an engine" in log, log[-3000:]
     finally:
         router.stop()
+
+
+async def test_one_hung_candidate_is_counted_abandoned_not_redispatched(hung: HungMesh) -> None:
+    """The only candidate hangs whole (lease alive, /health silent) before its first byte, HTTP and gRPC:
+    the client gets 503 / UNAVAILABLE, and the metrics say so: ``health_probe_failed`` / ``abandoned``,
+    no ``redispatched``, no retry (before: ``redispatched`` and a retry for a request answered 503)."""
+    silent = hung.silent
+    assert silent.endpoint is not None
+    silent.health_hangs, silent.stall_after = True, 0
+    hung.epp.order = [silent.endpoint]
+    before = _stalled(hung.metrics)
+    retries = _samples(hung.metrics, "kvmesh_router_upstream_retries_total").get("", 0.0)
+    async with httpx.AsyncClient(timeout=30) as client:
+        reply, grpc_error = await asyncio.gather(
+            client.post(f"{hung.http}/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 3}),
+            _grpc_stream(hung.grpc_address, "g", 3, 30))
+    assert reply.status_code == 503 and "its /health does not answer" in reply.json()["error"]["message"], reply.text
+    assert grpc_error is not None and grpc_error.code() == grpc.StatusCode.UNAVAILABLE, grpc_error
+    after = _stalled(hung.metrics)
+    assert _grew(before, after, ("health_probe_failed", "abandoned")) == 2, after
+    assert sum(after.values()) - sum(before.values()) == 2, after  # no redispatched
+    assert _samples(hung.metrics, "kvmesh_router_upstream_retries_total").get("", 0.0) == retries
+
+
+@pytest.mark.parametrize("health_hangs", [False, True], ids=["health-answers", "health-silent"])
+async def test_engine_silent_after_its_whole_answer_is_a_success(hung: HungMesh, health_hangs: bool) -> None:
+    """An engine that sent its whole answer (``data: [DONE]``; a non-streamed body of its content-length)
+    and then goes silent without closing the body (its /health answering or not): the HTTP stream, the
+    non-streamed answer and a gRPC ``CompleteStream`` all end as successes within about a second, with
+    exactly the engine's events (no error event, no second ``[DONE]``), no stall counted, outcome
+    ``success`` (before: the idle timeout, or the probe, appended an error and counted ``upstream_error``)."""
+    silent = hung.silent
+    assert silent.endpoint is not None
+    silent.stall_after, silent.hang_after_done, silent.health_hangs = None, True, health_hangs
+    hung.epp.order = [silent.endpoint]
+    before = _stalled(hung.metrics)
+    outcomes = _samples(hung.metrics, "kvmesh_router_requests_total")
+    url = f"{hung.http}/v1/completions"
+    chunks: list[router_pb2.CompletionChunk] = []
+    async with httpx.AsyncClient(timeout=IDLE_S + 20) as client:
+        started = time.monotonic()
+        (status, _, raw), plain, grpc_error = await asyncio.gather(
+            _stream(client, url, {"model": MODEL, "prompt": "d", "max_tokens": 2, "stream": True}),
+            client.post(url, json={"model": MODEL, "prompt": "p", "max_tokens": 2}),
+            _grpc_stream(hung.grpc_address, "g", 2, IDLE_S + 20, chunks))
+        elapsed = time.monotonic() - started
+    assert status == 200 and _events(raw) == [
+        *(f"data: {json.dumps({'id': 'cmpl-s', 'choices': [{'index': 0, 'text': f'tok{i} '}]})}" for i in range(2)),
+        "data: [DONE]"], raw[-300:]
+    assert plain.status_code == 200 and plain.json()["choices"][0]["text"] == "ok", plain.text
+    assert grpc_error is None and [c.text for c in chunks] == ["tok0 ", "tok1 "], grpc_error
+    assert elapsed < PROBE_AFTER_S + 3, elapsed  # the after-whole wait (1 s + a tick), far from IDLE_S
+    assert _stalled(hung.metrics) == before
+    now = _samples(hung.metrics, "kvmesh_router_requests_total")
+    grew = {k: now[k] - outcomes.get(k, 0.0) for k in now if now[k] != outcomes.get(k, 0.0)}
+    assert grew == {'outcome="success"': 3}, grew

@@ -78,10 +78,10 @@ async def test_tokenize_on_a_hung_engine_moves_to_the_next_endpoint() -> None:
 async def test_a_stored_response_on_a_hung_engine_is_503() -> None:
     engines = _Engines(health=False)
     passthrough, flow = _passthrough(engines)
-    before = _stalled("health_probe_failed", "ended")
+    before = _stalled("health_probe_failed", "abandoned")
     with pytest.raises(errors.NoEndpointsAvailable, match="its /health does not answer"):
         await passthrough.to_endpoint("GET", "/v1/responses/resp_1", "tiny", A.id, "r2")
-    assert _stalled("health_probe_failed", "ended") == before + 1
+    assert _stalled("health_probe_failed", "abandoned") == before + 1
     await flow.aclose()
 
 
