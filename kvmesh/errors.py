@@ -14,6 +14,18 @@ class KvmeshError(Exception):
     """Base of every domain error; ``str(err)`` is the client-facing message."""
 
 
+QUOTED_CHARS = 200
+"""Most characters of a caller's value an error message echoes (:func:`quoted`)."""
+
+
+def quoted(value: str, limit: int = QUOTED_CHARS) -> str:
+    """``value`` as an error message echoes it: whole up to ``limit`` characters, else its first
+    ``limit`` and how many more (a 100,000-character model name must not make a 100 KB error body)."""
+    if len(value) <= limit:
+        return value
+    return f"{value[:limit]}... ({len(value) - limit} more characters)"
+
+
 class InvalidRequest(KvmeshError):
     """The caller sent something malformed or out of range."""
 

@@ -33,7 +33,7 @@ from itertools import islice
 from operator import eq
 from typing import overload
 
-from kvmesh.errors import InvalidRequest, KvmeshError, NoEndpointsAvailable, UnknownModel
+from kvmesh.errors import InvalidRequest, KvmeshError, NoEndpointsAvailable, UnknownModel, quoted
 from kvmesh.types import Endpoint
 from services.epp.datastore import Datastore
 from services.epp.framework.cycle_state import CycleState
@@ -179,7 +179,7 @@ class Scheduler:
             raise InvalidRequest("model is required")
         all_of_model = self.datastore.candidates(request.model)
         if not all_of_model:
-            raise UnknownModel(f"no endpoint serves model {request.model!r}")
+            raise UnknownModel(f"no endpoint serves model {quoted(request.model)!r}")
         state = CycleState()
         candidates = self._live_candidates(state, request, all_of_model)
         await self.profile.prepare(state, request, candidates, observer=record_plugin)

@@ -57,6 +57,8 @@ def _render_fields(raw: bytes) -> dict[str, Any]:
         fields = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"render_json is not JSON: {exc}") from exc
+    except RecursionError:  # msgspec recurses per nesting level (the router caps its bodies at 64)
+        raise InvalidRequest("render_json is nested too deeply") from None
     if not isinstance(fields, dict):
         raise InvalidRequest("render_json must be a JSON object")
     return fields
@@ -280,6 +282,10 @@ class _PickSession:
             check_timeout_seconds(entry.timeout_seconds)
             request = request_from_proto(entry.request)
         except InvalidRequest as exc:
+            self._answer(epp_pb2.PickResult(id=key, error=error_to_proto(exc)))
+            return
+        except Exception as exc:  # a bug reading one entry is that entry's INTERNAL, never the stream's end
+            logger.exception("PickMany entry %d could not be read", key)
             self._answer(epp_pb2.PickResult(id=key, error=error_to_proto(exc)))
             return
         self._running[key] = asyncio.create_task(self._pick(key, entry, request))

@@ -8,6 +8,7 @@
 | ``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel`` | from the endpoint that stored it (:mod:`services.router.response_affinity`); 404 in vLLM's words when no live endpoint is known to hold it |
 | ``POST /tokenize``, ``POST /detokenize`` | passed to the least-loaded live endpoint of the model, no admission (:mod:`services.router.passthrough`) |
 | ``GET /v1/models`` | OpenAI model list aggregated over the live etcd endpoints: models (``max_model_len``, endpoint count) and their LoRA adapters (``parent``) |
+| ``GET /v1/models/{model}`` | OpenAI's model retrieve: that model's (or adapter's) card from the list, else 404 (the error body of an unknown model in a request) |
 | ``GET /health`` | 200 ``{"status": "ok", ...}`` when ready, else 503 naming what fails (:mod:`services.router.readiness`) |
 
 Request headers: ``x-request-id`` (kept as sent, else generated; over 256 characters or with a
@@ -615,6 +616,7 @@ class RouterHttpApi:
                 Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/detokenize", self.detokenize, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
             ],
             exception_handlers={HTTPException: self._http_exception, Exception: self._unhandled},
@@ -789,11 +791,34 @@ class RouterHttpApi:
         """vLLM's model list, aggregated over the pool: one card per served model (its smallest
         ``max_model_len``, its live endpoint count) and one per LoRA adapter (``parent`` its base
         model). With ``require_api_key`` it needs a tenant's key, as the generation routes do."""
+        refused = self._models_refused(request)
+        if refused is not None:
+            return refused
+        return OpenAIJSONResponse({"object": "list", "data": self._model_cards()})
+
+    async def model(self, request: Request) -> Response:
+        """OpenAI's ``GET /v1/models/{model}`` (``client.models.retrieve``): the card :meth:`models` lists
+        for that id (a model or a LoRA adapter; ids may hold ``/``), else 404 (the error body of an unknown model in a request)."""
+        refused = self._models_refused(request)
+        if refused is not None:
+            return refused
+        wanted = request.path_params["model"]
+        for card in self._model_cards():
+            if card["id"] == wanted:
+                return OpenAIJSONResponse(card)
+        return self.error_response(errors.UnknownModel(f"The model '{errors.quoted(wanted)}' does not exist"),
+                                   _valid_request_id(request.headers.get(REQUEST_ID_HEADER)))
+
+    def _models_refused(self, request: Request) -> Response | None:
+        """With ``require_api_key``, the error answer for a request without a tenant's key; else None."""
         try:
             if self._tenants.enabled:
                 self._tenants.bind(api_key_from_headers(request.headers), None, None)
         except Exception as exc:
             return self.error_response(exc, _valid_request_id(request.headers.get(REQUEST_ID_HEADER)))
+        return None
+
+    def _model_cards(self) -> list[dict[str, Any]]:
         created = int(time.time())
         catalog = self._catalog()
         data: list[dict[str, Any]] = [
@@ -806,7 +831,7 @@ class RouterHttpApi:
             data.append({"id": adapter, "object": "model", "created": created, "owned_by": "kvmesh", "root": adapter,
                          "parent": base, "max_model_len": info.max_model_len if info else None,
                          "endpoints": info.endpoints if info else 0})
-        return OpenAIJSONResponse({"object": "list", "data": data})
+        return data
 
     def endpoint_count(self) -> int:
         return sum(info.endpoints for info in self._catalog().models.values())

@@ -40,6 +40,7 @@ import enum
 import json
 import math
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +48,7 @@ from typing import Any
 import msgspec
 from pydantic import TypeAdapter, ValidationError
 
-from kvmesh.errors import InvalidRequest, NoEndpointsAvailable, UnknownModel
+from kvmesh.errors import InvalidRequest, NoEndpointsAvailable, UnknownModel, quoted
 from services.router.catalog import ModelCatalog
 
 BYTES_PER_TOKEN_ESTIMATE = 4
@@ -185,6 +186,10 @@ def _json_loads(raw: bytes) -> Any:
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
     except ValueError as exc:  # an integer longer than Python's int-string limit (4300 digits)
+        if "digits" in str(exc):  # the interpreter's wording names a Python setting a client cannot change
+            raise InvalidRequest(
+                f"request body is not acceptable JSON: an integer has more than {sys.get_int_max_str_digits()} "
+                "digits") from exc
         raise InvalidRequest(f"request body is not acceptable JSON: {str(exc)[:200]}") from exc
     except RecursionError:
         raise InvalidRequest(f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels") from None
@@ -663,11 +668,11 @@ def resolve_model(model: Any, catalog: ModelCatalog) -> tuple[str, str | None]:
     if base is not None and catalog.get(base) is not None:
         return base, model
     if catalog.recently_served(model):
-        raise ModelUnavailable(f"model '{model}' has no live endpoint right now (it was served recently); retry later")
+        raise ModelUnavailable(f"model '{quoted(model)}' has no live endpoint right now (it was served recently); retry later")
     if not catalog.models and not catalog.departed:  # nothing known yet (start-up): retryable, not a verdict
         raise NoEndpointsAvailable("no model endpoints are live")
     served = ", ".join(catalog.names()) or f"none live now; recently {', '.join(sorted(catalog.departed))}"
-    raise UnknownModel(f"The model '{model}' does not exist (served: {served})")
+    raise UnknownModel(f"The model '{quoted(model)}' does not exist (served: {served})")
 
 
 def validate_request(

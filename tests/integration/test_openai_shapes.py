@@ -141,6 +141,12 @@ def test_other_endpoints_pass_with_the_right_status(shapes: Shapes) -> None:
     router = shapes.keyed
     models = {m["id"]: m for m in httpx.get(router + "/v1/models").json()["data"]}
     assert models[GEN]["max_model_len"] == 2048 and models[GEN]["endpoints"] == 1
+    # OpenAI's models.retrieve (GET /v1/models/{model}): the same card; an unknown id is 404
+    retrieved = httpx.get(f"{router}/v1/models/{GEN}")
+    assert retrieved.status_code == 200 and retrieved.json() == {**models[GEN], "created": retrieved.json()["created"]}
+    missing = httpx.get(router + "/v1/models/" + "no-such/model" * 50)
+    assert missing.status_code == 404 and "does not exist" in missing.json()["error"]["message"]  # as an unknown model in a request
+    assert len(missing.text) < 1000  # the unknown id is echoed cut to 200 characters
     emb = _post(router + "/v1/embeddings", {"model": EMB, "input": ["a", "b c"]})
     assert emb.status_code == 200, emb.text
     assert [d["index"] for d in emb.json()["data"]] == [0, 1] and emb.json()["usage"]["prompt_tokens"] > 0

@@ -208,3 +208,14 @@ async def test_readiness_of_a_hung_or_unreachable_dependency(epp: str, fc: str, 
     state = await probe.readiness()
     assert state.body()["status"] == status and state.degraded == degraded
     assert state.ready == (status != "unavailable")
+
+
+@pytest.mark.parametrize("where", ["max_tokens", "prompt-token-id"])
+def test_an_integer_past_the_digit_limit_is_a_400_that_names_no_python_setting(where: str) -> None:
+    big = b"9" * 5000
+    raw = (b'{"model": "tiny", "prompt": "x", "max_tokens": ' + big + b"}" if where == "max_tokens"
+           else b'{"model": "tiny", "prompt": [1, ' + big + b"]}")
+    with pytest.raises(errors.InvalidRequest) as exc_info:
+        parse_json_body(raw)
+    message = str(exc_info.value)
+    assert "more than 4300 digits" in message and "sys." not in message and "set_int_max_str_digits" not in message

@@ -214,10 +214,12 @@ async def test_malformed_entries_are_answered_alone_and_the_stream_goes_on() -> 
             epp_pb2.PickEntry(id=1, request=good),
             epp_pb2.PickEntry(id=2, request=epp_pb2.PickRequest(model="m", render_json=b"{")),
             epp_pb2.PickEntry(id=3, request=epp_pb2.PickRequest(model="")),
+            epp_pb2.PickEntry(id=5, request=epp_pb2.PickRequest(  # nested past msgspec's recursion limit
+                model="m", render_json=b'{"messages":' + b"[" * 50000 + b"]" * 50000 + b"}")),
         ]))
         results: dict[int, epp_pb2.PickResult] = {}
         async with asyncio.timeout(5):
-            while len(results) < 4:
+            while len(results) < 5:
                 message = await call.read()
                 results.update({r.id: r for r in message.results})
         assert results[0].error.code == "INVALID_ARGUMENT" and results[0].error.error_class == "InvalidRequest"
@@ -225,6 +227,8 @@ async def test_malformed_entries_are_answered_alone_and_the_stream_goes_on() -> 
         assert (results[2].error.code, results[2].error.error_class) == ("INVALID_ARGUMENT", "InvalidRequest")
         assert "render_json" in results[2].error.message
         assert (results[3].error.code, results[3].error.error_class) == ("INVALID_ARGUMENT", "InvalidRequest")
+        assert (results[5].error.code, results[5].error.error_class) == ("INVALID_ARGUMENT", "InvalidRequest")
+        assert "nested too deeply" in results[5].error.message
         await call.write(epp_pb2.PickBatch(entries=[epp_pb2.PickEntry(id=4, request=good)]))
         async with asyncio.timeout(5):
             message = await call.read()
