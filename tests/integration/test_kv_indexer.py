@@ -76,7 +76,15 @@ async def mesh(start_service, etcd: str) -> AsyncIterator[dict]:
     proc, address = start_service("kv_indexer", "--events-bind-endpoint", bind, "--event-workers", "2")
     channel = grpc.aio.insecure_channel(address)
     ctx = zmq.Context()
-    yield {"bind": bind, "stub": kv_indexer_pb2_grpc.KVIndexerStub(channel), "ctx": ctx, "etcd": etcd, "proc": proc,
+    stub = kv_indexer_pb2_grpc.KVIndexerStub(channel)
+
+    async def state() -> int:
+        return (await stub.Score(pb.ScoreRequest(model="warm?", token_ids=PROMPT), timeout=5)).state
+
+    # Warm first: the startup replays (every registered endpoint's replay endpoint asked once, some of
+    # them earlier tests' engines that no longer answer, each up to the replay timeout) end WARMING.
+    await wait_until_async(state, 30, "the index warm", until=lambda s: s != pb.INDEX_STATE_WARMING)
+    yield {"bind": bind, "stub": stub, "ctx": ctx, "etcd": etcd, "proc": proc,
            "address": address}
     await channel.close()
     ctx.destroy(linger=0)
