@@ -36,7 +36,7 @@ from services.kv_store.servicer import SERVICE_NAME, KVStoreServicer, add_to_ser
 from services.kv_store.store import BlockStore
 from services.kv_store.tiers.base import StoreTier
 from services.kv_store.tiers.cpu import CpuTier
-from services.kv_store.tiers.files import DiskTier, SharedFsTier
+from services.kv_store.tiers.files import DiskTier, SharedFsTier, check_tier_root
 from services.kv_store.tiers.mooncake import MooncakeTier
 
 log = logging.getLogger(__name__)
@@ -96,12 +96,40 @@ class LazyMooncakeClient:
         return int(self._get().remove(key, force))
 
 
+def disk_tier_root(config: KvStoreConfig) -> Path:
+    """``<disk_path>/<instance_id or 'default'>``: the disk tier's own directory."""
+    instance = (config.instance_id or "default").replace("/", "_").replace(":", "_")
+    return Path(config.disk_path) / instance
+
+
+def check_tier_paths(config: KvStoreConfig) -> None:
+    """Refuse a file tier that cannot work before anything starts (:func:`check_tier_root`).
+
+    ``--disk-path`` is created when missing (its parent must exist), and so is the instance's
+    directory in it; ``--shared-path`` must exist (a missing mount point is never created, so an
+    unmounted Lustre does not silently fill the local disk). Both must be directories this
+    process can write (a write probe: a read-only mount is caught here, not at the first demotion).
+
+    Raises:
+        ValueError: one line naming the option, the path and why (``kvmesh.server.main``: exit 2).
+    """
+    if config.disk_path:
+        reason = check_tier_root(config.disk_path, create=True)
+        if reason is None:
+            reason = check_tier_root(disk_tier_root(config), create=True)
+        if reason is not None:
+            raise ValueError(f"--disk-path {config.disk_path}: {reason}")
+    if config.shared_path:
+        reason = check_tier_root(config.shared_path, create=False)
+        if reason is not None:
+            raise ValueError(f"--shared-path {config.shared_path}: {reason}")
+
+
 def build_tiers(config: KvStoreConfig) -> list[StoreTier]:
     """The configured tiers, fastest first (see the module docstring)."""
     tiers: list[StoreTier] = [CpuTier(config.cpu_capacity_bytes)]
     if config.disk_path:
-        instance = (config.instance_id or "default").replace("/", "_").replace(":", "_")
-        tiers.append(DiskTier(Path(config.disk_path) / instance, config.disk_capacity_bytes, config.disk_fsync))
+        tiers.append(DiskTier(disk_tier_root(config), config.disk_capacity_bytes, config.disk_fsync))
     if config.shared_path:
         tiers.append(SharedFsTier(config.shared_path, config.shared_capacity_bytes, config.shared_fsync))
     if config.mooncake_master:
@@ -183,10 +211,12 @@ def build_service(config: KvStoreConfig) -> GrpcService:
     and registers the instance as a KV-event source in etcd (:mod:`services.kv_store.events`).
 
     Raises:
-        ValueError: ``events_endpoint`` without ``events_model``.
+        ValueError: ``events_endpoint`` without ``events_model``; a disk or shared path that
+            cannot hold its tier (:func:`check_tier_paths`).
     """
     if config.events_endpoint and not config.events_model:
         raise ValueError("--events-endpoint needs --events-model (the model whose blocks are published)")
+    check_tier_paths(config)
     sink = EventSink()
     store = BlockStore(
         build_tiers(config), write_through=config.write_through, promote_on_hit=config.promote_on_hit,

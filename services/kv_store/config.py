@@ -24,13 +24,16 @@ class KvStoreConfig(GrpcServiceConfig):
     """Cap on value bytes buffered by concurrent Puts; a Put that does not fit waits (flow control)."""
 
     disk_path: str = ""
-    """Local NVMe tier: parent directory; the tier lives in ``<disk_path>/<instance_id or 'default'>``. Empty: no disk tier."""
+    """Local NVMe tier: parent directory; the tier lives in ``<disk_path>/<instance_id or 'default'>``, both
+    created at start when missing (the parent of ``disk_path`` must exist) and write-probed: a path that is
+    a file or read-only stops kv_store (exit 2). Empty: no disk tier."""
     disk_capacity_bytes: int = Field(16 * 1024 * MIB, gt=0)
     """Budget of the disk tier for value bytes (LRU eviction beyond it)."""
     disk_fsync: FsyncPolicy = FsyncPolicy.NONE
     """``none`` (a cache: checksums catch torn files), ``data`` (fsync each value), ``all`` (and its directory)."""
     shared_path: str = ""
-    """Shared filesystem tier (Lustre-style): a directory every instance mounts; must exist. Empty: none."""
+    """Shared filesystem tier (Lustre-style): a directory every instance mounts; must exist (never created)
+    and be writable (a write probe at start; otherwise kv_store exits 2). Empty: none."""
     shared_capacity_bytes: int = Field(64 * 1024 * MIB, gt=0)
     """This instance's budget in the shared namespace (soft across instances; use an FS quota for a hard one)."""
     shared_fsync: FsyncPolicy = FsyncPolicy.NONE

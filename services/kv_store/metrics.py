@@ -12,6 +12,7 @@
 | ``kvmesh_kv_store_moved_bytes_total`` | counter | ``tier``, ``reason`` (put, demote, promote, write_through) |
 | ``kvmesh_kv_store_degraded_operations_total`` | counter | ``tier`` (the tier was unavailable or full and skipped) |
 | ``kvmesh_kv_store_dropped_total`` | counter | ``tier`` (demotions / write-throughs the tier could not take) |
+| ``kvmesh_kv_store_lost_total`` | counter | ``tier`` (values it evicted that no slower tier could take) |
 | ``kvmesh_kv_store_operation_seconds`` | histogram | ``tier``, ``op`` (put, get, contains, evict) |
 
 ``tier`` is the tier's kind (``cpu``, ``disk``, ``sharedfs``, ``mooncake``); ``medium`` is vLLM's
@@ -76,11 +77,18 @@ class KvStoreCollector(Collector):
         dropped = CounterMetricFamily(
             "kvmesh_kv_store_dropped", "Demotions or write-throughs a failed tier could not take.", labels=["tier"]
         )
+        lost = CounterMetricFamily(
+            "kvmesh_kv_store_lost",
+            "Values the tier evicted that no slower tier could take (every tier below failed or was too small).",
+            labels=["tier"],
+        )
         for tier in stats:
             degraded.add_metric([tier.name], metrics.failures.get(tier.name, 0))
             dropped.add_metric([tier.name], metrics.dropped.get(tier.name, 0))
+            lost.add_metric([tier.name], metrics.lost.get(tier.name, 0))
         yield degraded
         yield dropped
+        yield lost
         latency = HistogramMetricFamily(
             "kvmesh_kv_store_operation_seconds", "Latency of tier operations in seconds.", labels=["tier", "op"]
         )

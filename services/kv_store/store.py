@@ -21,9 +21,13 @@ medium, spill the least recently used downwards):
 
 A tier that fails (:class:`TierUnavailable`, :class:`StorageFull`: a missing or read-only shared
 path, a full disk, Mooncake down) is a **degraded mode**: a get or contains there counts as a
-miss, a demotion or write-through there is dropped (``dropped`` in the stats), and the error is
-counted; only a failure of the first tier on ``put`` reaches the caller. Corrupt values are misses
-inside the tiers. Nothing is ever served from a tier that failed.
+miss, a write-through there is dropped (``dropped``), the error is counted (``failures``) and
+logged at ERROR (at most one line per tier every :data:`ERROR_LOG_INTERVAL_S`, with the count of
+lines suppressed); only a failure of the first tier on ``put`` reaches the caller. A demotion the
+next tier cannot take (failed, or the value exceeds its capacity: ``dropped`` there) goes to the
+tier after it, and so on down; a value no slower tier takes is **lost** (``lost``, by the tier
+that evicted it, and :attr:`PutOutcome.lost`). Corrupt values are misses inside the tiers.
+Nothing is ever served from a tier that failed.
 
 Per tier the store measures ``StoreMetrics``: latency of each verb (a fixed-bucket histogram,
 seconds) and bytes moved into it by reason (``put``, ``demote``, ``promote``, ``write_through``).
@@ -37,6 +41,7 @@ only the CPU tier no operation suspends.
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +49,7 @@ from typing import TypeVar
 
 from kvmesh.errors import InvalidRequest
 from kvmesh.kv_events import BlockStored, KVEvent
+from kvmesh.logging import RateLimitedLog
 from kvmesh.types import Medium
 from services.kv_store.errors import KeyNotFound, StorageFull, TierUnavailable, ValueTooLarge
 from services.kv_store.residency import BadBlockEvent, Residency, parse_block_event
@@ -59,7 +65,11 @@ MOVE_REASONS = ("put", "demote", "promote", "write_through")
 REPUBLISH_BATCH = 1024
 """Events per batch when republishing rescanned values (a 16 GiB disk tier of 2 MiB values: 8 batches)."""
 
+ERROR_LOG_INTERVAL_S = 10.0
+"""At most one ERROR line per failing tier this often (the count of suppressed lines follows)."""
+
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,10 +83,12 @@ class StoredValue:
 
 @dataclass(frozen=True, slots=True)
 class PutOutcome:
-    """Where a put landed and how many keys the first tier evicted (demoted or dropped) to make room."""
+    """Where a put landed, how many keys the first tier evicted (demoted or dropped) to make room,
+    and how many evicted values (at any depth of the cascade) no slower tier could take: lost."""
 
     medium: Medium
     evicted: int
+    lost: int = 0
 
 
 @dataclass(slots=True)
@@ -100,7 +112,9 @@ class StoreMetrics:
     moved_bytes: dict[tuple[str, str], int] = field(default_factory=dict)
     """(tier, reason) -> bytes written into the tier for that reason."""
     dropped: dict[str, int] = field(default_factory=dict)
-    """tier -> values a demotion or write-through could not place there (tier failed)."""
+    """tier -> values a demotion or write-through could not place there (tier failed or too small)."""
+    lost: dict[str, int] = field(default_factory=dict)
+    """tier -> values the tier evicted that no slower tier could take (every one below failed)."""
     failures: dict[str, int] = field(default_factory=dict)
     """tier -> operations that raised TierUnavailable / StorageFull (the tier was skipped)."""
 
@@ -163,6 +177,7 @@ class BlockStore:
         self.promote_on_hit = promote_on_hit
         self.metrics = StoreMetrics()
         self._clock = clock
+        self._error_log = RateLimitedLog(log, ERROR_LOG_INTERVAL_S)
         self.residency = Residency({tier.name: tier.medium for tier in self.tiers})
         self.on_events = on_events
         self.republished = self.adopt_rescanned()
@@ -233,8 +248,12 @@ class BlockStore:
         key = (tier.name, reason)
         self.metrics.moved_bytes[key] = self.metrics.moved_bytes.get(key, 0) + size
 
-    def _failed(self, tier: StoreTier) -> None:
+    def _failed(self, tier: StoreTier, op: str, exc: Exception) -> None:
         self.metrics.failures[tier.name] = self.metrics.failures.get(tier.name, 0) + 1
+        self._error_log.log(
+            logging.ERROR, f"tier:{tier.name}", "degraded mode tier=%s op=%s error=%s: %s",
+            tier.name, op, type(exc).__name__, exc,
+        )
 
     def _dropped(self, tier: StoreTier) -> None:
         self.metrics.dropped[tier.name] = self.metrics.dropped.get(tier.name, 0) + 1
@@ -259,21 +278,32 @@ class BlockStore:
         return len(result.evicted)
 
     async def _demote(self, index: int, key: str, value: bytes) -> None:
-        tier = self.tiers[index]
-        if tier.name in self.write_through and (await self._safe_contains(tier, [key]))[0]:
-            self.residency.added(key, tier.name)
-            return  # already there: written through at put time
-        try:
-            await self._place(index, key, value, "demote")
-        except (TierUnavailable, StorageFull, ValueTooLarge):
-            self._failed(tier)
-            self._dropped(tier)
+        """Place a victim of ``tiers[index - 1]`` in ``tiers[index]``, else the first slower tier
+        that takes it; counted lost (by the evicting tier) when none does."""
+        for tier_index in range(index, len(self.tiers)):
+            tier = self.tiers[tier_index]
+            if tier.name in self.write_through and (await self._safe_contains(tier, [key]))[0]:
+                self.residency.added(key, tier.name)
+                return  # already there: written through at put time
+            try:
+                await self._place(tier_index, key, value, "demote")
+                return
+            except (TierUnavailable, StorageFull, ValueTooLarge) as exc:
+                self._failed(tier, "demote", exc)
+                self._dropped(tier)
+        source = self.tiers[index - 1].name
+        self.metrics.lost[source] = self.metrics.lost.get(source, 0) + 1
+        self._error_log.log(
+            logging.ERROR, f"lost:{source}",
+            "value lost: key=%r (%d bytes) evicted from tier %s and no slower tier could take it",
+            key if len(key) <= 120 else key[:120] + "...", len(value), source,
+        )
 
     async def _safe_contains(self, tier: StoreTier, keys: Sequence[str]) -> list[bool]:
         try:
             return await self._timed(tier, "contains", tier.contains(keys))
-        except (TierUnavailable, StorageFull):
-            self._failed(tier)
+        except (TierUnavailable, StorageFull) as exc:
+            self._failed(tier, "contains", exc)
             return [False] * len(keys)
 
     async def put(self, key: str, value: bytes, block: BlockStored | None = None) -> PutOutcome:
@@ -290,6 +320,7 @@ class BlockStore:
         self.check_value_size(key, len(value))
         if block is not None:
             self.residency.describe(key, block)
+        lost_before = sum(self.metrics.lost.values())
         try:
             evicted = await self._place(0, key, value, "put")
             for tier in self.tiers[1:]:
@@ -300,14 +331,14 @@ class BlockStore:
                         self.residency.added(key, tier.name)
                     elif await self._timed(tier, "evict", tier.evict(key)):
                         self.residency.removed(key, tier.name)
-                except (TierUnavailable, StorageFull, ValueTooLarge):
-                    self._failed(tier)
+                except (TierUnavailable, StorageFull, ValueTooLarge) as exc:
+                    self._failed(tier, "write_through" if tier.name in self.write_through else "evict", exc)
                     if tier.name in self.write_through:
                         self._dropped(tier)
         finally:
             self.residency.forget_if_absent(key)
             self._flush()
-        return PutOutcome(self.tiers[0].medium, evicted)
+        return PutOutcome(self.tiers[0].medium, evicted, sum(self.metrics.lost.values()) - lost_before)
 
     async def get(self, key: str) -> StoredValue:
         """The value from the fastest tier holding it, promoted to the first tier on a slower hit.
@@ -320,8 +351,8 @@ class BlockStore:
             for index, tier in enumerate(self.tiers):
                 try:
                     value = await self._timed(tier, "get", tier.get(key))
-                except (TierUnavailable, StorageFull):
-                    self._failed(tier)
+                except (TierUnavailable, StorageFull) as exc:
+                    self._failed(tier, "get", exc)
                     continue
                 if value is None:
                     self.residency.removed(key, tier.name)  # dropped behind our back (corrupt, Mooncake eviction)
@@ -337,8 +368,8 @@ class BlockStore:
     async def _promote(self, index: int, key: str, value: bytes) -> None:
         try:
             await self._place(0, key, value, "promote")
-        except (TierUnavailable, StorageFull):
-            self._failed(self.tiers[0])
+        except (TierUnavailable, StorageFull) as exc:
+            self._failed(self.tiers[0], "promote", exc)
             return
         # exclusive private tiers between the first tier and the hit (the hit's own copy included)
         for tier in self.tiers[1 : index + 1]:
@@ -347,8 +378,8 @@ class BlockStore:
             try:
                 if await self._timed(tier, "evict", tier.evict(key)):
                     self.residency.removed(key, tier.name)
-            except (TierUnavailable, StorageFull):
-                self._failed(tier)
+            except (TierUnavailable, StorageFull) as exc:
+                self._failed(tier, "evict", exc)
 
     async def contains(self, keys: Sequence[str]) -> list[bool]:
         """One flag per key, in order; no LRU effect.
@@ -395,8 +426,8 @@ class BlockStore:
                 if await self._timed(tier, "evict", tier.evict(key)):
                     deleted = True
                     self.residency.removed(key, tier.name)
-            except (TierUnavailable, StorageFull):
-                self._failed(tier)
+            except (TierUnavailable, StorageFull) as exc:
+                self._failed(tier, "delete", exc)
         self._flush()
         return deleted
 

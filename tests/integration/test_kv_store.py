@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -178,19 +181,72 @@ async def test_tiers_batch_calls_restart_and_corruption(start_service, tmp_path:
         assert samples['kvmesh_kv_store_corrupted_total{medium="DISK",tier="disk"}'] == 1
 
 
-async def test_a_missing_shared_mount_degrades_and_the_service_stays_up(start_service, tmp_path: Path) -> None:
-    args = ("--cpu-capacity-bytes", str(3 * MIB), "--shared-path", str(tmp_path / "unmounted"))
-    _, address = start_service("kv_store", *args, "--write-through", "sharedfs")
+UNUSABLE_TIER_PATHS = {
+    "disk-path-is-a-file": ("--disk-path", "{tmp}/f", "not a directory"),
+    "shared-path-is-a-file": ("--shared-path", "{tmp}/f", "not a directory"),
+    "shared-path-missing": ("--shared-path", "{tmp}/unmounted", "does not exist (the shared filesystem must be mounted there)"),
+    "disk-path-parent-missing": ("--disk-path", "{tmp}/no/parent", "cannot create the directory: No such file or directory"),
+    "disk-path-read-only": ("--disk-path", "/proc/sys/kernel", "not writable (a write probe failed: "),
+    "shared-path-read-only": ("--shared-path", "/proc/sys/kernel", "not writable (a write probe failed: "),
+}  # fmt: skip
+"""A file tier kv_store cannot use: refused at start (``/proc/sys`` is read-only even for root)."""
+
+
+@pytest.mark.parametrize("case", list(UNUSABLE_TIER_PATHS.values()), ids=list(UNUSABLE_TIER_PATHS))
+def test_an_unusable_tier_path_refuses_to_start_with_one_line(tmp_path: Path, case: tuple[str, str, str]) -> None:
+    option, path, reason = case
+    path = path.format(tmp=tmp_path)
+    (tmp_path / "f").write_text("x")
+    done = subprocess.run(
+        [sys.executable, "-m", "services.kv_store", option, path, "--grpc-port", "0", "--metrics-port", "0",
+         "--etcd-endpoints", "127.0.0.1:1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"kv_store: {option} {path}: {reason}"), done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "unmounted").exists()  # a missing mount point is never created
+
+
+async def test_tiers_failing_mid_run_pass_values_on_then_count_them_lost(start_service, tmp_path: Path) -> None:
+    """The disk tier's directory turns into a file mid-run: demotions go to the shared tier; then the
+    shared mount vanishes too: the value is lost, counted, logged; the service stays up."""
+    shared = tmp_path / "lustre"
+    shared.mkdir()
+    metrics_port = free_port()
+    args = ("--cpu-capacity-bytes", "4000000", "--disk-path", str(tmp_path / "nvme"), "--shared-path", str(shared))
+    proc, address = start_service("kv_store", *args, "--metrics-port", str(metrics_port))
+    values = {key: key.encode() * (3 * MIB) for key in "abcde"}
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.KVStoreStub(channel)
-        await stub.Put(chunks("a", b"a" * (2 * MIB)))
-        await stub.Put(chunks("b", b"b" * (2 * MIB)))  # a's demotion has nowhere to go
-        assert (await get(stub, "b"))[0] == b"b" * (2 * MIB)
-        with pytest.raises(grpc.aio.AioRpcError) as exc_info:
-            await get(stub, "a")
-        assert exc_info.value.code() == grpc.StatusCode.NOT_FOUND
+        await stub.Put(chunks("a", values["a"]))
+        disk_root = tmp_path / "nvme" / "default"
+        shutil.rmtree(disk_root)
+        disk_root.write_text("the disk tier's directory is gone")
+        for key in "bcd":  # each put evicts the previous value from the CPU tier; the disk refuses it
+            reply = await stub.Put(chunks(key, values[key]))
+            assert reply.evicted == 1
+        samples = scrape(metrics_port)
+        assert samples['kvmesh_kv_store_dropped_total{tier="disk"}'] == 3
+        assert samples['kvmesh_kv_store_lost_total{tier="cpu"}'] == 0
+        for key in "abc":
+            data, replies = await get(stub, key)
+            assert data == values[key]
+            assert replies[0].medium == common_pb2.MEDIUM_SHARED
         tiers = {t.name: t for t in (await stub.Stats(pb.StatsRequest())).tiers}
-        assert tiers["sharedfs"].errors >= 1
+        assert tiers["disk"].errors >= 1
+
+        shutil.rmtree(shared)  # the shared mount vanishes too: the next eviction has nowhere to go
+        await stub.Put(chunks("e", values["e"]))
+        samples = scrape(metrics_port)
+        assert samples['kvmesh_kv_store_lost_total{tier="cpu"}'] == 1
+        assert samples['kvmesh_kv_store_degraded_operations_total{tier="sharedfs"}'] >= 1
+        assert (await get(stub, "e"))[0] == values["e"]  # the service stays up
+    log = proc.log_tail(200)
+    assert "ERROR" in log and "degraded mode tier=disk op=demote error=TierUnavailable" in log
+    assert "degraded mode tier=sharedfs" in log
+    assert "value lost: key=" in log and "evicted from tier cpu and no slower tier could take it" in log
 
 
 BAD_KEYS = {"empty": "", "over-long": "k" * 4097}

@@ -465,6 +465,47 @@ class SharedFsTier(FileTier):
             )
 
 
+def check_tier_root(root: str | os.PathLike[str], *, create: bool) -> str | None:
+    """Why ``root`` cannot hold a file tier, or ``None`` when it can (checked at start-up).
+
+    ``root`` must be a directory (``create``: made when missing, its parent must exist; a local
+    disk tier) that this process can write: a real probe writes ``.kvmesh-probe-<random>.tmp``
+    in it, renames it and deletes it, as every value is written (so a read-only mount, a full
+    filesystem or missing permissions are caught, root's bypass of mode bits included). No
+    exception: the reason is a short phrase for a one-line error (``"not a directory"``).
+    """
+    path = Path(root)
+    if not path.exists():
+        if not create:
+            return "does not exist (the shared filesystem must be mounted there)"
+        try:
+            path.mkdir()
+        except OSError as exc:
+            return f"cannot create the directory: {exc.strerror or exc}"
+    if not path.is_dir():
+        return "not a directory"
+    probe = path / f".kvmesh-probe-{uuid.uuid4().hex}"
+    tmp = probe.with_name(probe.name + _TMP_SUFFIX)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, b"kvmesh write probe")
+        finally:
+            os.close(fd)
+        os.replace(tmp, probe)
+        os.unlink(probe)
+    except OSError as exc:
+        _unlink_quietly(tmp)
+        _unlink_quietly(probe)
+        return f"not writable (a write probe failed: {exc.strerror or exc})"
+    return None
+
+
+def _unlink_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
 def _write_all(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data)
     while view:

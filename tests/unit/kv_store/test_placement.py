@@ -94,6 +94,7 @@ async def test_an_unavailable_shared_tier_degrades_the_store_but_it_stays_up(tmp
     value = registry.get_sample_value
     assert value("kvmesh_kv_store_degraded_operations_total", {"tier": "sharedfs"}) >= 4
     assert value("kvmesh_kv_store_dropped_total", {"tier": "sharedfs"}) == 3  # 2 write-throughs, 1 demotion
+    assert value("kvmesh_kv_store_lost_total", {"tier": "cpu"}) == 1  # a: no tier below the CPU took it
 
 
 async def test_the_first_tier_failing_reaches_the_caller(tmp_path: Path) -> None:
