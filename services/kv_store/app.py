@@ -36,7 +36,7 @@ from services.kv_store.servicer import SERVICE_NAME, KVStoreServicer, add_to_ser
 from services.kv_store.store import BlockStore
 from services.kv_store.tiers.base import StoreTier
 from services.kv_store.tiers.cpu import CpuTier
-from services.kv_store.tiers.files import DiskTier, SharedFsTier, check_tier_root
+from services.kv_store.tiers.files import NOT_A_DIRECTORY, DiskTier, SharedFsTier, check_tier_root
 from services.kv_store.tiers.mooncake import MooncakeTier
 
 log = logging.getLogger(__name__)
@@ -103,12 +103,17 @@ def disk_tier_root(config: KvStoreConfig) -> Path:
 
 
 def check_tier_paths(config: KvStoreConfig) -> None:
-    """Refuse a file tier that cannot work before anything starts (:func:`check_tier_root`).
+    """Check the file tiers before anything starts (:func:`check_tier_root`).
 
-    ``--disk-path`` is created when missing (its parent must exist), and so is the instance's
-    directory in it; ``--shared-path`` must exist (a missing mount point is never created, so an
-    unmounted Lustre does not silently fill the local disk). Both must be directories this
-    process can write (a write probe: a read-only mount is caught here, not at the first demotion).
+    ``--disk-path`` (a local disk: a wrong path is a configuration error) is created when missing
+    (its parent must exist), and so is the instance's directory in it; it must be a directory this
+    process can write (a write probe: a read-only mount is caught here, not at the first demotion),
+    else kv_store refuses to start. ``--shared-path`` that is a file is refused the same way; a shared
+    path that is missing (a mount point is never created, so an unmounted Lustre does not silently
+    fill the local disk) or not writable is a **degraded start** (issue 8: the shared path missing or
+    read-only, the service stays up): one ERROR line naming the option, the path and why, and the tier
+    stays configured, so values reach it once the filesystem is mounted or writable again; until then
+    each demotion to it fails over to the next tier (counted in ``kvmesh_kv_store_dropped_total``).
 
     Raises:
         ValueError: one line naming the option, the path and why (``kvmesh.server.main``: exit 2).
@@ -121,8 +126,12 @@ def check_tier_paths(config: KvStoreConfig) -> None:
             raise ValueError(f"--disk-path {config.disk_path}: {reason}")
     if config.shared_path:
         reason = check_tier_root(config.shared_path, create=False)
-        if reason is not None:
+        if reason == NOT_A_DIRECTORY:
             raise ValueError(f"--shared-path {config.shared_path}: {reason}")
+        if reason is not None:
+            log.error("degraded mode tier=sharedfs --shared-path %s: %s; the tier stays configured and each demotion "
+                      "to it goes on to the next tier until the path is usable",
+                      config.shared_path, reason)
 
 
 def build_tiers(config: KvStoreConfig) -> list[StoreTier]:

@@ -32,8 +32,9 @@ class KvStoreConfig(GrpcServiceConfig):
     disk_fsync: FsyncPolicy = FsyncPolicy.NONE
     """``none`` (a cache: checksums catch torn files), ``data`` (fsync each value), ``all`` (and its directory)."""
     shared_path: str = ""
-    """Shared filesystem tier (Lustre-style): a directory every instance mounts; must exist (never created)
-    and be writable (a write probe at start; otherwise kv_store exits 2). Empty: none."""
+    """Shared filesystem tier (Lustre-style): a directory every instance mounts; never created. A file
+    there: kv_store exits 2; missing or read-only at start (a write probe): an ERROR line and a degraded
+    start, the tier used once the path works. Empty: none."""
     shared_capacity_bytes: int = Field(64 * 1024 * MIB, gt=0)
     """This instance's budget in the shared namespace (soft across instances; use an FS quota for a hard one)."""
     shared_fsync: FsyncPolicy = FsyncPolicy.NONE

@@ -184,12 +184,11 @@ async def test_tiers_batch_calls_restart_and_corruption(start_service, tmp_path:
 UNUSABLE_TIER_PATHS = {
     "disk-path-is-a-file": ("--disk-path", "{tmp}/f", "not a directory"),
     "shared-path-is-a-file": ("--shared-path", "{tmp}/f", "not a directory"),
-    "shared-path-missing": ("--shared-path", "{tmp}/unmounted", "does not exist (the shared filesystem must be mounted there)"),
     "disk-path-parent-missing": ("--disk-path", "{tmp}/no/parent", "cannot create the directory: No such file or directory"),
     "disk-path-read-only": ("--disk-path", "/proc/sys/kernel", "not writable (a write probe failed: "),
-    "shared-path-read-only": ("--shared-path", "/proc/sys/kernel", "not writable (a write probe failed: "),
 }  # fmt: skip
-"""A file tier kv_store cannot use: refused at start (``/proc/sys`` is read-only even for root)."""
+"""A file tier kv_store cannot use: refused at start (``/proc/sys`` is read-only even for root). A shared
+path that is missing or read-only is a degraded start instead (below)."""
 
 
 @pytest.mark.parametrize("case", list(UNUSABLE_TIER_PATHS.values()), ids=list(UNUSABLE_TIER_PATHS))
@@ -206,7 +205,33 @@ def test_an_unusable_tier_path_refuses_to_start_with_one_line(tmp_path: Path, ca
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith(f"kv_store: {option} {path}: {reason}"), done.stderr
     assert "Traceback" not in done.stderr
-    assert not (tmp_path / "unmounted").exists()  # a missing mount point is never created
+
+
+@pytest.mark.parametrize("shared", ["{tmp}/unmounted", "/proc/sys/kernel"], ids=["missing", "read-only"])
+async def test_a_missing_or_read_only_shared_mount_degrades_and_the_service_stays_up(
+    start_service, tmp_path: Path, shared: str
+) -> None:
+    """Issue 8: the shared path missing or read-only at start: one ERROR line naming it, the service
+    up, values it cannot take go on (here: nowhere, counted lost), nothing served wrong; a missing
+    mount point is never created."""
+    shared = shared.format(tmp=tmp_path)
+    metrics_port = free_port()
+    args = ("--cpu-capacity-bytes", str(3 * MIB), "--shared-path", shared, "--metrics-port", str(metrics_port))
+    proc, address = start_service("kv_store", *args)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.KVStoreStub(channel)
+        await stub.Put(chunks("a", b"a" * (2 * MIB)))
+        await stub.Put(chunks("b", b"b" * (2 * MIB)))  # a's demotion has nowhere to go
+        assert (await get(stub, "b"))[0] == b"b" * (2 * MIB)
+        with pytest.raises(grpc.aio.AioRpcError) as exc_info:
+            await get(stub, "a")
+        assert exc_info.value.code() == grpc.StatusCode.NOT_FOUND
+        tiers = {t.name: t for t in (await stub.Stats(pb.StatsRequest())).tiers}
+        assert tiers["sharedfs"].errors >= 1
+    assert scrape(metrics_port)['kvmesh_kv_store_lost_total{tier="cpu"}'] == 1
+    log = proc.log_tail(400)
+    assert f"degraded mode tier=sharedfs --shared-path {shared}: " in log and "ERROR" in log
+    assert not (tmp_path / "unmounted").exists()
 
 
 async def test_tiers_failing_mid_run_pass_values_on_then_count_them_lost(start_service, tmp_path: Path) -> None:

@@ -465,6 +465,10 @@ class SharedFsTier(FileTier):
             )
 
 
+NOT_A_DIRECTORY = "not a directory"
+""":func:`check_tier_root`'s reason for a path that exists and is no directory."""
+
+
 def check_tier_root(root: str | os.PathLike[str], *, create: bool) -> str | None:
     """Why ``root`` cannot hold a file tier, or ``None`` when it can (checked at start-up).
 
@@ -483,7 +487,7 @@ def check_tier_root(root: str | os.PathLike[str], *, create: bool) -> str | None
         except OSError as exc:
             return f"cannot create the directory: {exc.strerror or exc}"
     if not path.is_dir():
-        return "not a directory"
+        return NOT_A_DIRECTORY
     probe = path / f".kvmesh-probe-{uuid.uuid4().hex}"
     tmp = probe.with_name(probe.name + _TMP_SUFFIX)
     try:
