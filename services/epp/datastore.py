@@ -439,6 +439,12 @@ class Datastore:
             state.unprefilled += 1
             state.picks_total += 1
             state.picks.append((now, max(0, prefill_tokens), request_id))
+            if request_id and (before := self._in_flight.get(request_id)) is not None and before != endpoint_id:
+                # a re-pick (the router re-dispatching it): the request no longer holds KV where it was
+                earlier = self._states.get(before)
+                if earlier is not None and (entry := earlier.active.pop(request_id, None)) is not None:
+                    earlier.active_tokens -= entry[1]
+                    earlier.snapshot = None
             if request_id and prompt_tokens > 0:
                 active = state.active
                 previous = active.pop(request_id, None)

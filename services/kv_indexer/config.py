@@ -44,7 +44,8 @@ class KvIndexerConfig(GrpcServiceConfig):
     tail_probe_timeout_seconds: float = Field(2.0, gt=0, le=600)
     """Deadline of one tail probe (a failed probe changes nothing; it is retried after another quiet period)."""
     tail_probe_attempts: int = Field(3, ge=1, le=100)
-    """Failed tail probes per stream position before giving up until the endpoint's next message."""
+    """Failed tail probes in a row before the endpoint waits ``tail_probe_idle_max_seconds`` for the next
+    round (0 there: until its next message); a round is this many probes a quiet period apart."""
     tail_probe_max_per_second: float = Field(20.0, gt=0, le=10000)
     """Tail probes started per second over all endpoints, at most."""
     tail_probe_concurrency: int = Field(4, ge=1, le=256)

@@ -207,7 +207,8 @@ class _Recovery:
     started: float
     fresh: bool = False
     """The stream's start is unknown: the first message obtained (replayed or live) is its start."""
-    buffer: list[RawMessage] = field(default_factory=list)
+    buffer: deque[RawMessage] = field(default_factory=deque)
+    """Live messages that arrived meanwhile (a deque: past the limit its oldest goes in O(1), a flood's normal path)."""
     overflowed: bool = False
 
 
@@ -629,7 +630,7 @@ class EventPool:
         assert recovery is not None
         if len(recovery.buffer) >= self._recovery_buffer:
             recovery.overflowed = True
-            recovery.buffer.pop(0)
+            recovery.buffer.popleft()
         recovery.buffer.append(message)
 
     def _start_recovery(
@@ -723,7 +724,7 @@ class EventPool:
             # the same position asked twice and still not served: the publisher cannot serve it
             unserved = hole and expected == asked
             hole = False
-            buffered, recovery.buffer = sorted(recovery.buffer, key=lambda m: m.seq), []
+            buffered, recovery.buffer = sorted(recovery.buffer, key=lambda m: m.seq), deque()
             for k, message in enumerate(buffered):  # live messages that arrived meanwhile
                 if message.seq < expected:
                     continue  # replayed already, or buffered twice
@@ -732,7 +733,7 @@ class EventPool:
                         # lost after the publisher answered, or dropped by an overflowed live buffer:
                         # still in its buffer, ask again
                         hole = True
-                        recovery.buffer = buffered[k:]
+                        recovery.buffer = deque(buffered[k:])
                         break
                     cause = (
                         ("no_replay_endpoint" if failure == _NO_REPLAY else "replay_failed") if failure
@@ -868,7 +869,8 @@ class EventPool:
             if last:
                 track.probe_failures = 0
             metrics.record_tail_probe("failed")
-            logger.info("kv event tail probe endpoint=%s from=%d failed (%s)", endpoint.id, from_seq, failure)
+            self._drop_log.log(logging.INFO, f"tail-probe:{endpoint.id}",  # one line per endpoint per 10 s
+                               "kv event tail probe endpoint=%s from=%d failed (%s)", endpoint.id, from_seq, failure)
             return
         expected = track.next_seq  # live messages may have moved it while the probe travelled
         found = 0

@@ -115,3 +115,15 @@ async def test_dynamo_cost_keeps_a_session_until_its_engine_kv_is_taken() -> Non
     assert await pick("prefill-cost") == A.id
     ds.note_completed("another")  # finished: A is the place again
     assert await pick("dynamo-cost") == A.id
+
+
+def test_a_re_pick_elsewhere_moves_the_active_tokens() -> None:
+    """The router re-dispatches a request (its engine hung): the prompt no longer holds KV on the first
+    endpoint, whose active count must not wait for the TTL (a stalled engine sends no scrape to clamp it)."""
+    clock, ds = _store(A, B)
+    ds.note_pick(A.id, 0, "r1", prompt_tokens=16000)
+    ds.note_pick(B.id, 0, "r1", prompt_tokens=16000)
+    assert (_metrics(ds, A).active_prompt_tokens, _metrics(ds, B).active_prompt_tokens) == (0, 16000)
+    assert ds.note_completed("r1")
+    clock.advance(1.0)
+    assert (_metrics(ds, A).active_prompt_tokens, _metrics(ds, B).active_prompt_tokens) == (0, 0)
