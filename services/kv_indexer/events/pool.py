@@ -238,6 +238,8 @@ class _Track:
     probe_interval: float = 0.0
     """The idle re-probe interval at ``probed_seq`` (doubles after each probe that found nothing)."""
     probing: bool = False
+    restarts: int = 0
+    """Publisher restarts read from its sequence (``_older``); a tail probe started before one is stale."""
 
     @property
     def state(self) -> EndpointState:
@@ -571,6 +573,7 @@ class EventPool:
         )
         metrics.record_incarnation("sequence_reset")
         self._index.apply(message.endpoint_id, AllBlocksCleared())
+        track.restarts += 1
         track.next_seq = None
         track.replayed.clear()
         track.live_seqs[:] = [-1] * _LIVE_KEPT
@@ -850,11 +853,13 @@ class EventPool:
         """Ask for what followed ``from_seq - 1``; apply it in order (a hole in it healed as a loss)."""
         endpoint = track.endpoint
         started = self._clock()
+        restarts = track.restarts
         try:
             replies, failure = await self._ask(endpoint, from_seq, self._probe_timeout)
         finally:
             track.probing = False
-        if self._tracks.get(endpoint.id) is not track or track.recovery is not None or track.next_seq is None:
+        if (self._tracks.get(endpoint.id) is not track or track.recovery is not None or track.next_seq is None
+                or track.restarts != restarts):  # an answer from the incarnation that restarted meanwhile
             metrics.record_tail_probe("superseded")  # left, restarted or recovering meanwhile: that one rules
             return
         if failure:

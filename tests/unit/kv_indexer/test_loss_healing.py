@@ -46,6 +46,7 @@ _TS = itertools.count(1_700_000_000)
 
 P = list(range(16))  # 4 blocks: engine hashes 11-14
 Q = list(range(100, 108))  # 2 blocks: 21-22
+R = list(range(200, 208))  # 2 blocks: 31-32
 S = list(range(200, 212))  # 3 blocks: 31-33
 T = list(range(300, 308))  # 2 blocks: 41-42
 
@@ -301,6 +302,42 @@ async def test_a_lost_final_message_is_found_by_the_tail_probe(cleanup: list[Rig
     await asyncio.sleep(0.8)  # several quiet periods: the new tail is confirmed once, then left alone
     await pool.drained()
     assert replayer.requests == [2, 3]
+
+
+async def engine_arrives(pool: EventPool, payload: bytes) -> None:
+    """Seq 0 of a restarted publisher reaches the worker (not waiting for its fresh-start replay)."""
+    before = pool.stats.per_endpoint[A].messages
+    pool.submit(RawMessage(A, "m", 0, payload))
+    for _ in range(1000):
+        if pool.stats.per_endpoint[A].messages > before:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the pool did not take the restarted publisher's seq 0")
+
+
+async def test_a_tail_probe_answered_by_an_incarnation_that_restarted_meanwhile_is_dropped(
+        cleanup: list[Rig]) -> None:
+    """The probe's answer comes from the publisher as it was before it restarted; the restarted one's
+    first message (seq 0, a batch never applied) arrives while the answer travels: the answer is stale
+    (its seq 2 is past the new incarnation's 1, which would read as a loss and forget the new entries)."""
+    index, pool, engine, replayer = rig(tail_probe_quiet_seconds=0.2, tail_probe_idle_max_seconds=0)
+    cleanup.append((index, pool, engine, replayer))
+    superseded = probes("superseded")
+    engine.publish(chain([11, 12, 13, 14], P))
+    engine.publish(chain([21, 22], Q))
+    engine.publish(BlockRemoved(block_hashes=[13, 14]))  # lost: the probe's answer will carry it
+    engine.deliver(0, 1)
+    await pool.drained()
+    restarted = encode_batch(EventBatch(ts=float(next(_TS)), events=[chain([31, 32], R)], data_parallel_rank=0))
+
+    async def the_new_incarnation_arrives() -> None:
+        await engine_arrives(pool, restarted)
+
+    replayer.during = iter([the_new_incarnation_arrives])
+    await wait_until_async(lambda: probes("superseded"), 5, "the stale answer dropped", until=lambda n: n == superseded + 1)
+    await pool.drained()
+    assert matched(index, R) == 2 and matched(index, P) == 0  # the new incarnation's view, the old one purged
+    assert pool.state(A) is EndpointState.LIVE and pool.export()[A] == (1, True)
 
 
 async def test_a_quiet_endpoint_with_nothing_lost_is_probed_once_per_position(cleanup: list[Rig]) -> None:
