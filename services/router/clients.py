@@ -584,8 +584,10 @@ class AdmissionClient:
         future = stream.expect(key)
         stream.send(fc_pb2.AdmitEntry(ticket=key, enqueue=_enqueue(request), traceparent=traceparent,
                                       tracestate=tracestate))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout
         try:
-            async with asyncio.timeout(self._timeout):
+            async with asyncio.timeout_at(deadline):
                 reply = await future
         except TimeoutError as exc:
             stream.forget(key)
@@ -607,14 +609,15 @@ class AdmissionClient:
             # such calls, the status lost for good), or a flow_control restarting. This request is
             # admitted on its own Admit stream, whose answer decides (flow_control reads the Enqueue
             # before it answers: no such race); the next request tries the multiplexed stream again.
-            return await self._admit_per_request(request)
+            # Within what is left of this request's admission timeout (not a second whole one).
+            return await self._admit_per_request(request, deadline)
         rejection = _decision(reply)
         if rejection is not None:
             raise rejection
         return _MuxTicket(stream, key, reply.queue_seconds)
 
-    async def _admit_per_request(self, request: AdmitQuery) -> AdmissionTicket:
-        """Enqueue and wait for dispatch.
+    async def _admit_per_request(self, request: AdmitQuery, deadline: float | None = None) -> AdmissionTicket:
+        """Enqueue and wait for dispatch, until ``deadline`` (loop time; None: the admission timeout from now).
 
         Raises:
             QueueFull | Shed | RateLimited | AdmissionTTLExpired | Saturated: flow_control rejected it
@@ -630,8 +633,10 @@ class AdmissionClient:
         assert self._stub is not None
         call = self._stub.Admit(metadata=trace_metadata())
         admitted = False
+        if deadline is None:
+            deadline = asyncio.get_running_loop().time() + self._timeout
         try:
-            async with asyncio.timeout(self._timeout):
+            async with asyncio.timeout_at(deadline):
                 await call.write(fc_pb2.AdmitRequest(enqueue=_enqueue(request)))
                 reply = await call.read()
             if reply is grpc.aio.EOF:
