@@ -63,20 +63,30 @@ class RouterConfig(GrpcServiceConfig):
     engine that hangs while its membership lease lives on (vLLM wedged behind a registration
     sidecar that keeps the lease; the process paused) is otherwise found only by the first-byte /
     idle limits (300 s / 120 s) or ``request_timeout_seconds`` (600 s, non-streamed). A failed probe
-    ends the wait as a departed endpoint's does (re-sent elsewhere before the first byte, the
+    (refused, reset, not 2xx; no answer within ``engine_health_probe_timeout_seconds`` counts only as
+    the second such probe in a row, ``engine_health_probe_interval_seconds`` after the first; never
+    while any request to the endpoint receives bytes: only an endpoint silent on every request it
+    serves can be hung) ends the wait as a departed endpoint's does (re-sent elsewhere before the first byte, the
     in-stream error after it: ``health_probe_failed``); an answering ``/health`` keeps it waiting
     (a long queue or prefill is not a hang). 10 s: well past a normal TTFT and decode gap, so an
     engine that answers quickly costs nothing (no probe, no timer per request) and a busy one at
-    most one probe per ``engine_health_probe_interval_seconds``; a hung one is found within this +
-    ``engine_health_probe_timeout_seconds`` + the reaper's tick (at most 1 s): about 12 s."""
-    engine_health_probe_timeout_seconds: float = Field(1.0, gt=0, le=60)
+    most one probe per ``engine_health_probe_interval_seconds``; a hung one (SIGSTOPped: its probes
+    time out) is found within this + max(timeout, interval) + timeout + the reaper's tick (at most
+    1 s): about 21 s with the defaults (one whose ``/health`` is refused or answers 503: about 16 s)."""
+    engine_health_probe_timeout_seconds: float = Field(5.0, gt=0, le=60)
     """Timeout of the ``/health`` probe of an endpoint that requests wait on past
     ``engine_health_probe_after_seconds`` (or that left membership; one probe per endpoint at a
     time, not per request). A SIGSTOPped engine accepts TCP connects but never answers: only an
-    HTTP 2xx answer within this counts as alive (vLLM answers 503 once its engine is dead)."""
+    HTTP 2xx answer within this counts as alive (vLLM answers 503 once its engine is dead). A probe
+    that times out is a failure only as the second in a row: long silences happen most on an
+    overloaded engine, which is when vLLM's ``GET /health`` is slow (its handler waits behind the
+    API server's busy event loop: 30-40 s under high load, vllm-project/vllm PR #38157). 5 s (was
+    1 s): a loaded engine's answer in a few seconds still counts, and a hung one is still found in
+    about 21 s, far within the first-byte / idle limits."""
     engine_health_probe_interval_seconds: float = Field(5.0, gt=0, le=3600)
     """How often an endpoint that answered its probe is probed again while requests still wait on it
-    without a byte."""
+    without a byte; after a probe that timed out, the next one is sent this long after it (a second
+    timeout then fails the endpoint)."""
     request_body_timeout_seconds: float = Field(60.0, gt=0, le=3600)
     """Longest time to receive a request's whole body once its headers arrived (nginx's
     ``client_body_timeout`` is 60 s): a client that declares more than it sends (or drips it) gets

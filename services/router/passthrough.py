@@ -12,7 +12,10 @@ degraded pick does), with the pool's engine key and the forwarded client headers
 
 A hung engine (docs/degraded-modes.md, "an engine hung"): an engine that gives no answer within
 ``engine_health_probe_after_seconds`` has its ``GET /health`` asked (then again every
-``engine_health_probe_interval_seconds``); when that fails too the wait ends as a transport failure
+``engine_health_probe_interval_seconds``); when that fails too (refused, reset or not 2xx; no answer
+within ``engine_health_probe_timeout_seconds`` only twice in a row, an overloaded vLLM answers
+``/health`` late; and never while another request to the engine receives bytes:
+:meth:`~services.router.request_flow.RequestFlow.engine_health`) the wait ends as a transport failure
 does (``/tokenize``, ``/detokenize``: the next endpoint; a stored response's route: 503), counted as
 ``kvmesh_router_engine_stalled_total{reason="health_probe_failed"}`` (``action="redispatched"`` once
 another endpoint is tried, and a retry; ``"abandoned"`` when none is left: 503); while it answers, the wait goes
@@ -39,7 +42,7 @@ from services.router import metrics
 from services.router.config import RouterConfig
 from services.router.degraded import LocalPicker
 from services.router.headers import engine_authorization
-from services.router.request_flow import REQUEST_ID_HEADER
+from services.router.request_flow import REQUEST_ID_HEADER, Health
 from services.router.response_affinity import StoredResponseGone
 from services.router.validation import ModelUnavailable
 
@@ -63,12 +66,12 @@ class EngineHung(Exception):
 class Passthrough:
     """Sends a body to one live endpoint of a model (see the module docstring).
 
-    ``answers(url)``: whether the engine at ``url`` answers its ``/health``
-    (:meth:`~services.router.request_flow.RequestFlow.engine_answers`); None: waits are not probed."""
+    ``answers(endpoint)``: the verdict of the endpoint's ``/health``
+    (:meth:`~services.router.request_flow.RequestFlow.engine_health`); None: waits are not probed."""
 
     def __init__(
         self, config: RouterConfig, http: httpx.AsyncClient, endpoints: Callable[[str], Iterable[Endpoint]],
-        picker: LocalPicker, answers: Callable[[str], Awaitable[bool]] | None = None,
+        picker: LocalPicker, answers: Callable[[Endpoint], Awaitable[Health]] | None = None,
     ) -> None:
         self._config = config
         self._http = http
@@ -80,19 +83,23 @@ class Passthrough:
         """``sending``'s answer, the engine's ``/health`` asked past the probe threshold (module docstring).
 
         Raises:
-            EngineHung: no answer, and the probe failed (the request is cancelled).
+            EngineHung: no answer, and the probe failed: ``dead``, or ``slow`` twice in a row (they
+                are ``engine_health_probe_interval_seconds`` apart); the request is cancelled.
             httpx.TransportError: as the request raises it.
         """
         task = asyncio.ensure_future(sending)
         wait = self._config.engine_health_probe_after_seconds
+        slow = False
         try:
             while True:
                 done, _ = await asyncio.wait([task], timeout=wait)
                 if done:
                     return task.result()
-                if self._answers is not None and not await self._answers(endpoint.url) and not task.done():
+                health = "alive" if self._answers is None else await self._answers(endpoint)
+                if (health == "dead" or (health == "slow" and slow)) and not task.done():
                     raise EngineHung(f"engine {endpoint.id} gave no answer for "
                                      f"{self._config.engine_health_probe_after_seconds:g}s and its /health does not answer")
+                slow = health == "slow"
                 wait = self._config.engine_health_probe_interval_seconds
         finally:
             if task.done():

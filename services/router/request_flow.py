@@ -41,7 +41,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import httpx
 import msgspec
@@ -171,6 +171,14 @@ class _EngineWatch:
     cancelled: bool = False
     url: str = ""
     """The endpoint's base URL (its ``/health`` is probed once the wait passed the probe threshold)."""
+    probe: _Probe | None = None
+    """The endpoint's probe state, shared by every watch on it: each piece of an answer counts in its
+    ``heard`` (a probe that fails while another request to the endpoint receives bytes is no hang)."""
+
+    def heard(self) -> None:
+        """A piece of the engine's answer arrived (headers, a body chunk): the endpoint is alive."""
+        if self.probe is not None:
+            self.probe.heard += 1
 
     def owns_cancel(self) -> bool:
         """Whether the CancelledError being handled is this watch's own (then it is consumed)."""
@@ -205,15 +213,29 @@ class _EngineWatch:
                            self.endpoint_id, self.request_id, self.waited)
 
 
+Health = Literal["alive", "slow", "dead"]
+"""A ``/health`` probe's verdict: ``alive`` (2xx, or a request to the endpoint received a byte while
+it ran), ``slow`` (no answer within ``engine_health_probe_timeout_seconds``: an overloaded vLLM
+answers late, its handler queued behind the API server's loop), ``dead`` (refused, reset, not 2xx)."""
+
+
 @dataclass(slots=True)
 class _Probe:
-    """An endpoint's ``/health`` probe (requests wait on it past the probe threshold): running
-    (``task``), its last verdict, when that probe was sent and when it answered (or failed)."""
+    """An endpoint's liveness while requests are bound to it: its ``/health`` probe running
+    (``task``), the last verdict (``alive``: True, False = failed, None = not known, e.g. after a
+    single slow probe), when that probe was sent and when it answered (or failed); ``heard``:
+    pieces of answers received from the endpoint (by every request to it), ``heard_at_send`` its
+    value when the probe was sent; ``slow_since``: when the first of consecutive slow probes was sent."""
 
     task: asyncio.Task[None] | None = None
     alive: bool | None = None
     sent_at: float = 0.0
     checked_at: float | None = None
+    heard: int = 0
+    heard_at_send: int = 0
+    slow_since: float | None = None
+    bound: int = 0
+    """Requests bound to the endpoint (watches holding this probe): at 0, with no probe running, it is dropped."""
 
 
 class _PrimedResponse:
@@ -442,6 +464,8 @@ class FlowSession:
                 finally:
                     if watch is not None:
                         watch.since = None
+                if watch is not None:
+                    watch.heard()
             if not chunk:
                 continue
             if not self._ttft_recorded:
@@ -653,7 +677,12 @@ class RequestFlow:
 
     def _watch(self, endpoint: Endpoint, request_id: str, stream: bool) -> _EngineWatch:
         first = self._config.engine_first_byte_timeout_seconds if stream else self._config.request_timeout_seconds
-        watch = _EngineWatch(asyncio.current_task(), endpoint.id, request_id, first, self._stalled, url=endpoint.url)
+        probe = self._probes.get(endpoint.id)
+        if probe is None:
+            probe = self._probes[endpoint.id] = _Probe()
+        probe.bound += 1
+        watch = _EngineWatch(asyncio.current_task(), endpoint.id, request_id, first, self._stalled, url=endpoint.url,
+                             probe=probe)
         self._watches.add(watch)
         if self._reaper is None or self._reaper.done():
             self._reaper = asyncio.ensure_future(self._reap())
@@ -662,7 +691,17 @@ class RequestFlow:
     def _unwatch(self, watch: _EngineWatch | None) -> None:
         if watch is not None:
             watch.since = None
-            self._watches.discard(watch)
+            if watch in self._watches:
+                self._watches.remove(watch)
+                probe = watch.probe
+                if probe is not None:
+                    probe.bound -= 1
+                    self._forget(watch.endpoint_id, probe)
+
+    def _forget(self, endpoint_id: str, probe: _Probe) -> None:
+        """Drop ``probe`` once no request is bound to its endpoint and no probe runs."""
+        if probe.bound <= 0 and probe.task is None and self._probes.get(endpoint_id) is probe:
+            del self._probes[endpoint_id]
 
     def _stalled(self, watch: _EngineWatch, action: str) -> None:
         """Count and log an answer that started and is ended (``action="ended"``) because its engine stalled."""
@@ -719,70 +758,98 @@ class RequestFlow:
         now = _now()
         config = self._config
         probe_after, departed_after = config.engine_health_probe_after_seconds, config.engine_departed_idle_seconds
-        waited_on: set[str] = set()
         for watch in list(self._watches):
             since = watch.since
             if since is None or watch.reason is not None:
                 continue
-            waited_on.add(watch.endpoint_id)
             waited = now - since
             if waited > (departed_after if watch.departed else probe_after) and self._answers(watch, now) is False:
                 self._end(watch, "endpoint_left" if watch.departed else "health_probe_failed", now)
                 continue
             if waited > watch.limit:
                 self._end(watch, "first_byte_timeout" if watch.first else "idle_timeout", now)
-        for endpoint_id in [e for e, p in self._probes.items() if e not in waited_on and p.task is None]:
-            del self._probes[endpoint_id]  # no request waits on it any more
 
     def _answers(self, watch: _EngineWatch, now: float, fresh: bool = False) -> bool | None:
-        """Whether the endpoint ``watch`` waits on answers its ``/health``: False when a probe sent
-        during this wait failed, True when one answered within ``engine_health_probe_interval_seconds``,
-        None while not known (a probe is then running). One probe per endpoint at a time, not per
-        request (``engine_health_probe_timeout_seconds``); ``fresh``: a new one unless one runs (the
-        endpoint just left membership). A wait that began after a failed probe gets a probe of its
-        own (the engine may be back). A SIGSTOPped engine still accepts TCP connects, so only an
-        HTTP 2xx answer counts. Leaving membership is no proof of a hang (a draining engine
-        deregisters first and then finishes its requests; an etcd that lost its data makes every
-        endpoint "leave"), nor is a long silence (a deep queue, a long prefill, a whole non-streamed
-        generation): a wait is cut only when the probe fails too."""
-        probe = self._probes.get(watch.endpoint_id)
+        """Whether the endpoint ``watch`` waits on is alive: False when it failed a probe sent during
+        this wait, True when it proved alive within ``engine_health_probe_interval_seconds``, None
+        while not known (a probe is then running, or one was slow and the next is not due yet). One
+        probe per endpoint at a time, not per request (``engine_health_probe_timeout_seconds``);
+        ``fresh``: a new one unless one runs (the endpoint just left membership). A wait that began
+        after a failed probe gets a probe of its own (the engine may be back). The verdict
+        (:meth:`_probe`): a SIGSTOPped engine still accepts TCP connects, so only an HTTP 2xx answer
+        counts; a request to the endpoint that received a byte while the probe ran proves it alive
+        (only an endpoint silent on every request it serves can be hung); a probe that got no
+        answer in time fails only as the second consecutive one at least the interval apart (an
+        overloaded vLLM answers ``/health`` late). Leaving membership is no proof of a hang (a
+        draining engine deregisters first and then finishes its requests; an etcd that lost its
+        data makes every endpoint "leave"), nor is a long silence (a deep queue, a long prefill, a
+        whole non-streamed generation): a wait is cut only when the probe fails too."""
+        probe = watch.probe
         if probe is None:
-            probe = self._probes[watch.endpoint_id] = _Probe()
+            return None
         if probe.task is not None:
             return None
+        interval = self._config.engine_health_probe_interval_seconds
         if probe.checked_at is not None and not fresh:
             if probe.alive:
-                if now - probe.checked_at < self._config.engine_health_probe_interval_seconds:
+                if now - probe.checked_at < interval:
                     return True
-            elif watch.since is not None and probe.sent_at >= watch.since:
-                return False
-        probe.sent_at = now
-        probe.task = asyncio.ensure_future(self._probe(probe, watch.url))
+            elif probe.alive is False:
+                if watch.since is not None and probe.sent_at >= watch.since:
+                    return False
+            elif now - probe.sent_at < interval:  # one slow probe: the next one, an interval later, decides
+                return None
+        probe.sent_at, probe.heard_at_send = now, probe.heard
+        probe.task = asyncio.ensure_future(self._probe(probe, watch.endpoint_id, watch.url))
         return None
 
-    async def _probe(self, probe: _Probe, url: str) -> None:
-        alive = await self.engine_answers(url)
-        probe.alive, probe.checked_at, probe.task = alive, _now(), None
-        if not alive:
+    async def _probe(self, probe: _Probe, endpoint_id: str, url: str) -> None:
+        health = await self._health_of(url)
+        if health != "alive" and probe.heard != probe.heard_at_send:
+            health = "alive"  # a request to it received a byte meanwhile: it serves, whatever /health says
+        if health == "alive":
+            probe.alive, probe.slow_since = True, None
+        elif health == "dead":
+            probe.alive, probe.slow_since = False, None
+        elif probe.slow_since is None:  # the first slow probe: not known yet
+            probe.alive, probe.slow_since = None, probe.sent_at
+        elif probe.sent_at - probe.slow_since >= self._config.engine_health_probe_interval_seconds:
+            probe.alive = False  # the second consecutive slow probe, an interval after the first
+        else:
+            probe.alive = None
+        probe.checked_at, probe.task = _now(), None
+        if probe.alive is False:
             self._check()  # end its waits now, not at the next tick
+        self._forget(endpoint_id, probe)
 
-    async def engine_answers(self, url: str) -> bool:
-        """Whether the engine at ``url`` answers ``GET /health`` with a 2xx within
-        ``engine_health_probe_timeout_seconds`` (refused, reset, timed out: False). The probe of the
-        waits above, and of the passthrough routes' (:mod:`services.router.passthrough`)."""
-        try:
-            async with asyncio.timeout(self._config.engine_health_probe_timeout_seconds):
-                return await self._health(url)
-        except Exception:
-            return False
+    async def engine_health(self, endpoint: Endpoint) -> Health:
+        """``endpoint``'s ``GET /health`` verdict (:data:`Health`, within
+        ``engine_health_probe_timeout_seconds``), ``alive`` also when a request bound to it through
+        this flow received a byte while the probe ran. The probe of the passthrough routes'
+        waits (:mod:`services.router.passthrough`), which apply the same rules as :meth:`_answers`."""
+        probe = self._probes.get(endpoint.id)
+        heard = probe.heard if probe is not None else 0
+        health = await self._health_of(endpoint.url)
+        if health != "alive" and probe is not None and probe.heard != heard:
+            return "alive"
+        return health
 
-    async def _health(self, url: str) -> bool:
-        """GET ``url/health`` (vLLM and the engine simulator serve it): True on a 2xx answer."""
+    async def _health_of(self, url: str) -> Health:
+        """GET ``url/health`` (vLLM and the engine simulator serve it) within
+        ``engine_health_probe_timeout_seconds``: ``alive`` on a 2xx answer, ``slow`` when none came
+        in time, ``dead`` when refused, reset or answered otherwise (vLLM answers 503 once its engine
+        is dead)."""
         if self._probe_http is None:
             self._probe_http = httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_keepalive_connections=0))
             self._own_probe_http = True
-        response = await self._probe_http.get(url + "/health")
-        return response.is_success
+        try:
+            async with asyncio.timeout(self._config.engine_health_probe_timeout_seconds):
+                response = await self._probe_http.get(url + "/health")
+        except (TimeoutError, httpx.TimeoutException):
+            return "slow"
+        except Exception:
+            return "dead"
+        return "alive" if response.is_success else "dead"
 
     def endpoints_left(self, endpoint_ids: Iterable[str]) -> int:
         """Membership says these endpoints left (lease expired or deregistered): a request waiting on
@@ -1091,6 +1158,7 @@ class RequestFlow:
         span: trace.Span | None = None
         try:
             response, span = await self._send(request, meta, endpoint, attempt)
+            watch.heard()
             # headers arrived: the engine holds the request (queued or in prefill) for the local
             # least-request pick from now on, not only once its first byte comes
             self.local_picker.note_start(endpoint.id)
@@ -1101,6 +1169,7 @@ class RequestFlow:
             try:
                 while not first:
                     first = await anext(chunks)
+                watch.heard()
             except StopAsyncIteration:
                 return _PrimedResponse(response, first, None, self._clock()), span
             return _PrimedResponse(response, first, rest, self._clock()), span

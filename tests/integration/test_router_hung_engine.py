@@ -39,8 +39,9 @@ from tests.support import serve_registered, stop_registered, wait_until_async
 
 MODEL = "hung"
 FIRST_BYTE_S, IDLE_S, DEPARTED_S, PROBE_AFTER_S, BODY_S, HEADER_S, GRACE_S = 4, 10, 1, 1, 2, 2, 2
-PROBE_TIMEOUT_S = 1  # engine_health_probe_timeout_seconds' default
-ROUTER_FLAGS = ("--engine-first-byte-timeout-seconds", str(FIRST_BYTE_S), "--engine-stream-idle-timeout-seconds",
+PROBE_TIMEOUT_S = PROBE_INTERVAL_S = 0.5  # a silent /health fails as the second slow probe, an interval after the first
+ROUTER_FLAGS = ("--engine-health-probe-timeout-seconds", str(PROBE_TIMEOUT_S), "--engine-health-probe-interval-seconds",
+                str(PROBE_INTERVAL_S), "--engine-first-byte-timeout-seconds", str(FIRST_BYTE_S), "--engine-stream-idle-timeout-seconds",
                 str(IDLE_S), "--engine-departed-idle-seconds", str(DEPARTED_S), "--engine-health-probe-after-seconds",
                 str(PROBE_AFTER_S), "--request-body-timeout-seconds", str(BODY_S), "--request-header-timeout-seconds",
                 str(HEADER_S), "--shutdown-http-grace-seconds", str(GRACE_S))
@@ -58,6 +59,8 @@ class ScriptedEngine:
     plain_delay: float = 0.0
     """Seconds a non-streamed answer takes (a long generation: no byte until it is done)."""
     health_hangs: bool = False
+    health_delay: float = 0.0
+    """Seconds its ``GET /health`` takes to answer 200 (vLLM under high load: 30-40 s, vllm-project/vllm PR #38157)."""
     hang_after_done: bool = False
     """Silent once the whole answer is sent (``[DONE]``, or a non-streamed body of its content-length),
     the body never closed: a pause, a GC or SIGSTOP after the last write."""
@@ -101,6 +104,7 @@ class ScriptedEngine:
         self.health_checks += 1
         if self.health_hangs:
             await self._forever.wait()
+        await asyncio.sleep(self.health_delay)
         return Response(status_code=200)
 
     async def start(self, etcd: str) -> ScriptedEngine:
@@ -197,6 +201,7 @@ def _reset(hung: HungMesh) -> None:
     hung.silent.stall_after = 0
     hung.silent.plain_delay = 0.0
     hung.silent.health_hangs = False
+    hung.silent.health_delay = 0.0
     hung.good.hang_after_done = hung.silent.hang_after_done = False
     assert hung.good.endpoint is not None
     hung.epp.order = [hung.good.endpoint]
@@ -451,7 +456,8 @@ async def test_hung_engine_with_its_lease_alive_is_found_by_its_health_probe(hun
             assert "its /health does not answer" in (grpc_error.details() or ""), grpc_error.details()
             assert [c.text for c in chunks] == ["tok0 ", "tok1 "]
             action, count = "ended", 2
-    assert PROBE_AFTER_S <= elapsed < PROBE_AFTER_S + PROBE_TIMEOUT_S + 4, elapsed
+    # two slow probes, the second an interval after the first: threshold + interval + timeout, plus ticks and load
+    assert PROBE_AFTER_S <= elapsed < PROBE_AFTER_S + max(PROBE_TIMEOUT_S, PROBE_INTERVAL_S) + PROBE_TIMEOUT_S + 3, elapsed
     after = _stalled(hung.metrics)
     assert _grew(before, after, ("health_probe_failed", action)) == count, after
     assert sum(after.values()) - sum(before.values()) == count, after  # nothing else cut
@@ -485,6 +491,31 @@ async def test_slow_engine_that_answers_health_is_not_cut(hung: HungMesh, when: 
         elapsed = time.monotonic() - started
     assert elapsed >= PROBE_AFTER_S + 2, elapsed
     assert silent.health_checks > checks  # it was probed, and answered
+    assert _stalled(hung.metrics) == before
+
+
+async def test_engine_with_slow_health_is_not_cut_while_it_streams_another_request(hung: HungMesh) -> None:
+    """An overloaded engine: its /health answers only after 2 s (every probe times out at 0.5 s), one request
+    gets no byte for 3.5 s (a whole non-streamed generation) while the engine streams another one. Bytes to
+    any request prove the endpoint alive: neither is cut nor moved, nothing is counted stalled."""
+    silent = hung.silent
+    assert silent.endpoint is not None
+    silent.stall_after = None
+    silent.health_delay = 2.0
+    silent.plain_delay = PROBE_AFTER_S + 2.5
+    silent.delay = 0.1
+    hung.epp.order = [silent.endpoint]
+    before = _stalled(hung.metrics)
+    checks = silent.health_checks
+    url = f"{hung.http}/v1/completions"
+    async with httpx.AsyncClient(timeout=30) as client:
+        plain, (status, headers, raw) = await asyncio.gather(
+            client.post(url, json={"model": MODEL, "prompt": "slow", "max_tokens": 3}),
+            _stream(client, url, {"model": MODEL, "prompt": "drip", "max_tokens": 40, "stream": True}))
+    assert plain.status_code == 200 and plain.headers["x-kvmesh-endpoint"] == silent.endpoint.id, plain.text
+    assert status == 200 and headers["x-kvmesh-endpoint"] == silent.endpoint.id
+    assert len(_events(raw)) == 41 and _events(raw)[-1] == "data: [DONE]", raw[-300:]
+    assert silent.health_checks > checks  # probed past the threshold; the probes timed out, the stream spoke
     assert _stalled(hung.metrics) == before
 
 

@@ -351,7 +351,8 @@ def _probe_flow(engine: _Engine, config: RouterConfig = PROBE) -> RequestFlow:
 async def test_no_byte_past_the_probe_threshold_and_a_failed_probe_moves_the_request(stream: bool, health: int | None) -> None:
     """The engine keeps its lease (no membership change at all) and says nothing, before its first byte;
     its /health does not answer (or answers 503, vLLM's dead engine): the request moves to B at about
-    the threshold + the probe timeout, not after the 300 s first-byte or 30 s request timeout."""
+    the threshold + the probe timeout (a silent /health: two probes in a row, an interval apart), not
+    after the 300 s first-byte or 30 s request timeout."""
     engine = _Engine(stall_at=0, health=health)
     flow = _probe_flow(engine)
     before = _stalled("health_probe_failed", "redispatched")
@@ -361,8 +362,8 @@ async def test_no_byte_past_the_probe_threshold_and_a_failed_probe_moves_the_req
     elapsed = asyncio.get_running_loop().time() - started
     assert session.endpoint.id == B.id and session.attempts == 2 and raw == SSE
     assert _stalled("health_probe_failed", "redispatched") == before + 1
-    assert engine.probes == 1
-    assert 0.1 <= elapsed < 3.0, elapsed  # 0.1 s threshold + at most 0.2 s probe + a 0.05 s tick, plus a loaded host
+    assert engine.probes == (2 if health is None else 1)
+    assert 0.1 <= elapsed < 3.0, elapsed  # 0.1 s threshold + at most two 0.2 s probes + a 0.05 s tick, plus a loaded host
     await flow.aclose()
 
 
@@ -423,7 +424,7 @@ async def test_a_wait_that_began_after_a_failed_probe_is_probed_again() -> None:
     async with flow.session(_request(True), META) as session:
         assert session.endpoint.id == B.id
         await session.read_all()
-    assert engine.probes == 1
+    assert engine.probes == 2  # a silent /health fails as the second slow probe in a row
     engine.health = 200
     engine.go = asyncio.Event()
 
@@ -437,4 +438,152 @@ async def test_a_wait_that_began_after_a_failed_probe_is_probed_again() -> None:
     await releaser
     assert session.endpoint.id == A.id and session.attempts == 1 and raw == SSE
     assert engine.probes >= 2
+    await flow.aclose()
+
+
+# -- a live engine whose /health is slow (vLLM under high load: vllm-project/vllm PR #38157) is not cut -----
+
+SLOW_HEALTH = SLOW.model_copy(update={"engine_health_probe_after_seconds": 0.2, "engine_health_probe_timeout_seconds": 0.2,
+                                      "engine_health_probe_interval_seconds": 1.0})
+
+
+def _prompted(prompt: str) -> RouterRequest:
+    return validate_request(RequestKind.COMPLETION, {"model": "tiny", "prompt": prompt, "max_tokens": 2, "stream": True},
+                            CATALOG, 1024)
+
+
+def _no_stall() -> dict[tuple[str, str], float]:
+    return {(r, a): _stalled(r, a) for r in request_flow.STALL_REASONS for a in ("redispatched", "ended", "abandoned")}
+
+
+async def test_a_single_slow_probe_does_not_cut_a_live_stream() -> None:
+    """The reviewer's case: the engine sends one event, pauses 0.8 s alive, then finishes; its /health answers
+    200 after 0.3 s, past the 0.2 s probe timeout. One slow probe is not a failure (the next is due an interval,
+    1 s, later, and the stream went on before it): the client gets the whole answer, nothing is counted."""
+    engine = _Engine(stall_at=1, health=200, health_delay=0.3)
+    flow = _probe_flow(engine, SLOW_HEALTH)
+    before = _no_stall()
+    asyncio.get_running_loop().call_later(0.8, engine.go.set)
+    async with flow.session(_request(True), META) as session:
+        raw = b"".join([c.raw async for c in session.iter_events()])
+    assert session.endpoint.id == A.id and session.attempts == 1 and raw == SSE
+    assert engine.probes == 1 and _no_stall() == before
+    await flow.aclose()
+
+
+@pytest.mark.parametrize("health_delay", [0.3, None], ids=["health-slow", "health-silent"])
+async def test_a_silent_request_is_not_cut_while_another_to_its_engine_streams(health_delay: float | None) -> None:
+    """Engine ``a`` holds one request silent for 1 s (queued behind a long prefill, or preempted) while it
+    streams another one (an event every 50 ms); its /health never answers in time (slow, or not at all).
+    Bytes to any request prove the endpoint alive: neither request is cut, whatever the probes say."""
+    config = SLOW_HEALTH.model_copy(update={"engine_health_probe_interval_seconds": 0.2})
+    go = asyncio.Event()
+    probes = 0
+    pieces = [e + b"\n\n" for e in SSE.split(b"\n\n") if e]
+    event = pieces[0]
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        nonlocal probes
+        if request.url.path == "/health":
+            async def health() -> AsyncIterator[bytes]:
+                await asyncio.sleep(health_delay) if health_delay is not None else await asyncio.Event().wait()
+                yield b""
+
+            probes += request.url.host == "a"
+            return httpx.Response(200, content=health())
+
+        async def body() -> AsyncIterator[bytes]:
+            if b"drip" in request.content:
+                for _ in range(25):
+                    yield event
+                    await asyncio.sleep(0.05)
+                yield pieces[1]
+                yield pieces[2]
+                return
+            yield pieces[0]
+            await go.wait()
+            yield pieces[1]
+            yield pieces[2]
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
+
+    flow = _flow(config, answer)
+    before = _no_stall()
+
+    async def one(prompt: str) -> tuple[str, int, bytes]:
+        async with flow.session(_prompted(prompt), META) as session:
+            raw = b"".join([c.raw async for c in session.iter_events()])
+        return session.endpoint.id, session.attempts, raw
+
+    silent = asyncio.ensure_future(one("hi"))
+    drip = asyncio.ensure_future(one("drip"))
+    await asyncio.sleep(1.0)
+    go.set()
+    (silent_at, silent_tries, silent_raw), (drip_at, drip_tries, _) = await asyncio.gather(silent, drip)
+    assert (silent_at, silent_tries, silent_raw) == (A.id, 1, SSE) and (drip_at, drip_tries) == (A.id, 1)
+    assert probes >= 2 and _no_stall() == before  # probed past the threshold, again and again, never cut
+    await flow.aclose()
+
+
+async def test_two_silent_probes_in_a_row_cut_every_silent_request_on_the_engine() -> None:
+    """The hung case still ends: two requests on ``a``, both silent, its /health silent: the first slow probe
+    only marks it unknown, the second one, an interval later, fails it; both move to B within the threshold +
+    probe timeout + interval + probe timeout (0.2 + 0.2 + 0.2 + 0.2 s, plus a loaded host)."""
+    config = SLOW_HEALTH.model_copy(update={"engine_health_probe_interval_seconds": 0.2})
+    engine = _Engine(stall_at=0, health=None)
+    flow = _probe_flow(engine, config)
+    before = _stalled("health_probe_failed", "redispatched")
+    started = asyncio.get_running_loop().time()
+
+    async def one() -> tuple[str, int, bytes]:
+        async with flow.session(_request(True), META) as session:
+            raw = b"".join([c.raw async for c in session.iter_events()])
+        return session.endpoint.id, session.attempts, raw
+
+    results = await asyncio.gather(one(), one())
+    elapsed = asyncio.get_running_loop().time() - started
+    assert results == [(B.id, 2, SSE)] * 2
+    assert engine.probes == 2 and _stalled("health_probe_failed", "redispatched") == before + 2
+    assert 0.6 <= elapsed < 3.0, elapsed
+    await flow.aclose()
+
+
+async def test_engine_health_says_alive_while_a_request_to_the_endpoint_receives_bytes() -> None:
+    """The passthrough routes' probe (:meth:`RequestFlow.engine_health`): a silent /health is ``slow``, a 503
+    is ``dead``, but while a request bound to the endpoint through the flow receives bytes it is ``alive``."""
+    health_status: list[int | None] = [None]
+    pieces = [e + b"\n\n" for e in SSE.split(b"\n\n") if e]
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            async def never() -> AsyncIterator[bytes]:
+                await asyncio.Event().wait()
+                yield b""
+
+            status = health_status[0]
+            return httpx.Response(200, content=never()) if status is None else httpx.Response(status)
+
+        async def body() -> AsyncIterator[bytes]:
+            for _ in range(20):
+                yield pieces[0]
+                await asyncio.sleep(0.05)
+            yield pieces[1]
+            yield pieces[2]
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
+
+    flow = _flow(SLOW_HEALTH, answer)
+    assert await flow.engine_health(A) == "slow"
+    health_status[0] = 503
+    assert await flow.engine_health(A) == "dead"
+    health_status[0] = None
+
+    async def stream() -> None:
+        async with flow.session(_request(True), META) as session:
+            await session.read_all()
+
+    streaming = asyncio.ensure_future(stream())
+    await _waiting(flow, A.id)
+    assert await flow.engine_health(A) == "alive"
+    await streaming
     await flow.aclose()

@@ -30,16 +30,21 @@ def _stalled(reason: str, action: str) -> float:
 
 @dataclass
 class _Engines:
-    """Host ``a`` answers after ``go`` is set, its /health answers only when ``health``; ``b`` at once."""
+    """Host ``a`` answers after ``go`` is set, its /health answers only when ``health`` (after
+    ``health_delay`` s; ``status``: that status at once instead); ``b`` at once."""
 
     health: bool = False
     go: asyncio.Event = field(default_factory=asyncio.Event)
     probes: int = 0
+    health_delay: float = 0.0
+    status: int | None = None
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         hung = request.url.host == "a"
         if request.url.path == "/health":
             self.probes += hung
+            if hung and self.status is not None:
+                return httpx.Response(self.status)
             return httpx.Response(200, content=self._health() if hung else b"")
         if hung:
             return httpx.Response(200, headers={"content-type": "application/json"}, content=self._late())
@@ -48,6 +53,7 @@ class _Engines:
     async def _health(self) -> AsyncIterator[bytes]:
         if not self.health:
             await asyncio.Event().wait()
+        await asyncio.sleep(self.health_delay)
         yield b""
 
     async def _late(self) -> AsyncIterator[bytes]:
@@ -55,12 +61,12 @@ class _Engines:
         yield b'{"tokens": [1, 2], "host": "a"}'
 
 
-def _passthrough(engines: _Engines) -> tuple[Passthrough, RequestFlow]:
+def _passthrough(engines: _Engines, config: RouterConfig = CONFIG) -> tuple[Passthrough, RequestFlow]:
     http = httpx.AsyncClient(transport=httpx.MockTransport(engines))
-    flow = RequestFlow(CONFIG, lambda: CATALOG, FakeAdmission(), FakePicker(), http)
+    flow = RequestFlow(config, lambda: CATALOG, FakeAdmission(), FakePicker(), http)
     picker = LocalPicker()
     picker.note_start(B.id)  # A is the least loaded: tried first
-    return Passthrough(CONFIG, http, lambda model: (A, B), picker, flow.engine_answers), flow
+    return Passthrough(config, http, lambda model: (A, B), picker, flow.engine_health), flow
 
 
 async def test_tokenize_on_a_hung_engine_moves_to_the_next_endpoint() -> None:
@@ -70,8 +76,8 @@ async def test_tokenize_on_a_hung_engine_moves_to_the_next_endpoint() -> None:
     started = asyncio.get_running_loop().time()
     answer = await passthrough.forward("/tokenize", "tiny", {"model": "tiny", "prompt": "hi"}, "r1")
     assert answer.endpoint_id == B.id and answer.status_code == 200
-    assert asyncio.get_running_loop().time() - started < 3.0  # 0.1 s + a 0.2 s probe, plus a loaded host
-    assert engines.probes == 1 and _stalled("health_probe_failed", "redispatched") == before + 1
+    assert asyncio.get_running_loop().time() - started < 3.0  # 0.1 s + two 0.2 s probes 0.2 s apart, plus a loaded host
+    assert engines.probes == 2 and _stalled("health_probe_failed", "redispatched") == before + 1
     await flow.aclose()
 
 
@@ -92,4 +98,26 @@ async def test_a_slow_engine_that_answers_health_is_waited_for() -> None:
     answer = await passthrough.forward("/tokenize", "tiny", {"model": "tiny", "prompt": "hi"}, "r3")
     assert answer.endpoint_id == A.id and answer.status_code == 200
     assert engines.probes >= 2  # probed past 0.1 s, then every 0.2 s, answered each time
+    await flow.aclose()
+
+
+async def test_a_503_health_moves_a_tokenize_after_one_probe() -> None:
+    """A refused or 5xx /health is a dead server, not a slow one: one probe suffices."""
+    engines = _Engines(status=503)
+    passthrough, flow = _passthrough(engines)
+    answer = await passthrough.forward("/tokenize", "tiny", {"model": "tiny", "prompt": "hi"}, "r4")
+    assert answer.endpoint_id == B.id and engines.probes == 1
+    await flow.aclose()
+
+
+async def test_a_single_slow_health_probe_does_not_move_a_tokenize() -> None:
+    """/health answers after 0.3 s, past the 0.2 s probe timeout (vLLM under load answers it late); the engine
+    answers the tokenize at 0.7 s, before the second probe (due an interval, 1 s, after the first) could fail it."""
+    engines = _Engines(health=True, health_delay=0.3)
+    passthrough, flow = _passthrough(engines, CONFIG.model_copy(update={"engine_health_probe_interval_seconds": 1.0}))
+    before = _stalled("health_probe_failed", "redispatched")
+    asyncio.get_running_loop().call_later(0.7, engines.go.set)
+    answer = await passthrough.forward("/tokenize", "tiny", {"model": "tiny", "prompt": "hi"}, "r5")
+    assert answer.endpoint_id == A.id and answer.status_code == 200
+    assert engines.probes == 1 and _stalled("health_probe_failed", "redispatched") == before
     await flow.aclose()

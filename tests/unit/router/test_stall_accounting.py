@@ -209,7 +209,7 @@ async def test_passthrough_counts_redispatched_only_when_another_endpoint_is_tri
     answer = _engines({"a", "b"})
     http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
     flow = RequestFlow(FAST, lambda: CATALOG, FakeAdmission(), FakePicker(), http)
-    passthrough = Passthrough(FAST, http, lambda model: (A, B), LocalPicker(), flow.engine_answers)
+    passthrough = Passthrough(FAST, http, lambda model: (A, B), LocalPicker(), flow.engine_health)
     before = _counts()
     with pytest.raises(errors.NoEndpointsAvailable, match="after 2 attempt"):
         await passthrough.forward("/tokenize", "tiny", {"model": "tiny", "prompt": "hi"}, "r1")
