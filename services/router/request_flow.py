@@ -553,6 +553,9 @@ class _Lifetime:
     session: FlowSession | None = None
     exception: BaseException | None = None
     client_gone: bool = False
+    shut_down: bool = False
+    """Ended by the router's own shutdown (a cancel carrying :data:`SHUTDOWN_MESSAGE`), not by its client:
+    counted ``unavailable``, the caller answers ``UNAVAILABLE`` / 503."""
 
     async def close(self) -> None:
         if self.session is None:
@@ -570,6 +573,8 @@ class _Lifetime:
             metrics.IN_FLIGHT.dec()
             if self.client_gone:
                 metrics.record_outcome(RequestOutcome.CANCELLED)  # other errors are counted where they are answered
+            elif self.shut_down:  # nobody answers it with a counted error: the call is ended from outside
+                metrics.record_outcome(RequestOutcome.UNAVAILABLE)
             if self.exception is not None:
                 self.span.record_exception(self.exception)
                 self.span.set_status(Status(StatusCode.ERROR, type(self.exception).__name__))
@@ -587,6 +592,8 @@ class _Lifetime:
         success = session._finished and not self.client_gone and self.exception is None and session.status_code < 400
         if self.client_gone:
             outcome = RequestOutcome.CANCELLED
+        elif self.shut_down:
+            outcome = RequestOutcome.UNAVAILABLE
         elif success:
             outcome = RequestOutcome.SUCCESS
         elif session.status_code >= 400:
@@ -1043,7 +1050,10 @@ class RequestFlow:
                 life.session._first_byte_at = response.primed_at
             yield life.session
         except _CLIENT_GONE as exc:
-            life.client_gone, life.exception = True, exc
+            if isinstance(exc, asyncio.CancelledError) and exc.args == (SHUTDOWN_MESSAGE,):
+                life.shut_down, life.exception = True, exc  # the router's drain, not the client
+            else:
+                life.client_gone, life.exception = True, exc
             raise
         except BaseException as exc:
             life.exception = exc

@@ -187,7 +187,7 @@ class InferenceServicer(router_pb2_grpc.InferenceServicer):
             if task.done() or task.cancelling():
                 continue
             self._drained.add(task)
-            task.cancel()
+            task.cancel(SHUTDOWN_MESSAGE)  # the request flow reads it as the router's shutdown, not the client leaving
             count += 1
         return count
 

@@ -100,9 +100,10 @@ async def test_a_stream_on_its_engine_ends_unavailable_after_its_chunks() -> Non
 @pytest.mark.parametrize("stream", [False, True], ids=["Complete", "CompleteStream"])
 async def test_a_call_still_in_admission_ends_unavailable(stream: bool) -> None:
     """Not bound to an engine yet (queued in flow_control): ``drain()`` cancels it where it waits and it
-    ends UNAVAILABLE with the shutdown message (HTTP: the 503 with the same words), counted cancelled."""
+    ends UNAVAILABLE with the shutdown message (HTTP: the 503 with the same words), counted unavailable
+    (the router ended it, not its client: not ``cancelled``)."""
     async with _serve(FakeAdmission(delay=60)) as door:
-        cancelled = outcome_count("cancelled")
+        cancelled, unavailable = outcome_count("cancelled"), outcome_count("unavailable")
         if stream:
             call = door.stub.CompleteStream(PROMPT, timeout=10)
             pending = asyncio.ensure_future(call.read())
@@ -115,7 +116,7 @@ async def test_a_call_still_in_admission_ends_unavailable(stream: bool) -> None:
             await pending
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE and info.value.details() == SHUTDOWN_MESSAGE
         assert await door.servicer.wait_idle(5) and door.servicer.in_flight == 0
-        assert outcome_count("cancelled") == cancelled + 1
+        assert (outcome_count("cancelled"), outcome_count("unavailable")) == (cancelled, unavailable + 1)
 
 
 async def test_a_call_that_finishes_within_the_grace_is_untouched() -> None:
