@@ -227,7 +227,8 @@ class KVStoreServicer(kv_store_pb2_grpc.KVStoreServicer):
             outcome = await self._store.put(key, value, block)
         finally:
             await self._put_budget.release(total)
-        return kv_store_pb2.PutResponse(medium=medium_to_proto(outcome.medium), evicted=outcome.evicted)
+        return kv_store_pb2.PutResponse(medium=medium_to_proto(outcome.medium), evicted=outcome.evicted,
+                                        lost=outcome.lost)
 
     def _chunks(self, value: bytes, first_head: bytes, field: int, later_head: bytes) -> list[bytes]:
         view = memoryview(value)

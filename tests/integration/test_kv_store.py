@@ -221,7 +221,8 @@ async def test_a_missing_or_read_only_shared_mount_degrades_and_the_service_stay
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.KVStoreStub(channel)
         await stub.Put(chunks("a", b"a" * (2 * MIB)))
-        await stub.Put(chunks("b", b"b" * (2 * MIB)))  # a's demotion has nowhere to go
+        reply = await stub.Put(chunks("b", b"b" * (2 * MIB)))  # a's demotion has nowhere to go
+        assert (reply.evicted, reply.lost) == (1, 1)
         assert (await get(stub, "b"))[0] == b"b" * (2 * MIB)
         with pytest.raises(grpc.aio.AioRpcError) as exc_info:
             await get(stub, "a")
@@ -251,7 +252,7 @@ async def test_tiers_failing_mid_run_pass_values_on_then_count_them_lost(start_s
         disk_root.write_text("the disk tier's directory is gone")
         for key in "bcd":  # each put evicts the previous value from the CPU tier; the disk refuses it
             reply = await stub.Put(chunks(key, values[key]))
-            assert reply.evicted == 1
+            assert (reply.evicted, reply.lost) == (1, 0)  # the shared tier took it
         samples = scrape(metrics_port)
         assert samples['kvmesh_kv_store_dropped_total{tier="disk"}'] == 3
         assert samples['kvmesh_kv_store_lost_total{tier="cpu"}'] == 0
@@ -263,7 +264,8 @@ async def test_tiers_failing_mid_run_pass_values_on_then_count_them_lost(start_s
         assert tiers["disk"].errors >= 1
 
         shutil.rmtree(shared)  # the shared mount vanishes too: the next eviction has nowhere to go
-        await stub.Put(chunks("e", values["e"]))
+        reply = await stub.Put(chunks("e", values["e"]))
+        assert (reply.evicted, reply.lost) == (1, 1)  # the caller is told, not only the metric
         samples = scrape(metrics_port)
         assert samples['kvmesh_kv_store_lost_total{tier="cpu"}'] == 1
         assert samples['kvmesh_kv_store_degraded_operations_total{tier="sharedfs"}'] >= 1

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmesh._proto.kvmesh.common.v1 import common_pb2 as kvmesh_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!kvmesh/kv_store/v1/kv_store.proto\x12\x12kvmesh.kv_store.v1\x1a\x1dkvmesh/common/v1/common.proto\"X\n\nPutRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x1a\n\x12\x62lock_stored_event\x18\x04 \x01(\x0c\"H\n\x0bPutResponse\x12(\n\x06medium\x18\x01 \x01(\x0e\x32\x18.kvmesh.common.v1.Medium\x12\x0f\n\x07\x65victed\x18\x02 \x01(\r\"\x19\n\nGetRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"Z\n\x0bGetResponse\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12(\n\x06medium\x18\x03 \x01(\x0e\x32\x18.kvmesh.common.v1.Medium\"\x1f\n\x0f\x43ontainsRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"#\n\x10\x43ontainsResponse\x12\x0f\n\x07present\x18\x01 \x03(\x08\";\n\x0f\x42\x61tchGetRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x1a\n\x12stop_at_first_miss\x18\x02 \x01(\x08\"}\n\x10\x42\x61tchGetResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12(\n\x06medium\x18\x04 \x01(\x0e\x32\x18.kvmesh.common.v1.Medium\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\x1d\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"`\n\x0eLookupResponse\x12\x0f\n\x07present\x18\x01 \x03(\x08\x12(\n\x06medium\x18\x02 \x03(\x0e\x32\x18.kvmesh.common.v1.Medium\x12\x13\n\x0bprefix_hits\x18\x03 \x01(\r\"\x1c\n\rDeleteRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xd1\x01\n\tTierStats\x12(\n\x06medium\x18\x01 \x01(\x0e\x32\x18.kvmesh.common.v1.Medium\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04keys\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\x12\x0c\n\x04name\x18\x08 \x01(\t\x12\x11\n\tcorrupted\x18\t \x01(\x04\x12\x0e\n\x06\x65rrors\x18\n \x01(\x04\"=\n\rStatsResponse\x12,\n\x05tiers\x18\x01 \x03(\x0b\x32\x1d.kvmesh.kv_store.v1.TierStats2\xbd\x04\n\x07KVStore\x12H\n\x03Put\x12\x1e.kvmesh.kv_store.v1.PutRequest\x1a\x1f.kvmesh.kv_store.v1.PutResponse(\x01\x12H\n\x03Get\x12\x1e.kvmesh.kv_store.v1.GetRequest\x1a\x1f.kvmesh.kv_store.v1.GetResponse0\x01\x12U\n\x08\x43ontains\x12#.kvmesh.kv_store.v1.ContainsRequest\x1a$.kvmesh.kv_store.v1.ContainsResponse\x12W\n\x08\x42\x61tchGet\x12#.kvmesh.kv_store.v1.BatchGetRequest\x1a$.kvmesh.kv_store.v1.BatchGetResponse0\x01\x12O\n\x06Lookup\x12!.kvmesh.kv_store.v1.LookupRequest\x1a\".kvmesh.kv_store.v1.LookupResponse\x12O\n\x06\x44\x65lete\x12!.kvmesh.kv_store.v1.DeleteRequest\x1a\".kvmesh.kv_store.v1.DeleteResponse\x12L\n\x05Stats\x12 .kvmesh.kv_store.v1.StatsRequest\x1a!.kvmesh.kv_store.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!kvmesh/kv_store/v1/kv_store.proto\x12\x12kvmesh.kv_store.v1\x1a\x1dkvmesh/common/v1/common.proto\"X\n\nPutRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x1a\n\x12\x62lock_stored_event\x18\x04 \x01(\x0c\"V\n\x0bPutResponse\x12(\n\x06medium\x18\x01 \x01(\x0e\x32\x18.kvmesh.common.v1.Medium\x12\x0f\n\x07\x65victed\x18\x02 \x01(\r\x12\x0c\n\x04lost\x18\x03 \x01(\r\"\x19\n\nGetRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"Z\n\x0bGetResponse\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12(\n\x06medium\x18\x03 \x01(\x0e\x32\x18.kvmesh.common.v1.Medium\"\x1f\n\x0f\x43ontainsRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"#\n\x10\x43ontainsResponse\x12\x0f\n\x07present\x18\x01 \x03(\x08\";\n\x0f\x42\x61tchGetRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x1a\n\x12stop_at_first_miss\x18\x02 \x01(\x08\"}\n\x10\x42\x61tchGetResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12(\n\x06medium\x18\x04 \x01(\x0e\x32\x18.kvmesh.common.v1.Medium\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\x1d\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"`\n\x0eLookupResponse\x12\x0f\n\x07present\x18\x01 \x03(\x08\x12(\n\x06medium\x18\x02 \x03(\x0e\x32\x18.kvmesh.common.v1.Medium\x12\x13\n\x0bprefix_hits\x18\x03 \x01(\r\"\x1c\n\rDeleteRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xd1\x01\n\tTierStats\x12(\n\x06medium\x18\x01 \x01(\x0e\x32\x18.kvmesh.common.v1.Medium\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04keys\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\x12\x0c\n\x04name\x18\x08 \x01(\t\x12\x11\n\tcorrupted\x18\t \x01(\x04\x12\x0e\n\x06\x65rrors\x18\n \x01(\x04\"=\n\rStatsResponse\x12,\n\x05tiers\x18\x01 \x03(\x0b\x32\x1d.kvmesh.kv_store.v1.TierStats2\xbd\x04\n\x07KVStore\x12H\n\x03Put\x12\x1e.kvmesh.kv_store.v1.PutRequest\x1a\x1f.kvmesh.kv_store.v1.PutResponse(\x01\x12H\n\x03Get\x12\x1e.kvmesh.kv_store.v1.GetRequest\x1a\x1f.kvmesh.kv_store.v1.GetResponse0\x01\x12U\n\x08\x43ontains\x12#.kvmesh.kv_store.v1.ContainsRequest\x1a$.kvmesh.kv_store.v1.ContainsResponse\x12W\n\x08\x42\x61tchGet\x12#.kvmesh.kv_store.v1.BatchGetRequest\x1a$.kvmesh.kv_store.v1.BatchGetResponse0\x01\x12O\n\x06Lookup\x12!.kvmesh.kv_store.v1.LookupRequest\x1a\".kvmesh.kv_store.v1.LookupResponse\x12O\n\x06\x44\x65lete\x12!.kvmesh.kv_store.v1.DeleteRequest\x1a\".kvmesh.kv_store.v1.DeleteResponse\x12L\n\x05Stats\x12 .kvmesh.kv_store.v1.StatsRequest\x1a!.kvmesh.kv_store.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,33 +35,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTREQUEST']._serialized_start=88
   _globals['_PUTREQUEST']._serialized_end=176
   _globals['_PUTRESPONSE']._serialized_start=178
-  _globals['_PUTRESPONSE']._serialized_end=250
-  _globals['_GETREQUEST']._serialized_start=252
-  _globals['_GETREQUEST']._serialized_end=277
-  _globals['_GETRESPONSE']._serialized_start=279
-  _globals['_GETRESPONSE']._serialized_end=369
-  _globals['_CONTAINSREQUEST']._serialized_start=371
-  _globals['_CONTAINSREQUEST']._serialized_end=402
-  _globals['_CONTAINSRESPONSE']._serialized_start=404
-  _globals['_CONTAINSRESPONSE']._serialized_end=439
-  _globals['_BATCHGETREQUEST']._serialized_start=441
-  _globals['_BATCHGETREQUEST']._serialized_end=500
-  _globals['_BATCHGETRESPONSE']._serialized_start=502
-  _globals['_BATCHGETRESPONSE']._serialized_end=627
-  _globals['_LOOKUPREQUEST']._serialized_start=629
-  _globals['_LOOKUPREQUEST']._serialized_end=658
-  _globals['_LOOKUPRESPONSE']._serialized_start=660
-  _globals['_LOOKUPRESPONSE']._serialized_end=756
-  _globals['_DELETEREQUEST']._serialized_start=758
-  _globals['_DELETEREQUEST']._serialized_end=786
-  _globals['_DELETERESPONSE']._serialized_start=788
-  _globals['_DELETERESPONSE']._serialized_end=821
-  _globals['_STATSREQUEST']._serialized_start=823
-  _globals['_STATSREQUEST']._serialized_end=837
-  _globals['_TIERSTATS']._serialized_start=840
-  _globals['_TIERSTATS']._serialized_end=1049
-  _globals['_STATSRESPONSE']._serialized_start=1051
-  _globals['_STATSRESPONSE']._serialized_end=1112
-  _globals['_KVSTORE']._serialized_start=1115
-  _globals['_KVSTORE']._serialized_end=1688
+  _globals['_PUTRESPONSE']._serialized_end=264
+  _globals['_GETREQUEST']._serialized_start=266
+  _globals['_GETREQUEST']._serialized_end=291
+  _globals['_GETRESPONSE']._serialized_start=293
+  _globals['_GETRESPONSE']._serialized_end=383
+  _globals['_CONTAINSREQUEST']._serialized_start=385
+  _globals['_CONTAINSREQUEST']._serialized_end=416
+  _globals['_CONTAINSRESPONSE']._serialized_start=418
+  _globals['_CONTAINSRESPONSE']._serialized_end=453
+  _globals['_BATCHGETREQUEST']._serialized_start=455
+  _globals['_BATCHGETREQUEST']._serialized_end=514
+  _globals['_BATCHGETRESPONSE']._serialized_start=516
+  _globals['_BATCHGETRESPONSE']._serialized_end=641
+  _globals['_LOOKUPREQUEST']._serialized_start=643
+  _globals['_LOOKUPREQUEST']._serialized_end=672
+  _globals['_LOOKUPRESPONSE']._serialized_start=674
+  _globals['_LOOKUPRESPONSE']._serialized_end=770
+  _globals['_DELETEREQUEST']._serialized_start=772
+  _globals['_DELETEREQUEST']._serialized_end=800
+  _globals['_DELETERESPONSE']._serialized_start=802
+  _globals['_DELETERESPONSE']._serialized_end=835
+  _globals['_STATSREQUEST']._serialized_start=837
+  _globals['_STATSREQUEST']._serialized_end=851
+  _globals['_TIERSTATS']._serialized_start=854
+  _globals['_TIERSTATS']._serialized_end=1063
+  _globals['_STATSRESPONSE']._serialized_start=1065
+  _globals['_STATSRESPONSE']._serialized_end=1126
+  _globals['_KVSTORE']._serialized_start=1129
+  _globals['_KVSTORE']._serialized_end=1702
 # @@protoc_insertion_point(module_scope)

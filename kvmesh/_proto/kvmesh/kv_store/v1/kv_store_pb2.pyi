@@ -20,12 +20,14 @@ class PutRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., block_stored_event: _Optional[bytes] = ...) -> None: ...
 
 class PutResponse(_message.Message):
-    __slots__ = ("medium", "evicted")
+    __slots__ = ("medium", "evicted", "lost")
     MEDIUM_FIELD_NUMBER: _ClassVar[int]
     EVICTED_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
     medium: _common_pb2.Medium
     evicted: int
-    def __init__(self, medium: _Optional[_Union[_common_pb2.Medium, str]] = ..., evicted: _Optional[int] = ...) -> None: ...
+    lost: int
+    def __init__(self, medium: _Optional[_Union[_common_pb2.Medium, str]] = ..., evicted: _Optional[int] = ..., lost: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
     __slots__ = ("key",)
