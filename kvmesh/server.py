@@ -280,15 +280,48 @@ def _forget_left_behind(task: asyncio.Future[None]) -> None:
         logger.error("a left-behind on_stop hook failed", exc_info=task.exception())
 
 
+def check_ports_file(path: str) -> None:
+    """Check, before anything listens, that ``write_ports_file(path, ...)`` can succeed: ``path``'s folder
+    exists and is writable (a read-only filesystem included) and ``path`` is no directory; nothing when
+    ``path`` is empty.
+
+    Raises:
+        ValueError: ``--ports-file <path>: <why>`` (:func:`main` prints it in one line and exits 2).
+    """
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    why = ""
+    if os.path.isdir(path):
+        why = "is a directory"
+    elif not os.path.isdir(folder):
+        why = f"its folder {folder} does not exist"
+    elif os.statvfs(folder).f_flag & os.ST_RDONLY:
+        why = f"its folder {folder} is on a read-only filesystem"
+    elif not os.access(folder, os.W_OK | os.X_OK):
+        why = f"its folder {folder} is not writable"
+    if why:
+        raise ValueError(f"--ports-file {path}: {why}")
+
+
 def write_ports_file(path: str, ports: dict[str, int]) -> None:
     """Write ``ports`` (name -> bound port) as JSON to ``path`` atomically (temp file, then rename),
     so a reader never sees a partial file; nothing when ``path`` is empty (``ProcessConfig.ports_file``)."""
     if not path:
         return
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as out:
-        json.dump(ports, out)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as out:
+            json.dump(ports, out)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise PortsFileError(f"--ports-file {path}: cannot write it: {exc.strerror or exc}") from None
+
+
+class PortsFileError(OSError):
+    """The ports file could not be written (:func:`write_ports_file`); :func:`main` reports it in one line."""
 
 
 class Process(Protocol):
@@ -320,12 +353,18 @@ def main(
 
     Raises:
         SystemExit: 2 on a bad flag or value, and when ``build_service`` raises ``ValueError``
-            (a config it cannot build, e.g. an invalid scheduling config); 1 when a listener cannot
+            (a config it cannot build, e.g. an invalid scheduling config) or a ``--ports-file`` that cannot be
+            written (:func:`check_ports_file`, before anything listens); 1 when a listener cannot
             bind its address (:class:`~kvmesh.http_server.ListenError`: a port in use); the message is
             written to stderr as ``<name>: <message>``, without a traceback.
     """
     config = load_config(config_cls, argv, prog=prog)
     setup_logging(name, config.log_level)
+    try:
+        check_ports_file(config.ports_file)  # before serving: a launcher waits on it
+    except ValueError as exc:
+        sys.stderr.write(f"{name}: {exc}\n")
+        raise SystemExit(2) from None
     logger.info("config %s", json.dumps(config.model_dump(mode="json")))
     try:
         try:
@@ -333,17 +372,37 @@ def main(
         except ValueError as exc:
             sys.stderr.write(f"{name}: {exc}\n")
             raise SystemExit(2) from None
-        with asyncio.Runner(loop_factory=event_loop_factory(config.event_loop)) as runner:
+        runner = asyncio.Runner(loop_factory=event_loop_factory(config.event_loop))
+        try:
             runner.run(process.run())
+            _exit_past_left_behind(name)
+        finally:
+            runner.close()
     except ListenError as exc:  # a port in use: one line, not a traceback
         sys.stderr.write(f"{name}: {exc} ({exc.hint()})\n")
         raise SystemExit(1) from None
+    except PortsFileError as exc:  # the folder vanished or filled after the check
+        sys.stderr.write(f"{name}: {exc}\n")
+        raise SystemExit(2) from None
     except Exception as exc:
         if getattr(exc, "errno", None) not in _LISTEN_ERRNOS:
             raise
         # another listener (a ZMQ bind: zmq.ZMQError carries the errno) that cannot bind its address
         sys.stderr.write(f"{name}: cannot listen: {exc}\n")
         raise SystemExit(1) from None
+
+
+def _exit_past_left_behind(name: str) -> None:
+    """The service stopped with on_stop hooks still running that ignored their cancel (``_LEFT_BEHIND``):
+    closing the runner would cancel them again and wait for them (a hook that swallows every cancel
+    would keep the stopping process alive for ever), so log, flush and leave now with status 1."""
+    if not _LEFT_BEHIND:
+        return
+    logger.error("%s: %d on_stop hook(s) still running after their cancel; exiting without them",
+                 name, len(_LEFT_BEHIND))
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 _LISTEN_ERRNOS = frozenset({errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES})

@@ -9,6 +9,8 @@ starts. Runtime failures (a mesh member that does not come up, an unreachable ro
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
@@ -93,3 +95,93 @@ def mesh_errors() -> Iterator[None]:
         fail(str(exc))
     except TimeoutError as exc:  # etcd not healthy in time
         fail(f"the mesh did not start: {exc or 'timed out'}")
+    except OSError as exc:  # the run folder on a full or read-only filesystem, a file in its place, ...
+        fail(f"the mesh did not start: {os_error_text(exc)}")
+
+
+def os_error_text(exc: OSError) -> str:
+    """``<strerror>: <path>`` of an ``OSError`` (``Read-only file system: /ro/run/etcd``), else its text."""
+    if exc.strerror and exc.filename:
+        return f"{exc.strerror}: {exc.filename}"
+    return str(exc) or type(exc).__name__
+
+
+def _writable(folder: Path) -> str | None:
+    """Why files cannot be created in the existing folder ``folder`` (None: they can). Asks the filesystem
+    (``os.access`` also reports a read-only mount, for root too)."""
+    if not folder.is_dir():
+        return f"{folder} is not a directory"
+    if os.statvfs(folder).f_flag & os.ST_RDONLY:
+        return f"{folder} is on a read-only filesystem"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"{folder} is not writable"
+    return None
+
+
+def check_dir_option(path: Path, param_hint: str, *, create: bool = False) -> Path:
+    """A folder option (``--run-dir``, ``--timeline``) checked before anything starts: an existing folder must
+    be writable; a missing one must be creatable (its nearest existing parent a writable folder), and is
+    made (with its parents) only with ``create``. Returns ``path`` absolute.
+
+    Raises:
+        typer.BadParameter: ``path`` (or a parent) is a file, cannot be created, or is not writable.
+    """
+    path = path.expanduser().resolve()
+    if path.exists() and not path.is_dir():
+        raise typer.BadParameter(f"{path} exists and is not a directory", param_hint=param_hint)
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise typer.BadParameter(f"cannot create {path}: {existing} is not a directory", param_hint=param_hint)
+    why = _writable(existing)
+    if why:
+        raise typer.BadParameter(why if existing == path else f"cannot create {path}: {why}", param_hint=param_hint)
+    if create:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise typer.BadParameter(f"cannot create {path}: {os_error_text(exc)}", param_hint=param_hint) from None
+    return path
+
+
+def check_output_file(path: Path, param_hint: str) -> Path:
+    """A file option written at the end (``--json-out``, ``--plot``): checked before anything starts, so a
+    long run never ends in a write that cannot succeed. Its folder must exist and be writable; an existing
+    ``path`` must be a writable file (it is replaced). Returns ``path`` absolute.
+
+    Raises:
+        typer.BadParameter: otherwise (a missing folder, a directory in the file's place, no write permission).
+    """
+    path = path.expanduser().resolve()
+    if path.is_dir():
+        raise typer.BadParameter(f"{path} is a directory; give a file name", param_hint=param_hint)
+    if not path.parent.exists():
+        raise typer.BadParameter(f"the folder {path.parent} does not exist", param_hint=param_hint)
+    why = _writable(path.parent)
+    if why:
+        raise typer.BadParameter(why, param_hint=param_hint)
+    if path.exists() and not os.access(path, os.W_OK):
+        raise typer.BadParameter(f"{path} exists and is not writable", param_hint=param_hint)
+    return path
+
+
+def new_run_dir(command: str, root: Path = Path(".run")) -> Path:
+    """A fresh run folder ``<root>/<command>-YYYYMMDD-HHMMSS-<pid>`` created exclusively (``-2``, ``-3``, ...
+    appended while one exists), so runs started in the same second never share a folder (nor etcd's lock).
+
+    Raises:
+        typer.BadParameter: ``root`` cannot be created or written (names ``--run-dir``, the way out).
+    """
+    root = check_dir_option(root, "--run-dir", create=True)
+    stem = f"{command}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    for n in range(1, 1000):
+        path = root / (stem if n == 1 else f"{stem}-{n}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise typer.BadParameter(f"cannot create {path}: {os_error_text(exc)}", param_hint="--run-dir") from None
+        return path
+    raise typer.BadParameter(f"no free run folder {root / stem}-N", param_hint="--run-dir")

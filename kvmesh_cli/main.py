@@ -51,10 +51,22 @@ from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvmesh_cli.checks import check_router_url, err_console, fail, mesh_errors, probe_router, resolve_policy
+from kvmesh_cli.checks import (
+    check_dir_option,
+    check_output_file,
+    check_router_url,
+    err_console,
+    fail,
+    mesh_errors,
+    new_run_dir,
+    os_error_text,
+    probe_router,
+    resolve_policy,
+)
 from kvmesh_cli.discovery import DiscoveryError, find_engines, split_host_port
 from kvmesh_cli.mesh import DEFAULT_MODEL, Mesh, MeshSpec, exit_on_signals
 from kvmesh_cli.options import (
+    MAX_BLOCK_SIZE_TOKENS,
     SIMULATOR_DEFAULTS,
     AutoBlocksOpt,
     BlockSizeOpt,
@@ -82,6 +94,7 @@ from kvmesh_cli.options import (
     TraceOpt,
     VerboseOpt,
     WorkloadOpt,
+    check_model_name,
 )
 from kvmesh_cli.peers import PEERS, peer_missing_reason
 from kvmesh_cli.plotting import write_plot, write_sweep_plot
@@ -266,12 +279,78 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # click's help layout: every option name whole at 80 columns (rich's table truncates)
 )
 console = Console()
 
 
-def _default_run_dir(command: str) -> Path:
-    return Path(".run") / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}"
+def _run_dir(run_dir: Path | None, command: str) -> Path:
+    """``--run-dir`` made and checked writable, else a fresh ``.run/<command>-<time>-<pid>`` of this run alone
+    (:func:`~kvmesh_cli.checks.new_run_dir`); absolute either way.
+
+    Raises:
+        typer.BadParameter: the folder cannot be made or written (a file in its place, a read-only filesystem).
+    """
+    return check_dir_option(run_dir, "--run-dir", create=True) if run_dir is not None else new_run_dir(command).resolve()
+
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvmesh")
+    except PackageNotFoundError:
+        return "unknown (not installed; pip install -e .)"
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        console.print(f"kvmesh {_package_version()}", markup=False, highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", help="Print kvmesh's version and exit.", is_eager=True,
+                                          callback=_version_callback)] = False,
+) -> None:
+    """kvmesh: run a local mesh with simulated engines, replay workloads, compare routing policies."""
+
+
+def _check_plot_format(path: Path) -> Path:
+    """``--plot``'s file type, checked against matplotlib's own list (when it is installed) before the run.
+
+    Raises:
+        typer.BadParameter: a suffix matplotlib cannot write (``.txt``); no suffix writes a PNG.
+    """
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return path
+    kinds = Figure().canvas.get_supported_filetypes()
+    if path.suffix and path.suffix[1:].lower() not in kinds:
+        raise typer.BadParameter(f"matplotlib cannot write {path.suffix!r} files; use one of "
+                                 f"{', '.join('.' + k for k in sorted(kinds))}", param_hint="--plot")
+    return path
+
+
+def _write_output(path: Path, write: Callable[[Path], object], what: str, fallback: Path | None = None) -> bool:
+    """Write one result file at the end of a run; a failure (the disk filled, the folder vanished) says where it
+    could not be written and, for ``fallback``, writes it there instead: results are never lost to a traceback.
+    Returns whether ``path`` was written."""
+    try:
+        write(path)
+    except OSError as exc:
+        line = f"could not write {what} to {path}: {os_error_text(exc)}"
+        if fallback is not None:
+            try:
+                write(fallback)
+                line += f"; wrote it to {fallback} instead"
+            except OSError:
+                pass
+        err_console.print(f"error: {line}", soft_wrap=True, markup=False, highlight=False)
+        return False
+    return True
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -317,11 +396,12 @@ def _run_replay(
         TimeElapsedColumn(), console=console, transient=False, disable=not show_progress,
     ) as progress:
         task = progress.add_task(label, total=len(wl.requests), errors=0)
-        errors = 0
+        errors = done = 0
 
         def on_done(res: RequestResult) -> None:
-            nonlocal errors
+            nonlocal errors, done
             errors += 0 if res.ok else 1
+            done += 1
             progress.update(task, advance=1, errors=errors)
 
         try:
@@ -331,6 +411,9 @@ def _run_replay(
                 prompt_format=prompt_format, sampler=sampler, router_metrics_url=router_metrics_url,
                 flow_control_metrics_url=flow_control_metrics_url,
             ))
+        except KeyboardInterrupt as exc:  # Ctrl-C: how far it got, for the interrupted line
+            exc.add_note(f"{done} of {len(wl.requests)} requests finished, {errors} failed")
+            raise
         except httpx.HTTPError as exc:  # discovering the model; requests themselves never raise
             progress.stop()
             fail(f"router {router_url}: {type(exc).__name__}: {exc}")
@@ -435,12 +518,12 @@ def up(
     run_dir: RunDirOpt = None,
     num_gpu_blocks: BlocksOpt = 2048,
     block_size_tokens: Annotated[int | None, typer.Option(
-        "--block-size-tokens", min=1, help=f"Tokens per KV block (default {SIMULATOR_DEFAULTS.block_size_tokens}; "
+        "--block-size-tokens", min=1, max=MAX_BLOCK_SIZE_TOKENS, help=f"Tokens per KV block (default {SIMULATOR_DEFAULTS.block_size_tokens}; "
         "32 with --engine vllm, "
         "whose CPU attention needs a multiple of 32).")] = None,
     max_num_seqs: MaxSeqsOpt = None,
-    model: Annotated[str | None, typer.Option("--model", help=f"Served model name of the engines (default "
-                                              f"{DEFAULT_MODEL}; tiny with --engine vllm).")] = None,
+    model: Annotated[str | None, typer.Option("--model", callback=check_model_name, help=f"Served model name of the "
+                                              f"engines (default {DEFAULT_MODEL}; tiny with --engine vllm).")] = None,
     router_port: Annotated[int | None, typer.Option("--router-port", help="Router HTTP port (default: free).")] = None,
     router_grpc_port: Annotated[int | None, typer.Option("--router-grpc-port", help="Router gRPC port.")] = None,
     engine: Annotated[str, typer.Option(
@@ -474,11 +557,12 @@ def up(
         (num_gpu_blocks - 1) * (block_size_tokens or SIMULATOR_DEFAULTS.block_size_tokens))
     engine_scheduler(long_prefill_token_threshold, long_prefill_token_threshold_adaptive, engine_max_model_len)
     policy = resolve_policy(policy)
+    offload = _offload_mode(offload)
     spec = MeshSpec(
-        run_dir=(run_dir or _default_run_dir("up")).resolve(), engines=engines, policy=policy,
+        run_dir=_run_dir(run_dir, "up"), engines=engines, policy=policy,
         time_scale=time_scale, model=model or DEFAULT_MODEL, num_gpu_blocks=num_gpu_blocks,
         block_size_tokens=block_size_tokens, max_num_seqs=max_num_seqs, etcd=etcd,
-        router_http_port=router_port, router_grpc_port=router_grpc_port, offload=_offload_mode(offload),
+        router_http_port=router_port, router_grpc_port=router_grpc_port, offload=offload,
         long_prefill_token_threshold=long_prefill_token_threshold,
         long_prefill_token_threshold_adaptive=long_prefill_token_threshold_adaptive,
         scheduler_reserve_full_isl=scheduler_reserve_full_isl,
@@ -528,7 +612,8 @@ def replay_cmd(
     prompt_format: Annotated[str, typer.Option("--prompt-format", help="tokens (ids, <s> first) or text (the same "
                                                "ids as text, for routers that refuse ids).")] = "tokens",
     json_out: JsonOutOpt = None,
-    model: Annotated[str | None, typer.Option("--model", help="Model name; default: the router's first.")] = None,
+    model: Annotated[str | None, typer.Option("--model", callback=check_model_name,
+                                              help="Model name; default: the router's first.")] = None,
     engines: EnginesOpt = DEFAULT_ENGINES,
     policy: Annotated[str, typer.Option("--policy", help="Policy of the mesh started without --router.")] =
         "precise-prefix",
@@ -548,8 +633,16 @@ def replay_cmd(
     --router, a mesh with --engines/--policy/--num-gpu-blocks (and the engines' scheduler options, as
     ``up`` and ``compare`` take them) is started for the replay and stopped after; with --router those
     scheduler options are refused (the engines are already running).
+
+    Exit status: 0 when every request succeeded; 1 when any failed (the table and --json-out are still
+    written, the first errors printed), or on a failure to start or reach the router; 130 on Ctrl-C (what was
+    and was not written is said).
     """
     _setup_logging(verbose)
+    if json_out is not None:
+        json_out = check_output_file(json_out, "--json-out")
+    if run_dir is not None:
+        run_dir = check_dir_option(run_dir, "--run-dir")
     for value, hint in ((epp, "--epp"), (etcd, "--etcd")):
         if value:
             try:
@@ -591,18 +684,20 @@ def replay_cmd(
         elif not engine_urls:
             console.print(f"no engines listed by {'epp ' + epp if epp else 'etcd ' + str(etcd)}: the engine "
                           "prefix-cache hit rate is not measured", soft_wrap=True, markup=False)
-        outcome = _run_replay(wl, router, engine_urls, time_scale, concurrency_limit, model, label,
-                              sessions=sessions, prompt_format=prompt_format)
+        with exit_on_signals(), _replay_interrupted(json_out, None):
+            outcome = _run_replay(wl, router, engine_urls, time_scale, concurrency_limit, model, label,
+                                  sessions=sessions, prompt_format=prompt_format)
         column = router
     else:
-        spec = MeshSpec(run_dir=(run_dir or _default_run_dir("replay")).resolve(), engines=engines, policy=policy,
+        mesh_dir = _run_dir(run_dir, "replay")
+        spec = MeshSpec(run_dir=mesh_dir, engines=engines, policy=policy,
                         time_scale=time_scale, num_gpu_blocks=num_gpu_blocks, etcd=etcd,
                         long_prefill_token_threshold=long_prefill_token_threshold,
                         long_prefill_token_threshold_adaptive=long_prefill_token_threshold_adaptive,
                         scheduler_reserve_full_isl=scheduler_reserve_full_isl)
         if scheduler_settings is not None and (extra := engine_scheduler_label(scheduler_settings)):
             console.print(f"engines: {extra.removeprefix(', ')}", soft_wrap=True, markup=False)
-        with exit_on_signals(), mesh_errors(), Mesh(spec) as mesh:
+        with exit_on_signals(), _replay_interrupted(json_out, mesh_dir), mesh_errors(), Mesh(spec) as mesh:
             outcome = _run_replay(wl, mesh.router_url, mesh.engine_urls, time_scale, concurrency_limit, model, label,
                                   sessions=sessions, prompt_format=prompt_format)
         column = policy
@@ -617,8 +712,36 @@ def replay_cmd(
         doc = {"workload": label, "requests": len(wl.requests), "time_scale": time_scale, **summary}
         if scheduler_settings is not None:  # the mesh replay started (compare records the same)
             doc["engine_scheduler"] = scheduler_settings
-        json_out.write_text(json.dumps(doc, indent=2) + "\n")
-        console.print(f"wrote {json_out}")
+        text = json.dumps(doc, indent=2) + "\n"
+        if _write_output(json_out, lambda p: p.write_text(text), "the results"):
+            console.print(f"wrote {json_out}")
+        else:
+            console.print(text, markup=False, highlight=False, soft_wrap=True)  # never lost: on stdout instead
+    failed = sum(1 for r in outcome.results if not r.ok)
+    if failed:
+        err_console.print(f"error: {failed} of {len(outcome.results)} requests failed", soft_wrap=True,
+                          markup=False, highlight=False)
+        raise typer.Exit(1)
+
+
+@contextlib.contextmanager
+def _replay_interrupted(json_out: Path | None, run_dir: Path | None) -> Iterator[None]:
+    """Ctrl-C (or SIGTERM/SIGHUP) during ``replay``: the mesh (if it started one) is stopped by its ``with``;
+    say so and what was not written, exit 130 (128 + SIGINT), as ``compare`` does."""
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        signum = str(exc).removeprefix("signal ")
+        how = f"signal {signum}" if signum.isdigit() else "Ctrl-C"
+        progress = next(iter(getattr(exc, "__notes__", [])), "")
+        err_console.print(
+            f"interrupted ({how}): the replay stopped before its end"
+            + (f" ({progress})" if progress else "")
+            + (", its mesh stopped" if run_dir is not None else "") + "; no table printed"
+            + (f", nothing written to {json_out}" if json_out is not None else "")
+            + (f"; the mesh's logs are in {run_dir}" if run_dir is not None else ""),
+            soft_wrap=True, markup=False, highlight=False)
+        raise typer.Exit(130) from None
 
 
 # --- compare ----------------------------------------------------------------------------------
@@ -698,8 +821,10 @@ def _run_one(wl: Workload, rs: RunSettings, run_dir: Path, name: str, policy: st
     summary = _summary(outcome, rs.time_scale, wl=wl, slo_ttft_s=rs.slo_ttft_s, engine_urls=engine_urls,
                        block_size=rs.block_size_tokens or SIMULATOR_DEFAULTS.block_size_tokens, offload=offload)
     if sampler is not None and timeline is not None:
-        timeline.parent.mkdir(parents=True, exist_ok=True)
-        write_timeline(sampler.points, timeline)
+        points = sampler.points
+        with contextlib.suppress(OSError):  # checked at start (compare --timeline); a failure is reported below
+            timeline.parent.mkdir(parents=True, exist_ok=True)
+        _write_output(timeline, lambda p: write_timeline(points, p), "the timeline", fallback=run_dir / timeline.name)
         reduced = timeline_summary(sampler.points)
         console.print(timeline_line(reduced), soft_wrap=True)
         if sampler.router_first is not None and sampler.router_last is not None:
@@ -793,6 +918,11 @@ def compare(
 ) -> None:
     """Replay one workload against a fresh mesh per routing policy (and peer router) and print them side by side."""
     _setup_logging(verbose)
+    # output paths first: a run of minutes must not end in a write that could never succeed
+    json_out = None if json_out is None else check_output_file(json_out, "--json-out")
+    plot = None if plot is None else _check_plot_format(check_output_file(plot, "--plot"))
+    timeline = None if timeline is None else check_dir_option(timeline, "--timeline")
+    run_dir = None if run_dir is None else check_dir_option(run_dir, "--run-dir")
     columns = compare_columns(policies, peers, _offload_mode(offload))
     scales = _parse_scales(sweep)
     agentic = AgenticParams(block_tokens=block_tokens, session_gap_s=session_gap, max_think_s=max_think)
@@ -812,7 +942,7 @@ def compare(
         raise typer.BadParameter(
             f"the longest request needs {-(-longest // bs)} KV blocks of {bs} tokens; an engine has "
             f"{rs.num_gpu_blocks - 1}: raise it or lower --max-input-tokens", param_hint="--num-gpu-blocks")
-    base = (run_dir or _default_run_dir("compare")).resolve()
+    base = _run_dir(run_dir, "compare")
     console.print(_workload_line(base_wl, label, None if trace else workload), soft_wrap=True, markup=False)
     console.print(f"{engines} engines x {rs.num_gpu_blocks} blocks of "
                   f"{block_size_tokens or SIMULATOR_DEFAULTS.block_size_tokens} tokens, time scale "
@@ -857,12 +987,26 @@ def compare(
     print_table(console, summary_table(doc["policies"], title))  # type: ignore[arg-type]
     if scales:
         print_table(console, sweep_table(curves, slo_ttft, f"{title}: load sweep"))
+    ok = True
     if json_out is not None:
-        json_out.write_text(json.dumps(doc, indent=2) + "\n")
-        console.print(f"wrote {json_out}")
+        text = json.dumps(doc, indent=2) + "\n"
+        if _write_output(json_out, lambda p: p.write_text(text), "the results", fallback=base / "compare.json"):
+            console.print(f"wrote {json_out}")
+        else:
+            ok = False
     if plot is not None:
-        written = write_sweep_plot(curves, slo_ttft, title, plot) if scales else write_plot(doc, plot)
-        console.print(f"wrote {plot}" if written else "matplotlib is not installed; no plot (pip install matplotlib)")
+        drawn: list[bool] = []
+
+        def draw(path: Path) -> None:
+            drawn.append(write_sweep_plot(curves, slo_ttft, title, path) if scales else write_plot(doc, path))
+
+        if _write_output(plot, draw, "the plot", fallback=base / f"compare{plot.suffix or '.png'}"):
+            console.print(f"wrote {plot}" if drawn[-1] else
+                          "matplotlib is not installed; no plot (pip install matplotlib)")
+        else:
+            ok = False
+    if not ok:
+        raise typer.Exit(1)
 
 
 def flows_tables(stats: object) -> list[Table]:
@@ -900,6 +1044,31 @@ async def _flow_stats(address: str, timeout: float) -> object:
 
     async with grpc.aio.insecure_channel(address) as channel:
         return await flow_control_pb2_grpc.FlowControlStub(channel).Stats(flow_control_pb2.StatsRequest(), timeout=timeout)
+
+
+def flow_stats_error(address: str, exc: grpc.RpcError, hint: str = "") -> str:
+    """One line saying why ``address`` gave no flow_control ``Stats``: not a flow_control (UNIMPLEMENTED: another
+    gRPC service answered), a host name that did not resolve, nothing listening, or the status as is."""
+    code = exc.code() if hasattr(exc, "code") else None
+    details = (exc.details() if hasattr(exc, "details") else "") or ""
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return (f"{address} is a gRPC server but not a flow_control (it does not implement "
+                f"kvmesh.flow_control.v1.FlowControl/Stats){hint}")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        import socket
+
+        host = address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
+        try:
+            socket.getaddrinfo(host, None)
+        except (socket.gaierror, UnicodeError) as gai:
+            return f"flow_control at {address}: the host name {host!r} did not resolve ({gai}){hint}"
+        if "refused" in details.lower():
+            return f"flow_control at {address}: nothing listens there (connection refused){hint}"
+        return f"flow_control at {address} is unreachable (UNAVAILABLE: {details or 'no answer'}){hint}"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"flow_control at {address} did not answer Stats in time (DEADLINE_EXCEEDED){hint}"
+    name = code.name if code is not None else type(exc).__name__
+    return f"flow_control at {address} did not answer Stats: {name}{f' ({details})' if details else ''}{hint}"
 
 
 DEFAULT_FLOW_CONTROL = "127.0.0.1:50054"
@@ -944,13 +1113,22 @@ def flows(
 
     address = flow_control_address(flow_control, etcd)
 
+    hint = "" if flow_control or etcd else (" (the compose default; for `kvmesh up` pass --etcd or "
+                                             "--flow-control from its `kvmesh ready` line)")
+
     def fetch() -> object:
         try:
             return asyncio.run(_flow_stats(address, 5.0))
         except grpc.RpcError as exc:
-            hint = "" if flow_control or etcd else (" (the compose default; for `kvmesh up` pass --etcd or "
-                                                     "--flow-control from its `kvmesh ready` line)")
-            fail(f"flow_control at {address} did not answer Stats: {exc.code().name}{hint}")
+            fail(flow_stats_error(address, exc, hint))
+
+    def watched() -> RenderableType:
+        """The tables, or (flow_control down or restarting) a line saying so: a watch keeps watching."""
+        try:
+            return Group(*flows_tables(asyncio.run(_flow_stats(address, min(5.0, max(watch, 1.0))))))
+        except grpc.RpcError as exc:
+            return Text(f"{time.strftime('%H:%M:%S')} DOWN: {flow_stats_error(address, exc)}; retrying every "
+                        f"{watch:g} s (Ctrl-C to stop)", style="bold red")
 
     if json_out:
         console.print_json(json.dumps(MessageToDict(fetch(), always_print_fields_with_no_presence=True)))
@@ -959,12 +1137,23 @@ def flows(
         for table in flows_tables(fetch()):
             console.print(table)
         return
-    from rich.console import Group
+    from rich.console import Group, RenderableType
+    from rich.text import Text
 
-    with Live(Group(*flows_tables(fetch())), console=console, refresh_per_second=4) as live:
+    first = fetch()  # the first fetch fails loudly: a wrong address is a usage mistake, not an outage
+    if not console.is_terminal:  # piped or logged: one snapshot after another (a Live shows only its last)
+        with contextlib.suppress(KeyboardInterrupt):
+            shown: RenderableType = Group(*flows_tables(first))
+            while True:
+                console.print(Text(time.strftime("%H:%M:%S"), style="dim"), shown)
+                time.sleep(watch)
+                shown = watched()
+        return
+    with contextlib.suppress(KeyboardInterrupt), \
+            Live(Group(*flows_tables(first)), console=console, refresh_per_second=4) as live:
         while True:
             time.sleep(watch)
-            live.update(Group(*flows_tables(fetch())))
+            live.update(watched())
 
 
 if __name__ == "__main__":

@@ -373,7 +373,7 @@ class Mesh:
             m.process.kill()
         if self.spec.etcd is None and any(m.name == "etcd" for m in self.members):
             # The etcd this mesh started holds only its leases and registrations, dead with it; its WAL
-            # preallocates ~62 MB, left behind by every `kvmesh up`/`compare` run. The logs stay.
+            # preallocates ~123 MB (two 61 MiB WAL segments), left behind by every `kvmesh up`/`compare` run. The logs stay.
             shutil.rmtree(self.spec.run_dir / "etcd", ignore_errors=True)
 
     def pids(self) -> list[int]:

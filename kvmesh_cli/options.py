@@ -19,27 +19,61 @@ from kvmesh_cli.workloads import (
 SIMULATOR_DEFAULTS = SimulatorConfig.model_construct()
 """The engine simulator's own defaults (read, never restated: a flag left unset passes nothing)."""
 
+
+def simulator_bound(field: str, kind: str) -> float | None:
+    """The engine simulator's own bound ``kind`` (``ge``, ``gt``, ``le``, ``lt``) on config ``field``, or None;
+    the CLI's limits are read from here (one source of truth) so a value the CLI accepts also starts the engines."""
+    for item in SimulatorConfig.model_fields[field].metadata:
+        value = getattr(item, kind, None)
+        if value is not None:
+            return float(value)
+    return None
+
+
+def _int_bound(field: str, kind: str) -> int | None:
+    value = simulator_bound(field, kind)
+    return None if value is None else int(value)
+
+
+MIN_NUM_GPU_BLOCKS = _int_bound("num_gpu_blocks", "ge") or 2
+"""The fewest KV blocks an engine takes (one is vLLM's null block)."""
+MAX_BLOCK_SIZE_TOKENS = _int_bound("block_size_tokens", "le")
+MAX_TIME_SCALE = simulator_bound("time_scale", "le")
+"""The simulator's cap on ``--time-scale`` (10000)."""
+
+
+def check_model_name(value: str | None) -> str | None:
+    """``--model``: None (unset) or a non-blank name.
+
+    Raises:
+        typer.BadParameter: an empty or blank name (it would silently mean the default).
+    """
+    if value is not None and not value.strip():
+        raise typer.BadParameter("the model name is empty; leave --model out for the default")
+    return value
+
+
 EnginesOpt = Annotated[int, typer.Option("--engines", min=1, help="Number of simulated engines.")]
 EtcdOpt = Annotated[
     str | None, typer.Option("--etcd", help="host:port of an existing etcd; default: start a local one.")
 ]
 TimeScaleOpt = Annotated[
     float,
-    typer.Option("--time-scale", min=0.01, help="Simulated time runs this many times faster than wall time "
+    typer.Option("--time-scale", min=0.01, max=MAX_TIME_SCALE, help="Simulated time runs this many times faster than wall time "
                  "(engines and arrivals); reported times are in model seconds."),
 ]
 RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="Logs and etcd data; default .run/<cmd>-<time>.")]
-BlocksOpt = Annotated[int, typer.Option("--num-gpu-blocks", min=1, help="KV-cache blocks per engine.")]
+BlocksOpt = Annotated[int, typer.Option("--num-gpu-blocks", min=MIN_NUM_GPU_BLOCKS, help="KV-cache blocks per engine.")]
 AutoBlocksOpt = Annotated[
     int | None,
-    typer.Option("--num-gpu-blocks", min=2,
+    typer.Option("--num-gpu-blocks", min=MIN_NUM_GPU_BLOCKS,
                  help=f"KV-cache blocks per engine (default {DEFAULT_NUM_GPU_BLOCKS} for multi-turn, "
                       f"{DEFAULT_AGENTIC_BLOCKS} for agentic workloads, {DEFAULT_TRACE_NUM_GPU_BLOCKS} with a "
                       "Mooncake --trace)."),
 ]
 BlockSizeOpt = Annotated[
     int | None,
-    typer.Option("--block-size-tokens", min=1,
+    typer.Option("--block-size-tokens", min=1, max=MAX_BLOCK_SIZE_TOKENS,
                  help=f"Tokens per KV block (default: the simulator's, {SIMULATOR_DEFAULTS.block_size_tokens}).")]
 MaxSeqsOpt = Annotated[
     int | None,

@@ -198,3 +198,53 @@ async def test_a_taken_grpc_port_is_a_listen_error_and_stops_cleanly() -> None:
         await asyncio.wait_for(svc.stop(), 10)
     finally:
         holder.close()
+
+
+DEAF_HOOK_PROCESS = """
+import asyncio
+import kvmesh.server as server
+from kvmesh.config import GrpcServiceConfig
+
+server._HOOK_STOP_SECONDS = 0.3
+server._HOOK_CANCEL_SECONDS = 0.2
+
+async def deaf() -> None:  # swallows every cancel and never ends
+    while True:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass
+
+def build(config: GrpcServiceConfig) -> server.GrpcService:
+    return server.GrpcService(config, server.ServiceSpec(
+        "probe", ["kvmesh.test.v1.Probe"], lambda s: None, register_in_etcd=False, on_stop=[deaf]))
+
+server.main(GrpcServiceConfig, build, prog="probe", name="probe",
+            argv=["--grpc-port", "0", "--metrics-port", "0", "--shutdown-grace-seconds", "0.1",
+                  "--ports-file", PORTS])
+"""
+
+
+def test_a_process_with_a_hook_that_never_ends_still_exits(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """main(): a left-behind on_stop hook that swallows every cancel must not keep the process alive
+    (the runner's close would cancel it again and wait for ever): on SIGTERM it exits 1 with one ERROR line."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    ports = tmp_path / "ports.json"
+    script = DEAF_HOOK_PROCESS.replace("PORTS", repr(str(ports)))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not ports.exists():  # serving
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-2000:]
+    assert "on_stop hook(s) still running after their cancel; exiting without them" in err

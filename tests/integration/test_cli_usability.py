@@ -1,0 +1,224 @@
+"""The wave-9 fresh user's cases, as subprocesses against real components: two ``kvmesh up`` started in the same
+second, a read-only filesystem (a real read-only tmpfs mounted in a private mount namespace with ``unshare``),
+an unwritable ``--ports-file``, ``kvmesh replay``'s exit status and Ctrl-C, ``kvmesh flows --watch`` across a
+flow_control that dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvmesh_cli.launcher import ManagedProcess, free_port, python_module, wait_http_ok
+from tests.support import wait_until
+
+pytestmark = pytest.mark.integration
+
+ENV = {**os.environ, "COLUMNS": "240", "PYTHONUNBUFFERED": "1"}
+REPO = Path(__file__).resolve().parents[2]
+
+
+def kvmesh(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvmesh_cli.main", *args]
+
+
+class Lines:
+    """A subprocess's merged output, read line by line on a thread."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc, self.seen = proc, []
+        self._q: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._q.put(line)
+
+    def text(self) -> str:
+        while True:
+            try:
+                self.seen.append(self._q.get_nowait())
+            except queue.Empty:
+                return "".join(self.seen)
+
+
+def test_two_ups_started_in_the_same_second_each_get_their_own_run_folder(tmp_path: Path) -> None:
+    """Before: both used ``.run/up-<second>``; the second's etcd failed on the first's lock. Now both serve."""
+    procs = [subprocess.Popen(kvmesh("up", "--engines", "1"), cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env={**ENV, "PYTHONPATH": str(REPO)})
+             for _ in range(2)]
+    outs = [Lines(p) for p in procs]
+    try:
+        for out in outs:
+            wait_until(lambda out=out: "kvmesh ready: router " in out.text() or out.proc.poll() is not None, 180,
+                       "both meshes ready", interval=0.3)
+            assert "kvmesh ready: router " in out.text(), out.text()
+        folders = sorted(p.name for p in (tmp_path / ".run").iterdir())
+        assert len(folders) == 2 and all(f.startswith("up-") for f in folders), folders
+        assert {f"{p.pid}" for p in procs} == {f.split("-")[3] for f in folders}, folders
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [o.text() for o in outs]
+
+
+def _unshare_works() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True, check=False)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _unshare_works(), reason="needs `unshare -m` (a private mount namespace) to mount a "
+                                                 "read-only tmpfs")
+def test_a_read_only_filesystem_is_one_line_and_exit_2_for_every_path_option(tmp_path: Path) -> None:
+    """``kvmesh up --run-dir``, ``up`` in a read-only working folder (its default run folder), ``compare
+    --json-out/--plot/--timeline`` and a service's ``--ports-file`` on a real read-only mount."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    cases = {
+        "up-run-dir": (kvmesh("up", "--run-dir", str(ro / "run")), None),
+        "up-default-run-dir": (kvmesh("up"), str(ro)),
+        "compare-json-out": (kvmesh("compare", "--json-out", str(ro / "r.json")), None),
+        "compare-plot": (kvmesh("compare", "--plot", str(ro / "r.png")), None),
+        "compare-timeline": (kvmesh("compare", "--timeline", str(ro / "tl")), None),
+        "replay-json-out": (kvmesh("replay", "--json-out", str(ro / "r.json")), None),
+        "router-ports-file": (python_module("services.router", "--ports-file", str(ro / "x.json")), None),
+    }
+    driver = textwrap.dedent(f"""
+        import json, subprocess, sys
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", {str(ro)!r}], check=True)
+        out = {{}}
+        for name, (argv, cwd) in json.loads(sys.argv[1]).items():
+            p = subprocess.run(argv, cwd=cwd or {str(REPO)!r}, capture_output=True, text=True, timeout=120)
+            out[name] = [p.returncode, p.stdout + p.stderr]
+        print(json.dumps(out))
+    """)
+    proc = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c", driver,
+                           json.dumps(cases)], capture_output=True, text=True, timeout=600, check=False,
+                          env={**ENV, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(proc.stdout)
+    for name, (rc, text) in results.items():
+        assert rc == 2, (name, text)
+        assert "read-only filesystem" in text and "Traceback" not in text, (name, text)
+        assert "starting mesh" not in text and "workload" not in text, (name, text)
+    assert results["router-ports-file"][1].strip() == (
+        f"router: --ports-file {ro / 'x.json'}: its folder {ro} is on a read-only filesystem")
+
+
+@pytest.mark.parametrize("module", ["services.router", "services.flow_control", "engine_simulator"])
+def test_a_service_with_an_unwritable_ports_file_fails_in_one_line_before_serving(tmp_path: Path, module: str) -> None:
+    """The services' common ``--ports-file`` (one ``kvmesh.server.main`` for all of them, the simulator included)."""
+    path = tmp_path / "no" / "x.json"
+    proc = subprocess.run(python_module(module, "--ports-file", str(path), "--etcd-endpoints", "127.0.0.1:1"),
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().endswith(f"--ports-file {path}: its folder {path.parent} does not exist"), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.fixture
+def simulator(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A real engine simulator (no etcd, no events) as the replay's ``--router``; ``max_model_len`` from the
+    test's ``max_model_len`` marker value (param)."""
+    port = free_port()
+    proc = ManagedProcess("engine", python_module(
+        "engine_simulator", "--host", "127.0.0.1", "--port", str(port), "--model", "m", "--events-endpoint", "",
+        "--etcd-endpoints", "", "--max-model-len", str(request.param)), tmp_path / "engine.log").start()
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", 60)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.stop()
+
+
+@pytest.mark.parametrize("simulator", [32], indirect=True)
+def test_replay_exits_1_when_requests_failed_after_writing_its_results(simulator: str, tmp_path: Path) -> None:
+    """Every prompt is longer than the engine's 32-token context: each request gets HTTP 400."""
+    out = tmp_path / "r.json"
+    proc = subprocess.run(kvmesh("replay", "--router", simulator, "--requests", "3", "--json-out", str(out)),
+                          capture_output=True, text=True, timeout=120, env=ENV, check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "error: 3 of 3 requests failed" in proc.stderr, proc.stderr
+    assert "replay of multi-turn" in proc.stdout and json.loads(out.read_text())["requests"] == 3
+
+
+def _served(engine: str) -> float:
+    """The engine's finished requests (``vllm:request_success_total``, every finished_reason)."""
+    text = httpx.get(f"{engine}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total"))
+
+
+@pytest.mark.parametrize("simulator", [4096], indirect=True)
+def test_replay_interrupted_says_what_was_not_written_and_exits_130(simulator: str, tmp_path: Path) -> None:
+    out = tmp_path / "never.json"
+    proc = subprocess.Popen(kvmesh("replay", "--router", simulator, "--requests", "400", "--json-out", str(out)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    lines = Lines(proc)
+    try:
+        wait_until(lambda: _served(simulator), 60, "the engine serving the replay's first requests",
+                   interval=0.2)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    time.sleep(0.2)
+    text = lines.text()
+    assert proc.returncode == 130, text
+    said = re.search(r"interrupted \(signal 2\): the replay stopped before its end \((\d+) of 400 requests finished, "
+                     r"(\d+) failed\); no table printed, nothing written to (\S+)", text)
+    assert said and 0 < int(said.group(1)) < 400 and said.group(2) == "0" and said.group(3) == str(out), text
+    assert not out.exists() and "Traceback" not in text
+
+
+def test_flows_watch_shows_flow_control_down_and_keeps_watching(tmp_path: Path, etcd: str) -> None:
+    """``--watch`` across a flow_control that dies: a DOWN line, still running; Ctrl-C ends it with 0. Also
+    ``--flow-control`` naming etcd (another gRPC service): not a flow_control."""
+    ports = tmp_path / "fc.ports.json"
+    fc = ManagedProcess("flow_control", python_module(
+        "services.flow_control", "--grpc-port", "0", "--metrics-port", "0", "--ports-file", str(ports),
+        "--etcd-endpoints", etcd), tmp_path / "fc.log").start()
+    watch: subprocess.Popen[str] | None = None
+    try:
+        address = f"127.0.0.1:{wait_until(lambda: ports.is_file() and json.loads(ports.read_text()), 30, 'ports')['grpc']}"
+        watch = subprocess.Popen(kvmesh("flows", "--flow-control", address, "--watch", "0.2"), stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, env=ENV)
+        lines = Lines(watch)
+        wait_until(lambda: "bands (highest first)" in lines.text(), 60, "the first tables", interval=0.2)
+        fc.stop()
+        wait_until(lambda: "DOWN: flow_control at" in lines.text(), 30, "the DOWN line", interval=0.2)
+        time.sleep(1.0)
+        assert watch.poll() is None, lines.text()
+        watch.send_signal(signal.SIGINT)
+        watch.wait(30)
+        assert watch.returncode == 0, lines.text()
+    finally:
+        fc.stop()
+        if watch is not None and watch.poll() is None:
+            watch.kill()
+    other = subprocess.run(kvmesh("flows", "--flow-control", etcd), capture_output=True, text=True, timeout=60,
+                           env=ENV, check=False)
+    assert other.returncode == 1 and f"{etcd} is a gRPC server but not a flow_control" in other.stderr, other.stderr
