@@ -40,8 +40,11 @@ from services.kv_indexer.index import InMemoryIndex, InstrumentedIndex
 from services.kv_indexer.indexer import BlockIndexer
 from services.kv_indexer.servicer import add_servicer
 from tests.support import wait_until_async
+from tests.unit.kv_indexer.test_recovery_holes import A as HOLES_A
+from tests.unit.kv_indexer.test_recovery_holes import Engine as RecoveryHolesEngine
 
 A = EndpointId("127.0.0.1:9001")
+assert A == HOLES_A  # the shared Engine delivers to this id
 _TS = itertools.count(1_700_000_000)
 
 P = list(range(16))  # 4 blocks: engine hashes 11-14
@@ -85,8 +88,9 @@ class CountingReplayer(ZmqReplayer):
         return answer
 
 
-class Engine:
-    """A vLLM-style publisher (PUB + replay ROUTER, or none); the test delivers its messages by hand."""
+class Engine(RecoveryHolesEngine):
+    """A vLLM-style publisher (PUB + replay ROUTER, or none) whose messages carry any events; the test
+    delivers them by hand (``deliver`` / ``arrive`` as in test_recovery_holes)."""
 
     def __init__(self, pool: EventPool, buffer_steps: int = 10_000, replay: bool = True, replay_at: str = "") -> None:
         own = f"tcp://127.0.0.1:{free_port()}" if replay and not replay_at else ""
@@ -96,33 +100,11 @@ class Engine:
         self.pool = pool
         self.sent: dict[int, bytes] = {}
 
-    @property
-    def endpoint(self) -> Endpoint:
-        return Endpoint(id=A, url=f"http://{A}", model="m", block_size_tokens=4, replay_endpoint=self.replay)
-
-    def publish(self, *events: KVEvent) -> int:
+    def publish(self, *events: KVEvent) -> int:  # type: ignore[override]
         seq = self.publisher.next_seq
         self.sent[seq] = encode_batch(EventBatch(ts=float(next(_TS)), events=list(events), data_parallel_rank=0))
         self.publisher.publish_payload(self.sent[seq])
         return seq
-
-    def deliver(self, *seqs: int) -> None:
-        for seq in seqs:
-            self.pool.submit(RawMessage(A, "m", seq, self.sent[seq]))
-
-    async def arrive(self, *seqs: int) -> None:
-        """Deliver, and return once the worker took them (a recovering stream buffers them)."""
-        stats = self.pool.stats.per_endpoint
-        before = stats[A].messages if A in stats else 0
-        self.deliver(*seqs)
-        for _ in range(1000):
-            if stats[A].messages >= before + len(seqs):
-                return
-            await asyncio.sleep(0)
-        raise AssertionError(f"the pool did not take seqs {seqs}")
-
-    def shutdown(self) -> None:
-        self.publisher.shutdown()
 
 
 Rig = tuple[InMemoryIndex, EventPool, Engine, CountingReplayer]
