@@ -36,6 +36,8 @@ import contextlib
 import functools
 import json
 import logging
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -1141,19 +1143,31 @@ def flows(
     from rich.text import Text
 
     first = fetch()  # the first fetch fails loudly: a wrong address is a usage mistake, not an outage
-    if not console.is_terminal:  # piped or logged: one snapshot after another (a Live shows only its last)
-        with contextlib.suppress(KeyboardInterrupt):
-            shown: RenderableType = Group(*flows_tables(first))
-            while True:
-                console.print(Text(time.strftime("%H:%M:%S"), style="dim"), shown)
-                time.sleep(watch)
-                shown = watched()
-        return
-    with contextlib.suppress(KeyboardInterrupt), \
-            Live(Group(*flows_tables(first)), console=console, refresh_per_second=4) as live:
-        while True:
-            time.sleep(watch)
-            live.update(watched())
+    # Ctrl-C ends the watch wherever it lands: a flag, because one that lands inside a fetch's event loop
+    # (most of the time while flow_control is down) is turned by grpc into a cancelled call, not raised.
+    stop = threading.Event()
+
+    def interrupted(signum: int, frame: object) -> None:
+        stop.set()
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, interrupted)
+    try:
+        if not console.is_terminal:  # piped or logged: one snapshot after another (a Live shows only its last)
+            with contextlib.suppress(KeyboardInterrupt):
+                shown: RenderableType = Group(*flows_tables(first))
+                while not stop.is_set():
+                    console.print(Text(time.strftime("%H:%M:%S"), style="dim"), shown)
+                    if stop.wait(watch):
+                        break
+                    shown = watched()
+            return
+        with contextlib.suppress(KeyboardInterrupt), \
+                Live(Group(*flows_tables(first)), console=console, refresh_per_second=4) as live:
+            while not stop.wait(watch):
+                live.update(watched())
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 if __name__ == "__main__":
