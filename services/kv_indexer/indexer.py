@@ -144,6 +144,7 @@ class BlockIndexer:
             if endpoint_id in joined or not self.index.is_registered(endpoint_id):
                 continue
             self._departed[endpoint_id] = now
+            self.pool.endpoint_departed(endpoint_id)
             logger.info("endpoint departed id=%s: not scored, entries kept %.0fs for a rejoin", endpoint_id, self._retention)
         for endpoint in joined.values():
             self.join(endpoint)

@@ -240,6 +240,9 @@ class _Track:
     probing: bool = False
     restarts: int = 0
     """Publisher restarts read from its sequence (``_older``); a tail probe started before one is stale."""
+    departed: bool = False
+    """Its lease is gone (retained for a rejoin): its messages are held until the rejoin says whether
+    they are this incarnation's (sequenced on) or a new one's (a fresh stream)."""
 
     @property
     def state(self) -> EndpointState:
@@ -414,6 +417,7 @@ class EventPool:
             track = self._tracks[endpoint_id] = _Track(endpoint)
         else:
             track.endpoint = endpoint
+            track.departed = False
         held = self._pending.pop(endpoint_id, None)
         if not held:
             return
@@ -422,6 +426,15 @@ class EventPool:
         for message in fresh:
             self._sequence(track, message)
         logger.info("sequenced held event messages endpoint=%s messages=%d expired=%d", endpoint_id, len(fresh), len(held) - len(fresh))
+
+    def endpoint_departed(self, endpoint_id: EndpointId) -> None:
+        """Its lease is gone (not purged: a rejoin may follow). Its messages are held from now on, as an
+        unregistered endpoint's are, until :meth:`endpoint_joined` says which incarnation they belong to:
+        a restarted publisher's first batches (a kv_store's rescan) can arrive before its new
+        registration, and read on the old incarnation's stream they were purged with it."""
+        track = self._tracks.get(endpoint_id)
+        if track is not None:
+            track.departed = True
 
     def endpoint_left(self, endpoint_id: EndpointId) -> None:
         """The endpoint was purged: its late messages are dropped from now on."""
@@ -501,7 +514,7 @@ class EventPool:
             return  # before sequencing: a malformed message moves no seq and purges nothing
         endpoint_id = message.endpoint_id
         track = self._tracks.get(endpoint_id)
-        if track is None or not self._index.is_registered(endpoint_id):
+        if track is None or track.departed or not self._index.is_registered(endpoint_id):
             if endpoint_id in self._departed:
                 self.record_drop("endpoint_left")
             else:
@@ -822,7 +835,8 @@ class EventPool:
             if len(self._probes) >= self._probe_concurrency or self._probe_tokens < 1:
                 break
             if (
-                track.probing or track.recovery is not None or track.next_seq is None or track.applied_at is None
+                track.probing or track.departed or track.recovery is not None or track.next_seq is None
+                or track.applied_at is None
                 or not track.endpoint.replay_endpoint or now - track.applied_at < self._probe_quiet
                 or (track.probed_seq == track.next_seq and now < track.probe_after)
             ):

@@ -29,7 +29,7 @@ import zmq
 from prometheus_client import REGISTRY
 
 from engine_simulator.publisher import ZmqEventPublisher
-from kvmesh.kv_events import BlockRemoved, BlockStored, EventBatch, KVEvent, encode_batch, make_topic
+from kvmesh.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent, encode_batch, make_topic
 from kvmesh.types import Endpoint, EndpointId
 from kvmesh_cli.launcher import free_port
 from services.epp.kv_indexer_client import ReplicaPrefixIndex
@@ -492,3 +492,30 @@ async def test_epps_replica_follows_the_heal(tmp_path: Path) -> None:
         await replica.close()
         await server.stop(0)
         await pool.shutdown()
+
+
+async def test_a_departed_endpoints_messages_wait_for_its_rejoin_to_say_which_incarnation(cleanup: list[Rig]) -> None:
+    """Its lease gone (retained), an endpoint's messages are held, not sequenced on the old stream: a
+    restarted publisher's first batch (a kv_store's rescan, seq 0) that arrives before its new registration
+    is applied to the new incarnation; the same incarnation's messages carry on its stream."""
+    index, pool, engine, replayer = rig()
+    cleanup.append((index, pool, engine, replayer))
+    engine.deliver(engine.publish(chain([11, 12, 13, 14], P)), engine.publish(chain([21, 22], Q)))
+    await pool.drained()
+    pool.endpoint_departed(A)
+    engine.deliver(engine.publish(BlockRemoved(block_hashes=[21, 22])))  # the same incarnation, still publishing
+    await pool.drained()
+    assert matched(index, Q) == 2  # held, not applied yet
+    pool.endpoint_joined(engine.endpoint, new_incarnation=False)
+    await pool.drained()
+    assert matched(index, Q) == 0 and pool.export()[A] == (3, True)  # sequenced on at the rejoin
+
+    pool.endpoint_departed(A)
+    restarted = encode_batch(EventBatch(ts=float(next(_TS)), events=[chain([31, 32], R)], data_parallel_rank=0))
+    pool.submit(RawMessage(A, "m", 0, restarted))  # the new incarnation's seq 0, before its registration
+    await pool.drained()
+    assert matched(index, R) == 0
+    index.apply(A, AllBlocksCleared())  # what BlockIndexer.join does for a new instance id
+    pool.endpoint_joined(engine.endpoint, new_incarnation=True)
+    await pool.drained()
+    assert matched(index, R) == 2 and pool.export()[A] == (1, True)
