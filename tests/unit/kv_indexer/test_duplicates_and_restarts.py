@@ -13,10 +13,13 @@ protocol), the client the real ``ZmqReplayer``; the test decides which live mess
 
 from __future__ import annotations
 
+import errno
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import pytest
+import zmq
 from prometheus_client import REGISTRY
 
 from engine_simulator.publisher import ZmqEventPublisher
@@ -74,8 +77,16 @@ class Engine:
     def restart(self) -> None:
         """A new publisher process on the same addresses: seq counts from 0 again."""
         self.publisher.shutdown()
-        self.publisher = ZmqEventPublisher(f"tcp://127.0.0.1:{free_port()}", make_topic(A, "m"),
-                                           replay_endpoint=self.replay)
+        deadline = time.monotonic() + 10.0
+        while True:  # the old replay ROUTER's port is freed by its own thread: rebind once it is
+            try:
+                self.publisher = ZmqEventPublisher(f"tcp://127.0.0.1:{free_port()}", make_topic(A, "m"),
+                                                   replay_endpoint=self.replay)
+                break
+            except zmq.ZMQError as exc:
+                if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
         self.sent = {}
 
 
