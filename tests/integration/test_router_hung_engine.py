@@ -606,6 +606,16 @@ async def test_slow_headers_are_cut_at_the_header_deadline(hung: HungMesh, first
         assert received.startswith(b"HTTP/1.1 200 OK"), received[:200]  # the complete request was answered
 
 
+async def _router_lists_model(client: httpx.AsyncClient, http: str) -> None:
+    """Wait (20 s) until the router's ``/v1/models`` lists :data:`MODEL`: it has the engines."""
+
+    async def listed() -> bool:
+        data = (await client.get(f"{http}/v1/models")).json()["data"]
+        return any(m["id"] == MODEL for m in data)
+
+    await wait_until_async(listed, 20, "router to list the model", interval=0.1)
+
+
 async def test_sigterm_mid_stream_ends_with_error_event_and_no_traceback(hung: HungMesh, etcd: str, run_dir: Path) -> None:
     """SIGTERM a router while a stream waits on a silent engine: the stream ends with the in-stream error
     (503 "shutting down") + [DONE] within the grace, and the router's log has no traceback."""
@@ -618,11 +628,7 @@ async def test_sigterm_mid_stream_ends_with_error_event_and_no_traceback(hung: H
     http = f"http://127.0.0.1:{http_port}"
     try:
         async with httpx.AsyncClient(timeout=30) as client:
-            async def listed() -> bool:
-                data = (await client.get(f"{http}/v1/models")).json()["data"]
-                return any(m["id"] == MODEL for m in data)
-
-            await wait_until_async(listed, 20, "router to list the model", interval=0.1)
+            await _router_lists_model(client, http)
             raw = b""
             stopped_at = 0.0
             async with client.stream("POST", f"{http}/v1/completions",
@@ -665,11 +671,7 @@ async def test_sigterm_grpc_streams_drain_or_end_unavailable_as_http_does(hung: 
     http = f"http://127.0.0.1:{http_port}"
     try:
         async with httpx.AsyncClient(timeout=30) as client:
-            async def listed() -> bool:
-                data = (await client.get(f"{http}/v1/models")).json()["data"]
-                return any(m["id"] == MODEL for m in data)
-
-            await wait_until_async(listed, 20, "router to list the model", interval=0.1)
+            await _router_lists_model(client, http)
             hung.epp.order = [silent.endpoint]
             stalled_chunks: list[router_pb2.CompletionChunk] = []
             stalled_grpc = asyncio.ensure_future(_grpc_stream(address, "stalled", 8, 30, stalled_chunks))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
@@ -35,13 +35,13 @@ from kvmesh_cli.launcher import free_port
 from services.epp.kv_indexer_client import ReplicaPrefixIndex
 from services.kv_indexer import snapshot
 from services.kv_indexer.events.pool import EndpointState, EventPool, RawMessage
-from services.kv_indexer.events.replay import ZmqReplayer
 from services.kv_indexer.index import InMemoryIndex, InstrumentedIndex
 from services.kv_indexer.indexer import BlockIndexer
 from services.kv_indexer.servicer import add_servicer
 from tests.support import wait_until_async
 from tests.unit.kv_indexer.test_recovery_holes import A as HOLES_A
 from tests.unit.kv_indexer.test_recovery_holes import Engine as RecoveryHolesEngine
+from tests.unit.kv_indexer.test_recovery_holes import LossyDuringReplay
 
 A = EndpointId("127.0.0.1:9001")
 assert A == HOLES_A  # the shared Engine delivers to this id
@@ -70,22 +70,9 @@ def probes(result: str) -> float:
     return metric("kvmesh_kv_indexer_tail_probes_total", result=result)
 
 
-class CountingReplayer(ZmqReplayer):
-    """The real replay client; records each request's start seq and, after the publisher answered,
-    runs the next ``during`` step (live messages that arrive while the answer travels)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.requests: list[int] = []
-        self.during: Iterator[Callable[[], Awaitable[None]]] = iter(())
-
-    async def replay(self, endpoint: Endpoint, from_seq: int, timeout_seconds: float) -> list[tuple[int, bytes]]:
-        self.requests.append(from_seq)
-        answer = await super().replay(endpoint, from_seq, timeout_seconds)
-        step = next(self.during, None)
-        if step is not None:
-            await step()
-        return answer
+class CountingReplayer(LossyDuringReplay):
+    """The real replay client of test_recovery_holes: records each request's start seq and, after the
+    publisher answered, runs the next ``during`` step (live messages that arrive while the answer travels)."""
 
 
 class Engine(RecoveryHolesEngine):
