@@ -108,12 +108,20 @@ def check_tier_paths(config: KvStoreConfig) -> None:
     ``--disk-path`` (a local disk: a wrong path is a configuration error) is created when missing
     (its parent must exist), and so is the instance's directory in it; it must be a directory this
     process can write (a write probe: a read-only mount is caught here, not at the first demotion),
-    else kv_store refuses to start. ``--shared-path`` that is a file is refused the same way; a shared
-    path that is missing (a mount point is never created, so an unmounted Lustre does not silently
-    fill the local disk) or not writable is a **degraded start** (issue 8: the shared path missing or
-    read-only, the service stays up): one ERROR line naming the option, the path and why, and the tier
-    stays configured, so values reach it once the filesystem is mounted or writable again; until then
-    each demotion to it fails over to the next tier (counted in ``kvmesh_kv_store_dropped_total``).
+    else kv_store refuses to start. ``--shared-path`` that is a file is refused the same way. A
+    shared path that is missing (a mount point is never created), fails its guard
+    (``--shared-require-mount``: not a mount point; ``--shared-marker``: the marker file absent;
+    both mean the filesystem is not mounted there) or is not writable is a **degraded start**
+    (issue 8: the shared path missing or read-only, the service stays up): one ERROR line naming the
+    option, the path and why, and the tier stays configured, so values reach it once the filesystem
+    is mounted or writable again; until then each demotion to it fails over to the next tier
+    (counted in ``kvmesh_kv_store_dropped_total``).
+
+    An **unmounted** filesystem usually leaves an empty directory at its mount point: without a
+    guard it exists and is writable, so it passes, and values would fill the local disk and be
+    hidden once the filesystem mounts. Hence a WARNING at start when neither guard is set and the
+    path is no mount point (on the same filesystem as its parent); the guards are off by default so
+    that a plain directory (tests, ``make run``) works.
 
     Raises:
         ValueError: one line naming the option, the path and why (``kvmesh.server.main``: exit 2).
@@ -125,13 +133,20 @@ def check_tier_paths(config: KvStoreConfig) -> None:
         if reason is not None:
             raise ValueError(f"--disk-path {config.disk_path}: {reason}")
     if config.shared_path:
-        reason = check_tier_root(config.shared_path, create=False)
+        reason = check_tier_root(
+            config.shared_path, create=False, require_mount=config.shared_require_mount, marker=config.shared_marker
+        )
         if reason == NOT_A_DIRECTORY:
             raise ValueError(f"--shared-path {config.shared_path}: {reason}")
         if reason is not None:
             log.error("degraded mode tier=sharedfs --shared-path %s: %s; the tier stays configured and each demotion "
                       "to it goes on to the next tier until the path is usable",
                       config.shared_path, reason)
+        elif not (config.shared_require_mount or config.shared_marker) and not os.path.ismount(config.shared_path):
+            log.warning("--shared-path %s is not a mount point (the same filesystem as its parent) and no guard is "
+                        "set: if the shared filesystem is not mounted there, values fill the local disk and are "
+                        "hidden once it mounts; set --shared-require-mount (the path is the mount) or --shared-marker "
+                        "(a file created once on the mounted filesystem)", config.shared_path)
 
 
 def build_tiers(config: KvStoreConfig) -> list[StoreTier]:
@@ -140,7 +155,10 @@ def build_tiers(config: KvStoreConfig) -> list[StoreTier]:
     if config.disk_path:
         tiers.append(DiskTier(disk_tier_root(config), config.disk_capacity_bytes, config.disk_fsync))
     if config.shared_path:
-        tiers.append(SharedFsTier(config.shared_path, config.shared_capacity_bytes, config.shared_fsync))
+        tiers.append(SharedFsTier(
+            config.shared_path, config.shared_capacity_bytes, config.shared_fsync,
+            require_mount=config.shared_require_mount, marker=config.shared_marker,
+        ))
     if config.mooncake_master:
         client = LazyMooncakeClient(config)
         lister = mooncake_key_lister(config.mooncake_master_http) if config.mooncake_master_http else None

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from kvmesh.config import GrpcServiceConfig
-from services.kv_store.tiers.files import FsyncPolicy
+from services.kv_store.tiers.files import FsyncPolicy, check_marker_name
 
 MIB = 1024 * 1024
 
@@ -33,12 +33,27 @@ class KvStoreConfig(GrpcServiceConfig):
     """``none`` (a cache: checksums catch torn files), ``data`` (fsync each value), ``all`` (and its directory)."""
     shared_path: str = ""
     """Shared filesystem tier (Lustre-style): a directory every instance mounts; never created. A file
-    there: kv_store exits 2; missing or read-only at start (a write probe): an ERROR line and a degraded
-    start, the tier used once the path works. Empty: none."""
+    there: kv_store exits 2; missing, read-only (a write probe) or failing a guard below at start: an
+    ERROR line and a degraded start, the tier used once the path works. Empty: none."""
+    shared_require_mount: bool = False
+    """Use the shared tier only while ``shared_path`` is a mount point (``os.path.ismount``: its device
+    differs from its parent's), so an unmounted filesystem's empty mount point is never written to.
+    For a ``shared_path`` that is the mount itself; a subdirectory of the mount or a bind mount needs
+    ``shared_marker``. Off by default (a plain directory works); re-checked every second at run time."""
+    shared_marker: str = ""
+    """A file name that must exist in ``shared_path`` (e.g. ``.kvmesh-shared``), created once by the
+    operator on the mounted shared filesystem (``touch /mnt/lustre/kvmesh/.kvmesh-shared``); while it is
+    missing the tier is unavailable (not mounted). kvmesh never creates it. Empty: no marker."""
     shared_capacity_bytes: int = Field(64 * 1024 * MIB, gt=0)
     """This instance's budget in the shared namespace (soft across instances; use an FS quota for a hard one)."""
     shared_fsync: FsyncPolicy = FsyncPolicy.NONE
     """fsync policy of the shared tier."""
+
+    @field_validator("shared_marker")
+    @classmethod
+    def _plain_marker(cls, marker: str) -> str:
+        check_marker_name(marker)
+        return marker
     mooncake_master: str = ""
     """``host:port`` of a ``mooncake_master``; empty: no Mooncake tier. The client binds 0.0.0.0 (see docs)."""
     mooncake_metadata: str = "P2PHANDSHAKE"

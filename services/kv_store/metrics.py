@@ -11,7 +11,7 @@
 | ``kvmesh_kv_store_corrupted_total`` | counter | ``tier``, ``medium`` (checksum mismatches served as misses) |
 | ``kvmesh_kv_store_moved_bytes_total`` | counter | ``tier``, ``reason`` (put, demote, promote, write_through) |
 | ``kvmesh_kv_store_degraded_operations_total`` | counter | ``tier`` (the tier was unavailable or full and skipped) |
-| ``kvmesh_kv_store_dropped_total`` | counter | ``tier`` (demotions / write-throughs the tier could not take) |
+| ``kvmesh_kv_store_dropped_total`` | counter | ``tier``, ``reason`` (demotions / write-throughs the tier did not take: ``unavailable``, ``full``, ``too_large``) |
 | ``kvmesh_kv_store_lost_total`` | counter | ``tier`` (values it evicted that no slower tier could take) |
 | ``kvmesh_kv_store_operation_seconds`` | histogram | ``tier``, ``op`` (put, get, contains, evict) |
 
@@ -29,7 +29,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from services.kv_store.store import LATENCY_BUCKETS_S, BlockStore
+from services.kv_store.store import DROP_REASONS, LATENCY_BUCKETS_S, BlockStore
 
 _GAUGES = (
     ("capacity_bytes", "Budget of the tier for value bytes."),
@@ -75,7 +75,10 @@ class KvStoreCollector(Collector):
             labels=["tier"],
         )
         dropped = CounterMetricFamily(
-            "kvmesh_kv_store_dropped", "Demotions or write-throughs a failed tier could not take.", labels=["tier"]
+            "kvmesh_kv_store_dropped",
+            "Demotions or write-throughs the tier did not take, by reason (unavailable and full: the tier failed;"
+            " too_large: the value exceeds the tier's capacity).",
+            labels=["tier", "reason"],
         )
         lost = CounterMetricFamily(
             "kvmesh_kv_store_lost",
@@ -84,7 +87,8 @@ class KvStoreCollector(Collector):
         )
         for tier in stats:
             degraded.add_metric([tier.name], metrics.failures.get(tier.name, 0))
-            dropped.add_metric([tier.name], metrics.dropped.get(tier.name, 0))
+            for reason in DROP_REASONS:
+                dropped.add_metric([tier.name, reason], metrics.dropped.get((tier.name, reason), 0))
             lost.add_metric([tier.name], metrics.lost.get(tier.name, 0))
         yield degraded
         yield dropped

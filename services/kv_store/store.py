@@ -24,10 +24,17 @@ path, a full disk, Mooncake down) is a **degraded mode**: a get or contains ther
 miss, a write-through there is dropped (``dropped``), the error is counted (``failures``) and
 logged at ERROR (at most one line per tier every :data:`ERROR_LOG_INTERVAL_S`, with the count of
 lines suppressed); only a failure of the first tier on ``put`` reaches the caller. A demotion the
-next tier cannot take (failed, or the value exceeds its capacity: ``dropped`` there) goes to the
-tier after it, and so on down; a value no slower tier takes is **lost** (``lost``, by the tier
-that evicted it, and :attr:`PutOutcome.lost`). Corrupt values are misses inside the tiers.
-Nothing is ever served from a tier that failed.
+next tier cannot take goes to the tier after it, and so on down; a value no slower tier takes is
+**lost** (``lost``, by the tier that evicted it, and :attr:`PutOutcome.lost`). Why a tier did not
+take a demotion or a write-through is ``dropped``'s reason (:data:`DROP_REASONS`): ``unavailable``
+and ``full`` are failures (counted in ``failures`` too, logged at ERROR); ``too_large`` (the
+value exceeds that tier's whole capacity: a sizing choice, nothing failed) is counted only as
+dropped and logged at DEBUG. Corrupt values are misses inside the tiers. Nothing is ever served
+from a tier that failed.
+
+Per-call figures (:class:`PutOutcome`'s ``evicted`` and ``lost``) are counted along the call's own
+placement and cascade and returned up it, never read off the shared counters (a concurrent put's
+losses are not this put's).
 
 Per tier the store measures ``StoreMetrics``: latency of each verb (a fixed-bucket histogram,
 seconds) and bytes moved into it by reason (``put``, ``demote``, ``promote``, ``write_through``).
@@ -62,6 +69,10 @@ LATENCY_BUCKETS_S = (
 )  # fmt: skip
 """Histogram bounds in seconds: 10 µs (a CPU hit) to 3 s (a large value on a slow shared FS)."""
 MOVE_REASONS = ("put", "demote", "promote", "write_through")
+DROP_REASONS = ("unavailable", "full", "too_large")
+"""Why a tier did not take a demotion or write-through: :class:`TierUnavailable`,
+:class:`StorageFull` (both degraded modes), :class:`ValueTooLarge` (the value exceeds the tier's
+capacity: not a failure)."""
 REPUBLISH_BATCH = 1024
 """Events per batch when republishing rescanned values (a 16 GiB disk tier of 2 MiB values: 8 batches)."""
 
@@ -111,12 +122,18 @@ class StoreMetrics:
     """(tier, verb) -> histogram of seconds; verbs: put, get, contains, evict."""
     moved_bytes: dict[tuple[str, str], int] = field(default_factory=dict)
     """(tier, reason) -> bytes written into the tier for that reason."""
-    dropped: dict[str, int] = field(default_factory=dict)
-    """tier -> values a demotion or write-through could not place there (tier failed or too small)."""
+    dropped: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(tier, reason) -> values a demotion or write-through could not place there; reasons
+    :data:`DROP_REASONS` (failed: ``unavailable``, ``full``; the value exceeds the tier: ``too_large``)."""
     lost: dict[str, int] = field(default_factory=dict)
-    """tier -> values the tier evicted that no slower tier could take (every one below failed)."""
+    """tier -> values the tier evicted that no slower tier took (each below failed or was too small)."""
     failures: dict[str, int] = field(default_factory=dict)
     """tier -> operations that raised TierUnavailable / StorageFull (the tier was skipped)."""
+
+
+def _short(key: str) -> str:
+    """``key`` for a log line: at most 120 characters."""
+    return key if len(key) <= 120 else key[:120] + "..."
 
 
 def validate_key(key: str, where: str = "key") -> None:
@@ -255,13 +272,30 @@ class BlockStore:
             tier.name, op, type(exc).__name__, exc,
         )
 
-    def _dropped(self, tier: StoreTier) -> None:
-        self.metrics.dropped[tier.name] = self.metrics.dropped.get(tier.name, 0) + 1
+    def _dropped(self, tier: StoreTier, op: str, key: str, exc: Exception) -> None:
+        """``tier`` did not take a demotion or write-through of ``key``: counted by reason; a failure
+        of the tier is also a degraded operation (ERROR), a value too large for it is not (DEBUG)."""
+        if isinstance(exc, ValueTooLarge):
+            reason = "too_large"
+            log.debug("%s of key=%r skipped tier %s: %s", op, _short(key), tier.name, exc)
+        else:
+            reason = "full" if isinstance(exc, StorageFull) else "unavailable"
+            self._failed(tier, op, exc)
+        slot = (tier.name, reason)
+        self.metrics.dropped[slot] = self.metrics.dropped.get(slot, 0) + 1
+
+    def dropped(self, tier: str) -> int:
+        """Values ``tier`` did not take (demotions and write-throughs), every reason together."""
+        return sum(count for (name, _), count in self.metrics.dropped.items() if name == tier)
 
     # -- placement ---------------------------------------------------------------------------
 
-    async def _place(self, index: int, key: str, value: bytes, reason: str) -> int:
-        """Put into ``tiers[index]`` and demote its victims downwards; returns its eviction count.
+    async def _place(self, index: int, key: str, value: bytes, reason: str) -> tuple[int, int]:
+        """Put into ``tiers[index]`` and demote its victims downwards.
+
+        Returns ``(evicted, lost)``: the keys ``tiers[index]`` evicted for this value, and the values
+        of this call's cascade (those victims, and theirs further down) that no slower tier took.
+        Counted along this call only, so concurrent calls never see each other's figures.
 
         Raises what ``tiers[index].put`` raises (callers below the first tier guard it).
         """
@@ -271,33 +305,38 @@ class BlockStore:
         result = await self._timed(tier, "put", tier.put(key, value, keep_victims=not last, meta=meta))
         self._moved(tier, reason, len(value))
         self.residency.added(key, tier.name)
+        lost = 0
         for victim, victim_value in result.victims:
-            await self._demote(index + 1, victim, victim_value)
+            lost += await self._demote(index + 1, victim, victim_value)
         for victim in result.evicted:  # after the demotions: a move is a store, then a removal
             self.residency.removed(victim, tier.name)
-        return len(result.evicted)
+        return len(result.evicted), lost
 
-    async def _demote(self, index: int, key: str, value: bytes) -> None:
+    async def _demote(self, index: int, key: str, value: bytes) -> int:
         """Place a victim of ``tiers[index - 1]`` in ``tiers[index]``, else the first slower tier
-        that takes it; counted lost (by the evicting tier) when none does."""
+        that takes it; counted lost (by the evicting tier) when none does.
+
+        Returns the values this demotion lost: 1 when no tier took ``key``, else what the cascade
+        below the tier that took it lost.
+        """
         for tier_index in range(index, len(self.tiers)):
             tier = self.tiers[tier_index]
             if tier.name in self.write_through and (await self._safe_contains(tier, [key]))[0]:
                 self.residency.added(key, tier.name)
-                return  # already there: written through at put time
+                return 0  # already there: written through at put time
             try:
-                await self._place(tier_index, key, value, "demote")
-                return
+                _, lost = await self._place(tier_index, key, value, "demote")
+                return lost
             except (TierUnavailable, StorageFull, ValueTooLarge) as exc:
-                self._failed(tier, "demote", exc)
-                self._dropped(tier)
+                self._dropped(tier, "demote", key, exc)
         source = self.tiers[index - 1].name
         self.metrics.lost[source] = self.metrics.lost.get(source, 0) + 1
         self._error_log.log(
             logging.ERROR, f"lost:{source}",
             "value lost: key=%r (%d bytes) evicted from tier %s and no slower tier could take it",
-            key if len(key) <= 120 else key[:120] + "...", len(value), source,
+            _short(key), len(value), source,
         )
+        return 1
 
     async def _safe_contains(self, tier: StoreTier, keys: Sequence[str]) -> list[bool]:
         try:
@@ -320,9 +359,8 @@ class BlockStore:
         self.check_value_size(key, len(value))
         if block is not None:
             self.residency.describe(key, block)
-        lost_before = sum(self.metrics.lost.values())
         try:
-            evicted = await self._place(0, key, value, "put")
+            evicted, lost = await self._place(0, key, value, "put")
             for tier in self.tiers[1:]:
                 try:
                     if tier.name in self.write_through:
@@ -332,13 +370,14 @@ class BlockStore:
                     elif await self._timed(tier, "evict", tier.evict(key)):
                         self.residency.removed(key, tier.name)
                 except (TierUnavailable, StorageFull, ValueTooLarge) as exc:
-                    self._failed(tier, "write_through" if tier.name in self.write_through else "evict", exc)
                     if tier.name in self.write_through:
-                        self._dropped(tier)
+                        self._dropped(tier, "write_through", key, exc)
+                    else:
+                        self._failed(tier, "evict", exc)
         finally:
             self.residency.forget_if_absent(key)
             self._flush()
-        return PutOutcome(self.tiers[0].medium, evicted, sum(self.metrics.lost.values()) - lost_before)
+        return PutOutcome(self.tiers[0].medium, evicted, lost)
 
     async def get(self, key: str) -> StoredValue:
         """The value from the fastest tier holding it, promoted to the first tier on a slower hit.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -235,6 +236,55 @@ async def test_a_missing_or_read_only_shared_mount_degrades_and_the_service_stay
     assert not (tmp_path / "unmounted").exists()
 
 
+@pytest.mark.parametrize("guard", ["--shared-marker", "--shared-require-mount"])
+async def test_an_unmounted_shared_filesystem_is_not_written_until_it_mounts(
+    start_service, tmp_path: Path, guard: str
+) -> None:
+    """An unmounted filesystem leaves its mount point as an empty local directory (exists, writable).
+    With a guard kv_store treats it as not mounted: one ERROR line at start, values it cannot take are
+    counted lost, nothing is written to the local directory; once the filesystem arrives (its marker
+    created / a tmpfs mounted there) demotions reach it without a restart."""
+    if guard == "--shared-require-mount" and os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    lustre = tmp_path / "lustre"
+    lustre.mkdir()
+    guard_args = (guard, ".kvmesh-shared") if guard == "--shared-marker" else (guard, "true")
+    metrics_port = free_port()
+    args = ("--cpu-capacity-bytes", str(3 * MIB), "--shared-path", str(lustre), *guard_args,
+            "--metrics-port", str(metrics_port))  # fmt: skip
+    proc, address = start_service("kv_store", *args)
+    mounted = False
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = pb_grpc.KVStoreStub(channel)
+            await stub.Put(chunks("a", b"a" * (2 * MIB)))
+            reply = await stub.Put(chunks("b", b"b" * (2 * MIB)))  # a's demotion: the tier is not mounted
+            assert (reply.evicted, reply.lost) == (1, 1)
+            assert list(lustre.iterdir()) == []  # the local disk under the mount point is untouched
+            if guard == "--shared-marker":
+                (lustre / ".kvmesh-shared").touch()  # the operator's marker, on the mounted filesystem
+            else:
+                mount = ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(lustre)]
+                await asyncio.to_thread(subprocess.run, mount, check=True)
+                mounted = True
+            reply = await stub.Put(chunks("c", b"c" * (2 * MIB)))  # b's demotion reaches the shared tier
+            assert (reply.evicted, reply.lost) == (1, 0)
+            data, replies = await get(stub, "b")
+            assert data == b"b" * (2 * MIB) and replies[0].medium == common_pb2.MEDIUM_SHARED
+        samples = scrape(metrics_port)
+        assert samples['kvmesh_kv_store_lost_total{tier="cpu"}'] == 1
+        assert samples['kvmesh_kv_store_dropped_total{reason="unavailable",tier="sharedfs"}'] == 1
+    finally:
+        if mounted:
+            await asyncio.to_thread(subprocess.run, ["umount", "-l", str(lustre)], check=False)
+    if mounted:
+        assert list(lustre.iterdir()) == []  # what was written went to the mounted filesystem only
+    log = proc.log_tail(400)
+    reason = "has no marker file .kvmesh-shared" if guard == "--shared-marker" else "is not a mount point"
+    assert f"degraded mode tier=sharedfs --shared-path {lustre}: {reason}" in log and "ERROR" in log
+    assert f"--shared-path {lustre} is not a mount point (the same filesystem" not in log  # guarded: no warning
+
+
 async def test_tiers_failing_mid_run_pass_values_on_then_count_them_lost(start_service, tmp_path: Path) -> None:
     """The disk tier's directory turns into a file mid-run: demotions go to the shared tier; then the
     shared mount vanishes too: the value is lost, counted, logged; the service stays up."""
@@ -254,7 +304,7 @@ async def test_tiers_failing_mid_run_pass_values_on_then_count_them_lost(start_s
             reply = await stub.Put(chunks(key, values[key]))
             assert (reply.evicted, reply.lost) == (1, 0)  # the shared tier took it
         samples = scrape(metrics_port)
-        assert samples['kvmesh_kv_store_dropped_total{tier="disk"}'] == 3
+        assert samples['kvmesh_kv_store_dropped_total{reason="unavailable",tier="disk"}'] == 3
         assert samples['kvmesh_kv_store_lost_total{tier="cpu"}'] == 0
         for key in "abc":
             data, replies = await get(stub, key)
@@ -273,6 +323,9 @@ async def test_tiers_failing_mid_run_pass_values_on_then_count_them_lost(start_s
     log = proc.log_tail(200)
     assert "ERROR" in log and "degraded mode tier=disk op=demote error=TierUnavailable" in log
     assert "degraded mode tier=sharedfs" in log
+    # a plain directory and no guard: an unmounted filesystem would not be noticed, so it is said at start
+    [warning] = [line for line in log.splitlines() if f"--shared-path {shared} is not a mount point" in line]
+    assert "WARNING" in warning
     assert "value lost: key=" in log and "evicted from tier cpu and no slower tier could take it" in log
 
 

@@ -45,10 +45,23 @@ instance keeps its own view of the namespace (rescanned at start, extended on ev
 key up on the filesystem when its view lacks it, and enforces ``capacity_bytes`` over its view;
 with N instances the namespace-wide budget is soft (each evicts what it knows; use a filesystem
 quota for a hard limit). A read-only mount still serves reads; writes to it raise
-TierUnavailable. The root must exist (a missing mount point is *not* created, so a
-missing mount never silently fills the local disk).
+TierUnavailable. The root must exist (a missing root is *not* created). An **unmounted**
+filesystem usually leaves its mount point behind as an empty local directory, which exists, is a
+directory and is writable: values written there fill the local disk and are hidden once the
+filesystem mounts over them. Two opt-in guards tell the mounted filesystem from its mount point
+(:func:`shared_root_guard`): ``require_mount`` (the root must be a mount point,
+``os.path.ismount``: its device differs from its parent's; for a root that *is* the mount) and
+``marker`` (a file the operator creates once on the mounted filesystem, e.g. ``.kvmesh-shared``,
+must exist in the root; for a subdirectory of the mount, or a bind mount, which ``ismount`` cannot
+tell). While a guard fails the tier is unavailable (a degraded mode: nothing is read from or
+written to the local directory); a working tier re-checks its guard at most every
+:data:`GUARD_RECHECK_S`, so an unmount at run time is noticed and a mount is used without a
+restart. Both are off by default (a plain directory, as in tests, is then used as is; the service
+logs a WARNING at start when the path is no mount point): the marker is never created by
+kvmesh, since creating it on an empty mount point would bless exactly the local directory it
+guards against.
 
-Errors: a missing, unreadable or read-only root raises
+Errors: a missing, unreadable or read-only root, or a failed guard, raises
 :class:`~services.kv_store.errors.TierUnavailable`; ENOSPC raises
 :class:`~services.kv_store.errors.StorageFull`; both leave the index consistent.
 
@@ -65,10 +78,11 @@ import errno
 import hashlib
 import os
 import struct
+import time
 import uuid
 import zlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -451,32 +465,100 @@ class DiskTier(FileTier):
     shared = False
 
 
+GUARD_RECHECK_S = 1.0
+"""How often a working shared tier with a guard (``require_mount``, ``marker``) re-checks it, seconds."""
+
+
 class SharedFsTier(FileTier):
-    """A shared filesystem namespace (Lustre-style) that many instances mount, medium ``SHARED``."""
+    """A shared filesystem namespace (Lustre-style) that many instances mount, medium ``SHARED``.
+
+    Args:
+        root, capacity_bytes, fsync: as :class:`FileTier`.
+        require_mount: the root must be a mount point (see the module docstring).
+        marker: a file name that must exist in the root (``""``: none).
+        clock: monotonic seconds, for :data:`GUARD_RECHECK_S`.
+    """
 
     medium = Medium.SHARED
     name = "sharedfs"
     shared = True
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        capacity_bytes: int,
+        fsync: FsyncPolicy = FsyncPolicy.NONE,
+        *,
+        require_mount: bool = False,
+        marker: str = "",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        check_marker_name(marker)
+        self.require_mount = require_mount
+        self.marker = marker
+        self._clock = clock
+        self._guard_due = 0.0
+        super().__init__(root, capacity_bytes, fsync)
 
     def _prepare_root(self) -> None:
         if not self.root.is_dir():
             raise FileNotFoundError(
                 errno.ENOENT, "shared filesystem root does not exist (not mounted?)", str(self.root)
             )
+        reason = shared_root_guard(self.root, require_mount=self.require_mount, marker=self.marker)
+        if reason is not None:
+            raise OSError(errno.ENODEV, reason)
+        self._guard_due = self._clock() + GUARD_RECHECK_S
+
+    def _check_root(self) -> None:
+        if self._available and (self.require_mount or self.marker) and self._clock() >= self._guard_due:
+            self._available = False  # re-check the guard below (an unmount at run time)
+        super()._check_root()
 
 
 NOT_A_DIRECTORY = "not a directory"
 """:func:`check_tier_root`'s reason for a path that exists and is no directory."""
 
 
-def check_tier_root(root: str | os.PathLike[str], *, create: bool) -> str | None:
+def check_marker_name(marker: str) -> None:
+    """Raises ValueError unless ``marker`` is empty or a plain file name (no ``/``, not ``.``/``..``)."""
+    if marker and ("/" in marker or "\0" in marker or marker in (".", "..")):
+        raise ValueError(f"the shared marker must be a plain file name in the shared path, got {marker!r}")
+
+
+def shared_root_guard(root: str | os.PathLike[str], *, require_mount: bool, marker: str) -> str | None:
+    """Why the directory ``root`` is not the mounted shared filesystem, or ``None`` (see the module
+    docstring): ``require_mount`` and ``root`` is no mount point (``os.path.ismount``), or
+    ``marker`` names a file that does not exist in ``root``. No guard set: ``None``."""
+    path = Path(root)
+    if require_mount and not os.path.ismount(path):
+        return (
+            "is not a mount point (the shared filesystem is not mounted there; --shared-require-mount)"
+        )
+    if marker:
+        try:
+            os.stat(path / marker)
+        except OSError:
+            return (
+                f"has no marker file {marker} (the shared filesystem is not mounted there, or the marker"
+                " was never created on it; --shared-marker)"
+            )
+    return None
+
+
+def check_tier_root(
+    root: str | os.PathLike[str], *, create: bool, require_mount: bool = False, marker: str = ""
+) -> str | None:
     """Why ``root`` cannot hold a file tier, or ``None`` when it can (checked at start-up).
 
     ``root`` must be a directory (``create``: made when missing, its parent must exist; a local
-    disk tier) that this process can write: a real probe writes ``.kvmesh-probe-<random>.tmp``
-    in it, renames it and deletes it, as every value is written (so a read-only mount, a full
-    filesystem or missing permissions are caught, root's bypass of mode bits included). No
-    exception: the reason is a short phrase for a one-line error (``"not a directory"``).
+    disk tier) that passes :func:`shared_root_guard` (``require_mount``, ``marker``: a shared
+    tier's guards against an unmounted filesystem's empty mount point) and that this process can
+    write: a real probe writes ``.kvmesh-probe-<random>.tmp`` in it, renames it and deletes it, as
+    every value is written (so a read-only mount, a full filesystem or missing permissions are
+    caught, root's bypass of mode bits included). Without a guard an empty mount point passes
+    (it exists, is a directory and is writable). No exception: the reason is a short phrase for a
+    one-line error (``"not a directory"``).
     """
     path = Path(root)
     if not path.exists():
@@ -488,6 +570,9 @@ def check_tier_root(root: str | os.PathLike[str], *, create: bool) -> str | None
             return f"cannot create the directory: {exc.strerror or exc}"
     if not path.is_dir():
         return NOT_A_DIRECTORY
+    guard = shared_root_guard(path, require_mount=require_mount, marker=marker)
+    if guard is not None:
+        return guard
     probe = path / f".kvmesh-probe-{uuid.uuid4().hex}"
     tmp = probe.with_name(probe.name + _TMP_SUFFIX)
     try:

@@ -125,7 +125,7 @@ async def test_a_disk_tier_failing_mid_run_demotes_to_the_shared_tier(
     _, _, shared = store.tiers
     assert await shared.contains(list("bcd")) == [True] * 3
     value = registry.get_sample_value
-    assert value("kvmesh_kv_store_dropped_total", {"tier": "disk"}) == 3
+    assert value("kvmesh_kv_store_dropped_total", {"tier": "disk", "reason": "unavailable"}) == 3
     for key in "bcdef":  # every value evicted after the failure is still served (a went with the disk)
         assert (await store.get(key)).value == key.encode() * 10
     assert value("kvmesh_kv_store_degraded_operations_total", {"tier": "disk"}) >= 3
@@ -145,7 +145,7 @@ async def test_a_full_disk_demotes_to_the_shared_tier(small_tmpfs: Path, tmp_pat
         await store.put(key, key.encode() * (30 << 10))
     for key in "abcde":
         assert (await store.get(key)).value == key.encode() * (30 << 10)
-    assert registry.get_sample_value("kvmesh_kv_store_dropped_total", {"tier": "disk"}) >= 1
+    assert registry.get_sample_value("kvmesh_kv_store_dropped_total", {"tier": "disk", "reason": "full"}) >= 1
     assert store.tiers[1].stats().errors >= 1
     assert registry.get_sample_value("kvmesh_kv_store_lost_total", {"tier": "cpu"}) == 0
 
@@ -162,19 +162,74 @@ async def test_a_disk_remounted_read_only_mid_run_demotes_to_the_shared_tier(
     await store.put("b", b"b" * 10)
     await store.put("c", b"c" * 10)  # a's demotion: the disk refuses, the shared tier takes it
     assert (await store.get("a")).value == b"a" * 10
-    assert registry.get_sample_value("kvmesh_kv_store_dropped_total", {"tier": "disk"}) >= 1
+    assert registry.get_sample_value("kvmesh_kv_store_dropped_total", {"tier": "disk", "reason": "unavailable"}) >= 1
 
 
-async def test_a_tier_too_small_for_the_value_passes_it_on(tmp_path: Path) -> None:
+async def test_a_tier_too_small_for_the_value_passes_it_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A value larger than a slower tier's whole capacity is a sizing choice, not a failure: it is
+    counted as dropped with reason ``too_large``, never as a degraded operation, and logged at DEBUG
+    (no ERROR "degraded mode" line); the next tier takes it."""
     (tmp_path / "shared").mkdir()
     store, registry = store_with_metrics(
         [CpuTier(20), DiskTier(tmp_path / "nvme", 5), SharedFsTier(tmp_path / "shared", 1000)]
     )
+    caplog.set_level(logging.DEBUG, logger="services.kv_store.store")
     await store.put("a", b"a" * 15)
     outcome = await store.put("b", b"b" * 15)  # a does not fit the 5-byte disk tier: the shared tier takes it
     assert (outcome.evicted, outcome.lost) == (1, 0)
-    assert registry.get_sample_value("kvmesh_kv_store_dropped_total", {"tier": "disk"}) == 1
+    value = registry.get_sample_value
+    assert value("kvmesh_kv_store_dropped_total", {"tier": "disk", "reason": "too_large"}) == 1
+    assert value("kvmesh_kv_store_dropped_total", {"tier": "disk", "reason": "unavailable"}) == 0
+    assert value("kvmesh_kv_store_degraded_operations_total", {"tier": "disk"}) == 0
+    assert store.tiers[1].stats().errors == 0
     assert (await store.get("a")).value == b"a" * 15
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert any(m.startswith("demote of key='a' skipped tier disk: value of 15 bytes") for m in debug), debug
+
+
+async def test_a_write_through_tier_too_small_for_the_value_is_dropped_not_degraded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The sibling on the write-through path: the put succeeds, the shared tier is skipped as
+    ``too_large``, nothing is counted degraded or logged above DEBUG."""
+    (tmp_path / "shared").mkdir()
+    store = BlockStore([CpuTier(100), SharedFsTier(tmp_path / "shared", 10)], write_through=["sharedfs"])
+    registry = CollectorRegistry()
+    register_metrics(store, registry)
+    caplog.set_level(logging.DEBUG, logger="services.kv_store.store")
+    outcome = await store.put("big", b"x" * 50)
+    assert (outcome.evicted, outcome.lost) == (0, 0)
+    await store.put("small", b"y" * 5)  # written through
+    assert await store.tiers[1].contains(["big", "small"]) == [False, True]
+    value = registry.get_sample_value
+    assert value("kvmesh_kv_store_dropped_total", {"tier": "sharedfs", "reason": "too_large"}) == 1
+    assert value("kvmesh_kv_store_degraded_operations_total", {"tier": "sharedfs"}) == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert any(r.getMessage().startswith("write_through of key='big' skipped tier sharedfs") for r in caplog.records)
+
+
+async def test_a_failing_tier_is_dropped_as_unavailable_or_full_and_counted_degraded(
+    small_tmpfs: Path, tmp_path: Path
+) -> None:
+    """The failure reasons stay degraded modes: a full medium (``full``) and a missing path
+    (``unavailable``) are each one dropped value and one degraded operation of their tier."""
+    store, registry = store_with_metrics(  # the 64 KiB medium fills before the 1 GiB budget: ENOSPC
+        [CpuTier(40 << 10), DiskTier(small_tmpfs, 1 << 30), SharedFsTier(tmp_path / "missing", 1 << 30)]
+    )
+    for key in "abcd":
+        await store.put(key, key.encode() * (30 << 10))
+    value = registry.get_sample_value
+    full = value("kvmesh_kv_store_dropped_total", {"tier": "disk", "reason": "full"})
+    unavailable = value("kvmesh_kv_store_dropped_total", {"tier": "sharedfs", "reason": "unavailable"})
+    assert full is not None and full >= 1
+    assert unavailable == full  # every value the full disk refused went on to the missing shared path
+    assert value("kvmesh_kv_store_degraded_operations_total", {"tier": "disk"}) >= full
+    assert value("kvmesh_kv_store_degraded_operations_total", {"tier": "sharedfs"}) >= unavailable
+    assert value("kvmesh_kv_store_dropped_total", {"tier": "disk", "reason": "too_large"}) == 0
+    assert store.dropped("disk") == full and store.dropped("sharedfs") == unavailable
 
 
 async def test_a_value_no_slower_tier_takes_is_counted_lost(
@@ -192,8 +247,8 @@ async def test_a_value_no_slower_tier_takes_is_counted_lost(
     assert (outcome.evicted, outcome.lost) == (1, 1)
     value = registry.get_sample_value
     assert value("kvmesh_kv_store_lost_total", {"tier": "cpu"}) == 1
-    assert value("kvmesh_kv_store_dropped_total", {"tier": "disk"}) == 1
-    assert value("kvmesh_kv_store_dropped_total", {"tier": "sharedfs"}) == 1
+    assert value("kvmesh_kv_store_dropped_total", {"tier": "disk", "reason": "unavailable"}) == 1
+    assert value("kvmesh_kv_store_dropped_total", {"tier": "sharedfs", "reason": "unavailable"}) == 1
     messages = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert any(m.startswith("value lost: key='a' (15 bytes) evicted from tier cpu") for m in messages), messages
     assert {m.split()[2] for m in messages if m.startswith("degraded mode")} == {"tier=disk", "tier=sharedfs"}

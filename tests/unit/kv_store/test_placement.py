@@ -93,7 +93,7 @@ async def test_an_unavailable_shared_tier_degrades_the_store_but_it_stays_up(tmp
     assert await store.delete("b") is True
     value = registry.get_sample_value
     assert value("kvmesh_kv_store_degraded_operations_total", {"tier": "sharedfs"}) >= 4
-    assert value("kvmesh_kv_store_dropped_total", {"tier": "sharedfs"}) == 3  # 2 write-throughs, 1 demotion
+    assert value("kvmesh_kv_store_dropped_total", {"tier": "sharedfs", "reason": "unavailable"}) == 3  # 2 write-throughs, 1 demotion
     assert value("kvmesh_kv_store_lost_total", {"tier": "cpu"}) == 1  # a: no tier below the CPU took it
 
 
