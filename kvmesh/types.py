@@ -183,6 +183,10 @@ class CompletionOutcome(enum.StrEnum):
     """The engine answered an error status or the stream broke."""
     CANCELLED = "cancelled"
     """The client went away and the router cancelled the engine request."""
+    NOT_DISPATCHED = "not_dispatched"
+    """The router received epp's pick but no engine answered the request (admission refused it after an
+    early pick, every attempt failed before its first byte, the client left first): epp drops the pick's
+    load without changing any engine's running count."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,6 +85,7 @@ _OUTCOME_TO_PB: dict[CompletionOutcome, int] = {
     CompletionOutcome.SUCCESS: epp_pb2.COMPLETION_OUTCOME_SUCCESS,
     CompletionOutcome.ERROR: epp_pb2.COMPLETION_OUTCOME_ERROR,
     CompletionOutcome.CANCELLED: epp_pb2.COMPLETION_OUTCOME_CANCELLED,
+    CompletionOutcome.NOT_DISPATCHED: epp_pb2.COMPLETION_OUTCOME_NOT_DISPATCHED,
 }
 _OUTCOME_FROM_PB: dict[int, CompletionOutcome] = {v: k for k, v in _OUTCOME_TO_PB.items()}
 

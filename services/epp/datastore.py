@@ -37,7 +37,12 @@ engine had not counted yet (reconciled against ``vllm:request_success_total`` as
 the completions of the last ``pending_pick_ttl_seconds``, so a completion the engine never counts
 cannot hide load for longer). Every count above is also clamped when read, not only at a scrape:
 a pick older than its TTL stops counting even if no scrape or completion arrives (a lost completion
-does not leak load).
+does not leak load). A pick the router received but never had an engine answer (admission refused the
+request after its early pick, every attempt failed before a first byte, the client left first) is
+reported ``NOT_DISPATCHED``: that pick alone is dropped (``picks``, ``picks_total``, pending,
+unprefilled, active tokens), the picks before it are not taken as delivered and no running count
+changes. A re-pick of a request (the router's retry after a failed attempt, or its pick at dispatch
+after the request queued) supersedes its earlier pick the same way.
 
 Active prompt tokens (``active_prompt_tokens``, Dynamo's "active blocks" in tokens, issue 9): the whole
 prompts of epp's picks to an endpoint that the router has not yet reported completed. vLLM 0.32 admits a
@@ -438,13 +443,13 @@ class Datastore:
             state.pending_picks += 1
             state.unprefilled += 1
             state.picks_total += 1
-            state.picks.append((now, max(0, prefill_tokens), request_id))
-            if request_id and (before := self._in_flight.get(request_id)) is not None and before != endpoint_id:
-                # a re-pick (the router re-dispatching it): the request no longer holds KV where it was
+            if request_id and (before := self._in_flight.get(request_id)) is not None:
+                # a re-pick (the router re-dispatching it after a failed attempt, or picking it again at
+                # dispatch after it queued): the earlier pick no longer holds KV, nor waits, where it went
                 earlier = self._states.get(before)
-                if earlier is not None and (entry := earlier.active.pop(request_id, None)) is not None:
-                    earlier.active_tokens -= entry[1]
-                    earlier.snapshot = None
+                if earlier is not None:
+                    self._drop_pick(earlier, request_id)
+            state.picks.append((now, max(0, prefill_tokens), request_id))
             if request_id and prompt_tokens > 0:
                 active = state.active
                 previous = active.pop(request_id, None)
@@ -462,7 +467,7 @@ class Datastore:
             for listener in self._activity:
                 listener(endpoint_id)
 
-    def note_completed(self, request_id: str, endpoint_id: str = "") -> bool:
+    def note_completed(self, request_id: str, endpoint_id: str = "", dispatched: bool = True) -> bool:
         """The router says request ``request_id`` ended on ``endpoint_id`` (any outcome); O(picks after it).
 
         Frees the pick where epp counted it (its pending and unprefilled counts, and those of the
@@ -470,7 +475,18 @@ class Datastore:
         running count until a scrape shows it finished (module docstring). ``endpoint_id`` empty:
         the endpoint it was picked to. Returns whether epp had picked the request (a completion for
         an unknown or forgotten id still counts on ``endpoint_id``).
+
+        ``dispatched=False`` (``COMPLETION_OUTCOME_NOT_DISPATCHED``: the router received the pick but
+        no engine answered the request: admission refused it after an early pick, every attempt
+        failed before its first byte, the client left first): only that pick is dropped (its active
+        prompt tokens, its pending and unprefilled counts, and from ``picks_total``, so the engine's
+        received count is reconciled without it); the picks before it are not taken as delivered
+        and no engine's running count changes (no engine counted it finished).
         """
+        if not dispatched:
+            picked_to = self._in_flight.pop(request_id, None) if request_id else None
+            picked = self._states.get(picked_to) if picked_to is not None else None
+            return picked is not None and self._drop_pick(picked, request_id)
         picked_to = self._in_flight.pop(request_id, None) if request_id else None
         found = False
         picked = self._states.get(picked_to) if picked_to is not None else None
@@ -497,6 +513,33 @@ class Datastore:
             served.unseen_completions += 1
             served.completions.append(self._clock.now())
         return found
+
+    @staticmethod
+    def _drop_pick(state: _EndpointState, request_id: str) -> bool:
+        """Forget ``request_id``'s latest pick to ``state``'s endpoint as one the engine never held:
+        out of ``picks`` and ``picks_total`` (a scrape then reconciles the engine's counts without it;
+        should the engine have received it after all, the reconcile clamps at 0), out of the pending
+        and unprefilled counts when it was among them, and its active prompt tokens freed. O(picks
+        after it), plus the deque's removal. Returns whether a pick was found."""
+        picks = state.picks
+        found = -1
+        for after, (_, _, rid) in enumerate(reversed(picks)):
+            if rid == request_id:
+                found = after
+                break
+        if found >= 0:
+            del picks[len(picks) - 1 - found]
+            state.picks_total -= 1
+            if state.pending_picks > found:
+                state.pending_picks -= 1
+            if state.unprefilled > found:
+                state.unprefilled -= 1
+        entry = state.active.pop(request_id, None)
+        if entry is not None:
+            state.active_tokens -= entry[1]
+        if found >= 0 or entry is not None:
+            state.snapshot = None
+        return found >= 0
 
     # -- reads ------------------------------------------------------------------------------
     def picks_total(self, endpoint_id: EndpointId) -> int:

@@ -134,7 +134,7 @@ def build_service(config: RouterConfig) -> GrpcService:
     passthrough_http = build_passthrough_client(config)  # /tokenize, /detokenize: off the hot path
     passthrough = Passthrough(config, passthrough_http,
                               lambda model: watcher.snapshot().values() if watcher is not None else (), flow.local_picker,
-                              flow.engine_health)
+                              flow.await_engine)
     api = RouterHttpApi(config, flow, catalog, readiness, passthrough)
     http_server = HttpServer(api.app(), config.host, config.http_port, config.shutdown_http_grace_seconds,
                              name="router-http", http=config.http_parser,

@@ -62,31 +62,46 @@ class RouterConfig(GrpcServiceConfig):
     mid-answer) before the router asks the engine's ``GET /health`` whether it still answers: an
     engine that hangs while its membership lease lives on (vLLM wedged behind a registration
     sidecar that keeps the lease; the process paused) is otherwise found only by the first-byte /
-    idle limits (300 s / 120 s) or ``request_timeout_seconds`` (600 s, non-streamed). A failed probe
-    (refused, reset, not 2xx; no answer within ``engine_health_probe_timeout_seconds`` counts only as
-    the second such probe in a row, ``engine_health_probe_interval_seconds`` after the first; never
-    while any request to the endpoint receives bytes: only an endpoint silent on every request it
-    serves can be hung) ends the wait as a departed endpoint's does (re-sent elsewhere before the first byte, the
-    in-stream error after it: ``health_probe_failed``); an answering ``/health`` keeps it waiting
-    (a long queue or prefill is not a hang). 10 s: well past a normal TTFT and decode gap, so an
-    engine that answers quickly costs nothing (no probe, no timer per request) and a busy one at
-    most one probe per ``engine_health_probe_interval_seconds``; a hung one (SIGSTOPped: its probes
-    time out) is found within this + max(timeout, interval) + timeout + the reaper's tick (at most
-    1 s): about 21 s with the defaults (one whose ``/health`` is refused or answers 503: about 16 s)."""
+    idle limits (300 s / 120 s) or ``request_timeout_seconds`` (600 s, non-streamed). A probe that
+    is refused, reset or answered non-2xx fails the endpoint at once; probes that only time out
+    (``engine_health_probe_timeout_seconds``) fail it once they span
+    ``engine_health_slow_fail_seconds``; never while any request to the endpoint receives bytes
+    (only an endpoint silent on every request it serves can be hung). A fast failure ends the wait
+    as a departed endpoint's does (re-sent elsewhere before the first byte, the in-stream error
+    after it: ``health_probe_failed``); timeouts alone end it *without* re-sending it (503 before
+    the first byte, the in-stream error after it: ``health_probe_timed_out``), since a busy engine
+    may be generating it; an answering ``/health`` keeps it waiting (a long queue or prefill is not
+    a hang). 10 s: well past a normal TTFT and decode gap, so an engine that answers quickly costs
+    nothing (no probe, no timer per request) and a busy one at most one probe per
+    ``engine_health_probe_interval_seconds``. With the defaults an engine whose ``/health`` is
+    refused or answers 503 is found in about 16 s, a hung one (SIGSTOPped: its probes time out)
+    in about 75 s (this + ``engine_health_slow_fail_seconds`` + a probe's timeout), or about 21 s
+    once its lease expired too."""
     engine_health_probe_timeout_seconds: float = Field(5.0, gt=0, le=60)
     """Timeout of the ``/health`` probe of an endpoint that requests wait on past
     ``engine_health_probe_after_seconds`` (or that left membership; one probe per endpoint at a
-    time, not per request). A SIGSTOPped engine accepts TCP connects but never answers: only an
-    HTTP 2xx answer within this counts as alive (vLLM answers 503 once its engine is dead). A probe
-    that times out is a failure only as the second in a row: long silences happen most on an
-    overloaded engine, which is when vLLM's ``GET /health`` is slow (its handler waits behind the
-    API server's busy event loop: 30-40 s under high load, vllm-project/vllm PR #38157). 5 s (was
-    1 s): a loaded engine's answer in a few seconds still counts, and a hung one is still found in
-    about 21 s, far within the first-byte / idle limits."""
+    time, not per request, shared by the passthrough routes). A SIGSTOPped engine accepts TCP
+    connects but never answers: only an HTTP 2xx answer within this counts as alive (vLLM answers
+    503 once its engine is dead). A probe that times out is no failure by itself (see
+    ``engine_health_slow_fail_seconds``). 5 s: a loaded engine's answer in a few seconds still
+    counts as alive."""
     engine_health_probe_interval_seconds: float = Field(5.0, gt=0, le=3600)
     """How often an endpoint that answered its probe is probed again while requests still wait on it
-    without a byte; after a probe that timed out, the next one is sent this long after it (a second
-    timeout then fails the endpoint)."""
+    without a byte; after a probe that timed out, the next one is sent this long after it."""
+    engine_health_slow_fail_seconds: float = Field(60.0, gt=0, le=3600)
+    """How long consecutive ``/health`` probes that only time out (no refusal, reset or error
+    status; no byte from the endpoint on any request meanwhile) must span, from the first one's
+    send to the latest one's timeout, before the endpoint counts as hung while its lease lives
+    (once it left membership, two such probes an interval apart suffice). vLLM's ``GET /health``
+    (``vllm/entrypoints/serve/instrumentator/health.py``, 0.32) awaits
+    ``EngineClient.check_health()``, which in ``AsyncLLM`` only checks whether the engine core
+    died: it answers 200 (503 when dead) as soon as the API server's event loop runs it, so a slow
+    answer means that loop is saturated, measured at 30-40 s under high load (vllm-project/vllm
+    PR #38157), not that the engine hangs. 60 s: above that, so a busy engine is never cut for a
+    slow ``/health`` (its requests would be cut and, before their first byte, generated twice),
+    and still below the idle limit (``engine_stream_idle_timeout_seconds``, 120 s). Requests cut on
+    timeouts alone are never re-sent (503 + ``retry-after``, or the in-stream error mid-answer): the
+    engine may be generating them."""
     request_body_timeout_seconds: float = Field(60.0, gt=0, le=3600)
     """Longest time to receive a request's whole body once its headers arrived (nginx's
     ``client_body_timeout`` is 60 s): a client that declares more than it sends (or drips it) gets

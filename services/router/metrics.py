@@ -9,7 +9,7 @@
 | ``kvmesh_router_upstream_retries_total`` | counter | — |
 | ``kvmesh_router_stage_duration_seconds`` | histogram (STAGE_BUCKETS_SECONDS) | stage |
 | ``kvmesh_router_epp_completions_dropped_total`` | counter | reason (queue_full, unreachable): completions not told to epp |
-| ``kvmesh_router_engine_stalled_total`` | counter | reason (first_byte_timeout, idle_timeout, endpoint_left, health_probe_failed), action (redispatched, abandoned, ended) |
+| ``kvmesh_router_engine_stalled_total`` | counter | reason (first_byte_timeout, idle_timeout, endpoint_left, health_probe_failed, health_probe_timed_out), action (redispatched, abandoned, ended) |
 
 ``stage`` (:data:`STAGES`, where a request's time goes in the router; epp's own stages, the
 prefix-match step's tokenize and Score included, are epp's ``kvmesh_epp_plugin_duration_seconds``):
@@ -119,8 +119,9 @@ ENGINE_STALLED = Counter(
     "Engine requests ended because the engine stopped answering without failing: reason first_byte_timeout "
     "(engine_first_byte_timeout_seconds), idle_timeout (engine_stream_idle_timeout_seconds mid-answer), "
     "endpoint_left (it left membership, lease expired or deregistered, while the request waited on it and its "
-    "/health failed) or health_probe_failed (no byte past engine_health_probe_after_seconds, its lease alive, and its /health "
-    "failed); action redispatched (no byte had reached the client and another attempt started: the next "
+    "/health failed), health_probe_failed (no byte past engine_health_probe_after_seconds, its lease alive, and its /health "
+    "refused, reset or not 2xx) or health_probe_timed_out (likewise, its /health probes only timing out, for longer than "
+    "engine_health_slow_fail_seconds: an inference request is then not re-sent); action redispatched (no byte had reached the client and another attempt started: the next "
     "candidate), abandoned (no byte had reached the client and no attempt followed: no candidate left, the "
     "re-pick failed or the client went away; the request ends with that error, e.g. 503) or ended (the answer had "
     "started: in-stream error, gRPC UNAVAILABLE). A wait ended by the router stopping is not counted, nor the "

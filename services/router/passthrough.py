@@ -10,15 +10,17 @@ degraded pick does), with the pool's engine key and the forwarded client headers
 ``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel`` go to the one endpoint that stored the response
 (:meth:`Passthrough.to_endpoint`; :mod:`services.router.response_affinity`), with the same headers.
 
-A hung engine (docs/degraded-modes.md, "an engine hung"): an engine that gives no answer within
-``engine_health_probe_after_seconds`` has its ``GET /health`` asked (then again every
-``engine_health_probe_interval_seconds``); when that fails too (refused, reset or not 2xx; no answer
-within ``engine_health_probe_timeout_seconds`` only twice in a row, an overloaded vLLM answers
-``/health`` late; and never while another request to the engine receives bytes:
-:meth:`~services.router.request_flow.RequestFlow.engine_health`) the wait ends as a transport failure
-does (``/tokenize``, ``/detokenize``: the next endpoint; a stored response's route: 503), counted as
-``kvmesh_router_engine_stalled_total{reason="health_probe_failed"}`` (``action="redispatched"`` once
-another endpoint is tried, and a retry; ``"abandoned"`` when none is left: 503); while it answers, the wait goes
+A hung engine (docs/degraded-modes.md, "an engine hung"): each wait runs under the request flow's
+hung-engine watch (:meth:`~services.router.request_flow.RequestFlow.await_engine`), the same one the
+inference requests use: an engine that gives no answer within ``engine_health_probe_after_seconds``
+has its ``GET /health`` probed, one probe per endpoint at a time however many requests (passed through
+or not) wait on it, again every ``engine_health_probe_interval_seconds``. When the probes fail
+(refused, reset or not 2xx; or only timing out, for longer than ``engine_health_slow_fail_seconds``;
+never while another request to the engine receives bytes) the wait ends as a transport failure does
+(``/tokenize``, ``/detokenize``, which run no inference: the next endpoint, whatever the verdict; a stored
+response's route: 503), counted as ``kvmesh_router_engine_stalled_total{reason}`` (``health_probe_failed``,
+``health_probe_timed_out`` or ``endpoint_left``; ``action="redispatched"`` once another endpoint is tried,
+and a retry; ``"abandoned"`` when none follows: 503, or the client left); while it answers, the wait goes
 on (up to ``request_timeout_seconds``). Before, a hung engine held these for ``request_timeout_seconds``.
 
 Errors: no live endpoint of a model served recently is :class:`~services.router.validation.ModelUnavailable`
@@ -27,12 +29,11 @@ Errors: no live endpoint of a model served recently is :class:`~services.router.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import httpx
 
@@ -42,7 +43,7 @@ from services.router import metrics
 from services.router.config import RouterConfig
 from services.router.degraded import LocalPicker
 from services.router.headers import engine_authorization
-from services.router.request_flow import REQUEST_ID_HEADER, Health
+from services.router.request_flow import REQUEST_ID_HEADER, EngineStall
 from services.router.response_affinity import StoredResponseGone
 from services.router.validation import ModelUnavailable
 
@@ -59,19 +60,20 @@ class PassedAnswer:
     endpoint_id: str
 
 
-class EngineHung(Exception):
-    """The engine gave no answer past ``engine_health_probe_after_seconds`` and its ``/health`` failed."""
+AwaitEngine: TypeAlias = Callable[[Endpoint, str, Awaitable[httpx.Response]], Awaitable[httpx.Response]]
+"""``await_engine(endpoint, request_id, sending)``: ``sending``'s answer under the hung-engine watch
+(:meth:`~services.router.request_flow.RequestFlow.await_engine`; raises ``EngineStall``)."""
 
 
 class Passthrough:
     """Sends a body to one live endpoint of a model (see the module docstring).
 
-    ``answers(endpoint)``: the verdict of the endpoint's ``/health``
-    (:meth:`~services.router.request_flow.RequestFlow.engine_health`); None: waits are not probed."""
+    ``answers``: the request flow's :meth:`~services.router.request_flow.RequestFlow.await_engine`
+    (the shared hung-engine watch); None: waits are not watched."""
 
     def __init__(
         self, config: RouterConfig, http: httpx.AsyncClient, endpoints: Callable[[str], Iterable[Endpoint]],
-        picker: LocalPicker, answers: Callable[[Endpoint], Awaitable[Health]] | None = None,
+        picker: LocalPicker, answers: AwaitEngine | None = None,
     ) -> None:
         self._config = config
         self._http = http
@@ -79,34 +81,16 @@ class Passthrough:
         self._picker = picker
         self._answers = answers
 
-    async def _answer(self, endpoint: Endpoint, sending: Awaitable[httpx.Response]) -> httpx.Response:
-        """``sending``'s answer, the engine's ``/health`` asked past the probe threshold (module docstring).
+    async def _answer(self, endpoint: Endpoint, request_id: str, sending: Awaitable[httpx.Response]) -> httpx.Response:
+        """``sending``'s answer, watched as the module docstring says.
 
         Raises:
-            EngineHung: no answer, and the probe failed: ``dead``, or ``slow`` twice in a row (they
-                are ``engine_health_probe_interval_seconds`` apart); the request is cancelled.
+            EngineStall: no answer, and the endpoint's probes failed; the request is cancelled.
             httpx.TransportError: as the request raises it.
         """
-        task = asyncio.ensure_future(sending)
-        wait = self._config.engine_health_probe_after_seconds
-        slow = False
-        try:
-            while True:
-                done, _ = await asyncio.wait([task], timeout=wait)
-                if done:
-                    return task.result()
-                health = "alive" if self._answers is None else await self._answers(endpoint)
-                if (health == "dead" or (health == "slow" and slow)) and not task.done():
-                    raise EngineHung(f"engine {endpoint.id} gave no answer for "
-                                     f"{self._config.engine_health_probe_after_seconds:g}s and its /health does not answer")
-                slow = health == "slow"
-                wait = self._config.engine_health_probe_interval_seconds
-        finally:
-            if task.done():
-                if not task.cancelled():
-                    task.exception()  # retrieved (raised above when it was the answer)
-            else:
-                task.cancel()
+        if self._answers is None:
+            return await sending
+        return await self._answers(endpoint, request_id, sending)
 
     async def forward(
         self, path: str, model: str, body: dict[str, Any], request_id: str, forward_headers: tuple[tuple[str, str], ...] = (),
@@ -128,14 +112,15 @@ class Passthrough:
             raise ModelUnavailable(f"model '{model}' has no live endpoint right now; retry later")
         try:
             for endpoint in candidates[: self._config.max_fallback_attempts]:
-                if last_error is not None:  # another attempt starts: the failed one moved on
-                    _moved_on(last_error)
+                if last_error is not None:  # another attempt starts: the failed one moved on (counted once)
+                    failed, last_error = last_error, None
+                    _moved_on(failed)
                 tried.append(endpoint.id)
                 self._picker.note_start(endpoint.id)
                 try:
-                    reply = await self._answer(endpoint, self._http.post(endpoint.url + path, content=content,
-                                                                         headers=headers))
-                except (httpx.TransportError, EngineHung) as exc:
+                    reply = await self._answer(endpoint, request_id, self._http.post(
+                        endpoint.url + path, content=content, headers=headers))
+                except (httpx.TransportError, EngineStall) as exc:
                     last_error = exc
                     logger.warning("engine failed request_id=%s endpoint=%s path=%s error=%r", request_id, endpoint.id,
                                    path, exc)
@@ -148,8 +133,8 @@ class Passthrough:
             raise errors.NoEndpointsAvailable(
                 f"no endpoint answered {path} for model '{model}' after {len(tried)} attempt(s): {last_error!r}")
         finally:
-            if isinstance(last_error, EngineHung):  # no attempt followed it: the client gets 503 (or went away)
-                metrics.record_engine_stalled("health_probe_failed", "abandoned")
+            if isinstance(last_error, EngineStall):  # no attempt followed it: the client gets 503 (or went away)
+                metrics.record_engine_stalled(last_error.reason, "abandoned")
 
     async def to_endpoint(
         self, method: str, path: str, model: str, endpoint_id: str, request_id: str,
@@ -170,10 +155,11 @@ class Passthrough:
         headers = [*((k, v) for k, v in forward_headers if k not in own), *own.items()]
         self._picker.note_start(endpoint.id)
         try:
-            reply = await self._answer(endpoint, self._http.request(method, endpoint.url + path, headers=headers))
-        except (httpx.TransportError, EngineHung) as exc:
-            if isinstance(exc, EngineHung):  # no byte reached the client, and no other endpoint holds it: 503
-                metrics.record_engine_stalled("health_probe_failed", "abandoned")
+            reply = await self._answer(endpoint, request_id, self._http.request(method, endpoint.url + path,
+                                                                                headers=headers))
+        except (httpx.TransportError, EngineStall) as exc:
+            if isinstance(exc, EngineStall):  # no byte reached the client, and no other endpoint holds it: 503
+                metrics.record_engine_stalled(exc.reason, "abandoned")
             raise errors.NoEndpointsAvailable(f"endpoint {endpoint.id} did not answer {method} {path}: {exc!r}") from exc
         finally:
             self._picker.note_end(endpoint.id)
@@ -184,5 +170,5 @@ class Passthrough:
 def _moved_on(failed: Exception) -> None:
     """Another endpoint is tried after ``failed``: one retry, and a stall ``redispatched`` for a hung engine."""
     metrics.record_retry()
-    if isinstance(failed, EngineHung):
-        metrics.record_engine_stalled("health_probe_failed", "redispatched")
+    if isinstance(failed, EngineStall):
+        metrics.record_engine_stalled(failed.reason, "redispatched")

@@ -39,9 +39,9 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
 import httpx
 import msgspec
@@ -86,6 +86,7 @@ from services.router.validation import ModelUnavailable, RouterRequest, check_co
 
 logger = logging.getLogger(__name__)
 _tracer = tracer("kvmesh.router")
+_T = TypeVar("_T")
 
 REQUEST_ID_HEADER = "x-request-id"
 ENDPOINT_HEADER = "x-kvmesh-endpoint"
@@ -123,7 +124,8 @@ class EngineStall(EngineUnreachable):
     failed while the request waited on it (past ``engine_health_probe_after_seconds``, or
     ``engine_departed_idle_seconds`` once it left membership): the request moves to the next
     candidate, as for a refused connection. ``reason``: ``first_byte_timeout``,
-    ``health_probe_failed`` or ``endpoint_left``; ``endpoint_id``, ``request_id`` and ``waited``
+    ``health_probe_failed`` or ``endpoint_left`` (``health_probe_timed_out`` only for a request that
+    runs no inference: :meth:`RequestFlow.await_engine`); ``endpoint_id``, ``request_id`` and ``waited``
     (seconds without a byte) for the stall's count and log line, which wait until it is known
     whether another attempt starts (``redispatched``) or not (``abandoned``)."""
 
@@ -131,6 +133,17 @@ class EngineStall(EngineUnreachable):
                  waited: float = 0.0) -> None:
         super().__init__(message)
         self.reason, self.endpoint_id, self.request_id, self.waited = reason, endpoint_id, request_id, waited
+
+
+class EngineUnresponsive(EngineFailed):
+    """The engine gave no byte past ``engine_health_probe_after_seconds`` and its ``/health`` probes
+    only timed out, for longer than ``engine_health_slow_fail_seconds`` (no refusal, no error status,
+    its lease alive): a hang or an engine too loaded to answer its API server's ``/health``. The
+    request is *not* re-sent, since the engine may be generating it (a non-streamed answer sends
+    nothing until it is done; a stream waits for its first token through the queue and the
+    prefill): it ends 503 / ``UNAVAILABLE`` and the engine request is cancelled (the connection
+    closed; vLLM aborts it once its loop notices). Counted ``health_probe_timed_out`` /
+    ``abandoned``."""
 
 
 def seconds_text(seconds: float) -> str:
@@ -141,10 +154,13 @@ def seconds_text(seconds: float) -> str:
     return f"{seconds:.2g}s" if seconds > 0 else "0s"
 
 
-STALL_REASONS = ("first_byte_timeout", "idle_timeout", "endpoint_left", "health_probe_failed")
+STALL_REASONS = ("first_byte_timeout", "idle_timeout", "endpoint_left", "health_probe_failed", "health_probe_timed_out")
 """``kvmesh_router_engine_stalled_total``'s reasons: a wait past the first-byte or idle limit, or
 past the probe threshold (:meth:`RequestFlow._check`) on an endpoint whose ``/health`` failed, which
-had left membership (``endpoint_left``) or not (``health_probe_failed``: the lease lives on)."""
+had left membership (``endpoint_left``) or not (``health_probe_failed``: refused, reset or not 2xx,
+the lease alive; ``health_probe_timed_out``: its probes only timed out, for longer than
+``engine_health_slow_fail_seconds``)."""
+_TIMED_OUT = "health_probe_timed_out"
 _SHUTDOWN = "shutdown"
 
 
@@ -174,6 +190,10 @@ class _EngineWatch:
     probe: _Probe | None = None
     """The endpoint's probe state, shared by every watch on it: each piece of an answer counts in its
     ``heard`` (a probe that fails while another request to the endpoint receives bytes is no hang)."""
+    resend_on_slow: bool = False
+    """A request that runs no inference (``/tokenize``): ended on probes that only timed out, it may
+    go to the next endpoint (:class:`EngineStall`); an inference request then ends
+    (:class:`EngineUnresponsive`): it is never re-sent on slowness alone."""
 
     def heard(self) -> None:
         """A piece of the engine's answer arrived (headers, a body chunk): the endpoint is alive."""
@@ -193,6 +213,11 @@ class _EngineWatch:
             return "it left the pool and its /health does not answer"
         if self.reason == "health_probe_failed":
             return f"no data for {seconds_text(self.waited)} and its /health does not answer"
+        if self.reason == _TIMED_OUT:
+            probe = self.probe
+            slow = (probe.checked_at or 0.0) - (probe.slow_since or 0.0) if probe is not None else 0.0
+            return (f"no data for {seconds_text(self.waited)} and its /health gave no answer in time for "
+                    f"{seconds_text(slow)}")
         return timed_out
 
     def failure(self) -> EngineFailed:
@@ -209,6 +234,10 @@ class _EngineWatch:
         if self.reason == _SHUTDOWN:
             return ShuttingDown(SHUTDOWN_MESSAGE)
         why = self._why(f"no first byte within {seconds_text(self.waited)}")
+        if self.reason == _TIMED_OUT and not self.resend_on_slow:  # never re-sent on slowness alone
+            self.on_stall(self, "abandoned")
+            return EngineUnresponsive(f"engine {self.endpoint_id} did not answer: {why}; the request may still "
+                                      "be running there, so it was not sent elsewhere; retry it")
         return EngineStall(self.reason or "first_byte_timeout", f"engine {self.endpoint_id} did not answer: {why}",
                            self.endpoint_id, self.request_id, self.waited)
 
@@ -218,6 +247,12 @@ Health = Literal["alive", "slow", "dead"]
 it ran), ``slow`` (no answer within ``engine_health_probe_timeout_seconds``: an overloaded vLLM
 answers late, its handler queued behind the API server's loop), ``dead`` (refused, reset, not 2xx)."""
 
+Verdict = Literal["alive", "dead", "timed_out"]
+"""What the probes say of an endpoint for one wait (:meth:`RequestFlow._answers`): ``alive``,
+``dead`` (a fast verdict: refused, reset, not 2xx; or, once the endpoint left membership, two
+consecutive timeouts an interval apart) or ``timed_out`` (consecutive timeouts only, spanning more
+than ``engine_health_slow_fail_seconds``)."""
+
 
 @dataclass(slots=True)
 class _Probe:
@@ -225,7 +260,8 @@ class _Probe:
     (``task``), the last verdict (``alive``: True, False = failed, None = not known, e.g. after a
     single slow probe), when that probe was sent and when it answered (or failed); ``heard``:
     pieces of answers received from the endpoint (by every request to it), ``heard_at_send`` its
-    value when the probe was sent; ``slow_since``: when the first of consecutive slow probes was sent."""
+    value when the probe was sent; ``slow_since``: when the first of consecutive slow probes was sent,
+    ``slow_probes`` their number (``alive`` stays None through them)."""
 
     task: asyncio.Task[None] | None = None
     alive: bool | None = None
@@ -234,6 +270,7 @@ class _Probe:
     heard: int = 0
     heard_at_send: int = 0
     slow_since: float | None = None
+    slow_probes: int = 0
     bound: int = 0
     """Requests bound to the endpoint (watches holding this probe): at 0, with no probe running, it is dropped."""
 
@@ -548,7 +585,11 @@ class _Lifetime:
     on_end: Callable[[], None] | None = None
     """Called once when the request ends after an endpoint was chosen (the local picker's count)."""
     on_completed: Callable[[RequestCompletion], None] | None = None
-    """Told once how a request that reached an engine ended (epp's ``Completed``; must not block)."""
+    """Told once how a request ended that epp was asked to pick (epp's ``Completed``; must not block):
+    its outcome once an engine answered it, else ``NOT_DISPATCHED`` (epp drops the pick's load)."""
+    picks_asked: bool = False
+    """epp was asked for a pick of this request (an early pick, or the dispatch's): when no engine
+    answers it, epp is told ``NOT_DISPATCHED`` (else the pick's active prompt tokens stay counted)."""
     proxy_span: trace.Span | None = None
     session: FlowSession | None = None
     exception: BaseException | None = None
@@ -564,12 +605,17 @@ class _Lifetime:
             await self._close_opened(self.session)
 
     async def _close_unopened(self) -> None:
-        """Entering failed: release the slot (if admitted); the caller answers (and counts) the error."""
+        """Entering failed: release the slot (if admitted), tell epp the pick it made was not
+        dispatched (admission refused the request after an early pick, every attempt failed before
+        its first byte, the client left first); the caller answers (and counts) the error."""
         try:
             if self.ticket is not None:
                 e2e = self.clock() - self.started
                 await self.ticket.close(CompletionReport(self.request.prompt_tokens_estimate, 0, 0.0, e2e, False))
         finally:
+            if self.picks_asked and self.on_completed is not None:  # fire-and-forget, as for a dispatched one
+                self.on_completed(RequestCompletion(self.meta.request_id, "", self.request.prompt_tokens_estimate, 0,
+                                                    CompletionOutcome.NOT_DISPATCHED))
             metrics.IN_FLIGHT.dec()
             if self.client_gone:
                 metrics.record_outcome(RequestOutcome.CANCELLED)  # other errors are counted where they are answered
@@ -759,8 +805,9 @@ class RequestFlow:
         """End the waits on an engine that must end now. A wait without a byte past
         ``engine_health_probe_after_seconds`` (``engine_departed_idle_seconds`` once its endpoint
         left membership) has the endpoint's ``/health`` probed (:meth:`_answers`) and ends when the
-        probe failed (``health_probe_failed`` / ``endpoint_left``); any wait past its own limit
-        ends (``first_byte_timeout`` / ``idle_timeout``). One pass over the waits, no timer per
+        probes fail (``health_probe_failed`` / ``endpoint_left``, or ``health_probe_timed_out``
+        when they only timed out, past ``engine_health_slow_fail_seconds``); any wait past its own
+        limit ends (``first_byte_timeout`` / ``idle_timeout``). One pass over the waits, no timer per
         request: a request answered before the threshold costs nothing here."""
         now = _now()
         config = self._config
@@ -770,42 +817,61 @@ class RequestFlow:
             if since is None or watch.reason is not None:
                 continue
             waited = now - since
-            if waited > (departed_after if watch.departed else probe_after) and self._answers(watch, now) is False:
-                self._end(watch, "endpoint_left" if watch.departed else "health_probe_failed", now)
-                continue
+            if waited > (departed_after if watch.departed else probe_after):
+                verdict = self._answers(watch, now)
+                if verdict == "dead":
+                    self._end(watch, "endpoint_left" if watch.departed else "health_probe_failed", now)
+                    continue
+                if verdict == "timed_out":
+                    self._end(watch, _TIMED_OUT, now)
+                    continue
             if waited > watch.limit:
                 self._end(watch, "first_byte_timeout" if watch.first else "idle_timeout", now)
 
-    def _answers(self, watch: _EngineWatch, now: float, fresh: bool = False) -> bool | None:
-        """Whether the endpoint ``watch`` waits on is alive: False when it failed a probe sent during
-        this wait, True when it proved alive within ``engine_health_probe_interval_seconds``, None
-        while not known (a probe is then running, or one was slow and the next is not due yet). One
-        probe per endpoint at a time, not per request (``engine_health_probe_timeout_seconds``);
-        ``fresh``: a new one unless one runs (the endpoint just left membership). A wait that began
-        after a failed probe gets a probe of its own (the engine may be back). The verdict
-        (:meth:`_probe`): a SIGSTOPped engine still accepts TCP connects, so only an HTTP 2xx answer
-        counts; a request to the endpoint that received a byte while the probe ran proves it alive
-        (only an endpoint silent on every request it serves can be hung); a probe that got no
-        answer in time fails only as the second consecutive one at least the interval apart (an
-        overloaded vLLM answers ``/health`` late). Leaving membership is no proof of a hang (a
-        draining engine deregisters first and then finishes its requests; an etcd that lost its
-        data makes every endpoint "leave"), nor is a long silence (a deep queue, a long prefill, a
-        whole non-streamed generation): a wait is cut only when the probe fails too."""
+    def _answers(self, watch: _EngineWatch, now: float, fresh: bool = False) -> Verdict | None:
+        """What the probes say of the endpoint ``watch`` waits on (:data:`Verdict`): ``dead`` when a
+        probe sent during this wait failed fast, ``timed_out`` when the latest probe, sent during
+        this wait, closed a run of timeouts spanning more than ``engine_health_slow_fail_seconds``,
+        ``alive`` when it proved alive within ``engine_health_probe_interval_seconds``, None while
+        not known (a probe is then running, or the next one is not due yet). One probe per endpoint
+        at a time, not per request (``engine_health_probe_timeout_seconds``); ``fresh``: a new one
+        unless one runs (the endpoint just left membership). A wait that began after a failed probe
+        gets a probe of its own (the engine may be back).
+
+        The verdicts (:meth:`_probe`): a SIGSTOPped engine still accepts TCP connects, so only an
+        HTTP 2xx answer counts; a request to the endpoint that received a byte while the probe ran
+        proves it alive (only an endpoint silent on every request it serves can be hung). A refusal,
+        a reset or a non-2xx answer fails at once (vLLM answers 503 once its engine is dead). A
+        probe that got no answer in time is no proof of a hang: vLLM's ``GET /health``
+        (``vllm/entrypoints/serve/instrumentator/health.py``, 0.32) only awaits
+        ``EngineClient.check_health()``, a flag check in ``AsyncLLM``, so it is slow exactly when the
+        API server's event loop is saturated (30-40 s under high load), which is when long silences
+        happen. Timeouts alone fail the endpoint only once they span ``engine_health_slow_fail_seconds``
+        (or, once it left membership, two in a row an interval apart: the lease's expiry is the
+        second signal). Leaving membership alone is no proof of a hang either (a draining engine
+        deregisters first and then finishes its requests; an etcd that lost its data makes every
+        endpoint "leave"), nor is a long silence (a deep queue, a long prefill, a whole non-streamed
+        generation): a wait is cut only when the probes fail too."""
         probe = watch.probe
-        if probe is None:
-            return None
-        if probe.task is not None:
+        if probe is None or probe.task is not None:
             return None
         interval = self._config.engine_health_probe_interval_seconds
         if probe.checked_at is not None and not fresh:
+            during = watch.since is not None and probe.sent_at >= watch.since  # the latest probe, sent during this wait
             if probe.alive:
                 if now - probe.checked_at < interval:
-                    return True
+                    return "alive"
             elif probe.alive is False:
-                if watch.since is not None and probe.sent_at >= watch.since:
-                    return False
-            elif now - probe.sent_at < interval:  # one slow probe: the next one, an interval later, decides
-                return None
+                if during:
+                    return "dead"
+            else:  # a run of probes that timed out
+                if during and probe.slow_since is not None:
+                    if watch.departed and probe.slow_probes >= 2 and probe.sent_at - probe.slow_since >= interval:
+                        return "dead"
+                    if probe.checked_at - probe.slow_since > self._config.engine_health_slow_fail_seconds:
+                        return "timed_out"
+                if now - probe.sent_at < interval:  # the next one, an interval after the last, decides
+                    return None
         probe.sent_at, probe.heard_at_send = now, probe.heard
         probe.task = asyncio.ensure_future(self._probe(probe, watch.endpoint_id, watch.url))
         return None
@@ -815,25 +881,52 @@ class RequestFlow:
         if health != "alive" and probe.heard != probe.heard_at_send:
             health = "alive"  # a request to it received a byte meanwhile: it serves, whatever /health says
         if health == "alive":
-            probe.alive, probe.slow_since = True, None
+            probe.alive, probe.slow_since, probe.slow_probes = True, None, 0
         elif health == "dead":
-            probe.alive, probe.slow_since = False, None
-        elif probe.slow_since is None:  # the first slow probe: not known yet
-            probe.alive, probe.slow_since = None, probe.sent_at
-        elif probe.sent_at - probe.slow_since >= self._config.engine_health_probe_interval_seconds:
-            probe.alive = False  # the second consecutive slow probe, an interval after the first
-        else:
+            probe.alive, probe.slow_since, probe.slow_probes = False, None, 0
+        else:  # timed out: not known yet; the run's span decides (_answers)
+            if probe.slow_since is None:
+                probe.slow_since = probe.sent_at
             probe.alive = None
+            probe.slow_probes += 1
         probe.checked_at, probe.task = _now(), None
-        if probe.alive is False:
-            self._check()  # end its waits now, not at the next tick
+        if probe.alive is not True:
+            self._check()  # end the waits it fails now, not at the next tick
         self._forget(endpoint_id, probe)
 
+    async def await_engine(self, endpoint: Endpoint, request_id: str, sending: Awaitable[_T]) -> _T:
+        """``sending`` (a request to ``endpoint`` that runs no inference: the passthrough routes,
+        :mod:`services.router.passthrough`) awaited under the same hung-engine watch as the
+        inference requests: past ``engine_health_probe_after_seconds`` the endpoint's ``/health`` is
+        probed, one probe per endpoint shared with every other request waiting on it (:meth:`_answers`),
+        and the wait ends when the probes fail; its answer counts as a byte heard from the endpoint.
+        No limit of its own (``sending``'s client bounds it).
+
+        Raises:
+            EngineStall: the probes failed (``health_probe_failed``, ``endpoint_left``, or
+                ``health_probe_timed_out``: such a request may be re-sent); ``sending`` is cancelled.
+            ShuttingDown: the router is stopping.
+        """
+        watch = self._watch(endpoint, request_id, stream=False)
+        watch.limit, watch.resend_on_slow = float("inf"), True
+        watch.since = _now()
+        try:
+            result = await sending
+            watch.heard()
+            return result
+        except asyncio.CancelledError:
+            watch.since = None
+            if not watch.owns_cancel():
+                raise
+            raise watch.unreachable() from None
+        finally:
+            self._unwatch(watch)
+
     async def engine_health(self, endpoint: Endpoint) -> Health:
-        """``endpoint``'s ``GET /health`` verdict (:data:`Health`, within
+        """``endpoint``'s ``GET /health`` verdict now (:data:`Health`, within
         ``engine_health_probe_timeout_seconds``), ``alive`` also when a request bound to it through
-        this flow received a byte while the probe ran. The probe of the passthrough routes'
-        waits (:mod:`services.router.passthrough`), which apply the same rules as :meth:`_answers`."""
+        this flow received a byte while the probe ran: one probe, outside the shared per-endpoint
+        state (waits on an engine use :meth:`_answers` / :meth:`await_engine`)."""
         probe = self._probes.get(endpoint.id)
         heard = probe.heard if probe is not None else 0
         health = await self._health_of(endpoint.url)
@@ -1017,9 +1110,13 @@ class RequestFlow:
         )
         metrics.IN_FLIGHT.inc()
         watch: _EngineWatch | None = None
+        # set before any pick: a request that ends without an engine's answer still tells epp (NOT_DISPATCHED)
+        life.on_completed = getattr(self._picker, "report_completed", None)
+        by_epp = request.pinned_endpoint_id is None or request.previous_response_id is None  # not pinned
         try:
             with trace.use_span(life.span, end_on_exit=False):
                 early_pick = self._start_early_pick(request, meta)
+                life.picks_asked = early_pick is not None and by_epp
                 try:
                     life.ticket = await self._admit(request, meta)
                 except BaseException as exc:
@@ -1029,11 +1126,11 @@ class RequestFlow:
                     raise
                 metrics.record_stage("admission", self._clock() - life.started)
                 early_pick = await self._keep_early_pick(early_pick, life.ticket)
+                life.picks_asked = by_epp
                 response, endpoint, life.proxy_span, attempts, watch = await self._connect(request, meta, early_pick,
                                                                                            life.started)
             life.span.set_attribute("kvmesh.endpoint", endpoint.id)  # note_start ran when its headers came
             life.on_end = lambda: self.local_picker.note_end(endpoint.id)
-            life.on_completed = getattr(self._picker, "report_completed", None)
             life.session = FlowSession(
                 request=request,
                 meta=meta,

@@ -315,6 +315,8 @@ class _Engine:
             if not hung:
                 return httpx.Response(200)
             self.probes += 1
+            if self.health == REFUSED:
+                raise httpx.ConnectError("connection refused", request=request)
             if self.health not in (None, 200):
                 return httpx.Response(self.health or 503)
             return httpx.Response(200, content=self._probe())
@@ -341,18 +343,23 @@ class _Engine:
             self.probing -= 1
 
 
+REFUSED = -1
+"""``_Engine.health``: its /health connection is refused (the server process gone)."""
+TIMED_OUT = PROBE.model_copy(update={"engine_health_slow_fail_seconds": 0.6})
+"""Probes that only time out fail the endpoint once they span 0.6 s (threshold 0.1 s, probe timeout 0.2 s)."""
+
+
 def _probe_flow(engine: _Engine, config: RouterConfig = PROBE) -> RequestFlow:
     return RequestFlow(config, lambda: CATALOG, FakeAdmission(), FakePicker((A, B)),
                        httpx.AsyncClient(transport=httpx.MockTransport(engine)))
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "non-streamed"])
-@pytest.mark.parametrize("health", [None, 503], ids=["health-silent", "health-503"])
-async def test_no_byte_past_the_probe_threshold_and_a_failed_probe_moves_the_request(stream: bool, health: int | None) -> None:
+@pytest.mark.parametrize("health", [503, REFUSED], ids=["health-503", "health-refused"])
+async def test_no_byte_past_the_probe_threshold_and_a_failed_probe_moves_the_request(stream: bool, health: int) -> None:
     """The engine keeps its lease (no membership change at all) and says nothing, before its first byte;
-    its /health does not answer (or answers 503, vLLM's dead engine): the request moves to B at about
-    the threshold + the probe timeout (a silent /health: two probes in a row, an interval apart), not
-    after the 300 s first-byte or 30 s request timeout."""
+    its /health answers 503 (vLLM's dead engine) or is refused: a fast verdict, the request moves to B at
+    about the threshold (one probe), not after the 300 s first-byte or 30 s request timeout."""
     engine = _Engine(stall_at=0, health=health)
     flow = _probe_flow(engine)
     before = _stalled("health_probe_failed", "redispatched")
@@ -362,22 +369,81 @@ async def test_no_byte_past_the_probe_threshold_and_a_failed_probe_moves_the_req
     elapsed = asyncio.get_running_loop().time() - started
     assert session.endpoint.id == B.id and session.attempts == 2 and raw == SSE
     assert _stalled("health_probe_failed", "redispatched") == before + 1
-    assert engine.probes == (2 if health is None else 1)
-    assert 0.1 <= elapsed < 3.0, elapsed  # 0.1 s threshold + at most two 0.2 s probes + a 0.05 s tick, plus a loaded host
+    assert engine.probes == 1
+    assert 0.1 <= elapsed < 3.0, elapsed  # 0.1 s threshold + one probe + a 0.05 s tick, plus a loaded host
     await flow.aclose()
 
 
-async def test_silent_mid_stream_and_a_failed_probe_ends_the_answer() -> None:
-    engine = _Engine(stall_at=1, health=None)
-    flow = _probe_flow(engine)
-    before = _stalled("health_probe_failed", "ended")
+@pytest.mark.parametrize("health", [503, None], ids=["health-503", "health-silent"])
+async def test_silent_mid_stream_and_a_failed_probe_ends_the_answer(health: int | None) -> None:
+    engine = _Engine(stall_at=1, health=health)
+    flow = _probe_flow(engine, TIMED_OUT)
+    reason = "health_probe_failed" if health else "health_probe_timed_out"
+    before = _stalled(reason, "ended")
     got: list[bytes] = []
-    with pytest.raises(EngineStalled, match=r"stopped answering mid-stream .*its /health does not answer"):
+    why = "its /health does not answer" if health else "its /health gave no answer in time"
+    with pytest.raises(EngineStalled, match=rf"stopped answering mid-stream .*{why}"):
         async with flow.session(_request(True), META) as session:
             async for chunk in session.iter_events():
                 got.append(chunk.raw)
     assert session.endpoint.id == A.id and len(got) == 1
-    assert _stalled("health_probe_failed", "ended") == before + 1
+    assert _stalled(reason, "ended") == before + 1
+    await flow.aclose()
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "non-streamed"])
+async def test_probes_that_only_time_out_end_the_wait_after_the_slow_span_without_resending(stream: bool) -> None:
+    """A SIGSTOP-like engine (accepts, never answers, /health included) with its lease alive: the wait is
+    still ended, but only once the probes' timeouts span engine_health_slow_fail_seconds (0.6 s), and the
+    request is not re-sent to B (the engine may be generating it): EngineUnresponsive (503), counted
+    ``health_probe_timed_out`` / ``abandoned``, no retry."""
+    engine = _Engine(stall_at=0, health=None)
+    posts: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/health":
+            posts.append(request.url.host)
+        return engine(request)
+
+    flow = _flow(TIMED_OUT, answer)
+    before = _stalled("health_probe_timed_out", "abandoned")
+    retries = REGISTRY.get_sample_value("kvmesh_router_upstream_retries_total") or 0.0
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(request_flow.EngineUnresponsive, match=r"its /health gave no answer in time .*not sent elsewhere"):
+        async with flow.session(_request(stream), META):
+            pass
+    elapsed = asyncio.get_running_loop().time() - started
+    assert posts == ["a"]  # never re-sent
+    assert errors.mapping_for(request_flow.EngineUnresponsive("x")).http_status == 503
+    assert _stalled("health_probe_timed_out", "abandoned") == before + 1
+    assert (REGISTRY.get_sample_value("kvmesh_router_upstream_retries_total") or 0.0) == retries
+    assert engine.probes >= 3  # 0.2 s apart, until their timeouts span 0.6 s
+    assert 0.1 + 0.6 <= elapsed < 4.0, elapsed
+    await flow.aclose()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streamed", "streamed"])
+async def test_a_busy_engine_whose_health_is_slower_than_the_timeout_is_not_cut(stream: bool) -> None:
+    """The reviewer's repro (/tmp/v10/slow_health_cut.py): a busy, alive engine whose /health answers in
+    0.5 s, past the 0.2 s probe timeout, and whose only request sends nothing for 2 s (a whole non-streamed
+    generation; a stream's queue and prefill): probes time out again and again, but for less than
+    engine_health_slow_fail_seconds (the default, 60 s): the request is not cut, the engine gets it once."""
+    config = PROBE.model_copy(update={"engine_health_probe_after_seconds": 0.3})
+    engine = _Engine(stall_at=0, health=200, health_delay=0.5)
+    posts: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/health":
+            posts.append(request.url.host)
+        return engine(request)
+
+    flow = _flow(config, answer)
+    before = _no_stall()
+    asyncio.get_running_loop().call_later(2.0, engine.go.set)
+    async with flow.session(_request(stream), META) as session:
+        raw = b"".join([c.raw async for c in session.iter_events()])
+    assert session.endpoint.id == A.id and session.attempts == 1 and raw == SSE and posts == ["a"]
+    assert engine.probes >= 2 and _no_stall() == before
     await flow.aclose()
 
 
@@ -419,12 +485,12 @@ async def test_an_engine_that_answers_before_the_threshold_is_never_probed() -> 
 async def test_a_wait_that_began_after_a_failed_probe_is_probed_again() -> None:
     """The engine hung (probe failed: the request moved to B), then came back: a later request that waits
     on it past the threshold gets a probe of its own, which answers, so it is not cut by the old verdict."""
-    engine = _Engine(stall_at=0, health=None)
+    engine = _Engine(stall_at=0, health=503)
     flow = _probe_flow(engine)
     async with flow.session(_request(True), META) as session:
         assert session.endpoint.id == B.id
         await session.read_all()
-    assert engine.probes == 2  # a silent /health fails as the second slow probe in a row
+    assert engine.probes == 1  # a 503 fails at once
     engine.health = 200
     engine.go = asyncio.Event()
 
@@ -525,26 +591,49 @@ async def test_a_silent_request_is_not_cut_while_another_to_its_engine_streams(h
     await flow.aclose()
 
 
-async def test_two_silent_probes_in_a_row_cut_every_silent_request_on_the_engine() -> None:
-    """The hung case still ends: two requests on ``a``, both silent, its /health silent: the first slow probe
-    only marks it unknown, the second one, an interval later, fails it; both move to B within the threshold +
-    probe timeout + interval + probe timeout (0.2 + 0.2 + 0.2 + 0.2 s, plus a loaded host)."""
-    config = SLOW_HEALTH.model_copy(update={"engine_health_probe_interval_seconds": 0.2})
+async def test_silent_probes_spanning_the_slow_limit_end_every_silent_request_on_the_engine() -> None:
+    """The hung case still ends: two requests on ``a``, both silent, its /health silent: the probes time out,
+    one at a time for the endpoint, and once they span engine_health_slow_fail_seconds (0.5 s) both waits
+    end (503, not re-sent) within the threshold + that span + a probe's timeout and interval, plus a loaded host."""
+    config = SLOW_HEALTH.model_copy(update={"engine_health_probe_interval_seconds": 0.2,
+                                            "engine_health_slow_fail_seconds": 0.5})
     engine = _Engine(stall_at=0, health=None)
     flow = _probe_flow(engine, config)
-    before = _stalled("health_probe_failed", "redispatched")
+    before = _stalled("health_probe_timed_out", "abandoned")
     started = asyncio.get_running_loop().time()
 
-    async def one() -> tuple[str, int, bytes]:
-        async with flow.session(_request(True), META) as session:
-            raw = b"".join([c.raw async for c in session.iter_events()])
-        return session.endpoint.id, session.attempts, raw
+    async def one() -> None:
+        async with flow.session(_request(True), META):
+            pass
 
-    results = await asyncio.gather(one(), one())
+    results = await asyncio.gather(one(), one(), return_exceptions=True)
     elapsed = asyncio.get_running_loop().time() - started
-    assert results == [(B.id, 2, SSE)] * 2
-    assert engine.probes == 2 and _stalled("health_probe_failed", "redispatched") == before + 2
-    assert 0.6 <= elapsed < 3.0, elapsed
+    assert all(isinstance(r, request_flow.EngineUnresponsive) for r in results), results
+    assert engine.most_probing == 1 and 3 <= engine.probes <= 5, engine.probes
+    assert _stalled("health_probe_timed_out", "abandoned") == before + 2
+    assert 0.7 <= elapsed < 3.0, elapsed
+    await flow.aclose()
+
+
+async def test_a_departed_endpoint_with_silent_probes_is_still_a_fast_verdict() -> None:
+    """Leaving membership is the second signal: once the endpoint left, two silent probes an interval apart
+    fail it (``endpoint_left``) and the request is re-sent to B, long before engine_health_slow_fail_seconds."""
+    engine = _Engine(stall_at=0, health=None)
+    flow = _probe_flow(engine, PROBE)  # slow limit: the default 60 s
+    before = _stalled("endpoint_left", "redispatched")
+
+    async def leave() -> None:
+        await asyncio.sleep(0.05)
+        flow.endpoints_left([A.id])
+
+    leaving = asyncio.ensure_future(leave())
+    started = asyncio.get_running_loop().time()
+    async with flow.session(_request(False), META) as session:
+        raw = b"".join([c.raw async for c in session.iter_events()])
+    await leaving
+    assert session.endpoint.id == B.id and raw == SSE
+    assert _stalled("endpoint_left", "redispatched") == before + 1
+    assert asyncio.get_running_loop().time() - started < 5.0
     await flow.aclose()
 
 

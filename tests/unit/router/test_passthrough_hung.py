@@ -1,7 +1,9 @@
 """The passthrough routes (``/tokenize``, ``/detokenize``, a stored response's routes) on a hung engine:
 no answer past ``engine_health_probe_after_seconds`` and a failed ``/health`` probe end the wait (the
 next endpoint, or 503), where a hung engine held them for ``request_timeout_seconds``; an engine whose
-``/health`` answers is waited for. Engines are ``httpx.MockTransport`` answers."""
+``/health`` answers is waited for. The waits run under the request flow's watch
+(:meth:`RequestFlow.await_engine`): one probe per endpoint at a time however many wait. Engines are
+``httpx.MockTransport`` answers."""
 
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ from services.router.request_flow import RequestFlow
 from tests.unit.router.fakes import CATALOG, A, B, FakeAdmission, FakePicker
 
 CONFIG = RouterConfig(etcd_endpoints=[], request_timeout_seconds=30, engine_health_probe_after_seconds=0.1,
-                      engine_health_probe_timeout_seconds=0.2, engine_health_probe_interval_seconds=0.2)
+                      engine_health_probe_timeout_seconds=0.2, engine_health_probe_interval_seconds=0.2,
+                      engine_health_slow_fail_seconds=0.3)
+"""Probes that only time out fail the endpoint once they span 0.3 s (two of them, 0.2 s apart)."""
 
 
 def _stalled(reason: str, action: str) -> float:
@@ -66,28 +70,29 @@ def _passthrough(engines: _Engines, config: RouterConfig = CONFIG) -> tuple[Pass
     flow = RequestFlow(config, lambda: CATALOG, FakeAdmission(), FakePicker(), http)
     picker = LocalPicker()
     picker.note_start(B.id)  # A is the least loaded: tried first
-    return Passthrough(config, http, lambda model: (A, B), picker, flow.engine_health), flow
+    return Passthrough(config, http, lambda model: (A, B), picker, flow.await_engine), flow
 
 
 async def test_tokenize_on_a_hung_engine_moves_to_the_next_endpoint() -> None:
     engines = _Engines(health=False)
     passthrough, flow = _passthrough(engines)
-    before = _stalled("health_probe_failed", "redispatched")
+    before = _stalled("health_probe_timed_out", "redispatched")
     started = asyncio.get_running_loop().time()
     answer = await passthrough.forward("/tokenize", "tiny", {"model": "tiny", "prompt": "hi"}, "r1")
     assert answer.endpoint_id == B.id and answer.status_code == 200
     assert asyncio.get_running_loop().time() - started < 3.0  # 0.1 s + two 0.2 s probes 0.2 s apart, plus a loaded host
-    assert engines.probes == 2 and _stalled("health_probe_failed", "redispatched") == before + 1
+    # a tokenize runs no inference: re-sent even on probes that only timed out
+    assert engines.probes == 2 and _stalled("health_probe_timed_out", "redispatched") == before + 1
     await flow.aclose()
 
 
 async def test_a_stored_response_on_a_hung_engine_is_503() -> None:
     engines = _Engines(health=False)
     passthrough, flow = _passthrough(engines)
-    before = _stalled("health_probe_failed", "abandoned")
-    with pytest.raises(errors.NoEndpointsAvailable, match="its /health does not answer"):
+    before = _stalled("health_probe_timed_out", "abandoned")
+    with pytest.raises(errors.NoEndpointsAvailable, match="its /health gave no answer in time"):
         await passthrough.to_endpoint("GET", "/v1/responses/resp_1", "tiny", A.id, "r2")
-    assert _stalled("health_probe_failed", "abandoned") == before + 1
+    assert _stalled("health_probe_timed_out", "abandoned") == before + 1
     await flow.aclose()
 
 
@@ -115,9 +120,60 @@ async def test_a_single_slow_health_probe_does_not_move_a_tokenize() -> None:
     answers the tokenize at 0.7 s, before the second probe (due an interval, 1 s, after the first) could fail it."""
     engines = _Engines(health=True, health_delay=0.3)
     passthrough, flow = _passthrough(engines, CONFIG.model_copy(update={"engine_health_probe_interval_seconds": 1.0}))
-    before = _stalled("health_probe_failed", "redispatched")
+    before = _stalled("health_probe_timed_out", "redispatched")
     asyncio.get_running_loop().call_later(0.7, engines.go.set)
     answer = await passthrough.forward("/tokenize", "tiny", {"model": "tiny", "prompt": "hi"}, "r5")
     assert answer.endpoint_id == A.id and answer.status_code == 200
-    assert engines.probes == 1 and _stalled("health_probe_failed", "redispatched") == before
+    assert engines.probes == 1 and _stalled("health_probe_timed_out", "redispatched") == before
+    await flow.aclose()
+
+
+async def test_many_waits_on_a_hung_engine_share_one_probe_per_interval() -> None:
+    """Eight tokenize calls hang on ``a`` at once (and an inference request could too): the endpoint's
+    /health is probed once at a time for all of them (the request flow's shared probe), not once per
+    waiting call; every call then moves to B."""
+    engines = _Engines(health=False)
+    passthrough, flow = _passthrough(engines)
+    picker = passthrough._picker
+    calls = [passthrough.forward("/tokenize", "tiny", {"model": "tiny", "prompt": "hi"}, f"r-many-{i}")
+             for i in range(8)]
+    for _ in range(8):  # keep A the least loaded while the calls start (each one counts on A)
+        picker.note_start(B.id)
+    answers = await asyncio.gather(*calls)
+    assert all(a.endpoint_id == B.id for a in answers)
+    assert engines.probes == 2, engines.probes  # two probes, 0.2 s apart, for the eight waits (was 16)
+    await flow.aclose()
+
+
+async def test_a_client_leaving_during_the_resent_attempt_counts_the_stall_once() -> None:
+    """A tokenize moves off hung ``a`` (counted ``redispatched``); its client leaves while ``b`` answers: the
+    stall is not counted ``abandoned`` too (the moved-on failure is no longer the last error)."""
+    engines = _Engines(health=False)
+    slow_b, b_asked = asyncio.Event(), asyncio.Event()
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "b" and request.url.path != "/health":
+            b_asked.set()
+
+            async def late() -> AsyncIterator[bytes]:
+                await slow_b.wait()
+                yield b"{}"
+
+            return httpx.Response(200, content=late())
+        return engines(request)
+
+    http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    flow = RequestFlow(CONFIG, lambda: CATALOG, FakeAdmission(), FakePicker(), http)
+    picker = LocalPicker()
+    picker.note_start(B.id)
+    passthrough = Passthrough(CONFIG, http, lambda model: (A, B), picker, flow.await_engine)
+    moved = _stalled("health_probe_timed_out", "redispatched")
+    abandoned = _stalled("health_probe_timed_out", "abandoned")
+    call = asyncio.ensure_future(passthrough.forward("/tokenize", "tiny", {"model": "tiny", "prompt": "hi"}, "r-gone"))
+    await asyncio.wait_for(b_asked.wait(), 5)  # the call moved on to b, which holds it
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert _stalled("health_probe_timed_out", "redispatched") == moved + 1
+    assert _stalled("health_probe_timed_out", "abandoned") == abandoned
     await flow.aclose()

@@ -25,7 +25,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from kvmesh import errors
-from kvmesh.types import RequestCompletion
+from kvmesh.types import CompletionOutcome, RequestCompletion
 from services.router import request_flow
 from services.router.config import RouterConfig
 from services.router.degraded import LocalPicker
@@ -121,7 +121,7 @@ async def test_one_hung_candidate_is_abandoned_not_redispatched() -> None:
     """The reviewer's case: one candidate, hung before its first byte: 503, counted ``abandoned``, no retry."""
     flow, _, _ = _flow(FAST.model_copy(update={"engine_health_probe_after_seconds": 10.0}), _engines({"a"}), (A,))
     before = _counts()
-    with pytest.raises(errors.NoEndpointsAvailable, match=r"no first byte within 0\.2s"):
+    with pytest.raises(errors.NoEndpointsAvailable, match=r"no first byte within 0\.2\d*s"):  # a loaded host: 0.21s
         async with flow.session(_request(True), META):
             pytest.fail("bound to a hung engine")
     assert _grew(before) == {"first_byte_timeout/abandoned": 1}
@@ -138,14 +138,33 @@ async def test_a_hung_first_candidate_is_redispatched_with_one_retry() -> None:
     await flow.aclose()
 
 
+def _dead_health(answer: Callable[[httpx.Request], httpx.Response]) -> Callable[[httpx.Request], httpx.Response]:
+    """``answer``, with every ``/health`` answered 503 (vLLM's dead engine: a fast verdict)."""
+    return lambda request: httpx.Response(503) if request.url.path == "/health" else answer(request)
+
+
 async def test_every_candidate_hung_counts_one_redispatch_and_one_abandon() -> None:
     """Two hung candidates (their /health failing): the first moved on, the last had nowhere to go."""
-    flow, _, _ = _flow(FAST, _engines({"a", "b"}))
+    flow, _, _ = _flow(FAST, _dead_health(_engines({"a", "b"})))
     before = _counts()
     with pytest.raises(errors.NoEndpointsAvailable, match="after 2 attempt"):
         async with flow.session(_request(False), META):
             pytest.fail("bound to a hung engine")
     assert _grew(before) == {"health_probe_failed/redispatched": 1, "health_probe_failed/abandoned": 1, "retries": 1}
+    await flow.aclose()
+
+
+async def test_a_candidate_whose_probes_only_time_out_is_abandoned_without_trying_the_next() -> None:
+    """The slowness-only verdict (probes timing out past engine_health_slow_fail_seconds): the engine may be
+    generating the request, so it is not re-sent to B: 503 at once, ``health_probe_timed_out/abandoned``,
+    no retry; epp is told the pick was not dispatched."""
+    flow, _, picker = _flow(FAST.model_copy(update={"engine_health_slow_fail_seconds": 0.3}), _engines({"a", "b"}))
+    before = _counts()
+    with pytest.raises(request_flow.EngineUnresponsive, match="not sent elsewhere"):
+        async with flow.session(_request(False), META):
+            pytest.fail("bound to a hung engine")
+    assert _grew(before) == {"health_probe_timed_out/abandoned": 1}
+    assert [c.outcome for c in picker.completions] == [CompletionOutcome.NOT_DISPATCHED]
     await flow.aclose()
 
 
@@ -208,16 +227,18 @@ async def test_passthrough_counts_redispatched_only_when_another_endpoint_is_tri
     """The passthrough routes' sibling: /tokenize on two hung engines, a stored response on a hung one."""
     answer = _engines({"a", "b"})
     http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
-    flow = RequestFlow(FAST, lambda: CATALOG, FakeAdmission(), FakePicker(), http)
-    passthrough = Passthrough(FAST, http, lambda model: (A, B), LocalPicker(), flow.engine_health)
+    config = FAST.model_copy(update={"engine_health_slow_fail_seconds": 0.3})
+    flow = RequestFlow(config, lambda: CATALOG, FakeAdmission(), FakePicker(), http)
+    passthrough = Passthrough(config, http, lambda model: (A, B), LocalPicker(), flow.await_engine)
     before = _counts()
     with pytest.raises(errors.NoEndpointsAvailable, match="after 2 attempt"):
         await passthrough.forward("/tokenize", "tiny", {"model": "tiny", "prompt": "hi"}, "r1")
-    assert _grew(before) == {"health_probe_failed/redispatched": 1, "health_probe_failed/abandoned": 1, "retries": 1}
+    # a tokenize runs no inference: re-sent on a slowness-only verdict too
+    assert _grew(before) == {"health_probe_timed_out/redispatched": 1, "health_probe_timed_out/abandoned": 1, "retries": 1}
     before = _counts()
-    with pytest.raises(errors.NoEndpointsAvailable, match="its /health does not answer"):
+    with pytest.raises(errors.NoEndpointsAvailable, match="its /health gave no answer in time"):
         await passthrough.to_endpoint("GET", "/v1/responses/resp_1", "tiny", A.id, "r2")
-    assert _grew(before) == {"health_probe_failed/abandoned": 1}
+    assert _grew(before) == {"health_probe_timed_out/abandoned": 1}
     await flow.aclose()
 
 

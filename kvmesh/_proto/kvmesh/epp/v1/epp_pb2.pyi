@@ -14,10 +14,12 @@ class CompletionOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COMPLETION_OUTCOME_SUCCESS: _ClassVar[CompletionOutcome]
     COMPLETION_OUTCOME_ERROR: _ClassVar[CompletionOutcome]
     COMPLETION_OUTCOME_CANCELLED: _ClassVar[CompletionOutcome]
+    COMPLETION_OUTCOME_NOT_DISPATCHED: _ClassVar[CompletionOutcome]
 COMPLETION_OUTCOME_UNSPECIFIED: CompletionOutcome
 COMPLETION_OUTCOME_SUCCESS: CompletionOutcome
 COMPLETION_OUTCOME_ERROR: CompletionOutcome
 COMPLETION_OUTCOME_CANCELLED: CompletionOutcome
+COMPLETION_OUTCOME_NOT_DISPATCHED: CompletionOutcome
 
 class PickRequest(_message.Message):
     __slots__ = ("request_id", "model", "prompt_token_ids", "prompt", "messages", "exclude_endpoint_ids", "lora_name", "cache_salt", "render_json", "prompt_token_ids_packed", "max_endpoints", "omit_breakdown")
