@@ -24,6 +24,7 @@ import logging
 import math
 import struct
 import sys
+import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
@@ -34,10 +35,11 @@ from opentelemetry import propagate, trace
 
 from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
 from kvmesh.errors import InvalidRequest, mapping_for
-from kvmesh.hashing import KeyScope
+from kvmesh.hashing import DEFAULT_SCOPE, KeyScope
 from kvmesh.interceptors import translate
 from kvmesh.prefix_index import PackedTokenIds
 from kvmesh.streams import stop_stream_writer
+from kvmesh.types import CompletionOutcome
 from kvmesh.wire import completion_from_proto, endpoint_to_proto
 from services.epp.framework.interfaces import ChatMessage, SchedulingRequest
 from services.epp.metrics import record_completions
@@ -112,6 +114,9 @@ def check_timeout_seconds(value: float) -> float:
     return value
 
 
+_NO_IDS: frozenset[str] = frozenset()
+
+
 def request_from_proto(request: epp_pb2.PickRequest) -> SchedulingRequest:
     """Raises: InvalidRequest when ``render_json`` is not a JSON object, more than one prompt form
     is set (:func:`_check_prompt_forms`), or the token ids are malformed (both forms set, a packed
@@ -122,9 +127,10 @@ def request_from_proto(request: epp_pb2.PickRequest) -> SchedulingRequest:
         request_id=request.request_id,
         token_ids=_token_ids(request),
         prompt=request.prompt,
-        messages=tuple(ChatMessage(m.role, m.content) for m in request.messages),
-        exclude_endpoint_ids=frozenset(request.exclude_endpoint_ids),
-        scope=KeyScope(request.lora_name or None, request.cache_salt or None),
+        messages=tuple(ChatMessage(m.role, m.content) for m in request.messages) if request.messages else (),
+        exclude_endpoint_ids=frozenset(request.exclude_endpoint_ids) if request.exclude_endpoint_ids else _NO_IDS,
+        scope=KeyScope(request.lora_name or None, request.cache_salt or None)
+        if request.lora_name or request.cache_salt else DEFAULT_SCOPE,
         render=_render_fields(request.render_json),
     )
 
@@ -161,7 +167,8 @@ class EndpointPickerServicer(epp_pb2_grpc.EndpointPickerServicer):
         matched = total = 0
         for message in requests:
             done = completion_from_proto(message)
-            matched += datastore.note_completed(done.request_id, done.endpoint_id)
+            matched += datastore.note_completed(done.request_id, done.endpoint_id,
+                                                dispatched=done.outcome is not CompletionOutcome.NOT_DISPATCHED)
             total += 1
         record_completions(matched, total - matched)
         return matched
@@ -233,6 +240,8 @@ def error_to_proto(exc: BaseException) -> epp_pb2.PickError:
 _DEADLINE_EXCEEDED = epp_pb2.PickError(code="DEADLINE_EXCEEDED", message="Deadline Exceeded")
 """An entry's own deadline (``timeout_seconds``) passed: as a unary call past its deadline (no class)."""
 _FLUSH_SECONDS = 1.0
+_SPAN_END_DELAY_SECONDS = 0.002
+"""How long after a result's write returned its pick's span is annotated and ended (see :class:`_PickSession`)."""
 """How long a closing ``PickMany`` stream may take to write its last results."""
 _DRAIN_SECONDS = 5.0
 """How long a ``PickMany`` stream the client half-closed waits for its picks in flight."""
@@ -246,7 +255,12 @@ class _PickSession:
     Each ``PickEntry`` runs :meth:`Scheduler.pick` in its own task (a pick may wait on tokenization
     or kv_indexer) under the entry's own deadline (``timeout_seconds``); its result or error goes
     to the outbox, and one writer task writes everything ready at that moment in one
-    ``PickResults`` (under load one write carries many). A malformed entry (zero or duplicate id,
+    ``PickResults`` (under load one write carries many). A sampled pick's ``epp.Pick`` span is
+    current while the pick runs and ends when the decision is made, but is annotated and ended (at
+    that recorded time) ``_SPAN_END_DELAY_SECONDS`` after its result's write returned: ~50 µs of
+    epp's CPU off the pick's path, and out of the window in which the router receives the result
+    (on two cores, work epp does right after its write delays the router's receipt by as much).
+    A malformed entry (zero or duplicate id,
     a negative or non-finite ``timeout_seconds``, a request ``Pick`` refuses: more than one prompt
     form, ``render_json`` that is not a JSON object) is answered ``INVALID_ARGUMENT`` for that id alone;
     a ``cancel`` entry stops its pick and nothing is answered for it. The session's end cancels
@@ -263,6 +277,8 @@ class _PickSession:
         self._outbox: list[epp_pb2.PickResult] = []
         self._wake = asyncio.Event()
         self._closing = False
+        self._after_write: list[tuple[trace.Span, epp_pb2.PickRequest, PickDecision, int]] = []
+        """Picks' spans to annotate and end (at the recorded time, ns) after their results are written."""
         self._writer = asyncio.create_task(self._write(), name="epp-pick-many-writer")
 
     def handle(self, entry: epp_pb2.PickEntry) -> None:
@@ -308,25 +324,34 @@ class _PickSession:
             error = _DEADLINE_EXCEEDED if deadline.expired() else error_to_proto(exc)
             self._answer(epp_pb2.PickResult(id=key, error=error))
             return
-        if span is not None:
-            _annotate_pick(entry.request, decision)
-            span.end()
+        ended = time.time_ns() if span is not None else 0  # the span's end (OpenTelemetry's clock)
         self._running.pop(key, None)
         self._answer(epp_pb2.PickResult(id=key, response=response_to_proto(decision, entry.request)))
+        if span is not None:  # annotated and ended after the result's write: off the pick's path
+            self._after_write.append((span, entry.request, decision, ended))
 
     def _answer(self, result: epp_pb2.PickResult) -> None:
         self._outbox.append(result)
         self._wake.set()
 
     async def _write(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            if self._outbox:
-                batch, self._outbox = self._outbox, []
-                await self._context.write(epp_pb2.PickResults(results=batch))
-            if self._closing:
-                return
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                if self._outbox:
+                    batch, self._outbox = self._outbox, []
+                    spans, self._after_write = self._after_write, []
+                    try:
+                        await self._context.write(epp_pb2.PickResults(results=batch))
+                    finally:
+                        if spans:
+                            asyncio.get_running_loop().call_later(_SPAN_END_DELAY_SECONDS, _end_spans, spans)
+                if self._closing:
+                    return
+        finally:
+            spans, self._after_write = self._after_write, []
+            _end_spans(spans)
 
     async def drain(self) -> None:
         """Wait (at most ``_DRAIN_SECONDS``) for the picks in flight to be answered."""
@@ -342,9 +367,20 @@ class _PickSession:
         if running:
             await asyncio.gather(*running.values(), return_exceptions=True)
         self._closing = True
-        await stop_stream_writer(self._writer, self._wake, _FLUSH_SECONDS)
+        try:
+            await stop_stream_writer(self._writer, self._wake, _FLUSH_SECONDS)
+        finally:
+            spans, self._after_write = self._after_write, []  # a writer stopped before it started
+            _end_spans(spans)
         if running:
             logger.info("pick-many stream ended picks_stopped=%d", len(running))
+
+
+def _end_spans(spans: list[tuple[trace.Span, epp_pb2.PickRequest, PickDecision, int]]) -> None:
+    """Annotate (:func:`_annotate_pick`) and end each pick's span at its recorded end time (ns)."""
+    for span, request, decision, ended in spans:
+        _annotate_pick(request, decision, span)
+        span.end(end_time=ended)
 
 
 def _enter_trace(entry: epp_pb2.PickEntry) -> trace.Span | None:
@@ -368,10 +404,11 @@ def _enter_trace(entry: epp_pb2.PickEntry) -> trace.Span | None:
     return span
 
 
-def _annotate_pick(request: epp_pb2.PickRequest, decision: object) -> None:
-    """Trace attributes on the Pick span (issue 11): request id, model, the chosen endpoint, its
-    fallbacks, the profile, the prompt's token count and each scorer's score for the winner."""
-    span = trace.get_current_span()
+def _annotate_pick(request: epp_pb2.PickRequest, decision: object, span: trace.Span | None = None) -> None:
+    """Trace attributes on the Pick span (issue 11; ``span``, else the current one): request id, model, the
+    chosen endpoint, its fallbacks, the profile, the prompt's token count and each scorer's score for the winner."""
+    if span is None:
+        span = trace.get_current_span()
     if not span.is_recording():
         return
     target = getattr(decision, "target", None)
