@@ -57,13 +57,20 @@ class RateLimitedLog:
             ``kind`` and ``interval`` (seconds).
         thread_safe: True guards the state with a lock, for callers on several threads (the decision is
             taken under the lock, the line written outside it); False (default) for one event loop.
+        forget_after_seconds: a kind with lines suppressed and none written for this long is forgotten
+            with its count (default: 10 intervals); a kind with none suppressed is forgotten once its
+            interval passed (nothing is lost: its next line would go out at once anyway). So kinds
+            named after something that comes and goes (``duplicate <endpoint>``) do not pile up; the
+            state is swept at most once per interval, amortized over the calls.
     """
 
     def __init__(self, logger: logging.Logger, interval_seconds: float = 10.0,
                  clock: Callable[[], float] = time.monotonic, suffix: str = SUPPRESSED_LINES,
-                 thread_safe: bool = False) -> None:
+                 thread_safe: bool = False, forget_after_seconds: float | None = None) -> None:
         self._logger = logger
         self._interval = interval_seconds
+        self._forget_after = 10 * interval_seconds if forget_after_seconds is None else forget_after_seconds
+        self._swept: float | None = None
         self._clock = clock
         self._suffix = suffix
         self._lock: threading.Lock | contextlib.nullcontext[None] = (
@@ -76,6 +83,8 @@ class RateLimitedLog:
         (then only counted). Returns whether a line was written."""
         with self._lock:
             now = self._clock()
+            if self._swept is None or now - self._swept >= self._interval:
+                self._sweep(now)
             last = self._last.get(kind)
             if last is not None and now - last < self._interval:
                 self._suppressed[kind] += 1
@@ -85,6 +94,26 @@ class RateLimitedLog:
         suffix = self._suffix.format(more=more, kind=kind, interval=self._interval) if more else ""
         self._logger.log(level, message + suffix, *args)
         return True
+
+    def _sweep(self, now: float) -> None:
+        """Forget kinds past their interval with nothing suppressed, and any past ``forget_after``
+        (under the lock)."""
+        self._swept = now
+        if not self._last:
+            return
+        suppressed = self._suppressed
+        stale = [
+            kind for kind, last in self._last.items()
+            if now - last >= self._interval and (now - last >= self._forget_after or not suppressed.get(kind))
+        ]
+        for kind in stale:
+            del self._last[kind]
+            suppressed.pop(kind, None)
+
+    def kinds(self) -> int:
+        """Kinds remembered now (a line written within the interval, or lines suppressed since)."""
+        with self._lock:
+            return len(self._last)
 
     def warning(self, kind: str, message: str, *args: object) -> bool:
         """:meth:`log` at WARNING."""

@@ -22,9 +22,13 @@ class KvIndexerConfig(GrpcServiceConfig):
     zmq_rcvhwm_messages: int = Field(100000, ge=0)
     """ZMQ receive high-water mark of the SUB socket (0: unlimited)."""
     pending_batches_per_endpoint: int = Field(256, ge=0, le=100000)
-    """Messages held for an endpoint not yet seen in etcd, applied when it joins (0: drop them)."""
+    """Messages held for an endpoint not yet seen in etcd, applied when it joins (0: drop them); also
+    the most held for a registered endpoint while a registration is awaited: a departed endpoint's
+    restarted publisher (the oldest dropped beyond), or a sequence reset (followed at once beyond)."""
     pending_ttl_seconds: float = Field(10.0, gt=0, le=3600)
-    """How long such held messages stay applicable."""
+    """How long such held messages stay applicable; also how long the new stream of an endpoint
+    registered with an instance_id whose sequence reset waits for its new registration (a
+    crash-restart within the lease TTL) before it is followed as a restart."""
     recent_removed_blocks: int = Field(4096, ge=0, le=10_000_000)
     """Per endpoint, removed block hashes remembered to place later chains whose parent was evicted."""
     orphan_blocks: int = Field(65536, ge=0, le=10_000_000)
@@ -47,7 +51,9 @@ class KvIndexerConfig(GrpcServiceConfig):
     """Failed tail probes in a row before the endpoint waits ``tail_probe_idle_max_seconds`` for the next
     round (0 there: until its next message); a round is this many probes a quiet period apart."""
     tail_probe_max_per_second: float = Field(20.0, gt=0, le=10000)
-    """Tail probes started per second over all endpoints, at most."""
+    """Tail probes started per second over all endpoints, at most (reached: a probe that ends starts the
+    next, endpoints round-robin). Idle endpoints are re-probed every ``tail_probe_idle_max_seconds``
+    up to ``rate * idle_max`` of them (600 with the defaults), every ``N / rate`` seconds beyond."""
     tail_probe_concurrency: int = Field(4, ge=1, le=256)
     """Tail probes in flight at once, at most (each holds a worker thread while it waits)."""
     tail_probe_idle_max_seconds: float = Field(30.0, ge=0, le=86400)
@@ -56,7 +62,9 @@ class KvIndexerConfig(GrpcServiceConfig):
     0: not again until the endpoint's next message."""
     departed_retention_seconds: float = Field(120.0, ge=0, le=86400)
     """A departed endpoint (lease gone) is not scored, but its entries are kept this long for a rejoin
-    of the same incarnation (an etcd pause); then purged."""
+    of the same incarnation (an etcd pause), and its stream still applied (messages that read as a
+    publisher restart held for the rejoin, this long at most); then purged, and its late messages
+    dropped for this long again."""
     snapshot_path: str = ""
     """Snapshot file for warm restarts (empty: no snapshots, every start is cold)."""
     snapshot_interval_seconds: float = Field(30.0, gt=0, le=86400)

@@ -60,6 +60,7 @@ class IndexerPipeline:
             tail_probe_max_per_second=config.tail_probe_max_per_second,
             tail_probe_concurrency=config.tail_probe_concurrency,
             tail_probe_idle_max_seconds=config.tail_probe_idle_max_seconds,
+            departed_retention_seconds=config.departed_retention_seconds,
         )
         self.subscriber = ZmqSubscriber(self.pool, config.events_bind_endpoint, config.zmq_rcvhwm_messages)
         self.indexer = BlockIndexer(

@@ -67,7 +67,15 @@ a failed probe changes nothing and is retried after another quiet period, ``tail
 times per position; a confirmed tail is asked again while the endpoint stays idle, at doubling
 intervals up to ``tail_probe_idle_max_seconds``, for a batch lost after it). What a probe finds is
 applied in order, a hole in it healed as a loss; the endpoint stays ``live`` (scored) while the probe
-is in flight. ``tail_probes_total{result}``.
+is in flight. ``tail_probes_total{result}``. Endpoints are taken round-robin, first probes of a new
+position before retries and idle re-probes, and a probe that ends starts the next one due, so the
+configured rate is reached at any fleet size: with the defaults (20/s, idle re-probe up to 30 s) up to
+600 idle endpoints are re-probed every 30 s; beyond that every one still is, every ``N / 20`` s.
+
+**Internal errors.** A batch the index fails on (an exception, a bug) may be half applied: the
+endpoint's entries are forgotten as for a loss (``stream_losses_total{cause="internal_error"}``,
+``batches_dropped{reason="internal_error"}``) and its stream goes on after it. A recovery that raises
+anywhere else is healed the same way and always ends (the endpoint never stays ``recovering``).
 
 **Malformed messages.** A message is decoded *before* it is sequenced: one whose payload is not a
 vLLM 0.32 / SGLang 0.5.23 ``EventBatch`` (undecodable msgpack, another shape, an unknown event
@@ -85,7 +93,27 @@ a network only engines reach.
 **Registration race.** An engine may publish before the indexer's etcd watch sees it join. A
 message for an endpoint that was never registered is held (at most ``pending_batches`` per
 endpoint, for ``pending_ttl_seconds``) and sequenced when it joins. Messages for an endpoint
-purged after leaving are dropped (the fence).
+purged after leaving are dropped (the fence, ``endpoint_left``) for ``departed_retention_seconds``
+after the purge, then held as an unregistered endpoint's.
+
+**Which incarnation?** A registration says who publishes, and can come after the messages:
+
+* *departed* (lease gone, retained): messages that continue its stream are sequenced as before
+  (the next seq applied, a gap replayed, a copy dropped: the same incarnation publishing through
+  an etcd pause loses nothing); the first that reads as a restart (a lower seq never applied, or any message while its
+  start is unknown) and all after it are held (at most ``pending_batches``, the oldest dropped, for
+  ``departed_retention_seconds``: ``batches_dropped{reason="departed"}``) until the rejoin: the same
+  incarnation follows them as a restart, a new one starts its fresh stream with them;
+* *registered with an* ``instance_id``: a restarted process registers a new one, but a
+  crash-restart within its lease TTL overwrites its key (an etcd PUT) that the watch may see after
+  the restarted publisher's first batches. A sequence reset purges the old entries at once and
+  holds the new stream until the new registration (started there on a fresh track) or
+  ``pending_ttl_seconds`` (then followed as a restart on the same track);
+* at a new incarnation's join, held messages are sequenced from the first one that goes back (below
+  the old stream's next seq, a seq 0, or below its predecessor): those before it are the old
+  incarnation's last batches (published after it deregistered), dropped
+  (``batches_dropped{reason="old_incarnation"}``); taken as the new stream's start they made its
+  real start read as an unservable hole, healed as a loss that forgot the new stream.
 """
 
 from __future__ import annotations
@@ -122,6 +150,11 @@ _LIVE_KEPT = 64
 """Per endpoint, the ``ts`` of the last this many seqs applied live is kept (a re-sent live message)."""
 _REPLAYED_KEPT = 200_000
 """Per endpoint, at most this many seqs served by a replay keep their ``ts`` (the oldest go first)."""
+_HOLD_DEPARTED = "departed"
+"""Hold kind: the endpoint departed; a message that reads as a restart waits for the rejoin."""
+_HOLD_RESET = "reset"
+"""Hold kind: an endpoint registered with an ``instance_id`` restarted its sequence; its new stream
+waits for the new registration (a crash-restart within the lease TTL is an etcd PUT, seen later)."""
 
 
 class EndpointState(enum.StrEnum):
@@ -241,8 +274,20 @@ class _Track:
     restarts: int = 0
     """Publisher restarts read from its sequence (``_older``); a tail probe started before one is stale."""
     departed: bool = False
-    """Its lease is gone (retained for a rejoin): its messages are held until the rejoin says whether
-    they are this incarnation's (sequenced on) or a new one's (a fresh stream)."""
+    """Its lease is gone (retained for a rejoin): messages that continue its stream are applied as
+    before; one that reads as a publisher restart, and every one after it, is held until the rejoin
+    says whose they are (:meth:`EventPool.endpoint_joined`)."""
+    held: deque[tuple[float, RawMessage]] | None = None
+    """``(received, message)`` held until a registration says which incarnation they belong to
+    (``held_why``); None: not holding."""
+    held_why: str = ""
+    """:data:`_HOLD_DEPARTED` (released at the rejoin, bounded by the departed retention) or
+    :data:`_HOLD_RESET` (released at the new registration, or ``pending_ttl_seconds`` after the reset)."""
+    held_since: float = 0.0
+    """Clock time the hold began."""
+    held_went_back: bool = False
+    """The hold began with a message that went back (a restart): every message held is after it, the
+    new incarnation's, even once the oldest were dropped (else it began while the start was unknown)."""
 
     @property
     def state(self) -> EndpointState:
@@ -256,8 +301,15 @@ class EventPool:
         index: where events are applied.
         workers: number of shards (>= 1).
         queue_size: messages each worker may queue; beyond it a message is dropped (``queue_full``).
-        pending_batches: per never-registered endpoint, messages held until it joins.
-        pending_ttl_seconds: how long such messages are held.
+        pending_batches: per never-registered endpoint, messages held until it joins; also the most
+            held per registered endpoint while a registration is awaited (a departed endpoint's
+            restarted publisher, a reset sequence).
+        pending_ttl_seconds: how long a never-registered endpoint's messages are held; how long a
+            reset sequence of an endpoint registered with an ``instance_id`` waits for its new
+            registration before it is followed as a restart.
+        departed_retention_seconds: how long a departed endpoint's held messages are kept (its
+            retention in :class:`~services.kv_indexer.indexer.BlockIndexer`), and how long a purged
+            endpoint's late messages are dropped (the fence) rather than held as unregistered.
         replayer: where missed messages are fetched from (None: every gap is a loss, healed).
         replay_timeout_seconds: deadline of one replay request.
         recovery_buffer_messages: live messages buffered per recovering endpoint; beyond it the oldest
@@ -268,7 +320,9 @@ class EventPool:
             buffer is asked for what followed (0: no tail probe).
         tail_probe_timeout_seconds: deadline of one tail probe.
         tail_probe_attempts: failed probes per stream position before waiting for the next message.
-        tail_probe_max_per_second: probes started per second, over all endpoints.
+        tail_probe_max_per_second: probes started per second, over all endpoints (a sustained rate:
+            the next probe starts as one ends, endpoints taken round-robin, first probes of a new
+            position before retries and idle re-probes).
         tail_probe_concurrency: probes in flight at once.
         tail_probe_idle_max_seconds: a confirmed tail is probed again while the endpoint stays idle,
             at doubling intervals from twice the quiet time up to this (0: never again until its
@@ -293,6 +347,7 @@ class EventPool:
         tail_probe_max_per_second: float = 20.0,
         tail_probe_concurrency: int = 4,
         tail_probe_idle_max_seconds: float = 30.0,
+        departed_retention_seconds: float = 120.0,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -305,7 +360,11 @@ class EventPool:
         self._pending: dict[EndpointId, deque[tuple[float, RawMessage]]] = {}
         self._pending_batches = pending_batches
         self._pending_ttl = pending_ttl_seconds
-        self._departed: set[EndpointId] = set()
+        self._departed_retention = departed_retention_seconds
+        self._departed: dict[EndpointId, float] = {}
+        """Purged endpoints (the fence) -> clock time purged; forgotten after the retention."""
+        self._holding: set[EndpointId] = set()
+        """Tracked endpoints whose ``held`` is not None."""
         self._tracks: dict[EndpointId, _Track] = {}
         self._replayer = replayer
         self._replay_timeout = replay_timeout_seconds
@@ -328,22 +387,27 @@ class EventPool:
         self._probe_tokens = 0.0
         self._probe_refilled: float | None = None
         self._probes: set[asyncio.Task[None]] = set()
-        self._probe_loop: asyncio.Task[None] | None = None
+        self._probe_backlog = False
+        """The last scan left a due probe unstarted (a finished probe starts the next one)."""
+        self._housekeeping: asyncio.Task[None] | None = None
+        self._closing = False
 
     # -- lifecycle --------------------------------------------------------------------------
 
     def start(self) -> None:
         """Start the workers (returns at once)."""
+        self._closing = False
         for i, queue in enumerate(self._queues):
             self._tasks.append(asyncio.create_task(self._work(queue), name=f"kv-events-worker-{i}"))
-        if self._probe_quiet > 0 and self._replayer is not None and self._probe_loop is None:
-            self._probe_loop = asyncio.create_task(self._probe_tails_forever(), name="kv-tail-probes")
+        if self._housekeeping is None:
+            self._housekeeping = asyncio.create_task(self._housekeep_forever(), name="kv-events-housekeeping")
 
     async def shutdown(self, timeout_seconds: float = 5.0) -> None:
         """Let the workers drain what is queued, then stop them (recoveries and probes in flight are cancelled)."""
-        if self._probe_loop is not None:
-            self._probe_loop.cancel()
-            self._probe_loop = None
+        self._closing = True
+        if self._housekeeping is not None:
+            self._housekeeping.cancel()
+            self._housekeeping = None
         for task in [*self._recoveries, *self._probes]:
             task.cancel()
         for queue in self._queues:
@@ -406,44 +470,108 @@ class EventPool:
         """The endpoint was registered in the index: sequence its held messages, in order.
 
         ``new_incarnation``: its stream starts afresh (sequence unknown, reliable); False when the
-        same incarnation rejoins (its sequencing carries on).
+        same incarnation rejoins (its sequencing carries on, and a held message that reads as a
+        restart is one: the registration says no other incarnation is coming).
+
+        Held messages of a new incarnation are sequenced from the first one that goes back (a seq
+        below the old stream's next one, a seq 0, or a seq below the one held before it): those
+        before it continue the old incarnation's stream (its last batches, published after it
+        deregistered) and are dropped (``batches_dropped{reason="old_incarnation"}``); taken as the new
+        stream's start they would make its real start read as a hole.
         """
         endpoint_id = endpoint.id
-        self._departed.discard(endpoint_id)
+        self._departed.pop(endpoint_id, None)
         track = self._tracks.get(endpoint_id)
+        held: list[tuple[float, RawMessage]] = []
+        if track is not None and track.held is not None:
+            held.extend(track.held)
+        now = self._clock()
+        pending = self._pending.pop(endpoint_id, None)
+        expired = 0
+        if pending:
+            for received, message in pending:
+                if now - received <= self._pending_ttl:
+                    held.append((received, message))
+                else:
+                    expired += 1
+                    self.record_drop("unregistered")
+        held.sort(key=lambda item: item[0])  # arrival order (stable: a track's and the pending ones interleave)
         if track is None or new_incarnation:
             if track is not None:
                 track.recovery = None
+                self._holding.discard(endpoint_id)
+                messages = [m for _, m in held]
+                if track.held is None or not track.held_went_back:
+                    messages = self._new_incarnation_messages(messages, track.next_seq)
+            else:
+                messages = [m for _, m in held]
             track = self._tracks[endpoint_id] = _Track(endpoint)
+            self._fields.forget(endpoint_id)  # its KV groups are the new process's to say
         else:
             track.endpoint = endpoint
             track.departed = False
-        held = self._pending.pop(endpoint_id, None)
-        if not held:
-            return
-        now = self._clock()
-        fresh = [message for received, message in held if now - received <= self._pending_ttl]
-        for message in fresh:
-            self._sequence(track, message)
-        logger.info("sequenced held event messages endpoint=%s messages=%d expired=%d", endpoint_id, len(fresh), len(held) - len(fresh))
+            track.held = None
+            self._holding.discard(endpoint_id)
+            messages = [m for _, m in held]
+        for message in messages:
+            self._sequence_held(track, message)
+        if held or expired:
+            logger.info(
+                "sequenced held event messages endpoint=%s messages=%d dropped=%d expired=%d (%s incarnation)",
+                endpoint_id, len(messages), len(held) - len(messages), expired,
+                "new" if new_incarnation else "same",
+            )
+
+    def _new_incarnation_messages(
+        self, held: list[RawMessage], old_next: int | None
+    ) -> list[RawMessage]:
+        """Of messages held across a change of incarnation, those from the first one that goes back
+        on: a seq below ``old_next`` (the old stream's next seq), a seq 0, or one below its
+        predecessor. Those before it continue the old stream: dropped (``old_incarnation``). With
+        no such message: none when ``old_next`` is known (all continue the old stream), else all
+        (nothing tells them apart)."""
+        start = None
+        for i, message in enumerate(held):
+            seq = message.seq
+            if (old_next is not None and seq < old_next) or seq == 0 or (i and seq < held[i - 1].seq):
+                start = i
+                break
+        if start is None:
+            start = len(held) if old_next is not None else 0
+        for _ in range(start):
+            self.record_drop("old_incarnation")
+        return held[start:]
 
     def endpoint_departed(self, endpoint_id: EndpointId) -> None:
-        """Its lease is gone (not purged: a rejoin may follow). Its messages are held from now on, as an
-        unregistered endpoint's are, until :meth:`endpoint_joined` says which incarnation they belong to:
-        a restarted publisher's first batches (a kv_store's rescan) can arrive before its new
-        registration, and read on the old incarnation's stream they were purged with it."""
+        """Its lease is gone (not purged: a rejoin may follow). Messages that continue its stream are
+        still applied (the same incarnation publishing through an etcd pause loses nothing); one that
+        reads as a publisher restart (a seq below the next one that is no copy of one applied, or any
+        message while its start is unknown), and every one after it, is held until
+        :meth:`endpoint_joined` says which incarnation they belong to: a restarted publisher's first
+        batches (a kv_store's rescan) can arrive before its new registration, and read on the old
+        incarnation's stream they would be purged with it. Held at most ``pending_batches`` (the
+        oldest dropped beyond) for ``departed_retention_seconds``
+        (``batches_dropped{reason="departed"}``)."""
         track = self._tracks.get(endpoint_id)
         if track is not None:
             track.departed = True
+            if track.held is not None:
+                track.held_why = _HOLD_DEPARTED  # now released only by a rejoin
 
     def endpoint_left(self, endpoint_id: EndpointId) -> None:
-        """The endpoint was purged: its late messages are dropped from now on."""
-        self._departed.add(endpoint_id)
+        """The endpoint was purged: its late messages are dropped from now on (for the departed
+        retention; after that they are held as an unregistered endpoint's)."""
+        self._departed[endpoint_id] = self._clock()
         self._pending.pop(endpoint_id, None)
         self.stats.per_endpoint.pop(endpoint_id, None)
+        self._holding.discard(endpoint_id)
+        self._fields.forget(endpoint_id)
         track = self._tracks.pop(endpoint_id, None)
         if track is not None:
             track.recovery = None
+            for _ in track.held or ():
+                self.record_drop("departed")
+            track.held = None
         self._update_settled()
 
     def restore(self, endpoint: Endpoint, next_seq: int | None, reliable: bool = True) -> None:
@@ -514,27 +642,52 @@ class EventPool:
             return  # before sequencing: a malformed message moves no seq and purges nothing
         endpoint_id = message.endpoint_id
         track = self._tracks.get(endpoint_id)
-        if track is None or track.departed or not self._index.is_registered(endpoint_id):
+        if track is None or not self._index.is_registered(endpoint_id):
             if endpoint_id in self._departed:
                 self.record_drop("endpoint_left")
             else:
                 self._hold(message)
             return
+        if track.held is not None:
+            self._hold_more(track, message)
+            return
         self._sequence(track, message)
 
-    def _sequence(self, track: _Track, message: RawMessage) -> None:
-        stats = self._endpoint_stats(message.endpoint_id)
-        stats.messages += 1
-        if track.recovery is not None:
-            self._buffer(track, message)
+    def _sequence_held(self, track: _Track, message: RawMessage) -> None:
+        """Sequence a message released from a hold: a restart it reveals is followed at once (the
+        registration has spoken, or will not)."""
+        if track.held is not None:  # cannot happen with may_hold=False; kept for safety
+            self._hold_more(track, message)
             return
+        self._sequence(track, message, may_hold=False)
+
+    def _sequence(self, track: _Track, message: RawMessage, may_hold: bool = True, count: bool = True) -> None:
+        """Sequence one decoded message of a registered endpoint; ``may_hold``: a message that reads as
+        a publisher restart may be held for a registration (departed, or registered with an
+        ``instance_id``) rather than followed as a restart at once; ``count``: False for a message
+        counted already (sequenced again after a failed recovery)."""
+        stats = self._endpoint_stats(message.endpoint_id)
+        if count:
+            stats.messages += 1
         seq = message.seq
+        recovery = track.recovery
+        if recovery is not None:
+            if recovery.fresh or seq >= recovery.from_seq or self._is_copy(track, message):
+                self._buffer(track, message)
+                return
+            # below the position the recovery started from and never applied: the publisher
+            # restarted while its gap was being replayed (the recovery reads the old stream)
+            self._went_back(track, message, recovery.from_seq, stats, may_hold)
+            return
         expected = track.next_seq
         if expected is None:
+            if track.departed and may_hold:
+                self._hold_more(track, message, _HOLD_DEPARTED)  # whose start is it? the rejoin says
+                return
             self._start_fresh(track, message, stats)
             return
         if seq < expected:
-            self._older(track, message, expected, stats)
+            self._older(track, message, expected, stats, may_hold)
             return
         if seq > expected:
             missed = seq - expected
@@ -563,35 +716,78 @@ class EventPool:
             return
         self._apply_message(track, message, stats)
 
-    def _older(self, track: _Track, message: RawMessage, expected: int, stats: EndpointIngestStats) -> None:
-        """A seq below the expected one: a copy of a message applied (the same seq with the same
-        ``ts``, kept from a replay or the last live ones) is a duplicate, dropped; anything else is
-        a publisher restart: purge, then start afresh with it."""
+    @staticmethod
+    def _is_copy(track: _Track, message: RawMessage) -> bool:
+        """A copy of a message applied: its seq's ``ts`` as kept from a replay or the last live ones."""
         assert message.batch is not None, "messages are decoded before they are sequenced"
         seq = message.seq
         ts = message.batch.ts
         slot = seq % _LIVE_KEPT
-        if track.replayed.get(seq) == ts or (track.live_seqs[slot] == seq and track.live_ts[slot] == ts):
+        return track.replayed.get(seq) == ts or (track.live_seqs[slot] == seq and track.live_ts[slot] == ts)
+
+    def _older(
+        self, track: _Track, message: RawMessage, expected: int, stats: EndpointIngestStats, may_hold: bool = True
+    ) -> None:
+        """A seq below the expected one: a copy of a message applied (the same seq with the same
+        ``ts``, kept from a replay or the last live ones) is a duplicate, dropped; anything else is
+        a publisher restart (:meth:`_went_back`)."""
+        if self._is_copy(track, message):
             self.record_drop("duplicate")
             self._drop_log.log(
                 logging.INFO, f"duplicate {message.endpoint_id}",
                 "dropping duplicate kv event message endpoint=%s seq=%d (a copy of one applied; next expected %d)",
-                message.endpoint_id, seq, expected,
+                message.endpoint_id, message.seq, expected,
             )
             return
+        self._went_back(track, message, expected, stats, may_hold)
+
+    def _went_back(
+        self, track: _Track, message: RawMessage, expected: int, stats: EndpointIngestStats, may_hold: bool
+    ) -> None:
+        """The sequence went back to a seq never applied: the publisher restarted. Purge, then start
+        afresh with it; except, with ``may_hold``:
+
+        * a departed endpoint: the message and all after it are held until the rejoin says whose
+          they are (nothing purged yet: a rejoin of the same incarnation purges, a new one starts empty);
+        * an endpoint registered with an ``instance_id``: a restarted process registers a new one,
+          and a crash-restart within its lease TTL overwrites its key (an etcd PUT) that the watch may
+          see after the restarted publisher's first batches (a kv_store's rescan). The old entries are
+          purged at once (that publisher is gone), and the new stream is held until the new
+          registration (started on a fresh track there) or ``pending_ttl_seconds`` (followed here as a
+          restart). Without the hold the new stream was applied on the old track, then purged by the
+          join of the new instance_id: lost for good.
+        """
+        if may_hold and track.departed:
+            self._hold_more(track, message, _HOLD_DEPARTED, went_back=True)
+            return
+        hold = may_hold and bool(track.endpoint.instance_id) and self._pending_batches > 0
         logger.warning(
             "kv event sequence went back endpoint=%s expected=%d got=%d, a message never applied: publisher "
-            "restarted, purging its entries",
-            message.endpoint_id, expected, seq,
+            "restarted, purging its entries%s",
+            message.endpoint_id, expected, message.seq,
+            f"; its new stream held up to {self._pending_ttl:.0f}s for its new registration" if hold else "",
         )
         metrics.record_incarnation("sequence_reset")
-        self._index.apply(message.endpoint_id, AllBlocksCleared())
+        self._reset(track)
+        if hold:
+            self._hold_more(track, message, _HOLD_RESET, went_back=True)
+            return
+        self._start_fresh(track, message, stats)
+
+    def _reset(self, track: _Track) -> None:
+        """The publisher restarted: purge its entries and forget its stream (position, copies kept,
+        a recovery in flight, the tail probe's state: a new incarnation is probed from its own start)."""
+        self._index.apply(track.endpoint.id, AllBlocksCleared())
         track.restarts += 1
+        track.recovery = None  # a recovery in flight reads the old stream: it returns at its next step
         track.next_seq = None
         track.replayed.clear()
         track.live_seqs[:] = [-1] * _LIVE_KEPT
         track.history_asked = False
-        self._start_fresh(track, message, stats)
+        track.probed_seq = None
+        track.probe_failures = 0
+        track.probe_after = 0.0
+        track.probe_interval = 0.0
 
     def _endpoint_stats(self, endpoint_id: EndpointId) -> EndpointIngestStats:
         stats = self.stats.per_endpoint.get(endpoint_id)
@@ -619,7 +815,14 @@ class EventPool:
             track.live_seqs[slot] = seq
             track.live_ts[slot] = batch.ts
         track.applied_at = self._clock()
-        self._apply(track, batch)
+        try:
+            self._apply(track, batch)
+        except Exception:
+            # the batch may be half applied (a removal lost): heal as a loss of this one message, so
+            # what the index holds stays a subset of the engine's cache; the stream goes on after it
+            logger.exception("kv event message failed in the index endpoint=%s seq=%d", message.endpoint_id, seq)
+            self.record_drop("internal_error")
+            self._lose(track, "internal_error", seq, seq + 1)
 
     def _apply(self, track: _Track, batch: EventBatch) -> None:
         """One batch, in order: parity checks, the field filter, then the index (a whole batch per
@@ -687,6 +890,46 @@ class EventPool:
             return [], f"{type(exc).__name__}: {exc}"
 
     async def _recover(self, track: _Track, recovery: _Recovery) -> None:
+        """:meth:`_replay_gap`, guarded: an unexpected exception in it (a bug, a replayer answering
+        something that is not ``(seq, payload)`` pairs) would leave the endpoint ``recovering`` (never
+        scored, every live message buffered) for good. It is healed as a loss instead
+        (``stream_losses_total{cause="internal_error"}``: its entries forgotten), the stream starts
+        afresh from the live messages buffered meanwhile (its buffer is not asked again for this
+        start), and the recovery always ends (``track.recovery`` cleared)."""
+        try:
+            await self._replay_gap(track, recovery)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("kv event recovery failed endpoint=%s trigger=%s", track.endpoint.id, recovery.trigger)
+            if track.recovery is recovery and self._tracks.get(track.endpoint.id) is track:
+                self._internal_error_heal(track, recovery)
+        finally:
+            if track.recovery is recovery:
+                track.recovery = None
+
+    def _internal_error_heal(self, track: _Track, recovery: _Recovery) -> None:
+        """Heal a recovery that raised: forget, start afresh, sequence the live messages it buffered."""
+        track.recovery = None
+        try:
+            self._lose(track, "internal_error", recovery.from_seq, None)
+        except Exception:
+            logger.exception("kv event loss heal failed endpoint=%s", track.endpoint.id)
+        track.next_seq = None
+        track.history_asked = True  # the buffer's answer is what failed: the first live message is the start
+        track.replayed.clear()
+        metrics.record_recovery(recovery.trigger, "healed", self._clock() - recovery.started, 0)
+        for message in sorted(recovery.buffer, key=lambda m: m.seq):
+            try:
+                if track.held is not None:  # a restart among them started a hold: it takes the rest
+                    self._hold_more(track, message)
+                else:
+                    self._sequence(track, message, count=False)
+            except Exception:
+                logger.exception("event message failed endpoint=%s", message.endpoint_id)
+                self.record_drop("internal_error")
+
+    async def _replay_gap(self, track: _Track, recovery: _Recovery) -> None:
         """Replay from ``recovery.from_seq``, then apply the buffered live messages, in seq order.
 
         The publisher answers with what it had *when asked*; live messages published after that can
@@ -809,10 +1052,19 @@ class EventPool:
 
     # -- tail probe -------------------------------------------------------------------------
 
-    async def _probe_tails_forever(self) -> None:
-        tick = min(max(self._probe_quiet / 4, 0.05), 1.0)
+    async def _housekeep_forever(self) -> None:
+        """Every tick (a quarter of the tail probe's quiet time, within 0.05-1 s; 1 s without tail
+        probes): held messages (:meth:`expire_held`), then tail probes (:meth:`probe_tails`)."""
+        probing = self._probe_quiet > 0 and self._replayer is not None
+        tick = min(max(self._probe_quiet / 4, 0.05), 1.0) if probing else 1.0
         while True:
             await asyncio.sleep(tick)
+            try:
+                self.expire_held()
+            except Exception:  # never let the loop die
+                logger.exception("held messages scan failed")
+            if not probing:
+                continue
             try:
                 self.probe_tails()
             except Exception:  # never let the loop die: a probe is an optimisation of safety, not the stream
@@ -822,32 +1074,60 @@ class EventPool:
         """Start a tail probe for each endpoint quiet ``tail_probe_quiet_seconds`` since its last
         applied message (live, with a replay endpoint): at once at a new position, else when its
         retry or idle re-probe is due; within the rate and concurrency bounds. Returns how many
-        were started."""
-        if self._replayer is None or self._probe_quiet <= 0:
+        were started.
+
+        Fair at any fleet size: endpoints are taken round-robin (a track probed moves to the end of
+        the scan order), first probes of a new position before retries of a failed one, and those
+        before idle re-probes; a probe that ends starts the next one due (within the bounds), so
+        ``tail_probe_max_per_second`` is reachable whatever the tick. Before, at most
+        ``tail_probe_concurrency`` probes started per tick (8/s at the default tick) and the scan
+        always began at the first endpoint: the first ~240 endpoints' idle re-probes took every slot
+        and later ones were never probed."""
+        if self._replayer is None or self._probe_quiet <= 0 or self._closing:
             return 0
         now = self._clock()
         last = self._probe_refilled
         self._probe_refilled = now
         cap = max(self._probe_rate, 1.0)
         self._probe_tokens = min(cap, self._probe_tokens + (cap if last is None else (now - last) * self._probe_rate))
-        started = 0
-        for track in list(self._tracks.values()):
-            if len(self._probes) >= self._probe_concurrency or self._probe_tokens < 1:
-                break
+        slots = min(self._probe_concurrency - len(self._probes), int(self._probe_tokens))
+        if slots <= 0:
+            self._probe_backlog = True  # nothing may start now; a probe that ends looks again
+            return 0
+        first: list[_Track] = []
+        retries: list[_Track] = []
+        idle: list[_Track] = []
+        quiet = self._probe_quiet
+        backlog = False
+        for track in list(self._tracks.values()):  # least recently probed first
             if (
-                track.probing or track.departed or track.recovery is not None or track.next_seq is None
-                or track.applied_at is None
-                or not track.endpoint.replay_endpoint or now - track.applied_at < self._probe_quiet
-                or (track.probed_seq == track.next_seq and now < track.probe_after)
+                track.probing or track.departed or track.held is not None or track.recovery is not None
+                or track.next_seq is None or track.applied_at is None
+                or not track.endpoint.replay_endpoint or now - track.applied_at < quiet
             ):
                 continue
-            self._probe_tokens -= 1
-            track.probing = True
-            task = asyncio.create_task(self._probe(track, track.next_seq), name=f"kv-tail-probe-{track.endpoint.id}")
-            self._probes.add(task)
-            task.add_done_callback(self._probe_done)
-            started += 1
-        return started
+            if track.probed_seq != track.next_seq:
+                first.append(track)
+                if len(first) >= slots:
+                    backlog = True  # more may be due further on: looked at when a slot frees
+                    break
+            elif now >= track.probe_after:
+                (retries if track.probe_failures else idle).append(track)
+        due = first + retries + idle
+        self._probe_backlog = backlog or len(due) > slots
+        for track in due[:slots]:
+            self._start_probe(track)
+        return min(len(due), slots)
+
+    def _start_probe(self, track: _Track) -> None:
+        assert track.next_seq is not None
+        self._probe_tokens -= 1
+        track.probing = True
+        endpoint_id = track.endpoint.id
+        self._tracks[endpoint_id] = self._tracks.pop(endpoint_id)  # to the end of the round-robin order
+        task = asyncio.create_task(self._probe(track, track.next_seq), name=f"kv-tail-probe-{endpoint_id}")
+        self._probes.add(task)
+        task.add_done_callback(self._probe_done)
 
     @staticmethod
     def _probe_ended(track: _Track, from_seq: int) -> None:
@@ -860,8 +1140,15 @@ class EventPool:
 
     def _probe_done(self, task: asyncio.Task[None]) -> None:
         self._probes.discard(task)
-        if not task.cancelled() and task.exception() is not None:
+        if task.cancelled():
+            return
+        if task.exception() is not None:
             logger.error("tail probe failed", exc_info=task.exception())
+        if self._probe_backlog:  # a slot freed while probes were due: start the next at once
+            try:
+                self.probe_tails()
+            except Exception:
+                logger.exception("tail probe scan failed")
 
     async def _probe(self, track: _Track, from_seq: int) -> None:
         """Ask for what followed ``from_seq - 1``; apply it in order (a hole in it healed as a loss)."""
@@ -873,8 +1160,9 @@ class EventPool:
         finally:
             track.probing = False
         if (self._tracks.get(endpoint.id) is not track or track.recovery is not None or track.next_seq is None
-                or track.restarts != restarts):  # an answer from the incarnation that restarted meanwhile
-            metrics.record_tail_probe("superseded")  # left, restarted or recovering meanwhile: that one rules
+                or track.restarts != restarts  # an answer from the incarnation that restarted meanwhile
+                or track.departed or track.held is not None):  # whose stream it reads is the rejoin's to say
+            metrics.record_tail_probe("superseded")  # left, departed, restarted or recovering meanwhile
             return
         if failure:
             self._probe_ended(track, from_seq)
@@ -925,6 +1213,8 @@ class EventPool:
     # -- held messages ----------------------------------------------------------------------
 
     def _hold(self, message: RawMessage) -> None:
+        """Hold a message of an endpoint not registered (yet): at most ``pending_batches`` per endpoint
+        for ``pending_ttl_seconds``, :data:`_MAX_PENDING_ENDPOINTS` endpoints."""
         endpoint_id = message.endpoint_id
         held = self._pending.get(endpoint_id)
         if held is None:
@@ -943,6 +1233,85 @@ class EventPool:
             held.popleft()
             self.record_drop("unregistered")
         held.append((now, message))
+
+    def _hold_more(self, track: _Track, message: RawMessage, why: str = "", went_back: bool = False) -> None:
+        """Hold a registered endpoint's message until a registration says whose it is (``why`` starts a
+        hold: :data:`_HOLD_DEPARTED` or :data:`_HOLD_RESET`; ``went_back``: it begins with a restart's message).
+
+        A departed hold keeps at most ``pending_batches`` (the oldest dropped: what is left is still a
+        fresh stream's run, whose start the replay buffer can fill) for the departed retention
+        (``batches_dropped{reason="departed"}``). A reset hold is released (followed as a restart)
+        once ``pending_ttl_seconds`` passed without the new registration, or when it is full."""
+        now = self._clock()
+        endpoint_id = track.endpoint.id
+        held = track.held
+        if held is None:
+            if self._pending_batches <= 0:
+                if why == _HOLD_DEPARTED:
+                    self.record_drop("departed")
+                else:
+                    self._sequence(track, message, may_hold=False)
+                return
+            held = track.held = deque()
+            track.held_why = why or _HOLD_DEPARTED
+            track.held_since = now
+            track.held_went_back = went_back
+            self._holding.add(endpoint_id)
+            logger.info(
+                "holding event messages of endpoint=%s from seq=%d until its %s says whose they are",
+                endpoint_id, message.seq, "rejoin" if track.held_why == _HOLD_DEPARTED else "new registration",
+            )
+        if track.held_why == _HOLD_RESET:
+            if now - track.held_since > self._pending_ttl or len(held) >= self._pending_batches:
+                self._release(track)
+                self._sequence(track, message, may_hold=False)
+                return
+        else:
+            while held and now - held[0][0] > self._departed_retention:
+                held.popleft()
+                self.record_drop("departed")
+            if len(held) >= self._pending_batches:
+                held.popleft()
+                self.record_drop("departed")
+        held.append((now, message))
+
+    def _release(self, track: _Track) -> None:
+        """End a reset hold with no new registration: its messages are followed on the track (whose
+        stream was reset: the first is the new stream's start)."""
+        held = track.held or deque()
+        track.held = None
+        self._holding.discard(track.endpoint.id)
+        logger.info(
+            "no new registration of endpoint=%s within %.0fs of its sequence reset: following its %d held "
+            "message(s) as the restarted stream", track.endpoint.id, self._pending_ttl, len(held),
+        )
+        for _, message in held:
+            self._sequence_held(track, message)
+
+    def expire_held(self) -> None:
+        """Housekeeping (every tick of the pool's loop): release reset holds past ``pending_ttl_seconds``,
+        drop departed holds' messages past the retention, never-registered endpoints' past the
+        ``pending_ttl_seconds`` (and the endpoint with its last one), and fence entries past the retention."""
+        now = self._clock()
+        for endpoint_id in list(self._holding):
+            track = self._tracks.get(endpoint_id)
+            if track is None or track.held is None:
+                self._holding.discard(endpoint_id)
+                continue
+            if track.held_why == _HOLD_RESET:
+                if now - track.held_since > self._pending_ttl:
+                    self._release(track)
+                continue
+            held = track.held
+            while held and now - held[0][0] > self._departed_retention:
+                held.popleft()
+                self.record_drop("departed")
+        for endpoint_id in [e for e, held in self._pending.items() if not held or now - held[-1][0] > self._pending_ttl]:
+            for _ in self._pending.pop(endpoint_id):
+                self.record_drop("unregistered")
+        if self._departed:
+            for endpoint_id in [e for e, since in self._departed.items() if now - since > self._departed_retention]:
+                del self._departed[endpoint_id]
 
     def tracked(self) -> Iterable[EndpointId]:
         return self._tracks.keys()

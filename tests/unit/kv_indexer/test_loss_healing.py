@@ -482,9 +482,10 @@ async def test_epps_replica_follows_the_heal(tmp_path: Path) -> None:
 
 
 async def test_a_departed_endpoints_messages_wait_for_its_rejoin_to_say_which_incarnation(cleanup: list[Rig]) -> None:
-    """Its lease gone (retained), an endpoint's messages are held, not sequenced on the old stream: a
-    restarted publisher's first batch (a kv_store's rescan, seq 0) that arrives before its new registration
-    is applied to the new incarnation; the same incarnation's messages carry on its stream."""
+    """Its lease gone (retained), an endpoint's messages that continue its stream are applied (the same
+    incarnation publishing through an etcd pause); a restarted publisher's first batch (a kv_store's
+    rescan, seq 0) that arrives before its new registration is held, not sequenced on the old stream,
+    and applied to the new incarnation at its join. Details: test_departed_and_resets.py."""
     index, pool, engine, replayer = rig()
     cleanup.append((index, pool, engine, replayer))
     engine.deliver(engine.publish(chain([11, 12, 13, 14], P)), engine.publish(chain([21, 22], Q)))
@@ -492,10 +493,10 @@ async def test_a_departed_endpoints_messages_wait_for_its_rejoin_to_say_which_in
     pool.endpoint_departed(A)
     engine.deliver(engine.publish(BlockRemoved(block_hashes=[21, 22])))  # the same incarnation, still publishing
     await pool.drained()
-    assert matched(index, Q) == 2  # held, not applied yet
+    assert matched(index, Q) == 0 and pool.export()[A] == (3, True)  # applied while departed
     pool.endpoint_joined(engine.endpoint, new_incarnation=False)
     await pool.drained()
-    assert matched(index, Q) == 0 and pool.export()[A] == (3, True)  # sequenced on at the rejoin
+    assert matched(index, Q) == 0 and pool.export()[A] == (3, True)  # the rejoin carries on
 
     pool.endpoint_departed(A)
     restarted = encode_batch(EventBatch(ts=float(next(_TS)), events=[chain([31, 32], R)], data_parallel_rank=0))
