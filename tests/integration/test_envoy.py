@@ -12,7 +12,9 @@ filter in GIE's ``FULL_DUPLEX_STREAMED`` body mode and in ``BUFFERED`` mode.
 
 - prefix affinity through Envoy: a repeated prompt (completions, token ids and chat) lands on the
   engine that served it first (Envoy's ``x-upstream-host``) and that engine reports the prefix as
-  ``cached_tokens``; a streamed answer passes through the full-duplex response path;
+  ``cached_tokens``; a streamed answer passes through the full-duplex response path; the same in
+  ``BUFFERED`` mode and in docs/envoy.md's faster variant (GIE's full-duplex request, response headers
+  only: ``response_body_mode: NONE``, ``response_trailer_mode: SKIP``);
 - bad input through Envoy: the protocol's statuses (400, 404, 503) with OpenAI error bodies; the
   subset hint restricts the pick; a bodiless GET is routed;
 - epp down: fail-closed Envoy answers 503, fail-open Envoy (BUFFERED) serves from its fallback cluster (200).
@@ -57,7 +59,7 @@ def _replace_once(text: str, old: str, new: str) -> str:
 
 
 def envoy_config(listen: int, admin: int, epp_port: int, engines: list[int], *, buffered: bool = False,
-                 fail_open: bool = False) -> str:
+                 fail_open: bool = False, response_bodies: bool = True) -> str:
     text = doc_config()
     for key, port in (("listen", listen), ("admin", admin), ("epp", epp_port),
                       ("engine_a", engines[0]), ("engine_b", engines[1])):
@@ -67,6 +69,9 @@ def envoy_config(listen: int, admin: int, epp_port: int, engines: list[int], *, 
                              "request_body_mode: BUFFERED")
         text = _replace_once(text, "response_body_mode: FULL_DUPLEX_STREAMED", "response_body_mode: NONE")
         text = _replace_once(text, "request_trailer_mode: SEND", "request_trailer_mode: SKIP")
+        text = _replace_once(text, "response_trailer_mode: SEND", "response_trailer_mode: SKIP")
+    if not response_bodies:  # docs/envoy.md "Response bodies": GIE's request mode, response headers only
+        text = _replace_once(text, "response_body_mode: FULL_DUPLEX_STREAMED", "response_body_mode: NONE")
         text = _replace_once(text, "response_trailer_mode: SEND", "response_trailer_mode: SKIP")
     if fail_open:
         text = _replace_once(text, "failure_mode_allow: false", "failure_mode_allow: true")
@@ -203,13 +208,14 @@ def first_answer(envoy: Envoy) -> httpx.Response:
     )
 
 
-@pytest.mark.parametrize("mode", ["FULL_DUPLEX_STREAMED", "BUFFERED"])
+@pytest.mark.parametrize("mode", ["FULL_DUPLEX_STREAMED", "BUFFERED", "FULL_DUPLEX_STREAMED-no-response-body"])
 def test_prefix_affinity_through_envoy(mesh: Mesh, mode: str) -> None:
     envoy = start_envoy(mesh.run_dir, f"envoy-affinity-{mode}", envoy_config(
-        free_port(), free_port(), mesh.epp_ext_proc, mesh.engines, buffered=mode == "BUFFERED"))
+        free_port(), free_port(), mesh.epp_ext_proc, mesh.engines, buffered=mode == "BUFFERED",
+        response_bodies=not mode.endswith("no-response-body")))
     try:
         first_answer(envoy)
-        seeds = range(10, 15) if mode == "BUFFERED" else range(20, 25)
+        seeds = {"BUFFERED": range(10, 15), "FULL_DUPLEX_STREAMED": range(20, 25)}.get(mode, range(60, 65))
         for seed in seeds:
             tokens = prompt(seed)
             reply = post(envoy, "/v1/completions", {"model": MODEL, "prompt": tokens, "max_tokens": 2})
@@ -232,7 +238,8 @@ def test_prefix_affinity_through_envoy(mesh: Mesh, mode: str) -> None:
         wait_until(lambda: post(envoy, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 2}),
                    15, "the repeated chat to hit the cache of the engine that served it",
                    until=lambda r: r.status_code == 200 and r.headers["x-upstream-host"] == holder and cached(r) > 0)
-        # a streamed answer through the response path (full duplex: every chunk echoed by epp)
+        # a streamed answer through the response path (full duplex: every chunk echoed by epp; without
+        # response bodies Envoy streams the chunks straight through)
         with httpx.stream("POST", f"{envoy.url}/v1/completions", timeout=30,
                           json={"model": MODEL, "prompt": prompt(seeds[0]), "max_tokens": 4, "stream": True}) as s:
             assert s.status_code == 200
