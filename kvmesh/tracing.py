@@ -8,6 +8,7 @@ W3C trace context (``traceparent``) travels in gRPC metadata through the interce
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, MutableMapping
 
 from opentelemetry import propagate, trace
@@ -15,6 +16,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -23,9 +25,20 @@ def setup_tracing(service_name: str, otlp_endpoint: str | None) -> TracerProvide
     """Install a global tracer provider named ``service_name``.
 
     Spans are exported over OTLP/gRPC to ``otlp_endpoint`` (e.g. ``http://127.0.0.1:4317``) in
-    batches; without an endpoint spans are still created (so trace ids propagate) but not exported.
+    batches. Without an endpoint nothing is exported, so a request that arrives without a sampled
+    parent records no spans (sampler ``parentbased_always_off``: a trace id is still made and sent
+    on, e.g. to the engine's ``traceparent``, unsampled); a request whose caller sent a sampled
+    ``traceparent`` is recorded and its context passed on sampled, so an engine that exports its own
+    spans continues the caller's trace. As vLLM does with no ``--otlp-traces-endpoint``, tracing
+    costs next to nothing then (issue 10: the spans were ~0.1 ms of epp's Pick, helper P's trace,
+    ``docs/BENCHMARKS.md``). The standard ``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG``
+    environment variables, when set, choose the sampler in both cases (OpenTelemetry SDK
+    configuration; ``parentbased_always_on`` restores recording without an endpoint).
     """
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    sampler: Sampler | None = None  # None: the SDK's own choice (OTEL_TRACES_SAMPLER or parentbased_always_on)
+    if not otlp_endpoint and not os.environ.get("OTEL_TRACES_SAMPLER"):
+        sampler = ParentBased(ALWAYS_OFF)
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}), sampler=sampler)
     if otlp_endpoint:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
