@@ -141,7 +141,10 @@ def load_config(cls: type[C], argv: list[str] | None = None, prog: str | None = 
     Raises:
         SystemExit: on an unknown flag or a value that fails validation (the message names it).
     """
-    parser = argparse.ArgumentParser(prog=prog, description=(cls.__doc__ or "").strip().splitlines()[0])
+    # allow_abbrev=False: `--port 8123` must not silently mean `--ports-file 8123` (argparse matches prefixes)
+    parser = argparse.ArgumentParser(
+        prog=prog, description=(cls.__doc__ or "").strip().splitlines()[0], allow_abbrev=False
+    )
     parser.add_argument("--config", type=Path, help="YAML file with any of the fields below")
     parser.add_argument("--print-config", action="store_true", help="print the effective config and exit")
     converters: dict[str, typing.Callable[[str], Any]] = {}

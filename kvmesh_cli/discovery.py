@@ -89,14 +89,26 @@ def read_etcd_prefix(etcd_address: str, prefix: str, timeout_s: float = DISCOVER
         DiscoveryError: etcd did not answer within ``timeout_s`` (one line naming it).
         ValueError: ``etcd_address`` is not ``host:port``.
     """
+    from kvmesh_cli.mesh import run_interruptible
+
     split_host_port(etcd_address)
     try:
-        return asyncio.run(_read_prefix(etcd_address, prefix, timeout_s))
+        return run_interruptible(_read_prefix(etcd_address, prefix, timeout_s))
     except Exception as exc:  # aetcd and grpc raise several kinds for a dead or wrong address
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise DiscoveryError(
-            f"etcd {etcd_address} did not answer within {timeout_s:g}s ({reason}); {hint}"
-        ) from exc
+        raise DiscoveryError(f"etcd {etcd_address} {why_unreachable(exc, timeout_s)}; {hint}") from exc
+
+
+def why_unreachable(exc: BaseException, timeout_s: float) -> str:
+    """What an address that failed with ``exc`` did, for an error line: ``refused the connection``
+    (nothing listens there: it failed at once), ``did not answer within 5s`` (a deadline ran out),
+    else ``could not be reached``; the first line of the cause follows in parentheses."""
+    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if "connection refused" in reason.lower():
+        return f"refused the connection ({reason})"
+    timed_out = isinstance(exc, TimeoutError) or "deadline" in reason.lower() or "timed out" in reason.lower()
+    if timed_out:
+        return f"did not answer within {timeout_s:g}s ({reason})"
+    return f"could not be reached ({reason})"
 
 
 def engines_from_etcd(etcd_address: str, timeout_s: float = DISCOVERY_TIMEOUT_S) -> list[str]:
@@ -148,6 +160,14 @@ def _rpc_reason(exc: grpc.RpcError) -> str:
     return code.name if code is not None else type(exc).__name__
 
 
+def _epp_failed(exc: grpc.RpcError) -> str:
+    """What the epp did, for an error line: refused the connection (nothing listens: it failed at
+    once) or did not answer ListEndpoints; the status code in parentheses."""
+    details = (exc.details() or "") if isinstance(exc, grpc.Call) else ""
+    verb = "refused the connection" if "connection refused" in details.lower() else "did not answer ListEndpoints"
+    return f"{verb} ({_rpc_reason(exc)})"
+
+
 def find_engines(
     epp: str | None, etcd: str | None, say: Callable[[str], None], timeout_s: float = DISCOVERY_TIMEOUT_S
 ) -> list[str]:
@@ -168,13 +188,13 @@ def find_engines(
     try:
         return engines_from_epp(epp, timeout_s)
     except grpc.RpcError as exc:
-        reason = _rpc_reason(exc)
+        failed = _epp_failed(exc)
         if not etcd:
             raise DiscoveryError(
-                f"epp {epp} did not answer ListEndpoints ({reason}); start it, pass the epp's gRPC host:port "
+                f"epp {epp} {failed}; start it, pass the epp's gRPC host:port "
                 "(kvmesh up prints it), or add --etcd host:port to find the engines through etcd"
             ) from exc
-    say(f"epp {epp} did not answer ListEndpoints ({reason}): looking for another in etcd {etcd}")
+    say(f"epp {epp} {failed}: looking for another in etcd {etcd}")
     for other in epps_from_etcd(etcd, timeout_s):
         if other == epp:
             continue

@@ -31,13 +31,10 @@ same time, each on its own mesh, so that on a busy host they all meet the same l
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import json
 import logging
-import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -66,7 +63,7 @@ from kvmesh_cli.checks import (
     resolve_policy,
 )
 from kvmesh_cli.discovery import DiscoveryError, find_engines, split_host_port
-from kvmesh_cli.mesh import DEFAULT_MODEL, Mesh, MeshSpec, exit_on_signals
+from kvmesh_cli.mesh import DEFAULT_MODEL, Mesh, MeshSpec, exit_on_signals, run_interruptible
 from kvmesh_cli.options import (
     MAX_BLOCK_SIZE_TOKENS,
     SIMULATOR_DEFAULTS,
@@ -407,7 +404,7 @@ def _run_replay(
             progress.update(task, advance=1, errors=errors)
 
         try:
-            return asyncio.run(replay(
+            return run_interruptible(replay(
                 wl, router_url=router_url, engine_urls=engine_urls, time_scale=time_scale,
                 concurrency_limit=concurrency, model=model, on_done=on_done, max_sessions=sessions,
                 prompt_format=prompt_format, sampler=sampler, router_metrics_url=router_metrics_url,
@@ -1120,14 +1117,14 @@ def flows(
 
     def fetch() -> object:
         try:
-            return asyncio.run(_flow_stats(address, 5.0))
+            return run_interruptible(_flow_stats(address, 5.0))
         except grpc.RpcError as exc:
             fail(flow_stats_error(address, exc, hint))
 
     def watched() -> RenderableType:
         """The tables, or (flow_control down or restarting) a line saying so: a watch keeps watching."""
         try:
-            return Group(*flows_tables(asyncio.run(_flow_stats(address, min(5.0, max(watch, 1.0))))))
+            return Group(*flows_tables(run_interruptible(_flow_stats(address, min(5.0, max(watch, 1.0))))))
         except grpc.RpcError as exc:
             return Text(f"{time.strftime('%H:%M:%S')} DOWN: {flow_stats_error(address, exc)}; retrying every "
                         f"{watch:g} s (Ctrl-C to stop)", style="bold red")
@@ -1143,32 +1140,26 @@ def flows(
     from rich.text import Text
 
     first = fetch()  # the first fetch fails loudly: a wrong address is a usage mistake, not an outage
-    # Ctrl-C ends the watch wherever it lands: a flag, because one that lands inside a fetch's event loop
-    # (most of the time while flow_control is down) is turned by grpc into a cancelled call, not raised.
-    stop = threading.Event()
-
-    def interrupted(signum: int, frame: object) -> None:
-        stop.set()
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGINT, interrupted)
+    # Ctrl-C (or SIGTERM/SIGHUP) ends the watch wherever it lands, exit 130 as replay and compare: in a
+    # sleep it is raised there; in a fetch the fetch's event loop is stopped by cancelling it
+    # (run_interruptible), never by raising inside a grpc call.
     try:
-        if not console.is_terminal:  # piped or logged: one snapshot after another (a Live shows only its last)
-            with contextlib.suppress(KeyboardInterrupt):
+        with exit_on_signals():
+            if not console.is_terminal:  # piped or logged: one snapshot after another (a Live shows only its last)
                 shown: RenderableType = Group(*flows_tables(first))
-                while not stop.is_set():
+                while True:
                     console.print(Text(time.strftime("%H:%M:%S"), style="dim"), shown)
-                    if stop.wait(watch):
-                        break
+                    time.sleep(watch)
                     shown = watched()
-            return
-        with contextlib.suppress(KeyboardInterrupt), \
-                Live(Group(*flows_tables(first)), console=console, refresh_per_second=4) as live:
-            while not stop.wait(watch):
-                live.update(watched())
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
+            with Live(Group(*flows_tables(first)), console=console, refresh_per_second=4) as live:
+                while True:
+                    time.sleep(watch)
+                    live.update(watched())
+    except KeyboardInterrupt as exc:
+        signum = str(exc).removeprefix("signal ")
+        how = f"signal {signum}" if signum.isdigit() else "Ctrl-C"
+        err_console.print(f"interrupted ({how}): the watch stopped", markup=False, highlight=False)
+        raise typer.Exit(130) from None
 
 if __name__ == "__main__":
     app()

@@ -32,6 +32,7 @@ from the thread calling :meth:`Mesh.start` (use the main thread).
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import concurrent.futures
 import contextlib
@@ -42,11 +43,11 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, Literal, Self
+from typing import Any, Literal, Self, TypeVar
 
 import grpc
 import httpx
@@ -161,6 +162,8 @@ class Member:
         return self.process.log_path
 
 
+T = TypeVar("T")
+
 _RUNNING: weakref.WeakSet[Mesh] = weakref.WeakSet()
 
 _PORT_FLAGS: dict[str, dict[str, str]] = {"router": {"--http-port": "--router-port", "--grpc-port": "--router-grpc-port"}}
@@ -180,6 +183,10 @@ def exit_on_signals(
 ) -> Iterator[None]:
     """Within the block, the given signals raise KeyboardInterrupt (so ``with Mesh`` unwinds).
 
+    Event loops run inside the block through :func:`run_interruptible`, which takes the signals over
+    while the loop runs (a KeyboardInterrupt raised inside a running task leaves that task's
+    exception unretrieved and a traceback on stderr).
+
     SIGINT is set explicitly too: a shell starts a background job (``kvmesh up &`` in a script)
     with SIGINT *ignored*, and Python keeps an inherited ignore, so ``kill -INT`` did nothing.
     Only effective in the main thread; elsewhere a no-op.
@@ -197,6 +204,57 @@ def exit_on_signals(
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def run_interruptible(
+    coro: Coroutine[Any, Any, T],
+    signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP),
+) -> T:
+    """``asyncio.run(coro)``, where one of ``signals`` stops ``coro`` the asyncio way.
+
+    The signal cancels ``coro``'s task (the loop's own signal handler: nothing is raised inside
+    whichever request task happens to run, so no task ends with an exception nobody retrieves);
+    the tasks unwind through ``CancelledError`` at their awaits, and once the loop has closed,
+    ``KeyboardInterrupt("signal N")`` is raised here, as :func:`exit_on_signals` raises it in
+    synchronous code. A second signal while it unwinds is ignored. The handlers in force before
+    are restored. Outside the main thread: plain ``asyncio.run``.
+
+    Raises:
+        KeyboardInterrupt: one of ``signals`` arrived (whatever ``coro`` did on its way out).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return asyncio.run(coro)
+    received: list[int] = []
+
+    async def main() -> T:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+
+        def stop(signum: int) -> None:
+            if not received:
+                received.append(signum)
+                task.cancel()
+
+        previous = {s: signal.getsignal(s) for s in signals}
+        for s in signals:
+            loop.add_signal_handler(s, stop, s)
+        try:
+            return await coro
+        finally:
+            for s, handler in previous.items():
+                loop.remove_signal_handler(s)
+                signal.signal(s, handler)
+
+    try:
+        result = asyncio.run(main())
+    except BaseException:
+        if received:
+            raise KeyboardInterrupt(f"signal {received[0]}") from None
+        raise
+    if received:
+        raise KeyboardInterrupt(f"signal {received[0]}")
+    return result
 
 
 class MeshStartError(RuntimeError):

@@ -68,8 +68,9 @@ not); ``mesh_admission_*`` / ``mesh_pick_*`` the router's ``kvmesh_router_stage_
 (admission: arrival to flow_control's DISPATCHED; pick: the epp Pick); ``mesh_pre_dispatch_*`` the router's
 ``pre_dispatch`` stage (arrival to the first POST to an engine, measured: with the router's early pick the Pick
 runs beside admission, so the two stages overlap and their sum over-counts), ``mesh_stage_overlap_mean_s`` =
-admission mean + pick mean - pre-dispatch mean (how much of the two ran at once; about the pick mean when every
-pick was early). A router without the ``pre_dispatch`` stage (before wave 9): ``mesh_pre_dispatch_mean_s`` is the
+admission mean + pick mean - pre-dispatch mean, clamped at 0 (how much of the two ran at once; about the pick mean
+when every pick was early; 0 when they ran one after the other, pre-dispatch then also holding the router's own
+work around them). A router without the ``pre_dispatch`` stage (before wave 9): ``mesh_pre_dispatch_mean_s`` is the
 sum of the two means (an upper bound) and the other two are None;
 ``engine_ttft_*`` vLLM's ``vllm:time_to_first_token_seconds`` (arrival at the engine to first token),
 ``engine_queue_*`` ``vllm:request_queue_time_seconds`` (WAITING: queued to first scheduled),
@@ -304,7 +305,9 @@ def ttft_breakdown(
             out["mesh_pre_dispatch_mean_s"] = pre.mean * time_scale
             out["mesh_pre_dispatch_p50_s"] = p50[0] * time_scale if p50 is not None else None
             if len(means) == len(MESH_STAGES):
-                out["mesh_stage_overlap_mean_s"] = sum(means.values(), 0.0) - pre.mean * time_scale
+                # pre_dispatch also holds the router's own work around the two stages, so without overlap
+                # the difference is a little below 0: clamped, 0 means the two ran one after the other
+                out["mesh_stage_overlap_mean_s"] = max(0.0, sum(means.values(), 0.0) - pre.mean * time_scale)
         else:  # a router without the stage: the sum, an upper bound when the pick overlapped admission
             out["mesh_pre_dispatch_mean_s"] = sum(means.values(), 0.0)
     engine_ttft = out["engine_ttft_mean_s"]
@@ -490,7 +493,7 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("  mesh before dispatch, mean / p50 (s)", "mesh_pre_dispatch", "mean_p50"),
     ("    admission wait mean / p50 (s)", "mesh_admission", "mean_p50"),
     ("    pick mean / p50 (s)", "mesh_pick", "mean_p50"),
-    ("    admission and pick at once (early pick), mean (s)", "mesh_stage_overlap_mean_s", "s"),
+    ("    admission and pick at once (early pick; 0: none), mean (s)", "mesh_stage_overlap_mean_s", "s"),
     ("  engine TTFT mean / p50 (s)", "engine_ttft", "mean_p50"),
     ("    engine queue mean / p50 (its bucket), s", "engine_queue", "mean_p50_bucket"),
     ("    engine queue p90 (s, from vLLM's buckets)", "engine_queue_p90_s", "s"),
@@ -528,16 +531,17 @@ def fmt(value: object, kind: str) -> str:
     if kind == "int":
         return str(int(value))
     if kind == "s":
-        return f"{float(value):.3f}"
-    if kind == "ms":
-        return f"{1000 * float(value):.1f}"
-    if kind == "rate":
-        return f"{float(value):.1f}"
-    if kind == "rate2":
-        return f"{float(value):.2f}"
-    if kind == "x":
-        return f"{float(value):.2f}"
-    return f"{100 * float(value):.1f} %"
+        text = f"{float(value):.3f}"
+    elif kind == "ms":
+        text = f"{1000 * float(value):.1f}"
+    elif kind == "rate":
+        text = f"{float(value):.1f}"
+    elif kind in ("rate2", "x"):
+        text = f"{float(value):.2f}"
+    else:
+        text = f"{100 * float(value):.1f} %"
+    # a tiny negative rounds to "-0.000": no sign on a zero (a larger negative keeps its sign: it says something)
+    return text[1:] if text.startswith("-") and float(text.split()[0]) == 0 else text
 
 
 def _mean_p50(summary: Mapping[str, object], key: str) -> str:

@@ -178,11 +178,44 @@ class TraceRow:
     hash_ids: tuple[int, ...]
 
 
+def trace_int(value: object, field: str, minimum: int) -> int:
+    """A trace's whole-number field (``5`` or ``5.0``, not ``true`` or ``5.5``) of at least ``minimum``.
+
+    Raises:
+        ValueError: naming ``field`` and what it was.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float) or \
+            (isinstance(value, float) and not value.is_integer()):
+        raise ValueError(f"{field} {value!r} is not a whole number")
+    if value < minimum:
+        raise ValueError(f"{field} {value!r} is below {minimum}")
+    return int(value)
+
+
+def trace_seconds(value: object, field: str, *, required: bool = False) -> float:
+    """A trace's time field in seconds: a finite number >= 0 (``null`` is 0, a field the recorder left
+    empty, unless ``required``).
+
+    Raises:
+        ValueError: naming ``field`` and what it was.
+    """
+    if value is None and not required:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{field} {value!r} is not a time >= 0 s")
+    return float(value)
+
+
 def read_mooncake(path: Path, limit: int | None = None) -> list[TraceRow]:
     """Rows of a Mooncake trace (JSONL), in file order; at most ``limit``.
 
+    What each field may be (the FAST'25 release; ``../shared/data/traces/README.md``): ``timestamp``
+    milliseconds since the first request (>= 0), ``input_length`` prompt tokens (>= 1: an empty prompt
+    is no request), ``output_length`` generated tokens (>= 0; a recorded 0 is replayed as 1, the least
+    an engine generates), ``hash_ids`` remapped block ids (>= 0).
+
     Raises:
-        ValueError: on a row without the four fields, naming the line.
+        ValueError: on a row without the four fields or with one out of range, naming the file and line.
     """
     rows: list[TraceRow] = []
     with open(path, encoding="utf-8") as fh:
@@ -191,9 +224,14 @@ def read_mooncake(path: Path, limit: int | None = None) -> list[TraceRow]:
                 continue
             try:
                 obj = json.loads(line)
+                hash_ids = obj["hash_ids"]
+                if not isinstance(hash_ids, list):
+                    raise ValueError(f"hash_ids {hash_ids!r} is not a list")
                 rows.append(
-                    TraceRow(int(obj["timestamp"]), int(obj["input_length"]), int(obj["output_length"]),
-                             tuple(int(h) for h in obj["hash_ids"]))
+                    TraceRow(trace_int(obj["timestamp"], "timestamp", 0),
+                             trace_int(obj["input_length"], "input_length", 1),
+                             trace_int(obj["output_length"], "output_length", 0),
+                             tuple(trace_int(h, f"hash_ids[{i}]", 0) for i, h in enumerate(hash_ids)))
                 )
             except (KeyError, TypeError, ValueError) as exc:
                 raise ValueError(f"{path}:{lineno}: not a Mooncake trace row ({exc})") from exc
@@ -300,10 +338,23 @@ class AgenticSession:
     """``(start t in the parent's clock, index of the parent call it follows (-1: none), calls)``."""
 
 
-def _agentic_call(obj: Any) -> AgenticCall:
+def _agentic_call(obj: Any, where: str) -> AgenticCall:
+    """One call; ``where`` names it in an error (``requests[3]``, ``requests[5].requests[0]``).
+
+    What each field may be (kv-cache-tester's README; ``../shared/data/traces/README.md``): ``t``,
+    ``think_time``, ``api_time`` seconds >= 0, ``in`` input tokens >= 1, ``out`` output tokens >= 0
+    (the recorded traces hold calls that generated nothing; replayed as 1 token), ``hash_ids``
+    block ids >= 0.
+    """
+    hash_ids = obj["hash_ids"]
+    if not isinstance(hash_ids, list):
+        raise ValueError(f"{where}.hash_ids {hash_ids!r} is not a list")
     return AgenticCall(
-        float(obj["t"]), int(obj["in"]), int(obj["out"]), tuple(int(h) for h in obj["hash_ids"]),
-        float(obj.get("think_time") or 0.0), float(obj.get("api_time") or 0.0),
+        trace_seconds(obj["t"], f"{where}.t", required=True),
+        trace_int(obj["in"], f"{where}.in", 1), trace_int(obj["out"], f"{where}.out", 0),
+        tuple(trace_int(h, f"{where}.hash_ids[{i}]", 0) for i, h in enumerate(hash_ids)),
+        trace_seconds(obj.get("think_time"), f"{where}.think_time"),
+        trace_seconds(obj.get("api_time"), f"{where}.api_time"),
     )
 
 
@@ -319,12 +370,15 @@ def parse_agentic(doc: dict[str, object], name: str) -> AgenticSession:
             raise ValueError(f"block_size {doc.get('block_size')} (expected {AGENTIC_BLOCK_TOKENS})")
         calls: list[AgenticCall] = []
         subs: list[tuple[float, int, tuple[AgenticCall, ...]]] = []
-        for item in doc["requests"]:  # type: ignore[attr-defined]
+        items: list[Any] = doc["requests"]  # type: ignore[assignment]
+        for index, item in enumerate(items):
+            where = f"requests[{index}]"
             if item.get("type") == "subagent":
-                subs.append((float(item["t"]), len(calls) - 1,
-                             tuple(_agentic_call(c) for c in item["requests"] if c.get("type") != "subagent")))
+                subs.append((trace_seconds(item["t"], f"{where}.t", required=True), len(calls) - 1,
+                             tuple(_agentic_call(c, f"{where}.requests[{j}]")
+                                   for j, c in enumerate(item["requests"]) if c.get("type") != "subagent")))
             else:
-                calls.append(_agentic_call(item))
+                calls.append(_agentic_call(item, where))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"{name}: not a kv-cache-tester trace ({exc})") from exc
     return AgenticSession(name, tuple(calls), tuple(subs))

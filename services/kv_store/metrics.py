@@ -9,7 +9,7 @@
 | ``kvmesh_kv_store_misses_total`` | counter | ``tier``, ``medium`` |
 | ``kvmesh_kv_store_evictions_total`` | counter | ``tier``, ``medium`` |
 | ``kvmesh_kv_store_corrupted_total`` | counter | ``tier``, ``medium`` (checksum mismatches served as misses) |
-| ``kvmesh_kv_store_moved_bytes_total`` | counter | ``tier``, ``reason`` (put, demote, promote, write_through) |
+| ``kvmesh_kv_store_moved_bytes_total`` | counter | ``tier``, ``reason`` (put, demote, promote, write_through, restore) |
 | ``kvmesh_kv_store_degraded_operations_total`` | counter | ``tier`` (the tier was unavailable or full and skipped) |
 | ``kvmesh_kv_store_dropped_total`` | counter | ``tier``, ``reason`` (demotions / write-throughs the tier did not take: ``unavailable``, ``full``, ``too_large``) |
 | ``kvmesh_kv_store_lost_total`` | counter | ``tier`` (values it evicted that no slower tier could take) |

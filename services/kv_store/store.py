@@ -11,7 +11,13 @@ medium, spill the least recently used downwards):
   every instance at once).
 * ``get`` searches the tiers in order. A hit in a slower tier is **promoted** to the first tier
   (``promote_on_hit``); it leaves a private tier (local tiers are exclusive, so one copy per
-  instance) and stays in a shared one (other instances read it too).
+  instance) and stays in a shared one (other instances read it too). A promotion is a **swap**:
+  the hit's private copy is removed first, so the first tier's victims are demoted into the room
+  it leaves (a full disk, by its budget or by ENOSPC, still takes them). A read never loses a
+  value: when a victim of the promotion's cascade finds no tier, the promotion is undone (the
+  promoted key leaves the first tier, the victim returns there, the key returns to its tier;
+  ``promotions_undone``), and a promotion whose key a put or delete replaced meanwhile is
+  dropped (``promotions_superseded``: the stale value never overwrites the new one).
 * ``contains`` is true when any tier holds the key; ``delete`` drops it everywhere.
 * **Restart.** Tiers that survive a restart (disk, shared FS) keep each value's description (the
   engine's ``BlockStored``) with it and rescan at start; the store adopts what they found at
@@ -68,7 +74,7 @@ LATENCY_BUCKETS_S = (
     0.00001, 0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0,
 )  # fmt: skip
 """Histogram bounds in seconds: 10 µs (a CPU hit) to 3 s (a large value on a slow shared FS)."""
-MOVE_REASONS = ("put", "demote", "promote", "write_through")
+MOVE_REASONS = ("put", "demote", "promote", "write_through", "restore")
 DROP_REASONS = ("unavailable", "full", "too_large")
 """Why a tier did not take a demotion or write-through: :class:`TierUnavailable`,
 :class:`StorageFull` (both degraded modes), :class:`ValueTooLarge` (the value exceeds the tier's
@@ -129,6 +135,10 @@ class StoreMetrics:
     """tier -> values the tier evicted that no slower tier took (each below failed or was too small)."""
     failures: dict[str, int] = field(default_factory=dict)
     """tier -> operations that raised TierUnavailable / StorageFull (the tier was skipped)."""
+    promotions_undone: int = 0
+    """Promotions rolled back because a value they evicted found no tier (the read lost nothing)."""
+    promotions_superseded: int = 0
+    """Promotions dropped because a put or delete of the key ran meanwhile (the read value was stale)."""
 
 
 def _short(key: str) -> str:
@@ -197,6 +207,8 @@ class BlockStore:
         self._error_log = RateLimitedLog(log, ERROR_LOG_INTERVAL_S)
         self.residency = Residency({tier.name: tier.medium for tier in self.tiers})
         self.on_events = on_events
+        self._watched: dict[str, list[int]] = {}
+        """key -> [gets in flight, puts and deletes since]: how a promotion sees it was superseded."""
         self.republished = self.adopt_rescanned()
         """Values found by the tiers' start-up rescans and published again (described ones)."""
 
@@ -290,12 +302,16 @@ class BlockStore:
 
     # -- placement ---------------------------------------------------------------------------
 
-    async def _place(self, index: int, key: str, value: bytes, reason: str) -> tuple[int, int]:
+    async def _place(
+        self, index: int, key: str, value: bytes, reason: str, unplaced: list[tuple[str, bytes]] | None = None
+    ) -> tuple[int, int]:
         """Put into ``tiers[index]`` and demote its victims downwards.
 
         Returns ``(evicted, lost)``: the keys ``tiers[index]`` evicted for this value, and the values
         of this call's cascade (those victims, and theirs further down) that no slower tier took.
-        Counted along this call only, so concurrent calls never see each other's figures.
+        Counted along this call only, so concurrent calls never see each other's figures. With
+        ``unplaced`` (a promotion), a value no tier took is appended there instead of counted lost:
+        the caller restores it.
 
         Raises what ``tiers[index].put`` raises (callers below the first tier guard it).
         """
@@ -307,14 +323,17 @@ class BlockStore:
         self.residency.added(key, tier.name)
         lost = 0
         for victim, victim_value in result.victims:
-            lost += await self._demote(index + 1, victim, victim_value)
+            lost += await self._demote(index + 1, victim, victim_value, unplaced)
         for victim in result.evicted:  # after the demotions: a move is a store, then a removal
             self.residency.removed(victim, tier.name)
         return len(result.evicted), lost
 
-    async def _demote(self, index: int, key: str, value: bytes) -> int:
+    async def _demote(
+        self, index: int, key: str, value: bytes, unplaced: list[tuple[str, bytes]] | None = None
+    ) -> int:
         """Place a victim of ``tiers[index - 1]`` in ``tiers[index]``, else the first slower tier
-        that takes it; counted lost (by the evicting tier) when none does.
+        that takes it; counted lost (by the evicting tier) when none does, or appended to
+        ``unplaced`` when given (see :meth:`_place`).
 
         Returns the values this demotion lost: 1 when no tier took ``key``, else what the cascade
         below the tier that took it lost.
@@ -325,18 +344,23 @@ class BlockStore:
                 self.residency.added(key, tier.name)
                 return 0  # already there: written through at put time
             try:
-                _, lost = await self._place(tier_index, key, value, "demote")
+                _, lost = await self._place(tier_index, key, value, "demote", unplaced)
                 return lost
             except (TierUnavailable, StorageFull, ValueTooLarge) as exc:
                 self._dropped(tier, "demote", key, exc)
-        source = self.tiers[index - 1].name
+        if unplaced is not None:
+            unplaced.append((key, value))
+            return 0
+        self._lost(self.tiers[index - 1].name, key, len(value))
+        return 1
+
+    def _lost(self, source: str, key: str, size: int) -> None:
         self.metrics.lost[source] = self.metrics.lost.get(source, 0) + 1
         self._error_log.log(
             logging.ERROR, f"lost:{source}",
             "value lost: key=%r (%d bytes) evicted from tier %s and no slower tier could take it",
-            _short(key), len(value), source,
+            _short(key), size, source,
         )
-        return 1
 
     async def _safe_contains(self, tier: StoreTier, keys: Sequence[str]) -> list[bool]:
         try:
@@ -357,6 +381,7 @@ class BlockStore:
             TierUnavailable / StorageFull: the first tier failed (nothing stored).
         """
         self.check_value_size(key, len(value))
+        self._written(key)
         if block is not None:
             self.residency.describe(key, block)
         try:
@@ -386,6 +411,8 @@ class BlockStore:
             InvalidRequest: bad key. KeyNotFound: no reachable tier holds ``key``.
         """
         validate_key(key)
+        watch = self._watch(key)
+        writes = watch[1]
         try:
             for index, tier in enumerate(self.tiers):
                 try:
@@ -398,27 +425,91 @@ class BlockStore:
                     continue
                 self.residency.added(key, tier.name)  # a shared value another instance wrote is adopted
                 if index > 0 and self.promote_on_hit and len(value) <= self.max_value_bytes:
-                    await self._promote(index, key, value)
+                    await self._promote(index, key, value, lambda: watch[1] != writes)
                 return StoredValue(value, tier.medium, tier.name)
         finally:
+            self._unwatch(key, watch)
             self._flush()
         raise KeyNotFound(f"key {key!r} not found")
 
-    async def _promote(self, index: int, key: str, value: bytes) -> None:
-        try:
-            await self._place(0, key, value, "promote")
-        except (TierUnavailable, StorageFull) as exc:
-            self._failed(self.tiers[0], "promote", exc)
-            return
-        # exclusive private tiers between the first tier and the hit (the hit's own copy included)
-        for tier in self.tiers[1 : index + 1]:
+    def _watch(self, key: str) -> list[int]:
+        slot = self._watched.setdefault(key, [0, 0])
+        slot[0] += 1
+        return slot
+
+    def _unwatch(self, key: str, slot: list[int]) -> None:
+        slot[0] -= 1
+        if slot[0] == 0 and self._watched.get(key) is slot:
+            del self._watched[key]
+
+    def _written(self, key: str) -> None:
+        """A put or delete of ``key`` began: promotions of a value read before it are stale."""
+        slot = self._watched.get(key)
+        if slot is not None:
+            slot[1] += 1
+
+    async def _promote(self, index: int, key: str, value: bytes, superseded: Callable[[], bool]) -> None:
+        """Swap ``key`` (hit in ``tiers[index]``) into the first tier; see the module docstring.
+
+        1. The private copies between the first tier and the hit (the hit's own included) are
+           removed, so the first tier's victims are demoted into the room they leave.
+        2. ``key`` is placed in the first tier; a value its cascade could not place anywhere is
+           collected rather than lost.
+        3. If one was: undo. ``key`` leaves the first tier, the collected values are put back there
+           (the room ``key`` took), and ``key`` returns to the fastest private tier it left.
+
+        ``superseded()`` is true once a put or delete of ``key`` began after the read: the promotion
+        stops there (the read value is stale; the put already replaced or removed the old copies).
+        """
+        first = self.tiers[0]
+        freed: list[int] = []
+        for tier_index in range(1, index + 1):
+            tier = self.tiers[tier_index]
             if tier.shared:
                 continue
             try:
                 if await self._timed(tier, "evict", tier.evict(key)):
-                    self.residency.removed(key, tier.name)
+                    freed.append(tier_index)  # its residency changes once the key landed (store, then removal)
             except (TierUnavailable, StorageFull) as exc:
                 self._failed(tier, "evict", exc)
+        unplaced: list[tuple[str, bytes]] = []
+        if superseded():
+            self.metrics.promotions_superseded += 1
+            self._left(freed, key)
+            return
+        try:
+            await self._place(0, key, value, "promote", unplaced)
+        except (TierUnavailable, StorageFull, ValueTooLarge) as exc:
+            self._failed(first, "promote", exc)
+            self._left(freed, key)
+            await self._restore(freed, key, value, superseded)
+            return
+        self._left(freed, key)
+        if not unplaced:
+            return
+        self.metrics.promotions_undone += 1
+        log.info(
+            "promotion of key=%r undone: %d value(s) it evicted found no tier", _short(key), len(unplaced)
+        )
+        if not superseded() and await self._timed(first, "evict", first.evict(key)):
+            self.residency.removed(key, first.name)
+        for victim, victim_value in unplaced:  # back into the room the promoted value took
+            try:
+                await self._place(0, victim, victim_value, "restore")
+            except (TierUnavailable, StorageFull, ValueTooLarge) as exc:
+                self._failed(first, "restore", exc)
+                self._lost(first.name, victim, len(victim_value))
+        await self._restore(freed, key, value, superseded)
+
+    def _left(self, freed: list[int], key: str) -> None:
+        for tier_index in freed:
+            self.residency.removed(key, self.tiers[tier_index].name)
+
+    async def _restore(self, freed: list[int], key: str, value: bytes, superseded: Callable[[], bool]) -> None:
+        """Put ``key`` back into the fastest private tier a failed promotion removed it from."""
+        if not freed or superseded():
+            return
+        await self._demote(freed[0], key, value)
 
     async def contains(self, keys: Sequence[str]) -> list[bool]:
         """One flag per key, in order; no LRU effect.
@@ -459,6 +550,7 @@ class BlockStore:
     async def delete(self, key: str) -> bool:
         """Drop ``key`` from every reachable tier; ``True`` when any held it. Raises InvalidRequest."""
         validate_key(key)
+        self._written(key)
         deleted = False
         for tier in self.tiers:
             try:

@@ -158,7 +158,7 @@ def test_compare_tiny_writes_json_and_leaves_no_process(tmp_path: Path) -> None:
         # measured stage is at most their sum, and the overlap is what the sum over-counts
         stages = entry["mesh_admission_mean_s"] + entry["mesh_pick_mean_s"]
         assert entry["mesh_pre_dispatch_mean_s"] <= stages * 1.05 + 1e-4, name
-        assert entry["mesh_stage_overlap_mean_s"] == pytest.approx(stages - entry["mesh_pre_dispatch_mean_s"],
+        assert entry["mesh_stage_overlap_mean_s"] == pytest.approx(max(0.0, stages - entry["mesh_pre_dispatch_mean_s"]),
                                                                    abs=1e-9), name
     assert "engine queue mean / p50" in text and "mesh before dispatch" in text
 
@@ -285,7 +285,7 @@ def test_up_with_an_unreachable_etcd_fails_at_once_naming_it(tmp_path: Path) -> 
                           check=False)
     took = time.monotonic() - started
     assert proc.returncode == 1, proc.stdout
-    assert f"error: the mesh did not start: etcd {dead} did not answer within 5s" in proc.stdout, proc.stdout
+    assert f"error: the mesh did not start: etcd {dead} refused the connection" in proc.stdout, proc.stdout
     assert "leave --etcd out" in proc.stdout and "Traceback" not in proc.stdout, proc.stdout
     assert took < 30, took
     assert not list((tmp_path / "run").glob("*.log")), "nothing should have started"

@@ -47,7 +47,7 @@ async def test_dead_epp_falls_back_to_the_epp_registered_in_etcd(start_service, 
     urls, said = await discover(dead, etcd)
     assert engine.url in urls
     assert said == [
-        f"epp {dead} did not answer ListEndpoints (UNAVAILABLE): looking for another in etcd {etcd}",
+        f"epp {dead} refused the connection (UNAVAILABLE): looking for another in etcd {etcd}",
         f"using epp {live_epp}, registered in etcd {etcd}",
     ]
 
@@ -63,7 +63,7 @@ async def test_no_registered_epp_answering_falls_back_to_the_engines_in_etcd(etc
     finally:
         await reg.stop()
     assert engine.url in urls
-    assert said[0] == f"epp {dead} did not answer ListEndpoints (UNAVAILABLE): looking for another in etcd {etcd}"
+    assert said[0] == f"epp {dead} refused the connection (UNAVAILABLE): looking for another in etcd {etcd}"
     assert said[-1].startswith(f"no epp registered in etcd {etcd} answered: using the ")
     assert len(said) == 2
 

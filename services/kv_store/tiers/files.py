@@ -423,7 +423,12 @@ class FileTier:
             self._check_root()
             known = key in self._index
             path = self.path_of(key)
-            removed = await asyncio.to_thread(_unlink, path)
+            try:
+                removed = await asyncio.to_thread(_unlink, path)
+            except OSError as exc:  # the root went away under us (not a directory any more, unmounted)
+                self._errors += 1
+                self._available = False
+                raise TierUnavailable(f"{self.name} tier at {self.root} cannot evict {key!r}: {exc}") from exc
             if known:
                 self._used_bytes -= self._index.pop(key)
             return known or removed

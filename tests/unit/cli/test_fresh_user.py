@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -31,13 +32,20 @@ def test_flows_with_a_dead_etcd_is_one_error_naming_it(capsys: pytest.CaptureFix
         cli.flow_control_address(None, dead)
     assert caught.value.exit_code == 1
     err = " ".join(capsys.readouterr().err.split())
-    assert err.startswith(f"error: etcd {dead} did not answer within") and "--flow-control" in err, err
+    assert err.startswith(f"error: etcd {dead} refused the connection") and "--flow-control" in err, err
 
 
 def test_up_etcd_check_names_the_address() -> None:
     dead = f"127.0.0.1:{free_port()}"
-    with pytest.raises(MeshStartError, match=rf"^etcd {dead} did not answer within 1s .*leave --etcd out"):
+    with pytest.raises(MeshStartError, match=rf"^etcd {dead} refused the connection .*leave --etcd out"):
         check_etcd(dead, timeout_s=1.0)
+    # something listens and never answers: that one did time out, and says so
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        with pytest.raises(MeshStartError, match=rf"^etcd {address} did not answer within 1s .*leave --etcd out"):
+            check_etcd(address, timeout_s=1.0)
     with pytest.raises(MeshStartError, match="is a URL"):
         check_etcd("http://127.0.0.1:2379")
 

@@ -57,7 +57,7 @@ def test_dead_epp_without_etcd_fails_fast_in_one_line_naming_it_and_what_to_do()
     assert time.monotonic() - started < 10
     assert code == 1, out
     [line] = error_lines(out)
-    assert f"epp {dead} did not answer ListEndpoints (UNAVAILABLE)" in line
+    assert f"epp {dead} refused the connection (UNAVAILABLE)" in line
     assert "--etcd" in line and "kvmesh up prints it" in line
     assert "router" not in out  # failed before the router or any request
 
@@ -69,7 +69,7 @@ def test_dead_etcd_fails_fast_in_one_line_without_background_retries(caplog: pyt
     assert time.monotonic() - started < 10
     assert code == 1, out
     [line] = error_lines(out)
-    assert line.startswith(f"error: etcd {dead} did not answer") and "leave --etcd out" in line
+    assert line.startswith(f"error: etcd {dead} refused the connection") and "leave --etcd out" in line
     assert "dependency=etcd" not in out + caplog.text  # read once, not watched (no watcher retrying)
 
 
@@ -79,7 +79,7 @@ def test_dead_epp_falls_back_to_etcd_then_goes_on(etcd: str) -> None:
     dead = f"127.0.0.1:{free_port()}"
     code, out = invoke("--router", "http://127.0.0.1:1", "--epp", dead, "--etcd", etcd)
     assert code == 1, out
-    assert f"epp {dead} did not answer ListEndpoints (UNAVAILABLE): looking for another in etcd {etcd}" in out
+    assert f"epp {dead} refused the connection (UNAVAILABLE): looking for another in etcd {etcd}" in out
     assert f"registered in etcd {etcd}" in out
     [line] = error_lines(out)
     assert line.startswith("error: router http://127.0.0.1:1 is unreachable")
@@ -94,7 +94,7 @@ def test_find_engines_without_epp_or_etcd_is_empty_and_says_nothing() -> None:
 def test_find_engines_dead_epp_and_dead_etcd_names_etcd() -> None:
     epp, etcd = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     said: list[str] = []
-    with pytest.raises(DiscoveryError, match=f"^etcd {etcd} did not answer") as caught:
+    with pytest.raises(DiscoveryError, match=f"^etcd {etcd} refused the connection") as caught:
         find_engines(epp, etcd, said.append, timeout_s=2)
     assert "\n" not in str(caught.value)
-    assert said == [f"epp {epp} did not answer ListEndpoints (UNAVAILABLE): looking for another in etcd {etcd}"]
+    assert said == [f"epp {epp} refused the connection (UNAVAILABLE): looking for another in etcd {etcd}"]

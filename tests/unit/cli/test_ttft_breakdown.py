@@ -210,3 +210,25 @@ def test_the_breakdown_reaches_the_json_and_the_table() -> None:
     Console(file=out, width=200).print(summary_table({"p": s}, "t"))
     assert "0.600 / 0.650 (0.5-0.8)" in out.getvalue()
     assert "1.5 / 0.5" in text and "pick mean" not in text  # a row nothing measured is left out
+
+
+def test_stages_one_after_the_other_show_no_overlap_never_a_negative_one() -> None:
+    """No early pick: pre_dispatch (2.1 ms) is the two stages (1 ms each) plus the router's own work between
+    them, so admission + pick - pre_dispatch is -0.1 ms; the overlap is 0 and the table says 0.000, not -0.000."""
+    e0, _ = _engine([], [])
+    e1, _ = _engine([0.001] * 4, [0.001] * 4)
+    engines_before, engines_after = {"a": parse_histograms(e0, ENGINE_HISTOGRAMS)}, {"a": parse_histograms(e1, ENGINE_HISTOGRAMS)}
+    r0 = parse_histograms(_router([], [], []), (ROUTER_STAGE_HISTOGRAM,), by_label="stage")
+    r1 = parse_histograms(_router([0.001] * 4, [0.001] * 4, [0.0021] * 4), (ROUTER_STAGE_HISTOGRAM,), by_label="stage")
+    out = ttft_breakdown(engines_before, engines_after, r0, r1, time_scale=1.0, ttft_mean_s=0.02)
+    assert out["mesh_stage_overlap_mean_s"] == 0.0
+
+
+@pytest.mark.parametrize(("value", "kind", "text"), [
+    (-0.0001, "s", "0.000"), (-0.00004, "ms", "0.0"), (-0.0004, "pct", "0.0 %"), (-0.004, "rate2", "0.00"),
+    (-0.002, "s", "-0.002"), (0.0, "s", "0.000"), (-1e-9, "x", "0.00"),
+])
+def test_a_cell_never_shows_a_negative_zero(value: float, kind: str, text: str) -> None:
+    from kvmesh_cli.report import fmt
+
+    assert fmt(value, kind) == text

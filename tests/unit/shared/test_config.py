@@ -175,3 +175,41 @@ def test_flow_control_limits_come_from_the_config() -> None:
     limits = config.limits()
     assert (limits.max_in_flight, limits.queue_ttl_seconds, limits.max_queue_size) == (
         config.max_in_flight, config.queue_ttl_seconds, config.max_queue_size)
+
+
+SERVICE_CONFIGS = [
+    ("services.router.config", "RouterConfig"),
+    ("services.kv_store.config", "KvStoreConfig"),
+    ("services.kv_indexer.config", "KvIndexerConfig"),
+    ("services.registration_sidecar.config", "SidecarConfig"),
+    ("services.flow_control.config", "FlowControlConfig"),
+    ("services.epp.config", "EppConfig"),
+]
+
+
+@pytest.mark.parametrize(("module", "name"), [("", "DemoConfig"), *SERVICE_CONFIGS])
+@pytest.mark.parametrize("argv", [["--port", "8123"], ["--print"], ["--conf", "x.yaml"], ["--etcd", "h:1"]])
+def test_an_abbreviated_flag_is_refused_not_taken_for_a_longer_one(
+    module: str, name: str, argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse matches unambiguous prefixes by default: ``--port 8123`` silently meant ``--ports-file
+    8123`` (kv_store), ``--print`` meant ``--print-config``. Every service's flags are exact."""
+    cls = DemoConfig if not module else getattr(importlib.import_module(module), name)
+    with pytest.raises(SystemExit) as exc_info:
+        load_config(cls, argv)
+    assert exc_info.value.code == 2
+    assert f"unrecognized arguments: {argv[0]}" in capsys.readouterr().err
+
+
+def test_the_kvmesh_cli_refuses_abbreviated_options_too() -> None:
+    """The CLI's parsers (click, via typer) never match prefixes: every subcommand says no such option."""
+    from typer.testing import CliRunner
+
+    from kvmesh_cli.main import app
+
+    runner = CliRunner()
+    for argv in (["replay", "--req", "5"], ["compare", "--polic", "x"], ["up", "--engin", "1"],
+                 ["flows", "--wat", "1"]):
+        result = runner.invoke(app, argv)
+        assert result.exit_code == 2, (argv, result.output)
+        assert f"No such option: {argv[1]}" in result.output, (argv, result.output)
