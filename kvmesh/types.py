@@ -7,7 +7,9 @@ registrations (JSON); the JSON form lives here, the protobuf form in :mod:`kvmes
 from __future__ import annotations
 
 import enum
+import itertools
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from typing import NewType
 
@@ -187,6 +189,21 @@ class CompletionOutcome(enum.StrEnum):
     """The router received epp's pick but no engine answered the request (admission refused it after an
     early pick, every attempt failed before its first byte, the client left first): epp drops the pick's
     load without changing any engine's running count."""
+
+
+_PICK_ID_PREFIX = os.urandom(4).hex()
+"""This process's part of :func:`pick_request_id` (several routers, or epp's ext_proc, share one epp)."""
+_pick_id_numbers = itertools.count(1)
+
+
+def pick_request_id(request_id: str) -> str:
+    """The id epp knows one request by (``PickRequest.request_id``, the ``CompletedRequest`` that ends
+    it): ``<request_id>~<8 hex unique to this process><n hex>``, the caller's id kept as its prefix
+    for correlating logs and spans. epp reads a second pick under one id as the same request picked
+    again (superseding the first), while clients may send one ``x-request-id`` on several requests
+    (it is kept as sent for the engine, logs and the answer): each request's own id keeps them apart.
+    vLLM does alike: the client's id stays its ``external_req_id``, its internal id gets a random suffix."""
+    return f"{request_id}~{_PICK_ID_PREFIX}{next(_pick_id_numbers):x}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -67,7 +67,6 @@ import random
 import sys
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 from urllib.parse import urlsplit
 
 import grpc
@@ -81,10 +80,11 @@ from google.protobuf import struct_pb2
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
+from kvmesh.chat_messages import chat_messages
 from kvmesh.errors import InvalidRequest, KvmeshError, NoEndpointsAvailable, Saturated, mapping_for
 from kvmesh.hashing import KeyScope
 from kvmesh.prefix_index import PackedTokenIds
-from kvmesh.types import DATA_PARALLEL_RANK_HEADER, LORA_ADAPTERS_LABEL, Endpoint
+from kvmesh.types import DATA_PARALLEL_RANK_HEADER, LORA_ADAPTERS_LABEL, Endpoint, pick_request_id
 from services.epp.framework.interfaces import ChatMessage, SchedulingRequest
 from services.epp.scheduler import Scheduler
 from services.epp.tokenization.fields import render_fields
@@ -139,16 +139,6 @@ class ExtProcSettings:
 # --- the OpenAI body -> SchedulingRequest ------------------------------------------------------
 
 
-def _text_content(content: Any, index: int) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # text parts count for routing; other parts are the engine's to check
-        return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    raise InvalidRequest(f"messages[{index}].content must be a string or a list of content parts")
-
-
 def scheduling_request(body: bytes, request_id: str, endpoints: Iterable[Endpoint]) -> SchedulingRequest:
     """The :class:`SchedulingRequest` for an OpenAI completions or chat body.
 
@@ -198,15 +188,8 @@ def scheduling_request(body: bytes, request_id: str, endpoints: Iterable[Endpoin
     elif prompt is not None:
         raise InvalidRequest("'prompt' must be a string, a list of strings or a list of token ids")
     raw_messages = data.get("messages")
-    if raw_messages is not None:
-        if not isinstance(raw_messages, list):
-            raise InvalidRequest("'messages' must be a list")
-        parsed: list[ChatMessage] = []
-        for i, m in enumerate(raw_messages):
-            if not isinstance(m, dict):
-                raise InvalidRequest(f"messages[{i}] must be an object")
-            parsed.append(ChatMessage(str(m.get("role", "")), _text_content(m.get("content"), i)))
-        messages = tuple(parsed)
+    if raw_messages is not None:  # the router's rule and words (kvmesh.chat_messages): roles, content parts
+        messages = tuple(ChatMessage(role, text) for role, text in chat_messages(raw_messages))
     return SchedulingRequest(
         model=model,
         request_id=request_id,
@@ -462,6 +445,8 @@ class ExternalProcessorServicer(ext_grpc.ExternalProcessorServicer):
 
     async def _pick_reply(self, stream: _Stream, in_body_response: bool) -> ext_pb2.ProcessingResponse:
         request_id = stream.headers.get("x-request-id", "")
+        if request_id:  # one id per downstream request: two sharing an x-request-id are two picks to the datastore
+            request_id = pick_request_id(request_id)
         endpoints = self._scheduler.datastore.endpoints()
         request = scheduling_request(bytes(stream.body), request_id, endpoints)
         if stream.subset is not None:

@@ -34,6 +34,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
 from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
+from kvmesh.chat_messages import chat_messages, chat_role
 from kvmesh.errors import InvalidRequest, mapping_for
 from kvmesh.hashing import DEFAULT_SCOPE, KeyScope
 from kvmesh.interceptors import translate
@@ -117,21 +118,34 @@ def check_timeout_seconds(value: float) -> float:
 _NO_IDS: frozenset[str] = frozenset()
 
 
+def _messages(request: epp_pb2.PickRequest, render: dict[str, Any]) -> tuple[ChatMessage, ...]:
+    """``messages`` checked by the router's own rule (:mod:`kvmesh.chat_messages`): each role, and
+    the verbatim ``render_json.messages`` (rich content parts) whole. Raises: InvalidRequest."""
+    if "messages" in render:
+        chat_messages(render["messages"])
+    if not request.messages:
+        return ()
+    return tuple(ChatMessage(chat_role(m.role, f"messages[{i}]"), m.content) for i, m in enumerate(request.messages))
+
+
 def request_from_proto(request: epp_pb2.PickRequest) -> SchedulingRequest:
     """Raises: InvalidRequest when ``render_json`` is not a JSON object, more than one prompt form
-    is set (:func:`_check_prompt_forms`), or the token ids are malformed (both forms set, a packed
-    length not a multiple of 4)."""
+    is set (:func:`_check_prompt_forms`), the token ids are malformed (both forms set, a packed
+    length not a multiple of 4), or a chat message breaks the router's rule (a role outside
+    :data:`kvmesh.chat_messages.CHAT_ROLES`, malformed content parts: :func:`_messages`), with the
+    router's words."""
     _check_prompt_forms(request)
+    render = _render_fields(request.render_json)
     return SchedulingRequest(
         model=request.model,
         request_id=request.request_id,
         token_ids=_token_ids(request),
         prompt=request.prompt,
-        messages=tuple(ChatMessage(m.role, m.content) for m in request.messages) if request.messages else (),
+        messages=_messages(request, render),
         exclude_endpoint_ids=frozenset(request.exclude_endpoint_ids) if request.exclude_endpoint_ids else _NO_IDS,
         scope=KeyScope(request.lora_name or None, request.cache_salt or None)
         if request.lora_name or request.cache_salt else DEFAULT_SCOPE,
-        render=_render_fields(request.render_json),
+        render=render,
     )
 
 
@@ -240,9 +254,9 @@ def error_to_proto(exc: BaseException) -> epp_pb2.PickError:
 _DEADLINE_EXCEEDED = epp_pb2.PickError(code="DEADLINE_EXCEEDED", message="Deadline Exceeded")
 """An entry's own deadline (``timeout_seconds``) passed: as a unary call past its deadline (no class)."""
 _FLUSH_SECONDS = 1.0
+"""How long a closing ``PickMany`` stream may take to write its last results."""
 _SPAN_END_DELAY_SECONDS = 0.002
 """How long after a result's write returned its pick's span is annotated and ended (see :class:`_PickSession`)."""
-"""How long a closing ``PickMany`` stream may take to write its last results."""
 _DRAIN_SECONDS = 5.0
 """How long a ``PickMany`` stream the client half-closed waits for its picks in flight."""
 _SAMPLED_LAST_HEX = frozenset("13579bdfBDF")

@@ -63,45 +63,56 @@ class RouterConfig(GrpcServiceConfig):
     engine that hangs while its membership lease lives on (vLLM wedged behind a registration
     sidecar that keeps the lease; the process paused) is otherwise found only by the first-byte /
     idle limits (300 s / 120 s) or ``request_timeout_seconds`` (600 s, non-streamed). A probe that
-    is refused, reset or answered non-2xx fails the endpoint at once; probes that only time out
-    (``engine_health_probe_timeout_seconds``) fail it once they span
-    ``engine_health_slow_fail_seconds``; never while any request to the endpoint receives bytes
-    (only an endpoint silent on every request it serves can be hung). A fast failure ends the wait
-    as a departed endpoint's does (re-sent elsewhere before the first byte, the in-stream error
-    after it: ``health_probe_failed``); timeouts alone end it *without* re-sending it (503 before
-    the first byte, the in-stream error after it: ``health_probe_timed_out``), since a busy engine
-    may be generating it; an answering ``/health`` keeps it waiting (a long queue or prefill is not
-    a hang). 10 s: well past a normal TTFT and decode gap, so an engine that answers quickly costs
-    nothing (no probe, no timer per request) and a busy one at most one probe per
-    ``engine_health_probe_interval_seconds``. With the defaults an engine whose ``/health`` is
-    refused or answers 503 is found in about 16 s, a hung one (SIGSTOPped: its probes time out)
-    in about 75 s (this + ``engine_health_slow_fail_seconds`` + a probe's timeout), or about 21 s
-    once its lease expired too."""
+    is refused, reset or answered non-2xx fails the endpoint at once (``health_probe_failed``); a
+    ``/health`` that gives no answer fails it once it has been unanswered for
+    ``engine_health_slow_fail_seconds`` within the wait (``health_probe_timed_out``); never while
+    any request to the endpoint receives bytes (only an endpoint silent on every request it serves
+    can be hung). Either verdict ends the wait as a departed endpoint's does: re-sent to the next
+    candidate before the first byte (the client has seen nothing; the cut closes the engine
+    connection, and vLLM aborts the request once its loop notices, so a 503 would save no work),
+    the in-stream error after it. An answering ``/health``, even a late one, keeps it waiting (a
+    long queue or prefill is not a hang). 10 s: well past a normal TTFT and decode gap, so an
+    engine that answers quickly costs nothing (no probe, no timer per request) and a busy one at
+    most one ``GET /health`` at a time. With the defaults an engine whose ``/health`` is refused or
+    answers 503 is found in about 10-11 s (this + a tick), a hung one whose lease lives on
+    (SIGSTOPped behind a sidecar that keeps the lease; its ``/health`` accepts and never answers) in
+    about 70 s (this + ``engine_health_slow_fail_seconds``), one whose lease expired too (the whole
+    process SIGSTOPped: TTL 10 s + the router's 2 s departure grace) in about 20 s (a ``GET /health``
+    unanswered for ``engine_health_probe_timeout_seconds`` + ``engine_health_probe_interval_seconds``
+    once it left membership)."""
     engine_health_probe_timeout_seconds: float = Field(5.0, gt=0, le=60)
-    """Timeout of the ``/health`` probe of an endpoint that requests wait on past
-    ``engine_health_probe_after_seconds`` (or that left membership; one probe per endpoint at a
-    time, not per request, shared by the passthrough routes). A SIGSTOPped engine accepts TCP
-    connects but never answers: only an HTTP 2xx answer within this counts as alive (vLLM answers
-    503 once its engine is dead). A probe that times out is no failure by itself (see
-    ``engine_health_slow_fail_seconds``). 5 s: a loaded engine's answer in a few seconds still
-    counts as alive."""
+    """How long the ``GET /health`` of an endpoint that requests wait on past
+    ``engine_health_probe_after_seconds`` (one GET per endpoint at a time, not per request, shared
+    by the passthrough routes) may go unanswered before the endpoint's *slow run* starts (from
+    the GET's send). The GET is not cancelled then: it keeps running, and no other is sent to the
+    endpoint, up to ``engine_health_slow_fail_seconds`` (plus this); an answer that comes late still counts
+    (2xx: alive; vLLM answers 503 once its engine is dead). A SIGSTOPped engine accepts TCP
+    connects but never answers. Unanswered past this alone is no failure (see
+    ``engine_health_slow_fail_seconds``), except once the endpoint left membership: unanswered for
+    this + ``engine_health_probe_interval_seconds``, it fails (``endpoint_left``; the lease's expiry
+    is the second signal). Also the limit of :meth:`RequestFlow.engine_health`'s one-off probe."""
     engine_health_probe_interval_seconds: float = Field(5.0, gt=0, le=3600)
-    """How often an endpoint that answered its probe is probed again while requests still wait on it
-    without a byte; after a probe that timed out, the next one is sent this long after it."""
+    """How long an answered ``GET /health`` vouches for its endpoint: requests still waiting on it
+    without a byte have it probed again this long after the answer. After a GET that got no answer
+    in its whole limit the next one follows at once (the slow run goes on); more than this with no
+    GET running (nobody waited on the endpoint) ends the slow run."""
     engine_health_slow_fail_seconds: float = Field(60.0, gt=0, le=3600)
-    """How long consecutive ``/health`` probes that only time out (no refusal, reset or error
-    status; no byte from the endpoint on any request meanwhile) must span, from the first one's
-    send to the latest one's timeout, before the endpoint counts as hung while its lease lives
-    (once it left membership, two such probes an interval apart suffice). vLLM's ``GET /health``
+    """How long an endpoint's ``/health`` must go unanswered (no refusal, reset or error status, no
+    answer at all; no byte from the endpoint on any request meanwhile; measured within the wait,
+    from the later of the wait's start and the first unanswered GET's send) before a request
+    waiting on it counts it hung while its lease lives (``health_probe_timed_out``). Each
+    ``GET /health`` is kept running that long (plus ``engine_health_probe_timeout_seconds``) rather
+    than cancelled at ``engine_health_probe_timeout_seconds`` and queued again behind the same loop. vLLM's ``GET /health``
     (``vllm/entrypoints/serve/instrumentator/health.py``, 0.32) awaits
     ``EngineClient.check_health()``, which in ``AsyncLLM`` only checks whether the engine core
     died: it answers 200 (503 when dead) as soon as the API server's event loop runs it, so a slow
     answer means that loop is saturated, measured at 30-40 s under high load (vllm-project/vllm
-    PR #38157), not that the engine hangs. 60 s: above that, so a busy engine is never cut for a
-    slow ``/health`` (its requests would be cut and, before their first byte, generated twice),
-    and still below the idle limit (``engine_stream_idle_timeout_seconds``, 120 s). Requests cut on
-    timeouts alone are never re-sent (503 + ``retry-after``, or the in-stream error mid-answer): the
-    engine may be generating them."""
+    PR #38157), not that the engine hangs. 60 s: above that, so a busy engine's late answer comes
+    in time and it is not cut, and still below the idle limit
+    (``engine_stream_idle_timeout_seconds``, 120 s). A request cut on this verdict before its first
+    byte is re-sent to the next candidate, as on a fast verdict; after it the stream ends with the
+    in-stream error. A SIGSTOPped engine with its lease alive is found in about
+    ``engine_health_probe_after_seconds`` + this (70 s with the defaults)."""
     request_body_timeout_seconds: float = Field(60.0, gt=0, le=3600)
     """Longest time to receive a request's whole body once its headers arrived (nginx's
     ``client_body_timeout`` is 60 s): a client that declares more than it sends (or drips it) gets

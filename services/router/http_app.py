@@ -14,7 +14,8 @@
 Request headers: ``x-request-id`` (kept as sent, else generated; over 256 characters or with a
 character outside printable ASCII (space included) it is a 400 naming the header: it is forwarded to
 the engine, logged and echoed, and silently cutting or replacing it would break the client's
-correlation), ``x-gateway-inference-fairness-id`` (GIE/llm-d's current name) or ``x-llm-d-inference-fairness-id``
+correlation; epp knows the request by it plus a router-unique suffix, ``RequestMeta.epp_request_id``,
+as clients may reuse one id on concurrent requests), ``x-gateway-inference-fairness-id`` (GIE/llm-d's current name) or ``x-llm-d-inference-fairness-id``
 (flow, default ``default``; over 256 characters or with a control character is a 400), priority from ``x-kvmesh-priority`` (an
 integer; wins when both are sent) or ``x-gateway-inference-objective`` / ``x-llm-d-inference-objective``
 (an integer, or a name in ``objective_priorities``: critical 10, standard 0, sheddable -10; unknown

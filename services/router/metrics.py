@@ -20,7 +20,8 @@ answer byte, passed on to the client), ``release`` (Complete + closing the admis
 ``pre_dispatch`` (arrival to the first POST to an engine: admission and pick as they overlapped,
 the early pick running beside admission; a retry's later picks not included).
 
-``outcome`` is one of :class:`RequestOutcome` (a closed set); ``model_name`` is the served model
+``outcome`` is one of :class:`RequestOutcome` (a closed set; an answered status maps through
+:func:`outcome_for_status`: every 4xx without an outcome of its own is ``invalid``); ``model_name`` is the served model
 (closed: the models registered in etcd), "unknown" when empty.
 """
 
@@ -47,8 +48,9 @@ class RequestOutcome(enum.StrEnum):
     ERROR = "error"
 
 
-_STATUS_OUTCOME = {400: RequestOutcome.INVALID, 408: RequestOutcome.INVALID, 413: RequestOutcome.INVALID, 415: RequestOutcome.INVALID,
-                   422: RequestOutcome.INVALID, 431: RequestOutcome.INVALID, 404: RequestOutcome.NOT_FOUND, 429: RequestOutcome.REJECTED, 503: RequestOutcome.UNAVAILABLE, 504: RequestOutcome.TIMEOUT}
+_STATUS_OUTCOME = {404: RequestOutcome.NOT_FOUND, 429: RequestOutcome.REJECTED, 499: RequestOutcome.CANCELLED,
+                   503: RequestOutcome.UNAVAILABLE, 504: RequestOutcome.TIMEOUT}
+"""The statuses with an outcome of their own; any other 4xx is ``invalid``, any other 5xx ``error``."""
 
 REQUEST_TTFT = Histogram(
     "kvmesh_router_request_ttft_seconds",
@@ -81,10 +83,16 @@ RETRIES = Counter("kvmesh_router_upstream_retries",
 
 
 def outcome_for_status(status: int) -> RequestOutcome:
-    """The outcome label of a request answered with HTTP ``status``."""
+    """The outcome label of a request answered with HTTP ``status``: < 400 ``success``; 404 ``not_found``,
+    429 ``rejected``, 499 (client closed) ``cancelled``, 503 ``unavailable``, 504 ``timeout``; any other
+    4xx ``invalid`` (the client's request: 400, 401, 403, 405, 408, 409, 413, 415, 422, 431, ...), any
+    other status ``error``."""
     if status < 400:
         return RequestOutcome.SUCCESS
-    return _STATUS_OUTCOME.get(status, RequestOutcome.ERROR)
+    outcome = _STATUS_OUTCOME.get(status)
+    if outcome is not None:
+        return outcome
+    return RequestOutcome.INVALID if status < 500 else RequestOutcome.ERROR
 
 
 def record_outcome(outcome: RequestOutcome) -> None:
@@ -120,8 +128,8 @@ ENGINE_STALLED = Counter(
     "(engine_first_byte_timeout_seconds), idle_timeout (engine_stream_idle_timeout_seconds mid-answer), "
     "endpoint_left (it left membership, lease expired or deregistered, while the request waited on it and its "
     "/health failed), health_probe_failed (no byte past engine_health_probe_after_seconds, its lease alive, and its /health "
-    "refused, reset or not 2xx) or health_probe_timed_out (likewise, its /health probes only timing out, for longer than "
-    "engine_health_slow_fail_seconds: an inference request is then not re-sent); action redispatched (no byte had reached the client and another attempt started: the next "
+    "refused, reset or not 2xx) or health_probe_timed_out (likewise, its /health unanswered for longer than "
+    "engine_health_slow_fail_seconds within the wait); action redispatched (no byte had reached the client and another attempt started: the next "
     "candidate), abandoned (no byte had reached the client and no attempt followed: no candidate left, the "
     "re-pick failed or the client went away; the request ends with that error, e.g. 503) or ended (the answer had "
     "started: in-stream error, gRPC UNAVAILABLE). A wait ended by the router stopping is not counted, nor the "

@@ -13,12 +13,13 @@ degraded pick does), with the pool's engine key and the forwarded client headers
 A hung engine (docs/degraded-modes.md, "an engine hung"): each wait runs under the request flow's
 hung-engine watch (:meth:`~services.router.request_flow.RequestFlow.await_engine`), the same one the
 inference requests use: an engine that gives no answer within ``engine_health_probe_after_seconds``
-has its ``GET /health`` probed, one probe per endpoint at a time however many requests (passed through
-or not) wait on it, again every ``engine_health_probe_interval_seconds``. When the probes fail
-(refused, reset or not 2xx; or only timing out, for longer than ``engine_health_slow_fail_seconds``;
-never while another request to the engine receives bytes) the wait ends as a transport failure does
-(``/tokenize``, ``/detokenize``, which run no inference: the next endpoint, whatever the verdict; a stored
-response's route: 503), counted as ``kvmesh_router_engine_stalled_total{reason}`` (``health_probe_failed``,
+has its ``GET /health`` probed, one GET per endpoint at a time however many requests (passed through
+or not) wait on it (a slow one is kept running, not re-sent), again every
+``engine_health_probe_interval_seconds`` after it answered. When the probes fail (refused, reset or not
+2xx; or no answer for longer than ``engine_health_slow_fail_seconds`` within the wait; never while
+another request to the engine receives bytes) the wait ends as a transport failure does (``/tokenize``,
+``/detokenize``: the next endpoint, as an inference request before its first byte; a stored response's
+route: 503), counted as ``kvmesh_router_engine_stalled_total{reason}`` (``health_probe_failed``,
 ``health_probe_timed_out`` or ``endpoint_left``; ``action="redispatched"`` once another endpoint is tried,
 and a retry; ``"abandoned"`` when none follows: 503, or the client left); while it answers, the wait goes
 on (up to ``request_timeout_seconds``). Before, a hung engine held these for ``request_timeout_seconds``.

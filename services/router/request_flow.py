@@ -58,6 +58,7 @@ from kvmesh.types import (
     Endpoint,
     RequestCompletion,
     data_parallel_rank_of,
+    pick_request_id,
 )
 from services.router import metrics
 from services.router.catalog import ModelCatalog
@@ -123,9 +124,10 @@ class EngineStall(EngineUnreachable):
     """No first byte from the engine within ``engine_first_byte_timeout_seconds``, or its ``/health``
     failed while the request waited on it (past ``engine_health_probe_after_seconds``, or
     ``engine_departed_idle_seconds`` once it left membership): the request moves to the next
-    candidate, as for a refused connection. ``reason``: ``first_byte_timeout``,
-    ``health_probe_failed`` or ``endpoint_left`` (``health_probe_timed_out`` only for a request that
-    runs no inference: :meth:`RequestFlow.await_engine`); ``endpoint_id``, ``request_id`` and ``waited``
+    candidate, as for a refused connection (the client has seen nothing; the abandoned engine
+    request is cancelled: its connection is closed, and vLLM aborts it once its loop notices).
+    ``reason``: ``first_byte_timeout``, ``health_probe_failed``, ``health_probe_timed_out`` or
+    ``endpoint_left``; ``endpoint_id``, ``request_id`` and ``waited``
     (seconds without a byte) for the stall's count and log line, which wait until it is known
     whether another attempt starts (``redispatched``) or not (``abandoned``)."""
 
@@ -133,17 +135,6 @@ class EngineStall(EngineUnreachable):
                  waited: float = 0.0) -> None:
         super().__init__(message)
         self.reason, self.endpoint_id, self.request_id, self.waited = reason, endpoint_id, request_id, waited
-
-
-class EngineUnresponsive(EngineFailed):
-    """The engine gave no byte past ``engine_health_probe_after_seconds`` and its ``/health`` probes
-    only timed out, for longer than ``engine_health_slow_fail_seconds`` (no refusal, no error status,
-    its lease alive): a hang or an engine too loaded to answer its API server's ``/health``. The
-    request is *not* re-sent, since the engine may be generating it (a non-streamed answer sends
-    nothing until it is done; a stream waits for its first token through the queue and the
-    prefill): it ends 503 / ``UNAVAILABLE`` and the engine request is cancelled (the connection
-    closed; vLLM aborts it once its loop notices). Counted ``health_probe_timed_out`` /
-    ``abandoned``."""
 
 
 def seconds_text(seconds: float) -> str:
@@ -158,8 +149,8 @@ STALL_REASONS = ("first_byte_timeout", "idle_timeout", "endpoint_left", "health_
 """``kvmesh_router_engine_stalled_total``'s reasons: a wait past the first-byte or idle limit, or
 past the probe threshold (:meth:`RequestFlow._check`) on an endpoint whose ``/health`` failed, which
 had left membership (``endpoint_left``) or not (``health_probe_failed``: refused, reset or not 2xx,
-the lease alive; ``health_probe_timed_out``: its probes only timed out, for longer than
-``engine_health_slow_fail_seconds``)."""
+the lease alive; ``health_probe_timed_out``: its ``/health`` gave no answer, with no byte from the
+endpoint on any request, for longer than ``engine_health_slow_fail_seconds`` within the wait)."""
 _TIMED_OUT = "health_probe_timed_out"
 _SHUTDOWN = "shutdown"
 
@@ -190,10 +181,8 @@ class _EngineWatch:
     probe: _Probe | None = None
     """The endpoint's probe state, shared by every watch on it: each piece of an answer counts in its
     ``heard`` (a probe that fails while another request to the endpoint receives bytes is no hang)."""
-    resend_on_slow: bool = False
-    """A request that runs no inference (``/tokenize``): ended on probes that only timed out, it may
-    go to the next endpoint (:class:`EngineStall`); an inference request then ends
-    (:class:`EngineUnresponsive`): it is never re-sent on slowness alone."""
+    slow: float = 0.0
+    """Seconds the endpoint's ``/health`` had given no answer within this wait, at a ``health_probe_timed_out`` verdict."""
 
     def heard(self) -> None:
         """A piece of the engine's answer arrived (headers, a body chunk): the endpoint is alive."""
@@ -214,10 +203,8 @@ class _EngineWatch:
         if self.reason == "health_probe_failed":
             return f"no data for {seconds_text(self.waited)} and its /health does not answer"
         if self.reason == _TIMED_OUT:
-            probe = self.probe
-            slow = (probe.checked_at or 0.0) - (probe.slow_since or 0.0) if probe is not None else 0.0
-            return (f"no data for {seconds_text(self.waited)} and its /health gave no answer in time for "
-                    f"{seconds_text(slow)}")
+            return (f"no data for {seconds_text(self.waited)} and its /health gave no answer for "
+                    f"{seconds_text(self.slow)}")
         return timed_out
 
     def failure(self) -> EngineFailed:
@@ -234,34 +221,36 @@ class _EngineWatch:
         if self.reason == _SHUTDOWN:
             return ShuttingDown(SHUTDOWN_MESSAGE)
         why = self._why(f"no first byte within {seconds_text(self.waited)}")
-        if self.reason == _TIMED_OUT and not self.resend_on_slow:  # never re-sent on slowness alone
-            self.on_stall(self, "abandoned")
-            return EngineUnresponsive(f"engine {self.endpoint_id} did not answer: {why}; the request may still "
-                                      "be running there, so it was not sent elsewhere; retry it")
         return EngineStall(self.reason or "first_byte_timeout", f"engine {self.endpoint_id} did not answer: {why}",
                            self.endpoint_id, self.request_id, self.waited)
 
 
 Health = Literal["alive", "slow", "dead"]
-"""A ``/health`` probe's verdict: ``alive`` (2xx, or a request to the endpoint received a byte while
-it ran), ``slow`` (no answer within ``engine_health_probe_timeout_seconds``: an overloaded vLLM
-answers late, its handler queued behind the API server's loop), ``dead`` (refused, reset, not 2xx)."""
+"""A ``/health`` GET's verdict: ``alive`` (2xx, or a request to the endpoint received a byte while
+it ran), ``slow`` (no answer within the GET's limit: an overloaded vLLM answers late, its handler
+queued behind the API server's loop), ``dead`` (refused, reset, not 2xx)."""
 
 Verdict = Literal["alive", "dead", "timed_out"]
 """What the probes say of an endpoint for one wait (:meth:`RequestFlow._answers`): ``alive``,
-``dead`` (a fast verdict: refused, reset, not 2xx; or, once the endpoint left membership, two
-consecutive timeouts an interval apart) or ``timed_out`` (consecutive timeouts only, spanning more
-than ``engine_health_slow_fail_seconds``)."""
+``dead`` (a fast verdict: refused, reset, not 2xx; or, once the endpoint left membership, a
+``/health`` unanswered for ``engine_health_probe_timeout_seconds`` + ``engine_health_probe_interval_seconds``)
+or ``timed_out`` (a ``/health`` unanswered, with no byte from the endpoint, for more than
+``engine_health_slow_fail_seconds`` within the wait)."""
 
 
 @dataclass(slots=True)
 class _Probe:
-    """An endpoint's liveness while requests are bound to it: its ``/health`` probe running
-    (``task``), the last verdict (``alive``: True, False = failed, None = not known, e.g. after a
-    single slow probe), when that probe was sent and when it answered (or failed); ``heard``:
-    pieces of answers received from the endpoint (by every request to it), ``heard_at_send`` its
-    value when the probe was sent; ``slow_since``: when the first of consecutive slow probes was sent,
-    ``slow_probes`` their number (``alive`` stays None through them)."""
+    """An endpoint's liveness while requests are bound to it.
+
+    ``task``: its ``GET /health`` running (one at a time per endpoint; it is never cancelled early:
+    it runs up to ``engine_health_slow_fail_seconds`` + ``engine_health_probe_timeout_seconds``, so a
+    late answer still counts), ``sent_at`` when it was sent; ``alive`` the last GET's verdict (True: 2xx or a byte heard while it ran,
+    False: refused / reset / not 2xx, None: not known, or no answer within its limit),
+    ``checked_at`` when it ended. ``heard``: pieces of answers received from the endpoint (by every
+    request to it), ``heard_at_send`` its value when the GET was sent. ``slow_since``: the start of
+    the current *slow run*, an unbroken stretch in which ``/health`` gave no answer past
+    ``engine_health_probe_timeout_seconds`` (None: no run); ``run_heard`` the value of ``heard`` then
+    (a byte heard since ends the run; so does an interval with no GET running: :meth:`RequestFlow._run`)."""
 
     task: asyncio.Task[None] | None = None
     alive: bool | None = None
@@ -270,7 +259,7 @@ class _Probe:
     heard: int = 0
     heard_at_send: int = 0
     slow_since: float | None = None
-    slow_probes: int = 0
+    run_heard: int = 0
     bound: int = 0
     """Requests bound to the endpoint (watches holding this probe): at 0, with no probe running, it is dropped."""
 
@@ -382,6 +371,20 @@ class RequestMeta:
     """Body size, TTL, TTFT objective and tenant quotas for flow_control (:mod:`services.router.tenants`)."""
     forward_headers: tuple[tuple[str, str], ...] = ()
     """The client's headers that go on to the engine (:func:`services.router.headers.forwarded_headers`)."""
+    epp_request_id: str = ""
+    """The id epp knows this router request by (``PickRequest.request_id`` of each of its picks and its
+    ``CompletedRequest``): ``request_id`` plus ``~`` and a suffix unique to this request
+    (:func:`kvmesh.types.pick_request_id`), given when empty. Clients may send one ``x-request-id`` on several
+    requests (it is kept as sent for the engine, logs and the answer), but epp treats a second pick
+    under one id as the same request picked again (superseding the first): a retry or re-pick of this
+    router request does that, another request with the same client id must not. vLLM does alike: it
+    keeps the client's id for its answer and makes its internal one unique with a random suffix."""
+
+    def __post_init__(self) -> None:
+        if not self.epp_request_id:
+            object.__setattr__(self, "epp_request_id", pick_request_id(self.request_id))
+
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -588,8 +591,11 @@ class _Lifetime:
     """Told once how a request ended that epp was asked to pick (epp's ``Completed``; must not block):
     its outcome once an engine answered it, else ``NOT_DISPATCHED`` (epp drops the pick's load)."""
     picks_asked: bool = False
-    """epp was asked for a pick of this request (an early pick, or the dispatch's): when no engine
-    answers it, epp is told ``NOT_DISPATCHED`` (else the pick's active prompt tokens stay counted)."""
+    """epp answered a pick of this request (an early pick, or the dispatch's), or one was abandoned
+    while epp had it (it may have counted it): when no engine answers the request, epp is told
+    ``NOT_DISPATCHED`` (else the pick's active prompt tokens stay counted). Not set by a pick that
+    failed (epp unreachable, unknown model, epp's own error answer), the local degraded pick or a
+    pinned one: epp holds nothing of those, and a report would count as unmatched."""
     proxy_span: trace.Span | None = None
     session: FlowSession | None = None
     exception: BaseException | None = None
@@ -614,7 +620,7 @@ class _Lifetime:
                 await self.ticket.close(CompletionReport(self.request.prompt_tokens_estimate, 0, 0.0, e2e, False))
         finally:
             if self.picks_asked and self.on_completed is not None:  # fire-and-forget, as for a dispatched one
-                self.on_completed(RequestCompletion(self.meta.request_id, "", self.request.prompt_tokens_estimate, 0,
+                self.on_completed(RequestCompletion(self.meta.epp_request_id, "", self.request.prompt_tokens_estimate, 0,
                                                     CompletionOutcome.NOT_DISPATCHED))
             metrics.IN_FLIGHT.dec()
             if self.client_gone:
@@ -664,9 +670,9 @@ class _Lifetime:
                 metrics.record_e2e(self.request.model, e2e)
             metrics.record_outcome(outcome)
             metrics.IN_FLIGHT.dec()
-            if self.on_completed is not None:  # fire-and-forget: epp frees the endpoint's load now (issue 9)
+            if self.picks_asked and self.on_completed is not None:  # fire-and-forget: epp frees its load now (issue 9)
                 self.on_completed(RequestCompletion(
-                    self.meta.request_id, session.endpoint.id, report.prompt_tokens, usage.cached_tokens,
+                    self.meta.epp_request_id, session.endpoint.id, report.prompt_tokens, usage.cached_tokens,
                     CompletionOutcome.SUCCESS if success else
                     CompletionOutcome.CANCELLED if self.client_gone else CompletionOutcome.ERROR))
             if self.span is not None:  # what an operator looks for on the request's root span (issue 11)
@@ -806,7 +812,7 @@ class RequestFlow:
         ``engine_health_probe_after_seconds`` (``engine_departed_idle_seconds`` once its endpoint
         left membership) has the endpoint's ``/health`` probed (:meth:`_answers`) and ends when the
         probes fail (``health_probe_failed`` / ``endpoint_left``, or ``health_probe_timed_out``
-        when they only timed out, past ``engine_health_slow_fail_seconds``); any wait past its own
+        when ``/health`` gave no answer past ``engine_health_slow_fail_seconds``); any wait past its own
         limit ends (``first_byte_timeout`` / ``idle_timeout``). One pass over the waits, no timer per
         request: a request answered before the threshold costs nothing here."""
         now = _now()
@@ -830,68 +836,98 @@ class RequestFlow:
 
     def _answers(self, watch: _EngineWatch, now: float, fresh: bool = False) -> Verdict | None:
         """What the probes say of the endpoint ``watch`` waits on (:data:`Verdict`): ``dead`` when a
-        probe sent during this wait failed fast, ``timed_out`` when the latest probe, sent during
-        this wait, closed a run of timeouts spanning more than ``engine_health_slow_fail_seconds``,
-        ``alive`` when it proved alive within ``engine_health_probe_interval_seconds``, None while
-        not known (a probe is then running, or the next one is not due yet). One probe per endpoint
-        at a time, not per request (``engine_health_probe_timeout_seconds``); ``fresh``: a new one
-        unless one runs (the endpoint just left membership). A wait that began after a failed probe
-        gets a probe of its own (the engine may be back).
+        ``/health`` GET sent during this wait failed fast, or (the endpoint left membership) when
+        ``/health`` gave no answer for ``engine_health_probe_timeout_seconds`` +
+        ``engine_health_probe_interval_seconds``; ``timed_out`` when the endpoint's slow run
+        (:meth:`_run`: ``/health`` unanswered, no byte heard from the endpoint) spans more than
+        ``engine_health_slow_fail_seconds`` *within this wait* (from ``max(run start, wait start)``);
+        ``alive`` when a GET proved it alive within ``engine_health_probe_interval_seconds``; None
+        while not known (a GET is running, or the next one is not due yet). One GET per endpoint at
+        a time, not per request, and never a second one while one runs; ``fresh``: a new one unless
+        one runs (the endpoint just left membership). A wait that began after a failed GET gets one
+        of its own (the engine may be back).
 
         The verdicts (:meth:`_probe`): a SIGSTOPped engine still accepts TCP connects, so only an
-        HTTP 2xx answer counts; a request to the endpoint that received a byte while the probe ran
+        HTTP 2xx answer counts; a request to the endpoint that received a byte while the GET ran
         proves it alive (only an endpoint silent on every request it serves can be hung). A refusal,
-        a reset or a non-2xx answer fails at once (vLLM answers 503 once its engine is dead). A
-        probe that got no answer in time is no proof of a hang: vLLM's ``GET /health``
+        a reset or a non-2xx answer fails at once (vLLM answers 503 once its engine is dead). A GET
+        that has no answer yet is no proof of a hang: vLLM's ``GET /health``
         (``vllm/entrypoints/serve/instrumentator/health.py``, 0.32) only awaits
         ``EngineClient.check_health()``, a flag check in ``AsyncLLM``, so it is slow exactly when the
         API server's event loop is saturated (30-40 s under high load), which is when long silences
-        happen. Timeouts alone fail the endpoint only once they span ``engine_health_slow_fail_seconds``
-        (or, once it left membership, two in a row an interval apart: the lease's expiry is the
-        second signal). Leaving membership alone is no proof of a hang either (a draining engine
-        deregisters first and then finishes its requests; an etcd that lost its data makes every
-        endpoint "leave"), nor is a long silence (a deep queue, a long prefill, a whole non-streamed
-        generation): a wait is cut only when the probes fail too."""
+        happen; the GET is therefore kept running (not cancelled and re-queued behind the same loop)
+        and a late 2xx counts as alive. Leaving membership alone is no proof of a hang either (a
+        draining engine deregisters first and then finishes its requests; an etcd that lost its data
+        makes every endpoint "leave"), nor is a long silence (a deep queue, a long prefill, a whole
+        non-streamed generation): a wait is cut only when the probes fail too."""
         probe = watch.probe
-        if probe is None or probe.task is not None:
+        if probe is None:
             return None
-        interval = self._config.engine_health_probe_interval_seconds
+        config = self._config
+        interval = config.engine_health_probe_interval_seconds
+        since = watch.since
+        run = self._run(probe, now)
+        if run is not None and since is not None:
+            span = now - max(run, since)
+            if watch.departed and span >= config.engine_health_probe_timeout_seconds + interval:
+                return "dead"  # unanswered, and its lease expired too: two signals
+            if span > config.engine_health_slow_fail_seconds:
+                watch.slow = span
+                return "timed_out"
+        if probe.task is not None:
+            return None
         if probe.checked_at is not None and not fresh:
-            during = watch.since is not None and probe.sent_at >= watch.since  # the latest probe, sent during this wait
             if probe.alive:
                 if now - probe.checked_at < interval:
                     return "alive"
             elif probe.alive is False:
-                if during:
+                if since is not None and probe.sent_at >= since:  # failed during this wait
                     return "dead"
-            else:  # a run of probes that timed out
-                if during and probe.slow_since is not None:
-                    if watch.departed and probe.slow_probes >= 2 and probe.sent_at - probe.slow_since >= interval:
-                        return "dead"
-                    if probe.checked_at - probe.slow_since > self._config.engine_health_slow_fail_seconds:
-                        return "timed_out"
-                if now - probe.sent_at < interval:  # the next one, an interval after the last, decides
-                    return None
+            elif now - probe.sent_at < interval:  # unanswered: the next one an interval after the last
+                return None
         probe.sent_at, probe.heard_at_send = now, probe.heard
         probe.task = asyncio.ensure_future(self._probe(probe, watch.endpoint_id, watch.url))
         return None
 
+    def _run(self, probe: _Probe, now: float) -> float | None:
+        """The start of ``probe``'s endpoint's current slow run (None: none), kept up to date at ``now``.
+
+        A run starts once a ``/health`` GET has gone unanswered past
+        ``engine_health_probe_timeout_seconds`` (at its send, or now when a byte was heard from the
+        endpoint since), goes on through the following GETs that get no answer either, and ends on
+        a GET's answer (:meth:`_probe`), on any byte heard from the endpoint (on any request), or
+        when more than ``engine_health_probe_interval_seconds`` passed with no GET running (nobody
+        waited on the endpoint: the old run says nothing of a later wait)."""
+        if probe.slow_since is not None and probe.heard != probe.run_heard:
+            probe.slow_since = None  # the endpoint sent a byte: it serves
+        if probe.task is not None:
+            if probe.slow_since is None and now - probe.sent_at > self._config.engine_health_probe_timeout_seconds:
+                probe.slow_since = probe.sent_at if probe.heard == probe.heard_at_send else now
+                probe.run_heard = probe.heard
+        elif probe.slow_since is not None and (
+                probe.checked_at is None or now - probe.checked_at > self._config.engine_health_probe_interval_seconds):
+            probe.slow_since = None  # a gap with no probing
+        return probe.slow_since
+
     async def _probe(self, probe: _Probe, endpoint_id: str, url: str) -> None:
-        health = await self._health_of(url)
+        config = self._config
+        # kept running past the slow limit by a probe timeout: the waits' verdict (_answers, every tick)
+        # comes while it still runs, not raced by its end and a second GET
+        health = await self._health_of(url, config.engine_health_slow_fail_seconds
+                                       + config.engine_health_probe_timeout_seconds)
         if health != "alive" and probe.heard != probe.heard_at_send:
             health = "alive"  # a request to it received a byte meanwhile: it serves, whatever /health says
         if health == "alive":
-            probe.alive, probe.slow_since, probe.slow_probes = True, None, 0
+            probe.alive, probe.slow_since = True, None
         elif health == "dead":
-            probe.alive, probe.slow_since, probe.slow_probes = False, None, 0
-        else:  # timed out: not known yet; the run's span decides (_answers)
-            if probe.slow_since is None:
-                probe.slow_since = probe.sent_at
+            probe.alive, probe.slow_since = False, None
+        else:  # unanswered for the whole limit: the run goes on into the next GET (_answers sends it)
             probe.alive = None
-            probe.slow_probes += 1
+            if probe.slow_since is None:
+                probe.slow_since, probe.run_heard = probe.sent_at, probe.heard
         probe.checked_at, probe.task = _now(), None
         if probe.alive is not True:
-            self._check()  # end the waits it fails now, not at the next tick
+            self._check()  # end the waits it fails now (and send the next GET), not at the next tick
         self._forget(endpoint_id, probe)
 
     async def await_engine(self, endpoint: Endpoint, request_id: str, sending: Awaitable[_T]) -> _T:
@@ -903,12 +939,12 @@ class RequestFlow:
         No limit of its own (``sending``'s client bounds it).
 
         Raises:
-            EngineStall: the probes failed (``health_probe_failed``, ``endpoint_left``, or
-                ``health_probe_timed_out``: such a request may be re-sent); ``sending`` is cancelled.
+            EngineStall: the probes failed (``health_probe_failed``, ``health_probe_timed_out`` or
+                ``endpoint_left``); ``sending`` is cancelled.
             ShuttingDown: the router is stopping.
         """
         watch = self._watch(endpoint, request_id, stream=False)
-        watch.limit, watch.resend_on_slow = float("inf"), True
+        watch.limit = float("inf")
         watch.since = _now()
         try:
             result = await sending
@@ -929,22 +965,21 @@ class RequestFlow:
         state (waits on an engine use :meth:`_answers` / :meth:`await_engine`)."""
         probe = self._probes.get(endpoint.id)
         heard = probe.heard if probe is not None else 0
-        health = await self._health_of(endpoint.url)
+        health = await self._health_of(endpoint.url, self._config.engine_health_probe_timeout_seconds)
         if health != "alive" and probe is not None and probe.heard != heard:
             return "alive"
         return health
 
-    async def _health_of(self, url: str) -> Health:
-        """GET ``url/health`` (vLLM and the engine simulator serve it) within
-        ``engine_health_probe_timeout_seconds``: ``alive`` on a 2xx answer, ``slow`` when none came
-        in time, ``dead`` when refused, reset or answered otherwise (vLLM answers 503 once its engine
-        is dead)."""
+    async def _health_of(self, url: str, limit: float) -> Health:
+        """GET ``url/health`` (vLLM and the engine simulator serve it) within ``limit`` seconds:
+        ``alive`` on a 2xx answer, ``slow`` when none came in time, ``dead`` when refused, reset or
+        answered otherwise (vLLM answers 503 once its engine is dead)."""
         if self._probe_http is None:
             self._probe_http = httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_keepalive_connections=0))
             self._own_probe_http = True
         try:
-            async with asyncio.timeout(self._config.engine_health_probe_timeout_seconds):
-                response = await self._probe_http.get(url + "/health")
+            async with asyncio.timeout(limit):
+                response = await self._probe_http.get(url + "/health", timeout=httpx.Timeout(limit))
         except (TimeoutError, httpx.TimeoutException):
             return "slow"
         except Exception:
@@ -1029,15 +1064,18 @@ class RequestFlow:
                 f"{exc}; {local.in_flight} requests already admitted without it (limit {local.max_in_flight})"
             ) from exc
 
-    async def _pick(self, request: RouterRequest, meta: RequestMeta, tried: list[str]) -> PickReply:
+    async def _pick(
+        self, request: RouterRequest, meta: RequestMeta, tried: list[str], life: _Lifetime | None = None
+    ) -> PickReply:
         """epp's pick; when epp is unreachable, the local least-request pick over the etcd view; a request
-        pinned to an endpoint (a stored response's follow-up) goes there only, without epp."""
+        pinned to an endpoint (a stored response's follow-up) goes there only, without epp. ``life``:
+        its ``picks_asked`` is set once epp answered (or the call was abandoned while epp had it)."""
         if request.pinned_endpoint_id is not None and request.previous_response_id is not None:
             endpoint = pinned_endpoint(request.model, request.previous_response_id, request.pinned_endpoint_id,
                                        self._endpoints(request.model), tried)
             return PickReply((endpoint,), 0, AFFINITY_PROFILE)
         query = PickQuery(
-            request_id=meta.request_id,
+            request_id=meta.epp_request_id,
             model=request.model,
             prompt_token_ids=request.prompt_token_ids,
             prompt=request.prompt_text,
@@ -1048,7 +1086,11 @@ class RequestFlow:
             render_json=render_fields_json(request.kind, request.body),
         )
         try:
-            return await self._picker.pick(query)
+            reply = await self._picker.pick(query)
+        except asyncio.CancelledError:
+            if life is not None:  # abandoned in flight: epp may have counted it
+                life.picks_asked = True
+            raise
         except errors.UnknownModel as exc:
             # Validated as served a moment ago: either its endpoints just left (503), or epp has not
             # learnt them yet (a restarted epp before its first etcd sync), when the router's own view
@@ -1072,6 +1114,9 @@ class RequestFlow:
             self._degraded_log.warn("epp", "action=picked_locally model=%s target=%s error=%s",
                                     request.model, candidates[0].id, exc)
             return PickReply(tuple(candidates), 0, "router-local-least-request")
+        if life is not None:  # epp counts this pick until told how the request ended
+            life.picks_asked = True
+        return reply
 
     def _local_pick(self, request: RouterRequest, tried: list[str], exc: Exception) -> PickReply | None:
         """The local least-request pick over the router's etcd view; None when that view has no endpoint."""
@@ -1105,18 +1150,17 @@ class RequestFlow:
                 "router.request",
                 context=meta.trace_context,
                 kind=SpanKind.SERVER if meta.server_span else SpanKind.INTERNAL,
-                attributes={"kvmesh.request_id": meta.request_id, "kvmesh.model": request.model, "kvmesh.flow_id": meta.flow_id},
+                attributes={"kvmesh.request_id": meta.request_id, "kvmesh.epp_request_id": meta.epp_request_id,
+                            "kvmesh.model": request.model, "kvmesh.flow_id": meta.flow_id},
             ),
         )
         metrics.IN_FLIGHT.inc()
         watch: _EngineWatch | None = None
         # set before any pick: a request that ends without an engine's answer still tells epp (NOT_DISPATCHED)
         life.on_completed = getattr(self._picker, "report_completed", None)
-        by_epp = request.pinned_endpoint_id is None or request.previous_response_id is None  # not pinned
         try:
             with trace.use_span(life.span, end_on_exit=False):
-                early_pick = self._start_early_pick(request, meta)
-                life.picks_asked = early_pick is not None and by_epp
+                early_pick = self._start_early_pick(request, meta, life)
                 try:
                     life.ticket = await self._admit(request, meta)
                 except BaseException as exc:
@@ -1126,9 +1170,8 @@ class RequestFlow:
                     raise
                 metrics.record_stage("admission", self._clock() - life.started)
                 early_pick = await self._keep_early_pick(early_pick, life.ticket)
-                life.picks_asked = by_epp
                 response, endpoint, life.proxy_span, attempts, watch = await self._connect(request, meta, early_pick,
-                                                                                           life.started)
+                                                                                           life.started, life)
             life.span.set_attribute("kvmesh.endpoint", endpoint.id)  # note_start ran when its headers came
             life.on_end = lambda: self.local_picker.note_end(endpoint.id)
             life.session = FlowSession(
@@ -1159,7 +1202,9 @@ class RequestFlow:
             self._unwatch(watch)
             await life.close()
 
-    def _start_early_pick(self, request: RouterRequest, meta: RequestMeta) -> asyncio.Task[PickReply] | None:
+    def _start_early_pick(
+        self, request: RouterRequest, meta: RequestMeta, life: _Lifetime | None = None
+    ) -> asyncio.Task[PickReply] | None:
         """The Pick, started beside admission while flow_control has been admitting at once
         (``early_pick``; see :meth:`_keep_early_pick`); None when not speculating, or when the
         admission client holds a credit for the request (admitted without a round trip: the pick
@@ -1169,7 +1214,7 @@ class RequestFlow:
         at_once = getattr(self._admission, "admits_at_once", None)
         if at_once is not None and at_once(meta.priority, meta.admit_options):
             return None
-        return asyncio.ensure_future(self._timed_pick(request, meta, []))
+        return asyncio.ensure_future(self._timed_pick(request, meta, [], life))
 
     async def _keep_early_pick(self, task: asyncio.Task[PickReply] | None, ticket: Ticket) -> asyncio.Task[PickReply] | None:
         """Keep the early pick only when the request was not queued (late binding: a request that
@@ -1181,15 +1226,17 @@ class RequestFlow:
             return None
         return task
 
-    async def _timed_pick(self, request: RouterRequest, meta: RequestMeta, tried: list[str]) -> PickReply:
+    async def _timed_pick(
+        self, request: RouterRequest, meta: RequestMeta, tried: list[str], life: _Lifetime | None = None
+    ) -> PickReply:
         started = self._clock()
-        pick = await self._pick(request, meta, tried)
+        pick = await self._pick(request, meta, tried, life)
         metrics.record_stage("pick", self._clock() - started)
         return pick
 
     async def _connect(
         self, request: RouterRequest, meta: RequestMeta, early_pick: asyncio.Task[PickReply] | None = None,
-        started: float | None = None,
+        started: float | None = None, life: _Lifetime | None = None,
     ) -> tuple[EngineResponse, Endpoint, trace.Span, int, _EngineWatch]:
         tried: list[str] = []
         # the last failed attempt: counted (a retry, a stall "redispatched") only once another attempt
@@ -1202,7 +1249,7 @@ class RequestFlow:
                     if early_pick is not None:
                         pick, early_pick = await early_pick, None
                     else:
-                        pick = await self._timed_pick(request, meta, tried)
+                        pick = await self._timed_pick(request, meta, tried, life)
                 except errors.NoEndpointsAvailable:
                     if last_error is None:
                         raise

@@ -8,7 +8,9 @@ answer becomes the matching domain error (an in-stream error event too: vLLM str
 parameters as 200 + ``data: {"error": ...}``); an engine failing mid-answer is ``UNAVAILABLE``.
 A cancelled RPC (or a stream its client closed) ends the session as cancelled: the engine
 request is cancelled and the flow-control slot released. ``CompleteStream`` reads the parsed
-chunks the session already has (:meth:`~services.router.request_flow.FlowSession.iter_events`).
+chunks the session already has (:meth:`~services.router.request_flow.FlowSession.iter_events`); it
+asks the engine for ``stream_options.include_usage`` and folds the usage-only chunk into the last
+``CompletionChunk`` (finish reason and usage: the engine's prompt, completion and cached tokens).
 
 Shutdown (the router's drain, ``services/router/app.py``; docs/degraded-modes.md, "the router
 itself"): the calls in flight run on for the grace; those still running near its end end with
@@ -65,7 +67,8 @@ SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 
 
 def openai_body(request: router_pb2.CompletionRequest, stream: bool) -> tuple[RequestKind, dict[str, Any]]:
-    """The OpenAI body equivalent to ``request``.
+    """The OpenAI body equivalent to ``request``; a stream asks for ``stream_options.include_usage``
+    (the engine's usage-only chunk before ``[DONE]``, folded into the last ``CompletionChunk``).
 
     Raises:
         InvalidRequest: unless exactly one of prompt, prompt_token_ids, messages is set.
@@ -74,6 +77,8 @@ def openai_body(request: router_pb2.CompletionRequest, stream: bool) -> tuple[Re
     if forms != 1:
         raise errors.InvalidRequest("exactly one of 'prompt', 'prompt_token_ids', 'messages' must be set")
     body: dict[str, Any] = {"model": request.model, "stream": stream}
+    if stream:  # the engine's token counts for the last chunk's usage (vLLM sends them only when asked)
+        body["stream_options"] = {"include_usage": True}
     if request.messages:
         kind = RequestKind.CHAT
         body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
@@ -238,23 +243,38 @@ class InferenceServicer(router_pb2_grpc.InferenceServicer):
                 if session.status_code >= 400:
                     raise error_from_engine(session.status_code, (await session.read_error(MAX_ENGINE_ERROR_BYTES))[0])
                 pieces = 0
+                # the chunk with the finish reason, held until the engine's usage chunk after it (include_usage)
+                finishing: router_pb2.CompletionChunk | None = None
                 async for chunk in session.iter_events():
                     for piece in chunk.pieces:
                         if piece.error is not None:  # the engine's in-stream error: its status and message
                             raise error_from_stream_event(piece.error)
-                        if piece.text or piece.finish_reason:
-                            pieces += 1
-                        if not (piece.text or piece.finish_reason or piece.usage):
-                            continue
+                        if not (piece.text or piece.finish_reason):
+                            if piece.usage is not None and finishing is not None:  # the usage-only chunk: folded in
+                                finishing.usage.CopyFrom(_usage_pb(piece.usage))
+                                yield finishing
+                                finishing = None
+                            continue  # a chat role delta, a usage chunk: no text chunk of its own
+                        pieces += 1
+                        if finishing is not None:  # more text after a finish reason: it was not the last
+                            finishing.usage.CopyFrom(_usage_pb(session.usage, pieces - 1))
+                            yield finishing
+                            finishing = None
                         out = router_pb2.CompletionChunk(
                             id=piece.id or meta.request_id,
                             text=piece.text,
                             finish_reason=piece.finish_reason or "",
                             endpoint_id=session.endpoint.id,
                         )
-                        if piece.finish_reason or piece.usage:
-                            out.usage.CopyFrom(_usage_pb(piece.usage or session.usage, pieces))
+                        if piece.usage is not None:  # an engine that puts usage on the finishing chunk itself
+                            out.usage.CopyFrom(_usage_pb(piece.usage))
+                        elif piece.finish_reason:
+                            finishing = out
+                            continue
                         yield out
+                if finishing is not None:  # no usage chunk came: the router's own count
+                    finishing.usage.CopyFrom(_usage_pb(session.usage, pieces))
+                    yield finishing
 
     async def ListModels(self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> router_pb2.ListModelsResponse:
         if self._tenants.enabled:  # as GET /v1/models: a key is checked, and needed with require_api_key

@@ -12,7 +12,7 @@ OpenAI body built from its protobuf. Checks, in order (the first failure wins):
 | ``model`` served by a live endpoint | UnknownModel (404) for a name never served |
 | ``model`` served recently (its endpoints left less than ``model_memory_seconds`` ago) | ModelUnavailable (503 + ``retry-after``) |
 | completions: ``prompt`` is a string, a list of token ids, or a batch (a list of strings or of token-id lists, at most ``max_batch_prompts``); no ``messages`` | InvalidRequest (400) |
-| chat: ``messages`` a non-empty list of ``{role, content}``, ``role`` in :data:`CHAT_ROLES`; no ``prompt`` | InvalidRequest (400) |
+| chat: ``messages`` a non-empty list of ``{role, content}``, ``role`` in :data:`kvmesh.chat_messages.CHAT_ROLES` (one rule with epp); no ``prompt`` | InvalidRequest (400) |
 | embeddings: ``input`` a string, token ids, or a list of either; responses: ``input`` a string or a list of items | InvalidRequest (400) |
 | no ``NaN`` / ``Infinity`` / float-overflowing number anywhere (kvmesh's one tightening over vLLM 0.32) | InvalidRequest (400) naming its path (``param``) |
 | typed fields (:data:`SCALAR_FIELDS`, ``stream_options.*``, ``logit_bias``) read exactly as vLLM 0.32's pydantic models read them (lax: ``"yes"`` / ``1`` is a boolean, ``"5"`` / ``true`` / ``5.0`` an integer), float fields finite; ranges of penalties, ``min_p``, ``top_k``, logprobs, ``logit_bias`` keys as vLLM 0.32 | InvalidRequest (400) naming the field (``param``) |
@@ -48,6 +48,8 @@ from typing import Any
 import msgspec
 from pydantic import TypeAdapter, ValidationError
 
+from kvmesh.chat_messages import chat_messages, chat_role, content_text
+from kvmesh.chat_messages import utf8_or_invalid as _utf8_or_invalid
 from kvmesh.errors import InvalidRequest, NoEndpointsAvailable, UnknownModel, quoted
 from services.router.catalog import ModelCatalog
 
@@ -57,8 +59,6 @@ BYTES_PER_TOKEN_LOWER_BOUND = 16
 """Bytes per token assumed when rejecting text as over-context (a deliberate over-estimate)."""
 CHAT_TOKENS_PER_MESSAGE = 4
 """Chat-template overhead per message (role markers), added to the estimate."""
-CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
-"""Chat roles accepted (OpenAI's current set; vLLM's chat templates know these)."""
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 """A JSON escape of a UTF-16 surrogate; only bodies containing one need the full Unicode walk."""
@@ -236,19 +236,6 @@ def _first_path(value: Any, bad: Callable[[Any], bool], path: str, *, keys: bool
                 return found
         return None
     return (path or "body") if bad(value) else None
-
-
-def _utf8_or_invalid(text: str, where: str) -> str:
-    """``text`` unchanged when it encodes as UTF-8.
-
-    Raises:
-        InvalidRequest: naming ``where`` when it holds a lone surrogate.
-    """
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidRequest(f"'{where}' is not valid Unicode: it contains a lone UTF-16 surrogate") from None
-    return text
 
 
 def _is_int(value: Any) -> bool:
@@ -492,30 +479,6 @@ def text_tokens_lower_bound(text: str) -> int:
     return math.ceil(len(text.encode("utf-8", "surrogatepass")) / BYTES_PER_TOKEN_LOWER_BOUND) + 1
 
 
-def _content_text(content: Any, index: int) -> str:
-    """The text of a message's content; text parts joined with a newline (vLLM's rule); other parts
-    (images, audio, files: the engine decides whether it serves them) contribute no text."""
-    if isinstance(content, str):
-        return _utf8_or_invalid(content, f"messages[{index}].content")
-    if isinstance(content, list):
-        parts: list[str] = []
-        for part in content:
-            if isinstance(part, str):  # vLLM also takes a bare string as a text part
-                parts.append(part)
-                continue
-            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                raise InvalidRequest(f"'messages[{index}].content': each part must be an object with a 'type'")
-            if part["type"] in ("text", "input_text", "output_text", "refusal"):
-                text = part.get("text", part.get("refusal"))
-                if not isinstance(text, str):
-                    raise InvalidRequest(f"'messages[{index}].content': a {part['type']} part needs a string 'text'")
-                parts.append(text)
-        return _utf8_or_invalid("\n".join(parts), f"messages[{index}].content")
-    if content is None:
-        return ""
-    raise InvalidRequest(f"'messages[{index}].content' must be a string or a list of text parts")
-
-
 @dataclass(frozen=True, slots=True)
 class _Prompt:
     """What a body asks the engine to read: the first prompt (for the pick), and sizes over all of them."""
@@ -578,22 +541,6 @@ def _text_or_ids(value: Any, where: str, max_batch: int) -> _Prompt:
                    lower_bounds=tuple(b for p in items for b in p.lower_bounds))
 
 
-def _chat_messages(messages: Any) -> tuple[tuple[str, str], ...]:
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("'messages' must be a non-empty list")
-    out: list[tuple[str, str]] = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise InvalidRequest(f"'messages[{i}]' must be an object")
-        role = message.get("role")
-        if not isinstance(role, str) or not role:
-            raise InvalidRequest(f"'messages[{i}].role' must be a non-empty string")
-        if role not in CHAT_ROLES:
-            raise InvalidRequest(f"'messages[{i}].role' must be one of {', '.join(sorted(CHAT_ROLES))}, got {role!r}")
-        out.append((role, _content_text(message.get("content"), i)))
-    return tuple(out)
-
-
 def _messages_prompt(messages: tuple[tuple[str, str], ...]) -> _Prompt:
     text = "".join(content for _, content in messages)
     estimate = estimate_text_tokens(text) + CHAT_TOKENS_PER_MESSAGE * len(messages)
@@ -620,9 +567,7 @@ def _responses_input(body: dict[str, Any]) -> _Prompt:
             raise InvalidRequest(f"'input[{i}]' must be an object")
         role = item.get("role")
         if isinstance(role, str) and item.get("type", "message") == "message":
-            if role not in CHAT_ROLES:
-                raise InvalidRequest(f"'input[{i}].role' must be one of {', '.join(sorted(CHAT_ROLES))}, got {role!r}")
-            out.append((role, _content_text(item.get("content"), i)))
+            out.append((chat_role(role, f"input[{i}]"), content_text(item.get("content"), f"messages[{i}]")))
     return _messages_prompt(tuple(out))
 
 
@@ -635,7 +580,7 @@ def _validate_prompt(kind: RequestKind, body: dict[str, Any], max_batch: int) ->
         return _text_or_ids(body["prompt"], "prompt", max_batch)
     if kind is RequestKind.EMBEDDINGS:
         if "messages" in body:  # vLLM's chat-style embeddings request
-            return _messages_prompt(_chat_messages(body["messages"]))
+            return _messages_prompt(chat_messages(body["messages"]))
         if body.get("input") is None:
             raise InvalidRequest("'input' is required")
         return _text_or_ids(body["input"], "input", max_batch)
@@ -645,7 +590,7 @@ def _validate_prompt(kind: RequestKind, body: dict[str, Any], max_batch: int) ->
         return _responses_input(body)
     if "prompt" in body:
         raise InvalidRequest("'prompt' belongs to /v1/completions; send 'messages' here")
-    return _messages_prompt(_chat_messages(body.get("messages")))
+    return _messages_prompt(chat_messages(body.get("messages")))
 
 
 def resolve_model(model: Any, catalog: ModelCatalog) -> tuple[str, str | None]:

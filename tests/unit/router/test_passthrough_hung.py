@@ -25,7 +25,7 @@ from tests.unit.router.fakes import CATALOG, A, B, FakeAdmission, FakePicker
 CONFIG = RouterConfig(etcd_endpoints=[], request_timeout_seconds=30, engine_health_probe_after_seconds=0.1,
                       engine_health_probe_timeout_seconds=0.2, engine_health_probe_interval_seconds=0.2,
                       engine_health_slow_fail_seconds=0.3)
-"""Probes that only time out fail the endpoint once they span 0.3 s (two of them, 0.2 s apart)."""
+"""A /health unanswered for 0.3 s within a wait fails the endpoint (one GET, kept running past the 0.2 s probe timeout)."""
 
 
 def _stalled(reason: str, action: str) -> float:
@@ -80,9 +80,8 @@ async def test_tokenize_on_a_hung_engine_moves_to_the_next_endpoint() -> None:
     started = asyncio.get_running_loop().time()
     answer = await passthrough.forward("/tokenize", "tiny", {"model": "tiny", "prompt": "hi"}, "r1")
     assert answer.endpoint_id == B.id and answer.status_code == 200
-    assert asyncio.get_running_loop().time() - started < 3.0  # 0.1 s + two 0.2 s probes 0.2 s apart, plus a loaded host
-    # a tokenize runs no inference: re-sent even on probes that only timed out
-    assert engines.probes == 2 and _stalled("health_probe_timed_out", "redispatched") == before + 1
+    assert asyncio.get_running_loop().time() - started < 3.0  # 0.1 s + the 0.3 s slow span + a tick, plus a loaded host
+    assert engines.probes == 1 and _stalled("health_probe_timed_out", "redispatched") == before + 1
     await flow.aclose()
 
 
@@ -90,7 +89,7 @@ async def test_a_stored_response_on_a_hung_engine_is_503() -> None:
     engines = _Engines(health=False)
     passthrough, flow = _passthrough(engines)
     before = _stalled("health_probe_timed_out", "abandoned")
-    with pytest.raises(errors.NoEndpointsAvailable, match="its /health gave no answer in time"):
+    with pytest.raises(errors.NoEndpointsAvailable, match="its /health gave no answer for"):
         await passthrough.to_endpoint("GET", "/v1/responses/resp_1", "tiny", A.id, "r2")
     assert _stalled("health_probe_timed_out", "abandoned") == before + 1
     await flow.aclose()
@@ -115,11 +114,13 @@ async def test_a_503_health_moves_a_tokenize_after_one_probe() -> None:
     await flow.aclose()
 
 
-async def test_a_single_slow_health_probe_does_not_move_a_tokenize() -> None:
-    """/health answers after 0.3 s, past the 0.2 s probe timeout (vLLM under load answers it late); the engine
-    answers the tokenize at 0.7 s, before the second probe (due an interval, 1 s, after the first) could fail it."""
+async def test_a_late_health_answer_does_not_move_a_tokenize() -> None:
+    """/health answers after 0.3 s, past the 0.2 s probe timeout but within engine_health_slow_fail_seconds
+    (0.6 s here; vLLM under load answers it in 30-40 s against the 60 s default): the GET is not cancelled at
+    the probe timeout, its late 200 counts as alive, and the engine answers the tokenize at 0.7 s."""
     engines = _Engines(health=True, health_delay=0.3)
-    passthrough, flow = _passthrough(engines, CONFIG.model_copy(update={"engine_health_probe_interval_seconds": 1.0}))
+    passthrough, flow = _passthrough(engines, CONFIG.model_copy(update={"engine_health_probe_interval_seconds": 1.0,
+                                                                        "engine_health_slow_fail_seconds": 0.6}))
     before = _stalled("health_probe_timed_out", "redispatched")
     asyncio.get_running_loop().call_later(0.7, engines.go.set)
     answer = await passthrough.forward("/tokenize", "tiny", {"model": "tiny", "prompt": "hi"}, "r5")
@@ -141,7 +142,7 @@ async def test_many_waits_on_a_hung_engine_share_one_probe_per_interval() -> Non
         picker.note_start(B.id)
     answers = await asyncio.gather(*calls)
     assert all(a.endpoint_id == B.id for a in answers)
-    assert engines.probes == 2, engines.probes  # two probes, 0.2 s apart, for the eight waits (was 16)
+    assert engines.probes == 1, engines.probes  # one GET, kept running, for the eight waits (was 16)
     await flow.aclose()
 
 

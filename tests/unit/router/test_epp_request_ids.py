@@ -1,0 +1,235 @@
+"""The id epp knows a router request by, and which requests epp is told about.
+
+* ``PickRequest.request_id`` (and the ``CompletedRequest`` that ends it) is unique per router request:
+  the client's ``x-request-id`` plus a router-unique suffix. Two client requests that share an id
+  are two picks to epp (a NOT_DISPATCHED for one leaves the other's load counted); a re-pick of the
+  same router request (late binding after a queued admission) supersedes its earlier pick. The
+  engine still gets the client's id as sent.
+* epp is told how a request ended only when epp answered one of its picks (or had one in flight when
+  the request was abandoned): not after a pick that failed (epp unreachable, unknown model, epp's
+  own error answer), nor after the local degraded pick: those reports would only count as unmatched.
+
+The real epp servicer and scheduler behind the router's real ``PickerClient`` on a loopback gRPC
+server (the harness of ``test_not_dispatched``) where epp's accounting is asserted; a recording
+picker where only what the router sends is."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+
+import httpx
+import pytest
+
+from kvmesh import errors
+from kvmesh.types import CompletionOutcome, RequestCompletion, pick_request_id
+from services.router.clients import AdmitQuery, PickQuery, PickReply
+from services.router.config import RouterConfig
+from services.router.degraded import PickerUnreachable
+from services.router.request_flow import RequestFlow, RequestMeta
+from services.router.validation import ModelUnavailable, RequestKind, RouterRequest, validate_request
+from tests.unit.router.fakes import CATALOG, JSON_BODY, SSE, A, B, FakeAdmission, FakePicker, FakeTicket
+from tests.unit.router.test_not_dispatched import PROMPT, _completions, _Epp, _refusing
+from tests.unit.router.test_pick_many import _until
+
+OTHER_PROMPT = list(range(100, 130))  # 30 tokens: tells the second request apart from the first
+
+
+def _completion(prompt: list[int], stream: bool = False) -> RouterRequest:
+    return validate_request(RequestKind.COMPLETION, {"model": "tiny", "prompt": prompt, "max_tokens": 2, "stream": stream},
+                            CATALOG, 1024)
+
+
+def test_each_router_request_gets_its_own_epp_id_with_the_client_id_in_front() -> None:
+    first, second = RequestMeta("dup", "f", 0), RequestMeta("dup", "f", 0)
+    assert first.request_id == second.request_id == "dup"  # the client's id, kept as sent
+    assert first.epp_request_id != second.epp_request_id
+    assert first.epp_request_id.startswith("dup~") and second.epp_request_id.startswith("dup~")
+    assert replace(first, server_span=True).epp_request_id == first.epp_request_id  # the same request
+    assert len({pick_request_id("x") for _ in range(1000)}) == 1000
+
+
+async def test_two_client_requests_sharing_an_id_are_two_picks_to_epp() -> None:
+    """One runs (its engine silent), the other with the same x-request-id fails on every engine: epp is
+    told NOT_DISPATCHED for the second alone, and the first's 40 tokens stay counted until it ends."""
+    go = asyncio.Event()
+    seen_ids: list[str] = []
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        seen_ids.append(request.headers["x-request-id"])
+        if b'"prompt":[100,' in request.content:  # the second request: refused everywhere
+            raise httpx.ConnectError("connection refused", request=request)
+
+        async def body() -> AsyncIterator[bytes]:
+            await go.wait()
+            yield SSE
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
+
+    async with _Epp(engine, FakeAdmission()) as epp:
+        matched = _completions("matched")
+
+        async def first() -> None:
+            async with epp.flow.session(_completion(PROMPT, stream=True), RequestMeta("dup", "f", 0)) as session:
+                await session.read_all()
+
+        task = asyncio.ensure_future(first())
+        await _until(lambda: sum(epp.active().values()) == len(PROMPT))
+        with pytest.raises(errors.NoEndpointsAvailable):
+            async with epp.flow.session(_completion(OTHER_PROMPT), RequestMeta("dup", "f", 0)):
+                pass
+        await _until(lambda: _completions("matched") == matched + 1)  # the second's NOT_DISPATCHED matched its own pick
+        assert sum(epp.active().values()) == len(PROMPT)  # the first's tokens: still counted
+        assert len(epp.datastore._in_flight) == 1 and epp.pending() == 1
+        go.set()
+        await task
+        await _until(epp.freed)
+        assert _completions("matched") == matched + 2
+        assert set(seen_ids) == {"dup"}  # the engine gets the client's id as sent
+
+
+@dataclass
+class _QueuedTicket(FakeTicket):
+    queue_seconds: float = 2.0  # waited in flow_control: the early pick is dropped, picked again at dispatch
+
+
+@dataclass
+class _QueuingAdmission(FakeAdmission):
+    async def admit(self, request: AdmitQuery) -> _QueuedTicket:
+        await asyncio.sleep(self.delay)
+        return _QueuedTicket()
+
+
+async def test_a_re_pick_of_the_same_router_request_supersedes_its_early_pick() -> None:
+    """The early pick lands (40 tokens counted), admission says the request was queued, the router picks
+    again at dispatch under the same epp id: epp counts one pick, not two."""
+    go = asyncio.Event()
+    posted: list[str] = []
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        posted.append(request.headers["x-request-id"])
+
+        async def body() -> AsyncIterator[bytes]:
+            await go.wait()
+            yield SSE
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
+
+    async with _Epp(engine, _QueuingAdmission(delay=0.3)) as epp:
+        async def client() -> None:
+            async with epp.flow.session(_completion(PROMPT, stream=True), RequestMeta("r-repick", "f", 0)) as session:
+                await session.read_all()
+
+        task = asyncio.ensure_future(client())
+        await _until(lambda: sum(epp.active().values()) == len(PROMPT))  # the early pick
+        await _until(lambda: bool(posted))  # the dispatch's pick came back (the engine has the request)
+        # one pick counted, not two: the dispatch's superseded the early one
+        assert sum(epp.active().values()) == len(PROMPT) and epp.pending() == 1 and len(epp.datastore._in_flight) == 1
+        assert sum(epp.datastore.picks_total(e.id) for e in (A, B)) == 1
+        assert posted == ["r-repick"]
+        go.set()
+        await task
+        await _until(epp.freed)
+
+
+@dataclass
+class _RecordingPicker(FakePicker):
+    """epp as the router sees it: answers (or raises ``fail``, or never answers while ``hang``), and
+    records every completion the router reports."""
+
+    fail: BaseException | None = None
+    hang: bool = False
+    completed: list[RequestCompletion] = field(default_factory=list)
+
+    async def pick(self, query: PickQuery) -> PickReply:
+        if self.hang or self.fail is not None:
+            self.queries.append(query)
+            if self.hang:
+                await asyncio.Event().wait()
+            raise self.fail  # type: ignore[misc]
+        return await super().pick(query)
+
+    def report_completed(self, completion: RequestCompletion) -> None:
+        self.completed.append(completion)
+
+
+def _flow(picker: _RecordingPicker, engine: Callable[[httpx.Request], httpx.Response],
+          failure_mode: str = "open") -> RequestFlow:
+    config = RouterConfig(etcd_endpoints=[], request_timeout_seconds=30, epp_failure_mode=failure_mode)  # type: ignore[arg-type]
+    return RequestFlow(config, lambda: CATALOG, FakeAdmission(), picker,
+                       httpx.AsyncClient(transport=httpx.MockTransport(engine)), endpoints=lambda model: (A, B))
+
+
+def _answering(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(200, headers={"content-type": "application/json"}, content=JSON_BODY)
+
+
+@pytest.mark.parametrize(("fail", "engine", "raised"), [
+    (PickerUnreachable("epp down"), _refusing, errors.NoEndpointsAvailable),  # local pick, engines refuse
+    (PickerUnreachable("epp down"), _answering, None),  # local pick, answered
+    (errors.UnknownModel("epp has no 'tiny' yet"), _refusing, errors.NoEndpointsAvailable),  # local pick
+    (errors.NoEndpointsAvailable("epp: no endpoint"), _answering, errors.NoEndpointsAvailable),  # epp's own error
+], ids=["unreachable-refused", "unreachable-answered", "unknown-model-refused", "epp-error"])
+async def test_no_completion_is_reported_for_a_request_epp_did_not_pick(
+    fail: BaseException, engine: Callable[[httpx.Request], httpx.Response], raised: type[BaseException] | None,
+) -> None:
+    picker = _RecordingPicker(fail=fail)
+    flow = _flow(picker, engine)
+    try:
+        if raised is None:
+            async with flow.session(_completion(PROMPT), RequestMeta("r-local", "f", 0)) as session:
+                await session.read_all()
+        else:
+            with pytest.raises(raised):
+                async with flow.session(_completion(PROMPT), RequestMeta("r-local", "f", 0)):
+                    pass
+    finally:
+        await flow.aclose()
+    assert picker.queries  # epp was asked
+    assert picker.completed == []  # but holds nothing of it: no report (it would count as unmatched)
+
+
+async def test_unknown_model_with_epp_failing_closed_reports_nothing() -> None:
+    picker = _RecordingPicker(fail=errors.UnknownModel("no such model"))
+    flow = _flow(picker, _answering, failure_mode="closed")
+    try:
+        with pytest.raises(ModelUnavailable):
+            async with flow.session(_completion(PROMPT), RequestMeta("r-unknown", "f", 0)):
+                pass
+    finally:
+        await flow.aclose()
+    assert picker.completed == []
+
+
+async def test_a_pick_epp_answered_is_reported_not_dispatched_under_its_epp_id() -> None:
+    picker = _RecordingPicker()
+    flow = _flow(picker, _refusing)
+    meta = RequestMeta("r-epp", "f", 0)
+    try:
+        with pytest.raises(errors.NoEndpointsAvailable):
+            async with flow.session(_completion(PROMPT), meta):
+                pass
+    finally:
+        await flow.aclose()
+    assert {q.request_id for q in picker.queries} == {meta.epp_request_id}
+    assert [(c.request_id, c.outcome) for c in picker.completed] == [(meta.epp_request_id, CompletionOutcome.NOT_DISPATCHED)]
+
+
+async def test_a_pick_abandoned_in_flight_is_reported_not_dispatched() -> None:
+    """The client leaves while epp is picking: epp may have counted the pick, so it is told."""
+    picker = _RecordingPicker(hang=True)
+    flow = _flow(picker, _answering)
+    try:
+        async def client() -> None:
+            async with flow.session(_completion(PROMPT), RequestMeta("r-gone", "f", 0)):
+                pass
+
+        task = asyncio.ensure_future(client())
+        await _until(lambda: len(picker.queries) >= 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        await flow.aclose()
+    assert [c.outcome for c in picker.completed] == [CompletionOutcome.NOT_DISPATCHED]
