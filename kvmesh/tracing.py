@@ -33,7 +33,10 @@ def setup_tracing(service_name: str, otlp_endpoint: str | None) -> TracerProvide
     costs next to nothing then (issue 10: the spans were ~0.1 ms of epp's Pick, helper P's trace,
     ``docs/BENCHMARKS.md``). The standard ``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG``
     environment variables, when set, choose the sampler in both cases (OpenTelemetry SDK
-    configuration; ``parentbased_always_on`` restores recording without an endpoint).
+    configuration; ``parentbased_always_on`` restores recording without an endpoint). The flag
+    sent on steers the next hop's parent-based sampler: a router without an endpoint in front of
+    engines or services that export should get ``parentbased_always_on`` (``docs/tracing.md``,
+    "Mixed deployments").
     """
     sampler: Sampler | None = None  # None: the SDK's own choice (OTEL_TRACES_SAMPLER or parentbased_always_on)
     if not otlp_endpoint and not os.environ.get("OTEL_TRACES_SAMPLER"):
