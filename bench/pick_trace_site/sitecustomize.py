@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import inspect
 import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 _DIR = os.environ.get("KVMESH_PICK_TRACE_DIR")
@@ -38,6 +40,38 @@ def _flusher() -> None:
         if batch:
             with open(path, "a") as out:
                 out.writelines(f"{p}\t{r}\t{t}\n" for p, r, t in batch)
+
+
+def _around(owner: Any, name: str, start: str, end: str, rid: Callable[..., str]) -> None:
+    """Wrap ``owner.<name>`` (a function or coroutine function) to record ``start`` before the call and
+    ``end`` after it returned, for the request id ``rid(*args, **kwargs)`` reads from the call's arguments."""
+    orig = getattr(owner, name)
+    if inspect.iscoroutinefunction(orig):
+        async def wrapped(*args: Any, **kwargs: Any) -> Any:
+            r = rid(*args, **kwargs)
+            _rec(start, r)
+            out = await orig(*args, **kwargs)
+            _rec(end, r)
+            return out
+    else:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            r = rid(*args, **kwargs)
+            _rec(start, r)
+            out = orig(*args, **kwargs)
+            _rec(end, r)
+            return out
+    setattr(owner, name, wrapped)
+
+
+class _Proxy:
+    """Stands for a gRPC call or servicer context (every attribute is the wrapped one's); a subclass
+    overrides the methods it times."""
+
+    def __init__(self, inner: Any) -> None:
+        self._c = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._c, name)
 
 
 def _patch_router_clients(mod: Any) -> None:
@@ -69,13 +103,7 @@ def _patch_router_clients(mod: Any) -> None:
 
     stream_cls._take_batch = take
 
-    class _CallProxy:
-        def __init__(self, call: Any) -> None:
-            self._c = call
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self._c, name)
-
+    class _CallProxy(_Proxy):
         async def write(self, batch: Any) -> None:
             await self._c.write(batch)
             t = _now()
@@ -107,37 +135,14 @@ def _patch_router_clients(mod: Any) -> None:
 
     mod._MuxCall._resolve = resolve
 
-    picker = mod.PickerClient
-    orig_pick = picker.pick
-    orig_on_stream = picker._pick_on_stream
-
-    async def pick(self: Any, query: Any) -> Any:
-        _rec("r.client_pick", query.request_id)
-        reply = await orig_pick(self, query)
-        _rec("r.client_done", query.request_id)
-        return reply
-
-    async def on_stream(self: Any, request: Any, *a: Any) -> Any:
-        _rec("r.request_built", request.request_id)
-        response = await orig_on_stream(self, request, *a)
-        _rec("r.resumed", request.request_id)
-        return response
-
-    picker.pick = pick
-    picker._pick_on_stream = on_stream
+    _around(mod.PickerClient, "pick", "r.client_pick", "r.client_done", lambda self, query: query.request_id)
+    _around(mod.PickerClient, "_pick_on_stream", "r.request_built", "r.resumed",
+            lambda self, request, *a, **kw: request.request_id)
 
 
 def _patch_router_flow(mod: Any) -> None:
-    flow = mod.RequestFlow
-    orig = flow._timed_pick
-
-    async def timed_pick(self: Any, request: Any, meta: Any, tried: Any) -> Any:
-        _rec("r.stage_start", meta.request_id)
-        pick = await orig(self, request, meta, tried)
-        _rec("r.stage_end", meta.request_id)
-        return pick
-
-    flow._timed_pick = timed_pick
+    _around(mod.RequestFlow, "_timed_pick", "r.stage_start", "r.stage_end",
+            lambda self, request, meta, *a, **kw: meta.request_id)
 
 
 def _patch_epp_servicer(mod: Any) -> None:
@@ -179,26 +184,12 @@ def _patch_epp_servicer(mod: Any) -> None:
 
     mod._enter_trace = enter_trace
 
-    orig_r2p = mod.response_to_proto
-
-    def r2p(decision: Any, request: Any = None) -> Any:
-        rid = request.request_id if request is not None else ""
-        _rec("e.response_start", rid)
-        out = orig_r2p(decision, request)
-        _rec("e.response_built", rid)
-        return out
-
-    mod.response_to_proto = r2p
+    _around(mod, "response_to_proto", "e.response_start", "e.response_built",
+            lambda decision, request=None: request.request_id if request is not None else "")
 
     orig_init = session.__init__
 
-    class _CtxProxy:
-        def __init__(self, ctx: Any) -> None:
-            self._c = ctx
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self._c, name)
-
+    class _CtxProxy(_Proxy):
         async def write(self, message: Any) -> None:
             t = _now()
             for r in message.results:
@@ -215,35 +206,15 @@ def _patch_epp_servicer(mod: Any) -> None:
 
 
 def _patch_epp_scheduler(mod: Any) -> None:
-    sched = mod.Scheduler
-    orig_pick = sched.pick
-
-    async def pick(self: Any, request: Any) -> Any:
-        _rec("e.decide_start", request.request_id)
-        decision = await orig_pick(self, request)
-        _rec("e.decide_end", request.request_id)
-        return decision
-
-    sched.pick = pick
+    _around(mod.Scheduler, "pick", "e.decide_start", "e.decide_end", lambda self, request: request.request_id)
 
     from services.epp.framework import profile as profile_mod
 
-    prof = profile_mod.SchedulerProfile
-    orig_prepare, orig_run = prof.prepare, prof.run
+    def rid(self: Any, state: Any, request: Any, *a: Any, **kw: Any) -> str:
+        return str(request.request_id)
 
-    async def prepare(self: Any, state: Any, request: Any, *a: Any, **kw: Any) -> Any:
-        _rec("e.prepare_start", request.request_id)
-        out = await orig_prepare(self, state, request, *a, **kw)
-        _rec("e.prepare_end", request.request_id)
-        return out
-
-    def run(self: Any, state: Any, request: Any, *a: Any, **kw: Any) -> Any:
-        _rec("e.run_start", request.request_id)
-        out = orig_run(self, state, request, *a, **kw)
-        _rec("e.run_end", request.request_id)
-        return out
-
-    prof.prepare, prof.run = prepare, run
+    _around(profile_mod.SchedulerProfile, "prepare", "e.prepare_start", "e.prepare_end", rid)
+    _around(profile_mod.SchedulerProfile, "run", "e.run_start", "e.run_end", rid)
 
 
 _PATCHES = {

@@ -17,12 +17,13 @@ A = Endpoint(id=EndpointId("127.0.0.1:1"), url="http://127.0.0.1:1", model="m")
 B = Endpoint(id=EndpointId("127.0.0.1:2"), url="http://127.0.0.1:2", model="m")
 
 
-def _store() -> tuple[ManualClock, Datastore]:
+def _store(running: int = 0) -> tuple[ManualClock, Datastore]:
+    """A and B, each scraped once: ``running`` requests running, 10 finished (block size 64)."""
     clock = ManualClock()
     ds = Datastore(clock)
     ds.set_endpoints({A.id: A, B.id: B})
     for e in (A, B):
-        ds.record_scrape(e.id, ScrapeSample(0, 0, 0.0, 64, 10, 10))
+        ds.record_scrape(e.id, ScrapeSample(0, running, 0.0, 64, 10, 10))
     return clock, ds
 
 

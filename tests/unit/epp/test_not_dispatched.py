@@ -1,36 +1,21 @@
 """Picks the router received but never dispatched (``COMPLETION_OUTCOME_NOT_DISPATCHED``): epp drops that
 pick's load (active prompt tokens, pending and unprefilled counts, ``picks_total``) without touching any
 engine's running count or the picks before it; a re-pick of the same request supersedes its earlier
-pick the same way. The wire's translation, an older epp's reading of the new value included."""
+pick the same way. The wire's translation, an older epp's reading of the new value included.
+
+The datastore is ``test_completions``'s (A and B), each engine with one request of its own running."""
 
 from __future__ import annotations
 
 from kvmesh._proto.kvmesh.epp.v1 import epp_pb2
-from kvmesh.clock import ManualClock
-from kvmesh.types import CompletionOutcome, Endpoint, EndpointId, RequestCompletion
+from kvmesh.types import CompletionOutcome, RequestCompletion
 from kvmesh.wire import completion_from_proto, completion_to_proto
-from services.epp.datastore import Datastore, ScrapeSample
-from services.epp.framework.interfaces import EndpointMetrics
-
-A = Endpoint(id=EndpointId("127.0.0.1:1"), url="http://127.0.0.1:1", model="m")
-B = Endpoint(id=EndpointId("127.0.0.1:2"), url="http://127.0.0.1:2", model="m")
-
-
-def _store() -> tuple[ManualClock, Datastore]:
-    clock = ManualClock()
-    ds = Datastore(clock)
-    ds.set_endpoints({A.id: A, B.id: B})
-    for e in (A, B):
-        ds.record_scrape(e.id, ScrapeSample(0, 1, 0.0, 64, 10, 10))  # one request of its own running
-    return clock, ds
-
-
-def _m(ds: Datastore, endpoint: Endpoint) -> EndpointMetrics:
-    return next(c.metrics for c in ds.candidates("m") if c.id == endpoint.id)
+from services.epp.datastore import ScrapeSample
+from tests.unit.epp.test_completions import A, B, _m, _store
 
 
 def test_not_dispatched_frees_only_that_pick_and_leaves_running_alone() -> None:
-    _, ds = _store()
+    _, ds = _store(running=1)
     for rid, tokens in (("r1", 100), ("r2", 200), ("r3", 300)):
         ds.note_pick(A.id, tokens, rid, prompt_tokens=tokens)
     m = _m(ds, A)
@@ -50,7 +35,7 @@ def test_not_dispatched_frees_only_that_pick_and_leaves_running_alone() -> None:
 
 
 def test_not_dispatched_of_an_unknown_or_unpicked_request_changes_nothing() -> None:
-    _, ds = _store()
+    _, ds = _store(running=1)
     ds.note_pick(A.id, 100, "r1", prompt_tokens=100)
     before = _m(ds, A)
     assert not ds.note_completed("never-picked", A.id, dispatched=False)
@@ -60,7 +45,7 @@ def test_not_dispatched_of_an_unknown_or_unpicked_request_changes_nothing() -> N
 def test_a_re_pick_supersedes_the_earlier_pick_of_the_request() -> None:
     """The router picked the request early, it then queued in flow_control and was picked again at dispatch
     (same endpoint or another), or it was re-picked after a failed attempt: only the latest pick counts."""
-    _, ds = _store()
+    _, ds = _store(running=1)
     ds.note_pick(A.id, 100, "q1", prompt_tokens=100)
     ds.note_pick(A.id, 100, "q1", prompt_tokens=100)  # the same endpoint again
     m = _m(ds, A)
@@ -76,7 +61,7 @@ def test_a_re_pick_supersedes_the_earlier_pick_of_the_request() -> None:
 def test_phantom_picks_no_longer_crowd_out_real_active_entries() -> None:
     """The reviewer's case: an older real request holds KV while a burst of newer picks is refused by
     admission; with the refusals reported the cap ``ceil(running + waiting) + pending`` keeps the real one."""
-    _, ds = _store()
+    _, ds = _store(running=1)
     ds.note_pick(A.id, 1000, "real", prompt_tokens=1000)
     ds.record_scrape(A.id, ScrapeSample(0, 1, 0.0, 64, 10, 11))  # the engine runs it
     for i in range(5):

@@ -11,30 +11,22 @@ is annotated and ended only once the writer has sent the result.
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Sequence
 
-import grpc
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from kvmesh._proto.kvmesh.epp.v1 import epp_pb2_grpc
-from kvmesh.clock import ManualClock
-from kvmesh.interceptors import server_interceptors
 from kvmesh.types import Endpoint, EndpointId
 from services.epp import servicer as servicer_module
-from services.epp.datastore import Datastore, ScrapeSample
-from services.epp.framework.interfaces import PluginHandle, PrefixMatch
-from services.epp.framework.loader import build_profile, resolve_scheduling_config
-from services.epp.plugins import default_registry
-from services.epp.plugins.filters.live_endpoint import LiveEndpointFilter
-from services.epp.scheduler import Scheduler
+from services.epp.framework.interfaces import PrefixMatch
 from services.epp.servicer import EndpointPickerServicer
-from services.router.clients import PickerClient, PickQuery
+from services.router.clients import PickQuery
+from tests.unit.epp._support import real_scheduler
+from tests.unit.router.test_pick_many import _client, _serve
 
 ENDPOINTS = [Endpoint(id=EndpointId(f"127.0.0.1:{9100 + i}"), url=f"http://127.0.0.1:{9100 + i}", model="m")
              for i in range(3)]
@@ -64,20 +56,9 @@ def exporter(monkeypatch: pytest.MonkeyPatch) -> tuple[InMemorySpanExporter, tra
 async def test_the_pick_span_is_the_picks_although_it_ends_after_the_write(
         exporter: tuple[InMemorySpanExporter, trace.Tracer]) -> None:
     spans, tracer = exporter
-    datastore = Datastore(ManualClock())
-    source, data = resolve_scheduling_config("precise-prefix")
-    profile = build_profile(data, default_registry(), PluginHandle(rng=random.Random(0), prefix_index=_Index(tracer)),
-                            source)
-    datastore.set_endpoints({e.id: e for e in ENDPOINTS})
-    for e in ENDPOINTS:
-        datastore.record_scrape(e.id, ScrapeSample(0, 0, 0.0))
-    server = grpc.aio.server(interceptors=server_interceptors())
-    epp_pb2_grpc.add_EndpointPickerServicer_to_server(
-        EndpointPickerServicer(Scheduler(datastore, profile, LiveEndpointFilter("live"))), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    client = PickerClient(f"127.0.0.1:{port}", timeout_seconds=5.0)
-    await client.connect()
+    scheduler, _ = real_scheduler(ENDPOINTS, _Index(tracer))
+    server, port = await _serve(EndpointPickerServicer(scheduler))
+    client = await _client(port)
     router_span = TracerProvider().get_tracer("router").start_span("router.request")
     try:
         with trace.use_span(router_span, end_on_exit=True):

@@ -14,33 +14,24 @@ incarnation published them.
 
 The publishers are the simulator's ``ZmqEventPublisher`` (vLLM 0.32's PUB wire and replay ROUTER,
 ``vllm/distributed/kv_events.py``), the replay client the real ``ZmqReplayer``, the membership path
-:class:`BlockIndexer` (what the etcd watch calls); the test decides which live messages reach the pool.
+:class:`BlockIndexer` (what the etcd watch calls); the test decides which live messages reach the pool
+(the engine: ``_support.py``; the ``rigs`` fixture: ``conftest.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
-import itertools
-import time
-from collections.abc import AsyncIterator
 
 import pytest
-import zmq
 from prometheus_client import REGISTRY
 
-from engine_simulator.publisher import ZmqEventPublisher
-from kvmesh.kv_events import BlockStored, EventBatch, encode_batch, make_topic
 from kvmesh.types import Endpoint, EndpointId
-from kvmesh_cli.launcher import free_port
-from services.kv_indexer.events.pool import EndpointState, EventPool, RawMessage
+from services.kv_indexer.events.pool import EndpointState, EventPool
 from services.kv_indexer.index import InMemoryIndex
 from services.kv_indexer.indexer import BlockIndexer
 from tests.support import wait_until_async
+from tests.unit.kv_indexer._support import A, Engine, held
 from tests.unit.kv_indexer.test_recovery_holes import LossyDuringReplay
-
-A = EndpointId("127.0.0.1:9001")
-_TS = itertools.count(1_700_000_000)
 
 
 def metric(name: str, **labels: str) -> float:
@@ -60,50 +51,14 @@ def probes(result: str) -> float:
     return metric("kvmesh_kv_indexer_tail_probes_total", result=result)
 
 
-class Publisher:
-    """One process of endpoint A: a PUB socket and (unless ``replay=""``) a replay ROUTER at ``replay``,
-    registered with ``instance_id``; seq ``s`` stores the block the test names."""
-
-    def __init__(self, pool: EventPool, instance_id: str, replay: str | None = None) -> None:
-        self.pool = pool
-        self.instance_id = instance_id
-        self.replay = f"tcp://127.0.0.1:{free_port()}" if replay is None else replay
-        deadline = time.monotonic() + 10.0
-        while True:  # a restart rebinds its replay address once the old socket's thread freed it
-            try:
-                self.publisher = ZmqEventPublisher(f"tcp://127.0.0.1:{free_port()}", make_topic(A, "m"),
-                                                   replay_endpoint=self.replay)
-                break
-            except zmq.ZMQError as exc:
-                if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        self.sent: dict[int, bytes] = {}
-
-    @property
-    def endpoint(self) -> Endpoint:
-        return Endpoint(id=A, url=f"http://{A}", model="m", block_size_tokens=4, instance_id=self.instance_id,
-                        replay_endpoint=self.replay)
-
-    def publish(self, *hashes: int) -> list[int]:
-        seqs = []
-        for h in hashes:
-            seq = self.publisher.next_seq
-            stored = BlockStored(block_hashes=[h], parent_block_hash=None, token_ids=list(range(4 * h, 4 * h + 4)),
-                                 block_size=4)
-            self.sent[seq] = encode_batch(EventBatch(ts=float(next(_TS)), events=[stored], data_parallel_rank=0))
-            self.publisher.publish_payload(self.sent[seq])
-            seqs.append(seq)
-        return seqs
-
-    def deliver(self, *seqs: int) -> None:
-        for seq in seqs:
-            self.pool.submit(RawMessage(A, "m", seq, self.sent[seq]))
+class Publisher(Engine):
+    """One process of endpoint A (``_support.Engine``): a PUB socket and (unless ``replay=""``) a replay
+    ROUTER at ``replay``, registered with ``instance_id``; seq ``s`` stores the block the test names."""
 
     def restart(self, instance_id: str) -> Publisher:
         """The process stops; a new one starts on the same addresses (seq from 0 again)."""
         self.publisher.shutdown()
-        return Publisher(self.pool, instance_id, self.replay)
+        return Publisher(self.pool, self.replay, instance_id)
 
 
 class NoFeed:
@@ -125,7 +80,7 @@ class Rig:
         self.replay = replay
 
     def start(self, instance_id: str = "boot-1", join: bool = True) -> Publisher:
-        publisher = Publisher(self.pool, instance_id, None if self.replay else "")
+        publisher = Publisher(self.pool, None if self.replay else "", instance_id)
         self.publishers.append(publisher)
         if join:
             self.join(publisher)
@@ -143,24 +98,16 @@ class Rig:
         self.indexer.on_membership({}, {A: self.index.registered()[A]})
 
     def held(self) -> set[int]:
-        return {int(h) for h in self.index.held_blocks(A)}
+        return held(self.index)
 
     def dropped(self, reason: str) -> int:
         return self.pool.stats.dropped[reason]
 
     async def close(self) -> None:
         for publisher in self.publishers:
-            publisher.publisher.shutdown()
+            publisher.shutdown()
         await self.pool.shutdown()
         self.replayer.close()
-
-
-@pytest.fixture
-async def rigs() -> AsyncIterator[list[Rig]]:
-    made: list[Rig] = []
-    yield made
-    for rig in made:
-        await rig.close()
 
 
 def make(rigs: list[Rig], replay: bool = True, **pool_args: float) -> Rig:

@@ -8,29 +8,24 @@ its ``ts`` was no newer than the last batch applied: one well-formed batch stamp
 every later batch of the engine a "duplicate", dropped at DEBUG level, for good.
 
 The publisher is the simulator's ``ZmqEventPublisher`` (vLLM 0.32's wire and replay ROUTER
-protocol), the client the real ``ZmqReplayer``; the test decides which live messages reach the pool.
+protocol), the client the real ``ZmqReplayer``; the test decides which live messages reach the pool
+(the shared set-up: ``_support.py``, ``conftest.py``).
 """
 
 from __future__ import annotations
 
-import errno
 import logging
-import time
-from collections.abc import AsyncIterator
 
 import pytest
-import zmq
 from prometheus_client import REGISTRY
 
-from engine_simulator.publisher import ZmqEventPublisher
-from kvmesh.kv_events import BlockRemoved, BlockStored, EventBatch, KVEvent, encode_batch, make_topic
-from kvmesh.types import Endpoint, EndpointId
-from kvmesh_cli.launcher import free_port
+from kvmesh.kv_events import BlockRemoved, BlockStored, EventBatch, KVEvent, encode_batch
 from services.kv_indexer.events.pool import EndpointState, EventPool, RawMessage
 from services.kv_indexer.events.replay import ZmqReplayer
 from services.kv_indexer.index import InMemoryIndex
+from tests.unit.kv_indexer import _support as support
+from tests.unit.kv_indexer._support import A, bind_publisher, held, open_rig
 
-A = EndpointId("127.0.0.1:9001")
 NOW = 1_764_540_000.0  # the engine's wall clock at its first batch (2025-11-30)
 FAR_FUTURE = 1e15  # a well-formed, finite ts some 31 million years ahead
 DUPLICATE_LOG = "dropping duplicate kv event message"
@@ -49,44 +44,20 @@ def stored(h: int, parent: int | None = None) -> BlockStored:
     return BlockStored(block_hashes=[h], parent_block_hash=parent, token_ids=list(range(4 * h, 4 * h + 4)), block_size=4)
 
 
-class Engine:
+class Engine(support.Engine):
     """A vLLM-style publisher (PUB, and a replay ROUTER unless ``replay=False``) whose batches carry
     the ``ts`` the test gives; its live messages reach the pool when the test delivers them."""
 
-    def __init__(self, pool: EventPool, replay: bool = True, replay_at: str = "") -> None:
-        self.replay = replay_at or (f"tcp://127.0.0.1:{free_port()}" if replay else "")
-        self.publisher = ZmqEventPublisher(f"tcp://127.0.0.1:{free_port()}", make_topic(A, "m"),
-                                           replay_endpoint=self.replay)
-        self.pool = pool
-        self.sent: dict[int, bytes] = {}
+    def __init__(self, pool: EventPool, replay: bool = True) -> None:
+        super().__init__(pool, None if replay else "")
 
-    @property
-    def endpoint(self) -> Endpoint:
-        return Endpoint(id=A, url=f"http://{A}", model="m", block_size_tokens=4, replay_endpoint=self.replay)
-
-    def publish(self, ts: float, *events: KVEvent) -> int:
-        seq = self.publisher.next_seq
-        self.sent[seq] = encode_batch(EventBatch(ts=ts, events=list(events), data_parallel_rank=0))
-        self.publisher.publish_payload(self.sent[seq])
-        return seq
-
-    def deliver(self, *seqs: int) -> None:
-        for seq in seqs:
-            self.pool.submit(RawMessage(A, "m", seq, self.sent[seq]))
+    def publish(self, ts: float, *events: KVEvent) -> int:  # type: ignore[override]
+        return self.send(encode_batch(EventBatch(ts=ts, events=list(events), data_parallel_rank=0)))
 
     def restart(self) -> None:
         """A new publisher process on the same addresses: seq counts from 0 again."""
         self.publisher.shutdown()
-        deadline = time.monotonic() + 10.0
-        while True:  # the old replay ROUTER's port is freed by its own thread: rebind once it is
-            try:
-                self.publisher = ZmqEventPublisher(f"tcp://127.0.0.1:{free_port()}", make_topic(A, "m"),
-                                                   replay_endpoint=self.replay)
-                break
-            except zmq.ZMQError as exc:
-                if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        self.publisher = bind_publisher(self.replay)
         self.sent = {}
 
 
@@ -95,33 +66,11 @@ def forge(pool: EventPool, seq: int, ts: float, *events: KVEvent) -> None:
     pool.submit(RawMessage(A, "m", seq, encode_batch(EventBatch(ts=ts, events=list(events), data_parallel_rank=0))))
 
 
-Rig = tuple[InMemoryIndex, EventPool, Engine, ZmqReplayer]
-
-
-@pytest.fixture
-async def rigs() -> AsyncIterator[list[Rig]]:
-    made: list[Rig] = []
-    yield made
-    for _, pool, engine, replayer in made:
-        engine.publisher.shutdown()
-        await pool.shutdown()
-        replayer.close()
+Rig = support.Rig[Engine, ZmqReplayer]
 
 
 def rig(made: list[Rig], replay: bool = True) -> Rig:
-    index = InMemoryIndex()
-    replayer = ZmqReplayer()
-    pool = EventPool(index, workers=1, replayer=replayer, replay_timeout_seconds=5)
-    engine = Engine(pool, replay)
-    index.register_endpoint(engine.endpoint)
-    pool.endpoint_joined(engine.endpoint)
-    pool.start()
-    made.append((index, pool, engine, replayer))
-    return index, pool, engine, replayer
-
-
-def held(index: InMemoryIndex) -> set[int]:
-    return {int(h) for h in index.held_blocks(A)}
+    return open_rig(made, InMemoryIndex(), ZmqReplayer(), lambda pool: Engine(pool, replay))
 
 
 def duplicates(pool: EventPool) -> int:

@@ -11,30 +11,29 @@
   held for endpoints that never registered.
 
 The publisher is the simulator's ``ZmqEventPublisher`` (vLLM 0.32's wire and replay ROUTER), the
-client the real ``ZmqReplayer``.
+client the real ``ZmqReplayer`` (the engine and the ``rigs`` set-up: ``_support.py``, ``conftest.py``).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 
 import pytest
 from prometheus_client import REGISTRY
 
-from engine_simulator.publisher import ZmqEventPublisher
-from kvmesh.kv_events import BlockStored, EventBatch, encode_batch, make_topic
+from kvmesh.kv_events import BlockStored, EventBatch, encode_batch
 from kvmesh.logging import RateLimitedLog
 from kvmesh.types import Endpoint, EndpointId
-from kvmesh_cli.launcher import free_port
 from services.kv_indexer.events.pool import EndpointState, EventPool, RawMessage
 from services.kv_indexer.events.replay import ZmqReplayer
 from services.kv_indexer.index import InMemoryIndex
 from services.kv_indexer.index.base import ApplyOutcome, IndexEvent
 from tests.support import wait_until_async
+from tests.unit.kv_indexer import _support as support
+from tests.unit.kv_indexer._support import A, Engine, held, open_rig
 
-A = EndpointId("127.0.0.1:9001")
 BAD = 666
 _TS = itertools.count(1_700_000_000)
 
@@ -61,61 +60,11 @@ class WrongShapeReplayer(ZmqReplayer):
         return [(str(seq), payload) for seq, payload in answer]  # type: ignore[misc]
 
 
-class Engine:
-    def __init__(self, pool: EventPool) -> None:
-        self.replay = f"tcp://127.0.0.1:{free_port()}"
-        self.publisher = ZmqEventPublisher(f"tcp://127.0.0.1:{free_port()}", make_topic(A, "m"),
-                                           replay_endpoint=self.replay)
-        self.pool = pool
-        self.sent: dict[int, bytes] = {}
-
-    @property
-    def endpoint(self) -> Endpoint:
-        return Endpoint(id=A, url=f"http://{A}", model="m", block_size_tokens=4, replay_endpoint=self.replay)
-
-    def publish(self, *hashes: int) -> list[int]:
-        seqs = []
-        for h in hashes:
-            seq = self.publisher.next_seq
-            stored = BlockStored(block_hashes=[h], parent_block_hash=None, token_ids=list(range(4 * h, 4 * h + 4)),
-                                 block_size=4)
-            self.sent[seq] = encode_batch(EventBatch(ts=float(next(_TS)), events=[stored], data_parallel_rank=0))
-            self.publisher.publish_payload(self.sent[seq])
-            seqs.append(seq)
-        return seqs
-
-    def deliver(self, *seqs: int) -> None:
-        for seq in seqs:
-            self.pool.submit(RawMessage(A, "m", seq, self.sent[seq]))
-
-
-Rig = tuple[InMemoryIndex, EventPool, Engine, ZmqReplayer]
-
-
-@pytest.fixture
-async def rigs() -> AsyncIterator[list[Rig]]:
-    made: list[Rig] = []
-    yield made
-    for _, pool, engine, replayer in made:
-        engine.publisher.shutdown()
-        await pool.shutdown()
-        replayer.close()
+Rig = support.Rig[Engine, ZmqReplayer]
 
 
 def rig(made: list[Rig], replayer: ZmqReplayer | None = None, **pool_args: float) -> Rig:
-    index = FlakyIndex()
-    replayer = replayer or ZmqReplayer()
-    pool = EventPool(index, workers=1, replayer=replayer, replay_timeout_seconds=5, **pool_args)  # type: ignore[arg-type]
-    engine = Engine(pool)
-    index.register_endpoint(engine.endpoint)
-    pool.endpoint_joined(engine.endpoint)
-    pool.start()
-    made.append((index, pool, engine, replayer))
-    return index, pool, engine, replayer
-
-
-def held(index: InMemoryIndex) -> set[int]:
-    return {int(h) for h in index.held_blocks(A)}
+    return open_rig(made, FlakyIndex(), replayer or ZmqReplayer(), Engine, **pool_args)
 
 
 async def test_an_index_error_on_a_replayed_batch_heals_and_the_endpoint_stays_live(rigs: list[Rig]) -> None:

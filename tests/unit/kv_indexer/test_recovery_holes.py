@@ -17,19 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 
-from engine_simulator.publisher import ZmqEventPublisher
-from kvmesh.kv_events import BlockStored, EventBatch, encode_batch, make_topic
-from kvmesh.types import Endpoint, EndpointId
-from kvmesh_cli.launcher import free_port
-from services.kv_indexer.events.pool import EndpointState, EventPool, RawMessage
+from kvmesh.kv_events import BlockStored, EventBatch, encode_batch
+from kvmesh.types import Endpoint
+from services.kv_indexer.events.pool import EndpointState, EventPool
 from services.kv_indexer.events.replay import ZmqReplayer
 from services.kv_indexer.index import InMemoryIndex
+from tests.unit.kv_indexer import _support as support
+from tests.unit.kv_indexer._support import A, held, open_rig
 
-A = EndpointId("127.0.0.1:9001")
 _TS = itertools.count(1_700_000_000)
 
 
@@ -40,34 +39,15 @@ def block(h: int) -> bytes:
     return encode_batch(EventBatch(ts=float(next(_TS)), events=[stored], data_parallel_rank=0))
 
 
-class Engine:
+class Engine(support.Engine):
     """A publisher whose seq ``s`` stores block ``s + 1``; the pool is fed by hand (:meth:`deliver`)."""
 
     def __init__(self, pool: EventPool, buffer_steps: int = 10_000) -> None:
-        self.replay = f"tcp://127.0.0.1:{free_port()}"
-        self.publisher = ZmqEventPublisher(f"tcp://127.0.0.1:{free_port()}", make_topic(A, "m"),
-                                           replay_endpoint=self.replay, buffer_steps=buffer_steps)
-        self.pool = pool
-        self.sent: dict[int, bytes] = {}
+        super().__init__(pool, buffer_steps=buffer_steps)
 
-    @property
-    def endpoint(self) -> Endpoint:
-        return Endpoint(id=A, url=f"http://{A}", model="m", block_size_tokens=4, replay_endpoint=self.replay)
-
-    def publish(self, n: int) -> list[int]:
+    def publish(self, n: int) -> list[int]:  # type: ignore[override]
         """Publish ``n`` more messages (buffered for replay); returns their seqs."""
-        seqs = []
-        for _ in range(n):
-            seq = self.publisher.next_seq
-            self.sent[seq] = block(seq + 1)
-            self.publisher.publish_payload(self.sent[seq])
-            seqs.append(seq)
-        return seqs
-
-    def deliver(self, *seqs: int) -> None:
-        """These seqs reach the pool live (the others were lost on the PUB socket)."""
-        for seq in seqs:
-            self.pool.submit(RawMessage(A, "m", seq, self.sent[seq]))
+        return [self.send(block(self.publisher.next_seq + 1)) for _ in range(n)]
 
     async def arrive(self, *seqs: int) -> None:
         """:meth:`deliver`, and return once the pool's worker took them (a recovering stream buffers them)."""
@@ -79,9 +59,6 @@ class Engine:
                 return
             await asyncio.sleep(0)
         raise AssertionError(f"the pool did not take seqs {seqs}")
-
-    def shutdown(self) -> None:
-        self.publisher.shutdown()
 
 
 Step = Callable[[], Awaitable[None]]
@@ -105,25 +82,12 @@ class LossyDuringReplay(ZmqReplayer):
         return answer
 
 
-Setup = tuple[InMemoryIndex, EventPool, Engine, LossyDuringReplay]
+Setup = support.Rig[Engine, LossyDuringReplay]
 
 
 @pytest.fixture
-async def setup() -> AsyncIterator[Setup]:
-    index = InMemoryIndex()
-    replayer = LossyDuringReplay()
-    pool = EventPool(index, workers=1, replayer=replayer, replay_timeout_seconds=5)
-    engine = Engine(pool)
-    index.register_endpoint(engine.endpoint)
-    pool.endpoint_joined(engine.endpoint)
-    pool.start()
-    yield index, pool, engine, replayer
-    engine.shutdown()
-    await pool.shutdown()
-
-
-def held(index: InMemoryIndex) -> set[int]:
-    return {int(h) for h in index.held_blocks(A)}
+async def setup(rigs: list[Setup]) -> Setup:
+    return open_rig(rigs, InMemoryIndex(), LossyDuringReplay(), Engine)
 
 
 async def test_a_live_message_lost_while_the_gap_was_replayed_is_asked_for_again(setup: Setup) -> None:
@@ -177,31 +141,22 @@ async def test_a_first_batch_recovery_with_a_hole_after_its_start_asks_again(set
     assert pool.state(A) is EndpointState.LIVE and held(index) == set(range(1, 9))
 
 
-async def test_a_hole_the_publisher_can_no_longer_serve_is_a_loss() -> None:
+async def test_a_hole_the_publisher_can_no_longer_serve_is_a_loss(rigs: list[Setup]) -> None:
     """The boundary of the kind: when the missing messages left the publisher's buffer (vLLM's
     ``buffer_steps`` rolled past them), asking again cannot help: a loss. Healed: the entries that
     predate the hole are forgotten (they may be stale), what follows it is applied, the stream is live."""
-    index = InMemoryIndex()
-    replayer = LossyDuringReplay()
-    pool = EventPool(index, workers=1, replayer=replayer, replay_timeout_seconds=5)
-    engine = Engine(pool, buffer_steps=3)
-    index.register_endpoint(engine.endpoint)
-    pool.endpoint_joined(engine.endpoint)
-    pool.start()
-    try:
-        engine.publish(3)
-        engine.deliver(0, 2)
+    index, pool, engine, replayer = open_rig(rigs, InMemoryIndex(), LossyDuringReplay(),
+                                             lambda pool: Engine(pool, buffer_steps=3))
+    engine.publish(3)
+    engine.deliver(0, 2)
 
-        async def meanwhile() -> None:
-            engine.publish(5)  # seq 3-7; the buffer keeps 5-7 only
-            await engine.arrive(7)  # 3-6 lost, 3 and 4 for good
+    async def meanwhile() -> None:
+        engine.publish(5)  # seq 3-7; the buffer keeps 5-7 only
+        await engine.arrive(7)  # 3-6 lost, 3 and 4 for good
 
-        replayer.during = iter([meanwhile])
-        await pool.drained()
-        assert replayer.requests == [1, 3]  # asked again once, answered from 5 on: 3-4 are gone
-        assert pool.state(A) is EndpointState.LIVE and pool.stats.per_endpoint[A].losses == 1
-        assert held(index) == {6, 7, 8}  # 1-3 forgotten at the hole; 6-8 (seq 5-7) applied after it
-        assert index.score("m", list(range(4, 36))).scores == []  # nothing stale: 6 chains on the lost 5
-    finally:
-        engine.shutdown()
-        await pool.shutdown()
+    replayer.during = iter([meanwhile])
+    await pool.drained()
+    assert replayer.requests == [1, 3]  # asked again once, answered from 5 on: 3-4 are gone
+    assert pool.state(A) is EndpointState.LIVE and pool.stats.per_endpoint[A].losses == 1
+    assert held(index) == {6, 7, 8}  # 1-3 forgotten at the hole; 6-8 (seq 5-7) applied after it
+    assert index.score("m", list(range(4, 36))).scores == []  # nothing stale: 6 chains on the lost 5

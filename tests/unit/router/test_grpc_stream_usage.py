@@ -12,7 +12,6 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import grpc
 import httpx
 import pytest
 
@@ -24,10 +23,10 @@ from engine_simulator.server import EngineHttpApi, ServerState
 from kvmesh._proto.kvmesh.common.v1 import common_pb2
 from kvmesh._proto.kvmesh.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.clock import ScaledClock
-from kvmesh.interceptors import server_interceptors
 from services.router.config import RouterConfig
 from services.router.request_flow import RequestFlow
-from services.router.servicer import InferenceServicer, openai_body
+from services.router.servicer import openai_body
+from tests.unit.router._support import inference_stub
 from tests.unit.router.fakes import CATALOG, MODEL, FakeAdmission, FakePicker
 
 IDS = list(range(1, 131))  # 130 token ids: two whole 64-token blocks, so a repeat hits the prefix cache
@@ -59,15 +58,10 @@ async def router(sim: EngineSimulator) -> AsyncIterator[Router]:
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), event_hooks={"request": [seen]})
     config = RouterConfig(etcd_endpoints=[], request_timeout_seconds=30)
     flow = RequestFlow(config, lambda: CATALOG, FakeAdmission(), FakePicker(), http)
-    server = grpc.aio.server(interceptors=server_interceptors())
-    router_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(config, flow, lambda: CATALOG), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield Router(router_pb2_grpc.InferenceStub(channel), bodies)
+        async with inference_stub(config, flow) as stub:
+            yield Router(stub, bodies)
     finally:
-        await server.stop(0)
         await flow.aclose()
         await http.aclose()
         await engine.stop()
@@ -120,16 +114,10 @@ async def test_an_engine_without_the_usage_chunk_still_ends_with_finish_and_a_co
         lambda r: httpx.Response(200, headers={"content-type": "text/event-stream"}, content=sse)))
     config = RouterConfig(etcd_endpoints=[], request_timeout_seconds=30)
     flow = RequestFlow(config, lambda: CATALOG, FakeAdmission(), FakePicker(), http)
-    server = grpc.aio.server(interceptors=server_interceptors())
-    router_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(config, flow, lambda: CATALOG), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = router_pb2_grpc.InferenceStub(channel)
+        async with inference_stub(config, flow) as stub:
             chunks = [c async for c in stub.CompleteStream(REQUESTS["text"], timeout=10)]
     finally:
-        await server.stop(0)
         await flow.aclose()
     assert [(c.text, c.finish_reason) for c in chunks] == [("he", ""), ("llo", "length")]
     assert chunks[-1].usage.completion_tokens == 2 and not chunks[0].HasField("usage")

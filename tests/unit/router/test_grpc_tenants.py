@@ -19,12 +19,12 @@ import pytest
 from kvmesh import errors
 from kvmesh._proto.kvmesh.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.channels import ERROR_CLASS_TRAILER
-from kvmesh.interceptors import server_interceptors
 from services.router.clients import AdmitQuery
 from services.router.config import RouterConfig
 from services.router.request_flow import RequestFlow
-from services.router.servicer import InferenceServicer, metadata_headers
+from services.router.servicer import metadata_headers
 from services.router.tenants import TenantSpec
+from tests.unit.router._support import inference_stub
 from tests.unit.router.fakes import CATALOG, JSON_BODY, MODEL, SSE, FakeAdmission, FakePicker, FakeTicket
 
 KEY_A = "sk-tenant-a-0001"
@@ -63,15 +63,8 @@ class Router:
 @asynccontextmanager
 async def _serve(config: RouterConfig, admission: RecordingAdmission) -> AsyncIterator[Router]:
     flow = RequestFlow(config, lambda: CATALOG, admission, FakePicker(), httpx.AsyncClient(transport=httpx.MockTransport(_engine)))
-    server = grpc.aio.server(interceptors=server_interceptors())
-    router_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(config, flow, lambda: CATALOG), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield Router(router_pb2_grpc.InferenceStub(channel), admission)
-    finally:
-        await server.stop(0)
+    async with inference_stub(config, flow) as stub:
+        yield Router(stub, admission)
 
 
 @pytest.fixture

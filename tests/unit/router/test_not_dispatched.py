@@ -7,7 +7,6 @@ server (loopback); engines are ``httpx.MockTransport`` answers."""
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import AsyncIterator, Callable
 
 import httpx
@@ -15,17 +14,12 @@ import pytest
 from prometheus_client import REGISTRY
 
 from kvmesh import errors
-from kvmesh.clock import ManualClock
-from services.epp.datastore import Datastore, ScrapeSample
-from services.epp.framework.interfaces import PluginHandle
-from services.epp.framework.loader import build_profile, resolve_scheduling_config
-from services.epp.plugins import default_registry
-from services.epp.plugins.filters.live_endpoint import LiveEndpointFilter
-from services.epp.scheduler import Scheduler
+from services.epp.datastore import ScrapeSample
 from services.epp.servicer import EndpointPickerServicer
 from services.router.config import RouterConfig
 from services.router.request_flow import RequestFlow, RequestMeta
 from services.router.validation import RequestKind, RouterRequest, validate_request
+from tests.unit.epp._support import real_scheduler
 from tests.unit.router.fakes import CATALOG, SSE, A, B, FakeAdmission
 from tests.unit.router.test_pick_many import _client, _Index, _serve, _until
 
@@ -42,14 +36,7 @@ class _Epp:
     ``RequestFlow`` whose picker is the real ``PickerClient`` to it."""
 
     def __init__(self, engine: Callable[[httpx.Request], httpx.Response], admission: FakeAdmission) -> None:
-        self.datastore = Datastore(ManualClock())
-        source, data = resolve_scheduling_config("precise-prefix")
-        profile = build_profile(data, default_registry(), PluginHandle(rng=random.Random(0), prefix_index=_Index()),
-                                source)
-        self.datastore.set_endpoints({A.id: A, B.id: B})
-        for e in (A, B):
-            self.datastore.record_scrape(e.id, ScrapeSample(0, 0, 0.0, 16, 0, 0))
-        self.scheduler = Scheduler(self.datastore, profile, LiveEndpointFilter("live"))
+        self.scheduler, self.datastore = real_scheduler((A, B), _Index(), ScrapeSample(0, 0, 0.0, 16, 0, 0))
         self.engine, self.admission = engine, admission
 
     async def __aenter__(self) -> _Epp:
