@@ -673,17 +673,19 @@ def replay_cmd(
     label = trace.name if trace else workload
     console.print(_workload_line(wl, label, None if trace else workload), soft_wrap=True, markup=False)
     if router is not None:
-        try:
-            engine_urls = find_engines(epp, etcd, say=lambda line: console.print(line, soft_wrap=True, markup=False))
-        except DiscoveryError as exc:
-            fail(str(exc))
-        probe_router(router)
-        if not epp and not etcd:
-            console.print("no --epp/--etcd: the engine prefix-cache hit rate is not measured", soft_wrap=True)
-        elif not engine_urls:
-            console.print(f"no engines listed by {'epp ' + epp if epp else 'etcd ' + str(etcd)}: the engine "
-                          "prefix-cache hit rate is not measured", soft_wrap=True, markup=False)
-        with exit_on_signals(), _replay_interrupted(json_out, None):
+        # Ctrl-C wherever it lands (finding the engines, probing the router, the requests): the one line, 130
+        with _replay_interrupted(json_out, None), exit_on_signals(then_ignore=True):
+            try:
+                engine_urls = find_engines(epp, etcd,
+                                           say=lambda line: console.print(line, soft_wrap=True, markup=False))
+            except DiscoveryError as exc:
+                fail(str(exc))
+            probe_router(router)
+            if not epp and not etcd:
+                console.print("no --epp/--etcd: the engine prefix-cache hit rate is not measured", soft_wrap=True)
+            elif not engine_urls:
+                console.print(f"no engines listed by {'epp ' + epp if epp else 'etcd ' + str(etcd)}: the engine "
+                              "prefix-cache hit rate is not measured", soft_wrap=True, markup=False)
             outcome = _run_replay(wl, router, engine_urls, time_scale, concurrency_limit, model, label,
                                   sessions=sessions, prompt_format=prompt_format)
         column = router
@@ -696,7 +698,8 @@ def replay_cmd(
                         scheduler_reserve_full_isl=scheduler_reserve_full_isl)
         if scheduler_settings is not None and (extra := engine_scheduler_label(scheduler_settings)):
             console.print(f"engines: {extra.removeprefix(', ')}", soft_wrap=True, markup=False)
-        with exit_on_signals(), _replay_interrupted(json_out, mesh_dir), mesh_errors(), Mesh(spec) as mesh:
+        with (_replay_interrupted(json_out, mesh_dir), exit_on_signals(then_ignore=True), mesh_errors(),
+              Mesh(spec) as mesh):
             outcome = _run_replay(wl, mesh.router_url, mesh.engine_urls, time_scale, concurrency_limit, model, label,
                                   sessions=sessions, prompt_format=prompt_format)
         column = policy
@@ -726,7 +729,8 @@ def replay_cmd(
 @contextlib.contextmanager
 def _replay_interrupted(json_out: Path | None, run_dir: Path | None) -> Iterator[None]:
     """Ctrl-C (or SIGTERM/SIGHUP) during ``replay``: the mesh (if it started one) is stopped by its ``with``;
-    say so and what was not written, exit 130 (128 + SIGINT), as ``compare`` does."""
+    say so and what was not written, exit 130 (128 + SIGINT), as ``compare`` does. Further
+    signals are ignored by then (``exit_on_signals(then_ignore=True)``)."""
     try:
         yield
     except KeyboardInterrupt as exc:
@@ -850,7 +854,8 @@ def _parse_scales(value: str | None) -> list[float]:
 def _compare_interrupted(summaries: dict[str, dict[str, object]], total_runs: int, base: Path,
                          json_out: Path | None, plot: Path | None) -> Iterator[None]:
     """Ctrl-C (or SIGTERM/SIGHUP) during ``compare``: the meshes are already stopped by their ``with``;
-    say so, say what was and was not written, exit 130 (128 + SIGINT, as a shell reports it)."""
+    say so, say what was and was not written, exit 130 (128 + SIGINT, as a shell reports it). Further
+    signals are ignored by then (``exit_on_signals(then_ignore=True)``)."""
     try:
         yield
     except KeyboardInterrupt as exc:
@@ -951,7 +956,8 @@ def compare(
     summaries: dict[str, dict[str, object]] = {}
     curves: dict[str, list[SweepPoint]] = {}
     total_runs = len(scales or [rate_scale]) * len(columns)
-    with exit_on_signals(), mesh_errors(), _compare_interrupted(summaries, total_runs, base, json_out, plot):
+    with (_compare_interrupted(summaries, total_runs, base, json_out, plot), exit_on_signals(then_ignore=True),
+          mesh_errors()):
         for k, scale in enumerate(scales or [rate_scale]):
             wl = scale_load(base_wl, scale)
             runs: list[tuple[str, str, Callable[[], dict[str, object]]]] = []
@@ -1108,12 +1114,13 @@ def flows(
 ) -> None:
     """Bands, flows, saturation and fairness (each flow's share, Jain's index) of a running flow_control."""
     from google.protobuf.json_format import MessageToDict
+    from rich.console import Group, RenderableType
     from rich.live import Live
-
-    address = flow_control_address(flow_control, etcd)
+    from rich.text import Text
 
     hint = "" if flow_control or etcd else (" (the compose default; for `kvmesh up` pass --etcd or "
                                              "--flow-control from its `kvmesh ready` line)")
+    address, first = "", None
 
     def fetch() -> object:
         try:
@@ -1129,22 +1136,21 @@ def flows(
             return Text(f"{time.strftime('%H:%M:%S')} DOWN: {flow_stats_error(address, exc)}; retrying every "
                         f"{watch:g} s (Ctrl-C to stop)", style="bold red")
 
-    if json_out:
-        console.print_json(json.dumps(MessageToDict(fetch(), always_print_fields_with_no_presence=True)))
-        return
-    if not watch:
-        for table in flows_tables(fetch()):
-            console.print(table)
-        return
-    from rich.console import Group, RenderableType
-    from rich.text import Text
-
-    first = fetch()  # the first fetch fails loudly: a wrong address is a usage mistake, not an outage
-    # Ctrl-C (or SIGTERM/SIGHUP) ends the watch wherever it lands, exit 130 as replay and compare: in a
+    # Ctrl-C (or SIGTERM/SIGHUP) ends it wherever it lands, exit 130 as replay and compare: finding flow_control
+    # in etcd, the first fetch (up to 5 s on an address that never answers), a sleep or a later fetch. In a
     # sleep it is raised there; in a fetch the fetch's event loop is stopped by cancelling it
     # (run_interruptible), never by raising inside a grpc call.
     try:
-        with exit_on_signals():
+        with exit_on_signals(then_ignore=True):
+            address = flow_control_address(flow_control, etcd)
+            first = fetch()  # the first fetch fails loudly: a wrong address is a usage mistake, not an outage
+            if json_out:
+                console.print_json(json.dumps(MessageToDict(first, always_print_fields_with_no_presence=True)))
+                return
+            if not watch:
+                for table in flows_tables(first):
+                    console.print(table)
+                return
             if not console.is_terminal:  # piped or logged: one snapshot after another (a Live shows only its last)
                 shown: RenderableType = Group(*flows_tables(first))
                 while True:
@@ -1158,8 +1164,11 @@ def flows(
     except KeyboardInterrupt as exc:
         signum = str(exc).removeprefix("signal ")
         how = f"signal {signum}" if signum.isdigit() else "Ctrl-C"
-        err_console.print(f"interrupted ({how}): the watch stopped", markup=False, highlight=False)
+        what = ("the watch stopped" if watch else "stopped while printing" if first is not None
+                else f"no answer from flow_control{' at ' + address if address else ''}")
+        err_console.print(f"interrupted ({how}): {what}", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
+
 
 if __name__ == "__main__":
     app()

@@ -180,12 +180,21 @@ def _stop_all() -> None:
 @contextlib.contextmanager
 def exit_on_signals(
     signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP),
+    *,
+    then_ignore: bool = False,
 ) -> Iterator[None]:
     """Within the block, the given signals raise KeyboardInterrupt (so ``with Mesh`` unwinds).
 
     Event loops run inside the block through :func:`run_interruptible`, which takes the signals over
     while the loop runs (a KeyboardInterrupt raised inside a running task leaves that task's
     exception unretrieved and a traceback on stderr).
+
+    ``then_ignore``: for a command that exits (130) once interrupted. After the first signal (or a
+    KeyboardInterrupt from :func:`run_interruptible`) leaves the block, the signals stay *ignored* to the
+    process's end instead of being restored, so a second Ctrl-C cannot raise inside the command's
+    interrupted line, click's exit or an ``atexit`` hook (a traceback, or 130 turned into "Aborted!");
+    SIGKILL still ends it. Without it (``kvmesh up``), each signal raises: a second Ctrl-C cuts the
+    mesh's stop short (the ``atexit`` hook finishes it).
 
     SIGINT is set explicitly too: a shell starts a background job (``kvmesh up &`` in a script)
     with SIGINT *ignored*, and Python keeps an inherited ignore, so ``kill -INT`` did nothing.
@@ -194,16 +203,23 @@ def exit_on_signals(
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    interrupted: list[int] = []
 
     def handler(signum: int, frame: FrameType | None) -> None:
+        if then_ignore and interrupted:  # on its way out already
+            return
+        interrupted.append(signum)
         raise KeyboardInterrupt(f"signal {signum}")
 
     previous = {s: signal.signal(s, handler) for s in signals}
     try:
         yield
+    except KeyboardInterrupt:
+        interrupted.append(0)
+        raise
     finally:
         for s, h in previous.items():
-            signal.signal(s, h)
+            signal.signal(s, signal.SIG_IGN if then_ignore and interrupted else h)
 
 
 def run_interruptible(
@@ -212,12 +228,19 @@ def run_interruptible(
 ) -> T:
     """``asyncio.run(coro)``, where one of ``signals`` stops ``coro`` the asyncio way.
 
-    The signal cancels ``coro``'s task (the loop's own signal handler: nothing is raised inside
-    whichever request task happens to run, so no task ends with an exception nobody retrieves);
-    the tasks unwind through ``CancelledError`` at their awaits, and once the loop has closed,
-    ``KeyboardInterrupt("signal N")`` is raised here, as :func:`exit_on_signals` raises it in
-    synchronous code. A second signal while it unwinds is ignored. The handlers in force before
-    are restored. Outside the main thread: plain ``asyncio.run``.
+    The first signal cancels ``coro``'s task: its handler only records the signal and asks the loop
+    (``call_soon_threadsafe``) to cancel, so nothing is raised inside whichever request task happens
+    to run and no task ends with an exception nobody retrieves. The tasks unwind through
+    ``CancelledError`` at their awaits, the loop then cancels whatever tasks are left, closes async
+    generators and shuts its default executor down (``asyncio.Runner.close``), and once the loop has
+    closed, ``KeyboardInterrupt("signal N")`` is raised here, as :func:`exit_on_signals` raises it in
+    synchronous code.
+
+    A second signal while it unwinds is ignored, up to the moment the loop has closed: the handlers
+    in force before (:func:`exit_on_signals`'s, or Python's default) are restored only then, so no
+    later signal can raise inside the loop's own clean-up (a task being cancelled, the executor's
+    shutdown) and print a traceback. The unwinding is bounded by what ``coro`` does on cancellation
+    and by the default executor's running jobs. Outside the main thread: plain ``asyncio.run``.
 
     Raises:
         KeyboardInterrupt: one of ``signals`` arrived (whatever ``coro`` did on its way out).
@@ -225,33 +248,43 @@ def run_interruptible(
     if threading.current_thread() is not threading.main_thread():
         return asyncio.run(coro)
     received: list[int] = []
+    tasks: list[asyncio.Task[T]] = []
+    runner = asyncio.Runner()
+    loop = runner.get_loop()
+
+    def cancel() -> None:
+        if tasks and not tasks[0].done():
+            tasks[0].cancel()
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if received:  # a second signal while it unwinds: ignored
+            return
+        received.append(signum)
+        with contextlib.suppress(RuntimeError):  # the loop has closed already: nothing left to cancel
+            loop.call_soon_threadsafe(cancel)
 
     async def main() -> T:
-        loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
+        tasks.append(task)  # a signal from here on cancels it (cancel() runs at the next await at the earliest)
+        if received:  # it came before the task existed
+            raise asyncio.CancelledError
+        return await coro
 
-        def stop(signum: int) -> None:
-            if not received:
-                received.append(signum)
-                task.cancel()
-
-        previous = {s: signal.getsignal(s) for s in signals}
-        for s in signals:
-            loop.add_signal_handler(s, stop, s)
-        try:
-            return await coro
-        finally:
-            for s, handler in previous.items():
-                loop.remove_signal_handler(s)
-                signal.signal(s, handler)
-
+    previous = {s: signal.signal(s, handler) for s in signals}
     try:
-        result = asyncio.run(main())
+        try:
+            result = runner.run(main())
+        finally:
+            runner.close()  # cancel the rest, shut the executor down: still under ``handler``
     except BaseException:
         if received:
             raise KeyboardInterrupt(f"signal {received[0]}") from None
         raise
+    finally:
+        coro.close()  # never started (a signal before the loop ran it): no "never awaited" warning
+        for s, h in previous.items():
+            signal.signal(s, h)
     if received:
         raise KeyboardInterrupt(f"signal {received[0]}")
     return result

@@ -1,16 +1,18 @@
 """The wave-9 fresh user's cases, as subprocesses against real components: two ``kvmesh up`` started in the same
 second, a read-only filesystem (a real read-only tmpfs mounted in a private mount namespace with ``unshare``),
 an unwritable ``--ports-file``, ``kvmesh replay``'s exit status and Ctrl-C, ``kvmesh flows --watch`` across a
-flow_control that dies."""
+flow_control that dies, Ctrl-C while a command's first call waits on an address that never answers."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -236,3 +238,90 @@ def test_flows_watch_shows_flow_control_down_and_keeps_watching(tmp_path: Path, 
     other = subprocess.run(kvmesh("flows", "--flow-control", etcd), capture_output=True, text=True, timeout=60,
                            env=ENV, check=False)
     assert other.returncode == 1 and f"{etcd} is a gRPC server but not a flow_control" in other.stderr, other.stderr
+
+
+class SilentServer:
+    """A TCP server on 127.0.0.1 that accepts, reads what it is sent and never answers (a black-holed
+    address as a client sees it: connected, then nothing until its deadline). ``spoken`` is set once a
+    client has sent its first bytes (gRPC: the HTTP/2 preface), so the client is then waiting for a reply."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0), backlog=16)
+        self._listener.settimeout(0.2)
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self.spoken = threading.Event()
+        self._open: list[socket.socket] = []
+        self._stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:  # the accept timed out (or the listener closed)
+                continue
+            self._open.append(conn)
+            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+
+    def _read(self, conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while conn.recv(65536):
+                self.spoken.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._listener.close()
+        for conn in self._open:
+            with contextlib.suppress(OSError):
+                conn.close()
+
+
+@pytest.fixture
+def silent() -> Iterator[SilentServer]:
+    server = SilentServer()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("second", [False, True], ids=["one-sigint", "second-sigint-while-unwinding"])
+@pytest.mark.parametrize("case", ["flows", "flows-watch", "flows-json", "replay-epp"])
+def test_interrupted_while_the_first_call_waits_on_a_silent_address_exits_130(
+    silent: SilentServer, case: str, second: bool
+) -> None:
+    """Ctrl-C while a command's first call waits on an address that never answers (``flows``' first Stats fetch,
+    one-shot, --json or --watch; ``replay --router --epp``'s ListEndpoints before any request): its one
+    interrupted line and 130, never click's bare exit or a traceback. Before, those calls ran outside the
+    guarded block. A second SIGINT 20 ms later (while it unwinds) changes nothing: ignored."""
+    args = {
+        "flows": ["flows", "--flow-control", silent.address],
+        "flows-watch": ["flows", "--flow-control", silent.address, "--watch", "0.5"],
+        "flows-json": ["flows", "--flow-control", silent.address, "--json"],
+        "replay-epp": ["replay", "--router", "http://127.0.0.1:9", "--epp", silent.address, "--requests", "5"],
+    }[case]
+    proc = subprocess.Popen(kvmesh(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    lines = Lines(proc)
+    try:
+        assert silent.spoken.wait(30), lines.text()  # the call is in flight: connected, waiting for a reply
+        time.sleep(0.3)
+        assert proc.poll() is None, lines.text()  # still waiting (its deadline is 5 s)
+        proc.send_signal(signal.SIGINT)
+        if second:
+            time.sleep(0.02)
+            proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    time.sleep(0.2)
+    text = lines.text()
+    assert proc.returncode == 130, text
+    want = {"flows": f"interrupted (signal 2): no answer from flow_control at {silent.address}",
+            "flows-json": f"interrupted (signal 2): no answer from flow_control at {silent.address}",
+            "flows-watch": "interrupted (signal 2): the watch stopped",
+            "replay-epp": "interrupted (signal 2): the replay stopped before its end; no table printed"}[case]
+    assert text.count("interrupted (") == 1 and want in text.splitlines(), text
+    assert text.rstrip().endswith(want), text  # the last line
+    for noise in ("Traceback", "never retrieved", "KeyboardInterrupt", "Aborted", "Exception ignored"):
+        assert noise not in text, text
