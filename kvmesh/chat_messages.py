@@ -1,4 +1,4 @@
-"""OpenAI chat messages as every kvmesh service reads them: the roles accepted, a message's text (pure, no I/O).
+"""OpenAI chat messages as every kvmesh service reads them: a message's role and text (pure, no I/O).
 
 One rule for the router's validation (``/v1/chat/completions``, ``/v1/responses`` input items, gRPC
 ``Complete``) and epp's ``Pick`` (``PickRequest.messages``, and the verbatim ``messages`` of
@@ -7,11 +7,21 @@ One rule for the router's validation (``/v1/chat/completions``, ``/v1/responses`
 
 | function | checks | error (``where`` is the JSON path, e.g. ``messages[2]``) |
 | --- | --- | --- |
-| :func:`chat_role` | a non-empty string in :data:`CHAT_ROLES` | ``'<where>.role' must be one of assistant, developer, system, tool, user, got 'wizard'`` |
+| :func:`chat_role` | a non-empty string (any: see below) | ``'<where>.role' must be a non-empty string`` |
 | :func:`content_text` | a string, null, or a list of parts (bare strings, or objects with a string ``type``; a text part needs a string ``text``) | ``'<where>.content' must be a string or a list of text parts`` ... |
 | :func:`chat_messages` | a non-empty list of objects, each checked as above | ``'messages' must be a non-empty list``, ``'messages[i]' must be an object`` |
 
-Content parts follow vLLM 0.32's chat utils (``vllm/entrypoints/chat_utils.py``): text parts (``text``,
+Roles follow vLLM 0.32, the engine kvmesh fronts, not OpenAI's closed list: its chat request's
+``messages`` admit ``CustomChatCompletionMessageParam`` ("Enables custom roles in the Chat Completion
+API", ``role: Required[str]``; ``vllm/renderers/chat_utils.py``), and ``_parse_chat_message_content``
+there passes any role string through to the model's chat template as given (``ConversationMessage.role``
+is a ``str``), special-casing only ``system``, ``assistant``, ``tool`` and ``developer``. So Llama 3.x's
+``ipython`` tool results, OpenAI's legacy ``function`` and any role a model's template knows are served;
+a role the template does not know is the engine's answer (its template error), not kvmesh's. Only what
+vLLM's schema refuses too is refused here: a role that is not a string, and (kvmesh's own rule, no
+template renders it) an empty one.
+
+Content parts follow vLLM 0.32's chat utils (``vllm/renderers/chat_utils.py``): text parts (``text``,
 ``input_text``, ``output_text``, ``refusal``) joined with a newline; other parts (images, audio,
 files) add no text: the engine decides whether it serves them.
 """
@@ -22,11 +32,8 @@ from typing import Any
 
 from kvmesh.errors import InvalidRequest
 
-CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
-"""Chat roles accepted (OpenAI's current set; vLLM's chat templates know these)."""
 TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text", "refusal"})
 """Content part types whose ``text`` (``refusal``: its ``refusal``) is the message's text."""
-_ROLES_TEXT = ", ".join(sorted(CHAT_ROLES))
 
 
 def utf8_or_invalid(text: str, where: str) -> str:
@@ -43,16 +50,17 @@ def utf8_or_invalid(text: str, where: str) -> str:
 
 
 def chat_role(role: Any, where: str) -> str:
-    """``role`` of the message at ``where`` (e.g. ``messages[0]``), checked.
+    """``role`` of the message at ``where`` (e.g. ``messages[0]``), checked: any non-empty string, as
+    vLLM 0.32's ``CustomChatCompletionMessageParam`` takes it (``system``, ``user``, ``assistant``,
+    ``tool``, ``developer``, ``function``, ``ipython``, a model's own role; module docstring).
 
     Raises:
-        InvalidRequest: not a non-empty string, or not one of :data:`CHAT_ROLES`.
+        InvalidRequest: ``'<where>.role' must be a non-empty string`` (absent, null, a number, a list,
+            an object, ``""``); a lone UTF-16 surrogate (``'<where>.role' is not valid Unicode...``).
     """
     if not isinstance(role, str) or not role:
         raise InvalidRequest(f"'{where}.role' must be a non-empty string")
-    if role not in CHAT_ROLES:
-        raise InvalidRequest(f"'{where}.role' must be one of {_ROLES_TEXT}, got {role!r}")
-    return role
+    return utf8_or_invalid(role, f"{where}.role")
 
 
 def content_text(content: Any, where: str) -> str:

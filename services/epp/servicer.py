@@ -131,9 +131,9 @@ def _messages(request: epp_pb2.PickRequest, render: dict[str, Any]) -> tuple[Cha
 def request_from_proto(request: epp_pb2.PickRequest) -> SchedulingRequest:
     """Raises: InvalidRequest when ``render_json`` is not a JSON object, more than one prompt form
     is set (:func:`_check_prompt_forms`), the token ids are malformed (both forms set, a packed
-    length not a multiple of 4), or a chat message breaks the router's rule (a role outside
-    :data:`kvmesh.chat_messages.CHAT_ROLES`, malformed content parts: :func:`_messages`), with the
-    router's words."""
+    length not a multiple of 4), or a chat message breaks the router's rule (a role that is not a
+    non-empty string: any such role is taken, as vLLM 0.32 takes it; malformed content parts:
+    :func:`_messages`, :mod:`kvmesh.chat_messages`), with the router's words."""
     _check_prompt_forms(request)
     render = _render_fields(request.render_json)
     return SchedulingRequest(

@@ -59,7 +59,7 @@ from kvmesh.channels import answered, insecure_channel, to_domain_error, trace_m
 from kvmesh.types import Endpoint, RequestCompletion
 from kvmesh.wire import completion_to_proto, endpoint_from_proto
 from services.router import metrics
-from services.router.degraded import AdmissionTimedOut, FlowControlUnreachable, PickerUnreachable
+from services.router.degraded import AdmissionTimedOut, FlowControlUnreachable, PickerTimedOut, PickerUnreachable
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ _STATUS_WAIT_SECONDS = 1.0
 _PICK_STATUS_OVERRIDES: dict[grpc.StatusCode, type[errors.KvmeshError]] = {
     # epp down, crashing or past pick_timeout: the router picks from its own view (services.router.degraded)
     grpc.StatusCode.UNAVAILABLE: PickerUnreachable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: PickerUnreachable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: PickerTimedOut,  # epp may have counted it: told how it ended
     grpc.StatusCode.UNKNOWN: PickerUnreachable,
     grpc.StatusCode.INTERNAL: PickerUnreachable,
     grpc.StatusCode.CANCELLED: PickerUnreachable,
@@ -1060,7 +1060,7 @@ class PickerClient:
         except TimeoutError as exc:
             stream.forget(key)
             stream.send(epp_pb2.PickEntry(id=key, cancel=True))
-            raise PickerUnreachable("endpoint picker: Deadline Exceeded") from exc
+            raise PickerTimedOut("endpoint picker: Deadline Exceeded") from exc
         except asyncio.CancelledError:
             stream.forget(key)
             stream.send(epp_pb2.PickEntry(id=key, cancel=True))

@@ -49,6 +49,13 @@ class PickerUnreachable(errors.NoEndpointsAvailable):
     """epp could not be reached or failed the Pick call (503 when no local pick is possible)."""
 
 
+class PickerTimedOut(PickerUnreachable):
+    """The Pick call passed its deadline (the router's ``pick_timeout``, or the ``PickMany`` entry's own):
+    handled as :class:`PickerUnreachable`, but epp had the pick and may have counted it (its deadline
+    starts later, and a cancel does nothing once the answer is on the wire), so the request flow tells
+    epp how the request ended, as for a pick epp answered."""
+
+
 class LocalAdmission:
     """Counts requests admitted without flow_control; admits while under ``max_in_flight``.
 

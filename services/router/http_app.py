@@ -114,6 +114,7 @@ from services.router.request_flow import (
     RequestFlow,
     RequestMeta,
     ShuttingDown,
+    client_credentials_reach_engine,
 )
 from services.router.response_affinity import (
     ResponseAffinity,
@@ -705,7 +706,8 @@ class RouterHttpApi:
                                                          holder[0], request_id, meta.forward_headers)
         except Exception as exc:
             return self.error_response(exc, request_id)
-        return self._passed_answer(answer, request_id)
+        return self._passed_answer(answer, request_id, client_credentials_reach_engine(
+            meta.forward_headers, self._config.engine_key_for(holder[1])))
 
     async def tokenize(self, request: Request) -> Response:
         return await self._pass(request, "/tokenize")
@@ -744,13 +746,15 @@ class RouterHttpApi:
             return self._client_disconnected(request_id)
         except Exception as exc:
             return self.error_response(exc, request_id)
-        return self._passed_answer(answer, request_id)
+        return self._passed_answer(answer, request_id, client_credentials_reach_engine(
+            meta.forward_headers, self._config.engine_key_for(model)))
 
-    def _passed_answer(self, answer: PassedAnswer, request_id: str) -> Response:
+    def _passed_answer(self, answer: PassedAnswer, request_id: str, client_credentials: bool = False) -> Response:
         """A passed-through engine answer: a success unchanged; an error as an OpenAI error body (the engine's
-        own when it is one, else rewritten with a bounded message: the rule of :func:`engine_error_response`)."""
+        own when it is one, else rewritten with a bounded message: the rule of :func:`engine_error_response`),
+        counted by :func:`metrics.engine_outcome` (``client_credentials``: the engine saw the client's key)."""
         status = answer.status_code
-        metrics.record_outcome(metrics.outcome_for_status(engine_error_status(status)) if status >= 400
+        metrics.record_outcome(metrics.engine_outcome(engine_error_status(status), client_credentials) if status >= 400
                                else metrics.RequestOutcome.SUCCESS)
         headers = {REQUEST_ID_HEADER: request_id, ENDPOINT_HEADER: answer.endpoint_id}
         if status < 400:

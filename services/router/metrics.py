@@ -20,8 +20,10 @@ answer byte, passed on to the client), ``release`` (Complete + closing the admis
 ``pre_dispatch`` (arrival to the first POST to an engine: admission and pick as they overlapped,
 the early pick running beside admission; a retry's later picks not included).
 
-``outcome`` is one of :class:`RequestOutcome` (a closed set; an answered status maps through
-:func:`outcome_for_status`: every 4xx without an outcome of its own is ``invalid``); ``model_name`` is the served model
+``outcome`` is one of :class:`RequestOutcome` (a closed set; a status the router answers itself maps through
+:func:`outcome_for_status`: every 4xx without an outcome of its own is ``invalid``; an engine's error answer
+passed on maps through :func:`engine_outcome`: its 401/403/407, the engine refusing the credentials the router
+presented, is ``upstream_error``, a misconfigured router, not the client's mistake); ``model_name`` is the served model
 (closed: the models registered in etcd), "unknown" when empty.
 """
 
@@ -93,6 +95,28 @@ def outcome_for_status(status: int) -> RequestOutcome:
     if outcome is not None:
         return outcome
     return RequestOutcome.INVALID if status < 500 else RequestOutcome.ERROR
+
+
+ENGINE_CREDENTIAL_STATUSES = frozenset({401, 403, 407})
+"""An engine's (or a proxy's in front of it) refusal of the credentials the router presented: 401
+Unauthorized, 403 Forbidden (vLLM 0.32 answers 401 for a wrong ``--api-key``; a gateway or proxy may
+answer 403), 407 Proxy Authentication Required."""
+
+
+def engine_outcome(status: int, client_credentials: bool = False) -> RequestOutcome:
+    """The outcome label of a request an engine answered with HTTP ``status``, passed on to the client.
+
+    As :func:`outcome_for_status`, except an engine's 401/403/407 (:data:`ENGINE_CREDENTIAL_STATUSES`):
+    the engine refused the credentials the router presented (the pool's key, ``engine_api_key`` /
+    ``engine_api_keys``, or none where the engine wants one): the router is misconfigured, and counting
+    that ``invalid`` would hide it from error-rate alerts: ``upstream_error``. Only when
+    ``client_credentials`` (the client's own ``authorization`` went to the engine unchanged: open mode,
+    no engine key for the pool) is a 401/403 the client's wrong key: ``invalid``. A 407 is never the
+    client's (``proxy-authorization`` is hop-by-hop, never forwarded).
+    """
+    if status in ENGINE_CREDENTIAL_STATUSES and not (client_credentials and status != 407):
+        return RequestOutcome.UPSTREAM_ERROR
+    return outcome_for_status(status)
 
 
 def record_outcome(outcome: RequestOutcome) -> None:

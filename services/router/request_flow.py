@@ -18,7 +18,7 @@ The exit runs exactly once on every path and is the one place where a request's 
 | how the ``async with`` body ends | outcome |
 | --- | --- |
 | normally, the engine answer read to its end, status < 400 | ``success`` (e2e recorded) |
-| normally, an engine error status | that status's outcome (``invalid``, ``unavailable``, ...) |
+| normally, an engine error status | that status's outcome (``invalid``, ``unavailable``, ...); an engine's 401/403/407, refusing the router's credentials: ``upstream_error`` (:func:`metrics.engine_outcome`) |
 | normally but cut short, or any exception | ``upstream_error`` (or the status's outcome); the exception propagates |
 | ``CancelledError``, ``GeneratorExit`` (a gRPC stream its client closed), :class:`ClientGone` | ``cancelled``; the engine request is cancelled |
 
@@ -70,6 +70,7 @@ from services.router.degraded import (
     FlowControlUnreachable,
     LocalAdmission,
     LocalPicker,
+    PickerTimedOut,
     PickerUnreachable,
 )
 from services.router.engine_client import (
@@ -79,7 +80,7 @@ from services.router.engine_client import (
     EngineUnreachable,
     HttpxEngineClient,
 )
-from services.router.headers import engine_authorization
+from services.router.headers import AUTHORIZATION, engine_authorization
 from services.router.metrics import RequestOutcome
 from services.router.response_affinity import PROFILE as AFFINITY_PROFILE
 from services.router.response_affinity import pinned_endpoint
@@ -575,6 +576,13 @@ class FlowSession:
         return bytes(self._body)
 
 
+def client_credentials_reach_engine(forward_headers: Iterable[tuple[str, str]], engine_key: str | None) -> bool:
+    """Whether the engine saw the client's own ``authorization`` (open mode passes it on,
+    :func:`services.router.headers.forwarded_headers`, and no engine key of the router's replaces it):
+    then an engine's 401/403 refused the client's key, else the router's (:func:`metrics.engine_outcome`)."""
+    return engine_key is None and any(name == AUTHORIZATION for name, _ in forward_headers)
+
+
 @dataclass
 class _Lifetime:
     """What one request holds from arrival to end; :meth:`close` releases it (once)."""
@@ -588,14 +596,22 @@ class _Lifetime:
     on_end: Callable[[], None] | None = None
     """Called once when the request ends after an endpoint was chosen (the local picker's count)."""
     on_completed: Callable[[RequestCompletion], None] | None = None
-    """Told once how a request ended that epp was asked to pick (epp's ``Completed``; must not block):
-    its outcome once an engine answered it, else ``NOT_DISPATCHED`` (epp drops the pick's load)."""
+    """Told once how a request ended (epp's ``Completed``; must not block): every request an engine
+    answered, however it was picked (epp's pick, the local degraded pick, a pinned follow-up), with its
+    outcome and serving endpoint: epp frees its pick, or, for an id it never picked, takes the request
+    out of that endpoint's running count early (``Datastore.note_completed``). A request no engine
+    answered: ``NOT_DISPATCHED`` when :attr:`picks_asked` (epp drops the pick's load), else nothing."""
     picks_asked: bool = False
-    """epp answered a pick of this request (an early pick, or the dispatch's), or one was abandoned
-    while epp had it (it may have counted it): when no engine answers the request, epp is told
-    ``NOT_DISPATCHED`` (else the pick's active prompt tokens stay counted). Not set by a pick that
-    failed (epp unreachable, unknown model, epp's own error answer), the local degraded pick or a
-    pinned one: epp holds nothing of those, and a report would count as unmatched."""
+    """epp may hold a pick of this request: it answered one (an early pick, or the dispatch's), or one
+    was abandoned while epp had it (the client left), or one passed its deadline
+    (:class:`~services.router.degraded.PickerTimedOut`: epp's own deadline starts later, and a cancel
+    does nothing once the answer is on the wire). Gates only ``NOT_DISPATCHED`` (else the pick's active
+    prompt tokens stay counted until epp's TTL). Not set by a pick that failed otherwise (epp
+    unreachable, unknown model, epp's own error answer) nor a pinned one: epp holds nothing of those,
+    and a ``NOT_DISPATCHED`` for them would only count as unmatched."""
+    engine_key_for: Callable[[str], str | None] = lambda model: None
+    """The key the router presents to a model's engines (``RouterConfig.engine_key_for``): tells whose
+    credentials an engine's 401/403 refused (:func:`client_credentials_reach_engine`)."""
     proxy_span: trace.Span | None = None
     session: FlowSession | None = None
     exception: BaseException | None = None
@@ -648,8 +664,9 @@ class _Lifetime:
             outcome = RequestOutcome.UNAVAILABLE
         elif success:
             outcome = RequestOutcome.SUCCESS
-        elif session.status_code >= 400:
-            outcome = metrics.outcome_for_status(session.status_code)
+        elif session.status_code >= 400:  # the engine's error answer: its credential refusals are the router's
+            outcome = metrics.engine_outcome(session.status_code, client_credentials_reach_engine(
+                self.meta.forward_headers, self.engine_key_for(self.request.model)))
         else:
             outcome = RequestOutcome.UPSTREAM_ERROR
         usage = session.usage or Usage()
@@ -670,7 +687,7 @@ class _Lifetime:
                 metrics.record_e2e(self.request.model, e2e)
             metrics.record_outcome(outcome)
             metrics.IN_FLIGHT.dec()
-            if self.picks_asked and self.on_completed is not None:  # fire-and-forget: epp frees its load now (issue 9)
+            if self.on_completed is not None:  # fire-and-forget, for every dispatched request: epp frees its load now (issue 9)
                 self.on_completed(RequestCompletion(
                     self.meta.epp_request_id, session.endpoint.id, report.prompt_tokens, usage.cached_tokens,
                     CompletionOutcome.SUCCESS if success else
@@ -1069,7 +1086,8 @@ class RequestFlow:
     ) -> PickReply:
         """epp's pick; when epp is unreachable, the local least-request pick over the etcd view; a request
         pinned to an endpoint (a stored response's follow-up) goes there only, without epp. ``life``:
-        its ``picks_asked`` is set once epp answered (or the call was abandoned while epp had it)."""
+        its ``picks_asked`` is set once epp may hold the pick (it answered, the call was abandoned while
+        epp had it, or it passed its deadline: :class:`~services.router.degraded.PickerTimedOut`)."""
         if request.pinned_endpoint_id is not None and request.previous_response_id is not None:
             endpoint = pinned_endpoint(request.model, request.previous_response_id, request.pinned_endpoint_id,
                                        self._endpoints(request.model), tried)
@@ -1100,6 +1118,8 @@ class RequestFlow:
                 return local
             raise ModelUnavailable(f"model '{request.model}' has no live endpoint right now ({exc})") from exc
         except PickerUnreachable as exc:
+            if life is not None and isinstance(exc, PickerTimedOut):  # epp had it: it may have counted it
+                life.picks_asked = True
             if self._config.epp_failure_mode != "open":
                 metrics.record_degraded("epp", "refused")
                 raise
@@ -1144,6 +1164,7 @@ class RequestFlow:
         life = _Lifetime(
             request=request,
             meta=meta,
+            engine_key_for=self._config.engine_key_for,
             clock=self._clock,
             started=self._clock(),
             span=_tracer.start_span(

@@ -12,7 +12,7 @@ OpenAI body built from its protobuf. Checks, in order (the first failure wins):
 | ``model`` served by a live endpoint | UnknownModel (404) for a name never served |
 | ``model`` served recently (its endpoints left less than ``model_memory_seconds`` ago) | ModelUnavailable (503 + ``retry-after``) |
 | completions: ``prompt`` is a string, a list of token ids, or a batch (a list of strings or of token-id lists, at most ``max_batch_prompts``); no ``messages`` | InvalidRequest (400) |
-| chat: ``messages`` a non-empty list of ``{role, content}``, ``role`` in :data:`kvmesh.chat_messages.CHAT_ROLES` (one rule with epp); no ``prompt`` | InvalidRequest (400) |
+| chat: ``messages`` a non-empty list of ``{role, content}``, ``role`` any non-empty string (vLLM 0.32's ``CustomChatCompletionMessageParam``: ``ipython``, ``function``, a model's own role; one rule with epp and ext_proc, :mod:`kvmesh.chat_messages`); no ``prompt`` | InvalidRequest (400) |
 | embeddings: ``input`` a string, token ids, or a list of either; responses: ``input`` a string or a list of items | InvalidRequest (400) |
 | no ``NaN`` / ``Infinity`` / float-overflowing number anywhere (kvmesh's one tightening over vLLM 0.32) | InvalidRequest (400) naming its path (``param``) |
 | typed fields (:data:`SCALAR_FIELDS`, ``stream_options.*``, ``logit_bias``) read exactly as vLLM 0.32's pydantic models read them (lax: ``"yes"`` / ``1`` is a boolean, ``"5"`` / ``true`` / ``5.0`` an integer), float fields finite; ranges of penalties, ``min_p``, ``top_k``, logprobs, ``logit_bias`` keys as vLLM 0.32 | InvalidRequest (400) naming the field (``param``) |
@@ -549,7 +549,9 @@ def _messages_prompt(messages: tuple[tuple[str, str], ...]) -> _Prompt:
 
 def _responses_input(body: dict[str, Any]) -> _Prompt:
     """``/v1/responses``: ``input`` a string or a list of items (messages with role/content, or other
-    item types the engine interprets); ``instructions`` a string (a system message)."""
+    item types the engine interprets); ``instructions`` a string (a system message). A message item
+    (``type`` ``message`` or none) with a ``role`` is read by :mod:`kvmesh.chat_messages`' rule, its
+    errors naming ``input[i].role`` / ``input[i].content``."""
     value = body.get("input")
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -565,9 +567,10 @@ def _responses_input(body: dict[str, Any]) -> _Prompt:
     for i, item in enumerate(value):
         if not isinstance(item, dict):
             raise InvalidRequest(f"'input[{i}]' must be an object")
-        role = item.get("role")
-        if isinstance(role, str) and item.get("type", "message") == "message":
-            out.append((chat_role(role, f"input[{i}]"), content_text(item.get("content"), f"messages[{i}]")))
+        if item.get("type", "message") != "message" or "role" not in item:
+            continue  # another item type (function_call_output, reasoning, ...): the engine interprets it
+        where = f"input[{i}]"
+        out.append((chat_role(item["role"], where), content_text(item.get("content"), where)))
     return _messages_prompt(tuple(out))
 
 

@@ -180,12 +180,13 @@ async def test_typed_fields_refused_naming_the_field(mesh: Mesh, client: httpx.A
 
 
 MESSAGE_PATH_CASES = [  # (id, path, body, param): a field inside a message is named by its path, as any other field
-    ("chat-role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ("chat-role", "/v1/chat/completions", {"messages": [{"role": 5, "content": "hi"}]}, "messages[0].role"),
     ("chat-role-empty", "/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages[0].role"),
     ("chat-message-string", "/v1/chat/completions", {"messages": ["hi"]}, "messages[0]"),
     ("chat-content-number", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ("chat-content-part", "/v1/chat/completions", {"messages": [{"role": "user", "content": [5]}]}, "messages[0].content"),
-    ("responses-role", "/v1/responses", {"input": [{"role": "wizard", "content": "hi"}]}, "input[0].role"),
+    ("responses-role", "/v1/responses", {"input": [{"role": "", "content": "hi"}]}, "input[0].role"),
+    ("responses-content", "/v1/responses", {"input": [{"role": "user", "content": 5}]}, "input[0].content"),
     ("responses-item", "/v1/responses", {"input": ["hi"]}, "input[0]"),
 ]
 

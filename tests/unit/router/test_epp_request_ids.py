@@ -5,9 +5,13 @@
   are two picks to epp (a NOT_DISPATCHED for one leaves the other's load counted); a re-pick of the
   same router request (late binding after a queued admission) supersedes its earlier pick. The
   engine still gets the client's id as sent.
-* epp is told how a request ended only when epp answered one of its picks (or had one in flight when
-  the request was abandoned): not after a pick that failed (epp unreachable, unknown model, epp's
-  own error answer), nor after the local degraded pick: those reports would only count as unmatched.
+* epp is told how every request an engine answered ended, however it was picked (epp's pick, the local
+  degraded pick, a pinned ``previous_response_id`` follow-up): for an id epp never picked, the report
+  still takes the request out of the serving endpoint's running count early. ``NOT_DISPATCHED`` (no
+  engine answered) goes only where epp may hold the pick: it answered one, one was abandoned in flight,
+  or one passed its deadline (epp counted it, its answer missed the router's ``pick_timeout_seconds``);
+  not after a pick that failed otherwise (epp unreachable, unknown model, epp's own error answer):
+  that report would only count as unmatched.
 
 The real epp servicer and scheduler behind the router's real ``PickerClient`` on a loopback gRPC
 server (the harness of ``test_not_dispatched``) where epp's accounting is asserted; a recording
@@ -21,17 +25,19 @@ from dataclasses import dataclass, field, replace
 
 import httpx
 import pytest
+from prometheus_client import REGISTRY
 
 from kvmesh import errors
 from kvmesh.types import CompletionOutcome, RequestCompletion, pick_request_id
+from services.epp.servicer import EndpointPickerServicer
 from services.router.clients import AdmitQuery, PickQuery, PickReply
 from services.router.config import RouterConfig
-from services.router.degraded import PickerUnreachable
+from services.router.degraded import PickerTimedOut, PickerUnreachable
 from services.router.request_flow import RequestFlow, RequestMeta
 from services.router.validation import ModelUnavailable, RequestKind, RouterRequest, validate_request
 from tests.unit.router.fakes import CATALOG, JSON_BODY, SSE, A, B, FakeAdmission, FakePicker, FakeTicket
-from tests.unit.router.test_not_dispatched import PROMPT, _completions, _Epp, _refusing
-from tests.unit.router.test_pick_many import _until
+from tests.unit.router.test_not_dispatched import CONFIG, PROMPT, _completions, _Epp, _refusing
+from tests.unit.router.test_pick_many import _client, _serve, _until
 
 OTHER_PROMPT = list(range(100, 130))  # 30 tokens: tells the second request apart from the first
 
@@ -165,53 +171,145 @@ def _answering(request: httpx.Request) -> httpx.Response:
     return httpx.Response(200, headers={"content-type": "application/json"}, content=JSON_BODY)
 
 
-@pytest.mark.parametrize(("fail", "engine", "raised"), [
-    (PickerUnreachable("epp down"), _refusing, errors.NoEndpointsAvailable),  # local pick, engines refuse
-    (PickerUnreachable("epp down"), _answering, None),  # local pick, answered
-    (errors.UnknownModel("epp has no 'tiny' yet"), _refusing, errors.NoEndpointsAvailable),  # local pick
-    (errors.NoEndpointsAvailable("epp: no endpoint"), _answering, errors.NoEndpointsAvailable),  # epp's own error
-], ids=["unreachable-refused", "unreachable-answered", "unknown-model-refused", "epp-error"])
-async def test_no_completion_is_reported_for_a_request_epp_did_not_pick(
-    fail: BaseException, engine: Callable[[httpx.Request], httpx.Response], raised: type[BaseException] | None,
-) -> None:
-    picker = _RecordingPicker(fail=fail)
-    flow = _flow(picker, engine)
+async def _complete(flow: RequestFlow, meta: RequestMeta, raised: type[BaseException] | None = None) -> None:
+    """One completion of ``PROMPT`` through ``flow``, closed after it: read whole, or (``raised``) refused
+    with that error as its session opens."""
     try:
         if raised is None:
-            async with flow.session(_completion(PROMPT), RequestMeta("r-local", "f", 0)) as session:
+            async with flow.session(_completion(PROMPT), meta) as session:
                 await session.read_all()
         else:
             with pytest.raises(raised):
-                async with flow.session(_completion(PROMPT), RequestMeta("r-local", "f", 0)):
+                async with flow.session(_completion(PROMPT), meta):
                     pass
     finally:
         await flow.aclose()
+
+
+@pytest.mark.parametrize(("fail", "engine", "raised"), [
+    (PickerUnreachable("epp down"), _refusing, errors.NoEndpointsAvailable),  # local pick, engines refuse
+    (errors.UnknownModel("epp has no 'tiny' yet"), _refusing, errors.NoEndpointsAvailable),  # local pick
+    (errors.NoEndpointsAvailable("epp: no endpoint"), _answering, errors.NoEndpointsAvailable),  # epp's own error
+], ids=["unreachable-refused", "unknown-model-refused", "epp-error"])
+async def test_no_not_dispatched_for_a_request_epp_did_not_pick(
+    fail: BaseException, engine: Callable[[httpx.Request], httpx.Response], raised: type[BaseException] | None,
+) -> None:
+    picker = _RecordingPicker(fail=fail)
+    await _complete(_flow(picker, engine), RequestMeta("r-local", "f", 0), raised)
     assert picker.queries  # epp was asked
-    assert picker.completed == []  # but holds nothing of it: no report (it would count as unmatched)
+    assert picker.completed == []  # but holds nothing of it: no NOT_DISPATCHED (it would count as unmatched)
+
+
+@pytest.mark.parametrize("fail", [PickerUnreachable("epp down"), errors.UnknownModel("epp has no 'tiny' yet"),
+                                  PickerTimedOut("endpoint picker: Deadline Exceeded")],
+                         ids=["unreachable", "unknown-model", "timed-out"])
+async def test_a_locally_picked_request_an_engine_answered_is_always_reported(fail: BaseException) -> None:
+    """The local degraded pick served it: epp is told its outcome on the endpoint that served it (epp takes
+    it out of that endpoint's running count, ``Datastore.note_completed``), as before the gate on NOT_DISPATCHED."""
+    picker = _RecordingPicker(fail=fail)
+    meta = RequestMeta("r-local-ok", "f", 0)
+    await _complete(_flow(picker, _answering), meta)
+    assert [(c.request_id, c.endpoint_id, c.outcome) for c in picker.completed] == [
+        (meta.epp_request_id, c.endpoint_id, CompletionOutcome.SUCCESS) for c in picker.completed]
+    assert len(picker.completed) == 1 and picker.completed[0].endpoint_id in (A.id, B.id)
+
+
+async def test_a_pinned_follow_up_an_engine_answered_is_reported_on_its_endpoint() -> None:
+    """A ``previous_response_id`` follow-up goes to the endpoint holding the response without asking epp;
+    its completion still reaches epp, on that endpoint."""
+    picker = _RecordingPicker()
+    body = {"model": "tiny", "input": "and then?", "previous_response_id": "resp_1", "max_output_tokens": 2}
+    request = replace(validate_request(RequestKind.RESPONSES, body, CATALOG, 1024), pinned_endpoint_id=B.id)
+    flow = _flow(picker, _answering)
+    meta = RequestMeta("r-pinned", "f", 0)
+    try:
+        async with flow.session(request, meta) as session:
+            await session.read_all()
+    finally:
+        await flow.aclose()
+    assert session.endpoint.id == B.id
+    assert picker.queries == []  # epp was not asked
+    assert [(c.request_id, c.endpoint_id, c.outcome) for c in picker.completed] == [
+        (meta.epp_request_id, B.id, CompletionOutcome.SUCCESS)]
+
+
+async def test_a_pick_past_its_deadline_with_epp_failing_closed_is_reported_not_dispatched() -> None:
+    """The pick timed out (epp may have counted it) and the router refuses the request (failing closed):
+    epp is told NOT_DISPATCHED."""
+    picker = _RecordingPicker(fail=PickerTimedOut("endpoint picker: Deadline Exceeded"))
+    meta = RequestMeta("r-late-closed", "f", 0)
+    await _complete(_flow(picker, _answering, failure_mode="closed"), meta, errors.NoEndpointsAvailable)
+    assert [(c.request_id, c.outcome) for c in picker.completed] == [(meta.epp_request_id, CompletionOutcome.NOT_DISPATCHED)]
+
+
+def _picked_locally() -> float:
+    return REGISTRY.get_sample_value("kvmesh_router_degraded_total", {"dependency": "epp", "action": "picked_locally"}) or 0.0
+
+
+class _LateScheduler:
+    """epp's real scheduler whose answer comes ``delay`` s after it picked, and counted, the request (a
+    stalled epp event loop, a slow write): the router's deadline passes first."""
+
+    def __init__(self, scheduler: object, delay: float) -> None:
+        self._scheduler, self.delay = scheduler, delay
+        self.picked = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._scheduler, name)
+
+    async def pick(self, request: object) -> object:
+        decision = await self._scheduler.pick(request)  # type: ignore[attr-defined]
+        self.picked += 1
+        await asyncio.sleep(self.delay)
+        return decision
+
+
+@pytest.mark.parametrize("multiplexed", [True, False], ids=["pick-many", "unary"])
+@pytest.mark.parametrize("failure_mode", ["open", "closed"])
+async def test_a_pick_epp_counted_but_answered_too_late_is_freed(multiplexed: bool, failure_mode: str) -> None:
+    """The real epp counts the pick (40 active prompt tokens, one pending), then answers after the router's
+    ``pick_timeout`` (0.5 s): the router's ``PickerClient`` reads ``PickerTimedOut`` (its own timer on
+    PickMany, ``DEADLINE_EXCEEDED`` on a unary call, or the entry's own deadline), picks locally and the
+    engine answers (``open``: the SUCCESS completion frees the pick on epp), or refuses the request
+    (``closed``: NOT_DISPATCHED drops it). Before, nothing was sent: the counts stayed until epp's TTL."""
+    epp = _Epp(_answering, FakeAdmission())
+    late = _LateScheduler(epp.scheduler, 3.0)
+    server, port = await _serve(EndpointPickerServicer(late))  # type: ignore[arg-type]
+    client = await _client(port, multiplexed=multiplexed, timeout=0.5)
+    assert await client.needs_prompt(5.0)  # asked once, up front: the pick's whole 0.5 s is the pick's
+    config = CONFIG.model_copy(update={"epp_failure_mode": failure_mode})
+    flow = RequestFlow(config, lambda: CATALOG, FakeAdmission(), client,
+                       httpx.AsyncClient(transport=httpx.MockTransport(_answering)), endpoints=lambda model: (A, B))
+    matched, local = _completions("matched"), _picked_locally()
+    try:
+        meta = RequestMeta("r-late", "f", 0)
+        if failure_mode == "open":
+            async with flow.session(_completion(PROMPT), meta) as session:
+                await session.read_all()
+            assert _picked_locally() > local  # the degraded mode's pick served it
+        else:
+            with pytest.raises(errors.NoEndpointsAvailable):
+                async with flow.session(_completion(PROMPT), meta):
+                    pass
+        assert late.picked >= 1  # epp counted the pick
+        await _until(epp.freed)  # ... and was told how it ended
+        assert _completions("matched") >= matched + 1
+    finally:
+        await flow.aclose()
+        await client.close()
+        await server.stop(0)
 
 
 async def test_unknown_model_with_epp_failing_closed_reports_nothing() -> None:
     picker = _RecordingPicker(fail=errors.UnknownModel("no such model"))
-    flow = _flow(picker, _answering, failure_mode="closed")
-    try:
-        with pytest.raises(ModelUnavailable):
-            async with flow.session(_completion(PROMPT), RequestMeta("r-unknown", "f", 0)):
-                pass
-    finally:
-        await flow.aclose()
+    await _complete(_flow(picker, _answering, failure_mode="closed"), RequestMeta("r-unknown", "f", 0), ModelUnavailable)
     assert picker.completed == []
 
 
 async def test_a_pick_epp_answered_is_reported_not_dispatched_under_its_epp_id() -> None:
     picker = _RecordingPicker()
-    flow = _flow(picker, _refusing)
     meta = RequestMeta("r-epp", "f", 0)
-    try:
-        with pytest.raises(errors.NoEndpointsAvailable):
-            async with flow.session(_completion(PROMPT), meta):
-                pass
-    finally:
-        await flow.aclose()
+    await _complete(_flow(picker, _refusing), meta, errors.NoEndpointsAvailable)
     assert {q.request_id for q in picker.queries} == {meta.epp_request_id}
     assert [(c.request_id, c.outcome) for c in picker.completed] == [(meta.epp_request_id, CompletionOutcome.NOT_DISPATCHED)]
 

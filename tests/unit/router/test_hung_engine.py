@@ -299,7 +299,8 @@ PROBE = SLOW.model_copy(update={"engine_health_probe_after_seconds": 0.1})
 class _Engine:
     """Host ``a``: its answers (SSE pieces) wait on ``go`` before the piece number ``stall_at`` (None: no
     wait); its ``GET /health`` answers ``health`` after ``health_delay`` s (None: never answers, as a
-    SIGSTOPped engine). Every other host answers at once. Counts the probes and the most that ran at once."""
+    SIGSTOPped engine). Every other host answers at once. Counts the probes and the most that ran at once,
+    and records the host of every other request (``posts``), in order."""
 
     stall_at: int | None = 0
     health: int | None = None
@@ -308,6 +309,7 @@ class _Engine:
     probes: int = 0
     probing: int = 0
     most_probing: int = 0
+    posts: list[str] = field(default_factory=list)
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         hung = request.url.host == "a"
@@ -320,6 +322,7 @@ class _Engine:
             if self.health not in (None, 200):
                 return httpx.Response(self.health or 503)
             return httpx.Response(200, content=self._probe())
+        self.posts.append(request.url.host)
         pieces = [e + b"\n\n" for e in SSE.split(b"\n\n") if e]
 
         async def body() -> AsyncIterator[bytes]:
@@ -399,14 +402,7 @@ async def test_a_health_that_never_answers_ends_the_wait_after_the_slow_span_and
     to B (the cut closes A's connection either way): counted ``health_probe_timed_out`` /
     ``redispatched`` and a retry. One /health GET, never cancelled nor re-queued behind it."""
     engine = _Engine(stall_at=0, health=None)
-    posts: list[str] = []
-
-    def answer(request: httpx.Request) -> httpx.Response:
-        if request.url.path != "/health":
-            posts.append(request.url.host)
-        return engine(request)
-
-    flow = _flow(TIMED_OUT, answer)
+    flow = _probe_flow(engine, TIMED_OUT)
     before = _stalled("health_probe_timed_out", "redispatched")
     abandoned = _stalled("health_probe_timed_out", "abandoned")
     retries = REGISTRY.get_sample_value("kvmesh_router_upstream_retries_total") or 0.0
@@ -415,7 +411,7 @@ async def test_a_health_that_never_answers_ends_the_wait_after_the_slow_span_and
         raw = b"".join([c.raw async for c in session.iter_events()])
     elapsed = asyncio.get_running_loop().time() - started
     assert session.endpoint.id == B.id and session.attempts == 2 and raw == SSE
-    assert posts == ["a", "b"]
+    assert engine.posts == ["a", "b"]
     assert _stalled("health_probe_timed_out", "redispatched") == before + 1
     assert _stalled("health_probe_timed_out", "abandoned") == abandoned
     assert (REGISTRY.get_sample_value("kvmesh_router_upstream_retries_total") or 0.0) == retries + 1
@@ -432,19 +428,12 @@ async def test_one_health_get_at_a_time_and_a_late_answer_counts_as_alive() -> N
     timeouts would never end), which counts as alive: the request is not cut, the engine answers it, and
     no two GETs to the endpoint run at once."""
     engine = _Engine(stall_at=0, health=200, health_delay=0.4)
-    posts: list[str] = []
-
-    def answer(request: httpx.Request) -> httpx.Response:
-        if request.url.path != "/health":
-            posts.append(request.url.host)
-        return engine(request)
-
-    flow = _flow(TIMED_OUT, answer)
+    flow = _probe_flow(engine, TIMED_OUT)
     before = _no_stall()
     asyncio.get_running_loop().call_later(2.0, engine.go.set)
     async with flow.session(_request(False), META) as session:
         raw = await session.read_all()
-    assert session.endpoint.id == A.id and session.attempts == 1 and raw == SSE and posts == ["a"]
+    assert session.endpoint.id == A.id and session.attempts == 1 and raw == SSE and engine.posts == ["a"]
     assert engine.probes >= 2 and engine.most_probing == 1 and _no_stall() == before
     await flow.aclose()
 
@@ -457,19 +446,12 @@ async def test_a_busy_engine_whose_health_is_slower_than_the_timeout_is_not_cut(
     engine_health_slow_fail_seconds (the default, 60 s): the request is not cut, the engine gets it once."""
     config = PROBE.model_copy(update={"engine_health_probe_after_seconds": 0.3})
     engine = _Engine(stall_at=0, health=200, health_delay=0.5)
-    posts: list[str] = []
-
-    def answer(request: httpx.Request) -> httpx.Response:
-        if request.url.path != "/health":
-            posts.append(request.url.host)
-        return engine(request)
-
-    flow = _flow(config, answer)
+    flow = _probe_flow(engine, config)
     before = _no_stall()
     asyncio.get_running_loop().call_later(2.0, engine.go.set)
     async with flow.session(_request(stream), META) as session:
         raw = b"".join([c.raw async for c in session.iter_events()])
-    assert session.endpoint.id == A.id and session.attempts == 1 and raw == SSE and posts == ["a"]
+    assert session.endpoint.id == A.id and session.attempts == 1 and raw == SSE and engine.posts == ["a"]
     assert engine.probes >= 2 and _no_stall() == before
     await flow.aclose()
 
@@ -717,29 +699,38 @@ def _never() -> httpx.Response:
     return httpx.Response(200, content=never())
 
 
+SLOW_FAIL = TIMED_OUT.model_copy(update={"engine_health_slow_fail_seconds": 1.5})
+"""Probes that only time out fail the endpoint once they span 1.5 s within a wait: the slow-run tests'
+silences (0.35-0.5 s) stay a second short of it, so a stalled event loop on a loaded box cannot cut them."""
+
+
 async def test_an_old_slow_run_does_not_cut_a_later_wait() -> None:
     """The reviewer's repro (/tmp/v11/test_slow_run_spans_gap.py): /health never answers; request H stays
     bound to A (the endpoint's probe state kept); request X waits silent and its client leaves at 0.4 s
-    (one unanswered GET); 1 s later request Y is silent for 0.5 s and then answered. The old run says
-    nothing of Y's wait (nobody probed in between, and a run is measured within the wait): Y may only be
-    cut after the threshold + engine_health_slow_fail_seconds (0.7 s) of its own, so it is answered."""
-    def answer(request: httpx.Request) -> httpx.Response:
+    (one unanswered GET, sent at about 0.1 s and kept running up to engine_health_slow_fail_seconds (1.5 s) +
+    the probe timeout); 1.8 s later, at about 2.2 s, request Y is silent for 0.5 s and then answered. By
+    then the old run, begun at 0.1 s, spans more than 1.5 s: counted, it would cut Y at Y's threshold.
+    It says nothing of Y's wait (nobody probed in between, and a run is measured within the wait): Y may
+    only be cut after 1.5 s of its own, a second after its answer, so it is answered. X and Y send no
+    byte at all while silent (not even headers: a byte heard from the endpoint would end the run itself)."""
+    async def answer(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/health":
             return _never()
         prompt = request.content
+        if b'"x"' in prompt:
+            await asyncio.Event().wait()
+        if b'"y"' in prompt:
+            await asyncio.sleep(0.5)  # y: answered whole after 0.5 s of silence
 
         async def body() -> AsyncIterator[bytes]:
             if b'"hold"' in prompt:
                 yield SSE.split(b"\n\n")[0] + b"\n\n"
                 await asyncio.Event().wait()
-            if b'"x"' in prompt:
-                await asyncio.Event().wait()
-            await asyncio.sleep(0.5)  # y: answered whole after 0.5 s of silence
             yield SSE
 
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
 
-    flow = RequestFlow(TIMED_OUT, lambda: CATALOG, FakeAdmission(), FakePicker((A,)),
+    flow = RequestFlow(SLOW_FAIL, lambda: CATALOG, FakeAdmission(), FakePicker((A,)),
                        httpx.AsyncClient(transport=httpx.MockTransport(answer)))
     before = _no_stall()
     hold = flow.session(_prompted("hold"), RequestMeta("h", "f", 0))
@@ -753,7 +744,7 @@ async def test_an_old_slow_run_does_not_cut_a_later_wait() -> None:
     await asyncio.sleep(0.4)
     xt.cancel()  # X's client leaves after one unanswered GET
     await asyncio.gather(xt, return_exceptions=True)
-    await asyncio.sleep(1.0)
+    await asyncio.sleep(1.8)
     async with flow.session(_prompted("y"), RequestMeta("y", "f", 0)) as session:
         raw = b"".join([c.raw async for c in session.iter_events()])
     assert session.endpoint.id == A.id and session.attempts == 1 and raw == SSE
@@ -766,25 +757,29 @@ async def test_bytes_between_probes_end_the_slow_run() -> None:
     """The sibling (/tmp/v11/test_slow_run_spans_bytes.py): /health never answers while the engine answers
     every request after 0.35 s of silence, a new one every 0.3 s (so the endpoint's probe state stays
     bound): each answer is a byte heard from the endpoint, which ends the run, so no request is cut,
-    though the unanswered /health spans far more than engine_health_slow_fail_seconds (0.6 s)."""
+    though the unanswered /health spans 2.7 s, far more than engine_health_slow_fail_seconds (1.5 s); so
+    is request L, silent 2.2 s from the start: a run not ended by those bytes would span its wait past
+    1.5 s (cut at about 1.6 s), but each byte starts a new one, so its runs last about 0.3 s."""
     async def answer(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/health":
             return _never()
-        await asyncio.sleep(0.35)  # vLLM non-streamed: headers and body only once generated
+        # vLLM non-streamed: headers and body only once generated
+        await asyncio.sleep(2.2 if b'"long"' in request.content else 0.35)
         return httpx.Response(200, headers={"content-type": "application/json"}, content=SSE)
 
-    flow = RequestFlow(TIMED_OUT, lambda: CATALOG, FakeAdmission(), FakePicker((A,)),
+    flow = RequestFlow(SLOW_FAIL, lambda: CATALOG, FakeAdmission(), FakePicker((A,)),
                        httpx.AsyncClient(transport=httpx.MockTransport(answer)))
     before = _no_stall()
 
-    async def one(i: int) -> tuple[str, bytes]:
-        async with flow.session(_request(False), RequestMeta(f"r{i}", "f", 0)) as session:
+    async def one(i: int, request: RouterRequest) -> tuple[str, bytes]:
+        async with flow.session(request, RequestMeta(f"r{i}", "f", 0)) as session:
             return session.endpoint.id, await session.read_all()
 
-    tasks = []
+    long = validate_request(RequestKind.COMPLETION, {"model": "tiny", "prompt": "long", "max_tokens": 2}, CATALOG, 1024)
+    tasks = [asyncio.ensure_future(one(-1, long))]
     for i in range(8):
-        tasks.append(asyncio.ensure_future(one(i)))
+        tasks.append(asyncio.ensure_future(one(i, _request(False))))
         await asyncio.sleep(0.3)
-    assert await asyncio.gather(*tasks) == [(A.id, SSE)] * 8
+    assert await asyncio.gather(*tasks) == [(A.id, SSE)] * 9
     assert _no_stall() == before
     await flow.aclose()
