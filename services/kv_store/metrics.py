@@ -13,6 +13,8 @@
 | ``kvmesh_kv_store_degraded_operations_total`` | counter | ``tier`` (the tier was unavailable or full and skipped) |
 | ``kvmesh_kv_store_dropped_total`` | counter | ``tier``, ``reason`` (demotions / write-throughs the tier did not take: ``unavailable``, ``full``, ``too_large``) |
 | ``kvmesh_kv_store_lost_total`` | counter | ``tier`` (values it evicted that no slower tier could take) |
+| ``kvmesh_kv_store_promotions_undone_total`` | counter | (promotions rolled back: a value they evicted found no tier) |
+| ``kvmesh_kv_store_promotions_superseded_total`` | counter | (promotions dropped: a put or delete of the key ran meanwhile) |
 | ``kvmesh_kv_store_operation_seconds`` | histogram | ``tier``, ``op`` (put, get, contains, evict) |
 
 ``tier`` is the tier's kind (``cpu``, ``disk``, ``sharedfs``, ``mooncake``); ``medium`` is vLLM's
@@ -93,6 +95,18 @@ class KvStoreCollector(Collector):
         yield degraded
         yield dropped
         yield lost
+        undone = CounterMetricFamily(
+            "kvmesh_kv_store_promotions_undone",
+            "Promotions rolled back because a value they evicted found no tier (the read lost nothing).",
+        )
+        undone.add_metric([], metrics.promotions_undone)
+        yield undone
+        superseded = CounterMetricFamily(
+            "kvmesh_kv_store_promotions_superseded",
+            "Promotions dropped because a put or delete of the key ran meanwhile (the read value was stale).",
+        )
+        superseded.add_metric([], metrics.promotions_superseded)
+        yield superseded
         latency = HistogramMetricFamily(
             "kvmesh_kv_store_operation_seconds", "Latency of tier operations in seconds.", labels=["tier", "op"]
         )

@@ -12,12 +12,21 @@ medium, spill the least recently used downwards):
 * ``get`` searches the tiers in order. A hit in a slower tier is **promoted** to the first tier
   (``promote_on_hit``); it leaves a private tier (local tiers are exclusive, so one copy per
   instance) and stays in a shared one (other instances read it too). A promotion is a **swap**:
-  the hit's private copy is removed first, so the first tier's victims are demoted into the room
-  it leaves (a full disk, by its budget or by ENOSPC, still takes them). A read never loses a
-  value: when a victim of the promotion's cascade finds no tier, the promotion is undone (the
-  promoted key leaves the first tier, the victim returns there, the key returns to its tier;
-  ``promotions_undone``), and a promotion whose key a put or delete replaced meanwhile is
-  dropped (``promotions_superseded``: the stale value never overwrites the new one).
+  the key is stored in the first tier first (readable there at once: a concurrent get of the same
+  key, the usual case for a popular prefix block, never misses it), then its private slower copy
+  is removed, then the first tier's victims are demoted into the room that leaves (a full disk,
+  by its budget or by ENOSPC, still takes them). A promotion loses no value to a failed
+  demotion: when a victim of its cascade finds no tier, the promotion is undone (the key returns
+  to the tier it left, then leaves the first tier, then the victim returns there;
+  ``promotions_undone``). The last tier's own LRU eviction still applies (a victim demoted into a
+  full last tier evicts that tier's least recently used value, as any demotion does). A promotion
+  never overwrites a newer value: a put or delete of the key in flight when the read began, or
+  begun before the promotion's first-tier write, drops it; one begun after that write is ordered
+  after it on the first tier and removes the slower copies itself (``promotions_superseded``
+  counts both). A put whose first-tier write fails stored nothing and takes its count back (a
+  promotion that checks before the failure steps aside having removed nothing; one that checks
+  after goes on). A get that missed everywhere while another get promoted its key looks
+  again (:data:`MISS_RESCANS`).
 * ``contains`` is true when any tier holds the key; ``delete`` drops it everywhere.
 * **Restart.** Tiers that survive a restart (disk, shared FS) keep each value's description (the
   engine's ``BlockStored``) with it and rescan at start; the store adopts what they found at
@@ -66,7 +75,7 @@ from kvmesh.logging import RateLimitedLog
 from kvmesh.types import Medium
 from services.kv_store.errors import KeyNotFound, StorageFull, TierUnavailable, ValueTooLarge
 from services.kv_store.residency import BadBlockEvent, Residency, parse_block_event
-from services.kv_store.tiers.base import StoreTier, TierStats
+from services.kv_store.tiers.base import PutResult, StoreTier, TierStats
 
 MAX_KEY_BYTES = 4096
 MAX_CONTAINS_KEYS = 100_000
@@ -79,6 +88,8 @@ DROP_REASONS = ("unavailable", "full", "too_large")
 """Why a tier did not take a demotion or write-through: :class:`TierUnavailable`,
 :class:`StorageFull` (both degraded modes), :class:`ValueTooLarge` (the value exceeds the tier's
 capacity: not a failure)."""
+MISS_RESCANS = 2
+"""Extra passes of a get that missed in every tier while a concurrent get promoted its key."""
 REPUBLISH_BATCH = 1024
 """Events per batch when republishing rescanned values (a 16 GiB disk tier of 2 MiB values: 8 batches)."""
 
@@ -139,6 +150,20 @@ class StoreMetrics:
     """Promotions rolled back because a value they evicted found no tier (the read lost nothing)."""
     promotions_superseded: int = 0
     """Promotions dropped because a put or delete of the key ran meanwhile (the read value was stale)."""
+
+
+@dataclass(slots=True)
+class _KeyWatch:
+    """The calls in flight on one key, and what a promotion needs to know of them."""
+
+    refs: int = 0
+    """Gets, puts and deletes of the key in flight (the slot is dropped at 0)."""
+    writes: int = 0
+    """Puts and deletes begun since the slot was made (a put that stored nothing takes its count back)."""
+    writing: int = 0
+    """Puts and deletes in flight."""
+    promoted: int = 0
+    """Promotions that stored the key in the first tier (a get that missed everywhere meanwhile looks again)."""
 
 
 def _short(key: str) -> str:
@@ -207,8 +232,8 @@ class BlockStore:
         self._error_log = RateLimitedLog(log, ERROR_LOG_INTERVAL_S)
         self.residency = Residency({tier.name: tier.medium for tier in self.tiers})
         self.on_events = on_events
-        self._watched: dict[str, list[int]] = {}
-        """key -> [gets in flight, puts and deletes since]: how a promotion sees it was superseded."""
+        self._watched: dict[str, _KeyWatch] = {}
+        """key -> the calls in flight on it: how a promotion sees it was superseded."""
         self.republished = self.adopt_rescanned()
         """Values found by the tiers' start-up rescans and published again (described ones)."""
 
@@ -302,6 +327,27 @@ class BlockStore:
 
     # -- placement ---------------------------------------------------------------------------
 
+    async def _store(self, index: int, key: str, value: bytes, reason: str) -> PutResult:
+        """Put into ``tiers[index]`` alone (its victims kept when a slower tier exists); the key is
+        readable there once this returns. Raises what ``tiers[index].put`` raises."""
+        tier = self.tiers[index]
+        last = index + 1 >= len(self.tiers)
+        meta = self.residency.encoded(key)  # kept by tiers that survive a restart
+        result = await self._timed(tier, "put", tier.put(key, value, keep_victims=not last, meta=meta))
+        self._moved(tier, reason, len(value))
+        self.residency.added(key, tier.name)
+        return result
+
+    async def _cascade(self, index: int, result: PutResult, unplaced: list[tuple[str, bytes]] | None) -> int:
+        """Demote the victims of a put into ``tiers[index]`` downwards; the values none took (see
+        :meth:`_place`)."""
+        lost = 0
+        for victim, victim_value in result.victims:
+            lost += await self._demote(index + 1, victim, victim_value, unplaced)
+        for victim in result.evicted:  # after the demotions: a move is a store, then a removal
+            self.residency.removed(victim, self.tiers[index].name)
+        return lost
+
     async def _place(
         self, index: int, key: str, value: bytes, reason: str, unplaced: list[tuple[str, bytes]] | None = None
     ) -> tuple[int, int]:
@@ -315,18 +361,8 @@ class BlockStore:
 
         Raises what ``tiers[index].put`` raises (callers below the first tier guard it).
         """
-        tier = self.tiers[index]
-        last = index + 1 >= len(self.tiers)
-        meta = self.residency.encoded(key)  # kept by tiers that survive a restart
-        result = await self._timed(tier, "put", tier.put(key, value, keep_victims=not last, meta=meta))
-        self._moved(tier, reason, len(value))
-        self.residency.added(key, tier.name)
-        lost = 0
-        for victim, victim_value in result.victims:
-            lost += await self._demote(index + 1, victim, victim_value, unplaced)
-        for victim in result.evicted:  # after the demotions: a move is a store, then a removal
-            self.residency.removed(victim, tier.name)
-        return len(result.evicted), lost
+        result = await self._store(index, key, value, reason)
+        return len(result.evicted), await self._cascade(index, result, unplaced)
 
     async def _demote(
         self, index: int, key: str, value: bytes, unplaced: list[tuple[str, bytes]] | None = None
@@ -381,11 +417,16 @@ class BlockStore:
             TierUnavailable / StorageFull: the first tier failed (nothing stored).
         """
         self.check_value_size(key, len(value))
-        self._written(key)
+        watch = self._begin_write(key)
         if block is not None:
             self.residency.describe(key, block)
         try:
-            evicted, lost = await self._place(0, key, value, "put")
+            try:
+                result = await self._store(0, key, value, "put")
+            except BaseException:
+                watch.writes -= 1  # stored nothing: no promotion needs to step aside for it
+                raise
+            evicted, lost = len(result.evicted), await self._cascade(0, result, None)
             for tier in self.tiers[1:]:
                 try:
                     if tier.name in self.write_through:
@@ -400,6 +441,7 @@ class BlockStore:
                     else:
                         self._failed(tier, "evict", exc)
         finally:
+            self._end_write(key, watch)
             self.residency.forget_if_absent(key)
             self._flush()
         return PutOutcome(self.tiers[0].medium, evicted, lost)
@@ -407,109 +449,170 @@ class BlockStore:
     async def get(self, key: str) -> StoredValue:
         """The value from the fastest tier holding it, promoted to the first tier on a slower hit.
 
+        A get that misses everywhere while a concurrent get of the key promoted it (the key moved
+        up past this one's scan) looks again, so a stored key is never missed for being moved.
+
         Raises:
             InvalidRequest: bad key. KeyNotFound: no reachable tier holds ``key``.
         """
         validate_key(key)
-        watch = self._watch(key)
-        writes = watch[1]
+        watch = self._enter(key)
+        writes, busy = watch.writes, watch.writing > 0
+
+        def superseded() -> bool:
+            # a put or delete in flight when the read began, or begun since: the read may be stale
+            return busy or watch.writes != writes
+
         try:
-            for index, tier in enumerate(self.tiers):
-                try:
-                    value = await self._timed(tier, "get", tier.get(key))
-                except (TierUnavailable, StorageFull) as exc:
-                    self._failed(tier, "get", exc)
-                    continue
-                if value is None:
-                    self.residency.removed(key, tier.name)  # dropped behind our back (corrupt, Mooncake eviction)
-                    continue
-                self.residency.added(key, tier.name)  # a shared value another instance wrote is adopted
-                if index > 0 and self.promote_on_hit and len(value) <= self.max_value_bytes:
-                    await self._promote(index, key, value, lambda: watch[1] != writes)
-                return StoredValue(value, tier.medium, tier.name)
+            for _ in range(1 + MISS_RESCANS):
+                promoted = watch.promoted
+                for index, tier in enumerate(self.tiers):
+                    try:
+                        value = await self._timed(tier, "get", tier.get(key))
+                    except (TierUnavailable, StorageFull) as exc:
+                        self._failed(tier, "get", exc)
+                        continue
+                    if value is None:
+                        self.residency.removed(key, tier.name)  # dropped behind our back (corrupt, Mooncake eviction)
+                        continue
+                    self.residency.added(key, tier.name)  # a shared value another instance wrote is adopted
+                    if index > 0 and self.promote_on_hit and len(value) <= self.max_value_bytes:
+                        await self._promote(index, key, value, watch, superseded)
+                    return StoredValue(value, tier.medium, tier.name)
+                if watch.promoted == promoted:
+                    break
         finally:
-            self._unwatch(key, watch)
+            self._leave(key, watch)
             self._flush()
         raise KeyNotFound(f"key {key!r} not found")
 
-    def _watch(self, key: str) -> list[int]:
-        slot = self._watched.setdefault(key, [0, 0])
-        slot[0] += 1
-        return slot
+    def _enter(self, key: str) -> _KeyWatch:
+        watch = self._watched.get(key)
+        if watch is None:
+            watch = self._watched[key] = _KeyWatch()
+        watch.refs += 1
+        return watch
 
-    def _unwatch(self, key: str, slot: list[int]) -> None:
-        slot[0] -= 1
-        if slot[0] == 0 and self._watched.get(key) is slot:
+    def _leave(self, key: str, watch: _KeyWatch) -> None:
+        watch.refs -= 1
+        if watch.refs == 0 and self._watched.get(key) is watch:
             del self._watched[key]
 
-    def _written(self, key: str) -> None:
-        """A put or delete of ``key`` began: promotions of a value read before it are stale."""
-        slot = self._watched.get(key)
-        if slot is not None:
-            slot[1] += 1
+    def _begin_write(self, key: str) -> _KeyWatch:
+        """A put or delete of ``key`` began: promotions of a value read before it are stale.
 
-    async def _promote(self, index: int, key: str, value: bytes, superseded: Callable[[], bool]) -> None:
+        Counted before the write's first tier operation is issued (no suspension in between), so a
+        promotion that checks :meth:`get`'s ``superseded`` and then issues its own first-tier put
+        (no suspension either) is ordered against it on that tier.
+        """
+        watch = self._enter(key)
+        watch.writes += 1
+        watch.writing += 1
+        return watch
+
+    def _end_write(self, key: str, watch: _KeyWatch) -> None:
+        watch.writing -= 1
+        self._leave(key, watch)
+
+    async def _promote(
+        self, index: int, key: str, value: bytes, watch: _KeyWatch, superseded: Callable[[], bool]
+    ) -> None:
         """Swap ``key`` (hit in ``tiers[index]``) into the first tier; see the module docstring.
 
-        1. The private copies between the first tier and the hit (the hit's own included) are
-           removed, so the first tier's victims are demoted into the room they leave.
-        2. ``key`` is placed in the first tier; a value its cascade could not place anywhere is
-           collected rather than lost.
-        3. If one was: undo. ``key`` leaves the first tier, the collected values are put back there
-           (the room ``key`` took), and ``key`` returns to the fastest private tier it left.
+        1. ``key`` is stored in the first tier, its victims kept aside: the key is readable at once
+           (in the first tier, and in its old tier until step 2), so a concurrent get never misses it.
+        2. The private copies between the first tier and the hit (the hit's own included) are
+           removed, which frees the room the victims need.
+        3. The victims are demoted into it (and on down); a value no tier takes is collected rather
+           than lost, and if one was, the promotion is undone (:meth:`_undo`).
 
-        ``superseded()`` is true once a put or delete of ``key`` began after the read: the promotion
-        stops there (the read value is stale; the put already replaced or removed the old copies).
+        ``superseded()`` is true once a put or delete of ``key`` was in flight when the read began
+        or began after it. Checked before step 1 (the promotion is dropped) and again after it (a
+        write that began meanwhile issued its first-tier operation after this promotion's, so it
+        replaces or removes this copy there, and removes the slower copies itself: step 2 is
+        skipped, the victims are still demoted). ``promotions_superseded`` counts both.
         """
         first = self.tiers[0]
-        freed: list[int] = []
-        for tier_index in range(1, index + 1):
-            tier = self.tiers[tier_index]
-            if tier.shared:
-                continue
-            try:
-                if await self._timed(tier, "evict", tier.evict(key)):
-                    freed.append(tier_index)  # its residency changes once the key landed (store, then removal)
-            except (TierUnavailable, StorageFull) as exc:
-                self._failed(tier, "evict", exc)
-        unplaced: list[tuple[str, bytes]] = []
         if superseded():
             self.metrics.promotions_superseded += 1
-            self._left(freed, key)
             return
         try:
-            await self._place(0, key, value, "promote", unplaced)
+            result = await self._store(0, key, value, "promote")
         except (TierUnavailable, StorageFull, ValueTooLarge) as exc:
             self._failed(first, "promote", exc)
-            self._left(freed, key)
-            await self._restore(freed, key, value, superseded)
-            return
-        self._left(freed, key)
-        if not unplaced:
-            return
+            return  # nothing moved: the key stays where it was read
+        watch.promoted += 1
+        freed: list[int] = []
+        if superseded():
+            self.metrics.promotions_superseded += 1
+        else:
+            for tier_index in range(1, index + 1):
+                tier = self.tiers[tier_index]
+                if tier.shared:
+                    continue
+                try:
+                    if await self._timed(tier, "evict", tier.evict(key)):
+                        freed.append(tier_index)
+                        self.residency.removed(key, tier.name)
+                except (TierUnavailable, StorageFull) as exc:
+                    self._failed(tier, "evict", exc)
+        unplaced: list[tuple[str, bytes]] = []
+        await self._cascade(0, result, unplaced)
+        if unplaced:
+            await self._undo(index, key, value, freed, unplaced, superseded)
+
+    async def _undo(
+        self,
+        index: int,
+        key: str,
+        value: bytes,
+        freed: list[int],
+        unplaced: list[tuple[str, bytes]],
+        superseded: Callable[[], bool],
+    ) -> None:
+        """Roll back a promotion whose victims (``unplaced``) found no tier.
+
+        ``key`` goes back first (to the fastest private tier it left, else on down; a shared hit
+        still holds it), then leaves the first tier, then the victims return to the room it took:
+        the key is readable throughout. When ``key`` can go back nowhere (the tiers it left failed
+        meanwhile, or a concurrent promotion removed the copy) it stays in the first tier and the
+        victims are lost. Superseded meanwhile: the write owns the key; only the victims return.
+        """
         self.metrics.promotions_undone += 1
-        log.info(
-            "promotion of key=%r undone: %d value(s) it evicted found no tier", _short(key), len(unplaced)
-        )
-        if not superseded() and await self._timed(first, "evict", first.evict(key)):
-            self.residency.removed(key, first.name)
+        log.info("promotion of key=%r undone: %d value(s) it evicted found no tier", _short(key), len(unplaced))
+        first = self.tiers[0]
+        back = True
+        if not superseded():
+            back = await self._put_back(freed[0], key, value) if freed else self.tiers[index].shared
+            if back and not superseded():
+                try:
+                    if await self._timed(first, "evict", first.evict(key)):
+                        self.residency.removed(key, first.name)
+                except (TierUnavailable, StorageFull) as exc:
+                    self._failed(first, "evict", exc)
         for victim, victim_value in unplaced:  # back into the room the promoted value took
+            if back:
+                try:
+                    await self._place(0, victim, victim_value, "restore")
+                    continue
+                except (TierUnavailable, StorageFull, ValueTooLarge) as exc:
+                    self._failed(first, "restore", exc)
+            self._lost(first.name, victim, len(victim_value))
+
+    async def _put_back(self, index: int, key: str, value: bytes) -> bool:
+        """Store ``key`` in ``tiers[index]``, else the first slower tier that takes it (as
+        :meth:`_demote`, losses of its cascade counted); ``False`` when none did."""
+        for tier_index in range(index, len(self.tiers)):
+            tier = self.tiers[tier_index]
+            if tier.name in self.write_through and (await self._safe_contains(tier, [key]))[0]:
+                self.residency.added(key, tier.name)
+                return True
             try:
-                await self._place(0, victim, victim_value, "restore")
+                await self._place(tier_index, key, value, "restore")
+                return True
             except (TierUnavailable, StorageFull, ValueTooLarge) as exc:
-                self._failed(first, "restore", exc)
-                self._lost(first.name, victim, len(victim_value))
-        await self._restore(freed, key, value, superseded)
-
-    def _left(self, freed: list[int], key: str) -> None:
-        for tier_index in freed:
-            self.residency.removed(key, self.tiers[tier_index].name)
-
-    async def _restore(self, freed: list[int], key: str, value: bytes, superseded: Callable[[], bool]) -> None:
-        """Put ``key`` back into the fastest private tier a failed promotion removed it from."""
-        if not freed or superseded():
-            return
-        await self._demote(freed[0], key, value)
+                self._dropped(tier, "restore", key, exc)
+        return False
 
     async def contains(self, keys: Sequence[str]) -> list[bool]:
         """One flag per key, in order; no LRU effect.
@@ -550,16 +653,19 @@ class BlockStore:
     async def delete(self, key: str) -> bool:
         """Drop ``key`` from every reachable tier; ``True`` when any held it. Raises InvalidRequest."""
         validate_key(key)
-        self._written(key)
+        watch = self._begin_write(key)
         deleted = False
-        for tier in self.tiers:
-            try:
-                if await self._timed(tier, "evict", tier.evict(key)):
-                    deleted = True
-                    self.residency.removed(key, tier.name)
-            except (TierUnavailable, StorageFull) as exc:
-                self._failed(tier, "delete", exc)
-        self._flush()
+        try:
+            for tier in self.tiers:
+                try:
+                    if await self._timed(tier, "evict", tier.evict(key)):
+                        deleted = True
+                        self.residency.removed(key, tier.name)
+                except (TierUnavailable, StorageFull) as exc:
+                    self._failed(tier, "delete", exc)
+        finally:
+            self._end_write(key, watch)
+            self._flush()
         return deleted
 
     def keys(self, prefix: str = "") -> list[str]:

@@ -81,9 +81,9 @@ async def test_promotion_and_delete_and_the_index_matches_the_tiers(tmp_path: Pa
         await store.put(f"k{i}", bytes([i]) * 10, block(i))
     mark = len(rec.batches)
     assert (await store.get("k0")).medium is Medium.DISK  # promoted: k1 demoted to make room
-    assert [e for e in rec.flat()[-4:]] == [
-        ("BlockStored", 100, "CPU"), ("BlockStored", 101, "DISK"), ("BlockRemoved", 101, "CPU"),
-        ("BlockRemoved", 100, "DISK"),
+    assert [e for e in rec.flat()[-4:]] == [  # each move a store, then a removal
+        ("BlockStored", 100, "CPU"), ("BlockRemoved", 100, "DISK"), ("BlockStored", 101, "DISK"),
+        ("BlockRemoved", 101, "CPU"),
     ]
     assert len(rec.batches) == mark + 1
     assert await store.delete("k2")
