@@ -168,7 +168,9 @@ def test_one_request_one_trace_across_services(start_service, etcd: str, run_dir
         assert admit["kvmesh.request_id"] == "trace-attrs-2" and admit["kvmesh.admission"] == "dispatched"
         assert float(admit["kvmesh.queue_seconds"]) >= 0
         pick = next(a for (s, n), a in spans.items() if s == "kvmesh-epp" and "Pick" in n)
-        assert pick["kvmesh.request_id"] == "trace-attrs-2" and pick["kvmesh.endpoint"] == endpoint
+        # epp knows the request by the client's id plus a suffix unique to this router request (docs/tracing.md)
+        assert str(pick["kvmesh.request_id"]).startswith("trace-attrs-2~") and pick["kvmesh.endpoint"] == endpoint
+        assert root["kvmesh.epp_request_id"] == pick["kvmesh.request_id"]
         assert "kvmesh.score.total" in pick
         score = next(a for (s, n), a in spans.items() if s == "kvmesh-kv_indexer" and "Score" in n)
         assert score["kvmesh.prefix.best_endpoint"] == endpoint

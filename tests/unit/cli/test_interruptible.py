@@ -25,6 +25,7 @@ SCRIPT = textwrap.dedent('''
     from kvmesh_cli.mesh import exit_on_signals, run_interruptible
 
     cancelled = threading.Event()
+    initial = signal.getsignal(signal.SIGINT)  # SIG_IGN when started in the background by a shell (CI), else Python's
 
     def log(line):
         print(line, flush=True)
@@ -60,7 +61,7 @@ SCRIPT = textwrap.dedent('''
             run_interruptible(work())
     except KeyboardInterrupt as exc:
         after = signal.getsignal(signal.SIGINT)
-        want = signal.SIG_IGN if guarded else signal.default_int_handler
+        want = signal.SIG_IGN if guarded else initial  # bare: the handler in force before, put back
         log(f"interrupted: {exc}; handler afterwards as expected: {after is want}")
         sys.exit(130)
     log("not interrupted")
