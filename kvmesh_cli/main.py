@@ -726,6 +726,13 @@ def replay_cmd(
         raise typer.Exit(1)
 
 
+def _how_interrupted(exc: KeyboardInterrupt) -> str:
+    """``"signal N"`` for a :func:`~kvmesh_cli.mesh.exit_on_signals` / ``run_interruptible`` interrupt
+    (its message is ``"signal N"``), else ``"Ctrl-C"`` (Python's own ``KeyboardInterrupt``)."""
+    signum = str(exc).removeprefix("signal ")
+    return f"signal {signum}" if signum.isdigit() else "Ctrl-C"
+
+
 @contextlib.contextmanager
 def _replay_interrupted(json_out: Path | None, run_dir: Path | None) -> Iterator[None]:
     """Ctrl-C (or SIGTERM/SIGHUP) during ``replay``: the mesh (if it started one) is stopped by its ``with``;
@@ -734,8 +741,7 @@ def _replay_interrupted(json_out: Path | None, run_dir: Path | None) -> Iterator
     try:
         yield
     except KeyboardInterrupt as exc:
-        signum = str(exc).removeprefix("signal ")
-        how = f"signal {signum}" if signum.isdigit() else "Ctrl-C"
+        how = _how_interrupted(exc)
         progress = next(iter(getattr(exc, "__notes__", [])), "")
         err_console.print(
             f"interrupted ({how}): the replay stopped before its end"
@@ -859,8 +865,7 @@ def _compare_interrupted(summaries: dict[str, dict[str, object]], total_runs: in
     try:
         yield
     except KeyboardInterrupt as exc:
-        signum = str(exc).removeprefix("signal ")
-        how = f"signal {signum}" if signum.isdigit() else "Ctrl-C"
+        how = _how_interrupted(exc)
         unwritten = [str(p) for p in (json_out, plot) if p is not None]
         err_console.print(
             f"interrupted ({how}): {len(summaries)} of {total_runs} runs finished ({', '.join(summaries) or 'none'}), "
@@ -1162,8 +1167,7 @@ def flows(
                     time.sleep(watch)
                     live.update(watched())
     except KeyboardInterrupt as exc:
-        signum = str(exc).removeprefix("signal ")
-        how = f"signal {signum}" if signum.isdigit() else "Ctrl-C"
+        how = _how_interrupted(exc)
         what = ("the watch stopped" if watch else "stopped while printing" if first is not None
                 else f"no answer from flow_control{' at ' + address if address else ''}")
         err_console.print(f"interrupted ({how}): {what}", markup=False, highlight=False, soft_wrap=True)

@@ -8,6 +8,7 @@
   value the probe returned (or the last exception it raised, when told to tolerate it).
 - ``serve_registered`` / ``stop_registered``: a test's own HTTP engine (any ASGI app) on 127.0.0.1 with
   an etcd registration under its endpoint key, as a real engine's sidecar would write it.
+- ``OutputLines``: a subprocess's merged output, read on a thread (``text``, ``wait_for``, ``rest``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import asyncio
 import inspect
 import json
 import os
+import queue
+import subprocess
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -210,3 +214,41 @@ async def stop_registered(server: HttpServer | None, registration: LeaseRegistra
         await registration.stop()
     if server is not None:
         await server.stop()
+
+
+class OutputLines:
+    """A subprocess's merged stdout/stderr, read line by line on a daemon thread, so a test can look at what
+    it printed so far without blocking on the pipe."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc, self.seen = proc, ""
+        self._q: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._q.put(line)
+
+    def text(self) -> str:
+        """Everything printed so far."""
+        while True:
+            try:
+                self.seen += self._q.get_nowait()
+            except queue.Empty:
+                return self.seen
+
+    def wait_for(self, text: str, timeout: float = 60.0) -> str:
+        """Everything printed once ``text`` has been; fails the test after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while text not in self.seen:
+            try:
+                self.seen += self._q.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"{text!r} not printed within {timeout} s; output so far:\n{self.seen}")
+        return self.seen
+
+    def rest(self) -> str:
+        """Everything printed, once the process has exited (its pipe drained)."""
+        time.sleep(0.2)
+        return self.text()

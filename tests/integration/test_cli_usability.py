@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import queue
 import re
 import shutil
 import signal
@@ -25,7 +24,7 @@ import httpx
 import pytest
 
 from kvmesh_cli.launcher import ManagedProcess, free_port, python_module, wait_http_ok
-from tests.support import wait_until
+from tests.support import OutputLines, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -37,33 +36,12 @@ def kvmesh(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvmesh_cli.main", *args]
 
 
-class Lines:
-    """A subprocess's merged output, read line by line on a thread."""
-
-    def __init__(self, proc: subprocess.Popen[str]) -> None:
-        self.proc, self.seen = proc, []
-        self._q: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._q.put(line)
-
-    def text(self) -> str:
-        while True:
-            try:
-                self.seen.append(self._q.get_nowait())
-            except queue.Empty:
-                return "".join(self.seen)
-
-
 def test_two_ups_started_in_the_same_second_each_get_their_own_run_folder(tmp_path: Path) -> None:
     """Before: both used ``.run/up-<second>``; the second's etcd failed on the first's lock. Now both serve."""
     procs = [subprocess.Popen(kvmesh("up", "--engines", "1"), cwd=tmp_path, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, env={**ENV, "PYTHONPATH": str(REPO)})
              for _ in range(2)]
-    outs = [Lines(p) for p in procs]
+    outs = [OutputLines(p) for p in procs]
     try:
         for out in outs:
             wait_until(lambda out=out: "kvmesh ready: router " in out.text() or out.proc.poll() is not None, 180,
@@ -184,7 +162,7 @@ def test_replay_interrupted_says_what_was_not_written_and_exits_130(
     out = tmp_path / "never.json"
     proc = subprocess.Popen(kvmesh("replay", "--router", simulator, "--requests", "400", "--json-out", str(out)),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
-    lines = Lines(proc)
+    lines = OutputLines(proc)
     try:
         wait_until(lambda: _served(simulator), 60, "the engine serving the replay's first requests",
                    interval=0.2)
@@ -219,7 +197,7 @@ def test_flows_watch_shows_flow_control_down_and_keeps_watching(tmp_path: Path, 
         address = f"127.0.0.1:{wait_until(lambda: ports.is_file() and json.loads(ports.read_text()), 30, 'ports')['grpc']}"
         watch = subprocess.Popen(kvmesh("flows", "--flow-control", address, "--watch", "0.2"), stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True, env=ENV)
-        lines = Lines(watch)
+        lines = OutputLines(watch)
         wait_until(lambda: "bands (highest first)" in lines.text(), 60, "the first tables", interval=0.2)
         fc.stop()
         wait_until(lambda: "DOWN: flow_control at" in lines.text(), 30, "the DOWN line", interval=0.2)
@@ -301,7 +279,7 @@ def test_interrupted_while_the_first_call_waits_on_a_silent_address_exits_130(
         "replay-epp": ["replay", "--router", "http://127.0.0.1:9", "--epp", silent.address, "--requests", "5"],
     }[case]
     proc = subprocess.Popen(kvmesh(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
-    lines = Lines(proc)
+    lines = OutputLines(proc)
     try:
         assert silent.spoken.wait(30), lines.text()  # the call is in flight: connected, waiting for a reply
         time.sleep(0.3)

@@ -7,16 +7,15 @@ force before were put back as soon as the coroutine ended, while ``asyncio.run``
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import sys
 import textwrap
-import threading
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.support import OutputLines
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -68,41 +67,13 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-class Lines:
-    def __init__(self, proc: subprocess.Popen[str]) -> None:
-        self.proc, self.seen = proc, ""
-        self._q: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._q.put(line)
-
-    def wait_for(self, text: str, timeout: float = 60.0) -> str:
-        deadline = time.monotonic() + timeout
-        while text not in self.seen:
-            try:
-                self.seen += self._q.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"{text!r} not printed within {timeout} s; output so far:\n{self.seen}")
-        return self.seen
-
-    def rest(self) -> str:
-        """Everything printed, once the process has exited (its pipe closed)."""
-        time.sleep(0.2)
-        while not self._q.empty():
-            self.seen += self._q.get_nowait()
-        return self.seen
-
-
 @pytest.mark.parametrize("mode", ["bare", "guarded"])
 def test_second_and_third_signal_while_the_loop_unwinds_are_ignored(tmp_path: Path, mode: str) -> None:
     script = tmp_path / "interrupt.py"
     script.write_text(SCRIPT)
     proc = subprocess.Popen([sys.executable, str(script), mode], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-    lines = Lines(proc)
+    lines = OutputLines(proc)
     try:
         lines.wait_for("ready")
         proc.send_signal(signal.SIGINT)
