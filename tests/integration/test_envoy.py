@@ -14,7 +14,9 @@ filter in GIE's ``FULL_DUPLEX_STREAMED`` body mode and in ``BUFFERED`` mode.
   engine that served it first (Envoy's ``x-upstream-host``) and that engine reports the prefix as
   ``cached_tokens``; a streamed answer passes through the full-duplex response path; the same in
   ``BUFFERED`` mode and in docs/envoy.md's faster variant (GIE's full-duplex request, response headers
-  only: ``response_body_mode: NONE``, ``response_trailer_mode: SKIP``);
+  only: ``response_body_mode: NONE``, ``response_trailer_mode: SKIP``), and ``BUFFERED`` with no response
+  message (``response_header_mode: SKIP``: the request's two messages only; docs/envoy.md "No response
+  message");
 - bad input through Envoy: the protocol's statuses (400, 404, 503) with OpenAI error bodies; the
   subset hint restricts the pick; a bodiless GET is routed;
 - epp down: fail-closed Envoy answers 503, fail-open Envoy (BUFFERED) serves from its fallback cluster (200).
@@ -59,7 +61,7 @@ def _replace_once(text: str, old: str, new: str) -> str:
 
 
 def envoy_config(listen: int, admin: int, epp_port: int, engines: list[int], *, buffered: bool = False,
-                 fail_open: bool = False, response_bodies: bool = True) -> str:
+                 fail_open: bool = False, response_bodies: bool = True, response_headers: bool = True) -> str:
     text = doc_config()
     for key, port in (("listen", listen), ("admin", admin), ("epp", epp_port),
                       ("engine_a", engines[0]), ("engine_b", engines[1])):
@@ -73,6 +75,8 @@ def envoy_config(listen: int, admin: int, epp_port: int, engines: list[int], *, 
     if not response_bodies:  # docs/envoy.md "Response bodies": GIE's request mode, response headers only
         text = _replace_once(text, "response_body_mode: FULL_DUPLEX_STREAMED", "response_body_mode: NONE")
         text = _replace_once(text, "response_trailer_mode: SEND", "response_trailer_mode: SKIP")
+    if not response_headers:  # docs/envoy.md "No response message": epp sees the request only
+        text = _replace_once(text, "response_header_mode: SEND", "response_header_mode: SKIP")
     if fail_open:
         text = _replace_once(text, "failure_mode_allow: false", "failure_mode_allow: true")
     return text
@@ -208,14 +212,16 @@ def first_answer(envoy: Envoy) -> httpx.Response:
     )
 
 
-@pytest.mark.parametrize("mode", ["FULL_DUPLEX_STREAMED", "BUFFERED", "FULL_DUPLEX_STREAMED-no-response-body"])
+@pytest.mark.parametrize("mode", ["FULL_DUPLEX_STREAMED", "BUFFERED", "FULL_DUPLEX_STREAMED-no-response-body",
+                                  "BUFFERED-no-response"])
 def test_prefix_affinity_through_envoy(mesh: Mesh, mode: str) -> None:
     envoy = start_envoy(mesh.run_dir, f"envoy-affinity-{mode}", envoy_config(
-        free_port(), free_port(), mesh.epp_ext_proc, mesh.engines, buffered=mode == "BUFFERED",
-        response_bodies=not mode.endswith("no-response-body")))
+        free_port(), free_port(), mesh.epp_ext_proc, mesh.engines, buffered=mode.startswith("BUFFERED"),
+        response_bodies=not mode.endswith("no-response-body"), response_headers=not mode.endswith("no-response")))
     try:
         first_answer(envoy)
-        seeds = {"BUFFERED": range(10, 15), "FULL_DUPLEX_STREAMED": range(20, 25)}.get(mode, range(60, 65))
+        seeds = {"BUFFERED": range(10, 15), "FULL_DUPLEX_STREAMED": range(20, 25),
+                 "BUFFERED-no-response": range(70, 75)}.get(mode, range(60, 65))
         for seed in seeds:
             tokens = prompt(seed)
             reply = post(envoy, "/v1/completions", {"model": MODEL, "prompt": tokens, "max_tokens": 2})
