@@ -414,11 +414,14 @@ class InMemoryIndex:
                 medium = _parse_medium(event.medium)
             except ValueError:
                 return ApplyOutcome.INVALID
+        hashes = _uint64_hashes(event.block_hashes)
+        if not event.token_ids and hashes and event.block_size in (0, state.block_size):
+            # vLLM 0.32 OffloadingConnector's form: hashes only, a new medium. Its default (not
+            # self-describing) placeholder carries block_size 0, one hash per event
+            # (vllm/distributed/kv_transfer/kv_connector/v1/offloading/events.py, _placeholder_stored).
+            return self._apply_medium_only(state, hashes, medium)
         if event.block_size != state.block_size and not self._adopt_block_size(state, event.block_size):
             return ApplyOutcome.INVALID
-        hashes = _uint64_hashes(event.block_hashes)
-        if not event.token_ids and hashes:  # vLLM 0.32 OffloadingConnector's form: hashes only, a new medium
-            return self._apply_medium_only(state, hashes, medium)
         if len(event.token_ids) != len(hashes) * state.block_size:
             return ApplyOutcome.INVALID
         parent_key: int | None = None  # None: the chain starts a prompt (its key scope's root)

@@ -116,3 +116,21 @@ async def test_offload_connector_medium_only_store_adds_cpu_to_known_blocks() ->
     assert by_id(indexer)[E3] == (3, {Medium.GPU: 1, Medium.CPU: 3})
     assert indexer.parity.mismatches() == {}
     await pool.shutdown()
+
+
+async def test_offload_connector_default_placeholder_events_with_block_size_zero_add_cpu() -> None:
+    """vLLM 0.32's OffloadingConnector without ``self_describing_kv_events`` (its default) emits each
+    CPU store as a placeholder: one hash, no parent, no tokens, ``block_size=0``
+    (offloading/events.py ``_placeholder_stored``). They mark known blocks as on CPU too."""
+    indexer, pool, seqs = await setup()
+    await send(pool, seqs, E3, blocks(0, 3))
+    placeholders = [BlockStored(block_hashes=[h], parent_block_hash=None, token_ids=[], block_size=0, medium="CPU")
+                    for h in (100, 101, 102)]
+    await send(pool, seqs, E3, [*placeholders, BlockRemoved(block_hashes=[101, 102], medium="GPU")])
+    assert by_id(indexer)[E3] == (3, {Medium.GPU: 1, Medium.CPU: 3})
+    assert indexer.parity.mismatches() == {}
+    # block_size 0 with token ids is no vLLM form: refused, nothing changes
+    await send(pool, seqs, E3, [BlockStored(block_hashes=[103], parent_block_hash=100, token_ids=[1] * B,
+                                            block_size=0, medium="GPU")])
+    assert by_id(indexer)[E3] == (3, {Medium.GPU: 1, Medium.CPU: 3})
+    await pool.shutdown()
