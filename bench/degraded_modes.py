@@ -84,12 +84,17 @@ async def _run(mesh: Mesh, victim: str, requests: int, concurrency: int) -> dict
             "killed_at_s": round(killed_at or 0.0, 2)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line; abbreviations (``--req`` for ``--requests``) are refused."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--json-out", type=Path)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     rows = []
     for victim in ("flow_control", "epp"):
         with tempfile.TemporaryDirectory() as tmp:

@@ -348,8 +348,9 @@ async def indexer_modes(
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line; abbreviations (``--req`` for ``--requests``) are refused."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--endpoints", type=int, default=100)
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--prompts", type=int, default=20, help="distinct documents endpoints cache prefixes of")
@@ -360,7 +361,11 @@ def main() -> None:
                         help="in-process rows only (decision, pick match given / local index / replica): A/B runs")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="time with the wall clock (default) or the process's CPU time (loaded machines)")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     global CLOCK
     CLOCK = time.perf_counter if args.clock == "wall" else time.process_time
     rows = asyncio.run(run(args))

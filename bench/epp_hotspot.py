@@ -151,19 +151,24 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line; abbreviations (``--req`` for ``--requests``) are refused."""
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--policy", default="precise-prefix")
+    parser.add_argument("--trace", type=Path, default=None)
+    parser.add_argument("--workload", default="multi-turn")
+    parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--num-gpu-blocks", type=int, default=7000)
+    parser.add_argument("--time-scale", type=float, default=2.0)
+    parser.add_argument("--engines", type=int, default=4)
+    parser.add_argument("--sample-interval", type=float, default=0.25)
+    parser.add_argument("--run-dir", type=Path, default=Path(".run/hotspot"))
+    parser.add_argument("--out", type=Path, default=None)
+    return parser
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--policy", default="precise-prefix")
-    ap.add_argument("--trace", type=Path, default=None)
-    ap.add_argument("--workload", default="multi-turn")
-    ap.add_argument("--requests", type=int, default=400)
-    ap.add_argument("--num-gpu-blocks", type=int, default=7000)
-    ap.add_argument("--time-scale", type=float, default=2.0)
-    ap.add_argument("--engines", type=int, default=4)
-    ap.add_argument("--sample-interval", type=float, default=0.25)
-    ap.add_argument("--run-dir", type=Path, default=Path(".run/hotspot"))
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
+    args = build_parser().parse_args()
 
     wl = load_workload(args.trace, args.workload, args.requests, 0, None, 512)
     run_dir = (args.run_dir / f"{Path(args.policy).stem}-{args.num_gpu_blocks}-{int(time.time())}").resolve()

@@ -212,13 +212,18 @@ async def main(args: argparse.Namespace) -> list[tuple[float, dict[str, str], di
     return rows
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line; abbreviations (``--req`` for ``--requests``) are refused."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--max-age", type=float, default=2.0, help="max_metrics_age_seconds (s)")
     parser.add_argument("--stalls", type=float, nargs="+", default=[1.0, 2.5, 5.0], help="stall lengths (s)")
     parser.add_argument("--idle-seconds", type=float, default=4.0, help="length of each idle CPU sample (s)")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG of the stall rows (matplotlib)")
-    args = parser.parse_args()
+    return parser
+
+
+if __name__ == "__main__":
+    args = build_parser().parse_args()
     result = asyncio.run(main(args))
     if args.plot:
         try:

@@ -361,8 +361,9 @@ async def tokenizer_ab(args: argparse.Namespace) -> list[tuple[str, float, float
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line; abbreviations (``--req`` for ``--requests``) are refused."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--endpoints", type=int, default=100)
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--history-tokens", type=int, default=30000)
@@ -394,7 +395,11 @@ def main() -> None:
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--clock", choices=("wall", "cpu", "thread"), default="wall",
                         help="time with the wall clock (default), the process's CPU time or this thread's (loaded machines)")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     global CLOCK
     CLOCK = {"wall": time.perf_counter, "cpu": time.process_time, "thread": time.thread_time}[args.clock]
     if args.tokenizer_ab:

@@ -102,13 +102,19 @@ def run(fairness: str, ordering: str, queued: int, flows: int, samples: int) -> 
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line; abbreviations (``--req`` for ``--requests``) are refused."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--queued", type=int, default=10_000)
     parser.add_argument("--flows", type=int, default=100)
     parser.add_argument("--samples", type=int, default=5_000)
     parser.add_argument("--plot", type=Path)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     rows = []
     for fairness in FAIRNESS_POLICIES:
         for ordering in ORDERING_POLICIES:

@@ -450,8 +450,10 @@ def scenario_b(args: argparse.Namespace, sizes: list[tuple[int, int]]) -> tuple[
     return rows, series
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line; abbreviations (``--req`` for ``--requests``) are refused."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--engines", type=int, default=4)
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--prefill-tps", type=float, default=16000.0, help="prefill tokens/s per sequence slot")
@@ -473,7 +475,11 @@ def main() -> None:
     parser.add_argument("--c1-tpot", type=float, default=0.019, help="scenario C1: seconds per output token")
     parser.add_argument("--trace", type=Path, default=TRACE)
     parser.add_argument("--plot", type=Path)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     sizes, times = load_trace(args.trace)
     console = Console()
     rows_c = scenario_c(args, sizes, times)

@@ -169,10 +169,15 @@ async def _client(port: int, raw_port: int, rounds: int, intercepted: bool) -> d
     return out
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line; abbreviations (``--req`` for ``--requests``) are refused."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0], allow_abbrev=False)
     parser.add_argument("--rounds", type=int, default=2000)
-    ns = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    ns = build_parser().parse_args()
     ctx = multiprocessing.get_context("spawn")
     ports: multiprocessing.Queue[int] = ctx.Queue()
     server = ctx.Process(target=_server_main, args=(ports,), daemon=True)

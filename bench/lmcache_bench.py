@@ -98,13 +98,18 @@ def pct(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line; abbreviations (``--req`` for ``--requests``) are refused."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--tokens", default="512,1024,2048,4096", help="chunk sizes in tokens (bf16 KV: 512 B/token)")
     parser.add_argument("--iterations", type=int, default=30, help="puts and gets per size, server and round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart here")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if not LMCACHE_PYTHON.exists():
         sys.exit(f"{LMCACHE_PYTHON} missing: run `make lmcache-venv`")
 

@@ -38,13 +38,18 @@ def rotated(items: list[tuple[str, int]], i: int) -> list[tuple[str, int]]:
     return items[i % len(items) :] + items[: i % len(items)]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line; abbreviations (``--req`` for ``--requests``) are refused."""
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--servers", required=True, help="name=port,...")
     parser.add_argument("--tokens", default="512,1024,2048,4096", help="chunk sizes in tokens (bf16: 512 B/token)")
     parser.add_argument("--iterations", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = build_parser().parse_args()
 
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()

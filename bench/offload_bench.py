@@ -176,8 +176,10 @@ def plot(results: list[Result], path: Path) -> bool:
     return True
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line; abbreviations (``--req`` for ``--requests``) are refused."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--conversations", type=int, default=24)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--first-tokens", type=int, default=8192)
@@ -193,7 +195,11 @@ def main() -> None:
     parser.add_argument("--put-bytes", type=int, default=1024, help="stand-in bytes sent per block to kv_store")
     parser.add_argument("--modes", default="off,cpu,cpu+kv_store")
     parser.add_argument("--png", type=Path, default=None)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     modes = [OffloadMode(m.strip()) for m in args.modes.split(",") if m.strip()]
     working_set = args.conversations * (args.first_tokens + args.turns * (args.turn_tokens + args.output_tokens))
     print(f"{args.conversations} conversations x {args.turns} turns, first prompt {args.first_tokens} tokens; "

@@ -119,15 +119,20 @@ def _table(console: Console, title: str, picks: dict[str, dict[str, int]]) -> di
     return medians
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line; abbreviations (``--req`` for ``--requests``) are refused."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0], allow_abbrev=False)
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--policy", default="precise-prefix")
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for every mesh process")
     parser.add_argument("--baseline-env", action="append", default=[],
                         help="KEY=VALUE: a second mesh with these settings, measured interleaved")
-    ns = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    ns = build_parser().parse_args()
     console = Console()
     env = dict(item.split("=", 1) for item in ns.env)
     baseline = dict(item.split("=", 1) for item in ns.baseline_env) if ns.baseline_env else None

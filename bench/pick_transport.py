@@ -139,8 +139,9 @@ async def _run(ns: argparse.Namespace, port: int, server_pid: int) -> dict[str, 
     return out
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line; abbreviations (``--req`` for ``--requests``) are refused."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0], allow_abbrev=False)
     parser.add_argument("--rounds", type=int, default=6, help="rounds; each runs both transports (order alternates)")
     parser.add_argument("--sequential", type=int, default=300, help="picks one at a time per round and transport")
     parser.add_argument("--concurrent", type=int, default=2000, help="picks under --concurrency per round and transport")
@@ -148,7 +149,11 @@ def main() -> int:
     parser.add_argument("--profile", default="precise-prefix", help="epp scheduling config (load-only sends no prompt)")
     parser.add_argument("--endpoints", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=256)
-    ns = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    ns = build_parser().parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     ctx = multiprocessing.get_context("spawn")
     ports: multiprocessing.Queue[int] = ctx.Queue()

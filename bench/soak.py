@@ -195,8 +195,9 @@ def _plot(doc: dict[str, object], path: Path) -> bool:
     return True
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line; abbreviations (``--req`` for ``--requests``) are refused."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--minutes", type=float, default=3.0, help="soak length (default 3; the issue's long run is 30)")
     parser.add_argument("--fault-every-seconds", type=float, default=20.0)
     parser.add_argument("--concurrency", type=int, default=4)
@@ -205,7 +206,11 @@ def main() -> int:
     parser.add_argument("--lease-ttl-seconds", type=int, default=3)
     parser.add_argument("--plot", type=Path, help="write a PNG (request rate and RSS over time) here")
     parser.add_argument("--json", type=Path, help="write the raw figures here")
-    ns = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    ns = build_parser().parse_args()
     console = Console()
     with tempfile.TemporaryDirectory(prefix="kvmesh-soak-") as tmp:
         spec = MeshSpec(run_dir=Path(tmp), engines=ns.engines, policy=ns.policy, time_scale=20.0,

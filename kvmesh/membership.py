@@ -199,23 +199,51 @@ def service_key(service: str, instance_id: str) -> str:
     return f"{SERVICES_PREFIX}{service}/{instance_id}"
 
 
-def _client(etcd_endpoints: list[str], timeout_seconds: float = 3.0) -> aetcd.Client:
+ETCD_TIMEOUT_SECONDS = 3.0
+"""Deadline of each etcd call a service's membership client makes (lease grant, put, refresh, prefix
+load), and how long one connection attempt to etcd (TCP + HTTP/2 handshake) may take."""
+
+
+def _client(etcd_endpoints: list[str], timeout_seconds: float = ETCD_TIMEOUT_SECONDS) -> aetcd.Client:
     if not etcd_endpoints:
         raise ValueError("no etcd endpoints configured")
     host, _, port = etcd_endpoints[0].rpartition(":")
-    return aetcd.Client(host=host or "127.0.0.1", port=int(port), timeout=timeout_seconds, options=ETCD_CHANNEL_OPTIONS)
+    return aetcd.Client(host=host or "127.0.0.1", port=int(port), timeout=timeout_seconds,
+                        options=etcd_channel_options(timeout_seconds))
 
 
-ETCD_CHANNEL_OPTIONS = {
-    # gRPC shares subchannels process-wide by default: a new client to an etcd that just came back would
-    # inherit the failed subchannel's backoff (1 s growing to 120 s) and fail at once with the old
-    # "connection refused". Each client gets its own, reconnecting within a second.
-    "grpc.use_local_subchannel_pool": 1,
-    "grpc.initial_reconnect_backoff_ms": 100,
-    "grpc.min_reconnect_backoff_ms": 100,
-    "grpc.max_reconnect_backoff_ms": 1000,
-}
-"""gRPC channel options of every etcd client kvmesh makes (membership, leases, watches)."""
+RECONNECT_BACKOFF_MS = (100, 1000)
+"""First and largest pause between two connection attempts to etcd, ms (gRPC's defaults: 1 s growing to 120 s)."""
+
+
+def etcd_channel_options(connect_timeout_seconds: float = ETCD_TIMEOUT_SECONDS) -> dict[str, int]:
+    """gRPC channel options of an etcd client whose connection attempts may take ``connect_timeout_seconds``.
+
+    - ``grpc.use_local_subchannel_pool``: gRPC shares subchannels process-wide by default, so a new
+      client to an etcd that just came back would inherit the failed subchannel's backoff and fail at
+      once with the old "connection refused"; each client gets its own.
+    - ``grpc.initial_reconnect_backoff_ms`` / ``grpc.max_reconnect_backoff_ms``: the pause between
+      attempts (:data:`RECONNECT_BACKOFF_MS`), so a restarted etcd is used again within a second.
+    - ``grpc.min_reconnect_backoff_ms``: despite its name, gRPC C-core uses it as MIN_CONNECT_TIMEOUT
+      of gRPC's connection-backoff.md: an attempt's deadline is ``max(current backoff, this)``
+      (``ParseArgsForBackoffValues`` / ``StartConnectingLocked`` in grpc's
+      ``src/core/client_channel/subchannel.cc``, grpcio 1.85). Set equal to the backoff (100 ms), every
+      attempt to an etcd whose TCP + HTTP/2 handshake takes longer (a loaded host, a remote etcd) was
+      cut short and the first call failed UNAVAILABLE ("timed out before receiving SETTINGS frame")
+      after ~0.1 s. Here it is the caller's timeout: a slow etcd is waited for, while a refused
+      connection still fails at once (no deadline is involved).
+    """
+    return {
+        "grpc.use_local_subchannel_pool": 1,
+        "grpc.initial_reconnect_backoff_ms": RECONNECT_BACKOFF_MS[0],
+        "grpc.max_reconnect_backoff_ms": RECONNECT_BACKOFF_MS[1],
+        "grpc.min_reconnect_backoff_ms": max(RECONNECT_BACKOFF_MS[0], round(connect_timeout_seconds * 1000)),
+    }
+
+
+ETCD_CHANNEL_OPTIONS = etcd_channel_options()
+"""gRPC channel options of a kvmesh etcd client with the default :data:`ETCD_TIMEOUT_SECONDS`
+(:func:`etcd_channel_options`)."""
 
 
 class LeaseRegistration:

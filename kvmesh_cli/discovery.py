@@ -12,8 +12,9 @@ are read before and after (the hit rate measured at the engines). :func:`find_en
 
 An address that does not answer (and has no fallback) is a :class:`DiscoveryError` whose message is
 one line naming the address and what to do; the command prints it and exits 1 before any request
-is sent, never with a traceback. etcd is read once with a deadline (not watched), so a dead etcd
-fails in ``timeout_s`` instead of retrying in the background.
+is sent, never with a traceback. etcd is read once with a deadline (not watched), so an etcd that
+refuses the connection fails at once, one that never answers in ``timeout_s`` (and a slow one is
+waited for that long), instead of retrying in the background.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import Callable
 
 import aetcd
 import grpc
 
 from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
-from kvmesh.membership import ENDPOINTS_PREFIX, ETCD_CHANNEL_OPTIONS, SERVICES_PREFIX
+from kvmesh.membership import ENDPOINTS_PREFIX, SERVICES_PREFIX, etcd_channel_options
 from kvmesh.types import Endpoint
 
 DISCOVERY_TIMEOUT_S = 5.0
@@ -70,14 +72,22 @@ def engines_from_epp(epp_address: str, timeout_s: float = DISCOVERY_TIMEOUT_S) -
 
 async def _read_prefix(etcd_address: str, prefix: str, timeout_s: float) -> list[bytes]:
     host, port = split_host_port(etcd_address)
-    client = aetcd.Client(host=host, port=port, timeout=timeout_s, options=ETCD_CHANNEL_OPTIONS)
+    # The connection attempt may take timeout_s (etcd_channel_options); the call's own deadline and the
+    # outer bound are a little later, so a handshake that never completes fails as gRPC's connect
+    # error, which says what happened ("timed out before receiving SETTINGS frame"), at timeout_s.
+    call_timeout = timeout_s + _CALL_GRACE_S
+    client = aetcd.Client(host=host, port=port, timeout=call_timeout, options=etcd_channel_options(timeout_s))
     try:
-        await asyncio.wait_for(client.connect(), timeout_s)
-        result = await asyncio.wait_for(client.get_prefix(prefix.encode()), timeout_s)
+        await asyncio.wait_for(client.connect(), call_timeout)
+        result = await asyncio.wait_for(client.get_prefix(prefix.encode()), call_timeout + _CALL_GRACE_S)
         return [kv.value for kv in result]
     finally:
         with contextlib.suppress(Exception):  # closing a client that never connected
             await client.close()
+
+
+_CALL_GRACE_S = 0.5
+"""How much later than the connection attempt's deadline an etcd read's own deadline falls, seconds."""
 
 
 def read_etcd_prefix(etcd_address: str, prefix: str, timeout_s: float = DISCOVERY_TIMEOUT_S,
@@ -85,29 +95,46 @@ def read_etcd_prefix(etcd_address: str, prefix: str, timeout_s: float = DISCOVER
                      ) -> list[bytes]:
     """The values under ``prefix`` in etcd, read once (``hint`` ends the error line).
 
+    A slow etcd (its TCP + HTTP/2 handshake or its answer taking up to ``timeout_s``) is waited for;
+    a refused connection fails at once.
+
     Raises:
-        DiscoveryError: etcd did not answer within ``timeout_s`` (one line naming it).
+        DiscoveryError: etcd refused the connection, or did not answer within ``timeout_s`` (one line
+            naming it and saying which, :func:`why_unreachable`).
         ValueError: ``etcd_address`` is not ``host:port``.
     """
     from kvmesh_cli.mesh import run_interruptible
 
     split_host_port(etcd_address)
+    started = time.monotonic()
     try:
         return run_interruptible(_read_prefix(etcd_address, prefix, timeout_s))
     except Exception as exc:  # aetcd and grpc raise several kinds for a dead or wrong address
-        raise DiscoveryError(f"etcd {etcd_address} {why_unreachable(exc, timeout_s)}; {hint}") from exc
+        reason = why_unreachable(exc, timeout_s, time.monotonic() - started)
+        raise DiscoveryError(f"etcd {etcd_address} {reason}; {hint}") from exc
 
 
-def why_unreachable(exc: BaseException, timeout_s: float) -> str:
-    """What an address that failed with ``exc`` did, for an error line: ``refused the connection``
-    (nothing listens there: it failed at once), ``did not answer within 5s`` (a deadline ran out),
-    else ``could not be reached``; the first line of the cause follows in parentheses."""
+def why_unreachable(exc: BaseException, timeout_s: float, elapsed_s: float | None = None) -> str:
+    """What an address that failed with ``exc`` after ``elapsed_s`` did, for an error line; the first
+    line of the cause follows in parentheses:
+
+    - ``refused the connection``: nothing listens there (it failed at once);
+    - ``accepted the connection but did not answer within 5s``: something listens but sent no HTTP/2
+      answer (a stopped or overloaded process, or not a gRPC server);
+    - ``did not answer within 5s``: another deadline ran out (``elapsed_s`` at least most of
+      ``timeout_s``; a deadline that ran out sooner says ``gave up after 0.1s`` instead, the truth);
+    - else ``could not be reached``.
+    """
     reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    if "connection refused" in reason.lower():
+    lowered = reason.lower()
+    if "connection refused" in lowered:
         return f"refused the connection ({reason})"
-    timed_out = isinstance(exc, TimeoutError) or "deadline" in reason.lower() or "timed out" in reason.lower()
+    timed_out = isinstance(exc, TimeoutError) or "deadline" in lowered or "timed out" in lowered
     if timed_out:
-        return f"did not answer within {timeout_s:g}s ({reason})"
+        if elapsed_s is not None and elapsed_s < 0.8 * timeout_s:
+            return f"gave up after {elapsed_s:.1f}s of the {timeout_s:g}s allowed ({reason})"
+        silent = "before receiving settings frame" in lowered
+        return f"{'accepted the connection but ' if silent else ''}did not answer within {timeout_s:g}s ({reason})"
     return f"could not be reached ({reason})"
 
 
