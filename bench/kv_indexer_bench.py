@@ -441,8 +441,9 @@ async def etcd_pause_bench(engines: int, pause: float, lease_ttl: int, requests:
         etcd.stop()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line; abbreviations (``--req`` for ``--requests``) are refused."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("mode", nargs="?", default="score", choices=["score", "ingest", "replay", "etcd-pause"])
     parser.add_argument("--endpoints", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=200)
@@ -461,7 +462,11 @@ def main() -> None:
                              "and the service's wrapping (InstrumentedIndex's metrics), interleaved with the default")
     parser.add_argument("--watched", action="store_true", help="ingest: also with a replica watching (Watch deltas built)")
     parser.add_argument("--plot", type=Path, default=None, help="score/ingest: write a PNG here (matplotlib)")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.mode == "replay":
         asyncio.run(replay_bench(args.events, 16, args.working_set))
         return

@@ -497,8 +497,10 @@ def run_levers(values: list[bytes], rounds: int, only: str | None) -> None:
         print(f"| {name} | " + " | ".join(share) + f" | {cpu[0]:.2f} / {cpu[1]:.2f} |")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """This script's command line; abbreviations (``--req`` for ``--requests``) are refused."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--values", type=int, default=64)
     parser.add_argument("--value-mib", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of loopback + every gRPC row")
@@ -508,7 +510,11 @@ def main() -> None:
     parser.add_argument("--levers", action="store_true", help="run the gRPC lever A/B instead (module docstring)")
     parser.add_argument("--levers-only", default=None, help="comma-separated substrings of lever names")
     parser.add_argument("--lever-server", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.lever_server:
         lever_server(args.lever_server)
         return

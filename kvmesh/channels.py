@@ -17,6 +17,14 @@ RECONNECT_BACKOFF_MS = (100, 1000)
 """Initial and largest reconnect backoff of kvmesh channels (gRPC's defaults, 1 s growing to 120 s,
 would keep a client away from a restarted dependency for up to two minutes)."""
 
+CONNECT_TIMEOUT_MS = 1000
+"""How long one connection attempt may take (TCP + HTTP/2 SETTINGS). gRPC C-core reads it from
+``grpc.min_reconnect_backoff_ms`` (``subchannel.cc``: an attempt's deadline is the later of the current
+backoff and that value), so it is set apart from the backoff: at 100 ms (the backoff) a peer whose
+handshake took longer (a loaded or remote process) failed every attempt with "connection attempt timed
+out before receiving SETTINGS frame". A refused connection still fails at once and is retried after the
+backoff; only a peer that accepts and stays silent (SIGSTOPped) now costs up to this long per attempt."""
+
 
 def insecure_channel(target: str, *, client_spans: bool = True) -> grpc.aio.Channel:
     """An aio channel to ``host:port`` whose calls carry the W3C trace context in metadata.
@@ -25,7 +33,8 @@ def insecure_channel(target: str, *, client_spans: bool = True) -> grpc.aio.Chan
     trace context in each call's metadata itself, :func:`trace_metadata`). On a hot path that saves
     the interceptor's per-call task and, for streams, its request queue (``bench/grpc_hop.py``).
 
-    Reconnects within :data:`RECONNECT_BACKOFF_MS` (a restarted dependency is used again within a second).
+    Reconnects within :data:`RECONNECT_BACKOFF_MS` (a restarted dependency is used again within a second);
+    one connection attempt may take :data:`CONNECT_TIMEOUT_MS`.
     """
     return grpc.aio.insecure_channel(
         target,
@@ -34,7 +43,7 @@ def insecure_channel(target: str, *, client_spans: bool = True) -> grpc.aio.Chan
             ("grpc.enable_retries", 0),
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
             ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
-            ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+            ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),  # the connect deadline (see CONNECT_TIMEOUT_MS)
             ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
         ],
     )

@@ -253,3 +253,31 @@ def test_connect_deadline_follows_the_timeout(timeout_s: float, connect_ms: int)
     assert options["grpc.min_reconnect_backoff_ms"] == connect_ms  # gRPC C-core's MIN_CONNECT_TIMEOUT
     assert options["grpc.initial_reconnect_backoff_ms"] == 100  # a restarted etcd is retried within 0.1-1 s
     assert options["grpc.max_reconnect_backoff_ms"] == 1000
+
+
+async def test_service_channels_reach_a_peer_whose_handshake_is_slow() -> None:
+    """kvmesh's service-to-service channels (:func:`kvmesh.channels.insecure_channel`) had the same 100 ms
+    connect deadline: a peer whose handshake took longer (a loaded process) was never reached. Now a
+    real gRPC health server behind the 300 ms proxy answers; a refused port still fails within a second."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from kvmesh.channels import CONNECT_TIMEOUT_MS, insecure_channel
+
+    assert CONNECT_TIMEOUT_MS >= 3 * HANDSHAKE_DELAY_S * 1000
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        with DelayProxy(f"127.0.0.1:{port}", HANDSHAKE_DELAY_S) as proxy:
+            async with insecure_channel(proxy.address) as channel:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        started = time.monotonic()
+        async with insecure_channel(f"127.0.0.1:{free_port()}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - started < 1.0
+    finally:
+        await server.stop(None)
