@@ -4,7 +4,7 @@
 | --- | --- | --- | --- |
 | ``kvmesh_kv_indexer_events_applied_total`` | counter | ``event_type`` | events applied to the index |
 | ``kvmesh_kv_indexer_events_skipped_total`` | counter | ``reason`` | events not applied (:class:`ApplyOutcome`) |
-| ``kvmesh_kv_indexer_batches_dropped_total`` | counter | ``reason`` | ZMQ messages dropped before the index (``duplicate``: a copy of a message applied, same seq and batch ``ts``; ``unregistered``: held for an endpoint never registered, expired or over the bound; ``departed``: held for a departed endpoint's rejoin, expired or over the bound; ``old_incarnation``: an old incarnation's last batches held until a new one joined; ``endpoint_left``: the fence after a purge; ``internal_error``; ``queue_full``; malformed: ``frame_count`` / ``bad_topic`` / ``bad_seq`` / ``bad_payload``) |
+| ``kvmesh_kv_indexer_batches_dropped_total`` | counter | ``reason`` | ZMQ messages dropped before the index (``duplicate``: a copy of a message applied, same seq and batch ``ts``; ``unregistered``: held for an endpoint never registered, expired or over the bound; ``departed``: held for a departed endpoint's rejoin, expired or over the bound; ``old_incarnation``: an old incarnation's last batches held until a new one joined, or received during a recovery before the publisher answered with another batch at their seq; ``unpublished``: received during a recovery before the publisher answered, beyond its answer's newest seq (an old incarnation's late message, or forged); ``endpoint_left``: the fence after a purge; ``internal_error``; ``queue_full``; malformed: ``frame_count`` / ``bad_topic`` / ``bad_seq`` / ``bad_payload``) |
 | ``kvmesh_kv_indexer_sequence_gaps_total`` | counter | | messages missed per the publisher's seq |
 | ``kvmesh_kv_indexer_blocks`` | gauge | | distinct block keys in the index |
 | ``kvmesh_kv_indexer_endpoints`` | gauge | | endpoints whose events are applied |
@@ -12,7 +12,7 @@
 | ``kvmesh_kv_indexer_score_duration_seconds`` | histogram | | Score time in the index (keys + walk) |
 | ``kvmesh_kv_indexer_event_fields_ignored_total`` | counter | ``event_type``, ``field`` | event fields kvmesh does not act on (``kvmesh.kv_events.FIELD_HANDLING``), and events of non-full-attention KV groups skipped |
 | ``kvmesh_kv_indexer_endpoint_states`` | gauge | ``state`` | endpoints per recovery state (``live``, ``recovering``, ``departed``; ``unreliable`` is no longer entered, a loss heals, and stays 0) |
-| ``kvmesh_kv_indexer_recoveries_total`` | counter | ``trigger``, ``result`` | replays: ``trigger`` gap / first_batch / startup / tail_probe; ``result`` recovered / healed (a loss: stale entries forgotten) |
+| ``kvmesh_kv_indexer_recoveries_total`` | counter | ``trigger``, ``result`` | replays: ``trigger`` gap / first_batch / startup / tail_probe / restart (the new process's buffer after a restart read during a recovery); ``result`` recovered / healed (a loss: stale entries forgotten) / restarted (the publisher restarted while it ran) |
 | ``kvmesh_kv_indexer_recovery_duration_seconds`` | histogram | | gap detected -> live again |
 | ``kvmesh_kv_indexer_stream_losses_total`` | counter | ``cause`` | messages lost for good, healed by forgetting the endpoint's older entries: ``cause`` no_replay_endpoint / replay_failed / replay_incomplete / live_buffer_overflow / snapshot / internal_error (the index or a recovery raised) |
 | ``kvmesh_kv_indexer_forgotten_blocks_total`` | counter | | entries (blocks + orphans) forgotten by those heals |

@@ -34,6 +34,38 @@ messages 0, 1, 2, ... per publisher). A message with
   below. Neither rule compares clocks, so an engine whose clock stepped back across a restart, or a
   batch stamped far in the future, cannot make the engine's later batches read as duplicates.
 
+**A restart during a recovery.** A restart is read whatever state the stream is in; while a recovery
+runs (a gap, or a fresh start asking the buffer from 0) the live messages are buffered (``_Recovery``:
+each with its arrival number, and the number reached when the publisher was last asked), and:
+
+* a message below the position the recovery replays from, never applied, is a restart at once;
+* a message not above the highest buffered (it went back; no copy of one applied or buffered) is a
+  restart unless the answer shows it a copy (a reordered live message); decided once the answer is
+  applied, or a restart when there is no answer;
+* once the answer is applied, a buffered message below it with another batch at its seq was
+  published by another process than the one that answered: when it arrived after the request, the
+  publisher restarted since (a restart, from that message on: purge, then the new stream, held for a
+  registration like any restart); before it, see the next point.
+
+Before (until wave 11) a fresh start buffered every live message, then skipped those below the
+answer as "replayed already": the restarted engine's first batch was discarded and the old
+incarnation's blocks stayed indexed (``tests/unit/kv_indexer/test_restart_during_recovery.py``).
+
+**An old incarnation's late message.** The old process's last batches come on its own ZMQ connection,
+fair-queued by the SUB socket with the new process's, so one can arrive after the new stream began.
+It reads as a gap (its seq above the new stream's) or a restart (below it), and either way the replay
+buffer is asked. vLLM 0.32's publisher thread appends each message to its buffer as it sends it and
+serves replay requests between two messages, so an answer holds every message its process published
+before answering. A message received before the request was sent that the answer does not hold (above
+its newest seq) or holds with another batch is not the answering process's: dropped
+(``batches_dropped{reason="unpublished"}`` / ``{reason="old_incarnation"}``); if the recovery was not a
+fresh start, the entries from before it are that older process's too: purged and the stream started
+afresh. Before, such a message was a gap no replay covered: a loss that forgot the new stream's
+blocks and stored one the new engine does not hold. The race left: without a replay endpoint nothing
+tells whose the message is: it is healed as a loss and applied, and stands until the new stream's next
+message goes back below it (a restart: purged); a late message at exactly the new stream's next seq,
+whose own message there was lost, cannot be told from it.
+
 **Fresh start.** An endpoint whose start is unknown (no message applied yet for its incarnation:
 the indexer restarted without its snapshot of it, or the publisher restarted) holds no entry that
 a lost message could have made stale, so the first sequence it gets is its start, not a gap. If
@@ -57,7 +89,8 @@ of their whole radix tree (``TreeDump``), which vLLM cannot give, and its ZMQ li
 subscriber log the gap and keep applying, keeping entries the lost messages may have removed. kvmesh
 forgets instead, erring toward lost hits, never toward stale ones. The cost: blocks the engine
 still holds from before the loss are not scored until it stores them again (vLLM announces a block
-once, when it is cached, not on every hit).
+once, when it is cached, not on every hit; its only whole-cache event, ``AllBlocksCleared``, comes from
+an admin cache reset). A design choice, not a defect: ``docs/kv-index.md``, "Why forget".
 
 **Tail probe.** vLLM sends no heartbeat, so a lost *final* message (the last batch before an engine
 goes idle) is revealed by no later seq. An endpoint with a replay endpoint that has been quiet
@@ -85,9 +118,10 @@ entries: its seq is not evidence of anything. A replayed message that cannot be 
 message lost (a hole, asked for again, then healed as a loss). Drop lines are rate-limited per reason
 (:class:`kvmesh.logging.RateLimitedLog`: one per 10 s with the count suppressed). A *valid* message
 is trusted, whoever sent it: vLLM's ZMQ protocol has no authentication, so a well-formed batch with
-a far-ahead seq is a gap (healed as a loss when no replay covers it), and the engine's real seq
-after it, never applied, is a publisher restart: its entries are purged once and its stream is
-followed again from there, whatever ``ts`` the forged batch carried. Keep the events bind address on
+a far-ahead seq is a gap. The engine's replay answer shows it never published it: dropped
+(``unpublished``). Without a replay endpoint it is healed as a loss, and the engine's real seq after
+it, never applied, is a publisher restart: its entries are purged once and its stream is followed
+again from there, whatever ``ts`` the forged batch carried. Keep the events bind address on
 a network only engines reach.
 
 **Registration race.** An engine may publish before the indexer's etcd watch sees it join. A
@@ -240,9 +274,20 @@ class _Recovery:
     started: float
     fresh: bool = False
     """The stream's start is unknown: the first message obtained (replayed or live) is its start."""
-    buffer: deque[RawMessage] = field(default_factory=deque)
-    """Live messages that arrived meanwhile (a deque: past the limit its oldest goes in O(1), a flood's normal path)."""
+    buffer: deque[tuple[int, RawMessage]] = field(default_factory=deque)
+    """``(arrival number, message)`` of the live messages that arrived meanwhile, in arrival order (a
+    deque: past the limit its oldest goes in O(1), a flood's normal path)."""
     overflowed: bool = False
+    top: int = -1
+    """The highest seq buffered (-1: none): a live message not above it went back."""
+    arrived: int = 0
+    """Messages buffered so far (the last one's arrival number)."""
+    asked_at: int = 0
+    """``arrived`` when the publisher was last asked: messages numbered up to it were published
+    before the answer was made, so the answer holds them, or the answering process did not publish them."""
+    back: set[int] = field(default_factory=set)
+    """Arrival numbers of messages that went back (not above ``top``, no copy of one applied or
+    buffered): a restart, unless the answer shows a copy (a reordered live message)."""
 
 
 @dataclass
@@ -672,8 +717,17 @@ class EventPool:
         seq = message.seq
         recovery = track.recovery
         if recovery is not None:
-            if recovery.fresh or seq >= recovery.from_seq or self._is_copy(track, message):
+            if seq > recovery.top and (recovery.fresh or seq >= recovery.from_seq):
+                self._buffer(track, message)  # the stream going on
+                return
+            if self._is_copy(track, message) or self._buffered_copy(recovery, message):
+                self._buffer(track, message)  # skipped when the buffer is applied
+                return
+            if recovery.fresh or seq >= recovery.from_seq:
+                # not above a live message buffered: the publisher restarted, unless the answer shows
+                # it is a copy (a live message reordered); decided when the answer is applied
                 self._buffer(track, message)
+                recovery.back.add(recovery.arrived)
                 return
             # below the position the recovery started from and never applied: the publisher
             # restarted while its gap was being replayed (the recovery reads the old stream)
@@ -724,6 +778,22 @@ class EventPool:
         ts = message.batch.ts
         slot = seq % _LIVE_KEPT
         return track.replayed.get(seq) == ts or (track.live_seqs[slot] == seq and track.live_ts[slot] == ts)
+
+    @staticmethod
+    def _applied_at(track: _Track, seq: int) -> bool:
+        """A batch was applied at ``seq`` and its ``ts`` kept (from a replay, or among the last live ones)."""
+        return seq in track.replayed or track.live_seqs[seq % _LIVE_KEPT] == seq
+
+    @staticmethod
+    def _buffered_copy(recovery: _Recovery, message: RawMessage) -> bool:
+        """A copy of a live message a recovery buffered (the same seq and ``ts``): a re-sent one."""
+        assert message.batch is not None, "messages are decoded before they are sequenced"
+        seq = message.seq
+        ts = message.batch.ts
+        for _, other in reversed(recovery.buffer):  # a rare path (a message that went back); re-sent ones are recent
+            if other.seq == seq and other.batch is not None and other.batch.ts == ts:
+                return True
+        return False
 
     def _older(
         self, track: _Track, message: RawMessage, expected: int, stats: EndpointIngestStats, may_hold: bool = True
@@ -850,15 +920,18 @@ class EventPool:
         if len(recovery.buffer) >= self._recovery_buffer:
             recovery.overflowed = True
             recovery.buffer.popleft()
-        recovery.buffer.append(message)
+        recovery.arrived += 1
+        recovery.buffer.append((recovery.arrived, message))
+        if message.seq > recovery.top:
+            recovery.top = message.seq
 
     def _start_recovery(
         self, track: _Track, from_seq: int, trigger: str, first: RawMessage | None, fresh: bool = False
     ) -> None:
         recovery = _Recovery(from_seq, trigger, self._clock(), fresh)
-        if first is not None:
-            recovery.buffer.append(first)
         track.recovery = recovery
+        if first is not None:
+            self._buffer(track, first)
         task = asyncio.create_task(self._recover(track, recovery), name=f"kv-replay-{track.endpoint.id}")
         self._recoveries.add(task)
         self._settled.clear()
@@ -908,6 +981,50 @@ class EventPool:
             if track.recovery is recovery:
                 track.recovery = None
 
+    def _drop_unpublished(self, message: RawMessage, reason: str, newest: int) -> None:
+        """Drop a live message a recovery buffered that the publisher's answer shows it did not publish."""
+        self.record_drop(reason)
+        self._drop_log.warning(
+            f"{reason}:{message.endpoint_id}",
+            "dropping kv event message endpoint=%s seq=%d reason=%s: received before its publisher answered a "
+            "replay (newest seq=%d) that %s it, so an older incarnation (or a forger) sent it",
+            message.endpoint_id, message.seq, reason, newest,
+            "holds another batch at its seq instead of" if reason == "old_incarnation" else "does not hold",
+        )
+
+    def _restarted_meanwhile(self, track: _Track, recovery: _Recovery, rest: list[RawMessage], expected: int) -> None:
+        """The publisher restarted while ``recovery`` ran (the answer and a live message differ at a
+        seq): what the endpoint holds reads the old stream. Purged; the new stream starts afresh from
+        ``rest`` (live messages published after the answer, the first one's restart followed as any:
+        held for a registration, or its buffer asked from 0), or with none, by asking the new process's
+        buffer from 0 (``trigger="restart"``)."""
+        metrics.record_recovery(recovery.trigger, "restarted", self._clock() - recovery.started, 0)
+        if rest:
+            self._went_back(track, rest[0], expected, self._endpoint_stats(track.endpoint.id), may_hold=True)
+            self._resequence(track, rest[1:])
+            return
+        logger.warning(
+            "kv event recovery endpoint=%s: its publisher's answer holds other batches than the live ones "
+            "(it restarted), purging its entries and asking the new process's buffer from 0", track.endpoint.id,
+        )
+        metrics.record_incarnation("sequence_reset")
+        self._reset(track)
+        if not track.departed:
+            self.recover(track.endpoint, "restart")
+
+    def _resequence(self, track: _Track, messages: Iterable[RawMessage]) -> None:
+        """Sequence messages a recovery buffered (counted already) once it ended: a restart among them
+        that started a hold makes the hold take the rest."""
+        for message in messages:
+            try:
+                if track.held is not None:
+                    self._hold_more(track, message)
+                else:
+                    self._sequence(track, message, count=False)
+            except Exception:
+                logger.exception("event message failed endpoint=%s", message.endpoint_id)
+                self.record_drop("internal_error")
+
     def _internal_error_heal(self, track: _Track, recovery: _Recovery) -> None:
         """Heal a recovery that raised: forget, start afresh, sequence the live messages it buffered."""
         track.recovery = None
@@ -919,15 +1036,7 @@ class EventPool:
         track.history_asked = True  # the buffer's answer is what failed: the first live message is the start
         track.replayed.clear()
         metrics.record_recovery(recovery.trigger, "healed", self._clock() - recovery.started, 0)
-        for message in sorted(recovery.buffer, key=lambda m: m.seq):
-            try:
-                if track.held is not None:  # a restart among them started a hold: it takes the rest
-                    self._hold_more(track, message)
-                else:
-                    self._sequence(track, message, count=False)
-            except Exception:
-                logger.exception("event message failed endpoint=%s", message.endpoint_id)
-                self.record_drop("internal_error")
+        self._resequence(track, [m for _, m in recovery.buffer])  # arrival order: a restart among them is read as one
 
     async def _replay_gap(self, track: _Track, recovery: _Recovery) -> None:
         """Replay from ``recovery.from_seq``, then apply the buffered live messages, in seq order.
@@ -944,6 +1053,13 @@ class EventPool:
         against (a startup replay after a snapshot, no live message since) cannot tell whether the
         publisher went on meanwhile: healed as a loss too, and the stream starts afresh (nothing is
         left that a lost message could make stale, so its next message is a start, not a gap).
+
+        The answer is also evidence of *whose* the buffered messages are (module docstring, "A restart
+        during a recovery", "An old incarnation's late message"): one received before the request that
+        the answer does not hold, or holds with another batch, is dropped (an older process's; the
+        endpoint purged if the recovery continued its stream); one received after it below what the
+        answer applied, with another batch there, or one that went back with no copy in the answer, is
+        a restart (:meth:`_restarted_meanwhile`).
         """
         endpoint = track.endpoint
         expected = recovery.from_seq
@@ -959,6 +1075,7 @@ class EventPool:
         while True:
             rounds += 1
             asked = expected
+            recovery.asked_at = recovery.arrived
             replies, failure = await self._ask(endpoint, asked)
             if track.recovery is not recovery:
                 return  # the endpoint left or restarted meanwhile
@@ -983,16 +1100,45 @@ class EventPool:
             # the same position asked twice and still not served: the publisher cannot serve it
             unserved = hole and expected == asked
             hole = False
-            buffered, recovery.buffer = sorted(recovery.buffer, key=lambda m: m.seq), deque()
-            for k, message in enumerate(buffered):  # live messages that arrived meanwhile
+            # vLLM's publisher thread buffers each message as it sends it and answers between two: an
+            # answer holds every message its process published before answering, up to ``newest``
+            newest = max((seq for seq, _ in replies), default=-1)
+            entries = recovery.buffer
+            recovery.buffer = deque()
+            buffered = sorted(entries, key=lambda entry: entry[1].seq)  # seq order (stable: arrival order within a seq)
+            asked_at = recovery.asked_at
+            for k, (number, message) in enumerate(buffered):  # live messages that arrived meanwhile
+                before_ask = number <= asked_at  # published before the answer was made
                 if message.seq < expected:
-                    continue  # replayed already, or buffered twice
+                    if self._is_copy(track, message) or not self._applied_at(track, message.seq):
+                        continue  # replayed already, buffered twice, or inside a hole healed as a loss
+                    # another batch than the one applied at its seq: the publisher restarted in between
+                    if before_ask and not failure:
+                        # published before the answer, whose process then published another batch at
+                        # its seq: an older incarnation's late message
+                        self._drop_unpublished(message, "old_incarnation", newest)
+                        if recovery.fresh:
+                            continue
+                        # the entries from before the recovery are that older incarnation's too
+                        self._restarted_meanwhile(track, recovery, [m for n, m in entries if n > asked_at], expected)
+                        return
+                    # published after the answer (or no answer to tell): the restarted process's
+                    self._restarted_meanwhile(track, recovery, [m for n, m in entries if n >= number], expected)
+                    return
+                if before_ask and not failure and message.seq > newest:
+                    # published before the answer, which does not hold it: the answering process never
+                    # published it (an older incarnation's late message, or a forged one)
+                    self._drop_unpublished(message, "unpublished", newest)
+                    continue
+                if number in recovery.back:  # it went back and the answer shows no copy: a restart
+                    self._restarted_meanwhile(track, recovery, [m for n, m in entries if n >= number], expected)
+                    return
                 if message.seq > expected and started:
                     if not (failure or unserved):
                         # lost after the publisher answered, or dropped by an overflowed live buffer:
                         # still in its buffer, ask again
                         hole = True
-                        recovery.buffer = deque(buffered[k:])
+                        recovery.buffer = deque(sorted(buffered[k:]))  # arrival order
                         break
                     cause = (
                         ("no_replay_endpoint" if failure == _NO_REPLAY else "replay_failed") if failure
