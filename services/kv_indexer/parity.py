@@ -66,11 +66,13 @@ class ParityMonitor:
         if checked is None or checked.mismatch:
             return
         endpoint = checked.endpoint
+        if not event.token_ids:  # an offload connector's medium-only store: vLLM 0.32's default form says
+            return  # block_size 0 (offloading/events.py, _placeholder_stored); nothing to hash or compare
         if event.block_size != endpoint.block_size_tokens:
             self._mismatch(checked, "block_size", f"registered {endpoint.block_size_tokens}, events say {event.block_size}")
             return
-        if event.parent_block_hash is not None or not event.block_hashes or not event.token_ids:
-            return  # not a prompt's first block, or an offload connector's medium-only store
+        if event.parent_block_hash is not None or not event.block_hashes:
+            return  # not a prompt's first block
         checked.roots_seen += 1
         if (checked.roots_seen - 1) % self.sample_every:
             return

@@ -134,3 +134,19 @@ async def test_offload_connector_default_placeholder_events_with_block_size_zero
                                             block_size=0, medium="GPU")])
     assert by_id(indexer)[E3] == (3, {Medium.GPU: 1, Medium.CPU: 3})
     await pool.shutdown()
+
+
+def test_parity_monitor_takes_offload_placeholders_for_what_they_are() -> None:
+    """vLLM 0.32's default CPU placeholder events (no tokens, ``block_size=0``) are no block-size
+    mismatch: the parity monitor skips token-less stores before comparing sizes (before, the first CPU
+    event of an engine run with ``--offload cpu`` made its model load-only). A token-carrying event with
+    the wrong size still is one."""
+    from services.kv_indexer.parity import ParityMonitor
+
+    parity = ParityMonitor(sample_every=1)
+    parity.register(engine(E3))
+    parity.check(E3, BlockStored(block_hashes=[7], parent_block_hash=None, token_ids=[], block_size=0, medium="CPU"))
+    assert parity.mismatches() == {}
+    parity.check(E3, BlockStored(block_hashes=[8], parent_block_hash=None, token_ids=[1] * (B * 2), block_size=B * 2,
+                                 medium="GPU"))
+    assert set(parity.mismatches()) == {E3}
