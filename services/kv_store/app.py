@@ -253,6 +253,7 @@ def build_service(config: KvStoreConfig) -> GrpcService:
     servicer = KVStoreServicer(
         store, config.get_chunk_bytes, config.max_inflight_put_bytes,
         block_size_tokens=config.events_block_size_tokens,
+        put_budget_wait_s=config.put_budget_wait_s, put_idle_timeout_s=config.put_idle_timeout_s,
     )
 
     def add_servicers(server: grpc.aio.Server) -> None:
@@ -293,7 +294,10 @@ def build_service(config: KvStoreConfig) -> GrpcService:
             publisher.shutdown()
 
     # LMCache's lm:// protocol on its own port, from the same store (reported as "lmcache" in the ports file)
-    lmcache = LmcacheServer(store) if config.lmcache_port is not None else None
+    lmcache = LmcacheServer(
+        store, budget=servicer.put_budget, max_connections=config.lmcache_max_connections,
+        budget_wait_s=config.put_budget_wait_s, idle_timeout_s=config.put_idle_timeout_s,
+    ) if config.lmcache_port is not None else None
 
     async def start_lmcache() -> None:
         if lmcache is not None and config.lmcache_port is not None:
@@ -302,6 +306,7 @@ def build_service(config: KvStoreConfig) -> GrpcService:
     async def stop_lmcache() -> None:
         if lmcache is not None:
             await lmcache.stop()
+        await servicer.detached.drain(5.0)  # moves of calls cancelled at shutdown land before the tiers close
 
     async def start_rescan() -> None:
         if config.mooncake_master and config.mooncake_master_http:

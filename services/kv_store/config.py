@@ -21,7 +21,14 @@ class KvStoreConfig(GrpcServiceConfig):
     get_chunk_bytes: int = Field(2 * MIB, ge=1024, le=3 * MIB)
     """Size of each data chunk a Get streams back (below gRPC's default 4 MiB message limit)."""
     max_inflight_put_bytes: int = Field(1024 * MIB, gt=0)
-    """Cap on value bytes buffered by concurrent Puts; a Put that does not fit waits (flow control)."""
+    """Cap on value bytes buffered by puts in flight, gRPC ``Put`` and ``lm://`` ``PUT`` together, charged
+    as the bytes arrive; a chunk that does not fit waits, first come first served (flow control)."""
+    put_budget_wait_s: float = Field(30.0, gt=0)
+    """Longest wait of a put's chunk for room in ``max_inflight_put_bytes``; then gRPC answers
+    ``RESOURCE_EXHAUSTED`` and ``lm://`` discards the rest of that PUT (counted ``reason="busy"``)."""
+    put_idle_timeout_s: float = Field(60.0, gt=0)
+    """A gRPC Put whose client sends no message for this long ends with ``INVALID_ARGUMENT`` and frees
+    what it held; an ``lm://`` PUT payload that stalls this long closes its connection."""
 
     disk_path: str = ""
     """Local NVMe tier: parent directory; the tier lives in ``<disk_path>/<instance_id or 'default'>``, both
@@ -80,6 +87,9 @@ class KvStoreConfig(GrpcServiceConfig):
     """LMCache's ``lm://`` remote-server protocol (lmcache 0.5.6) on ``host:lmcache_port``, served from
     the same tiers (services/kv_store/lmcache_server.py). None: off; 0: a free port, reported as
     ``"lmcache"`` in the ports file. LMCache's own server's usual port is 65432."""
+    lmcache_max_connections: int = Field(1024, gt=0)
+    """Open ``lm://`` connections at most (LMCache opens one per engine worker); a connection beyond it
+    is accepted and closed at once, counted ``kvmesh_kv_store_lmcache_protocol_errors_total{reason="too_many_connections"}``."""
 
     events_endpoint: str = ""
     """KV events for kv_indexer (vLLM 0.32 wire): ZMQ PUB endpoint, ``tcp://host:port`` of kv_indexer's

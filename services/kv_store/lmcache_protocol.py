@@ -50,6 +50,7 @@ MAX_KEY_LENGTH = 150
 """Bytes of the space-padded key field (upstream ``MAX_KEY_LENGTH``)."""
 REQUEST = struct.Struct(f"<9i{MAX_KEY_LENGTH}s")
 REPLY = struct.Struct("<9i")
+_FRAMING = struct.Struct("<2i")  # a request header's command and length
 REQUEST_BYTES = REQUEST.size  # 186
 REPLY_BYTES = REPLY.size  # 36
 ENVELOPE_MAGIC = b"LMC1"
@@ -268,6 +269,20 @@ def decode_request(header: bytes | bytearray | memoryview) -> LmRequest:
     except UnicodeDecodeError as exc:
         raise LmProtocolError("bad_key", f"key is not UTF-8: {exc}") from exc
     return LmRequest(LmCommand(command), LmCacheKey.parse(text), meta, location)
+
+
+def request_framing(header: bytes | bytearray | memoryview) -> tuple[int, int]:
+    """``(command, length)`` of a 186-byte request header as sent, unchecked: what a server needs to
+    stay in step with the stream (skip a ``PUT``'s ``length`` payload bytes) when
+    :func:`decode_request` refuses the header for another field.
+
+    Raises:
+        LmProtocolError: (``truncated``) not 186 bytes.
+    """
+    if len(header) != REQUEST_BYTES:
+        raise LmProtocolError("truncated", f"request header of {len(header)} bytes, expected {REQUEST_BYTES}")
+    command, length = _FRAMING.unpack_from(header)
+    return command, length
 
 
 def encode_request(request: LmRequest) -> bytes:

@@ -5,6 +5,7 @@
 | ``kvmesh_kv_store_capacity_bytes`` | gauge | ``tier``, ``medium`` |
 | ``kvmesh_kv_store_used_bytes`` | gauge | ``tier``, ``medium`` |
 | ``kvmesh_kv_store_keys`` | gauge | ``tier``, ``medium`` |
+| ``kvmesh_kv_store_pending`` | gauge | ``tier``, ``medium`` (victims still readable while they move down) |
 | ``kvmesh_kv_store_hits_total`` | counter | ``tier``, ``medium`` |
 | ``kvmesh_kv_store_misses_total`` | counter | ``tier``, ``medium`` |
 | ``kvmesh_kv_store_evictions_total`` | counter | ``tier``, ``medium`` |
@@ -37,6 +38,7 @@ _GAUGES = (
     ("capacity_bytes", "Budget of the tier for value bytes."),
     ("used_bytes", "Value bytes stored in the tier."),
     ("keys", "Keys stored in the tier."),
+    ("pending", "Values the tier evicted that are still readable there while they move to a slower tier."),
 )
 _COUNTERS = (
     ("hits", "Gets answered by the tier."),

@@ -20,9 +20,20 @@ methods with a serializer that passes such pre-encoded messages through.
 
 **Flow control.** gRPC's HTTP/2 windows pace a single stream (a Get yields one chunk at a time and
 awaits the transport; a Put reads the next chunk only when it has taken the last). Across streams,
-the bytes buffered by Puts in flight are capped by ``max_inflight_put_bytes``: a Put whose
-``total_bytes`` does not fit waits for others to finish before it reads its data, so many
-concurrent large values cannot exhaust memory.
+the bytes buffered by Puts in flight (these and the ``lm://`` listener's, one
+:class:`~services.kv_store.flow.ByteBudget` of ``max_inflight_put_bytes``) are charged chunk by
+chunk as they arrive, never as ``total_bytes`` announces them, so a client that announces 1 GiB
+and sends nothing holds nothing. A chunk that does not fit waits, first come first served, before
+the next message is read (at most one received chunk per waiting stream sits outside the budget);
+a wait longer than ``put_budget_wait_s`` ends the Put with ``RESOURCE_EXHAUSTED`` (two large Puts
+each holding part of the budget cannot wait on each other for ever). A Put whose client sends no
+message for ``put_idle_timeout_s`` ends with ``INVALID_ARGUMENT`` (a stream abandoned mid-value is
+a truncated one) and gives back what it held.
+
+**Cancellation.** A call cancelled or past its deadline ends as such for its caller, but the store
+operation under it (a Put's cascade of victims down the tiers, a Get's promotion and the victims
+it moves down) runs to its end in its own task (:class:`~services.kv_store.flow.Detached`): a move
+cut in half would drop a value no slower tier took yet.
 """
 
 from __future__ import annotations
@@ -35,9 +46,10 @@ import grpc
 
 from kvmesh._proto.kvmesh.common.v1 import common_pb2
 from kvmesh._proto.kvmesh.kv_store.v1 import kv_store_pb2, kv_store_pb2_grpc
-from kvmesh.errors import InvalidRequest
+from kvmesh.errors import InvalidRequest, Saturated
 from kvmesh.wire import medium_to_proto
 from services.kv_store.errors import KeyNotFound
+from services.kv_store.flow import ByteBudget, Detached
 from services.kv_store.residency import BadBlockEvent, parse_block_event
 from services.kv_store.store import BlockStore, validate_keys
 
@@ -118,7 +130,7 @@ def parse_put_request(raw: bytes) -> PutChunk:
     Field numbers and types are the proto's (1 key string, 2 total_bytes uint64, 3 data bytes,
     4 block_stored_event bytes);
     unknown fields are skipped as protobuf does. Raises ValueError on malformed input, which the
-    gRPC layer reports as a failed deserialization (``INTERNAL``), as for protobuf's own parser.
+    shared interceptor (:mod:`kvmesh.interceptors`) reports as ``INVALID_ARGUMENT``.
     """
     buf = memoryview(raw)
     key, total, data, event = "", 0, memoryview(b""), b""
@@ -152,27 +164,6 @@ def parse_put_request(raw: bytes) -> PutChunk:
     return PutChunk(key, total, data, event)
 
 
-class ByteBudget:
-    """An async byte semaphore: ``acquire(n)`` waits until ``n`` more bytes fit under ``limit``."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.in_use = 0
-        self._cond = asyncio.Condition()
-
-    async def acquire(self, size: int) -> None:
-        size = min(size, self.limit)  # a single value larger than the budget waits for an idle server
-        async with self._cond:
-            await self._cond.wait_for(lambda: self.in_use + size <= self.limit)
-            self.in_use += size
-
-    async def release(self, size: int) -> None:
-        size = min(size, self.limit)
-        async with self._cond:
-            self.in_use -= size
-            self._cond.notify_all()
-
-
 class KVStoreServicer(kv_store_pb2_grpc.KVStoreServicer):
     def __init__(
         self,
@@ -180,20 +171,40 @@ class KVStoreServicer(kv_store_pb2_grpc.KVStoreServicer):
         get_chunk_bytes: int,
         max_inflight_put_bytes: int = 1 << 30,
         block_size_tokens: int | None = None,
+        *,
+        put_budget: ByteBudget | None = None,
+        put_budget_wait_s: float | None = None,
+        put_idle_timeout_s: float | None = None,
     ) -> None:
         self._store = store
         self._block_size = block_size_tokens
         self._chunk = get_chunk_bytes
-        self._put_budget = ByteBudget(max_inflight_put_bytes)
+        self.put_budget = put_budget or ByteBudget(max_inflight_put_bytes)
+        """Bytes of Puts in flight (shared with the ``lm://`` listener), charged as chunks arrive."""
+        self._budget_wait = put_budget_wait_s
+        self._idle_timeout = put_idle_timeout_s
+        self.detached = Detached("grpc")
+        """Store operations that finish after a cancelled call (a deadline, a client gone)."""
+
+    async def _next_put(self, stream: AsyncIterator[PutChunk], key: str) -> PutChunk | None:
+        """The next Put message, None at the end; InvalidRequest when the client sent nothing for the idle timeout."""
+        try:
+            async with asyncio.timeout(self._idle_timeout):
+                return await stream.__anext__()
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            raise InvalidRequest(
+                f"Put for key {key!r} sent nothing for {self._idle_timeout} s (put_idle_timeout_s): stream abandoned"
+            ) from None
 
     async def Put(
         self, request_iterator: AsyncIterator[PutChunk], context: grpc.aio.ServicerContext
     ) -> kv_store_pb2.PutResponse:
         stream = request_iterator.__aiter__()
-        try:
-            first = await stream.__anext__()
-        except StopAsyncIteration:
-            raise InvalidRequest("Put stream closed before its first message") from None
+        first = await self._next_put(stream, "")
+        if first is None:
+            raise InvalidRequest("Put stream closed before its first message")
         key, total = first.key, first.total_bytes
         self._store.check_value_size(key, total)
         block = None
@@ -202,31 +213,42 @@ class KVStoreServicer(kv_store_pb2_grpc.KVStoreServicer):
                 block = parse_block_event(first.block_stored_event, self._block_size)
             except BadBlockEvent as exc:
                 raise InvalidRequest(f"Put for key {key!r}: {exc}") from None
-        await self._put_budget.acquire(total)
+        budget, held = self.put_budget, 0
         try:
-            received = len(first.data)
-            chunks: list[memoryview] = [first.data] if first.data else []
-            if received > total:
-                raise InvalidRequest(f"Put for key {key!r} sent more than total_bytes={total} bytes")
-            async for message in stream:
-                if (
+            received = 0
+            chunks: list[memoryview] = []
+            message: PutChunk | None = first
+            while message is not None:
+                if message is not first and (
                     (message.key and message.key != key)
                     or (message.total_bytes and message.total_bytes != total)
                     or message.block_stored_event
                 ):
                     raise InvalidRequest("key, total_bytes and block_stored_event belong on the first Put message only")
-                received += len(message.data)
+                size = len(message.data)
+                received += size
                 if received > total:
                     raise InvalidRequest(f"Put for key {key!r} sent more than total_bytes={total} bytes")
-                if message.data:
+                if size:
+                    charge = min(size, budget.limit - held)  # bytes as they arrive, never what total_bytes announces
+                    if charge and not budget.try_acquire(charge):
+                        try:
+                            await budget.acquire(charge, self._budget_wait)
+                        except TimeoutError:
+                            raise Saturated(
+                                f"Put for key {key!r}: no room for its bytes in max_inflight_put_bytes="
+                                f"{budget.limit} within {self._budget_wait} s"
+                            ) from None
+                    held += charge
                     chunks.append(message.data)
+                message = await self._next_put(stream, key)
             if received != total:
                 raise InvalidRequest(f"Put for key {key!r} sent {received} bytes, total_bytes={total} (truncated)")
             value = b"".join(chunks)  # the one copy: views into the received messages -> one value
             del chunks
-            outcome = await self._store.put(key, value, block)
+            outcome = await self.detached.run(self._store.put(key, value, block))  # a deadline never cuts a move short
         finally:
-            await self._put_budget.release(total)
+            budget.release_now(held)
         return kv_store_pb2.PutResponse(medium=medium_to_proto(outcome.medium), evicted=outcome.evicted,
                                         lost=outcome.lost)
 
@@ -238,7 +260,7 @@ class KVStoreServicer(kv_store_pb2_grpc.KVStoreServicer):
         return out
 
     async def Get(self, request: kv_store_pb2.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        stored = await self._store.get(request.key)
+        stored = await self.detached.run(self._store.get(request.key))  # a promotion's moves finish
         head = kv_store_pb2.GetResponse(total_bytes=len(stored.value), medium=medium_to_proto(stored.medium))
         view = memoryview(stored.value)
         yield encode_get_chunk(head.SerializeToString(), _GET_DATA_FIELD, view[: self._chunk])
@@ -251,7 +273,7 @@ class KVStoreServicer(kv_store_pb2_grpc.KVStoreServicer):
         validate_keys(request.keys, "BatchGet")  # every key before the first byte: the call fails whole or not at all
         for index, key in enumerate(request.keys):
             try:
-                stored = await self._store.get(key)
+                stored = await self.detached.run(self._store.get(key))
             except KeyNotFound:
                 yield kv_store_pb2.BatchGetResponse(index=index, found=False)
                 if request.stop_at_first_miss:

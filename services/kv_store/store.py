@@ -5,10 +5,14 @@ Placement follows vLLM's OffloadingConnector and LMCache's storage manager (writ
 medium, spill the least recently used downwards):
 
 * ``put`` writes to the first tier. Values that tier evicts are **demoted** to the next tier (and
-  so on down: a demotion that evicts there cascades); the last tier drops its victims. A stale
-  copy of the key in a slower tier is removed, unless ``write_through`` names that tier, which then
-  receives the same value synchronously (a shared tier written through makes a value visible to
-  every instance at once).
+  so on down: a demotion that evicts there cascades); the last tier drops its victims. A demotion
+  keeps the value reachable: the tier hands its victims out *pending* (still readable there, see
+  :mod:`services.kv_store.tiers.base`) and the store releases each once a slower tier stored it,
+  or once every slower tier refused it (then it is an eviction, counted lost). A put or delete
+  of a key whose older value is moving down waits for that move to land, then replaces or sweeps
+  it (no stale copy below, no deleted key back). A stale copy of the key in a slower tier is
+  removed, unless ``write_through`` names that tier, which then receives the same value
+  synchronously (a shared tier written through makes a value visible to every instance at once).
 * ``get`` searches the tiers in order. A hit in a slower tier is **promoted** to the first tier
   (``promote_on_hit``); it leaves a private tier (local tiers are exclusive, so one copy per
   instance) and stays in a shared one (other instances read it too). A promotion is a **swap**:
@@ -27,7 +31,9 @@ medium, spill the least recently used downwards):
   promotion that checks before the failure steps aside having removed nothing; one that checks
   after goes on). A get that missed everywhere while another get promoted its key looks
   again (:data:`MISS_RESCANS`).
-* ``contains`` is true when any tier holds the key; ``delete`` drops it everywhere.
+* ``contains`` (and ``media``) is true when any tier holds the key, and looks again (as ``get``,
+  :data:`MISS_RESCANS`) for the keys it missed while a promotion moved keys up past its scan, so a
+  key being moved is never reported absent; ``delete`` drops it everywhere.
 * **Restart.** Tiers that survive a restart (disk, shared FS) keep each value's description (the
   engine's ``BlockStored``) with it and rescan at start; the store adopts what they found at
   construction and publishes it as ``BlockStored`` on the tier's medium (in batches of
@@ -62,6 +68,7 @@ only the CPU tier no operation suspends.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import logging
 import time
@@ -89,7 +96,8 @@ DROP_REASONS = ("unavailable", "full", "too_large")
 :class:`StorageFull` (both degraded modes), :class:`ValueTooLarge` (the value exceeds the tier's
 capacity: not a failure)."""
 MISS_RESCANS = 2
-"""Extra passes of a get that missed in every tier while a concurrent get promoted its key."""
+"""Extra passes of a get that missed in every tier while a concurrent get promoted its key (and of
+a contains or lookup over the keys it missed while any promotion ran)."""
 REPUBLISH_BATCH = 1024
 """Events per batch when republishing rescanned values (a 16 GiB disk tier of 2 MiB values: 8 batches)."""
 
@@ -98,6 +106,10 @@ ERROR_LOG_INTERVAL_S = 10.0
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+Unplaced = tuple[int, str, bytes, tuple[int, asyncio.Event]]
+"""A victim of a promotion's cascade that no tier took: (index of the tier holding it pending, key,
+value, its move, ended once the undo restored or released it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +244,11 @@ class BlockStore:
         self._error_log = RateLimitedLog(log, ERROR_LOG_INTERVAL_S)
         self.residency = Residency({tier.name: tier.medium for tier in self.tiers})
         self.on_events = on_events
+        self._moving: dict[str, list[tuple[int, asyncio.Event]]] = {}
+        """key -> its moves down in flight (start number, set when the victim was released)."""
+        self._move_seq = 0
+        self._moved_up = 0
+        """Promotions that stored a key in the first tier (a contains that missed meanwhile looks again)."""
         self._watched: dict[str, _KeyWatch] = {}
         """key -> the calls in flight on it: how a promotion sees it was superseded."""
         self.republished = self.adopt_rescanned()
@@ -338,18 +355,87 @@ class BlockStore:
         self.residency.added(key, tier.name)
         return result
 
-    async def _cascade(self, index: int, result: PutResult, unplaced: list[tuple[str, bytes]] | None) -> int:
+    async def _cascade(self, index: int, result: PutResult, unplaced: list[Unplaced] | None) -> int:
         """Demote the victims of a put into ``tiers[index]`` downwards; the values none took (see
-        :meth:`_place`)."""
+        :meth:`_place`).
+
+        Each victim is still readable in ``tiers[index]`` (pending there, see
+        :mod:`services.kv_store.tiers.base`) until a slower tier stored it; only then is it
+        released, so a move down is a store, then a removal, and a concurrent get or contains
+        finds the value throughout. A victim no tier took is released too (an eviction, counted
+        lost), unless ``unplaced`` collects it (a promotion's undo then restores or releases it).
+        """
+        tier = self.tiers[index]
+        handed = {victim for victim, _ in result.victims}
+        for victim in result.evicted:
+            if victim not in handed:  # unreadable (corrupt, gone): removed by the put already
+                self.residency.removed(victim, tier.name)
+        moves = [self._start_move(victim) for victim, _ in result.victims]
         lost = 0
-        for victim, victim_value in result.victims:
-            lost += await self._demote(index + 1, victim, victim_value, unplaced)
-        for victim in result.evicted:  # after the demotions: a move is a store, then a removal
-            self.residency.removed(victim, self.tiers[index].name)
+        done = 0
+        try:
+            for (victim, victim_value), move in zip(result.victims, moves, strict=True):
+                waiting = len(unplaced) if unplaced is not None else 0
+                lost += await self._demote(index + 1, victim, victim_value, unplaced, move)
+                done += 1
+                if unplaced is not None and (index, victim, victim_value, move) in unplaced[waiting:]:
+                    continue  # no tier took it: still pending here, the promotion's undo decides
+                try:
+                    await self._release(tier, [(victim, victim_value)])
+                finally:
+                    self._end_move(victim, move)
+        finally:
+            rest = result.victims[done:]
+            if rest:  # cancelled or failed mid-cascade: never leave victims pending
+                try:
+                    await self._release(tier, rest)
+                finally:
+                    for (victim, _), move in zip(rest, moves[done:], strict=True):
+                        self._end_move(victim, move)
         return lost
 
+    def _start_move(self, key: str) -> tuple[int, asyncio.Event]:
+        """A victim of ``key`` is pending in its tier and moving down (until :meth:`_end_move`)."""
+        self._move_seq += 1
+        move = (self._move_seq, asyncio.Event())
+        self._moving.setdefault(key, []).append(move)
+        return move
+
+    def _end_move(self, key: str, move: tuple[int, asyncio.Event]) -> None:
+        move[1].set()
+        moves = self._moving.get(key)
+        if moves is not None and move in moves:
+            moves.remove(move)
+            if not moves:
+                del self._moving[key]
+
+    async def _settled(self, key: str, begun_by: int | None = None) -> None:
+        """Wait until no move down of ``key`` (begun by move number ``begun_by``, or any) is in flight.
+
+        A put or delete waits so that an older value of its key, pending in a tier and on its way
+        down, lands before the write (which then replaces or sweeps it) instead of after it (a
+        stale copy below a newer value, or a deleted key back). Moves never wait for writes.
+        """
+        while True:
+            waits = [done for seq, done in self._moving.get(key, ()) if begun_by is None or seq <= begun_by]
+            if not waits:
+                return
+            await waits[0].wait()
+
+    async def _release(self, tier: StoreTier, victims: Sequence[tuple[str, bytes]]) -> None:
+        """Release pending victims of ``tier`` (a slower tier took them, or none could); a victim a
+        put replaced or a delete removed meanwhile stays as that write left it."""
+        try:
+            released = await self._timed(tier, "evict", tier.release(victims))
+        except (TierUnavailable, StorageFull) as exc:
+            self._failed(tier, "release", exc)
+            released = [True] * len(victims)  # no longer pending: the tier dropped them from its view
+        for (victim, _), gone in zip(victims, released, strict=True):
+            if gone:
+                self.residency.removed(victim, tier.name)
+
     async def _place(
-        self, index: int, key: str, value: bytes, reason: str, unplaced: list[tuple[str, bytes]] | None = None
+        self, index: int, key: str, value: bytes, reason: str, unplaced: list[Unplaced] | None = None
     ) -> tuple[int, int]:
         """Put into ``tiers[index]`` and demote its victims downwards.
 
@@ -365,7 +451,12 @@ class BlockStore:
         return len(result.evicted), await self._cascade(index, result, unplaced)
 
     async def _demote(
-        self, index: int, key: str, value: bytes, unplaced: list[tuple[str, bytes]] | None = None
+        self,
+        index: int,
+        key: str,
+        value: bytes,
+        unplaced: list[Unplaced] | None = None,
+        move: tuple[int, asyncio.Event] | None = None,
     ) -> int:
         """Place a victim of ``tiers[index - 1]`` in ``tiers[index]``, else the first slower tier
         that takes it; counted lost (by the evicting tier) when none does, or appended to
@@ -384,8 +475,8 @@ class BlockStore:
                 return lost
             except (TierUnavailable, StorageFull, ValueTooLarge) as exc:
                 self._dropped(tier, "demote", key, exc)
-        if unplaced is not None:
-            unplaced.append((key, value))
+        if unplaced is not None and move is not None:
+            unplaced.append((index - 1, key, value, move))
             return 0
         self._lost(self.tiers[index - 1].name, key, len(value))
         return 1
@@ -417,6 +508,7 @@ class BlockStore:
             TierUnavailable / StorageFull: the first tier failed (nothing stored).
         """
         self.check_value_size(key, len(value))
+        await self._settled(key)  # an older value of the key moving down lands before this write
         watch = self._begin_write(key)
         if block is not None:
             self.residency.describe(key, block)
@@ -426,7 +518,9 @@ class BlockStore:
             except BaseException:
                 watch.writes -= 1  # stored nothing: no promotion needs to step aside for it
                 raise
+            stored_at = self._move_seq  # moves begun after this are of this value
             evicted, lost = len(result.evicted), await self._cascade(0, result, None)
+            await self._settled(key, stored_at)  # an older value evicted while this one was written
             for tier in self.tiers[1:]:
                 try:
                     if tier.name in self.write_through:
@@ -542,6 +636,7 @@ class BlockStore:
             self._failed(first, "promote", exc)
             return  # nothing moved: the key stays where it was read
         watch.promoted += 1
+        self._moved_up += 1
         freed: list[int] = []
         if superseded():
             self.metrics.promotions_superseded += 1
@@ -556,10 +651,18 @@ class BlockStore:
                         self.residency.removed(key, tier.name)
                 except (TierUnavailable, StorageFull) as exc:
                     self._failed(tier, "evict", exc)
-        unplaced: list[tuple[str, bytes]] = []
-        await self._cascade(0, result, unplaced)
-        if unplaced:
-            await self._undo(index, key, value, freed, unplaced, superseded)
+        unplaced: list[Unplaced] = []
+        try:
+            await self._cascade(0, result, unplaced)
+            if unplaced:
+                await self._undo(index, key, value, freed, unplaced, superseded)
+        finally:
+            for source, victim, victim_value, move in unplaced:  # interrupted: never leave them pending
+                if not move[1].is_set():
+                    try:
+                        await self._release(self.tiers[source], [(victim, victim_value)])
+                    finally:
+                        self._end_move(victim, move)
 
     async def _undo(
         self,
@@ -567,16 +670,17 @@ class BlockStore:
         key: str,
         value: bytes,
         freed: list[int],
-        unplaced: list[tuple[str, bytes]],
+        unplaced: list[Unplaced],
         superseded: Callable[[], bool],
     ) -> None:
         """Roll back a promotion whose victims (``unplaced``) found no tier.
 
         ``key`` goes back first (to the fastest private tier it left, else on down; a shared hit
         still holds it), then leaves the first tier, then the victims return to the room it took:
-        the key is readable throughout. When ``key`` can go back nowhere (the tiers it left failed
-        meanwhile, or a concurrent promotion removed the copy) it stays in the first tier and the
-        victims are lost. Superseded meanwhile: the write owns the key; only the victims return.
+        the key is readable throughout, and so are the victims (still pending in the tier that
+        evicted them until restored or released). When ``key`` can go back nowhere (the tiers it
+        left failed meanwhile, or a concurrent promotion removed the copy) it stays in the first
+        tier and the victims are lost. Superseded meanwhile: the write owns the key; only the victims return.
         """
         self.metrics.promotions_undone += 1
         log.info("promotion of key=%r undone: %d value(s) it evicted found no tier", _short(key), len(unplaced))
@@ -590,14 +694,22 @@ class BlockStore:
                         self.residency.removed(key, first.name)
                 except (TierUnavailable, StorageFull) as exc:
                     self._failed(first, "evict", exc)
-        for victim, victim_value in unplaced:  # back into the room the promoted value took
+        for source, victim, victim_value, move in unplaced:  # back into the room the promoted value took
+            restored = False
             if back:
                 try:
                     await self._place(0, victim, victim_value, "restore")
-                    continue
+                    restored = True
                 except (TierUnavailable, StorageFull, ValueTooLarge) as exc:
                     self._failed(first, "restore", exc)
-            self._lost(first.name, victim, len(victim_value))
+            if not restored:
+                self._lost(self.tiers[source].name, victim, len(victim_value))
+            # pending in its tier until now (readable throughout); a restore into that same tier
+            # replaced the pending copy, and releasing it is then a no-op
+            try:
+                await self._release(self.tiers[source], [(victim, victim_value)])
+            finally:
+                self._end_move(victim, move)
 
     async def _put_back(self, index: int, key: str, value: bytes) -> bool:
         """Store ``key`` in ``tiers[index]``, else the first slower tier that takes it (as
@@ -617,52 +729,69 @@ class BlockStore:
     async def contains(self, keys: Sequence[str]) -> list[bool]:
         """One flag per key, in order; no LRU effect.
 
+        A key being moved is never reported absent: a victim moving down stays readable in its
+        tier until a slower one holds it, and a scan that missed keys while a promotion moved keys
+        up past it looks again for those (at most :data:`MISS_RESCANS` times), as :meth:`get` does.
+
         Raises:
             InvalidRequest: more than :data:`MAX_CONTAINS_KEYS` keys, or an empty or over-long key
                 (:func:`validate_keys`: refused as ``get`` refuses it, not reported absent).
         """
         validate_keys(keys, "Contains")
-        present = [False] * len(keys)
-        for tier in self.tiers:
-            pending = [i for i, found in enumerate(present) if not found]
-            if not pending:
-                break
-            flags = await self._safe_contains(tier, [keys[i] for i in pending])
-            for i, found in zip(pending, flags, strict=True):
-                present[i] = found
-        return present
+        return [found is not None for found in await self._locate(keys)]
 
     async def media(self, keys: Sequence[str]) -> list[Medium | None]:
-        """For each key the medium of the fastest tier holding it, ``None`` when absent; no LRU effect.
+        """For each key the medium of the fastest tier holding it, ``None`` when absent; no LRU
+        effect; rescans as :meth:`contains`.
 
         Raises:
             InvalidRequest: as :meth:`contains`.
         """
         validate_keys(keys, "Lookup")
-        found: list[Medium | None] = [None] * len(keys)
-        for tier in self.tiers:
-            pending = [i for i, medium in enumerate(found) if medium is None]
-            if not pending:
+        return [None if found is None else self.tiers[found].medium for found in await self._locate(keys)]
+
+    async def _locate(self, keys: Sequence[str]) -> list[int | None]:
+        """For each key the index of the fastest tier found holding it (``None``: absent), scanning
+        the tiers in order, batched per tier; the keys still missing are scanned again when a
+        promotion stored a key in the first tier during the scan (see :meth:`contains`)."""
+        found: list[int | None] = [None] * len(keys)
+        for _ in range(1 + MISS_RESCANS):
+            moved_up = self._moved_up
+            pending = [i for i, where in enumerate(found) if where is None]
+            for index, tier in enumerate(self.tiers):
+                if not pending:
+                    return found
+                flags = await self._safe_contains(tier, [keys[i] for i in pending])
+                for i, hit in zip(pending, flags, strict=True):
+                    if hit:
+                        found[i] = index
+                pending = [i for i, hit in zip(pending, flags, strict=True) if not hit]
+            if not pending or self._moved_up == moved_up:
                 break
-            flags = await self._safe_contains(tier, [keys[i] for i in pending])
-            for i, hit in zip(pending, flags, strict=True):
-                if hit:
-                    found[i] = tier.medium
         return found
 
     async def delete(self, key: str) -> bool:
-        """Drop ``key`` from every reachable tier; ``True`` when any held it. Raises InvalidRequest."""
+        """Drop ``key`` from every reachable tier; ``True`` when any held it. Raises InvalidRequest.
+
+        A move down of the key in flight lands first (the delete waits for it, and sweeps again
+        for one that began during its sweep), so a moving value never comes back after a delete.
+        """
         validate_key(key)
+        await self._settled(key)
         watch = self._begin_write(key)
         deleted = False
         try:
-            for tier in self.tiers:
-                try:
-                    if await self._timed(tier, "evict", tier.evict(key)):
-                        deleted = True
-                        self.residency.removed(key, tier.name)
-                except (TierUnavailable, StorageFull) as exc:
-                    self._failed(tier, "delete", exc)
+            for _ in range(1 + MISS_RESCANS):
+                for tier in self.tiers:
+                    try:
+                        if await self._timed(tier, "evict", tier.evict(key)):
+                            deleted = True
+                            self.residency.removed(key, tier.name)
+                    except (TierUnavailable, StorageFull) as exc:
+                        self._failed(tier, "delete", exc)
+                if key not in self._moving:
+                    break
+                await self._settled(key)
         finally:
             self._end_write(key, watch)
             self._flush()

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from kvmesh.errors import InvalidRequest
+from services.kv_store.errors import TierUnavailable
 from services.kv_store.tiers.base import StoreTier
 from services.kv_store.tiers.cpu import CpuTier
 from services.kv_store.tiers.files import DiskTier, SharedFsTier
@@ -189,3 +190,87 @@ async def test_held_keys_in_lru_order(make_tier: TierFactory) -> None:
     assert tier.held_keys() == ["b", "c", "a"]
     await tier.evict("b")
     assert tier.held_keys() == ["c", "a"]
+
+
+async def test_victims_stay_readable_until_released(make_tier: TierFactory) -> None:
+    """``keep_victims``: the victims leave the budget and the LRU view at once but stay readable
+    (get, contains) until ``release`` (the store releases them once a slower tier took them), so a
+    value moving down is never in no tier."""
+    tier = make_tier(20)
+    await tier.put("a", b"a" * 10)
+    await tier.put("b", b"b" * 10)
+    result = await tier.put("c", b"c" * 15, keep_victims=True)
+    assert result.victims == (("a", b"a" * 10), ("b", b"b" * 10))
+    stats = tier.stats()
+    assert (stats.used_bytes, stats.keys, stats.evictions, stats.pending) == (15, 1, 2, 2)
+    assert tier.held_keys() == ["a", "b", "c"]  # pending first: a key moving down is still listed
+    assert await tier.contains(["a", "b", "c"]) == [True, True, True]
+    assert await tier.get("a") == b"a" * 10
+    assert await tier.release([("a", b"a" * 10)]) == [True]
+    assert await tier.contains(["a", "b"]) == [False, True]
+    assert await tier.get("a") is None
+    assert await tier.release([("a", b"a" * 10), ("b", b"b" * 10)]) == [False, True]
+    assert await tier.contains(["a", "b", "c"]) == [False, False, True]
+    assert tier.stats().pending == 0
+
+
+async def test_a_pending_victim_replaced_or_deleted_is_not_released(make_tier: TierFactory) -> None:
+    """A put of a pending victim's key stores the new value (the release of the old one is then a
+    no-op); an explicit evict of a pending victim removes it."""
+    tier = make_tier(20)
+    await tier.put("a", b"a" * 10)
+    await tier.put("b", b"b" * 10)
+    await tier.put("c", b"c" * 20, keep_victims=True)  # a, b pending
+    await tier.evict("c")
+    await tier.put("a", b"A" * 5)
+    assert await tier.evict("b") is True
+    assert await tier.release([("a", b"a" * 10), ("b", b"b" * 10)]) == [False, False]
+    assert await tier.get("a") == b"A" * 5
+    assert await tier.contains(["a", "b"]) == [True, False]
+    stats = tier.stats()
+    assert (stats.used_bytes, stats.keys, stats.pending) == (5, 1, 0)
+
+
+class _FailingWrites:
+    """The real Mooncake client whose ``upsert_parts`` returns an error code (a failed transfer)."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def upsert_parts(self, key: str, *parts: bytes) -> int:
+        return -1
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+async def test_a_put_whose_write_fails_keeps_the_victims(
+    make_tier: TierFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The new value is written before the victims are removed: a write that fails (an I/O error
+    on a file tier's rename, a failed Mooncake transfer) leaves every victim in place."""
+    tier = make_tier(20)
+    await tier.put("a", b"a" * 10)
+    await tier.put("b", b"b" * 10)
+    if isinstance(tier, CpuTier):
+        pytest.skip("a write to process memory cannot fail")
+    if isinstance(tier, DiskTier | SharedFsTier):
+        root = tier.root
+        real = os.replace
+
+        def replace(src: Any, dst: Any) -> None:
+            if Path(dst).is_relative_to(root):
+                raise OSError(5, "Input/output error", str(dst))
+            real(src, dst)
+
+        monkeypatch.setattr(os, "replace", replace)
+    else:
+        assert isinstance(tier, MooncakeTier)
+        monkeypatch.setattr(tier, "_client", _FailingWrites(tier._client))
+    with pytest.raises(TierUnavailable):
+        await tier.put("c", b"c" * 15, keep_victims=True)
+    monkeypatch.undo()
+    assert await tier.contains(["a", "b", "c"]) == [True, True, False]
+    assert await tier.get("a") == b"a" * 10 and await tier.get("b") == b"b" * 10
+    stats = tier.stats()
+    assert (stats.used_bytes, stats.keys, stats.evictions, stats.pending) == (20, 2, 0, 0)

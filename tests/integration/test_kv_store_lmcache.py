@@ -11,9 +11,10 @@ Matches lmcache 0.5.6's remote-server protocol (``lmcache/v1/protocol.py``, the 
   two values the test put over gRPC (one with kv_store's LMCache envelope, one raw bytes);
 * cross-protocol: every value put over ``lm://`` read back through kv_store's gRPC ``Get`` under
   ``lmcache/<key>``, the envelope plus the payload;
-* bad input (no LMCache needed, always runs): an unknown command, a truncated header, an oversize
-  ``PUT``, a non-UTF-8 key each close their connection with a metric; ``LIST`` answers the keys held; the
-  listener and gRPC keep serving.
+* bad input (no LMCache needed, always runs): an unknown command, a negative length, a truncated
+  header or payload each close their connection with a metric; an oversize ``PUT`` (its payload
+  skipped), a non-UTF-8 or unparsable key, an unknown format (answered ``FAIL``) are counted and the
+  connection kept; ``LIST`` answers the keys held; the listener and gRPC keep serving.
 
 The LMCache cases skip with the reason when ``.venv-lmcache`` is absent, unless ``KVMESH_REQUIRE_LMCACHE=1``.
 """
@@ -182,7 +183,11 @@ async def test_real_lmcache_client_against_kv_store(start_service, tmp_path: Pat
     text = metrics_text(ports["metrics"])
     assert 'kvmesh_kv_store_lmcache_requests_total{command="put",result="stored"} 10.0' in text  # 5 + 5
     assert 'kvmesh_kv_store_lmcache_requests_total{command="get",result="miss"} 1.0' in text
-    assert "kvmesh_kv_store_lmcache_protocol_errors_total{" not in text
+    # the client script's refused put (a key with "@" in its model name) and its exists: counted, connection kept
+    assert "refused put: connection kept, next get served" in client_out, client_out[-4000:]
+    assert 'kvmesh_kv_store_lmcache_protocol_errors_total{reason="bad_key"} 2.0' in text
+    assert 'kvmesh_kv_store_lmcache_requests_total{command="put",result="refused"} 1.0' in text
+    assert 'kvmesh_kv_store_lmcache_requests_total{command="exist",result="refused"} 1.0' in text
 
 
 def _header(
@@ -214,20 +219,29 @@ def _exchange(sock: socket.socket, frame: bytes, payload: int = 0) -> tuple[byte
     return data[:REPLY_BYTES], data[REPLY_BYTES:]
 
 
-async def test_bad_lm_frames_close_the_connection_and_the_service_stays_up(start_service) -> None:
+async def test_bad_lm_frames_are_counted_and_the_service_stays_up(start_service) -> None:
     proc, address = start_service("kv_store", "--lmcache-port", "0", "--cpu-capacity-bytes", str(4 * MIB))
     ports = ports_of(proc)
     port = ports["lmcache"]
 
     def run_checks() -> None:
+        # framing lost: the connection is closed
         assert _closed(port, _header(9))  # unknown command
         assert _closed(port, _header(1, length=-5))  # negative length
-        assert _closed(port, _header(1, length=64 * MIB))  # a PUT larger than the first tier (4 MiB)
-        assert _closed(port, _header(2, key=b"\xff\xfe@1@0@ff@half"))  # key not UTF-8
-        assert _closed(port, _header(2, key=b"no-at-signs"))  # key does not parse
-        assert _closed(port, _header(2, fmt=99))  # unknown memory format
         assert _closed(port, _header(2)[:100], close_write=True)  # truncated header
         assert _closed(port, _header(1, length=1000) + b"x" * 10, close_write=True)  # truncated payload
+        # framing intact: refused (a PUT's payload skipped, a GET answered FAIL), the connection kept
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(_header(1, length=6 * MIB) + bytes(6 * MIB))  # a PUT larger than the first tier (4 MiB)
+            for bad in (
+                _header(2, key=b"\xff\xfe@1@0@ff@half"),  # key not UTF-8
+                _header(2, key=b"no-at-signs"),  # key does not parse
+                _header(2, fmt=99),  # unknown memory format
+            ):
+                refused, _ = _exchange(sock, bad)
+                assert decode_reply(refused).code is LmReturnCode.FAIL
+            health, _ = _exchange(sock, _header(5))
+            assert decode_reply(health).code is LmReturnCode.SUCCESS
 
         key = LmCacheKey.parse("m@1@0@00FF@half")
         assert key.canonical() == "m@1@0@ff@half"

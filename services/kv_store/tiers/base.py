@@ -5,6 +5,18 @@ on its own when a ``put`` needs room (CPU: least recently used). The store above
 placement and promotion across tiers. Every implementation passes
 ``tests/contract/test_store_tiers.py``.
 
+**Moves down are two-phase.** A ``put(..., keep_victims=True)`` (the store's put into any tier
+but the last) hands its victims out without dropping them: they leave the budget
+(``used_bytes``), the LRU order and ``keys`` at once, but stay readable (``get`` and ``contains``
+find them; ``stats().pending`` counts them) until the caller ``release``-s them, once a slower
+tier stored them (or none could: then it is an eviction). A value moving down is thus never in
+no tier. While victims are pending the medium holds them beyond ``capacity_bytes`` (the CPU tier's
+memory, a file tier's files, Mooncake's objects): at most the victims of the puts whose moves are
+in flight.
+
+**Write first, then evict.** A tier whose write can fail (files, Mooncake) stores the new value
+before it removes or hands out any victim; a put that raises evicted nothing.
+
 The verbs are async so tiers backed by disks, shared filesystems or remote stores (NVMe,
 Lustre, Mooncake, LMCache) fit the same contract; the in-memory tier never suspends.
 """
@@ -23,8 +35,9 @@ class PutResult:
     """What a ``put`` did: the keys the tier evicted to make room (oldest first).
 
     ``victims`` holds ``(key, value)`` of the evicted keys that could still be read, in the same
-    order, when the put was called with ``keep_victims=True`` (the store demotes them to the next
-    tier); empty otherwise.
+    order, when the put was called with ``keep_victims=True``: they are *pending* in the tier
+    (still readable) until :meth:`StoreTier.release` (the store demotes them to the next tier,
+    then releases them); empty otherwise (the evicted keys are gone when ``put`` returns).
     """
 
     evicted: tuple[str, ...] = ()
@@ -48,6 +61,9 @@ class TierStats:
     """Reads that found a value failing its checksum (served as misses, the value dropped)."""
     errors: int = 0
     """Operations that failed because the medium was unavailable or full."""
+    pending: int = 0
+    """Victims handed out by ``put(keep_victims=True)`` and still readable here until released
+    (not counted in ``keys`` or ``used_bytes``)."""
 
 
 class StoreTier(Protocol):
@@ -65,7 +81,11 @@ class StoreTier(Protocol):
     async def put(self, key: str, value: bytes, *, keep_victims: bool = False, meta: bytes = b"") -> PutResult:
         """Store ``value`` under ``key`` (replacing any old value), evicting as needed.
 
-        With ``keep_victims`` the evicted values are returned in ``PutResult.victims``. ``meta``:
+        The new value is stored before any victim is removed or handed out (a put that raises
+        evicted nothing). With ``keep_victims`` the evicted values are returned in
+        ``PutResult.victims`` and stay readable here until :meth:`release`; without it they are
+        removed once the new value is stored. A put of a pending victim's key replaces it (its
+        release is then a no-op). ``meta``:
         the store's description of the value (the engine's ``BlockStored``, msgpack); a tier that
         survives a restart keeps it with the value and returns it from ``take_rescanned`` (file
         tiers), the others ignore it.
@@ -90,12 +110,26 @@ class StoreTier(Protocol):
         ...
 
     async def evict(self, key: str) -> bool:
-        """Drop ``key``; ``True`` when it was present (an explicit delete, not counted in ``evictions``)."""
+        """Drop ``key`` (a pending victim too); ``True`` when it was present (an explicit delete,
+        not counted in ``evictions``)."""
+        ...
+
+    async def release(self, victims: Sequence[tuple[str, bytes]]) -> list[bool]:
+        """Drop victims a ``put(keep_victims=True)`` handed out: a slower tier now holds them (or
+        none could take them). One flag per victim: ``True`` when it was still pending with that
+        value and is now gone; ``False`` when a put replaced it or an evict removed it meanwhile
+        (nothing is dropped).
+
+        Raises:
+            services.kv_store.errors.TierUnavailable: removing the victims from the medium failed
+                (they are no longer pending; a file or object may be left behind).
+        """
         ...
 
     def held_keys(self) -> list[str]:
-        """The keys this instance's view of the tier holds, least recently used first (no I/O: a
-        shared tier lists what this instance wrote or read, not what other instances put)."""
+        """The keys this instance's view of the tier holds, pending victims first, then least
+        recently used first (no I/O: a shared tier lists what this instance wrote or read, not what
+        other instances put)."""
         ...
 
     def stats(self) -> TierStats:

@@ -5,6 +5,10 @@ to the end, eviction pops from the front until the new value fits (O(1) per key)
 ``len(value)``; Python object overhead is not counted against the budget. The same structure
 backs vLLM's CPU offloading LRU (``vllm/v1/kv_offload/lru_manager.py``) and LMCache's
 ``LocalCPUBackend``.
+
+Victims handed out by ``put(keep_victims=True)`` wait in a side table (*pending*, still served
+by ``get`` and ``contains``) until the store releases them after demoting them (see
+:mod:`services.kv_store.tiers.base`); their bytes stay in memory, outside the budget, meanwhile.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ class CpuTier:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self._values: OrderedDict[str, bytes] = OrderedDict()
+        self._pending: dict[str, bytes] = {}
+        """Victims handed out and not yet released (still readable)."""
         self._used_bytes = 0
         self._hits = 0
         self._misses = 0
@@ -43,6 +49,7 @@ class CpuTier:
                 f"value of {size} bytes for key {key!r} exceeds the {self.medium.value} tier's"
                 f" capacity_bytes={self.capacity_bytes}"
             )
+        self._pending.pop(key, None)  # a pending victim of this key is replaced
         old = self._values.pop(key, None)
         if old is not None:
             self._used_bytes -= len(old)
@@ -54,6 +61,7 @@ class CpuTier:
             evicted.append(victim)
             if keep_victims:
                 victims.append((victim, victim_value))
+                self._pending[victim] = victim_value
         self._evictions += len(evicted)
         self._values[key] = value
         self._used_bytes += size
@@ -62,6 +70,10 @@ class CpuTier:
     async def get(self, key: str) -> bytes | None:
         value = self._values.get(key)
         if value is None:
+            value = self._pending.get(key)  # moving down: still served here
+            if value is not None:
+                self._hits += 1
+                return value
             self._misses += 1
             return None
         self._hits += 1
@@ -69,14 +81,24 @@ class CpuTier:
         return value
 
     async def contains(self, keys: Sequence[str]) -> list[bool]:
-        return [key in self._values for key in keys]
+        return [key in self._values or key in self._pending for key in keys]
 
     async def evict(self, key: str) -> bool:
         value = self._values.pop(key, None)
         if value is None:
-            return False
+            return self._pending.pop(key, None) is not None
         self._used_bytes -= len(value)
         return True
+
+    async def release(self, victims: Sequence[tuple[str, bytes]]) -> list[bool]:
+        released = []
+        for key, value in victims:
+            held = self._pending.get(key)
+            gone = held is not None and (held is value or held == value)
+            if gone:
+                del self._pending[key]
+            released.append(gone)
+        return released
 
     def stats(self) -> TierStats:
         return TierStats(
@@ -88,10 +110,11 @@ class CpuTier:
             misses=self._misses,
             evictions=self._evictions,
             name=self.name,
+            pending=len(self._pending),
         )
 
     def held_keys(self) -> list[str]:
-        """Keys from least to most recently used."""
-        return list(self._values)
+        """Pending victims, then keys from least to most recently used."""
+        return [*self._pending, *self._values]
 
     lru_order = held_keys

@@ -28,7 +28,12 @@ value that was acknowledged survives a crash), ``all`` (also fsync the directory
 so the name survives too).
 
 **Capacity.** Value bytes (not headers) count against ``capacity_bytes``; least recently used
-values are evicted (their files unlinked) before a put that needs room, exactly as the CPU tier.
+values are evicted for a put that needs room, exactly as the CPU tier, but only once the new
+value's file is in place (**write first, then evict**): a write that fails (disk full, EIO, a
+read-only mount) leaves every victim stored. The filesystem thus briefly holds one value beyond
+the budget (keep that much headroom), and with ``keep_victims`` (a tier with a slower tier below)
+the victims' files stay until the store ``release``-s them after demoting them (served from
+memory meanwhile, see :mod:`services.kv_store.tiers.base`).
 Use order is kept in memory and persisted as the file's mtime (touched on every hit), so a
 **rescan on restart** (``open`` at construction) serves what was on disk again, in LRU order by
 mtime, dropping leftover temp files and anything over the budget; :meth:`FileTier.take_rescanned`
@@ -238,6 +243,8 @@ class FileTier:
         self._lock = asyncio.Lock()
         self._available = False
         self._rescanned: list[tuple[str, bytes]] = []
+        self._pending: dict[str, bytes] = {}
+        """Victims handed out by ``put(keep_victims=True)``, their files kept until released."""
         self._rescan()
 
     # -- paths and startup ---------------------------------------------------------------
@@ -305,6 +312,16 @@ class FileTier:
     # -- the StoreTier verbs ---------------------------------------------------------------
 
     async def put(self, key: str, value: bytes, *, keep_victims: bool = False, meta: bytes = b"") -> PutResult:
+        """Write ``value`` (temp file + rename), then evict: see :class:`StoreTier.put`.
+
+        The victims (least recently used first, until the new value fits ``capacity_bytes``) are
+        chosen first but removed only after the new file is in place, so a write that fails (disk
+        full, EIO, a read-only mount) raises with every victim still stored and indexed. The
+        medium therefore holds one value beyond the budget while the write runs (leave that much
+        headroom on the filesystem: a filesystem full to the budget refuses the put with
+        StorageFull rather than evicting to make room); with ``keep_victims`` the victims' files
+        also stay until :meth:`release` (they are served from memory meanwhile).
+        """
         size = len(value)
         if len(meta) > MAX_META_BYTES:
             raise ValueError(f"meta of {len(meta)} bytes exceeds {MAX_META_BYTES}")
@@ -315,35 +332,44 @@ class FileTier:
             )
         async with self._lock:
             self._check_root()
-            old = self._index.pop(key, None)
-            if old is not None:
-                self._used_bytes -= old
+            need = self._used_bytes - self._index.get(key, 0) + size - self.capacity_bytes
             victims: list[str] = []
-            while self._used_bytes + size > self.capacity_bytes:
-                victim, victim_size = self._index.popitem(last=False)
-                self._used_bytes -= victim_size
-                victims.append(victim)
-            self._evictions += len(victims)
-            victim_values: list[tuple[str, bytes]] = []
+            for victim, victim_size in self._index.items():
+                if need <= 0:
+                    break
+                if victim != key:
+                    victims.append(victim)
+                    need -= victim_size
             try:
-                victim_values = await asyncio.to_thread(self._write, key, value, victims, keep_victims, meta)
+                kept = await asyncio.to_thread(self._write, key, value, victims, keep_victims, meta)
             except OSError as exc:
                 self._errors += 1
-                if old is not None and self.path_of(key).exists():
-                    self._index[key] = old
-                    self._used_bytes += old
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise StorageFull(f"{self.name} tier at {self.root} is full: {exc}") from exc
                 self._available = False
                 raise TierUnavailable(f"{self.name} tier at {self.root} cannot store {key!r}: {exc}") from exc
+            # stored: the new file replaced the old value (or a pending victim) of this key
+            self._pending.pop(key, None)
+            prior = self._index.pop(key, None)
+            if prior is not None:
+                self._used_bytes -= prior
+            for victim in victims:
+                if victim in self._index:  # a concurrent get may have dropped a vanished one
+                    self._used_bytes -= self._index.pop(victim)
+            self._evictions += len(victims)
+            self._pending.update(kept)
             self._index[key] = size
             self._used_bytes += size
-            return PutResult(tuple(victims), tuple(victim_values))
+            return PutResult(tuple(victims), tuple(kept))
 
     def _write(
         self, key: str, value: bytes, victims: list[str], keep_victims: bool, meta: bytes = b""
     ) -> list[tuple[str, bytes]]:
+        """Read the victims (``keep_victims``), write the new file, then unlink the victims'
+        files unless they were kept (a corrupt one is unlinked and not kept). Raises OSError from
+        the write only: nothing is unlinked then."""
         kept: list[tuple[str, bytes]] = []
+        drop: list[Path] = []
         for victim in victims:
             path = self.path_of(victim)
             if keep_victims:
@@ -352,9 +378,12 @@ class FileTier:
                 except _Corrupt:
                     data = None
                     self._corrupted += 1
+                except OSError:
+                    data = None
                 if data is not None:
                     kept.append((victim, data))
-            _unlink(path)
+                    continue
+            drop.append(path)
         path = self.path_of(key)
         path.parent.mkdir(exist_ok=True)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}{_TMP_SUFFIX}")
@@ -369,7 +398,7 @@ class FileTier:
                 os.close(fd)
             os.replace(tmp, path)
         except BaseException:
-            _unlink(tmp)
+            _unlink_quietly(tmp)
             raise
         if self.fsync is FsyncPolicy.ALL:
             dir_fd = os.open(path.parent, os.O_RDONLY)
@@ -377,9 +406,15 @@ class FileTier:
                 os.fsync(dir_fd)
             finally:
                 os.close(dir_fd)
+        for victim_path in drop:  # the value is stored: now the victims go
+            _unlink_quietly(victim_path)
         return kept
 
     async def get(self, key: str) -> bytes | None:
+        pending = self._pending.get(key)
+        if pending is not None:  # a victim moving down: served from the bytes read for the move
+            self._hits += 1
+            return pending
         known = key in self._index
         if not known and not self.shared:
             self._misses += 1
@@ -409,7 +444,7 @@ class FileTier:
         return value
 
     async def contains(self, keys: Sequence[str]) -> list[bool]:
-        present = [key in self._index for key in keys]
+        present = [key in self._index or key in self._pending for key in keys]
         if self.shared and not all(present):
             self._check_root()
             missing = [i for i, found in enumerate(present) if not found]
@@ -421,7 +456,7 @@ class FileTier:
     async def evict(self, key: str) -> bool:
         async with self._lock:
             self._check_root()
-            known = key in self._index
+            known = key in self._index or self._pending.pop(key, None) is not None
             path = self.path_of(key)
             try:
                 removed = await asyncio.to_thread(_unlink, path)
@@ -429,9 +464,31 @@ class FileTier:
                 self._errors += 1
                 self._available = False
                 raise TierUnavailable(f"{self.name} tier at {self.root} cannot evict {key!r}: {exc}") from exc
-            if known:
-                self._used_bytes -= self._index.pop(key)
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._used_bytes -= size
             return known or removed
+
+    async def release(self, victims: Sequence[tuple[str, bytes]]) -> list[bool]:
+        """Drop pending victims (see :class:`StoreTier.release`): their files are unlinked."""
+        async with self._lock:
+            released: list[bool] = []
+            paths: list[Path] = []
+            for key, value in victims:
+                held = self._pending.get(key)
+                gone = held is not None and (held is value or held == value)
+                if gone:
+                    del self._pending[key]
+                    paths.append(self.path_of(key))
+                released.append(gone)
+            if paths:
+                try:
+                    await asyncio.to_thread(lambda: [_unlink(path) for path in paths])
+                except OSError as exc:
+                    self._errors += 1
+                    self._available = False
+                    raise TierUnavailable(f"{self.name} tier at {self.root} cannot remove victims: {exc}") from exc
+            return released
 
     async def _forget(self, key: str, unlink: bool) -> None:
         async with self._lock:
@@ -453,11 +510,13 @@ class FileTier:
             name=self.name,
             corrupted=self._corrupted,
             errors=self._errors,
+            pending=len(self._pending),
         )
 
     def held_keys(self) -> list[str]:
-        """Keys of this instance's index (its own and rescanned values), least recently used first."""
-        return list(self._index)
+        """Pending victims, then keys of this instance's index (its own and rescanned values), least
+        recently used first."""
+        return [*self._pending, *self._index]
 
     lru_order = held_keys
 

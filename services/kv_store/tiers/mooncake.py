@@ -30,7 +30,9 @@ values (an instance that never wrote a key still finds it); tests use a fresh na
 **Capacity.** The cluster's memory is Mooncake's to manage (its master evicts at its high
 watermark); ``capacity_bytes`` is this instance's budget in it: the instance keeps an LRU view of
 the keys it wrote or read and removes the least recently used when a put needs room, exactly as
-the other tiers. A key Mooncake evicted on its own is a miss and leaves the view.
+the other tiers, after the new value is stored (a failed put removes nothing); with
+``keep_victims`` their objects stay until :meth:`MooncakeTier.release` (served from the bytes read
+for the move meanwhile). A key Mooncake evicted on its own is a miss and leaves the view.
 
 **Failures.** A negative code or an exception (master down, transfer error) raises
 :class:`~services.kv_store.errors.TierUnavailable` and is counted in ``errors``; the store treats
@@ -40,6 +42,7 @@ it as a degraded tier.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 import zlib
 from collections import OrderedDict
@@ -98,6 +101,8 @@ class MooncakeTier:
         self._lock = asyncio.Lock()
         self._list_keys = list_keys
         self._rescanned: list[tuple[str, bytes]] = []
+        self._pending: dict[str, bytes] = {}
+        """Victims handed out by ``put(keep_victims=True)``, their objects kept until released."""
 
     def _key(self, key: str) -> str:
         return self.namespace + key
@@ -121,26 +126,38 @@ class MooncakeTier:
                 f"value of {size} bytes for key {key!r} exceeds the mooncake tier's capacity_bytes={self.capacity_bytes}"
             )
         async with self._lock:
-            old = self._index.pop(key, None)
-            if old is not None:
-                self._used_bytes -= old
+            need = self._used_bytes - self._index.get(key, 0) + size - self.capacity_bytes
             victims: list[str] = []
-            while self._used_bytes + size > self.capacity_bytes:
-                victim, victim_size = self._index.popitem(last=False)
-                self._used_bytes -= victim_size
-                victims.append(victim)
-            self._evictions += len(victims)
+            for victim, victim_size in self._index.items():
+                if need <= 0:
+                    break
+                if victim != key:
+                    victims.append(victim)
+                    need -= victim_size
             kept: list[tuple[str, bytes]] = []
-            for victim in victims:
-                if keep_victims:
+            if keep_victims:
+                for victim in victims:
                     data = await self._read(victim)
                     if data is not None:
                         kept.append((victim, data))
-                await self._call("remove", self._client.remove, self._key(victim), True)
             frame = FRAME2.pack(MAGIC2, zlib.crc32(value, zlib.crc32(meta)), size, len(meta))
             parts = (frame, meta, value) if meta else (frame, value)
             code = await self._call("put", self._client.upsert_parts, self._key(key), *parts)
-            self._check("put", code)
+            self._check("put", code)  # raises before any victim is touched: they all stay
+            self._pending.pop(key, None)  # the upsert replaced a pending victim of this key
+            prior = self._index.pop(key, None)
+            if prior is not None:
+                self._used_bytes -= prior
+            for victim in victims:
+                if victim in self._index:  # a concurrent get may have dropped a vanished one
+                    self._used_bytes -= self._index.pop(victim)
+            self._evictions += len(victims)
+            self._pending.update(kept)
+            held = {victim for victim, _ in kept}
+            for victim in victims:
+                if victim not in held:
+                    with contextlib.suppress(TierUnavailable):  # counted in errors; the value is stored
+                        await self._call("remove", self._client.remove, self._key(victim), True)
             self._index[key] = size
             self._used_bytes += size
             return PutResult(tuple(victims), tuple(kept))
@@ -200,6 +217,10 @@ class MooncakeTier:
         return rescanned
 
     async def get(self, key: str) -> bytes | None:
+        pending = self._pending.get(key)
+        if pending is not None:  # a victim moving down: served from the bytes read for the move
+            self._hits += 1
+            return pending
         value = await self._read(key)
         if value is None:
             self._misses += 1
@@ -216,7 +237,7 @@ class MooncakeTier:
         return value
 
     async def contains(self, keys: Sequence[str]) -> list[bool]:
-        present = [key in self._index for key in keys]
+        present = [key in self._index or key in self._pending for key in keys]
         missing = [i for i, found in enumerate(present) if not found]
         if missing:
             codes = await self._call(
@@ -230,18 +251,36 @@ class MooncakeTier:
 
     async def evict(self, key: str) -> bool:
         async with self._lock:
-            known = key in self._index
-            if known:
-                self._used_bytes -= self._index.pop(key)
+            known = key in self._index or self._pending.pop(key, None) is not None
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._used_bytes -= size
             codes = await self._call("batch_is_exist", self._client.batch_is_exist, [self._key(key)])
             exists = isinstance(codes, list) and codes[0] == 1
             if exists:
                 await self._call("remove", self._client.remove, self._key(key), True)
             return known or exists
 
+    async def release(self, victims: Sequence[tuple[str, bytes]]) -> list[bool]:
+        """Drop pending victims (see :class:`StoreTier.release`): their objects are removed."""
+        async with self._lock:
+            released: list[bool] = []
+            for key, value in victims:
+                held = self._pending.get(key)
+                gone = held is not None and (held is value or held == value)
+                if gone:
+                    del self._pending[key]
+                released.append(gone)
+            for (key, _), gone in zip(victims, released, strict=True):
+                if gone:
+                    # a negative code: the object is already gone (Mooncake evicted it), as in put
+                    await self._call("remove", self._client.remove, self._key(key), True)
+            return released
+
     def held_keys(self) -> list[str]:
-        """Keys of this instance's LRU view (what it wrote, read or rescanned), least recently used first."""
-        return list(self._index)
+        """Pending victims, then keys of this instance's LRU view (what it wrote, read or rescanned),
+        least recently used first."""
+        return [*self._pending, *self._index]
 
     def stats(self) -> TierStats:
         return TierStats(
@@ -255,6 +294,7 @@ class MooncakeTier:
             name=self.name,
             corrupted=self._corrupted,
             errors=self._errors,
+            pending=len(self._pending),
         )
 
 

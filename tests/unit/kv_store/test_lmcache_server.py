@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from services.kv_store.lmcache_protocol import (
     REPLY_BYTES,
+    REQUEST,
     LmCacheKey,
     LmCommand,
     LmRequest,
@@ -86,20 +87,20 @@ async def test_bad_frame_closes_only_its_connection() -> None:
     try:
         good_reader, good_writer = await asyncio.open_connection("127.0.0.1", port)
         bad_reader, bad_writer = await asyncio.open_connection("127.0.0.1", port)
-        bad_writer.write(request(LmCommand.PUT, meta=ValueMeta(2 << 20)))  # over the 1 MiB tier
-        assert await bad_reader.read() == b""
+        bad_writer.write(REQUEST.pack(9, 0, 1, 2, 0, 0, 0, 0, 0, b"tiny@1@0@beef@bfloat16".ljust(150)))  # no such command
+        assert await asyncio.wait_for(bad_reader.read(), 5) == b""  # framing lost: closed
         good_writer.write(request(LmCommand.HEALTH))
         assert (await reply(good_reader))[0] is LmReturnCode.SUCCESS
         good_writer.close()
         bad_writer.close()
     finally:
         await server.stop()
-    assert server.stats.protocol_errors == {"oversize": 1}
+    assert server.stats.protocol_errors == {"bad_command": 1}
 
     registry = CollectorRegistry()
     register_lmcache_metrics(server.stats, registry)
     text = generate_latest(registry).decode()
-    assert 'kvmesh_kv_store_lmcache_protocol_errors_total{reason="oversize"} 1.0' in text
+    assert 'kvmesh_kv_store_lmcache_protocol_errors_total{reason="bad_command"} 1.0' in text
     assert 'kvmesh_kv_store_lmcache_requests_total{command="health",result="ok"} 1.0' in text
 
 
@@ -114,15 +115,15 @@ async def test_stop_closes_open_connections() -> None:
     writer.close()
 
 
-async def test_large_put_into_a_lazy_buffer_and_an_announced_put_that_never_comes() -> None:
+async def test_large_put_into_growing_segments_and_an_announced_put_that_never_comes() -> None:
     store, server, port = await started(capacity=64 << 20)
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        payload = bytes(range(251)) * (9 * 1024 * 1024 // 251)  # ~9 MiB: received into an mmap
+        payload = bytes(range(251)) * (9 * 1024 * 1024 // 251)  # ~9 MiB: received into segments of 64 KiB .. 4 MiB
         meta = ValueMeta(len(payload), MemoryFormat.BINARY_BUFFER, 6, (len(payload), 0, 0, 0))
         writer.write(request(LmCommand.PUT, meta=meta) + payload + request(LmCommand.GET))
         assert await reply(reader) == (LmReturnCode.SUCCESS, meta, payload)
-        # a header announcing 48 MiB, then silence: no memory is committed for it, and closing counts it
+        # a header announcing 48 MiB, then silence: one 64 KiB segment is committed for it, and closing counts it
         idle_reader, idle_writer = await asyncio.open_connection("127.0.0.1", port)
         idle_writer.write(request(LmCommand.PUT, KEY, ValueMeta(48 << 20)) + b"x" * 100)
         await idle_writer.drain()
