@@ -103,6 +103,9 @@ async def simulate(mode: OffloadMode, args: argparse.Namespace, kv_store: str | 
                 continue
             step = core.schedule(now)
             if step.empty:
+                if uploader is not None and offload is not None and offload.num_pending_lookups:
+                    await uploader.flush(30.0)  # requests wait for kv_store to confirm their blocks
+                    continue
                 ready = core.next_load_ready()
                 nxt = [t for t in (ready, arrivals[0][0] if arrivals else None) if t is not None]
                 assert nxt, "stuck: nothing runs and nothing will arrive"

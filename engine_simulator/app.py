@@ -129,6 +129,8 @@ class EngineSimulator:
                                          config.block_size_tokens, config.num_gpu_blocks)
         else:
             self.metrics = EngineMetrics(config.model, cache_config_info(config), config.max_model_len)
+        if self.offload is not None:
+            self.metrics.attach_offload(self.offload)
         self.renderer = renderer
         self.tokenizer_dir = tokenizer_dir
 
@@ -181,7 +183,7 @@ class EngineSimulator:
             from engine_simulator.offload_client import KVStoreUploader  # gRPC only when kv_store is used
 
             uploader = KVStoreUploader(self.offload, self._kv_stores().split(",")[0], config.offload_put_value_bytes,
-                                       clock=engine.clock)
+                                       clock=engine.clock, wake=engine.wake)
             uploader.start()
         state = ServerState(engine, self.renderer, config.model, config.max_model_len, self.tokenizer_dir,
                             int(time.time()), metrics_delay_seconds=config.fault_metrics_delay_seconds,
@@ -257,6 +259,7 @@ def offload_manager(config: SimulatorConfig) -> OffloadManager | None:
             pcie_bandwidth=config.offload_pcie_bandwidth,
             nvme_bandwidth=config.offload_nvme_bandwidth,
             network_bandwidth=config.offload_network_bandwidth,
+            max_remote_blocks=config.offload_max_remote_blocks,
         ),
         config.block_size_tokens,
         config.model,

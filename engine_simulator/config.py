@@ -97,6 +97,8 @@ class SimulatorConfig(ProcessConfig):
     """Bytes/s of a kv_store value on disk (PCIe 4.0 x4 datacenter NVMe sequential read)."""
     offload_network_bandwidth: float = Field(25e9, gt=0)
     """Bytes/s to kv_store (one 200 Gb/s NIC per GPU)."""
+    offload_max_remote_blocks: int = Field(262_144, ge=1)
+    """kv_store block hashes the connector remembers (LRU); each is confirmed by a kv_store ``Lookup`` before a load."""
     kv_stores: str = ""
     """Comma-separated gRPC addresses of the kv_store instances the connector writes to (the first one) and
     registers in the ``kv_stores`` label; needed by ``--offload cpu+kv_store``."""

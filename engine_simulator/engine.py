@@ -103,6 +103,10 @@ class AsyncEngine:
             self._record_step(0, 0, 0)
             self._wake.set()
 
+    def wake(self) -> None:
+        """Make an idle loop look at its queues again (the offload connector answered a kv_store lookup)."""
+        self._wake.set()
+
     def reset_prefix_cache(self) -> bool:
         ok = self.core.reset_prefix_cache()
         if not ok:

@@ -9,7 +9,15 @@ the engine's clock (so ``--time-scale`` does not distort them). Written only thr
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from engine_simulator.offload import OffloadManager
 
 TTFT_BUCKETS = (
     0.001,
@@ -416,6 +424,84 @@ class EngineMetrics:
         if generation_tokens > 1:
             self.tpot.labels(**lv).observe(decode_seconds / (generation_tokens - 1))
 
+    def attach_offload(self, offload: OffloadManager) -> None:
+        """Export the offload connector's counters (read at scrape time, :class:`OffloadCollector`)."""
+        self.registry.register(OffloadCollector(offload, self._lv))
+
     def exposition(self) -> bytes:
         """The Prometheus text format of this engine's registry."""
         return generate_latest(self.registry)
+
+
+class OffloadCollector(Collector):
+    """The offload connector's ``/metrics`` families, read from :class:`~engine_simulator.offload.OffloadStats` at
+    scrape time (labels ``engine``, ``model_name``).
+
+    vLLM 0.32's names where its OffloadingConnector has one (``offloading/metrics.py``: counters
+    ``vllm:kv_offload_load_bytes``, ``_load_time``, ``_store_bytes``, ``_store_time`` (seconds, the
+    modeled link-busy time here) and ``vllm:kv_offload_allocation_failure``, store offers refused for room);
+    ``kvmesh_sim_offload_*`` for the rest (blocks unless named otherwise): evicted blocks, loads and loaded
+    blocks by source, store-skipped blocks, kv_store puts done/failed/skipped, kv_store lookups and their
+    failures, blocks kv_store no longer held, deferrals, and gauges of the tiers' sizes.
+    """
+
+    def __init__(self, offload: OffloadManager, labels: dict[str, str]) -> None:
+        self._offload = offload
+        self._names = list(labels)
+        self._values = [labels[n] for n in self._names]
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, doc, labels=self._names)
+        family.add_metric(self._values, value)
+        return family
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, doc, labels=self._names)
+        family.add_metric(self._values, value)
+        return family
+
+    def collect(self) -> Iterator[Metric]:
+        off = self._offload
+        st = off.stats
+        bpb = off.config.bytes_per_block
+        c = self._counter
+        yield c("vllm:kv_offload_load_bytes", "Total bytes loaded from offload storage to GPU.",
+                (st.loaded_cpu_blocks + st.loaded_remote_blocks) * bpb)
+        yield c("vllm:kv_offload_load_time", "Total load time from offload storage to GPU, in seconds.",
+                st.load_transfer_seconds)
+        yield c("vllm:kv_offload_store_bytes", "Total bytes stored from GPU to offload storage.",
+                st.stored_blocks * bpb)
+        yield c("vllm:kv_offload_store_time", "Total store time from GPU to offload storage, in seconds.",
+                st.store_seconds)
+        yield c("vllm:kv_offload_allocation_failure", "Number of KV offload store allocation attempts that failed.",
+                st.store_allocation_failures)
+        yield c("kvmesh_sim_offload_evicted_blocks", "Blocks the CPU tier's LRU evicted.", st.evicted_blocks)
+        yield c("kvmesh_sim_offload_loads", "Loads from the offloaded tiers (one per request load).", st.loads)
+        loaded = CounterMetricFamily("kvmesh_sim_offload_loaded_blocks", "Blocks loaded to the GPU, by source tier.",
+                                     labels=[*self._names, "source"])
+        loaded.add_metric([*self._values, "cpu"], st.loaded_cpu_blocks)
+        loaded.add_metric([*self._values, "kv_store"], st.loaded_remote_blocks)
+        yield loaded
+        yield c("kvmesh_sim_offload_store_skipped_blocks",
+                "Blocks not offloaded: the CPU tier or the in-flight bound was full of blocks being stored.",
+                st.store_skipped_blocks)
+        yield c("kvmesh_sim_offload_puts_done", "kv_store puts acknowledged.", st.puts_done)
+        yield c("kvmesh_sim_offload_puts_failed", "kv_store puts that failed (kv_store down or refusing).",
+                st.puts_failed)
+        yield c("kvmesh_sim_offload_puts_skipped", "Blocks not written to kv_store: too many puts pending.",
+                st.puts_skipped)
+        yield c("kvmesh_sim_offload_remote_lookups", "Batched kv_store Lookup RPCs answered.", st.remote_lookups)
+        yield c("kvmesh_sim_offload_remote_lookup_failures",
+                "kv_store Lookup RPCs that failed; their blocks were recomputed.", st.remote_lookup_failures)
+        yield c("kvmesh_sim_offload_remote_missing_blocks",
+                "Blocks believed in kv_store that kv_store no longer held (forgotten and recomputed).",
+                st.remote_missing_blocks)
+        yield c("kvmesh_sim_offload_remote_degraded_misses",
+                "Lookups that counted a kv_store block a miss because kv_store failed recently.",
+                st.remote_degraded_misses)
+        yield c("kvmesh_sim_offload_deferrals",
+                "Requests passed over for a step: kv_store confirming their blocks, or another request loading them.",
+                st.remote_lookup_deferrals + st.load_deferrals)
+        yield self._gauge("kvmesh_sim_offload_cpu_blocks", "Blocks in the CPU tier.", off.num_cpu_blocks)
+        yield self._gauge("kvmesh_sim_offload_remote_blocks", "kv_store blocks the connector remembers.",
+                          off.num_remote_blocks)

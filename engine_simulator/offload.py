@@ -17,17 +17,42 @@ vLLM 0.32 (``vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.p
   vLLM's ``prepare_store`` returning ``None`` skips a store: the engine step never waits for
   offload, the backlog stays bounded, and a later store of the same block retries
   (``OffloadStats.store_skipped_blocks``).
-* **Events** (``take_events``): ``BlockStored`` with ``token_ids=[]``, ``parent_block_hash=None``
-  and ``medium="CPU"`` for blocks whose store completed, ``BlockRemoved(medium="CPU")`` for
-  blocks its LRU evicted. kv_indexer applies this token-less form (``docs/kv-store.md``).
+* **Events** (``take_events``), exactly vLLM 0.32's default form (``offloading/events.py``
+  ``_placeholder_stored``, used unless ``kv_connector_extra_config["self_describing_kv_events"]``):
+  one ``BlockStored`` **per block** whose store completed, with ``block_hashes=[hash]``,
+  ``parent_block_hash=None``, ``token_ids=[]``, ``block_size=0``, ``lora_id=None``, ``lora_name=None``,
+  ``medium="CPU"``, ``group_idx=0`` (``extra_keys`` and ``kv_cache_spec_kind`` left out, as vLLM's
+  encoder omits them at their default ``None``); and one ``BlockRemoved(medium="CPU", group_idx=0)``
+  per eviction batch (all blocks one store evicted, vLLM's one ``OffloadingEvent(removed=True)`` per
+  ``prepare_store``). On the wire these are byte-identical to vLLM's (``tests/unit/engine_simulator/
+  test_sim_offload.py`` holds vLLM's own encoding).
+* **Recency** (vLLM's ``LRUOffloadingManager`` with ``on_request_finished``, ``cpu/policies/base.py``
+  and ``lru.py``): a request admitted with GPU prefix hits still offers those blocks to the CPU tier
+  (vLLM's store range starts at chunk 0 unless the chunks were loaded), so an evicted hot block is
+  offloaded again and a resident one refreshed; when a request finishes, all its blocks in the CPU
+  tier are touched, the prefix head last (most recently used), so hot prefixes stay in the tier.
 * **Model time.** The manager is pure: the scheduler passes the model time (:meth:`OffloadManager.advance`,
   at every ``schedule``), which completes the store jobs and kv_store writes due by then.
 * **Load**: a waiting request's prefix is first matched against the GPU prefix cache; the blocks
   right after the GPU hit are then looked up in the offloaded tiers (``lookup``: the longest run
   present). Those blocks are loaded asynchronously: the request holds GPU blocks for them, waits
-  (vLLM's ``WAITING_FOR_REMOTE_KVS``) for the modeled transfer time, and is then scheduled with
+  (vLLM's ``WAITING_FOR_REMOTE_KVS``) for the modeled transfer, and is then scheduled with
   them counted as computed (they are never recomputed); the loaded blocks then enter the GPU
   prefix cache (``BlockStored(medium="GPU")``) as vLLM caches them once the load finishes.
+  Loads share the links: every load occupies the host-to-device PCIe lane for all its blocks, one
+  load after another, and a load from kv_store also the host's network-ingress lane for its remote
+  blocks, so two loads started together finish one after the other (``start_load``).
+  A request whose hit blocks another request is loading now is held back (``being_loaded``, vLLM
+  0.32's ``_chunks_being_loaded`` check in ``offloading/scheduler.py``) and then hits them on the GPU.
+* **kv_store residency is confirmed before a load** (vLLM's ``LookupResult.RETRY``: the manager
+  cannot answer now, starts an asynchronous lookup, the scheduler defers the request and asks again
+  at a later step). A block the engine believes is in kv_store (it was acknowledged by a put) is a
+  hit only after kv_store's batched ``Lookup`` confirmed it for this load, on the medium kv_store
+  reports *now*; :meth:`OffloadManager.take_lookups` hands the I/O side the hashes to ask,
+  :meth:`remote_lookup_done` takes the answer (absent keys are forgotten, so the block is recomputed
+  and written again) and :meth:`remote_lookup_failed` a failed RPC: kv_store unreachable degrades to
+  no kv_store hits (recompute) for ``remote_retry_seconds`` of model time, counted, never a hang.
+  What the engine remembers of kv_store is an LRU of ``max_remote_blocks`` hashes.
 * **kv_store tier** (``mode="cpu+kv_store"``, kvmesh's extension of the connector): every block
   whose CPU store completed is also queued for a gRPC ``Put`` to kv_store (CPU -> kv_store, as
   LMCache's remote backend writes from host memory) under
@@ -40,13 +65,14 @@ vLLM 0.32 (``vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.p
   most ``max_pending_puts`` puts are queued or in flight; beyond that a block is not written to
   kv_store (``OffloadStats.puts_skipped``; a later store retries).
 
-Transfer time of a load (model seconds), per block of ``bytes_per_block`` bytes::
+Transfer time of a load of n blocks of ``bytes_per_block`` bytes (model seconds), r of them from kv_store::
 
-    CPU tier:           bytes / pcie_bandwidth
-    kv_store, CPU:      bytes / min(network_bandwidth, pcie_bandwidth)
-    kv_store, DISK/SHARED: bytes / min(nvme_bandwidth, network_bandwidth, pcie_bandwidth)
+    H2D PCIe lane:      n * bytes / pcie_bandwidth                     (every block crosses PCIe)
+    ingress lane:       sum over the r blocks of bytes / network_bandwidth (CPU medium), or
+                        bytes / min(nvme_bandwidth, network_bandwidth) (DISK/SHARED medium)
 
-plus ``load_latency_seconds`` once per load (remote loads add ``network_latency_seconds``).
+Each lane serves loads one after another (``max(now, lane free) + seconds``); the load is ready when
+both of its lanes are done, plus ``load_latency_seconds`` (and ``network_latency_seconds`` when r > 0).
 Stores take the same bandwidths in the other direction (PCIe and NICs are full duplex, so stores
 never slow loads down)::
 
@@ -70,6 +96,8 @@ import enum
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from msgspec import UNSET
 
 from kvmesh.kv_events import BlockRemoved, BlockStored, ExternalBlockHash, KVEvent
 
@@ -106,13 +134,17 @@ class OffloadConfig:
     """Blocks being copied GPU -> CPU at once (32 GiB of 8 MiB blocks, ~0.7 s of PCIe at 50 GB/s); more are skipped."""
     max_pending_puts: int = 4096
     """kv_store puts queued or in flight at once; more are skipped."""
+    max_remote_blocks: int = 262_144
+    """Hashes of kv_store blocks the engine remembers (LRU; 2 TiB of 8 MiB blocks); older ones are forgotten."""
+    remote_retry_seconds: float = 1.0
+    """Model seconds after a failed kv_store lookup during which kv_store blocks count as misses (not asked)."""
 
     def __post_init__(self) -> None:
         for name in ("cpu_capacity_blocks", "bytes_per_block", "pcie_bandwidth", "nvme_bandwidth",
-                     "network_bandwidth", "max_inflight_store_blocks", "max_pending_puts"):
+                     "network_bandwidth", "max_inflight_store_blocks", "max_pending_puts", "max_remote_blocks"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("load_latency_seconds", "network_latency_seconds"):
+        for name in ("load_latency_seconds", "network_latency_seconds", "remote_retry_seconds"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -151,6 +183,9 @@ class LoadPlan:
     cpu_blocks: int = 0
     remote_blocks: int = 0
     seconds: float = 0.0
+    """Model seconds from the start of the load to its end (transfers, latencies, and waiting for busy lanes)."""
+    ready_at: float = 0.0
+    """Model time the load completes (set by :meth:`OffloadManager.start_load`)."""
 
     @property
     def num_blocks(self) -> int:
@@ -180,6 +215,37 @@ class OffloadStats:
     """Blocks not written to kv_store: ``max_pending_puts`` were queued or in flight."""
     put_seconds: float = 0.0
     """Modeled CPU -> kv_store transfer seconds of every put taken."""
+    store_allocation_failures: int = 0
+    """Store offers with at least one block skipped for lack of room (vLLM's ``prepare_store`` returning None)."""
+    load_transfer_seconds: float = 0.0
+    """Modeled link-busy seconds of every load (what vLLM's ``kv_offload_load_time`` sums), no queueing."""
+    remote_lookups: int = 0
+    """Batched kv_store ``Lookup`` RPCs answered."""
+    remote_lookup_blocks: int = 0
+    """Blocks asked in those lookups."""
+    remote_lookup_failures: int = 0
+    """kv_store ``Lookup`` RPCs that failed (kv_store down, deadline): their blocks counted as misses."""
+    remote_missing_blocks: int = 0
+    """Blocks the engine believed were in kv_store and kv_store no longer holds (forgotten, recomputed)."""
+    remote_degraded_misses: int = 0
+    """Lookups that stopped at a kv_store block not asked because kv_store failed recently."""
+    remote_lookup_deferrals: int = 0
+    """Lookups answered "ask again later" while kv_store confirms (vLLM's RETRY)."""
+    remote_forgotten_blocks: int = 0
+    """kv_store hashes dropped from the engine's bounded memory (``max_remote_blocks``)."""
+    load_deferrals: int = 0
+    """Requests held back because another request was loading some of their blocks."""
+
+
+def cpu_stored_event(block_hash: int) -> BlockStored:
+    """vLLM 0.32's CPU-tier ``BlockStored`` for one block with default settings (``offloading/events.py``
+    ``_placeholder_stored``): no tokens, no parent, ``block_size=0``, ``group_idx=0``; ``extra_keys`` and
+    ``kv_cache_spec_kind`` are left unset so they are not encoded, as vLLM's encoder omits them (None)."""
+    return BlockStored(
+        block_hashes=[block_hash], parent_block_hash=None, token_ids=[], block_size=0, lora_id=None,
+        medium=CPU_MEDIUM, lora_name=None, extra_keys=UNSET, group_idx=0,  # type: ignore[arg-type]
+        kv_cache_spec_kind=UNSET,  # type: ignore[arg-type]
+    )
 
 
 def kv_store_key(model: str, block_size: int, block_hash: int) -> str:
@@ -216,8 +282,22 @@ class OffloadManager:
         self._net_free_at = 0.0
         self.now = 0.0
         """The model time of the last :meth:`advance`."""
-        self._remote: dict[int, str] = {}
-        """Hash -> the kv_store medium it was put on (CPU, DISK or SHARED)."""
+        self._remote: OrderedDict[int, str] = OrderedDict()
+        """Hash -> the kv_store medium last reported (CPU, DISK or SHARED), least recently used first;
+        at most ``max_remote_blocks``."""
+        self._confirmed: OrderedDict[int, None] = OrderedDict()
+        """kv_store blocks its last lookup confirmed, not yet used by a load (each load asks again)."""
+        self._to_check: dict[int, None] = {}
+        """kv_store blocks a lookup needs confirmed, not yet handed to the I/O side (:meth:`take_lookups`)."""
+        self._checking: set[int] = set()
+        self._denied: set[int] = set()
+        """Blocks whose lookup failed: the next lookup of each counts it a miss (a deferred request moves on)."""
+        self._degraded_until = -1.0
+        self._h2d_free_at = 0.0
+        self._net_in_free_at = 0.0
+        self._load_jobs: deque[tuple[float, list[int]]] = deque()
+        self._being_loaded: dict[int, int] = {}
+        """Hash -> loads in flight that carry it (vLLM's ``_chunks_being_loaded``)."""
         self._arriving: dict[int, tuple[float, str]] = {}
         """Acknowledged puts whose modeled transfer is not over yet: hash -> (done at, medium)."""
         self._queued: set[int] = set()
@@ -251,14 +331,94 @@ class OffloadManager:
     def in_remote(self, block_hash: int) -> bool:
         return block_hash in self._remote
 
-    def lookup(self, block_hashes: Sequence[int]) -> int:
-        """Length of the longest run from ``block_hashes[0]`` held by an offloaded tier (no side effects)."""
+    def lookup(self, block_hashes: Sequence[int]) -> int | None:
+        """Length of the longest run from ``block_hashes[0]`` an offloaded tier can load now, or None: some
+        kv_store block of the run needs kv_store's confirmation first (vLLM's ``LookupResult.RETRY``; it is
+        queued for :meth:`take_lookups`; scanning goes on to the first miss, as vLLM's does, so one RPC
+        asks for the whole run). A CPU block is a hit; a kv_store block is a hit once confirmed (see the
+        module docstring), a miss while kv_store is failing."""
         n = 0
+        defer = False
         for h in block_hashes:
-            if h not in self._cpu and h not in self._remote:
+            if h in self._cpu:
+                n += 1
+                continue
+            if h not in self._remote:
                 break
-            n += 1
+            if h in self._confirmed:
+                n += 1
+                continue
+            if h in self._denied:  # its lookup failed: a miss, once (the deferred request moves on)
+                self._denied.difference_update(block_hashes)
+                break
+            if self.now < self._degraded_until:
+                self.stats.remote_degraded_misses += 1
+                break
+            if h not in self._checking:
+                self._to_check[h] = None
+            defer = True
+        if defer:
+            self.stats.remote_lookup_deferrals += 1
+            return None
         return n
+
+    def being_loaded(self, block_hashes: Sequence[int]) -> bool:
+        """Whether a load in flight carries any of ``block_hashes`` (vLLM then delays the request)."""
+        loading = self._being_loaded
+        return bool(loading) and any(h in loading for h in block_hashes)
+
+    def take_lookups(self) -> list[tuple[int, str]]:
+        """kv_store blocks to confirm, ``(hash, kv_store key)``, for one batched ``Lookup``; each is
+        answered by :meth:`remote_lookup_done` or :meth:`remote_lookup_failed`."""
+        if not self._to_check:
+            return []
+        hashes = list(self._to_check)
+        self._to_check.clear()
+        self._checking.update(hashes)
+        return [(h, kv_store_key(self.model, self.block_size, h)) for h in hashes]
+
+    @property
+    def num_pending_lookups(self) -> int:
+        """kv_store blocks waiting for a lookup or its answer."""
+        return len(self._to_check) + len(self._checking)
+
+    def remote_lookup_done(self, answers: Sequence[tuple[int, str | None]]) -> None:
+        """kv_store answered a lookup: per block, the medium of the fastest tier holding it now, or None
+        (absent: forgotten, so it is recomputed and its next store writes it to kv_store again)."""
+        self.stats.remote_lookups += 1
+        self.stats.remote_lookup_blocks += len(answers)
+        self._denied.clear()  # kv_store answers again
+        missing = []
+        for h, medium in answers:
+            self._checking.discard(h)
+            if medium is None:
+                missing.append(h)
+                continue
+            self._remember(h, medium)
+            self._confirmed[h] = None
+            self._confirmed.move_to_end(h)
+        while len(self._confirmed) > self.config.max_remote_blocks:
+            self._confirmed.popitem(last=False)
+        if missing:
+            self.stats.remote_missing_blocks += len(missing)
+            self.remote_missing(missing)
+
+    def remote_lookup_failed(self, block_hashes: Sequence[int]) -> None:
+        """A lookup failed (kv_store down or too slow): these blocks are misses now, and kv_store blocks are
+        not tried for ``remote_retry_seconds`` (the requests waiting for them recompute instead)."""
+        self.stats.remote_lookup_failures += 1
+        for h in block_hashes:
+            self._checking.discard(h)
+            self._denied.add(h)
+        self._degraded_until = self.now + self.config.remote_retry_seconds
+
+    def _remember(self, block_hash: int, medium: str) -> None:
+        self._remote[block_hash] = medium
+        self._remote.move_to_end(block_hash)
+        while len(self._remote) > self.config.max_remote_blocks:
+            old, _ = self._remote.popitem(last=False)
+            self._confirmed.pop(old, None)
+            self.stats.remote_forgotten_blocks += 1
 
     def advance(self, now: float) -> None:
         """Model time is ``now``: complete the store jobs and kv_store transfers due by then."""
@@ -271,24 +431,29 @@ class OffloadManager:
             self._complete_store(hashes, puts)
         if self._arriving:
             for h in [h for h, (done, _) in self._arriving.items() if done <= now]:
-                self._remote[h] = self._arriving.pop(h)[1]
+                self._remember(h, self._arriving.pop(h)[1])
+        while self._load_jobs and self._load_jobs[0][0] <= now:
+            for h in self._load_jobs.popleft()[1]:
+                left = self._being_loaded[h] - 1
+                if left:
+                    self._being_loaded[h] = left
+                else:
+                    del self._being_loaded[h]
+
+    def next_load_done(self) -> float | None:
+        """Model time the earliest load in flight completes; None when none is."""
+        return self._load_jobs[0][0] if self._load_jobs else None
 
     def next_store_done(self) -> float | None:
         """Model time the earliest in-flight store job completes; None when none is in flight."""
         return self._jobs[0][0] if self._jobs else None
 
     def _complete_store(self, hashes: list[int], puts: list[BlockStored]) -> None:
-        new: list[ExternalBlockHash] = []
         for h in hashes:
             self._storing.discard(h)
             self._cpu[h] = None
-            new.append(h)
-        if new:
-            self.stats.stored_blocks += len(new)
-            self._events.append(
-                BlockStored(block_hashes=new, parent_block_hash=None, token_ids=[], block_size=self.block_size,
-                            medium=CPU_MEDIUM)
-            )
+            self._events.append(cpu_stored_event(h))
+        self.stats.stored_blocks += len(hashes)
         for event in puts:
             self._queue_put(event)
 
@@ -305,41 +470,83 @@ class OffloadManager:
         self.stats.puts_queued += 1
 
     def plan_load(self, block_hashes: Sequence[int]) -> LoadPlan:
-        """The transfer of ``block_hashes`` (all present, see :meth:`lookup`): CPU where there, else kv_store."""
+        """The transfer of ``block_hashes`` (all loadable, see :meth:`lookup`) on idle links: CPU where there,
+        else kv_store. Seconds: ``load_latency`` (+ ``network_latency`` with kv_store blocks) + the longer of
+        all blocks over PCIe and the kv_store blocks over the network (NVMe for DISK/SHARED values)."""
         cfg = self.config
         plan = LoadPlan()
-        seconds = 0.0
-        remote = False
+        net_seconds = 0.0
         for h in block_hashes:
             if h in self._cpu:
                 plan.cpu_blocks += 1
-                seconds += cfg.bytes_per_block / cfg.pcie_bandwidth
             else:
-                medium = self._remote[h]
-                bw = min(cfg.network_bandwidth, cfg.pcie_bandwidth)
-                if medium != CPU_MEDIUM:
-                    bw = min(bw, cfg.nvme_bandwidth)
+                bw = cfg.network_bandwidth if self._remote[h] == CPU_MEDIUM else min(cfg.network_bandwidth,
+                                                                                       cfg.nvme_bandwidth)
                 plan.remote_blocks += 1
-                seconds += cfg.bytes_per_block / bw
-                remote = True
+                net_seconds += cfg.bytes_per_block / bw
         if plan.num_blocks:
-            seconds += cfg.load_latency_seconds + (cfg.network_latency_seconds if remote else 0.0)
-        plan.seconds = seconds
+            pcie_seconds = plan.num_blocks * cfg.bytes_per_block / cfg.pcie_bandwidth
+            plan.seconds = self._load_latency(plan) + max(pcie_seconds, net_seconds)
         return plan
 
+    def _load_latency(self, plan: LoadPlan) -> float:
+        return self.config.load_latency_seconds + (self.config.network_latency_seconds if plan.remote_blocks else 0.0)
+
     # -- mutations ---------------------------------------------------------------------------
-    def start_load(self, block_hashes: Sequence[int]) -> LoadPlan:
-        """Plan a load and count it; CPU hits become most recently used (vLLM's ``prepare_load`` + ``touch``)."""
+    def start_load(self, block_hashes: Sequence[int], now: float | None = None) -> LoadPlan:
+        """Start the load of ``block_hashes`` at model time ``now`` (default: the last :meth:`advance`) and
+        count it; CPU hits become most recently used (vLLM's ``prepare_load`` + ``touch``), kv_store
+        confirmations are used up (the next load asks again).
+
+        The load takes the host-to-device PCIe lane for all its blocks after the loads before it, and the
+        network-ingress lane for its kv_store blocks, likewise; it is ready (``LoadPlan.ready_at``) when both
+        are done, plus the latencies. Until then its blocks are :meth:`being_loaded`.
+        """
+        cfg = self.config
+        start = self.now if now is None else now
         plan = self.plan_load(block_hashes)
+        net_seconds = 0.0
         for h in block_hashes:
             if h in self._cpu:
                 self._cpu.move_to_end(h)
+            else:
+                self._confirmed.pop(h, None)
+                self._remote.move_to_end(h)
+                bw = cfg.network_bandwidth if self._remote[h] == CPU_MEDIUM else min(cfg.network_bandwidth,
+                                                                                       cfg.nvme_bandwidth)
+                net_seconds += cfg.bytes_per_block / bw
+        h2d_done = max(start, self._h2d_free_at) + plan.num_blocks * cfg.bytes_per_block / cfg.pcie_bandwidth
+        self._h2d_free_at = h2d_done
+        done = h2d_done
+        if plan.remote_blocks:
+            net_done = max(start, self._net_in_free_at) + net_seconds
+            self._net_in_free_at = net_done
+            done = max(done, net_done)
+        transfer = plan.seconds
+        plan.ready_at = done + self._load_latency(plan)
+        plan.seconds = plan.ready_at - start
+        hashes = list(block_hashes)
+        for h in hashes:
+            self._being_loaded[h] = self._being_loaded.get(h, 0) + 1
+        self._load_jobs.append((plan.ready_at, hashes))
+        if len(self._load_jobs) > 1 and self._load_jobs[-2][0] > plan.ready_at:
+            self._load_jobs = deque(sorted(self._load_jobs, key=lambda job: job[0]))
         s = self.stats
         s.loads += 1
         s.loaded_cpu_blocks += plan.cpu_blocks
         s.loaded_remote_blocks += plan.remote_blocks
         s.load_seconds += plan.seconds
+        s.load_transfer_seconds += transfer
         return plan
+
+    def on_request_finished(self, block_hashes: Sequence[int]) -> None:
+        """A request finished (or was aborted) with these full blocks, in prefix order: touch those in the CPU
+        tier, the prefix head last, so it is the most recently used (vLLM 0.32's ``on_request_finished`` of
+        the LRU policy: ``_update_recency(reversed(keys))``)."""
+        cpu = self._cpu
+        for h in reversed(block_hashes):
+            if h in cpu:
+                cpu.move_to_end(h)
 
     def store(self, stored: BlockStored) -> None:
         """Offload the blocks of a GPU ``BlockStored`` (the blocks just filled): one store job on the
@@ -364,6 +571,8 @@ class OffloadManager:
                 medium="GPU", lora_name=stored.lora_name, extra_keys=[extra],
             )
 
+        evicted: list[ExternalBlockHash] = []
+        skipped = self.stats.store_skipped_blocks
         for i, h in enumerate(hashes):
             if h in self._cpu:
                 self._cpu.move_to_end(h)
@@ -378,7 +587,7 @@ class OffloadManager:
             while len(self._cpu) + len(self._storing) >= cfg.cpu_capacity_blocks and self._cpu:
                 old, _ = self._cpu.popitem(last=False)
                 self.stats.evicted_blocks += 1
-                self._events.append(BlockRemoved(block_hashes=[old], medium=CPU_MEDIUM))
+                evicted.append(old)
             if len(self._cpu) + len(self._storing) < cfg.cpu_capacity_blocks:
                 self._storing.add(h)
                 job.append(h)
@@ -389,6 +598,10 @@ class OffloadManager:
                 continue
             if cfg.uses_kv_store:
                 puts.append(put_event(i, h))
+        if evicted:  # one eviction batch, one event (vLLM: one OffloadingEvent(removed=True) per prepare_store)
+            self._events.append(BlockRemoved(block_hashes=evicted, medium=CPU_MEDIUM, group_idx=0))
+        if self.stats.store_skipped_blocks > skipped:
+            self.stats.store_allocation_failures += 1
         if not job and not transit:
             return
         seconds = cfg.store_seconds(len(job) + transit)
@@ -426,7 +639,7 @@ class OffloadManager:
         self._queued.discard(block_hash)
         done = self._taken.pop(block_hash, 0.0)
         if done <= self.now:
-            self._remote[block_hash] = medium
+            self._remember(block_hash, medium)
         else:
             self._arriving[block_hash] = (done, medium)
         self.stats.puts_done += 1
@@ -443,11 +656,12 @@ class OffloadManager:
         for h in block_hashes:
             self._remote.pop(h, None)
             self._arriving.pop(h, None)
+            self._confirmed.pop(h, None)
 
     def reset(self) -> None:
         """``/reset_prefix_cache``: drop the CPU tier (``BlockRemoved(medium=CPU)``); kv_store keeps its values."""
         if self._cpu:
-            self._events.append(BlockRemoved(block_hashes=list(self._cpu), medium=CPU_MEDIUM))
+            self._events.append(BlockRemoved(block_hashes=list(self._cpu), medium=CPU_MEDIUM, group_idx=0))
             self._cpu.clear()
         self._jobs.clear()  # stores in flight complete into nothing
         self._storing.clear()

@@ -47,6 +47,7 @@ from engine_simulator.offload import LoadPlan
 from engine_simulator.prefix_cache import PrefixCache
 from engine_simulator.tokenizer import EOS_ID
 from kvmesh.hashing import external_hash_to_int, sha256_cbor_block_hashes
+from kvmesh.kv_events import BlockStored
 
 
 class FinishReason(enum.StrEnum):
@@ -150,6 +151,10 @@ class Request:
     """While its prefix loads from an offloaded tier: the model time the load completes (else None)."""
     load_plan: LoadPlan | None = None
     """The last offload load of this request (blocks per tier, modeled seconds)."""
+    offload_deferred: bool = False
+    """Passed over in :attr:`EngineCore.waiting` because its offload lookup could not answer yet (kv_store
+    confirming its blocks, vLLM's ``RETRY``) or another request is loading some of its blocks; in vLLM's
+    ``deferred_waiting`` until admitted."""
     inflight_prefill: bool = False
     """In vLLM's ``Scheduler._inflight_prefills``: its load is in flight or done but not yet scheduled, or it was
     admitted with a chunk that does not finish its prefill; cleared once a step completes the prefill, and on
@@ -317,6 +322,7 @@ class EngineCore:
         else:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(req)
+        self._offload_finished(req)
         self._free(req)
         req.finish_reason = FinishReason.ABORT
         return req
@@ -325,8 +331,14 @@ class EngineCore:
         return bool(self.waiting or self.running or self.loading)
 
     def next_load_ready(self) -> float | None:
-        """Model time the earliest offload load completes; None when nothing loads."""
-        return min((r.load_ready_time for r in self.loading if r.load_ready_time is not None), default=None)
+        """Model time the earliest offload load completes (a request's, or one whose request was aborted that
+        holds back a deferred request); None when nothing loads."""
+        ready = min((r.load_ready_time for r in self.loading if r.load_ready_time is not None), default=None)
+        offload = self.cache.offload
+        done = offload.next_load_done() if offload is not None else None
+        if done is None:
+            return ready
+        return done if ready is None else min(ready, done)
 
     @property
     def num_waiting(self) -> int:
@@ -343,16 +355,25 @@ class EngineCore:
         """
         return len(self.waiting) + len(self.loading)
 
+    def _offload_finished(self, req: Request) -> None:
+        """vLLM's ``on_request_finished``: the offload tier's recency learns every full block the request used."""
+        offload = self.cache.offload
+        if offload is not None and req.num_cached_blocks:
+            offload.on_request_finished(req.block_hashes(req.num_cached_blocks, self.block_size))
+
     @property
     def num_deferred(self) -> int:
         """Waiting requests vLLM 0.32 counts as deferred (``vllm:num_requests_waiting_by_reason{reason="deferred"}``,
         ``SchedulerStats.num_skipped_waiting_reqs``): its ``deferred_waiting`` set. A request enters it when the
         waiting loop skips it (``skip_request``, scheduler.py line 906: an async load started, or a load still in
         flight) and leaves it only when admitted to ``running`` (line 1344) or finished/aborted (lines 2300, 2697),
-        so every request of :attr:`loading` is in it (a finished load not yet admitted included) and none of
-        :attr:`waiting` is (the simulator has no LoRA or grammar skips). ``num_waiting - num_deferred`` is the
-        ``reason="capacity"`` value."""
-        return len(self.loading)
+        so every request of :attr:`loading` is in it (a finished load not yet admitted included), and so are the
+        requests of :attr:`waiting` whose offload lookup was deferred (:attr:`Request.offload_deferred`; the
+        simulator has no LoRA or grammar skips). ``num_waiting - num_deferred`` is the ``reason="capacity"``
+        value."""
+        if self.cache.offload is None:
+            return len(self.loading)
+        return len(self.loading) + sum(1 for r in self.waiting if r.offload_deferred)
 
     @property
     def num_running(self) -> int:
@@ -453,9 +474,12 @@ class EngineCore:
         req.load_ready_time = None
         self._cache_full(req, req.num_computed_tokens)
 
-    def _start_load(self, req: Request, hits: list[int], now: float) -> bool | None:
+    def _start_load(self, req: Request, hits: list[int], now: float) -> bool | str | None:
         """Offload lookup after the GPU hit (vLLM's ``get_num_new_matched_tokens``): None when no offloaded block
-        follows the hit; False when the GPU has no blocks for the load; True when the load started.
+        follows the hit; False when the GPU has no blocks for the load; True when the load started; ``"defer"``
+        when the connector cannot answer yet (vLLM's ``None`` from ``get_num_new_matched_tokens``: kv_store is
+        confirming blocks, or another request is loading some of them, ``_chunks_being_loaded``), so the
+        request is passed over this step and looked up again at the next.
 
         vLLM 0.32 admits an async load (``Scheduler.schedule``, ``load_kv_async``) with ``allocate_slots(request, 0,
         ..., num_external_computed_tokens=ext, delay_cache_blocks=True, full_sequence_must_fit=
@@ -469,15 +493,20 @@ class EngineCore:
         max_blocks = (req.num_tokens - 1) // self.block_size
         hashes = req.block_hashes(max_blocks, self.block_size) if max_blocks > 0 else []
         ext = offload.lookup(hashes[len(hits):])
+        if ext is None:
+            return "defer"
         if ext == 0:
             return None
+        if offload.being_loaded(hashes[len(hits):len(hits) + ext]):
+            offload.stats.load_deferrals += 1
+            return "defer"
         if not self._full_sequence_fits(req, hits) or not self._allocate(
                 req, ext * self.block_size, hits, cache=False, reserved=self._inflight_reserved_blocks()):
             return False
         req.num_cached_blocks = len(hits)
         req.inflight_prefill = True
-        req.load_plan = offload.start_load(hashes[len(hits):len(hits) + ext])
-        req.load_ready_time = now + req.load_plan.seconds
+        req.load_plan = offload.start_load(hashes[len(hits):len(hits) + ext], now)
+        req.load_ready_time = req.load_plan.ready_at
         req.num_computed_tokens = (len(hits) + ext) * self.block_size
         if req.num_cached_tokens < 0:  # first_scheduled_time waits for the load (vLLM: queue time includes it)
             req.num_cached_tokens = req.num_computed_tokens
@@ -486,6 +515,20 @@ class EngineCore:
             self.external_hits_tokens += ext * self.block_size
             self.external_queries_tokens += req.num_tokens - len(hits) * self.block_size
         return True
+
+    def _offer_hits(self, req: Request, num_blocks: int) -> None:
+        """Offer a request's GPU prefix-hit blocks to the offload tier, as vLLM 0.32 does (its store range starts
+        at chunk 0 unless the chunks were loaded): blocks still in the CPU tier are refreshed, evicted ones are
+        offloaded again (no GPU event: they are cached on the GPU already)."""
+        offload = self.cache.offload
+        assert offload is not None
+        bs = self.block_size
+        hashes = req.block_hashes(num_blocks, bs)
+        offload.store(BlockStored(
+            block_hashes=list(hashes), parent_block_hash=None, token_ids=req.token_range(0, num_blocks * bs),
+            block_size=bs, lora_id=None if req.lora is None else req.lora.adapter_id, medium="GPU",
+            lora_name=None if req.lora is None else req.lora.name, extra_keys=req.event_extra_keys(0, num_blocks),
+        ))
 
     def long_prefill_cap(self) -> int:
         """This step's cap on one request's tokens (0: none), as vLLM 0.32 computes it once per step at the top of
@@ -543,6 +586,7 @@ class EngineCore:
             break  # req itself was preempted
         if not step.preempted:
             k = 0  # next request of self.loading (vLLM's kv_holding_waiting) to look at; those before it are skipped
+            j = 0  # next request of self.waiting; those before it were deferred by the offload lookup this step
             while budget > 0 and len(self.running) < self.config.max_num_seqs:
                 if k < len(self.loading):  # vLLM drains kv_holding_waiting first
                     req = self.loading[k]
@@ -562,15 +606,21 @@ class EngineCore:
                     if req.first_scheduled_time is None:  # vLLM 0.32 records SCHEDULED (the end of
                         req.first_scheduled_time = now  # vllm:request_queue_time_seconds) here, after its load
                 else:
-                    if not self.waiting:
+                    if j >= len(self.waiting):
                         break
-                    req = self.waiting[0]
+                    req = self.waiting[j]
                     hits = self._computed_blocks(req)
                     loading = self._start_load(req, hits, now)
                     if loading is False:
                         break
+                    if loading == "defer":  # vLLM: skip_request into deferred_waiting; asked again next step
+                        req.offload_deferred = True
+                        j += 1
+                        continue
+                    req.offload_deferred = False
                     if loading:  # vLLM: skipped into kv_holding_waiting, behind the kv-holding ones seen this step
-                        self.loading.append(self.waiting.popleft())
+                        self.loading.append(req)
+                        del self.waiting[j]
                         k += 1
                         continue
                     hit_tokens = len(hits) * self.block_size
@@ -580,7 +630,9 @@ class EngineCore:
                     n = min(n, budget)
                     if not self._full_sequence_fits(req, hits) or not self._allocate(req, n, hits):
                         break
-                    self.waiting.popleft()
+                    del self.waiting[j]
+                    if hits and self.cache.offload is not None:
+                        self._offer_hits(req, len(hits))
                 req.num_computed_tokens = hit_tokens
                 if hit_tokens + n < req.num_tokens:
                     req.inflight_prefill = True
@@ -628,5 +680,6 @@ class EngineCore:
         for req in finished:
             self.running.remove(req)
             self._by_id.pop(req.request_id, None)
+            self._offload_finished(req)
             self._free(req)
         return outputs

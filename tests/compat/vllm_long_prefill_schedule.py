@@ -49,17 +49,27 @@ def _connector_class() -> type:
             self.stored = {tuple(p[: k * self.block_size]) for p in extra["offloaded"]
                            for k in range(1, len(p) // self.block_size + 1)}
             self.started: list[str] = []  # requests whose load started since the driver last looked
+            self.hits: dict[str, list[tuple[int, ...]]] = {}  # request -> the blocks of its last lookup's hit
+            self.loading: dict[str, list[tuple[int, ...]]] = {}  # request -> the blocks its load in flight carries
 
-        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
             tokens, bs = list(request.all_token_ids), self.block_size
             first, n = num_computed_tokens // bs, 0
             while first + n < (request.num_tokens - 1) // bs and tuple(tokens[: (first + n + 1) * bs]) in self.stored:
                 n += 1
+            hit = [tuple(tokens[: (first + k + 1) * bs]) for k in range(n)]
+            # vLLM 0.32's OffloadingConnector (offloading/scheduler.py, _chunks_being_loaded): a request whose hit
+            # blocks another request is loading is delayed (None), and gets them from the GPU once loaded
+            being_loaded = {key for keys in self.loading.values() for key in keys}
+            if any(key in being_loaded for key in hit):
+                return None, False
+            self.hits[request.request_id] = hit
             return n * bs, n > 0
 
         def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
             if num_external_tokens > 0:
                 self.started.append(request.request_id)
+                self.loading[request.request_id] = self.hits.get(request.request_id, [])
 
         def build_connector_meta(self, scheduler_output: Any) -> Any:
             return KVConnectorMetadata()
@@ -144,6 +154,9 @@ def run(model_dir: str, scenario: dict[str, Any]) -> tuple[list[list[tuple[str, 
             req = scheduler.requests[rid]
             sampled.append([100] if req.num_computed_tokens >= req.num_tokens else [])
         done = load_done.pop(step, None)
+        if done and scheduler.connector is not None:
+            for rid in done:  # the load's blocks are no longer being loaded
+                scheduler.connector.loading.pop(rid, None)
         outputs = scheduler.update_from_output(out, ModelRunnerOutput(
             req_ids=order, req_id_to_index={r: i for i, r in enumerate(order)}, sampled_token_ids=sampled,
             kv_connector_output=KVConnectorOutput(finished_recving=done) if done else None))

@@ -1,8 +1,9 @@
 """The engine simulator's offload connector (vLLM 0.32 OffloadingConnector semantics; engine_simulator/offload.py).
 
-Upstream: vLLM 0.32 ``vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py`` and
-``vllm/v1/kv_offload/`` (LRU CPU tier; ``take_events``: ``BlockStored`` with ``token_ids=[]``,
-``parent_block_hash=None``, ``medium="CPU"`` and ``BlockRemoved(medium="CPU")``).
+Upstream: vLLM 0.32 ``vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py``,
+``.../offloading/scheduler.py`` (``_chunks_being_loaded``, ``LookupResult.RETRY`` deferral), ``.../offloading/events.py``
+(default CPU events: ``_placeholder_stored``, one block per ``BlockStored``, ``block_size=0``, no tokens) and
+``vllm/v1/kv_offload/cpu/`` (LRU CPU tier, ``on_request_finished`` recency).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 from engine_simulator.config import SimulatorConfig
 from engine_simulator.engine import AsyncEngine
 from engine_simulator.latency_model import LatencyModel
-from engine_simulator.offload import OffloadConfig, OffloadManager, OffloadMode, kv_store_key
+from engine_simulator.offload import OffloadConfig, OffloadManager, OffloadMode, cpu_stored_event, kv_store_key
 from engine_simulator.prefix_cache import PrefixCache
 from engine_simulator.publisher import NullEventPublisher
 from engine_simulator.scheduler import EngineCore, Request, SchedulerConfig
@@ -68,15 +69,15 @@ def _drive(core: EngineCore, *requests: Request, now: float = 0.0) -> float:
 
 
 def test_store_emits_vllm_offload_events_and_lru_evicts() -> None:
-    """Token-less CPU BlockStored for new blocks; LRU eviction is one BlockRemoved(CPU) per block."""
+    """vLLM's CPU events: one token-less BlockStored per block; an eviction batch is one BlockRemoved(CPU)."""
     off = _offload(cpu_blocks=3)
     a = list(range(2 * B))
     off.store(_stored_event(a))
     assert off.take_events() == [] and off.num_storing_blocks == 2  # announced when the copy completes
     off.advance(1.0)
     events = off.take_events()
-    assert events == [BlockStored(block_hashes=_hashes(a), parent_block_hash=None, token_ids=[], block_size=B,
-                                  medium="CPU")]
+    assert events == [cpu_stored_event(h) for h in _hashes(a)]
+    assert all(e.block_size == 0 and e.token_ids == [] and e.medium == "CPU" for e in events)
     off.store(_stored_event(a))  # already there: refreshed, no event
     assert off.take_events() == []
     b = list(range(100, 100 + 2 * B))
@@ -84,7 +85,7 @@ def test_store_emits_vllm_offload_events_and_lru_evicts() -> None:
     off.advance(2.0)
     ev = off.take_events()
     assert ev[0] == BlockRemoved(block_hashes=[_hashes(a)[0]], medium="CPU")  # least recently used first
-    assert isinstance(ev[1], BlockStored) and ev[1].block_hashes == _hashes(b) and ev[1].medium == "CPU"
+    assert ev[1:] == [cpu_stored_event(h) for h in _hashes(b)]
     assert off.cpu_hashes() == [_hashes(a)[1], *_hashes(b)]
     assert off.stats.evicted_blocks == 1 and off.stats.stored_blocks == 4
 
@@ -104,11 +105,14 @@ def test_lookup_and_transfer_model() -> None:
     off.remote_stored(h[2], "CPU")
     off.remote_stored(h[3], "DISK")
     off.advance(2.0)  # their modeled transfers are over
+    assert off.lookup(h) is None  # kv_store must confirm h[2:] first (vLLM's RETRY)
+    assert sorted(off.take_lookups()) == sorted((x, kv_store_key("m", B, x)) for x in h[2:])
+    off.remote_lookup_done([(h[2], "CPU"), (h[3], "DISK")])
     assert off.lookup(h) == 4 and off.lookup(h[1:]) == 3 and off.lookup([123]) == 0
     plan = off.plan_load(h)
     assert (plan.cpu_blocks, plan.remote_blocks) == (2, 2)
-    # CPU over PCIe; kv_store CPU over the network; DISK: min(nvme, network)
-    assert plan.seconds == pytest.approx(2 * BYTES / 1e9 + BYTES / 5e8 + BYTES / 1e8)
+    # all 4 over PCIe while the kv_store ones cross the network (CPU medium: 5e8; DISK: min(nvme, network))
+    assert plan.seconds == pytest.approx(max(4 * BYTES / 1e9, BYTES / 5e8 + BYTES / 1e8))
     off.remote_missing(h[2:])
     assert off.lookup(h) == 2 and off.lookup(h[2:]) == 0
     cpu_only = _offload()
@@ -162,8 +166,7 @@ def test_stores_take_modeled_pcie_and_network_time_in_the_background_bounded() -
     assert off.num_cpu_blocks == 0 and off.lookup(ha) == 0 and off.take_events() == []
     off.advance(0.0031)
     assert off.cpu_hashes() == ha and off.lookup(ha) == 3
-    assert off.take_events() == [BlockStored(block_hashes=ha, parent_block_hash=None, token_ids=[], block_size=B,
-                                             medium="CPU")]
+    assert off.take_events() == [cpu_stored_event(h) for h in ha]
     off.advance(1e-4 + 3e-3 + 1e-4 + 1e-3)
     assert off.cpu_hashes() == [*ha, hb[0]] and off.num_storing_blocks == 0
     # 4 blocks in CPU, at most 3 kv_store puts pending: the 4th is skipped
@@ -224,7 +227,7 @@ def test_gpu_miss_loads_from_cpu_instead_of_recomputing() -> None:
     assert gpu_stores[-1].block_hashes == _hashes(again.prompt_token_ids[:4 * B])
     cpu = [e for e in events if isinstance(e, (BlockStored, BlockRemoved)) and e.medium == "CPU"]
     assert cpu and all(isinstance(e, BlockStored) and e.token_ids == [] and e.parent_block_hash is None
-                       for e in cpu)
+                       and e.block_size == 0 and len(e.block_hashes) == 1 for e in cpu)
 
     plain = _core(6, None)
     _, recomputed = _evicting_workload(plain)
