@@ -16,6 +16,7 @@
 | ``kvmesh_kv_store_lost_total`` | counter | ``tier`` (values it evicted that no slower tier could take) |
 | ``kvmesh_kv_store_promotions_undone_total`` | counter | (promotions rolled back: a value they evicted found no tier) |
 | ``kvmesh_kv_store_promotions_superseded_total`` | counter | (promotions dropped: a put or delete of the key ran meanwhile) |
+| ``kvmesh_kv_store_settle_timeouts_total`` | counter | (puts / deletes that stopped waiting for a move of their key: a hung tier) |
 | ``kvmesh_kv_store_operation_seconds`` | histogram | ``tier``, ``op`` (put, get, contains, evict) |
 
 ``tier`` is the tier's kind (``cpu``, ``disk``, ``sharedfs``, ``mooncake``); ``medium`` is vLLM's
@@ -109,6 +110,13 @@ class KvStoreCollector(Collector):
         )
         superseded.add_metric([], metrics.promotions_superseded)
         yield superseded
+        settle = CounterMetricFamily(
+            "kvmesh_kv_store_settle_timeouts",
+            "Puts and deletes that stopped waiting for a move down of their key (a hung tier; the move's"
+            " copy is removed where it lands).",
+        )
+        settle.add_metric([], metrics.settle_timeouts)
+        yield settle
         latency = HistogramMetricFamily(
             "kvmesh_kv_store_operation_seconds", "Latency of tier operations in seconds.", labels=["tier", "op"]
         )

@@ -307,7 +307,8 @@ class KVStoreServicer(kv_store_pb2_grpc.KVStoreServicer):
     async def Delete(
         self, request: kv_store_pb2.DeleteRequest, context: grpc.aio.ServicerContext
     ) -> kv_store_pb2.DeleteResponse:
-        return kv_store_pb2.DeleteResponse(deleted=await self._store.delete(request.key))
+        # a deadline never leaves a delete half done (a key swept from some tiers only)
+        return kv_store_pb2.DeleteResponse(deleted=await self.detached.run(self._store.delete(request.key)))
 
     async def Stats(
         self, request: kv_store_pb2.StatsRequest, context: grpc.aio.ServicerContext

@@ -10,9 +10,18 @@ medium, spill the least recently used downwards):
   :mod:`services.kv_store.tiers.base`) and the store releases each once a slower tier stored it,
   or once every slower tier refused it (then it is an eviction, counted lost). A put or delete
   of a key whose older value is moving down waits for that move to land, then replaces or sweeps
-  it (no stale copy below, no deleted key back). A stale copy of the key in a slower tier is
+  it (no stale copy below, no deleted key back); a put also waits for the moves of its key begun
+  after its value was stored (its own value evicted during the put, or an older copy a cascade
+  evicted from a slower tier) and its sweep keeps the copies of its own value those moves landed;
+  a move of the key begun during a sweep waits for it and lands only the swept value. These waits
+  are bounded (:data:`SETTLE_TIMEOUT_S`); a move a write stopped waiting for is superseded (its
+  copy removed where it lands). A stale copy of the key in a slower tier is
   removed, unless ``write_through`` names that tier, which then receives the same value
-  synchronously (a shared tier written through makes a value visible to every instance at once).
+  synchronously (a shared tier written through makes a value visible to every instance at once;
+  its own victims are demoted below it, or evicted from the last tier, as any put's).
+  A cascade cut short (cancelled, failed) leaves nothing pending: a tier that survives a restart
+  (``reinstate``: file tiers, Mooncake) takes its unplaced victims back, any other releases them
+  and counts them lost.
 * ``get`` searches the tiers in order. A hit in a slower tier is **promoted** to the first tier
   (``promote_on_hit``); it leaves a private tier (local tiers are exclusive, so one copy per
   instance) and stays in a shared one (other instances read it too). A promotion is a **swap**:
@@ -27,7 +36,8 @@ medium, spill the least recently used downwards):
   never overwrites a newer value: a put or delete of the key in flight when the read began, or
   begun before the promotion's first-tier write, drops it; one begun after that write is ordered
   after it on the first tier and removes the slower copies itself (``promotions_superseded``
-  counts both). A put whose first-tier write fails stored nothing and takes its count back (a
+  counts both). A promotion of a victim pending on its way down removes that pending copy; the
+  copy its move then lands is removed too (one copy per instance in the private tiers). A put whose first-tier write fails stored nothing and takes its count back (a
   promotion that checks before the failure steps aside having removed nothing; one that checks
   after goes on). A get that missed everywhere while another get promoted its key looks
   again (:data:`MISS_RESCANS`).
@@ -82,7 +92,7 @@ from kvmesh.logging import RateLimitedLog
 from kvmesh.types import Medium
 from services.kv_store.errors import KeyNotFound, StorageFull, TierUnavailable, ValueTooLarge
 from services.kv_store.residency import BadBlockEvent, Residency, parse_block_event
-from services.kv_store.tiers.base import PutResult, StoreTier, TierStats
+from services.kv_store.tiers.base import PutResult, ReleaseFailed, StoreTier, TierStats
 
 MAX_KEY_BYTES = 4096
 MAX_CONTAINS_KEYS = 100_000
@@ -100,6 +110,14 @@ MISS_RESCANS = 2
 a contains or lookup over the keys it missed while any promotion ran)."""
 REPUBLISH_BATCH = 1024
 """Events per batch when republishing rescanned values (a 16 GiB disk tier of 2 MiB values: 8 batches)."""
+
+SETTLE_TIMEOUT_S = 30.0
+"""Longest wait of a put or delete for the moves down of its key in flight (a hung tier under the
+move: a file write on a stalled mount, a Mooncake transfer). On expiry the write goes on (counted in
+``settle_timeouts``, logged at WARNING) and the moves it stopped waiting for are *superseded*: a
+copy they land later is removed where it lands, so no stale value stays below a newer one and no
+deleted key comes back. The store's tier operations have no timeout of their own (kv_store's
+config has none); 30 s is the slowest tier operation the latency histograms bound (3 s) ten times."""
 
 ERROR_LOG_INTERVAL_S = 10.0
 """At most one ERROR line per failing tier this often (the count of suppressed lines follows)."""
@@ -162,6 +180,8 @@ class StoreMetrics:
     """Promotions rolled back because a value they evicted found no tier (the read lost nothing)."""
     promotions_superseded: int = 0
     """Promotions dropped because a put or delete of the key ran meanwhile (the read value was stale)."""
+    settle_timeouts: int = 0
+    """Puts and deletes that stopped waiting for a move down of their key after :data:`SETTLE_TIMEOUT_S`."""
 
 
 @dataclass(slots=True)
@@ -176,6 +196,12 @@ class _KeyWatch:
     """Puts and deletes in flight."""
     promoted: int = 0
     """Promotions that stored the key in the first tier (a get that missed everywhere meanwhile looks again)."""
+    landed: list[tuple[int, int, bytes]] = field(default_factory=list)
+    """(move number, tier index, value) of each move down of the key that landed while a write was
+    in flight: a put's sweep keeps the copies of its own value that moved down during the put."""
+    sweep: tuple[asyncio.Event, bytes | None] | None = None
+    """A put's (its value) or delete's (``None``) sweep of the slower tiers in progress: a move down
+    of the key waits for it, then lands only a value equal to the swept one (older ones are stale)."""
 
 
 def _short(key: str) -> str:
@@ -217,6 +243,8 @@ class BlockStore:
         on_events: called after each operation with the vLLM KV events of the residency changes
             of described values (one batch; :mod:`services.kv_store.residency`), never with an
             empty list. None: residency is still tracked, events are dropped.
+        settle_timeout_s: longest wait of a put or delete for the moves down of its key
+            (:data:`SETTLE_TIMEOUT_S`).
     """
 
     def __init__(
@@ -227,6 +255,7 @@ class BlockStore:
         promote_on_hit: bool = True,
         clock: Callable[[], float] = time.perf_counter,
         on_events: Callable[[list[KVEvent]], None] | None = None,
+        settle_timeout_s: float = SETTLE_TIMEOUT_S,
     ) -> None:
         if not tiers:
             raise ValueError("a BlockStore needs at least one tier")
@@ -247,6 +276,10 @@ class BlockStore:
         self._moving: dict[str, list[tuple[int, asyncio.Event]]] = {}
         """key -> its moves down in flight (start number, set when the victim was released)."""
         self._move_seq = 0
+        self._superseded_moves: set[int] = set()
+        """Moves whose value is stale by the time they land (a promotion took their source copy, a
+        write stopped waiting for them): the copy they land is removed at once."""
+        self.settle_timeout_s = settle_timeout_s
         self._moved_up = 0
         """Promotions that stored a key in the first tier (a contains that missed meanwhile looks again)."""
         self._watched: dict[str, _KeyWatch] = {}
@@ -364,6 +397,11 @@ class BlockStore:
         released, so a move down is a store, then a removal, and a concurrent get or contains
         finds the value throughout. A victim no tier took is released too (an eviction, counted
         lost), unless ``unplaced`` collects it (a promotion's undo then restores or releases it).
+
+        Interrupted (cancelled, or an unexpected error mid-cascade): the victims not yet placed are
+        never left pending. A tier whose contents survive a restart (``reinstate``: file tiers,
+        Mooncake) takes them back (nothing is lost; they are evicted again by a later put); any
+        other tier releases them and they are counted lost.
         """
         tier = self.tiers[index]
         handed = {victim for victim, _ in result.victims}
@@ -371,12 +409,13 @@ class BlockStore:
             if victim not in handed:  # unreadable (corrupt, gone): removed by the put already
                 self.residency.removed(victim, tier.name)
         moves = [self._start_move(victim) for victim, _ in result.victims]
+        placed = [[False] for _ in moves]  # set once a slower tier stored the victim
         lost = 0
         done = 0
         try:
-            for (victim, victim_value), move in zip(result.victims, moves, strict=True):
+            for (victim, victim_value), move, stored in zip(result.victims, moves, placed, strict=True):
                 waiting = len(unplaced) if unplaced is not None else 0
-                lost += await self._demote(index + 1, victim, victim_value, unplaced, move)
+                lost += await self._demote(index + 1, victim, victim_value, unplaced, move, stored)
                 done += 1
                 if unplaced is not None and (index, victim, victim_value, move) in unplaced[waiting:]:
                     continue  # no tier took it: still pending here, the promotion's undo decides
@@ -388,48 +427,87 @@ class BlockStore:
             rest = result.victims[done:]
             if rest:  # cancelled or failed mid-cascade: never leave victims pending
                 try:
-                    await self._release(tier, rest)
+                    below = [victim for victim, stored in zip(rest, placed[done:], strict=True) if stored[0]]
+                    astray = [victim for victim, stored in zip(rest, placed[done:], strict=True) if not stored[0]]
+                    reinstate = getattr(tier, "reinstate", None)
+                    back = reinstate(astray) if reinstate is not None and astray else [False] * len(astray)
+                    gone = [victim for victim, kept in zip(astray, back, strict=True) if not kept]
+                    for victim, victim_value in gone:
+                        self._lost(tier.name, victim, len(victim_value))
+                    if below or gone:
+                        await self._release(tier, below + gone)
                 finally:
                     for (victim, _), move in zip(rest, moves[done:], strict=True):
                         self._end_move(victim, move)
         return lost
 
     def _start_move(self, key: str) -> tuple[int, asyncio.Event]:
-        """A victim of ``key`` is pending in its tier and moving down (until :meth:`_end_move`)."""
+        """A victim of ``key`` is pending in its tier and moving down (until :meth:`_end_move`).
+
+        Older moves of the key still in flight are no longer dropped where they land (superseded):
+        this newer copy may land in the same tier, and a duplicate is safe where a removal is not.
+        """
         self._move_seq += 1
         move = (self._move_seq, asyncio.Event())
-        self._moving.setdefault(key, []).append(move)
+        moves = self._moving.setdefault(key, [])
+        if self._superseded_moves:
+            for seq, _ in moves:
+                self._superseded_moves.discard(seq)
+        moves.append(move)
         return move
 
     def _end_move(self, key: str, move: tuple[int, asyncio.Event]) -> None:
         move[1].set()
+        self._superseded_moves.discard(move[0])
         moves = self._moving.get(key)
         if moves is not None and move in moves:
             moves.remove(move)
             if not moves:
                 del self._moving[key]
 
-    async def _settled(self, key: str, begun_by: int | None = None) -> None:
-        """Wait until no move down of ``key`` (begun by move number ``begun_by``, or any) is in flight.
+    async def _settled(self, key: str, stale_up_to: int | None = None, deadline: float | None = None) -> bool:
+        """Wait until no move down of ``key`` is in flight, at most :attr:`settle_timeout_s`.
 
         A put or delete waits so that an older value of its key, pending in a tier and on its way
         down, lands before the write (which then replaces or sweeps it) instead of after it (a
-        stale copy below a newer value, or a deleted key back). Moves never wait for writes.
+        stale copy below a newer value, or a deleted key back). Moves wait only for a write's
+        sweep (:meth:`_sweep`), which waits for nothing. On expiry (a hung tier) the wait ends
+        (``settle_timeouts``, a WARNING) and the moves still in flight numbered up to
+        ``stale_up_to`` (``None``: all) are superseded: what they land is removed where it lands.
+        Superseded moves are not waited for. ``deadline`` (``loop.time()``): one budget for the
+        several waits of one write. ``False`` when the wait expired (the write waits no more).
         """
+        loop = asyncio.get_running_loop()
+        if deadline is None:
+            deadline = loop.time() + self.settle_timeout_s
         while True:
-            waits = [done for seq, done in self._moving.get(key, ()) if begun_by is None or seq <= begun_by]
-            if not waits:
-                return
-            await waits[0].wait()
+            moves = [move for move in self._moving.get(key, ()) if move[0] not in self._superseded_moves]
+            if not moves:
+                return True
+            try:
+                await asyncio.wait_for(moves[0][1].wait(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                stale = [seq for seq, _ in self._moving.get(key, ()) if stale_up_to is None or seq <= stale_up_to]
+                self._superseded_moves.update(stale)
+                self.metrics.settle_timeouts += 1
+                log.warning(
+                    "key=%r: %d move(s) down still in flight after %.1f s (a hung tier?); the write goes"
+                    " on, %d stale move(s) superseded",
+                    _short(key), len(self._moving.get(key, ())), self.settle_timeout_s, len(stale),
+                )
+                return False
 
     async def _release(self, tier: StoreTier, victims: Sequence[tuple[str, bytes]]) -> None:
         """Release pending victims of ``tier`` (a slower tier took them, or none could); a victim a
         put replaced or a delete removed meanwhile stays as that write left it."""
         try:
             released = await self._timed(tier, "evict", tier.release(victims))
+        except ReleaseFailed as exc:  # the ones that were still pending are no longer
+            self._failed(tier, "release", exc)
+            released = exc.released
         except (TierUnavailable, StorageFull) as exc:
             self._failed(tier, "release", exc)
-            released = [True] * len(victims)  # no longer pending: the tier dropped them from its view
+            released = [True] * len(victims)  # a tier that cannot say: assume it dropped them from its view
         for (victim, _), gone in zip(victims, released, strict=True):
             if gone:
                 self.residency.removed(victim, tier.name)
@@ -457,6 +535,7 @@ class BlockStore:
         value: bytes,
         unplaced: list[Unplaced] | None = None,
         move: tuple[int, asyncio.Event] | None = None,
+        stored: list[bool] | None = None,
     ) -> int:
         """Place a victim of ``tiers[index - 1]`` in ``tiers[index]``, else the first slower tier
         that takes it; counted lost (by the evicting tier) when none does, or appended to
@@ -464,22 +543,56 @@ class BlockStore:
 
         Returns the values this demotion lost: 1 when no tier took ``key``, else what the cascade
         below the tier that took it lost.
+
+        A move (``move`` given) first waits for a put's or delete's sweep of ``key`` in progress;
+        a value the sweep superseded (not the swept put's value, or a deleted key) lands nowhere
+        (0: not a loss). Where a move lands is recorded while a write of the key is in flight (the
+        put's sweep keeps it, :meth:`_sweep`); a superseded move's copy is removed where it lands.
         """
+        if move is not None:
+            watch = self._watched.get(key)
+            if watch is not None and watch.sweep is not None:
+                swept: bytes | None = None
+                while watch.sweep is not None:
+                    swept_event, swept = watch.sweep
+                    await swept_event.wait()
+                if swept is None or not (value is swept or value == swept):
+                    return 0  # stale: the sweep removed its source copy (or will see it released)
         for tier_index in range(index, len(self.tiers)):
             tier = self.tiers[tier_index]
             if tier.name in self.write_through and (await self._safe_contains(tier, [key]))[0]:
                 self.residency.added(key, tier.name)
                 return 0  # already there: written through at put time
             try:
-                _, lost = await self._place(tier_index, key, value, "demote", unplaced)
-                return lost
+                result = await self._store(tier_index, key, value, "demote")
             except (TierUnavailable, StorageFull, ValueTooLarge) as exc:
                 self._dropped(tier, "demote", key, exc)
+                continue
+            if stored is not None:
+                stored[0] = True
+            if move is not None:
+                await self._landed(key, move, tier_index, value)
+            return await self._cascade(tier_index, result, unplaced)
         if unplaced is not None and move is not None:
             unplaced.append((index - 1, key, value, move))
             return 0
         self._lost(self.tiers[index - 1].name, key, len(value))
         return 1
+
+    async def _landed(self, key: str, move: tuple[int, asyncio.Event], index: int, value: bytes) -> None:
+        """A move of ``key`` stored ``value`` in ``tiers[index]``: recorded for a write of the key
+        in flight; removed there at once when the move was superseded (see ``_superseded_moves``)."""
+        if move[0] in self._superseded_moves:
+            tier = self.tiers[index]
+            try:
+                if await self._timed(tier, "evict", tier.evict(key)):
+                    self.residency.removed(key, tier.name)
+            except (TierUnavailable, StorageFull) as exc:
+                self._failed(tier, "evict", exc)
+            return
+        watch = self._watched.get(key)
+        if watch is not None and watch.writing > 0:
+            watch.landed.append((move[0], index, value))
 
     def _lost(self, source: str, key: str, size: int) -> None:
         self.metrics.lost[source] = self.metrics.lost.get(source, 0) + 1
@@ -508,7 +621,8 @@ class BlockStore:
             TierUnavailable / StorageFull: the first tier failed (nothing stored).
         """
         self.check_value_size(key, len(value))
-        await self._settled(key)  # an older value of the key moving down lands before this write
+        deadline = asyncio.get_running_loop().time() + self.settle_timeout_s
+        waiting = await self._settled(key, None, deadline)  # an older value moving down lands before this write
         watch = self._begin_write(key)
         if block is not None:
             self.residency.describe(key, block)
@@ -518,22 +632,21 @@ class BlockStore:
             except BaseException:
                 watch.writes -= 1  # stored nothing: no promotion needs to step aside for it
                 raise
-            stored_at = self._move_seq  # moves begun after this are of this value
+            stored_at = self._move_seq  # moves begun after this may be of this value
             evicted, lost = len(result.evicted), await self._cascade(0, result, None)
-            await self._settled(key, stored_at)  # an older value evicted while this one was written
-            for tier in self.tiers[1:]:
-                try:
-                    if tier.name in self.write_through:
-                        await self._timed(tier, "put", tier.put(key, value, meta=self.residency.encoded(key)))
-                        self._moved(tier, "write_through", len(value))
-                        self.residency.added(key, tier.name)
-                    elif await self._timed(tier, "evict", tier.evict(key)):
-                        self.residency.removed(key, tier.name)
+            if waiting:  # an older value evicted while this one was written
+                waiting = await self._settled(key, stored_at, deadline)
+            for index, tier in enumerate(self.tiers[1:], 1):
+                if tier.name not in self.write_through:
+                    continue
+                try:  # the write-through tier's victims move down (or are evicted: removed, counted)
+                    _, wt_lost = await self._place(index, key, value, "write_through")
+                    lost += wt_lost
                 except (TierUnavailable, StorageFull, ValueTooLarge) as exc:
-                    if tier.name in self.write_through:
-                        self._dropped(tier, "write_through", key, exc)
-                    else:
-                        self._failed(tier, "evict", exc)
+                    self._dropped(tier, "write_through", key, exc)
+            if waiting:  # no move of the key in flight past this point (unless a tier hangs)
+                await self._settled(key, stored_at, deadline)
+            await self._sweep(key, watch, value, stored_at)
         finally:
             self._end_write(key, watch)
             self.residency.forget_if_absent(key)
@@ -579,6 +692,38 @@ class BlockStore:
             self._leave(key, watch)
             self._flush()
         raise KeyNotFound(f"key {key!r} not found")
+
+    async def _sweep(self, key: str, watch: _KeyWatch, value: bytes | None, stored_at: int = 0) -> bool:
+        """Remove ``key`` from the slower tiers (all of them: a delete, ``value`` None) that are not
+        written through, keeping the copies of ``value`` that moves begun after ``stored_at`` landed
+        (the put's own value, evicted from the first tier and moved down during the put).
+
+        Called with no move of ``key`` in flight (after :meth:`_settled`, no suspension between):
+        a move of ``key`` begun during the sweep waits for it, then lands only ``value``. ``True``
+        when any tier held the key (removed)."""
+        event = asyncio.Event()
+        watch.sweep = (event, value)
+        removed = False
+        keep = (
+            set()
+            if value is None
+            else {index for seq, index, landed in watch.landed if seq > stored_at and (landed is value or landed == value)}
+        )
+        try:
+            for index, tier in enumerate(self.tiers):
+                if (value is not None and (index == 0 or tier.name in self.write_through)) or index in keep:
+                    continue
+                try:
+                    if await self._timed(tier, "evict", tier.evict(key)):
+                        removed = True
+                        self.residency.removed(key, tier.name)
+                except (TierUnavailable, StorageFull) as exc:
+                    self._failed(tier, "delete" if value is None else "evict", exc)
+        finally:
+            if watch.sweep is not None and watch.sweep[0] is event:
+                watch.sweep = None
+            event.set()
+        return removed
 
     def _enter(self, key: str) -> _KeyWatch:
         watch = self._watched.get(key)
@@ -651,6 +796,8 @@ class BlockStore:
                         self.residency.removed(key, tier.name)
                 except (TierUnavailable, StorageFull) as exc:
                     self._failed(tier, "evict", exc)
+            if freed:  # a pending copy on its way down lost its source: what it lands is a second copy
+                self._superseded_moves.update(seq for seq, _ in self._moving.get(key, ()))
         unplaced: list[Unplaced] = []
         try:
             await self._cascade(0, result, unplaced)
@@ -777,21 +924,17 @@ class BlockStore:
         for one that began during its sweep), so a moving value never comes back after a delete.
         """
         validate_key(key)
-        await self._settled(key)
+        deadline = asyncio.get_running_loop().time() + self.settle_timeout_s
+        waiting = await self._settled(key, None, deadline)
         watch = self._begin_write(key)
         deleted = False
         try:
             for _ in range(1 + MISS_RESCANS):
-                for tier in self.tiers:
-                    try:
-                        if await self._timed(tier, "evict", tier.evict(key)):
-                            deleted = True
-                            self.residency.removed(key, tier.name)
-                    except (TierUnavailable, StorageFull) as exc:
-                        self._failed(tier, "delete", exc)
-                if key not in self._moving:
+                if waiting:  # no suspension before the sweep: moves begun later wait for it
+                    waiting = await self._settled(key, None, deadline)
+                deleted = await self._sweep(key, watch, None) or deleted
+                if not waiting or key not in self._moving:
                     break
-                await self._settled(key)
         finally:
             self._end_write(key, watch)
             self._flush()

@@ -10,6 +10,8 @@ otherwise with that reason.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -229,6 +231,53 @@ async def test_a_pending_victim_replaced_or_deleted_is_not_released(make_tier: T
     assert await tier.contains(["a", "b"]) == [True, False]
     stats = tier.stats()
     assert (stats.used_bytes, stats.keys, stats.pending) == (5, 1, 0)
+
+
+async def _consistent(tier: StoreTier, values: dict[str, bytes]) -> None:
+    """Every key the tier lists is readable with its bytes, every other key is absent (a shared
+    tier looks on its medium: no stored value outside the listing), and the budget counts exactly
+    what it lists (pending victims aside)."""
+    held = tier.held_keys()
+    assert await tier.contains(list(values)) == [key in held for key in values]
+    for key in held:
+        assert await tier.get(key) == values[key]
+    stats = tier.stats()
+    assert stats.keys + stats.pending == len(held)
+    listed = held[stats.pending :]  # pending victims first, outside the budget
+    assert stats.used_bytes == sum(len(values[key]) for key in listed) <= tier.capacity_bytes
+
+
+@pytest.mark.parametrize("steps", [0, 1, 3])
+async def test_a_cancelled_put_evict_or_release_leaves_the_tier_consistent(
+    make_tier: TierFactory, steps: int
+) -> None:
+    """A caller cancelled while a put, evict or release runs (a gRPC deadline on the put whose
+    cascade reaches this tier) gets ``CancelledError`` only once the operation ended: what the tier
+    lists matches what its medium holds (no listed key whose value was removed, no stored value
+    outside the listing and the budget). ``steps``: event-loop turns before the cancellation."""
+    tier = make_tier(20)
+    values = {"a": b"a" * 10, "b": b"b" * 10, "c": b"c" * 10}
+    await tier.put("a", values["a"])
+    await tier.put("b", values["b"])
+
+    async def cancelled(op: Any) -> None:
+        task = asyncio.ensure_future(op)
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    await cancelled(tier.put("c", values["c"]))  # evicts a once c is stored
+    await _consistent(tier, values)
+    await cancelled(tier.evict("b"))
+    await _consistent(tier, values)
+    await tier.put("a", values["a"])
+    await tier.put("b", values["b"])
+    result = await tier.put("c", values["c"] * 2, keep_victims=True)
+    values["c"] = values["c"] * 2
+    await cancelled(tier.release(result.victims))
+    await _consistent(tier, values)
 
 
 class _FailingWrites:

@@ -17,17 +17,58 @@ in flight.
 **Write first, then evict.** A tier whose write can fail (files, Mooncake) stores the new value
 before it removes or hands out any victim; a put that raises evicted nothing.
 
+**Cancellation-safe.** A tier whose verbs run blocking I/O in worker threads (files, Mooncake)
+runs each mutating verb (``put``, ``evict``, ``release``) to its end (:func:`run_to_end`): a
+cancelled caller (a gRPC deadline on the put whose cascade demotes here) gets ``CancelledError``
+only once the thread finished and the tier's index matches what it did on the medium (no index
+entry for an unlinked file, no file outside the budget).
+
 The verbs are async so tiers backed by disks, shared filesystems or remote stores (NVMe,
 Lustre, Mooncake, LMCache) fit the same contract; the in-memory tier never suspends.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from kvmesh.types import Medium
+from services.kv_store.errors import TierUnavailable
+
+T = TypeVar("T")
+
+
+class ReleaseFailed(TierUnavailable):
+    """``release`` failed on the medium (a file or object may be left behind); ``released`` holds
+    the flags :meth:`StoreTier.release` would have returned: which victims were still pending
+    (and are no longer), so the caller marks only those removed."""
+
+    def __init__(self, message: str, released: Sequence[bool]) -> None:
+        super().__init__(message)
+        self.released = list(released)
+
+
+async def run_to_end(operation: Coroutine[Any, Any, T]) -> T:
+    """Await ``operation`` in its own task; a cancellation of the caller waits for the task to end
+    (its bookkeeping done) and is then re-raised. Returns or raises what ``operation`` does.
+
+    Raises:
+        asyncio.CancelledError: the caller was cancelled (after ``operation`` ended).
+    """
+    task = asyncio.ensure_future(operation)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        while not task.done():
+            try:
+                await asyncio.wait([task])
+            except asyncio.CancelledError:
+                continue
+        if not task.cancelled():
+            task.exception()  # retrieved: the caller sees the cancellation, not this
+        raise
 
 
 @dataclass(frozen=True, slots=True)

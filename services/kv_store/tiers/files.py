@@ -71,7 +71,14 @@ Errors: a missing, unreadable or read-only root, or a failed guard, raises
 :class:`~services.kv_store.errors.StorageFull`; both leave the index consistent.
 
 All file I/O runs in worker threads (``asyncio.to_thread``); puts and evictions are serialised by
-one ``asyncio.Lock`` per tier, reads run concurrently.
+one ``asyncio.Lock`` per tier, reads run concurrently. ``put``, ``evict`` and ``release`` run to
+their end when their caller is cancelled (:func:`~services.kv_store.tiers.base.run_to_end`): the
+index always matches the files.
+
+**Interrupted moves.** Victims a move down could not finish (its caller failed or was cancelled
+mid-cascade) are :meth:`FileTier.reinstate`-d rather than released: their files are still here and
+a restart's rescan would serve them, so they return to the index (least recently used first) instead
+of being unlinked.
 """
 
 from __future__ import annotations
@@ -95,7 +102,7 @@ import xxhash
 
 from kvmesh.types import Medium
 from services.kv_store.errors import StorageFull, TierUnavailable, ValueTooLarge
-from services.kv_store.tiers.base import PutResult, TierStats
+from services.kv_store.tiers.base import PutResult, ReleaseFailed, TierStats, run_to_end
 
 MAGIC = b"KVMSV002"
 HEADER = struct.Struct("<8sIQQI")
@@ -330,37 +337,41 @@ class FileTier:
                 f"value of {size} bytes for key {key!r} exceeds the {self.name} tier's"
                 f" capacity_bytes={self.capacity_bytes}"
             )
-        async with self._lock:
-            self._check_root()
-            need = self._used_bytes - self._index.get(key, 0) + size - self.capacity_bytes
-            victims: list[str] = []
-            for victim, victim_size in self._index.items():
-                if need <= 0:
-                    break
-                if victim != key:
-                    victims.append(victim)
-                    need -= victim_size
-            try:
-                kept = await asyncio.to_thread(self._write, key, value, victims, keep_victims, meta)
-            except OSError as exc:
-                self._errors += 1
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise StorageFull(f"{self.name} tier at {self.root} is full: {exc}") from exc
-                self._available = False
-                raise TierUnavailable(f"{self.name} tier at {self.root} cannot store {key!r}: {exc}") from exc
-            # stored: the new file replaced the old value (or a pending victim) of this key
-            self._pending.pop(key, None)
-            prior = self._index.pop(key, None)
-            if prior is not None:
-                self._used_bytes -= prior
-            for victim in victims:
-                if victim in self._index:  # a concurrent get may have dropped a vanished one
-                    self._used_bytes -= self._index.pop(victim)
-            self._evictions += len(victims)
-            self._pending.update(kept)
-            self._index[key] = size
-            self._used_bytes += size
-            return PutResult(tuple(victims), tuple(kept))
+        async with self._lock:  # waiting for the lock is cancellable; the write then runs to its end
+            return await run_to_end(self._put(key, value, keep_victims, meta))
+
+    async def _put(self, key: str, value: bytes, keep_victims: bool, meta: bytes) -> PutResult:
+        size = len(value)
+        self._check_root()
+        need = self._used_bytes - self._index.get(key, 0) + size - self.capacity_bytes
+        victims: list[str] = []
+        for victim, victim_size in self._index.items():
+            if need <= 0:
+                break
+            if victim != key:
+                victims.append(victim)
+                need -= victim_size
+        try:
+            kept = await asyncio.to_thread(self._write, key, value, victims, keep_victims, meta)
+        except OSError as exc:
+            self._errors += 1
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StorageFull(f"{self.name} tier at {self.root} is full: {exc}") from exc
+            self._available = False
+            raise TierUnavailable(f"{self.name} tier at {self.root} cannot store {key!r}: {exc}") from exc
+        # stored: the new file replaced the old value (or a pending victim) of this key
+        self._pending.pop(key, None)
+        prior = self._index.pop(key, None)
+        if prior is not None:
+            self._used_bytes -= prior
+        for victim in victims:
+            if victim in self._index:  # a concurrent get may have dropped a vanished one
+                self._used_bytes -= self._index.pop(victim)
+        self._evictions += len(victims)
+        self._pending.update(kept)
+        self._index[key] = size
+        self._used_bytes += size
+        return PutResult(tuple(victims), tuple(kept))
 
     def _write(
         self, key: str, value: bytes, victims: list[str], keep_victims: bool, meta: bytes = b""
@@ -455,48 +466,81 @@ class FileTier:
 
     async def evict(self, key: str) -> bool:
         async with self._lock:
-            self._check_root()
-            known = key in self._index or self._pending.pop(key, None) is not None
-            path = self.path_of(key)
-            try:
-                removed = await asyncio.to_thread(_unlink, path)
-            except OSError as exc:  # the root went away under us (not a directory any more, unmounted)
-                self._errors += 1
-                self._available = False
-                raise TierUnavailable(f"{self.name} tier at {self.root} cannot evict {key!r}: {exc}") from exc
-            size = self._index.pop(key, None)
-            if size is not None:
-                self._used_bytes -= size
-            return known or removed
+            return await run_to_end(self._evict(key))
+
+    async def _evict(self, key: str) -> bool:
+        self._check_root()
+        known = key in self._index or self._pending.pop(key, None) is not None
+        path = self.path_of(key)
+        try:
+            removed = await asyncio.to_thread(_unlink, path)
+        except OSError as exc:  # the root went away under us (not a directory any more, unmounted)
+            self._errors += 1
+            self._available = False
+            raise TierUnavailable(f"{self.name} tier at {self.root} cannot evict {key!r}: {exc}") from exc
+        size = self._index.pop(key, None)
+        if size is not None:
+            self._used_bytes -= size
+        return known or removed
 
     async def release(self, victims: Sequence[tuple[str, bytes]]) -> list[bool]:
-        """Drop pending victims (see :class:`StoreTier.release`): their files are unlinked."""
+        """Drop pending victims (see :class:`StoreTier.release`): their files are unlinked.
+
+        Raises:
+            ReleaseFailed: unlinking failed (its ``released``: the victims no longer pending).
+        """
         async with self._lock:
-            released: list[bool] = []
-            paths: list[Path] = []
-            for key, value in victims:
-                held = self._pending.get(key)
-                gone = held is not None and (held is value or held == value)
-                if gone:
-                    del self._pending[key]
-                    paths.append(self.path_of(key))
-                released.append(gone)
-            if paths:
-                try:
-                    await asyncio.to_thread(lambda: [_unlink(path) for path in paths])
-                except OSError as exc:
-                    self._errors += 1
-                    self._available = False
-                    raise TierUnavailable(f"{self.name} tier at {self.root} cannot remove victims: {exc}") from exc
-            return released
+            return await run_to_end(self._release(victims))
+
+    def reinstate(self, victims: Sequence[tuple[str, bytes]]) -> list[bool]:
+        """Take pending victims back into the index instead of releasing them (a move down that
+        was interrupted: their files are still here, see the module docstring), least recently
+        used first, over the budget until the next put evicts them again. One flag per victim:
+        ``True`` when it was still pending with that value. No I/O."""
+        back: list[bool] = []
+        for key, value in reversed(victims):
+            held = self._pending.get(key)
+            ok = held is not None and (held is value or held == value) and key not in self._index
+            if ok:
+                del self._pending[key]
+                self._index[key] = len(value)
+                self._index.move_to_end(key, last=False)
+                self._used_bytes += len(value)
+                self._evictions -= 1  # handed out, then taken back: not an eviction after all
+            back.append(ok)
+        return back[::-1]
+
+    async def _release(self, victims: Sequence[tuple[str, bytes]]) -> list[bool]:
+        released: list[bool] = []
+        paths: list[Path] = []
+        for key, value in victims:
+            held = self._pending.get(key)
+            gone = held is not None and (held is value or held == value)
+            if gone:
+                del self._pending[key]
+                paths.append(self.path_of(key))
+            released.append(gone)
+        if paths:
+            try:
+                await asyncio.to_thread(lambda: [_unlink(path) for path in paths])
+            except OSError as exc:
+                self._errors += 1
+                self._available = False
+                raise ReleaseFailed(
+                    f"{self.name} tier at {self.root} cannot remove victims: {exc}", released
+                ) from exc
+        return released
 
     async def _forget(self, key: str, unlink: bool) -> None:
         async with self._lock:
-            size = self._index.pop(key, None)
-            if size is not None:
-                self._used_bytes -= size
-            if unlink:
-                await asyncio.to_thread(_unlink, self.path_of(key))
+            await run_to_end(self._forget_locked(key, unlink))
+
+    async def _forget_locked(self, key: str, unlink: bool) -> None:
+        size = self._index.pop(key, None)
+        if size is not None:
+            self._used_bytes -= size
+        if unlink:
+            await asyncio.to_thread(_unlink, self.path_of(key))
 
     def stats(self) -> TierStats:
         return TierStats(

@@ -34,6 +34,11 @@ the other tiers, after the new value is stored (a failed put removes nothing); w
 ``keep_victims`` their objects stay until :meth:`MooncakeTier.release` (served from the bytes read
 for the move meanwhile). A key Mooncake evicted on its own is a miss and leaves the view.
 
+**Cancellation.** ``put``, ``evict`` and ``release`` run to their end when their caller is
+cancelled (:func:`~services.kv_store.tiers.base.run_to_end`): the view always matches the objects
+written and removed. Victims of an interrupted move down are :meth:`MooncakeTier.reinstate`-d (their
+objects are still in the cluster, where a restart's rescan would find them), not removed.
+
 **Failures.** A negative code or an exception (master down, transfer error) raises
 :class:`~services.kv_store.errors.TierUnavailable` and is counted in ``errors``; the store treats
 it as a degraded tier.
@@ -51,7 +56,7 @@ from typing import Protocol
 
 from kvmesh.types import Medium
 from services.kv_store.errors import TierUnavailable, ValueTooLarge
-from services.kv_store.tiers.base import PutResult, TierStats
+from services.kv_store.tiers.base import PutResult, ReleaseFailed, TierStats, run_to_end
 
 FRAME = struct.Struct("<4sIQ")
 MAGIC = b"KVMC"
@@ -125,42 +130,46 @@ class MooncakeTier:
             raise ValueTooLarge(
                 f"value of {size} bytes for key {key!r} exceeds the mooncake tier's capacity_bytes={self.capacity_bytes}"
             )
-        async with self._lock:
-            need = self._used_bytes - self._index.get(key, 0) + size - self.capacity_bytes
-            victims: list[str] = []
-            for victim, victim_size in self._index.items():
-                if need <= 0:
-                    break
-                if victim != key:
-                    victims.append(victim)
-                    need -= victim_size
-            kept: list[tuple[str, bytes]] = []
-            if keep_victims:
-                for victim in victims:
-                    data = await self._read(victim)
-                    if data is not None:
-                        kept.append((victim, data))
-            frame = FRAME2.pack(MAGIC2, zlib.crc32(value, zlib.crc32(meta)), size, len(meta))
-            parts = (frame, meta, value) if meta else (frame, value)
-            code = await self._call("put", self._client.upsert_parts, self._key(key), *parts)
-            self._check("put", code)  # raises before any victim is touched: they all stay
-            self._pending.pop(key, None)  # the upsert replaced a pending victim of this key
-            prior = self._index.pop(key, None)
-            if prior is not None:
-                self._used_bytes -= prior
+        async with self._lock:  # waiting for the lock is cancellable; the write then runs to its end
+            return await run_to_end(self._put(key, value, keep_victims, meta))
+
+    async def _put(self, key: str, value: bytes, keep_victims: bool, meta: bytes) -> PutResult:
+        size = len(value)
+        need = self._used_bytes - self._index.get(key, 0) + size - self.capacity_bytes
+        victims: list[str] = []
+        for victim, victim_size in self._index.items():
+            if need <= 0:
+                break
+            if victim != key:
+                victims.append(victim)
+                need -= victim_size
+        kept: list[tuple[str, bytes]] = []
+        if keep_victims:
             for victim in victims:
-                if victim in self._index:  # a concurrent get may have dropped a vanished one
-                    self._used_bytes -= self._index.pop(victim)
-            self._evictions += len(victims)
-            self._pending.update(kept)
-            held = {victim for victim, _ in kept}
-            for victim in victims:
-                if victim not in held:
-                    with contextlib.suppress(TierUnavailable):  # counted in errors; the value is stored
-                        await self._call("remove", self._client.remove, self._key(victim), True)
-            self._index[key] = size
-            self._used_bytes += size
-            return PutResult(tuple(victims), tuple(kept))
+                data = await self._read(victim)
+                if data is not None:
+                    kept.append((victim, data))
+        frame = FRAME2.pack(MAGIC2, zlib.crc32(value, zlib.crc32(meta)), size, len(meta))
+        parts = (frame, meta, value) if meta else (frame, value)
+        code = await self._call("put", self._client.upsert_parts, self._key(key), *parts)
+        self._check("put", code)  # raises before any victim is touched: they all stay
+        self._pending.pop(key, None)  # the upsert replaced a pending victim of this key
+        prior = self._index.pop(key, None)
+        if prior is not None:
+            self._used_bytes -= prior
+        for victim in victims:
+            if victim in self._index:  # a concurrent get may have dropped a vanished one
+                self._used_bytes -= self._index.pop(victim)
+        self._evictions += len(victims)
+        self._pending.update(kept)
+        held = {victim for victim, _ in kept}
+        for victim in victims:
+            if victim not in held:
+                with contextlib.suppress(TierUnavailable):  # counted in errors; the value is stored
+                    await self._call("remove", self._client.remove, self._key(victim), True)
+        self._index[key] = size
+        self._used_bytes += size
+        return PutResult(tuple(victims), tuple(kept))
 
     async def _read(self, key: str) -> bytes | None:
         framed = await self._read_framed(key)
@@ -251,31 +260,60 @@ class MooncakeTier:
 
     async def evict(self, key: str) -> bool:
         async with self._lock:
-            known = key in self._index or self._pending.pop(key, None) is not None
-            size = self._index.pop(key, None)
-            if size is not None:
-                self._used_bytes -= size
-            codes = await self._call("batch_is_exist", self._client.batch_is_exist, [self._key(key)])
-            exists = isinstance(codes, list) and codes[0] == 1
-            if exists:
-                await self._call("remove", self._client.remove, self._key(key), True)
-            return known or exists
+            return await run_to_end(self._evict(key))
+
+    async def _evict(self, key: str) -> bool:
+        known = key in self._index or self._pending.pop(key, None) is not None
+        size = self._index.pop(key, None)
+        if size is not None:
+            self._used_bytes -= size
+        codes = await self._call("batch_is_exist", self._client.batch_is_exist, [self._key(key)])
+        exists = isinstance(codes, list) and codes[0] == 1
+        if exists:
+            await self._call("remove", self._client.remove, self._key(key), True)
+        return known or exists
 
     async def release(self, victims: Sequence[tuple[str, bytes]]) -> list[bool]:
-        """Drop pending victims (see :class:`StoreTier.release`): their objects are removed."""
+        """Drop pending victims (see :class:`StoreTier.release`): their objects are removed.
+
+        Raises:
+            ReleaseFailed: a removal failed (its ``released``: the victims no longer pending).
+        """
         async with self._lock:
-            released: list[bool] = []
-            for key, value in victims:
-                held = self._pending.get(key)
-                gone = held is not None and (held is value or held == value)
-                if gone:
-                    del self._pending[key]
-                released.append(gone)
+            return await run_to_end(self._release(victims))
+
+    def reinstate(self, victims: Sequence[tuple[str, bytes]]) -> list[bool]:
+        """Take pending victims back into the view instead of releasing them (an interrupted move
+        down; see :meth:`services.kv_store.tiers.files.FileTier.reinstate`). No I/O."""
+        back: list[bool] = []
+        for key, value in reversed(victims):
+            held = self._pending.get(key)
+            ok = held is not None and (held is value or held == value) and key not in self._index
+            if ok:
+                del self._pending[key]
+                self._index[key] = len(value)
+                self._index.move_to_end(key, last=False)
+                self._used_bytes += len(value)
+                self._evictions -= 1
+            back.append(ok)
+        return back[::-1]
+
+    async def _release(self, victims: Sequence[tuple[str, bytes]]) -> list[bool]:
+        released: list[bool] = []
+        for key, value in victims:
+            held = self._pending.get(key)
+            gone = held is not None and (held is value or held == value)
+            if gone:
+                del self._pending[key]
+            released.append(gone)
+        try:
             for (key, _), gone in zip(victims, released, strict=True):
                 if gone:
                     # a negative code: the object is already gone (Mooncake evicted it), as in put
                     await self._call("remove", self._client.remove, self._key(key), True)
-            return released
+        except TierUnavailable as exc:
+            raise ReleaseFailed(str(exc), released) from exc
+        return released
 
     def held_keys(self) -> list[str]:
         """Pending victims, then keys of this instance's LRU view (what it wrote, read or rescanned),

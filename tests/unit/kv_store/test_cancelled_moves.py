@@ -125,6 +125,27 @@ async def test_batch_get_past_its_deadline_still_finishes_its_promotions(grpc_st
     await settled(store, list("abcde"))
 
 
+async def test_delete_past_its_deadline_still_removes_the_key_everywhere(grpc_store) -> None:  # type: ignore[no-untyped-def]
+    """A Delete whose key is moving down waits for the move; its deadline passes meanwhile: the
+    delete still runs to its end (the key is in no tier once the move landed), the others stay."""
+    store, stub, _ = grpc_store
+    for key in "abc":
+        await put(stub, key)
+    moving = asyncio.create_task(store.put("d", value_of("d")))  # evicts "a": its move takes SLOW_PUT_S
+    await asyncio.sleep(0.05)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Delete(pb.DeleteRequest(key="a"), timeout=0.1)
+    assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    await moving
+    for _ in range(int(4 * SLOW_PUT_S / 0.05)):
+        if not (await store.contains(["a"]))[0]:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(SLOW_PUT_S)
+    assert await store.contains(list("abcd")) == [False, True, True, True]
+    assert [tier.name for tier in store.tiers if "a" in tier.held_keys()] == []
+
+
 async def test_lm_requests_cancelled_mid_move_still_land() -> None:
     """The lm:// listener's request tasks are cancelled at shutdown (or by the loop): a PUT whose
     victim is moving down, and a GET whose promotion is, still land."""
