@@ -20,6 +20,7 @@ def build_service(config: FlowControlConfig) -> GrpcService:
     observer = PrometheusObserver(max_flow_labels=config.max_flow_labels)
     controller = FlowController(config.limits(), observer=observer, detector=config.detector())
     observer.band_label = controller.band_label
+    observer.before_scrape = controller.collect_idle_bands
     REGISTRY.register(ControllerCollector(controller, observer.flow_label))
     servicer = FlowControlServicer(controller)
     background: list[Background] = [controller.run_expiry]

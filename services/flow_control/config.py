@@ -69,7 +69,18 @@ class FlowControlConfig(GrpcServiceConfig):
     fairness_window_seconds: float = Field(10.0, gt=0, le=3600)
     """Window of each flow's served-token share and Jain's index (metrics, Stats)."""
     max_flow_labels: int = Field(1000, ge=1, le=100_000)
-    """Distinct fairness ids given their own ``flow`` metric label; later ones share ``_other``."""
+    """Distinct fairness ids given their own ``flow`` metric label; later ones share ``_other``. Also the
+    most ``(band, flow)`` label pairs at once, all bands together: a pair past it is ``(band, _other)``."""
+    max_dynamic_bands: int = Field(16, ge=0, le=10_000)
+    """Bands created on first use of a priority not in ``bands`` that may exist at once (configured bands
+    never count). Priorities are client input (``x-kvmesh-priority``, the gRPC ``priority`` field): past
+    the cap a request joins the nearest existing band at or below its priority with the same
+    sheddability (``kvmesh_flow_control_band_overflow_total``). The bands of priority 0 (requests that
+    name none) and ``admission_credit_priority`` never count and are always created. 0 = no other
+    dynamic band (plus one when no band exists at all)."""
+    dynamic_band_idle_seconds: float = Field(300.0, gt=0, le=86_400)
+    """A dynamic band with nothing queued or in flight for this long is removed with its metric
+    label sets (GIE's ``priorityBandGCTimeout``)."""
     epp_address: str = ""
     """host:port of epp, whose ListEndpoints gives the engines' scraped metrics (the saturation signal);
     empty = no pool signal (max_in_flight alone)."""
@@ -120,6 +131,8 @@ class FlowControlConfig(GrpcServiceConfig):
             fairness_window_seconds=self.fairness_window_seconds,
             admission_credits=self.admission_credits,
             admission_credit_priority=self.admission_credit_priority,
+            max_dynamic_bands=self.max_dynamic_bands,
+            dynamic_band_idle_seconds=self.dynamic_band_idle_seconds,
         )
 
     def detector(self) -> SaturationDetector | None:

@@ -7,7 +7,9 @@ flow's ordering policy) are separate decisions. One event loop, no locks: every 
 completion without awaiting.
 
 * ``enqueue(request)``: the request joins flow ``(flow_id, priority)`` of band ``priority``
-  (bands not configured are created from the default band, as GIE's dynamic bands). In order:
+  (bands not configured are created from the default band, as GIE's dynamic bands: at most
+  ``max_dynamic_bands`` at once, idle ones removed after ``dynamic_band_idle_seconds``; past the cap
+  the request joins the nearest existing band, see ``band()``). In order:
   no endpoint serves the model (fresh pool snapshot) -> ``REJECTED_NO_ENDPOINTS``; the tenant's
   rate quota is spent -> ``REJECTED_RATE_LIMITED``; it is dispatched at once when no request of
   its band or a higher one waits, the pool has room and its flow is under its concurrency quota;
@@ -90,6 +92,12 @@ class ControllerLimits:
         fairness_policy, ordering_policy: defaults of bands that name none.
         fairness_weights: flow id -> weight for ``least-attained-service-fairness-policy``.
         fairness_window_seconds: window of the served-token shares and Jain's index.
+        max_dynamic_bands: bands created from ``default_band`` (priorities not configured) that may
+            exist at once; configured bands never count. A request whose priority has no band
+            once the cap is reached joins the nearest existing band (see :meth:`FlowController.band`).
+        dynamic_band_idle_seconds: a dynamic band with nothing queued or in flight for this long
+            (clock seconds) is removed, with its flows and metric label sets (GIE's
+            ``PriorityBandGCTimeout``).
     """
 
     max_in_flight: int
@@ -107,6 +115,8 @@ class ControllerLimits:
     client that asks is lent any."""
     admission_credit_priority: int = 0
     """The band whose requests credits are for."""
+    max_dynamic_bands: int = 16
+    dynamic_band_idle_seconds: float = 300.0
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
@@ -119,6 +129,10 @@ class ControllerLimits:
             raise ValueError(f"max_queue_bytes must be >= 0, got {self.max_queue_bytes}")
         if self.admission_credits < 0:
             raise ValueError(f"admission_credits must be >= 0, got {self.admission_credits}")
+        if self.max_dynamic_bands < 0:
+            raise ValueError(f"max_dynamic_bands must be >= 0, got {self.max_dynamic_bands}")
+        if not self.dynamic_band_idle_seconds > 0:
+            raise ValueError(f"dynamic_band_idle_seconds must be > 0, got {self.dynamic_band_idle_seconds}")
         priorities = [b.priority for b in self.bands]
         if len(set(priorities)) != len(priorities):
             raise ValueError(f"duplicate band priority in {sorted(priorities)}")
@@ -173,6 +187,9 @@ class ControllerStats:
     fairness_window_seconds: float = 0.0
     credits_lent: int = 0
     """Admission credits lent and neither spent nor returned (each counts as a request in flight)."""
+    dynamic_bands: int = 0
+    """Bands created from the default band that exist now (at most ``max_dynamic_bands``, plus the
+    bands of priority 0 and ``admission_credit_priority`` when not configured)."""
 
 
 class ControllerObserver(Protocol):
@@ -198,7 +215,23 @@ class CreditObserver(Protocol):
         ...
 
 
+class BandObserver(Protocol):
+    """Optional hooks of an observer for dynamic bands (looked up once)."""
+
+    def on_band_mapped(self, priority: int, band: str) -> None:
+        """A request of ``priority`` (no band, ``max_dynamic_bands`` reached) joined band ``band``."""
+        ...
+
+    def on_band_removed(self, band: str) -> None:
+        """Idle dynamic band ``band`` was removed: forget its metric label sets."""
+        ...
+
+
 def _no_credit_events(event: str, credits: int, reason: str = "") -> None:
+    pass
+
+
+def _no_band_event(*args: object) -> None:
     pass
 
 
@@ -301,6 +334,13 @@ class FlowController:
         self._accounts: list[CreditAccount] = []
         self._credits_lent = 0
         self._on_credits: Callable[..., None] = getattr(self._observer, "on_credits", _no_credit_events)
+        self._on_band_mapped: Callable[[int, str], None] = getattr(self._observer, "on_band_mapped", _no_band_event)
+        self._on_band_removed: Callable[[str], None] = getattr(self._observer, "on_band_removed", _no_band_event)
+        self._dynamic: dict[int, float] = {}
+        """Priority of each dynamic band -> clock time it last had a request (enqueued or released)."""
+        self._reserved = frozenset({0, limits.admission_credit_priority})
+        """Priorities whose dynamic band never counts against the cap (0: requests that name none;
+        the credits' band), so junk priorities cannot push the default traffic into another band."""
 
     # -- bands ------------------------------------------------------------------------------------
 
@@ -314,19 +354,73 @@ class FlowController:
         return band
 
     def band(self, priority: int) -> Band:
-        """Band ``priority``, created from the default band on first use."""
+        """The band of ``priority``: configured, or created from the default band on first use
+        (GIE's dynamic bands) while fewer than ``max_dynamic_bands`` dynamic bands exist (the bands
+        of priority 0 and ``admission_credit_priority`` are always created and never count).
+
+        Past the cap (after removing dynamic bands idle for ``dynamic_band_idle_seconds``), the
+        request joins the nearest existing band that does not raise it: the highest band with
+        priority <= ``priority`` and the same sheddability (priority < 0); if there is none,
+        the lowest band of that sheddability; failing that, the lowest band. GIE provisions every
+        unknown priority (no cap); the cap bounds the state and metric labels a client can create,
+        and rounding down means a made-up priority never outranks a real one.
+        Callers that join the band must :meth:`_touch` it.
+        """
         band = self._bands.get(priority)
-        if band is None:
+        if band is not None:
+            return band
+        if priority not in self._reserved and self._counted_bands() >= self.limits.max_dynamic_bands:
+            self.collect_idle_bands()
+        if priority in self._reserved or self._counted_bands() < self.limits.max_dynamic_bands or not self._order:
             template = self.limits.default_band
-            name = str(priority)
             band = self._add_band(BandConfig(
-                priority, name, template.max_requests, template.max_bytes, template.ttl_seconds,
+                priority, str(priority), template.max_requests, template.max_bytes, template.ttl_seconds,
                 template.fairness_policy, template.ordering_policy, template.max_saturation,
             ))
+            self._dynamic[priority] = self._clock.now()
+            return band
+        band = self._nearest_band(priority)
+        self._on_band_mapped(priority, band.label)
         return band
 
+    def _counted_bands(self) -> int:
+        return sum(1 for p in self._dynamic if p not in self._reserved)
+
+    def _nearest_band(self, priority: int) -> Band:
+        sheddable = priority < 0
+        same = [b for b in self._order if b.config.sheddable == sheddable] or self._order  # highest first
+        for band in same:
+            if band.priority <= priority:
+                return band
+        return same[-1]
+
+    def _touch(self, band: Band, now: float) -> None:
+        if band.priority in self._dynamic:
+            self._dynamic[band.priority] = now
+
+    def collect_idle_bands(self) -> int:
+        """Remove every dynamic band with nothing queued or in flight whose last request came
+        ``dynamic_band_idle_seconds`` ago or more (its flows, fairness state and metric label sets go
+        with it; a later request of that priority creates it afresh). Returns how many.
+
+        Runs when a new priority finds the cap reached and at each :meth:`stats` (every scrape).
+        Configured bands are never removed."""
+        if not self._dynamic:
+            return 0
+        now = self._clock.now()
+        idle = self.limits.dynamic_band_idle_seconds
+        gone = [p for p, at in self._dynamic.items()
+                if now - at >= idle and not self._bands[p].queued and not self._bands[p].in_flight]
+        for priority in gone:
+            del self._dynamic[priority]
+            band = self._bands.pop(priority)
+            self._on_band_removed(band.label)
+        if gone:
+            self._order = sorted(self._bands.values(), key=lambda b: -b.priority)
+        return len(gone)
+
     def band_label(self, priority: int) -> str:
-        """The ``band`` metric label of ``priority``."""
+        """The ``band`` metric label of ``priority`` (a request's priority is its band's once it has joined one)."""
         band = self._bands.get(priority)
         return band.label if band is not None else str(priority)
 
@@ -340,9 +434,12 @@ class FlowController:
         now = self._clock.now()
         if not request.flow_id:
             request = _with_flow(request, DEFAULT_FLOW_ID)
-        ticket = Ticket(next(self._ids), request, now)
         self.expire_due()
         band = self.band(request.priority)
+        if band.priority != request.priority:  # mapped past max_dynamic_bands: served (and labelled) as its band
+            request = replace(request, priority=band.priority)
+        self._touch(band, now)
+        ticket = Ticket(next(self._ids), request, now)
         flow = band.flow(request.flow_id)
         flow.quota = request.quota
         ticket.band, ticket.flow = band, flow
@@ -408,6 +505,7 @@ class FlowController:
         ticket.state = TicketState.RELEASED
         if band is not None and flow is not None:
             band.forget_if_idle(flow)
+            self._touch(band, self._clock.now())
         if freed:
             self._dispatch_ready()
         self._publish_state()
@@ -471,8 +569,11 @@ class FlowController:
         now = self._clock.now()
         if not request.flow_id:
             request = _with_flow(request, DEFAULT_FLOW_ID)
-        ticket = Ticket(next(self._ids), request, now)
         band = self.band(request.priority)
+        if band.priority != request.priority:
+            request = replace(request, priority=band.priority)
+        self._touch(band, now)
+        ticket = Ticket(next(self._ids), request, now)
         flow = band.flow(request.flow_id)
         flow.quota = request.quota
         ticket.band, ticket.flow = band, flow
@@ -578,6 +679,8 @@ class FlowController:
         return self.detector.state(self._clock.now()) if self.detector is not None else None
 
     def stats(self) -> ControllerStats:
+        """A snapshot (removes idle dynamic bands first: :meth:`collect_idle_bands`)."""
+        self.collect_idle_bands()
         now = self._clock.now()
         totals = self._window.totals(now)
         whole = sum(totals.values())
@@ -606,6 +709,7 @@ class FlowController:
             jain_index=self._window.jain_index(now),
             fairness_window_seconds=self._window.window_seconds,
             credits_lent=self._credits_lent,
+            dynamic_bands=len(self._dynamic),
         )
 
     # -- decisions ------------------------------------------------------------------------------

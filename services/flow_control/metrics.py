@@ -13,6 +13,8 @@ Events (:class:`PrometheusObserver`, written as they happen):
 | ``kvmesh_flow_control_pool_poll_total`` | counter | ``result``: ok, error (epp ``ListEndpoints``) |
 | ``kvmesh_flow_control_admission_credits_total`` | counter | ``event``: lent, spent, returned, freed, overdrawn |
 | ``kvmesh_flow_control_admission_credit_revocations_total`` | counter | ``reason``: queued, saturated, max_in_flight |
+| ``kvmesh_flow_control_band_overflow_total`` | counter | ``band``: requests whose priority had no band once ``max_dynamic_bands`` existed, by the band they joined |
+| ``kvmesh_flow_control_bands_removed_total`` | counter | (idle dynamic bands removed, with their label sets) |
 
 State (:class:`ControllerCollector`, computed from ``FlowController.stats()`` at each scrape):
 
@@ -25,8 +27,14 @@ State (:class:`ControllerCollector`, computed from ``FlowController.stats()`` at
 | ``kvmesh_flow_control_pool_saturation`` / ``_saturated`` / ``_saturation_stale`` / ``_saturation_headroom`` | gauge | |
 | ``kvmesh_flow_control_pool_running_capacity`` / ``_saturation_unseen_dispatches`` | gauge | (max_num_seqs summed; dispatches not yet in a sample) |
 | ``kvmesh_flow_control_admission_credits_lent`` | gauge | (credits lent, neither spent nor returned) |
+| ``kvmesh_flow_control_dynamic_bands`` | gauge | (bands created from the default band that exist now) |
 
-A flow label is the fairness id for the first ``max_flow_labels`` ids seen, then ``_other``.
+Every label value a client can choose is bounded. ``band``: the configured bands plus at most
+``max_dynamic_bands`` dynamic ones (priorities past the cap join an existing band); a dynamic band
+removed when idle takes its label sets with it (``remove``). ``flow``: the fairness id for the first
+``max_flow_labels`` ids seen, then ``_other``; and a ``(band, flow)`` pair gets its own series only
+while fewer than ``max_flow_labels`` pairs exist, all bands together, else ``(band, _other)``. So
+the per-flow series are at most ``max_flow_labels + bands`` per family.
 """
 
 from __future__ import annotations
@@ -48,11 +56,32 @@ OTHER_FLOWS = "_other"
 
 
 class FlowLabels:
-    """Bounded flow label values: the first ``limit`` fairness ids, then ``_other``."""
+    """Bounded flow label values: the first ``limit`` fairness ids, then ``_other``; and bounded
+    ``(band, flow)`` pairs (:meth:`pair`): at most ``limit`` in all, then ``(band, _other)``."""
 
     def __init__(self, limit: int = 1000) -> None:
         self.limit = limit
         self._known: set[str] = set()
+        self._pairs: dict[str, set[str]] = {}
+        self._pair_count = 0
+
+    def pair(self, band: str, flow_id: str) -> str:
+        """The ``flow`` label of ``flow_id`` in band ``band``."""
+        flow = self(flow_id)
+        known = self._pairs.setdefault(band, set())
+        if flow in known or flow == OTHER_FLOWS:
+            return flow
+        if self._pair_count < self.limit:
+            known.add(flow)
+            self._pair_count += 1
+            return flow
+        return OTHER_FLOWS
+
+    def forget_band(self, band: str) -> set[str]:
+        """Band ``band`` is gone: its pairs are free again; returns its flow labels."""
+        known = self._pairs.pop(band, set())
+        self._pair_count -= len(known)
+        return known | {OTHER_FLOWS}
 
     def __call__(self, flow_id: str) -> str:
         if flow_id in self._known:
@@ -63,10 +92,26 @@ class FlowLabels:
         return OTHER_FLOWS
 
 
+def _nothing() -> None:
+    pass
+
+
+class _BeforeScrape(Collector):
+    """Registered before the observer's families: runs ``observer.before_scrape()``, yields nothing."""
+
+    def __init__(self, observer: PrometheusObserver) -> None:
+        self._observer = observer
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        self._observer.before_scrape()
+        return iter(())
+
+
 class PrometheusObserver:
     """A :class:`~services.flow_control.controller.ControllerObserver` that records metrics.
 
-    ``band_label`` maps a priority to its band name (``FlowController.band_label``).
+    ``band_label`` maps a priority to its band name (``FlowController.band_label``); set
+    ``before_scrape`` to ``FlowController.collect_idle_bands``.
     """
 
     def __init__(
@@ -74,6 +119,10 @@ class PrometheusObserver:
     ) -> None:
         self.band_label = band_label
         self.flow_label = FlowLabels(max_flow_labels)
+        self.before_scrape: Callable[[], object] = _nothing
+        """Called first at each scrape (``FlowController.collect_idle_bands``): a band removed as idle is
+        gone from that very scrape, since this runs before the families below are read."""
+        registry.register(_BeforeScrape(self))
         self.queue_size = Gauge(
             "kvmesh_flow_control_queue_size", "Requests waiting in the admission queue.", registry=registry
         )
@@ -119,6 +168,14 @@ class PrometheusObserver:
             self.credits.labels(event)
         for reason in ("queued", "saturated", "max_in_flight"):
             self.credit_revocations.labels(reason)
+        self.band_overflow = Counter(
+            "kvmesh_flow_control_band_overflow", "Requests whose priority had no band once max_dynamic_bands "
+            "dynamic bands existed, by the band they joined.", ["band"], registry=registry,
+        )
+        self.bands_removed = Counter(
+            "kvmesh_flow_control_bands_removed", "Idle dynamic bands removed (dynamic_band_idle_seconds).",
+            registry=registry,
+        )
 
     def on_outcome(self, request: AdmissionRequest, outcome: QueueOutcome, queue_seconds: float) -> None:
         waited = max(queue_seconds, 0.0)
@@ -127,11 +184,24 @@ class PrometheusObserver:
         self.queue_duration.labels(outcome.value).observe(waited)
         self.band_outcomes.labels(band, outcome.value).inc()
         if outcome is QueueOutcome.DISPATCHED:
-            self.flow_wait.labels(band, self.flow_label(request.flow_id)).observe(waited)
+            self.flow_wait.labels(band, self.flow_label.pair(band, request.flow_id)).observe(waited)
 
     def on_state(self, queued: int, in_flight: int) -> None:
         self.queue_size.set(queued)
         self.in_flight.set(in_flight)
+
+    def on_band_mapped(self, priority: int, band: str) -> None:
+        """A request of ``priority`` joined ``band`` (no band of its own: the cap was reached)."""
+        self.band_overflow.labels(band).inc()
+
+    def on_band_removed(self, band: str) -> None:
+        """Idle dynamic band ``band`` was removed: drop every label set naming it."""
+        self.bands_removed.inc()
+        for outcome in QueueOutcome:
+            self.band_outcomes.remove(band, outcome.value)
+        self.band_overflow.remove(band)
+        for flow in self.flow_label.forget_band(band):
+            self.flow_wait.remove(band, flow)
 
     def pool_poll(self, result: str) -> None:
         self.pool_polls.labels(result).inc()
@@ -150,6 +220,8 @@ class ControllerCollector(Collector):
     def __init__(self, controller: FlowController, flow_label: Callable[[str], str]) -> None:
         self._controller = controller
         self._flow_label = flow_label
+        pair = getattr(flow_label, "pair", None)  # a FlowLabels bounds (band, flow) pairs too
+        self._pair_label: Callable[[str, str], str] = pair if pair is not None else lambda band, flow: flow_label(flow)
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         stats = self._controller.stats()
@@ -170,7 +242,8 @@ class ControllerCollector(Collector):
         served: dict[str, float] = {}
         queued: dict[tuple[str, str], list[float]] = {}
         for f in stats.flows:
-            key = (names.get(f.priority, str(f.priority)), self._flow_label(f.flow_id))
+            band = names.get(f.priority, str(f.priority))
+            key = (band, self._pair_label(band, f.flow_id))
             row = queued.setdefault(key, [0, 0, 0.0])
             row[0] += f.queued
             row[1] += f.in_flight
@@ -195,6 +268,8 @@ class ControllerCollector(Collector):
         yield from (band_q, band_b, band_f, flow_q, flow_f, flow_w, tokens, share, jain)
         yield GaugeMetricFamily(p + "admission_credits_lent", "Admission credits lent and neither spent nor returned "
                                 "(each counts as a request in flight).", value=stats.credits_lent)
+        yield GaugeMetricFamily(p + "dynamic_bands", "Bands created from the default band that exist now "
+                                "(at most max_dynamic_bands; idle ones are removed).", value=stats.dynamic_bands)
         sat = stats.saturation
         if sat is not None:
             yield GaugeMetricFamily(p + "pool_saturation", "Pool load vs the detector's thresholds (1 = full).",
