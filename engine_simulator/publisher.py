@@ -170,7 +170,7 @@ class ZmqEventPublisher:
         self._withhold += count
 
     def _serve_replay(self, router: zmq.Socket[bytes]) -> None:
-        serve_replay(router, lambda: self._running, self._buffered_since, "engine")
+        serve_replay(router, lambda: self._running, self._buffered_since, "engine", self.topic)
 
     def _buffered_since(self, start: int) -> list[tuple[int, bytes]]:
         with self._lock:

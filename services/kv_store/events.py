@@ -115,7 +115,7 @@ class StoreEventPublisher:
             self.dropped += 1  # kept for replay: the indexer recovers it from the gap
 
     def _serve_replay(self, router: zmq.Socket[bytes]) -> None:
-        serve_replay(router, lambda: self._running, self._buffered_since, "kv_store")
+        serve_replay(router, lambda: self._running, self._buffered_since, "kv_store", self.topic)
 
     def _buffered_since(self, start: int) -> list[tuple[int, bytes]]:
         with self._lock:

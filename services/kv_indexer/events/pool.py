@@ -39,9 +39,13 @@ runs (a gap, or a fresh start asking the buffer from 0) the live messages are bu
 each with its arrival number, and the number reached when the publisher was last asked), and:
 
 * a message below the position the recovery replays from, never applied, is a restart at once;
-* a message not above the highest buffered (it went back; no copy of one applied or buffered) is a
-  restart unless the answer shows it a copy (a reordered live message); decided once the answer is
-  applied, or a restart when there is no answer;
+* whether a buffered message went back is decided once the answer is applied, walking the buffer
+  in arrival order: one not above a message buffered before it (skipping those the answer disowned,
+  below), neither a second copy of one buffered (the same seq and ``ts``) nor a copy of one applied,
+  went back: a restart unless the answer shows it a copy (a reordered live message), or a restart
+  when there is no answer. It is checked before "below the answer: replayed already": a new
+  process's seq 0 is below an old process's answer whose buffer rolled past seq 0. One seq -> ``ts``
+  map per answer: buffering a live message during a recovery is O(1);
 * once the answer is applied, a buffered message below it with another batch at its seq was
   published by another process than the one that answered: when it arrived after the request, the
   publisher restarted since (a restart, from that message on: purge, then the new stream, held for a
@@ -58,7 +62,9 @@ buffer is asked. vLLM 0.32's publisher thread appends each message to its buffer
 serves replay requests between two messages, so an answer holds every message its process published
 before answering. A message received before the request was sent that the answer does not hold (above
 its newest seq) or holds with another batch is not the answering process's: dropped
-(``batches_dropped{reason="unpublished"}`` / ``{reason="old_incarnation"}``); if the recovery was not a
+(``batches_dropped{reason="unpublished"}`` / ``{reason="old_incarnation"}``). "Not held" is confirmed by
+asking once more from the message's seq (:meth:`EventPool._disowned`: vLLM's replay ROUTER can drop a
+long answer's tail at its send high-water mark); unconfirmed, it is kept as a live message. If the recovery was not a
 fresh start, the entries from before it are that older process's too: purged and the stream started
 afresh. Before, such a message was a gap no replay covered: a loss that forgot the new stream's
 blocks and stored one the new engine does not hold. The race left: without a replay endpoint nothing
@@ -278,16 +284,11 @@ class _Recovery:
     """``(arrival number, message)`` of the live messages that arrived meanwhile, in arrival order (a
     deque: past the limit its oldest goes in O(1), a flood's normal path)."""
     overflowed: bool = False
-    top: int = -1
-    """The highest seq buffered (-1: none): a live message not above it went back."""
     arrived: int = 0
     """Messages buffered so far (the last one's arrival number)."""
     asked_at: int = 0
     """``arrived`` when the publisher was last asked: messages numbered up to it were published
     before the answer was made, so the answer holds them, or the answering process did not publish them."""
-    back: set[int] = field(default_factory=set)
-    """Arrival numbers of messages that went back (not above ``top``, no copy of one applied or
-    buffered): a restart, unless the answer shows a copy (a reordered live message)."""
 
 
 @dataclass
@@ -717,17 +718,10 @@ class EventPool:
         seq = message.seq
         recovery = track.recovery
         if recovery is not None:
-            if seq > recovery.top and (recovery.fresh or seq >= recovery.from_seq):
-                self._buffer(track, message)  # the stream going on
-                return
-            if self._is_copy(track, message) or self._buffered_copy(recovery, message):
-                self._buffer(track, message)  # skipped when the buffer is applied
-                return
-            if recovery.fresh or seq >= recovery.from_seq:
-                # not above a live message buffered: the publisher restarted, unless the answer shows
-                # it is a copy (a live message reordered); decided when the answer is applied
+            if recovery.fresh or seq >= recovery.from_seq or self._is_copy(track, message):
+                # buffered; whether it went back (a restart) is decided when the answer is applied,
+                # walking the buffer in arrival order (:meth:`_went_back_meanwhile`)
                 self._buffer(track, message)
-                recovery.back.add(recovery.arrived)
                 return
             # below the position the recovery started from and never applied: the publisher
             # restarted while its gap was being replayed (the recovery reads the old stream)
@@ -783,17 +777,6 @@ class EventPool:
     def _applied_at(track: _Track, seq: int) -> bool:
         """A batch was applied at ``seq`` and its ``ts`` kept (from a replay, or among the last live ones)."""
         return seq in track.replayed or track.live_seqs[seq % _LIVE_KEPT] == seq
-
-    @staticmethod
-    def _buffered_copy(recovery: _Recovery, message: RawMessage) -> bool:
-        """A copy of a live message a recovery buffered (the same seq and ``ts``): a re-sent one."""
-        assert message.batch is not None, "messages are decoded before they are sequenced"
-        seq = message.seq
-        ts = message.batch.ts
-        for _, other in reversed(recovery.buffer):  # a rare path (a message that went back); re-sent ones are recent
-            if other.seq == seq and other.batch is not None and other.batch.ts == ts:
-                return True
-        return False
 
     def _older(
         self, track: _Track, message: RawMessage, expected: int, stats: EndpointIngestStats, may_hold: bool = True
@@ -922,8 +905,6 @@ class EventPool:
             recovery.buffer.popleft()
         recovery.arrived += 1
         recovery.buffer.append((recovery.arrived, message))
-        if message.seq > recovery.top:
-            recovery.top = message.seq
 
     def _start_recovery(
         self, track: _Track, from_seq: int, trigger: str, first: RawMessage | None, fresh: bool = False
@@ -991,6 +972,60 @@ class EventPool:
             message.endpoint_id, message.seq, reason, newest,
             "holds another batch at its seq instead of" if reason == "old_incarnation" else "does not hold",
         )
+
+    async def _disowned(self, track: _Track, suspects: list[tuple[int, RawMessage]]) -> set[int]:
+        """Of ``suspects`` (``(arrival number, message)`` received before the publisher was asked, above the
+        newest seq its answer holds), the arrival numbers of those its publisher did not publish.
+
+        The answer alone is not proof: vLLM 0.32's replay ROUTER keeps ZMQ's default send high-water mark
+        (1000 messages) without ``ROUTER_MANDATORY``, so a long answer can lose its tail silently and
+        still end with the end marker. The publisher is asked once more, from the lowest suspect's seq (a
+        short answer); a suspect is disowned when that answer holds another batch at its seq (another
+        ``ts``) or nothing at or above it. A failed ask, or an answer that holds its seq with its ``ts``
+        or skips it, disowns nothing: the message is kept as a live one (a hole before it is asked for
+        again, then healed as a loss)."""
+        replies, failure = await self._ask(track.endpoint, min(message.seq for _, message in suspects))
+        if failure:
+            return set()
+        newest = max((seq for seq, _ in replies), default=-1)
+        wanted = {message.seq for _, message in suspects}
+        held: dict[int, float | None] = {}
+        for seq, payload in replies:
+            if seq in wanted:
+                try:
+                    held[seq] = decode_payload(payload).ts
+                except (msgspec.DecodeError, ValueError):
+                    held[seq] = None  # unreadable: proves nothing
+        disowned: set[int] = set()
+        for number, message in suspects:
+            assert message.batch is not None
+            ts = held.get(message.seq, message.batch.ts) if message.seq <= newest else None
+            if message.seq > newest or (ts is not None and ts != message.batch.ts):
+                disowned.add(number)
+        return disowned
+
+    def _went_back_meanwhile(
+        self, track: _Track, entries: Iterable[tuple[int, RawMessage]], dropped: set[int]
+    ) -> set[int]:
+        """Arrival numbers of the buffered live messages that went back: walking ``entries`` in arrival
+        order (skipping ``dropped``, the messages the answer disowned), a seq not above one that arrived
+        before it, not a second copy of a message buffered (the same seq and ``ts``) nor of one applied.
+        Built once per answer: a seq -> ``ts`` map of what was buffered, O(n) in the buffer."""
+        back: set[int] = set()
+        top = -1
+        seen: dict[int, float] = {}
+        for number, message in entries:
+            if number in dropped:
+                continue
+            assert message.batch is not None, "messages are decoded before they are sequenced"
+            seq = message.seq
+            ts = message.batch.ts
+            if seq <= top and seen.get(seq) != ts and not self._is_copy(track, message):
+                back.add(number)
+            seen[seq] = ts
+            if seq > top:
+                top = seq
+        return back
 
     def _restarted_meanwhile(self, track: _Track, recovery: _Recovery, rest: list[RawMessage], expected: int) -> None:
         """The publisher restarted while ``recovery`` ran (the answer and a live message differ at a
@@ -1072,6 +1107,10 @@ class EventPool:
         rounds = 0
         losses = 0
         hole = False  # the previous round left a hole in the buffered messages: this round must fill it
+        # arrival numbers of live messages an answer did not hold: disowned by a second ask (dropped when
+        # reached), or not (kept); each asked about once per recovery
+        disowned: set[int] = set()
+        unproven: set[int] = set()
         while True:
             rounds += 1
             asked = expected
@@ -1103,12 +1142,31 @@ class EventPool:
             # vLLM's publisher thread buffers each message as it sends it and answers between two: an
             # answer holds every message its process published before answering, up to ``newest``
             newest = max((seq for seq, _ in replies), default=-1)
+            asked_at = recovery.asked_at
+            if not failure:
+                suspects = [
+                    (number, message) for number, message in recovery.buffer
+                    if number <= asked_at and message.seq > newest and message.seq >= expected
+                    and number not in disowned and number not in unproven
+                ]
+                if suspects:
+                    found = await self._disowned(track, suspects)
+                    if track.recovery is not recovery:
+                        return  # the endpoint left or restarted meanwhile
+                    disowned |= found
+                    unproven.update(number for number, _ in suspects if number not in found)
             entries = recovery.buffer
             recovery.buffer = deque()
+            back = self._went_back_meanwhile(track, entries, disowned)
             buffered = sorted(entries, key=lambda entry: entry[1].seq)  # seq order (stable: arrival order within a seq)
-            asked_at = recovery.asked_at
             for k, (number, message) in enumerate(buffered):  # live messages that arrived meanwhile
                 before_ask = number <= asked_at  # published before the answer was made
+                if number in back and not self._is_copy(track, message):
+                    # it went back below a live message buffered before it and the answer holds no copy
+                    # of it: the publisher restarted (checked first: a new process's seq 0 is below
+                    # an answer from an old process whose buffer rolled past seq 0)
+                    self._restarted_meanwhile(track, recovery, [m for n, m in entries if n >= number], expected)
+                    return
                 if message.seq < expected:
                     if self._is_copy(track, message) or not self._applied_at(track, message.seq):
                         continue  # replayed already, buffered twice, or inside a hole healed as a loss
@@ -1125,14 +1183,12 @@ class EventPool:
                     # published after the answer (or no answer to tell): the restarted process's
                     self._restarted_meanwhile(track, recovery, [m for n, m in entries if n >= number], expected)
                     return
-                if before_ask and not failure and message.seq > newest:
-                    # published before the answer, which does not hold it: the answering process never
-                    # published it (an older incarnation's late message, or a forged one)
+                if number in disowned:
+                    # published before the answer, which does not hold it, and a second ask from its
+                    # seq disowns it too: the answering process never published it (an older
+                    # incarnation's late message, or a forged one)
                     self._drop_unpublished(message, "unpublished", newest)
                     continue
-                if number in recovery.back:  # it went back and the answer shows no copy: a restart
-                    self._restarted_meanwhile(track, recovery, [m for n, m in entries if n >= number], expected)
-                    return
                 if message.seq > expected and started:
                     if not (failure or unserved):
                         # lost after the publisher answered, or dropped by an overflowed live buffer:

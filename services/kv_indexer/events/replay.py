@@ -1,11 +1,19 @@
-"""The client side of vLLM 0.32's KV-event replay (``vllm/distributed/kv_events.py``, ZmqEventPublisher).
+"""The client side of the KV-event replay protocol (vLLM 0.32 ``ZmqEventPublisher``, SGLang's too).
 
-vLLM keeps its last ``buffer_steps`` messages (``(seq, payload)``) and serves them on a ROUTER
+The publisher keeps its last ``buffer_steps`` messages (``(seq, payload)``) and serves them on a ROUTER
 socket bound at ``KVEventsConfig.replay_endpoint``. A client (here a DEALER) sends
-``[b"", start_seq as 8-byte big-endian]``; the publisher answers, for every buffered message with
-``seq >= start_seq`` in order, ``[b"", seq (8-byte big-endian), payload]``, then the end marker
-``[b"", -1 as 8-byte big-endian signed (0xff * 8), b""]``. Nothing else is said: a start older than
-the buffer simply yields the buffer from its first message on, so the caller checks continuity.
+``[b"", start_seq as 8-byte big-endian]``; the publisher answers one message per buffered message with
+``seq >= start_seq``, in order, then an end marker whose seq frame is ``-1`` as 8-byte big-endian signed
+(``0xff * 8``, :data:`kvmesh.kv_events.END_SEQ`). Two forms of the answer exist upstream, both accepted
+(the DEALER sees what follows the ROUTER's identity frame):
+
+* vLLM 0.32 (``vllm/distributed/kv_events.py``, ``ZmqEventPublisher._service_replay``): 4 frames,
+  ``[b"", topic, seq, payload]``, ending with ``[b"", b"", END_SEQ, b""]``;
+* SGLang 0.5.23 (``sglang/srt/disaggregation/kv_events.py``) and vLLM before the topic frame: 3 frames,
+  ``[b"", seq, payload]``, ending with ``[b"", END_SEQ, b""]``.
+
+Nothing else is said: a start older than the buffer simply yields the buffer from its first message
+on, so the caller checks continuity.
 """
 
 from __future__ import annotations
@@ -65,11 +73,13 @@ class ZmqReplayer:
                         frames = sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    if len(frames) != 3 or frames[0] != b"":
-                        raise ValueError(f"malformed replay reply: {len(frames)} frames")
-                    if frames[1] == END_SEQ:
+                    n = len(frames)  # 3: [b"", seq, payload] (SGLang); 4: [b"", topic, seq, payload] (vLLM 0.32)
+                    if n not in (3, 4) or frames[0] != b"":
+                        raise ValueError(f"malformed replay reply: {n} frames")
+                    seq_frame = frames[n - 2]
+                    if seq_frame == END_SEQ:
                         return out
-                    out.append((decode_seq(frames[1]), frames[2]))
+                    out.append((decode_seq(seq_frame), frames[n - 1]))
         finally:
             sock.close(linger=0)
 

@@ -9,7 +9,16 @@ import pytest
 import zmq
 
 from engine_simulator.publisher import ZmqEventPublisher
-from kvmesh.kv_events import AllBlocksCleared, BlockStored, EventBatch, KVEvent, encode_batch, encode_seq, make_topic
+from kvmesh.kv_events import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockStored,
+    EventBatch,
+    KVEvent,
+    encode_batch,
+    encode_seq,
+    make_topic,
+)
 from kvmesh.types import Endpoint, EndpointId
 from kvmesh_cli.launcher import free_port
 from services.kv_indexer.events.pool import EndpointState, EventPool, RawMessage
@@ -279,3 +288,72 @@ async def test_subscriber_binds_for_connecting_engines_and_connects_to_binding_o
         sub.close()
         ctx.destroy(linger=0)
         await pool.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("form", "frames", "end"),
+    [
+        # vLLM 0.32 (ZmqEventPublisher._service_replay): [b"", topic, seq, payload], end [b"", b"", END_SEQ, b""]
+        ("vllm-0.32", lambda seq, p: [b"", TOPIC, encode_seq(seq), p], [b"", b"", END_SEQ, b""]),
+        # SGLang 0.5.23 (and vLLM before the topic frame): [b"", seq, payload], end [b"", END_SEQ, b""]
+        ("sglang-0.5.23", lambda seq, p: [b"", encode_seq(seq), p], [b"", END_SEQ, b""]),
+    ],
+)
+async def test_replay_client_reads_both_upstream_answer_forms(form: str, frames, end: list[bytes]) -> None:  # type: ignore[no-untyped-def]
+    """Both upstream forms of a replay answer are read exactly (the end marker in either ends it); any
+    other frame count is a malformed reply (ValueError), not a silent short answer."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    payloads = {3: payload((1, None)), 4: payload((2, 1))}
+
+    def serve(extra: list[bytes] | None) -> None:
+        identity, _, start = router.recv_multipart()
+        for seq, p in payloads.items():
+            if seq >= int.from_bytes(start, "big"):
+                router.send_multipart([identity, *frames(seq, p)])
+        if extra is not None:
+            router.send_multipart([identity, *extra])
+        router.send_multipart([identity, *end])
+
+    ep = Endpoint(id=A, url=f"http://{A}", model="m", block_size_tokens=4, replay_endpoint=f"tcp://127.0.0.1:{port}")
+    replayer = ZmqReplayer()
+    try:
+        task = asyncio.create_task(replayer.replay(ep, 0, 5.0))
+        await asyncio.to_thread(serve, None)
+        assert await task == [(3, payloads[3]), (4, payloads[4])]
+        task = asyncio.create_task(replayer.replay(ep, 4, 5.0))
+        await asyncio.to_thread(serve, None)
+        assert await task == [(4, payloads[4])]
+        task = asyncio.create_task(replayer.replay(ep, 0, 5.0))
+        await asyncio.to_thread(serve, [b"", TOPIC, encode_seq(5), payloads[4], b"x"])  # 5 frames
+        with pytest.raises(ValueError, match="malformed replay reply: 5 frames"):
+            await task
+    finally:
+        replayer.close()
+        router.close(linger=0)
+        ctx.term()
+
+
+def test_simulator_replay_server_answers_in_vllm_032s_exact_frames() -> None:
+    """``kvmesh.kv_event_replay`` (the simulator's replay ROUTER) answers as vLLM 0.32's
+    ``ZmqEventPublisher._service_replay``: ``[b"", topic, seq, payload]`` per message, then
+    ``[b"", b"", END_SEQ, b""]`` (``tests/compat/test_vllm_replay.py`` checks the same frames from vLLM itself)."""
+    replay = f"tcp://127.0.0.1:{free_port()}"
+    publisher = ZmqEventPublisher(f"tcp://127.0.0.1:{free_port()}", TOPIC.decode(), replay_endpoint=replay)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        payloads = [payload((1, None)), payload((2, 1))]
+        for p in payloads:
+            publisher.publish_payload(p)
+        dealer.connect(replay)
+        dealer.send_multipart([b"", encode_seq(1)])
+        assert dealer.poll(5000)
+        assert dealer.recv_multipart() == [b"", TOPIC, encode_seq(1), payloads[1]]
+        assert dealer.poll(5000)
+        assert dealer.recv_multipart() == [b"", b"", END_SEQ, b""]
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+        publisher.shutdown()

@@ -20,6 +20,7 @@ stream's blocks and stored the old one's.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
@@ -296,4 +297,228 @@ async def test_a_live_message_the_buffer_rolled_past_before_answering_is_no_rest
     assert replayer.requests == [1]  # no restart read, no second replay
     assert sequence_resets() == resets and pool.stats.per_endpoint[A].losses == 1
     assert held(index) == {6, 7, 8}  # what followed the hole
+    assert_live(pool, 8)
+
+
+# -- wave 11 review (R2): "went back" decided at the answer, in arrival order --------------------------
+
+
+def unpublished_drops(pool: EventPool) -> int:
+    return pool.stats.dropped["unpublished"]
+
+
+async def test_new_message_after_an_old_late_one_disowned_by_the_answer_is_no_restart(setup: Setup) -> None:
+    """The old incarnation's late seq 3 arrives after the new stream's seq 0 (a gap from 1, asked of the
+    new process, which has published only seq 0: an empty answer). The new process's seq 1 arrives while
+    the answer is on its way: it is below the late message, but the answer disowns that one (dropped as
+    ``unpublished``), so seq 1 went back below nothing: applied, no purge. Before, it was marked "went
+    back" on arrival and read as a restart: the healthy new stream was purged and replayed from 0."""
+    index, pool, engine, replayer = setup
+    engine.deliver(*engine.publish(1, 2, 3))
+    engine.publish(4)  # old seq 3, late
+    await pool.drained()
+    engine.restart()
+    engine.deliver(*engine.publish(11))  # new seq 0: a restart, followed
+    await pool.drained()
+    assert held(index) == {11}
+    resets, losses = sequence_resets(), pool.stats.per_endpoint[A].losses
+
+    async def new_one() -> None:
+        engine.publish(12)  # new seq 1, published after the (empty) answer
+        await engine.arrive(1)
+
+    replayer.during = iter([new_one])
+    replayer.requests.clear()
+    engine.deliver_old(3)
+    await pool.drained()
+    assert held(index) == {11, 12}
+    assert sequence_resets() == resets and pool.stats.per_endpoint[A].losses == losses
+    assert unpublished_drops(pool) == 1
+    assert replayer.requests == [1, 3]  # the gap, then the late seq asked once more (disowned: nothing there)
+    assert_live(pool, 2)
+
+
+async def test_restart_during_a_fresh_recovery_after_the_old_buffer_rolled_past_seq_0(rigs: list[Setup]) -> None:
+    """A fresh start asked from 0 of an old process whose buffer rolled past seq 0 (any engine past
+    ``buffer_steps`` messages): it answers 3-5. The restarted process's seq 0 arrived meanwhile, below the
+    live seq 4 buffered before it: a restart, though it is below the answer (checked before "below the
+    answer: replayed already, or inside a hole"). Before, it was skipped and the old blocks stayed."""
+    index, pool, engine, replayer = open_rig(rigs, InMemoryIndex(), DuringReplay(), lambda pool: Engine(pool, buffer_steps=3))
+    engine.publish(1, 2, 3, 4, 5, 6)  # seqs 0-5, the buffer keeps 3-5
+    engine.deliver(4)  # fresh: asked from 0, answered 3-5
+
+    async def restart() -> None:
+        engine.restart()
+        engine.publish(11)  # the new process's seq 0
+        await engine.arrive(0)
+
+    replayer.during = iter([restart])
+    resets = sequence_resets()
+    await pool.drained()
+    assert held(index) == {11}
+    assert sequence_resets() == resets + 1
+    assert_live(pool, 1)
+
+
+@pytest.mark.parametrize("instance_id", ["", "i1"])
+async def test_forged_far_ahead_message_is_dropped_and_a_healthy_endpoint_keeps_its_blocks(
+    rigs: list[Setup], instance_id: str
+) -> None:
+    """One well-formed message at seq 1000 that the engine never published opens a gap recovery; the
+    engine's real next message (seq 3) arrives after its answer was made, below the forged one. The
+    answer, and a second ask from 1000, disown the forged message: dropped (``unpublished``), nothing
+    forgotten, no restart. Before, seq 3 was "back" below the forged top: read as a restart, the
+    endpoint purged (and, with an ``instance_id``, its stream held for a registration that never comes)."""
+    index, pool, engine, replayer = open_rig(rigs, InMemoryIndex(), DuringReplay(),
+                                             lambda pool: Engine(pool, instance_id=instance_id))
+    engine.deliver(*engine.publish(1, 2, 3))
+    await pool.drained()
+
+    async def next_real() -> None:
+        engine.publish(4)  # seq 3, published after the answer
+        await engine.arrive(3)
+
+    replayer.during = iter([next_real])
+    resets = sequence_resets()
+    pool.submit(RawMessage(A, "m", 1000, support.one_block(99)))
+    await pool.drained()
+    assert held(index) == {1, 2, 3, 4}
+    assert unpublished_drops(pool) == 1
+    assert pool.stats.per_endpoint[A].losses == 0 and sequence_resets() == resets
+    assert replayer.requests == [3, 1000]
+    assert_live(pool, 4)
+
+
+class TruncatingReplay(DuringReplay):
+    """vLLM 0.32's replay ROUTER keeps ZMQ's send high-water mark (1000) without ``ROUTER_MANDATORY``: a
+    long answer can lose its tail and still end with the end marker. ``keep`` (one per request, in order;
+    None: all) is how many messages of each answer arrive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keep: Iterator[int | None] = iter(())
+
+    async def replay(self, endpoint: Endpoint, from_seq: int, timeout_seconds: float) -> list[tuple[int, bytes]]:
+        answer = await super().replay(endpoint, from_seq, timeout_seconds)
+        keep = next(self.keep, None)
+        return answer if keep is None else answer[:keep]
+
+
+async def test_a_live_message_above_an_answer_that_lost_its_tail_is_not_dropped(rigs: list[Setup]) -> None:
+    """Seqs 3-8 were lost live, seq 9 arrived: a gap from 3, whose answer (3-9) loses its tail past 5.
+    Seq 9, received before the ask and above the answer's newest, is not disowned on that answer's word:
+    a second ask from 9 shows the same batch there, so it is kept; the hole 6-8 is asked for again and
+    everything is applied once, in order, with no drop and no loss. Before, seq 9 was dropped as
+    ``unpublished`` and the endpoint stood at seq 6 until its next message."""
+    index, pool, engine, replayer = open_rig(rigs, InMemoryIndex(), TruncatingReplay(), Engine)
+    engine.deliver(*engine.publish(1, 2, 3))
+    await pool.drained()
+    engine.publish(4, 5, 6, 7, 8, 9, 10)  # seqs 3-9
+    replayer.keep = iter([3])  # the first answer keeps 3-5
+    engine.deliver(9)
+    await pool.drained()
+    assert held(index) == set(range(1, 11))
+    assert unpublished_drops(pool) == 0 and pool.stats.per_endpoint[A].losses == 0
+    assert replayer.requests == [3, 9, 6]
+    assert_live(pool, 10)
+
+
+async def test_a_late_message_is_kept_when_the_second_ask_fails(rigs: list[Setup]) -> None:
+    """The sibling where nothing is proven: the first answer does not hold the live seq 9, and the second
+    ask (from 9) fails. The message is not dropped on the first answer's word: kept as a live message; its
+    hole (6-8) is asked for again and served, so it is applied in order."""
+    index, pool, engine, replayer = open_rig(rigs, InMemoryIndex(), TruncatingReplay(), Engine)
+    engine.deliver(*engine.publish(1, 2, 3))
+    await pool.drained()
+    engine.publish(4, 5, 6, 7, 8, 9, 10)
+
+    async def nothing() -> None:
+        pass
+
+    async def lose_next_answer() -> None:
+        replayer.fail = True
+
+    async def answer_again() -> None:
+        replayer.fail = False
+
+    replayer.keep = iter([3])
+    replayer.before = iter([nothing, lose_next_answer, answer_again])
+    engine.deliver(9)
+    await pool.drained()
+    assert unpublished_drops(pool) == 0
+    assert held(index) == set(range(1, 11))
+    assert replayer.requests == [3, 9, 6]
+    assert_live(pool, 10)
+
+
+class _CountingDeque(deque[tuple[int, RawMessage]]):
+    """A recovery's live buffer that counts the scans over it."""
+
+    scans = 0
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        _CountingDeque.scans += 1
+        return super().__iter__()
+
+    def __reversed__(self):  # type: ignore[no-untyped-def]
+        _CountingDeque.scans += 1
+        return super().__reversed__()
+
+
+async def queued(pool: EventPool) -> None:
+    """Every message submitted so far was handled (a recovery may still be waiting for its answer)."""
+    for queue in pool._queues:
+        await queue.join()
+
+
+async def test_live_messages_buffered_during_a_recovery_never_scan_the_buffer(rigs: list[Setup]) -> None:
+    """A recovery whose buffered top is far ahead (a forged or late seq) while the answer is slow: every
+    later live message is below it. Buffering one is O(1): "went back" and "a second copy of one buffered"
+    are decided once, when the answer arrives (a seq -> ``ts`` map of the buffer). Before, each such
+    message scanned the whole buffer for a copy: O(n^2) per recovery, on the event loop."""
+    index, pool, engine, replayer = open_rig(rigs, InMemoryIndex(), DuringReplay(), Engine)
+    engine.deliver(*engine.publish(1))
+    await pool.drained()
+    gate = asyncio.Event()
+
+    async def slow_answer() -> None:
+        await gate.wait()
+
+    replayer.before = iter([slow_answer])
+    pool.submit(RawMessage(A, "m", 1 << 40, support.one_block(99)))  # forged far ahead: a gap recovery
+    await queued(pool)
+    recovery = pool._tracks[A].recovery
+    assert recovery is not None
+    recovery.buffer = _CountingDeque(recovery.buffer)
+    _CountingDeque.scans = 0
+    engine.publish(*range(2, 302))  # seqs 1-300, each below the forged top
+    engine.deliver(*range(1, 301))
+    await queued(pool)
+    assert _CountingDeque.scans == 0
+    assert len(recovery.buffer) == 301
+    gate.set()
+    await pool.drained()
+    assert held(index) == set(range(1, 302)) and unpublished_drops(pool) == 1
+    assert_live(pool, 301)
+
+
+async def test_a_disowned_message_is_asked_about_once_and_dropped_once_across_rounds(setup: Setup) -> None:
+    """A forged seq 1000 opens a gap from 3 (answered 3-5); the engine's seq 6 is lost live after the
+    answer and its seq 7 arrives: a hole, asked for again from 6. The forged message, disowned by the
+    second ask of the first round, is not asked about again in the next round and is counted once."""
+    index, pool, engine, replayer = setup
+    engine.deliver(*engine.publish(1, 2, 3))
+    await pool.drained()
+    engine.publish(4, 5, 6)  # seqs 3-5, lost live
+
+    async def after_answer() -> None:
+        engine.publish(7, 8)  # seqs 6-7: 6 lost live, 7 arrives
+        await engine.arrive(7)
+
+    replayer.during = iter([after_answer])
+    pool.submit(RawMessage(A, "m", 1000, support.one_block(99)))
+    await pool.drained()
+    assert replayer.requests == [3, 1000, 6]
+    assert unpublished_drops(pool) == 1 and pool.stats.per_endpoint[A].losses == 0
+    assert held(index) == set(range(1, 9))
     assert_live(pool, 8)
