@@ -129,7 +129,10 @@ def build_service(config: RouterConfig) -> GrpcService:
         # one rule: a failure this config serves around is "degraded" (200), any other is 503
         *served_around(flow_control_failure_mode=config.flow_control_failure_mode,
                        degraded_max_in_flight=config.degraded_max_in_flight,
-                       epp_failure_mode=config.epp_failure_mode, etcd=bool(config.etcd_endpoints)),
+                       epp_failure_mode=config.epp_failure_mode, etcd=bool(config.etcd_endpoints),
+                       breaker=config.dependency_breaker_cool_down_seconds > 0),
+        breakers_open=flow.open_breakers,
+        on_checked=flow.dependency_checked,
     )
     passthrough_http = build_passthrough_client(config)  # /tokenize, /detokenize: off the hot path
     passthrough = Passthrough(config, passthrough_http,

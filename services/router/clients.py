@@ -499,7 +499,7 @@ def _admit_error(exc: BaseException) -> BaseException:
         return to_domain_error(exc, _ADMIT_STATUS_OVERRIDES, remote="flow_control unavailable")
     if isinstance(exc, errors.KvmeshError):
         return exc
-    return FlowControlUnreachable(f"flow_control unavailable: admission call failed ({exc!r})")
+    return FlowControlUnreachable(f"flow_control unavailable: admission call failed ({str(exc) or type(exc).__name__})")
 
 
 def _admit_entry_error(error: fc_pb2.AdmitError) -> errors.KvmeshError:
@@ -831,7 +831,7 @@ def _pick_call_error(exc: BaseException) -> BaseException:
         return to_domain_error(exc, _PICK_STATUS_OVERRIDES, remote="endpoint picker")
     if isinstance(exc, errors.KvmeshError):
         return exc
-    return PickerUnreachable(f"endpoint picker: call failed ({exc!r})")
+    return PickerUnreachable(f"endpoint picker: call failed ({str(exc) or type(exc).__name__})")
 
 
 def _entry_error(error: epp_pb2.PickError) -> errors.KvmeshError:

@@ -126,6 +126,15 @@ class RouterConfig(GrpcServiceConfig):
     default queue TTL (30 s), which normally fires first; this one bounds a hung flow_control."""
     pick_timeout_seconds: float = Field(5.0, gt=0, le=120)
     """Deadline of one epp Pick call."""
+    dependency_breaker_cool_down_seconds: float = Field(5.0, ge=0, le=600)
+    """Circuit breaker of the per-request dependencies (epp's Pick, flow_control's admission): after a
+    call to one **timed out** (``pick_timeout_seconds`` / ``admission_timeout_seconds`` with no
+    answer: a hung dependency), for this long requests do not wait on it: they take the path of an
+    unreachable one (the local pick; local admission, fail-open with its cap); after it, one probe
+    call at a time is let through (the others still do not wait), whose answer closes the breaker
+    at once and whose timeout renews the cool-down (docs/degraded-modes.md). Env
+    ``KVMESH_ROUTER_DEPENDENCY_BREAKER_COOL_DOWN_SECONDS``. 0 disables the breaker (every request
+    waits its full timeout, as before)."""
     admission_close_timeout_seconds: float = Field(2.0, gt=0, le=60)
     """How long closing the admission stream may wait for flow_control to end it before it is cancelled."""
     max_fallback_attempts: int = Field(3, ge=1, le=32)

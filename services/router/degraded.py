@@ -132,3 +132,76 @@ class DegradedLog:
         """One warning line, unless one for the same ``(dependency, cause)`` went out within the interval
         (then counted, and the count shown on the next line)."""
         self._log.warning(f"{dependency}/{cause}", "degraded mode dependency=%s " + message, dependency, *args)
+
+
+class DependencyBreaker:
+    """A circuit breaker for one per-request dependency (``"epp"`` Pick, ``"flow_control"`` admission).
+
+    Closed: every request calls the dependency. A call that **timed out** (a hung dependency: the
+    connection is open but no answer came within the request's wait) opens it: for
+    ``cool_down_seconds`` :meth:`admit` answers ``"skip"`` (the request takes the path it takes when
+    the dependency is unreachable: the local pick, local admission); once the cool-down has passed
+    (half-open) **one probe at a time** is let through (``"probe"``), the other requests still skip.
+    The probe's answer (any answer, a rejection too) closes the breaker at once; its timeout renews
+    the cool-down; any other failure (refused, reset: fast) or abandonment just ends the probe (the
+    next request probes). An answer to a call made before the opening (the dependency woke up)
+    closes it too; a health check that says ``SERVING`` ends the cool-down early (:meth:`seen_serving`). ``cool_down_seconds`` 0: never opens. Pure: no I/O; the request flow reports
+    outcomes (:meth:`answered`, :meth:`timed_out`, :meth:`failed`); ``on_change(open)`` is called on
+    each transition (metrics, log).
+    """
+
+    def __init__(self, name: str, cool_down_seconds: float, clock: Callable[[], float],
+                 on_change: Callable[[bool], None] = lambda is_open: None) -> None:
+        self.name = name
+        self.cool_down_seconds = cool_down_seconds
+        self._clock = clock
+        self._on_change = on_change
+        self._open_until: float | None = None
+        self._probing = False
+
+    def is_open(self) -> bool:
+        """Whether requests skip the dependency (open or half-open: not every request calls it)."""
+        return self._open_until is not None
+
+    def admit(self) -> str:
+        """``"call"`` (closed), ``"probe"`` (half-open and no probe in flight: this request is the
+        probe; report its outcome with ``probe=True``) or ``"skip"`` (do not call)."""
+        if self._open_until is None:
+            return "call"
+        if self._probing or self._clock() < self._open_until:
+            return "skip"
+        self._probing = True
+        return "probe"
+
+    def answered(self, probe: bool) -> None:
+        """The dependency answered (any answer, a rejection too): closes the breaker."""
+        if probe:
+            self._probing = False
+        if self._open_until is not None:
+            self._set(None)
+
+    def timed_out(self, probe: bool) -> None:
+        """The call passed its deadline with no answer: opens the breaker, or renews its cool-down."""
+        if probe:
+            self._probing = False
+        if self.cool_down_seconds > 0:
+            self._set(self._clock() + self.cool_down_seconds)
+
+    def failed(self, probe: bool) -> None:
+        """The call failed fast (unreachable) or was abandoned: a probe ends; the state is kept."""
+        if probe:
+            self._probing = False
+
+    abandoned = failed
+
+    def seen_serving(self) -> None:
+        """A health check of the dependency said ``SERVING``: the cool-down ends now (the next request
+        is the probe; its answer, not the check, closes the breaker)."""
+        if self._open_until is not None:
+            self._open_until = min(self._open_until, self._clock())
+
+    def _set(self, until: float | None) -> None:
+        was_open = self._open_until is not None
+        self._open_until = until
+        if was_open != (until is not None):
+            self._on_change(until is not None)

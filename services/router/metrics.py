@@ -139,6 +139,28 @@ DEGRADED = Counter(
     ["dependency", "action"],
 )
 
+BREAKER_OPEN = Gauge(
+    "kvmesh_router_dependency_breaker_open",
+    "1 while the router's circuit breaker for a per-request dependency (epp Pick, flow_control admission) is "
+    "open: a call timed out (hung dependency), so for dependency_breaker_cool_down_seconds requests take the "
+    "unreachable-dependency path (local pick, local admission) without waiting, one probe call at a time.",
+    ["dependency"],
+)
+BREAKER_TRANSITIONS = Counter(
+    "kvmesh_router_dependency_breaker_transitions",
+    "Circuit breaker transitions per dependency (epp, flow_control): to open (a call timed out) or closed "
+    "(a probe was answered, or the cool-down passed with no probe in flight).",
+    ["dependency", "to"],
+)
+for _dependency in ("epp", "flow_control"):
+    BREAKER_OPEN.labels(dependency=_dependency).set(0)
+
+
+def record_breaker(dependency: str, is_open: bool) -> None:
+    BREAKER_OPEN.labels(dependency=dependency).set(1 if is_open else 0)
+    BREAKER_TRANSITIONS.labels(dependency=dependency, to="open" if is_open else "closed").inc()
+
+
 EPP_COMPLETIONS_DROPPED = Counter(
     "kvmesh_router_epp_completions_dropped",
     "Request completions not reported to epp (its Completed RPC): queue_full, or unreachable (call failed).",

@@ -132,7 +132,7 @@ class Passthrough:
                 return PassedAnswer(reply.status_code, reply.content, reply.headers.get("content-type", "application/json"),
                                     endpoint.id)
             raise errors.NoEndpointsAvailable(
-                f"no endpoint answered {path} for model '{model}' after {len(tried)} attempt(s): {last_error!r}")
+                f"no endpoint answered {path} for model '{model}' after {len(tried)} attempt(s): {str(last_error) or type(last_error).__name__}")
         finally:
             if isinstance(last_error, EngineStall):  # no attempt followed it: the client gets 503 (or went away)
                 metrics.record_engine_stalled(last_error.reason, "abandoned")
@@ -161,7 +161,7 @@ class Passthrough:
         except (httpx.TransportError, EngineStall) as exc:
             if isinstance(exc, EngineStall):  # no byte reached the client, and no other endpoint holds it: 503
                 metrics.record_engine_stalled(exc.reason, "abandoned")
-            raise errors.NoEndpointsAvailable(f"endpoint {endpoint.id} did not answer {method} {path}: {exc!r}") from exc
+            raise errors.NoEndpointsAvailable(f"endpoint {endpoint.id} did not answer {method} {path}: {str(exc) or type(exc).__name__}") from exc
         finally:
             self._picker.note_end(endpoint.id)
         return PassedAnswer(reply.status_code, reply.content, reply.headers.get("content-type", "application/json"),

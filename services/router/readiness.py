@@ -21,11 +21,14 @@ in this configuration, no live endpoint for any model, or the router shutting do
 | dependency | unreachable (``UNAVAILABLE``, ``NOT_CONNECTED``) | hung (``DEADLINE_EXCEEDED``) |
 | --- | --- | --- |
 | ``etcd`` | served (last known membership) | served |
-| ``epp`` (``epp_failure_mode: open``) | served (local least-request pick) | served (local pick after ``pick_timeout_seconds``) |
+| ``epp`` (``epp_failure_mode: open``) | served (local least-request pick) | served (local pick after ``pick_timeout_seconds``; then, the breaker open, at once) |
 | ``epp`` (``closed``) | 503 | 503 |
-| ``flow_control`` (``open``, ``degraded_max_in_flight`` > 0) | served (local admission, up to the cap) | **not** served: past the few admission credits flow_control lent before it hung, each request waits ``admission_timeout_seconds`` and gets 504 (a slow flow_control cannot be told from a long queue) |
+| ``flow_control`` (``open``, ``degraded_max_in_flight`` > 0) | served (local admission, up to the cap) | served with the dependency breaker on (``dependency_breaker_cool_down_seconds`` > 0, default): the requests waiting when it hung get 504 at ``admission_timeout_seconds``, then the breaker opens and requests are admitted locally (one probe at a time still asks flow_control); with the breaker off **not** served (each request waits and gets 504) |
 | ``flow_control`` (``closed``, or a cap of 0) | 503 | 503 |
 
+A served-around dependency whose breaker is open (:attr:`Readiness.breakers_open`: a call timed
+out, no probe answered since) and whose check does not say ``SERVING`` is listed as degraded too (a
+breaker still open while the check already says ``SERVING`` closes on the next request's probe).
 ``NOT_SERVING`` (a dependency starting or draining) and ``UNIMPLEMENTED`` are never served around.
 kv_indexer is not checked here: epp serves around it (prefix scores unknown).
 
@@ -37,7 +40,7 @@ at most one pair of health RPCs per second.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 SERVING = "SERVING"
@@ -53,17 +56,21 @@ HealthCheck = Callable[[float], Awaitable[str]]
 
 
 def served_around(*, flow_control_failure_mode: str, degraded_max_in_flight: int, epp_failure_mode: str,
-                  etcd: bool) -> tuple[frozenset[str], frozenset[str]]:
+                  etcd: bool, breaker: bool = False) -> tuple[frozenset[str], frozenset[str]]:
     """The router config's degraded modes as ``(degradable, hang_tolerant)`` for :class:`ReadinessProbe`:
     dependencies whose *unreachable* failure is served around, and those whose *hung* failure is too
-    (the table in this module's docstring; ``services.router.config.RouterConfig`` fields)."""
+    (the table in this module's docstring; ``services.router.config.RouterConfig`` fields). ``breaker``:
+    the dependency circuit breaker is on (``dependency_breaker_cool_down_seconds`` > 0), so a hung
+    flow_control costs one ``admission_timeout_seconds`` wait and is then served around (fail-open)."""
     degradable = {"etcd"} if etcd else set()
     hang_tolerant = {"etcd"} if etcd else set()
     if epp_failure_mode == "open":
         degradable.add("epp")
         hang_tolerant.add("epp")  # each pick falls back to the local pick after pick_timeout_seconds
     if flow_control_failure_mode == "open" and degraded_max_in_flight > 0:
-        degradable.add("flow_control")  # hung: 504 at admission_timeout_seconds, not served
+        degradable.add("flow_control")  # hung: 504 at admission_timeout_seconds, then (breaker) served locally
+        if breaker:
+            hang_tolerant.add("flow_control")
     return frozenset(degradable), frozenset(hang_tolerant)
 
 
@@ -76,13 +83,16 @@ class Readiness:
     degradable: frozenset[str] = frozenset()
     hang_tolerant: frozenset[str] = frozenset()
     stopping: bool = False
+    breakers_open: frozenset[str] = frozenset()
+    """Dependencies whose circuit breaker is open (a call timed out): served around, so degraded."""
 
     @property
     def degraded(self) -> list[str]:
         """Failing dependencies the router serves without (their degraded mode is on): unreachable, or
-        hung for those in ``hang_tolerant``."""
+        hung for those in ``hang_tolerant``, or with their breaker open."""
         return [name for name, status in self.dependencies.items()
-                if name in self.degradable and (status in UNREACHABLE or (status == HUNG and name in self.hang_tolerant))]
+                if name in self.degradable and (status in UNREACHABLE or (status == HUNG and name in self.hang_tolerant)
+                                                or (status != SERVING and name in self.breakers_open))]
 
     @property
     def failing(self) -> list[str]:
@@ -133,7 +143,11 @@ class ReadinessProbe:
         clock: Callable[[], float],
         degradable: frozenset[str] = frozenset(),
         hang_tolerant: frozenset[str] = frozenset(),
+        breakers_open: Callable[[], Iterable[str]] = lambda: (),
+        on_checked: Callable[[str, str], None] = lambda name, status: None,
     ) -> None:
+        self._on_checked = on_checked
+        self._breakers_open = breakers_open
         self._degradable = degradable
         self._hang_tolerant = hang_tolerant
         self._checks = checks
@@ -170,7 +184,9 @@ class ReadinessProbe:
     async def _evaluate(self) -> Readiness:
         names = list(self._checks)
         statuses = await asyncio.gather(*(self._checks[n](self._timeout) for n in names))
+        for name, status in zip(names, statuses, strict=True):
+            self._on_checked(name, status)
         result = Readiness(dict(zip(names, statuses, strict=True)), self._endpoints(), self._degradable,
-                           self._hang_tolerant)
+                           self._hang_tolerant, breakers_open=frozenset(self._breakers_open()))
         self._last, self._last_at = result, self._clock()
         return result

@@ -67,6 +67,7 @@ from services.router.config import RouterConfig
 from services.router.degraded import (
     AdmissionTimedOut,
     DegradedLog,
+    DependencyBreaker,
     FlowControlUnreachable,
     LocalAdmission,
     LocalPicker,
@@ -736,6 +737,12 @@ class RequestFlow:
         self.local_admission = LocalAdmission(config.degraded_max_in_flight, config.flow_control_failure_mode == "open")
         self.local_picker = LocalPicker()
         self._degraded_log = DegradedLog(clock)
+        cool_down = config.dependency_breaker_cool_down_seconds
+        self.breakers: dict[str, DependencyBreaker] = {
+            name: DependencyBreaker(name, cool_down, clock, self._breaker_changed(name, timeout))
+            for name, timeout in (("epp", config.pick_timeout_seconds), ("flow_control", config.admission_timeout_seconds))
+        }
+        """Circuit breakers of the per-request dependencies (docs/degraded-modes.md, "hung")."""
         self._admitting_at_once = True
         """Whether the last admission dispatched without queueing (or was rejected): early picks go on."""
         self._watches: set[_EngineWatch] = set()
@@ -1046,10 +1053,44 @@ class RequestFlow:
             await self._probe_http.aclose()
             self._probe_http = None
 
+    def _breaker_changed(self, name: str, timeout: float) -> Callable[[bool], None]:
+        def changed(is_open: bool) -> None:
+            metrics.record_breaker(name, is_open)
+            if is_open:
+                self._degraded_log.warn(
+                    name, "action=breaker_open reason=a call got no answer within %gs; for %gs requests do not wait "
+                    "on it, then one probe call at a time", timeout, self._config.dependency_breaker_cool_down_seconds,
+                    cause="breaker_open")
+            else:
+                logger.info("degraded mode dependency=%s action=breaker_closed", name)
+        return changed
+
+    def dependency_checked(self, name: str, status: str) -> None:
+        """A ``/health`` check's result for ``name``: ``SERVING`` ends its breaker's cool-down early, so a
+        dependency that woke up gets the next request's probe at once (readiness's callback)."""
+        breaker = self.breakers.get(name)
+        if breaker is not None and status == "SERVING":
+            breaker.seen_serving()
+
+    def open_breakers(self) -> list[str]:
+        """Dependencies whose breaker is open now (``/health`` lists them as degraded)."""
+        return [name for name, breaker in self.breakers.items() if breaker.is_open()]
+
     async def _admit(self, request: RouterRequest, meta: RequestMeta) -> Ticket:
-        """flow_control's decision; when it is unreachable, the degraded mode's (a local slot or 503)."""
+        """flow_control's decision; when it is unreachable, or its breaker is open (it timed out
+        recently: its cool-down, or another request is the probe), the degraded mode's (a local slot or 503)."""
+        breaker = self.breakers["flow_control"]
+        route = breaker.admit()
+        if route == "skip":
+            return self._admit_locally(FlowControlUnreachable(
+                "flow_control suspect: a recent admission call got no decision in time (breaker open)"))
+        probe = route == "probe"
+        # a probe admitted on a lent credit gets no answer from flow_control: no evidence either way
+        at_once = getattr(self._admission, "admits_at_once", None) if probe else None
+        on_credit = bool(at_once is not None and at_once(meta.priority, meta.admit_options))
+        answered = False
         try:
-            return await self._admission.admit(
+            ticket = await self._admission.admit(
                 AdmitQuery(
                     request_id=meta.request_id,
                     flow_id=meta.flow_id,
@@ -1060,26 +1101,42 @@ class RequestFlow:
                     options=meta.admit_options,
                 )
             )
+            answered = not on_credit
+            return ticket
         except AdmissionTimedOut as exc:  # a hung flow_control: the client gets 504; say so, and count it
+            breaker.timed_out(probe)
+            probe = False
             metrics.record_degraded("flow_control", "timed_out")
             self._degraded_log.warn("flow_control", "action=timed_out status=504 request_id=%s flow=%s model=%s error=%s",
                                     meta.request_id, meta.flow_id, request.model, exc, cause="timed_out")
             raise
         except FlowControlUnreachable as exc:
-            local = self.local_admission
-            if local.try_admit():
-                metrics.record_degraded("flow_control", "admitted_locally")
-                self._degraded_log.warn("flow_control", "action=admitted_locally in_flight=%d cap=%d error=%s",
-                                        local.in_flight, local.max_in_flight, exc)
-                return LocalTicket(local)
-            metrics.record_degraded("flow_control", "refused")
-            self._degraded_log.warn("flow_control", "action=refused in_flight=%d cap=%d error=%s",
+            return self._admit_locally(exc)
+        except errors.KvmeshError:  # flow_control's own answer (a rejection)
+            answered = True
+            raise
+        finally:
+            if answered:
+                breaker.answered(probe)
+            else:
+                breaker.failed(probe)
+
+    def _admit_locally(self, exc: FlowControlUnreachable) -> Ticket:
+        """The fail-open path: a local slot while under the cap, else ``exc`` (503)."""
+        local = self.local_admission
+        if local.try_admit():
+            metrics.record_degraded("flow_control", "admitted_locally")
+            self._degraded_log.warn("flow_control", "action=admitted_locally in_flight=%d cap=%d error=%s",
                                     local.in_flight, local.max_in_flight, exc)
-            if not local.fail_open:
-                raise
-            raise FlowControlUnreachable(
-                f"{exc}; {local.in_flight} requests already admitted without it (limit {local.max_in_flight})"
-            ) from exc
+            return LocalTicket(local)
+        metrics.record_degraded("flow_control", "refused")
+        self._degraded_log.warn("flow_control", "action=refused in_flight=%d cap=%d error=%s",
+                                local.in_flight, local.max_in_flight, exc)
+        if not local.fail_open:
+            raise exc
+        raise FlowControlUnreachable(
+            f"{exc}; {local.in_flight} requests already admitted without it (limit {local.max_in_flight})"
+        ) from exc
 
     async def _pick(
         self, request: RouterRequest, meta: RequestMeta, tried: list[str], life: _Lifetime | None = None
@@ -1103,13 +1160,21 @@ class RequestFlow:
             cache_salt=request.cache_salt,
             render_json=render_fields_json(request.kind, request.body),
         )
+        breaker = self.breakers["epp"]
+        route = breaker.admit()
+        if route == "skip":  # epp timed out recently (cool-down, or another request probes): do not wait on it
+            return self._pick_locally(request, tried, PickerUnreachable(
+                "endpoint picker suspect: a recent Pick got no answer in time (breaker open)"))
+        probe = route == "probe"
         try:
             reply = await self._picker.pick(query)
         except asyncio.CancelledError:
+            breaker.abandoned(probe)
             if life is not None:  # abandoned in flight: epp may have counted it
                 life.picks_asked = True
             raise
         except errors.UnknownModel as exc:
+            breaker.answered(probe)
             # Validated as served a moment ago: either its endpoints just left (503), or epp has not
             # learnt them yet (a restarted epp before its first etcd sync), when the router's own view
             # still has them: then the degraded mode's local pick serves it, as for an unreachable epp.
@@ -1118,25 +1183,41 @@ class RequestFlow:
                 return local
             raise ModelUnavailable(f"model '{request.model}' has no live endpoint right now ({exc})") from exc
         except PickerUnreachable as exc:
+            if isinstance(exc, PickerTimedOut):
+                breaker.timed_out(probe)
+            else:
+                breaker.failed(probe)
             if life is not None and isinstance(exc, PickerTimedOut):  # epp had it: it may have counted it
                 life.picks_asked = True
-            if self._config.epp_failure_mode != "open":
-                metrics.record_degraded("epp", "refused")
-                raise
-            candidates = self.local_picker.order(
-                (ep for ep in self._endpoints(request.model) if ep.model == request.model), tried
-            )
-            if not candidates:
-                metrics.record_degraded("epp", "refused")
-                self._degraded_log.warn("epp", "action=refused model=%s reason=no live endpoint error=%s", request.model, exc)
-                raise
-            metrics.record_degraded("epp", "picked_locally")
-            self._degraded_log.warn("epp", "action=picked_locally model=%s target=%s error=%s",
-                                    request.model, candidates[0].id, exc)
-            return PickReply(tuple(candidates), 0, "router-local-least-request")
+            return self._pick_locally(request, tried, exc)
+        except errors.KvmeshError:  # epp's own answer (no endpoint, bad request)
+            breaker.answered(probe)
+            raise
+        except BaseException:
+            breaker.failed(probe)
+            raise
+        breaker.answered(probe)
         if life is not None:  # epp counts this pick until told how the request ended
             life.picks_asked = True
         return reply
+
+    def _pick_locally(self, request: RouterRequest, tried: list[str], exc: PickerUnreachable) -> PickReply:
+        """The degraded pick when epp is unreachable (or its breaker is open): the local least-request
+        order, or ``exc`` (503) with ``epp_failure_mode: closed`` or no live endpoint."""
+        if self._config.epp_failure_mode != "open":
+            metrics.record_degraded("epp", "refused")
+            raise exc
+        candidates = self.local_picker.order(
+            (ep for ep in self._endpoints(request.model) if ep.model == request.model), tried
+        )
+        if not candidates:
+            metrics.record_degraded("epp", "refused")
+            self._degraded_log.warn("epp", "action=refused model=%s reason=no live endpoint error=%s", request.model, exc)
+            raise exc
+        metrics.record_degraded("epp", "picked_locally")
+        self._degraded_log.warn("epp", "action=picked_locally model=%s target=%s error=%s",
+                                request.model, candidates[0].id, exc)
+        return PickReply(tuple(candidates), 0, "router-local-least-request")
 
     def _local_pick(self, request: RouterRequest, tried: list[str], exc: Exception) -> PickReply | None:
         """The local least-request pick over the router's etcd view; None when that view has no endpoint."""
@@ -1307,7 +1388,7 @@ class RequestFlow:
                         self._unwatch(watch)
                         raise
             raise errors.NoEndpointsAvailable(
-                f"no endpoint answered for model '{request.model}' after {len(tried)} attempt(s): {last_error!r}"
+                f"no endpoint answered for model '{request.model}' after {len(tried)} attempt(s): {str(last_error) or type(last_error).__name__}"
             )
         except BaseException as exc:
             if last_error is not None:

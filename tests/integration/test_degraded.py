@@ -242,9 +242,11 @@ def _wait_health(url: str, code: int, status: str | None = None) -> tuple[int, d
 
 
 async def test_epp_paused_router_serves_and_is_degraded_not_unready(mesh: Mesh) -> None:
-    """SIGSTOPped epp (hung, connection open): every request is served by the local pick after the pick
-    timeout, so /health is 200 "degraded" naming epp (dependencies.epp DEADLINE_EXCEEDED), not 503;
-    SIGCONT -> "ok" and epp picks again."""
+    """SIGSTOPped epp (hung, connection open): the requests are served by the local pick (those of the
+    first burst after the pick timeout, which opens the router's epp breaker; then at once), so /health
+    is 200 "degraded" naming epp (dependencies.epp DEADLINE_EXCEEDED), not 503; the breaker gauge is 1.
+    SIGCONT -> "ok", and once the cool-down (5 s) has passed the next request's probe is answered: the
+    breaker closes and epp picks again."""
     wait_until(lambda: _health(mesh)[1]["status"] == "ok", 30, "router /health ok")
     before = _metric(mesh, "kvmesh_router_degraded_total", dependency="epp", action="picked_locally")
     pid = _pause(mesh, "epp")
@@ -254,9 +256,20 @@ async def test_epp_paused_router_serves_and_is_degraded_not_unready(mesh: Mesh) 
         assert code == 200 and body["degraded"] == ["epp"] and "error" not in body, body
         assert body["dependencies"]["epp"] == "DEADLINE_EXCEEDED", body  # type: ignore[index]
         assert _metric(mesh, "kvmesh_router_degraded_total", dependency="epp", action="picked_locally") >= before + 6
+        assert _metric(mesh, "kvmesh_router_dependency_breaker_open", dependency="epp") == 1
+        started = time.monotonic()
+        assert (await _burst(mesh, 6)) == {200: 6}  # the breaker open: no request waits on the hung epp
+        assert time.monotonic() - started < 4, "requests waited on the hung epp"
     finally:
         os.killpg(pid, signal.SIGCONT)
     _wait_health(mesh.router_url, 200, "ok")
+
+    def probed() -> float:  # one request at a time: after the cool-down, one of them is the probe
+        httpx.post(f"{mesh.router_url}/v1/completions", json={"model": MODEL, "prompt": "probe", "max_tokens": 2},
+                   timeout=30)
+        return _metric(mesh, "kvmesh_router_dependency_breaker_open", dependency="epp")
+
+    wait_until(probed, 20, "epp breaker closed", until=lambda value: value == 0)
     local = _metric(mesh, "kvmesh_router_degraded_total", dependency="epp", action="picked_locally")
     assert (await _burst(mesh, 6)) == {200: 6}
     assert _metric(mesh, "kvmesh_router_degraded_total", dependency="epp", action="picked_locally") == local
@@ -265,11 +278,14 @@ async def test_epp_paused_router_serves_and_is_degraded_not_unready(mesh: Mesh) 
 def test_fail_closed_router_is_unready_where_the_default_one_is_degraded(mesh: Mesh, tmp_path: Path) -> None:
     """The rule is config-aware. Side by side on one mesh: epp SIGSTOPped -> the default router (fail-open)
     200 "degraded" and serving, a router with ``--epp-failure-mode closed`` 503 naming epp and refusing
-    (503). flow_control SIGSTOPped -> not served around by either (past the credits it lent, requests
-    get 504 at the admission timeout), so 503 naming flow_control. SIGCONT -> both "ok"."""
+    (503). flow_control SIGSTOPped -> the fail-closed router: past the credits it lent, a request gets 504
+    at the admission timeout (2 s), which opens its dependency breaker; then requests get its
+    unreachable-flow_control answer, 503, at once (a probe after each 5 s cool-down still waits: 504);
+    /health 503 naming flow_control. The default (fail-open) router serves around a hung flow_control
+    (after one admission timeout it admits locally): 200 "degraded" naming flow_control. SIGCONT -> both "ok"."""
     wait_until(lambda: _health(mesh)[1]["status"] == "ok", 30, "router /health ok")
     proc, closed = _start_router(mesh, tmp_path, "--epp-failure-mode", "closed", "--flow-control-failure-mode", "closed",
-                                 "--pick-timeout-seconds", "1", "--admission-timeout-seconds", "1")
+                                 "--pick-timeout-seconds", "1", "--admission-timeout-seconds", "2")
     body_json = {"model": MODEL, "prompt": "closed router", "max_tokens": 2}
     try:
         assert httpx.post(f"{closed}/v1/completions", json=body_json, timeout=30).status_code == 200
@@ -285,15 +301,27 @@ def test_fail_closed_router_is_unready_where_the_default_one_is_degraded(mesh: M
         finally:
             os.killpg(pid, signal.SIGCONT)
         wait_until(lambda: _health_at(closed)[1]["status"] == "ok", 20, "closed router ok after SIGCONT")
+        # its epp breaker (opened by the timed-out pick) closes on the first probe after the 5 s cool-down
+        wait_until(lambda: httpx.post(f"{closed}/v1/completions", json=body_json, timeout=30).status_code, 20,
+                   "closed router picks through epp again", until=lambda code: code == 200)
 
         pid = _pause(mesh, "flow_control")
         try:
-            statuses = [httpx.post(f"{closed}/v1/completions", json=body_json, timeout=30).status_code for _ in range(6)]
-            assert set(statuses) <= {200, 504} and statuses[-1] == 504, statuses  # lent credits, then 504
-            for url in (closed, mesh.router_url):
-                code, body = _wait_health(url, 503)
-                assert body["dependencies"]["flow_control"] == "DEADLINE_EXCEEDED", body  # type: ignore[index]
-                assert "flow_control is DEADLINE_EXCEEDED" in body["error"]["message"]  # type: ignore[index]
+            statuses, took = [], []
+            for _ in range(6):
+                started = time.monotonic()
+                statuses.append(httpx.post(f"{closed}/v1/completions", json=body_json, timeout=30).status_code)
+                took.append(time.monotonic() - started)
+            # lent credits (200), the first 504 at the 2 s admission timeout, then the breaker: 503 at once
+            first = statuses.index(504)
+            assert set(statuses[:first]) <= {200} and statuses[first + 1:] == [503] * (5 - first), statuses
+            assert all(t < 1.5 for t in took[first + 1:]), took  # not the 2 s wait
+            code, body = _wait_health(closed, 503)
+            assert body["dependencies"]["flow_control"] == "DEADLINE_EXCEEDED", body  # type: ignore[index]
+            assert "flow_control is DEADLINE_EXCEEDED" in body["error"]["message"]  # type: ignore[index]
+            code, body = _wait_health(mesh.router_url, 200, "degraded")  # fail-open with the breaker: served around
+            assert body["degraded"] == ["flow_control"], body
+            assert body["dependencies"]["flow_control"] == "DEADLINE_EXCEEDED", body  # type: ignore[index]
         finally:
             os.killpg(pid, signal.SIGCONT)
         for url in (closed, mesh.router_url):
