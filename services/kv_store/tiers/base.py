@@ -30,6 +30,7 @@ Lustre, Mooncake, LMCache) fit the same contract; the in-memory tier never suspe
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -105,6 +106,41 @@ class TierStats:
     pending: int = 0
     """Victims handed out by ``put(keep_victims=True)`` and still readable here until released
     (not counted in ``keys`` or ``used_bytes``)."""
+
+
+def take_pending(pending: dict[str, bytes], victims: Sequence[tuple[str, bytes]]) -> list[bool]:
+    """Drop from ``pending`` each victim still pending with that value (the first half of every tier's
+    ``release``). One flag per victim: ``True`` when it was, ``False`` when a put replaced it or an
+    evict removed it meanwhile (left as it is)."""
+    released: list[bool] = []
+    for key, value in victims:
+        held = pending.get(key)
+        gone = held is not None and (held is value or held == value)
+        if gone:
+            del pending[key]
+        released.append(gone)
+    return released
+
+
+def reinstate_pending(
+    pending: dict[str, bytes], index: OrderedDict[str, int], victims: Sequence[tuple[str, bytes]]
+) -> tuple[list[bool], int]:
+    """Move victims still pending with that value back into a tier's LRU ``index`` (key -> size, least
+    recently used first), oldest first, instead of releasing them (an interrupted move down whose
+    bytes are still on the medium). Returns one flag per victim and the bytes taken back; the caller
+    adds those to its used bytes and takes the victims back out of its eviction count. No I/O."""
+    back: list[bool] = []
+    taken = 0
+    for key, value in reversed(victims):
+        held = pending.get(key)
+        ok = held is not None and (held is value or held == value) and key not in index
+        if ok:
+            del pending[key]
+            index[key] = len(value)
+            index.move_to_end(key, last=False)
+            taken += len(value)
+        back.append(ok)
+    return back[::-1], taken
 
 
 class StoreTier(Protocol):

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from kvmesh.types import Medium
 from services.kv_store.errors import ValueTooLarge
-from services.kv_store.tiers.base import PutResult, TierStats
+from services.kv_store.tiers.base import PutResult, TierStats, take_pending
 
 TYPE_NAME = "cpu"
 
@@ -91,14 +91,7 @@ class CpuTier:
         return True
 
     async def release(self, victims: Sequence[tuple[str, bytes]]) -> list[bool]:
-        released = []
-        for key, value in victims:
-            held = self._pending.get(key)
-            gone = held is not None and (held is value or held == value)
-            if gone:
-                del self._pending[key]
-            released.append(gone)
-        return released
+        return take_pending(self._pending, victims)
 
     def stats(self) -> TierStats:
         return TierStats(

@@ -102,7 +102,14 @@ import xxhash
 
 from kvmesh.types import Medium
 from services.kv_store.errors import StorageFull, TierUnavailable, ValueTooLarge
-from services.kv_store.tiers.base import PutResult, ReleaseFailed, TierStats, run_to_end
+from services.kv_store.tiers.base import (
+    PutResult,
+    ReleaseFailed,
+    TierStats,
+    reinstate_pending,
+    run_to_end,
+    take_pending,
+)
 
 MAGIC = b"KVMSV002"
 HEADER = struct.Struct("<8sIQQI")
@@ -497,29 +504,14 @@ class FileTier:
         was interrupted: their files are still here, see the module docstring), least recently
         used first, over the budget until the next put evicts them again. One flag per victim:
         ``True`` when it was still pending with that value. No I/O."""
-        back: list[bool] = []
-        for key, value in reversed(victims):
-            held = self._pending.get(key)
-            ok = held is not None and (held is value or held == value) and key not in self._index
-            if ok:
-                del self._pending[key]
-                self._index[key] = len(value)
-                self._index.move_to_end(key, last=False)
-                self._used_bytes += len(value)
-                self._evictions -= 1  # handed out, then taken back: not an eviction after all
-            back.append(ok)
-        return back[::-1]
+        back, taken = reinstate_pending(self._pending, self._index, victims)
+        self._used_bytes += taken
+        self._evictions -= sum(back)  # handed out, then taken back: not evictions after all
+        return back
 
     async def _release(self, victims: Sequence[tuple[str, bytes]]) -> list[bool]:
-        released: list[bool] = []
-        paths: list[Path] = []
-        for key, value in victims:
-            held = self._pending.get(key)
-            gone = held is not None and (held is value or held == value)
-            if gone:
-                del self._pending[key]
-                paths.append(self.path_of(key))
-            released.append(gone)
+        released = take_pending(self._pending, victims)
+        paths = [self.path_of(key) for (key, _), gone in zip(victims, released, strict=True) if gone]
         if paths:
             try:
                 await asyncio.to_thread(lambda: [_unlink(path) for path in paths])

@@ -56,7 +56,14 @@ from typing import Protocol
 
 from kvmesh.types import Medium
 from services.kv_store.errors import TierUnavailable, ValueTooLarge
-from services.kv_store.tiers.base import PutResult, ReleaseFailed, TierStats, run_to_end
+from services.kv_store.tiers.base import (
+    PutResult,
+    ReleaseFailed,
+    TierStats,
+    reinstate_pending,
+    run_to_end,
+    take_pending,
+)
 
 FRAME = struct.Struct("<4sIQ")
 MAGIC = b"KVMC"
@@ -285,27 +292,13 @@ class MooncakeTier:
     def reinstate(self, victims: Sequence[tuple[str, bytes]]) -> list[bool]:
         """Take pending victims back into the view instead of releasing them (an interrupted move
         down; see :meth:`services.kv_store.tiers.files.FileTier.reinstate`). No I/O."""
-        back: list[bool] = []
-        for key, value in reversed(victims):
-            held = self._pending.get(key)
-            ok = held is not None and (held is value or held == value) and key not in self._index
-            if ok:
-                del self._pending[key]
-                self._index[key] = len(value)
-                self._index.move_to_end(key, last=False)
-                self._used_bytes += len(value)
-                self._evictions -= 1
-            back.append(ok)
-        return back[::-1]
+        back, taken = reinstate_pending(self._pending, self._index, victims)
+        self._used_bytes += taken
+        self._evictions -= sum(back)  # handed out, then taken back: not evictions after all
+        return back
 
     async def _release(self, victims: Sequence[tuple[str, bytes]]) -> list[bool]:
-        released: list[bool] = []
-        for key, value in victims:
-            held = self._pending.get(key)
-            gone = held is not None and (held is value or held == value)
-            if gone:
-                del self._pending[key]
-            released.append(gone)
+        released = take_pending(self._pending, victims)
         try:
             for (key, _), gone in zip(victims, released, strict=True):
                 if gone:
