@@ -17,17 +17,20 @@ from __future__ import annotations
 import argparse
 import contextvars
 import enum
+import os
+import re
 import sys
 import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
     YamlConfigSettingsSource,
 )
 
@@ -133,17 +136,107 @@ def _flag_parser(annotation: Any) -> typing.Callable[[str], Any]:
     return str  # scalars: pydantic converts "5", "true", "0.5" in lax mode
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line (``<name>: <message> (see --help)``, exit 2), no usage dump."""
+
+    def __init__(self, *args: Any, short_name: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.short_name = short_name
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.short_name}: {message} (see --help)\n")
+
+
+def _short_name(prog: str | None) -> str:
+    """``"python -m services.router"`` -> ``"router"``; anything else as given (default: argv[0]'s name)."""
+    prog = prog or Path(sys.argv[0]).name
+    return prog.rsplit("services.", 1)[-1] if "services." in prog else prog
+
+
+def _constraint(error: Any) -> str:
+    """One pydantic error as a constraint phrase: ``must be <= 65535``, ``must be one of ...``."""
+    kind = error.get("type", "")
+    ctx = error.get("ctx") or {}
+    bounds = {"less_than_equal": ("<=", "le"), "less_than": ("<", "lt"),
+              "greater_than_equal": (">=", "ge"), "greater_than": (">", "gt")}
+    if kind in bounds:
+        op, key = bounds[kind]
+        return f"must be {op} {ctx.get(key)}"
+    if kind in ("literal_error", "enum"):
+        return f"must be one of {ctx.get('expected', '')}"
+    phrases = {
+        "int_parsing": "must be an integer", "int_from_float": "must be an integer",
+        "float_parsing": "must be a number", "bool_parsing": "must be true or false",
+        "missing": "is required", "extra_forbidden": "is not a known option",
+        "dict_type": "must be a mapping", "list_type": "must be a list",
+    }
+    if kind in phrases:
+        return phrases[kind]
+    message = str(error.get("msg", kind))
+    message = message.removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    return message[:1].lower() + message[1:]
+
+
+def _origin(
+    cls: type[ProcessConfig], field: str, flags: dict[str, Any], raw_flags: dict[str, Any], file_keys: set[str],
+    config_path: Path | None,
+) -> str:
+    """Where a field's offending value came from, as the user wrote it: a flag, an env var or a file key."""
+    if field in flags:
+        return f"--{field.replace('_', '-')} {raw_flags.get(field, flags[field])}"
+    prefix = str(cls.model_config.get("env_prefix", ""))
+    info = cls.model_fields.get(field)
+    names = [prefix + field]
+    if info is not None and isinstance(info.validation_alias, AliasChoices):
+        names += [alias for alias in info.validation_alias.choices if isinstance(alias, str) and alias.isupper()]
+    environ = {key.upper(): (key, value) for key, value in os.environ.items()}
+    for name in names:
+        if name.upper() in environ:
+            key, value = environ[name.upper()]
+            return f"{key}={value}"
+    if field in file_keys and config_path is not None:
+        return f"--config {config_path}: {field}"
+    return field
+
+
+def _validation_lines(
+    cls: type[ProcessConfig], exc: ValidationError, flags: dict[str, Any], raw_flags: dict[str, Any],
+    file_keys: set[str], config_path: Path | None,
+) -> list[str]:
+    lines = []
+    for error in exc.errors():
+        loc = [str(part) for part in error.get("loc", ())]
+        field = loc[0] if loc else ""
+        if field not in cls.model_fields:  # an alias (OTEL_EXPORTER_OTLP_ENDPOINT) names its field
+            field = next((name for name, info in cls.model_fields.items()
+                          if isinstance(info.validation_alias, AliasChoices) and field in info.validation_alias.choices),
+                         field)
+        if not field:  # a model-level check (two fields together): its message names them
+            lines.append(_constraint(error))
+            continue
+        where = _origin(cls, field, flags, raw_flags, file_keys, config_path)
+        if where.startswith("--config ") and "input" in error and not isinstance(error["input"], (dict, list)):
+            where += f" {error['input']}"
+        inner = ".".join(loc[1:])
+        lines.append(f"{where}{' (' + inner + ')' if inner else ''}: {_constraint(error)}")
+    return lines
+
+
 def load_config(cls: type[C], argv: list[str] | None = None, prog: str | None = None) -> C:
     """Parse flags, environment and ``--config FILE`` into ``cls``.
 
     ``--print-config`` prints the resulting configuration as YAML and exits 0.
 
     Raises:
-        SystemExit: on an unknown flag or a value that fails validation (the message names it).
+        SystemExit: 2 on an unknown flag or a value that fails validation. Each error is one
+            stderr line ``<name>: <where>: <constraint>``, where ``<where>`` is the flag as given
+            (``--port 99999``), the env var (``KVMESH_ROUTER_HTTP_PORT=abc``) or the file key
+            (``--config f.yaml: http_port``); no usage dump, no traceback.
     """
+    short = _short_name(prog)
     # allow_abbrev=False: `--port 8123` must not silently mean `--ports-file 8123` (argparse matches prefixes)
-    parser = argparse.ArgumentParser(
-        prog=prog, description=(cls.__doc__ or "").strip().splitlines()[0], allow_abbrev=False
+    parser = _OneLineParser(
+        prog=prog, description=(cls.__doc__ or "").strip().splitlines()[0], allow_abbrev=False, short_name=short
     )
     parser.add_argument("--config", type=Path, help="YAML file with any of the fields below")
     parser.add_argument("--print-config", action="store_true", help="print the effective config and exit")
@@ -163,6 +256,7 @@ def load_config(cls: type[C], argv: list[str] | None = None, prog: str | None = 
     ns = vars(parser.parse_args(argv))
     config_path = ns.pop("config")
     print_config = ns.pop("print_config")
+    file_keys: set[str] = set()
     if config_path is not None:
         if not config_path.exists():
             parser.error(f"--config {config_path}: no such file")
@@ -171,20 +265,33 @@ def load_config(cls: type[C], argv: list[str] | None = None, prog: str | None = 
         try:
             loaded = yaml.safe_load(config_path.read_text())
         except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-            parser.error(f"--config {config_path}: not valid YAML: {exc}")
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            parser.error(f"--config {config_path}: not valid YAML: {first}")
         if loaded is not None and not isinstance(loaded, dict):
             parser.error(f"--config {config_path}: expected a mapping of field: value, got {type(loaded).__name__}")
+        file_keys = {str(key) for key in (loaded or {})}
     flags: dict[str, Any] = {}
     for name, raw in ns.items():
         try:
             flags[name] = converters[name](raw)
         except yaml.YAMLError as exc:
-            parser.error(f"--{name.replace('_', '-')}: not valid YAML/JSON: {exc}")
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            parser.error(f"--{name.replace('_', '-')} {raw}: not valid YAML/JSON: {first}")
     token = _config_file.set(config_path)
     try:
         config = cls(**flags)
+    except ValidationError as exc:
+        lines = _validation_lines(cls, exc, flags, ns, file_keys, config_path)
+        sys.stderr.write("".join(f"{short}: {line}\n" for line in lines))
+        raise SystemExit(2) from None
+    except SettingsError as exc:  # an env var pydantic-settings cannot decode (a mapping that is not JSON)
+        match = re.search(r'field "(\w+)"', str(exc))
+        field = match.group(1) if match else ""
+        where = _origin(cls, field, {}, {}, set(), None) if field else str(exc)
+        sys.stderr.write(f"{short}: {where}: not valid JSON\n")
+        raise SystemExit(2) from None
     except ValueError as exc:
-        parser.error(str(exc))
+        parser.error(str(exc).splitlines()[0])
     finally:
         _config_file.reset(token)
     if print_config:

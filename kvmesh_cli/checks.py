@@ -74,12 +74,16 @@ def check_router_url(value: str) -> str:
     return value.rstrip("/")
 
 
-def probe_router(url: str, timeout_s: float = 10.0) -> None:
-    """Fail (exit 1) unless ``GET <url>/v1/models`` answers 200."""
+def probe_router(url: str, timeout_s: float = 10.0, api_key: str | None = None) -> None:
+    """Fail (exit 1) unless ``GET <url>/v1/models`` answers 200 (with ``api_key`` as a bearer token when given)."""
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        reply = httpx.get(f"{url}/v1/models", timeout=timeout_s)
+        reply = httpx.get(f"{url}/v1/models", timeout=timeout_s, headers=headers)
     except httpx.HTTPError as exc:
         fail(f"router {url} is unreachable: {exc or type(exc).__name__}")
+    if reply.status_code in (401, 403):
+        fail(f"router {url} answered GET /v1/models with HTTP {reply.status_code}: it requires an API key; "
+             + ("--api-key was refused" if api_key else "pass --api-key KEY (or set KVMESH_API_KEY)"))
     if reply.status_code != 200:
         fail(f"router {url} answered GET /v1/models with HTTP {reply.status_code}; is it a kvmesh router?")
 

@@ -63,7 +63,7 @@ from kvmesh_cli.checks import (
     resolve_policy,
 )
 from kvmesh_cli.discovery import DiscoveryError, find_engines, split_host_port
-from kvmesh_cli.mesh import DEFAULT_MODEL, Mesh, MeshSpec, exit_on_signals, run_interruptible
+from kvmesh_cli.mesh import DEFAULT_MODEL, Mesh, MeshSpec, exit_on_signals, run_interruptible, tenant_api_key
 from kvmesh_cli.options import (
     MAX_BLOCK_SIZE_TOKENS,
     SIMULATOR_DEFAULTS,
@@ -388,7 +388,7 @@ def _run_replay(
     wl: Workload, router_url: str, engine_urls: list[str], time_scale: float, concurrency: int,
     model: str | None, label: str, *, sessions: int | None = None, prompt_format: str = "tokens",
     sampler: EngineSampler | None = None, show_progress: bool = True, router_metrics_url: str | None = None,
-    flow_control_metrics_url: str | None = None,
+    flow_control_metrics_url: str | None = None, api_key: str | None = None,
 ) -> ReplayOutcome:
     with Progress(
         TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn("errors {task.fields[errors]}"),
@@ -408,7 +408,7 @@ def _run_replay(
                 wl, router_url=router_url, engine_urls=engine_urls, time_scale=time_scale,
                 concurrency_limit=concurrency, model=model, on_done=on_done, max_sessions=sessions,
                 prompt_format=prompt_format, sampler=sampler, router_metrics_url=router_metrics_url,
-                flow_control_metrics_url=flow_control_metrics_url,
+                flow_control_metrics_url=flow_control_metrics_url, api_key=api_key,
             ))
         except KeyboardInterrupt as exc:  # Ctrl-C: how far it got, for the interrupted line
             exc.add_note(f"{done} of {len(wl.requests)} requests finished, {errors} failed")
@@ -523,8 +523,10 @@ def up(
     max_num_seqs: MaxSeqsOpt = None,
     model: Annotated[str | None, typer.Option("--model", callback=check_model_name, help=f"Served model name of the "
                                               f"engines (default {DEFAULT_MODEL}; tiny with --engine vllm).")] = None,
-    router_port: Annotated[int | None, typer.Option("--router-port", help="Router HTTP port (default: free).")] = None,
-    router_grpc_port: Annotated[int | None, typer.Option("--router-grpc-port", help="Router gRPC port.")] = None,
+    router_port: Annotated[int | None, typer.Option("--router-port", min=1, max=65535,
+                                                    help="Router HTTP port, 1-65535 (default: free).")] = None,
+    router_grpc_port: Annotated[int | None, typer.Option("--router-grpc-port", min=1, max=65535,
+                                                         help="Router gRPC port, 1-65535 (default: free).")] = None,
     engine: Annotated[str, typer.Option(
         "--engine", help="simulator (default) or vllm: real vLLM CPU servers on the tiny model, each with a "
         "registration sidecar (needs `make vllm-env model`; ~30-60 s to start, ~3 GB RAM and 2 cores each). "
@@ -621,6 +623,10 @@ def replay_cmd(
     long_prefill_token_threshold: LongPrefillOpt = None,
     long_prefill_token_threshold_adaptive: LongPrefillAdaptiveOpt = False,
     scheduler_reserve_full_isl: ReserveFullIslOpt = None,
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", envvar="KVMESH_API_KEY",
+        help="Client API key sent to the router (Authorization: Bearer) when it requires one (tenants with "
+             "require_api_key); default: $KVMESH_API_KEY, or for its own mesh a key from $KVMESH_ROUTER_TENANTS.")] = None,
     verbose: VerboseOpt = False,
 ) -> None:
     """Send a workload through the router and report TTFT, latency, throughput and prefix-cache hits.
@@ -680,14 +686,14 @@ def replay_cmd(
                                            say=lambda line: console.print(line, soft_wrap=True, markup=False))
             except DiscoveryError as exc:
                 fail(str(exc))
-            probe_router(router)
+            probe_router(router, api_key=api_key)
             if not epp and not etcd:
                 console.print("no --epp/--etcd: the engine prefix-cache hit rate is not measured", soft_wrap=True)
             elif not engine_urls:
                 console.print(f"no engines listed by {'epp ' + epp if epp else 'etcd ' + str(etcd)}: the engine "
                               "prefix-cache hit rate is not measured", soft_wrap=True, markup=False)
             outcome = _run_replay(wl, router, engine_urls, time_scale, concurrency_limit, model, label,
-                                  sessions=sessions, prompt_format=prompt_format)
+                                  sessions=sessions, prompt_format=prompt_format, api_key=api_key)
         column = router
     else:
         mesh_dir = _run_dir(run_dir, "replay")
@@ -701,7 +707,8 @@ def replay_cmd(
         with (_replay_interrupted(json_out, mesh_dir), exit_on_signals(then_ignore=True), mesh_errors(),
               Mesh(spec) as mesh):
             outcome = _run_replay(wl, mesh.router_url, mesh.engine_urls, time_scale, concurrency_limit, model, label,
-                                  sessions=sessions, prompt_format=prompt_format)
+                                  sessions=sessions, prompt_format=prompt_format,
+                                  api_key=api_key or tenant_api_key(spec.extra_env))
         column = policy
     summary = _summary(outcome, time_scale)
     _first_errors(outcome)

@@ -38,6 +38,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import os
 import shutil
 import signal
 import threading
@@ -51,6 +52,7 @@ from typing import Any, Literal, Self, TypeVar
 
 import grpc
 import httpx
+import yaml
 
 from kvmesh.listen import rename_port_flags
 from kvmesh_cli.launcher import (
@@ -318,6 +320,27 @@ def check_etcd(address: str, timeout_s: float = ETCD_CHECK_TIMEOUT_S) -> None:
         raise MeshStartError(f"--etcd {address!r}: {exc}") from None
 
 
+def tenant_api_key(extra_env: dict[str, str]) -> str | None:
+    """A client API key a mesh's router accepts, when the CLI can see its tenants (``KVMESH_ROUTER_TENANTS``).
+
+    The router inherits this process's environment plus ``extra_env`` (``MeshSpec.extra_env``); the
+    first key of the first tenant that has one is used (``Authorization: Bearer <key>``). None in open
+    mode or when the value cannot be read (JSON or YAML, as the router takes it).
+    """
+    raw = {**os.environ, **extra_env}.get("KVMESH_ROUTER_TENANTS")
+    if not raw:
+        return None
+    try:
+        tenants = yaml.safe_load(raw)  # JSON is YAML
+    except yaml.YAMLError:
+        return None
+    for tenant in tenants if isinstance(tenants, list) else []:
+        keys = tenant.get("api_keys") if isinstance(tenant, dict) else None
+        if isinstance(keys, list) and keys and isinstance(keys[0], str):
+            return keys[0]
+    return None
+
+
 class Mesh:
     """Start/stop a mesh described by a :class:`MeshSpec`; a context manager."""
 
@@ -335,6 +358,7 @@ class Mesh:
         self.events_bind_endpoint = ""
         """kv_indexer's bound ZMQ SUB endpoint (where engines publish unless told otherwise)."""
         self._stopped = False
+        self._router_refusal = ""  # why the router's /v1/models probe last failed (for the time-out message)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -681,14 +705,56 @@ class Mesh:
         urls = {state.endpoint.url for state in reply.endpoints}
         return all(u in urls for u in self.engine_urls)
 
+    def router_api_key(self) -> str | None:
+        """A client API key this mesh's router accepts (:func:`tenant_api_key` of ``spec.extra_env``)."""
+        return tenant_api_key(self.spec.extra_env)
+
+    def _epp_lists_model(self) -> bool:
+        from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
+
+        with grpc.insecure_channel(self.epp_address) as channel:
+            try:
+                reply = epp_pb2_grpc.EndpointPickerStub(channel).ListEndpoints(
+                    epp_pb2.ListEndpointsRequest(), timeout=2.0)
+            except grpc.RpcError:
+                return False
+        return any(state.endpoint.model == self.spec.model for state in reply.endpoints)
+
     def _router_lists_model(self, _member: Member) -> bool:
+        """The router serves the model: its ``/v1/models`` lists it.
+
+        In API-key mode (``require_api_key``) the probe sends a configured tenant's key; when it
+        has none to send and gets 401, the router counts as ready once its ``/health`` answers 200
+        and epp (the router's source of endpoints) lists an endpoint serving the model. The last
+        refusal is kept in ``self._router_refusal`` for the time-out message.
+        """
+        key = self.router_api_key()
+        headers = {"authorization": f"Bearer {key}"} if key else {}
         try:
-            reply = httpx.get(f"{self.router_url}/v1/models", timeout=2.0)
-        except httpx.HTTPError:
+            reply = httpx.get(f"{self.router_url}/v1/models", headers=headers, timeout=2.0)
+        except httpx.HTTPError as exc:
+            self._router_refusal = f"GET /v1/models failed: {exc}"
             return False
+        if reply.status_code in (401, 403):
+            self._router_refusal = (
+                f"GET /v1/models answered HTTP {reply.status_code} "
+                + ("to the key from KVMESH_ROUTER_TENANTS" if key else "(API-key mode; no key in KVMESH_ROUTER_TENANTS)")
+            )
+            if key:
+                return False
+            try:
+                health = httpx.get(f"{self.router_url}/health", timeout=2.0)
+            except httpx.HTTPError:
+                return False
+            return health.status_code == 200 and self._epp_lists_model()
         if reply.status_code != 200:
+            self._router_refusal = f"GET /v1/models answered HTTP {reply.status_code}"
             return False
-        return any(m.get("id") == self.spec.model for m in reply.json().get("data", []))
+        listed = [m.get("id") for m in reply.json().get("data", [])]
+        if self.spec.model in listed:
+            return True
+        self._router_refusal = f"GET /v1/models lists {listed}, not {self.spec.model!r}"
+        return False
 
     def _wait_until(self, deadline: float, what: str, members: list[Member], probe: Callable[[Member], bool]) -> None:
         started = last_said = time.monotonic()
@@ -700,11 +766,13 @@ class Mesh:
                 return
             now = time.monotonic()
             if now > deadline:
-                raise MeshStartError(f"timed out waiting for {what}; see logs in {self.spec.run_dir}")
+                why = f" (last: {self._router_refusal})" if probe == self._router_lists_model and self._router_refusal else ""
+                raise MeshStartError(f"timed out waiting for {what}{why}; see logs in {self.spec.run_dir}")
             if now - last_said >= PROGRESS_EVERY_SECONDS:
                 last_said = now
+                why = f"; last: {self._router_refusal}" if probe == self._router_lists_model and self._router_refusal else ""
                 self._progress(f"still waiting for {what} ({now - started:.0f}s, gives up in {deadline - now:.0f}s; "
-                               f"logs in {self.spec.run_dir})")
+                               f"logs in {self.spec.run_dir}{why})")
             time.sleep(0.1)
 
     def _await(self, members: list[Member], deadline: float, probe: Callable[[Member], bool]) -> None:

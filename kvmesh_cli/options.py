@@ -63,13 +63,17 @@ TimeScaleOpt = Annotated[
                  "(engines and arrivals); reported times are in model seconds."),
 ]
 RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="Logs and etcd data; default .run/<cmd>-<time>.")]
-BlocksOpt = Annotated[int, typer.Option("--num-gpu-blocks", min=MIN_NUM_GPU_BLOCKS, help="KV-cache blocks per engine.")]
+_CONTEXT_CAP_HELP = (" It also caps each simulated engine's context length (max_model_len) at (blocks - 1) x "
+                     "block size: 64 blocks of 64 tokens = 4,032 tokens, and a longer request gets a 400 "
+                     "context-length error (`kvmesh replay --workload agentic` needs ~768 blocks).")
+BlocksOpt = Annotated[int, typer.Option("--num-gpu-blocks", min=MIN_NUM_GPU_BLOCKS,
+                                        help="KV-cache blocks per engine." + _CONTEXT_CAP_HELP)]
 AutoBlocksOpt = Annotated[
     int | None,
     typer.Option("--num-gpu-blocks", min=MIN_NUM_GPU_BLOCKS,
                  help=f"KV-cache blocks per engine (default {DEFAULT_NUM_GPU_BLOCKS} for multi-turn, "
                       f"{DEFAULT_AGENTIC_BLOCKS} for agentic workloads, {DEFAULT_TRACE_NUM_GPU_BLOCKS} with a "
-                      "Mooncake --trace)."),
+                      "Mooncake --trace)." + _CONTEXT_CAP_HELP),
 ]
 BlockSizeOpt = Annotated[
     int | None,

@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -135,6 +136,21 @@ async def scrape_router_stages(client: httpx.AsyncClient, metrics_url: str | Non
     except (httpx.HTTPError, ValueError) as exc:
         logger.warning("cannot scrape the router's %s: %s", metrics_url, exc)
         return None
+
+
+class RouterKey(httpx.Auth):
+    """``Authorization: Bearer <api key>`` on requests to the router only (not on engines' ``/metrics``):
+    a kvmesh router with tenants and ``require_api_key`` answers 401 without one."""
+
+    def __init__(self, router_url: str, api_key: str) -> None:
+        self._router = httpx.URL(router_url)
+        self._header = f"Bearer {api_key}"
+
+    def auth_flow(self, request: httpx.Request) -> typing.Generator[httpx.Request, httpx.Response, None]:
+        if (request.url.scheme, request.url.host, request.url.port) == (
+                self._router.scheme, self._router.host, self._router.port):
+            request.headers["authorization"] = self._header
+        yield request
 
 
 async def discover_model(client: httpx.AsyncClient, router_url: str) -> str:
@@ -243,6 +259,7 @@ async def replay(
     router_metrics_url: str | None = None,
     flow_control_metrics_url: str | None = None,
     load_interval_s: float = 1.0,
+    api_key: str | None = None,
 ) -> ReplayOutcome:
     """Replay ``workload`` (open or closed loop per request, see the module doc) and collect results.
 
@@ -251,6 +268,7 @@ async def replay(
     every ``load_interval_s`` wall seconds does (the run's one load sampler either way: ``ReplayOutcome.load``).
     ``router_metrics_url`` / ``flow_control_metrics_url`` (full ``.../metrics`` URLs of a kvmesh mesh): the
     router's stages are scraped before and after, flow_control's queue size sampled with the engines' load.
+    ``api_key``: sent to the router only, as ``Authorization: Bearer`` (:class:`RouterKey`).
 
     Raises:
         ValueError: when ``time_scale`` <= 0, ``concurrency_limit`` < 1, ``max_sessions`` < 1 or
@@ -266,7 +284,8 @@ async def replay(
         raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}, got {prompt_format!r}")
     limits = httpx.Limits(max_connections=concurrency_limit + 8, max_keepalive_connections=concurrency_limit + 8)
     timeout = httpx.Timeout(request_timeout_s, connect=10.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, transport=transport) as client:
+    auth = RouterKey(router_url, api_key) if api_key else None
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, transport=transport, auth=auth) as client:
         model = model or await discover_model(client, router_url)
         before, hists_before = await scrape_engines(client, engine_urls)
         router_before = await scrape_router_stages(client, router_metrics_url)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import os
 import threading
@@ -149,6 +150,54 @@ def check_tier_paths(config: KvStoreConfig) -> None:
                         "(a file created once on the mounted filesystem)", config.shared_path)
 
 
+def _host_port_problem(address: str) -> str | None:
+    """Why ``address`` is not ``host:port`` (port 1-65535), or None."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        return "not host:port"
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        return f"port {port!r} is not 1-65535"
+    return None
+
+
+def mooncake_client_missing() -> str | None:
+    """Why Mooncake's client binding (``mooncake.store``) cannot be imported here, or None (not imported:
+    only looked up, so the native library loads on first use)."""
+    try:
+        found = importlib.util.find_spec("mooncake.store") is not None
+    except (ImportError, ValueError) as exc:
+        return f"the mooncake client is not installed (make mooncake-venv): {exc}"
+    return None if found else "the mooncake client is not installed (make mooncake-venv): no module mooncake.store"
+
+
+def check_mooncake(config: KvStoreConfig) -> list[str]:
+    """Check the Mooncake tier before anything starts, as :func:`check_tier_paths` checks the shared path.
+
+    ``--mooncake-master`` (and ``--mooncake-master-http`` when set) must be ``host:port``, and
+    Mooncake's client (``mooncake.store``) importable. A failure is a **degraded start**: one ERROR
+    line naming the option(s) and why (``degraded mode tier=mooncake --mooncake-master nothost: not
+    host:port``, problems joined by ``; ``); the tier stays configured and each demotion to it goes on to the next tier (the
+    run-time row of docs/degraded-modes.md), so the service stays up. Returns the problems (empty: none).
+    """
+    if not config.mooncake_master:
+        return []
+    problems = []
+    bad = _host_port_problem(config.mooncake_master)
+    if bad:
+        problems.append(f"--mooncake-master {config.mooncake_master}: {bad}")
+    if config.mooncake_master_http:
+        bad = _host_port_problem(config.mooncake_master_http)
+        if bad:
+            problems.append(f"--mooncake-master-http {config.mooncake_master_http}: {bad}")
+    missing = mooncake_client_missing()
+    if missing:
+        problems.append(f"--mooncake-master {config.mooncake_master}: {missing}")
+    if problems:
+        log.error("degraded mode tier=mooncake %s; the tier stays configured and each demotion to it goes on to "
+                  "the next tier (none: the value is lost, counted)", "; ".join(problems))
+    return problems
+
+
 def build_tiers(config: KvStoreConfig) -> list[StoreTier]:
     """The configured tiers, fastest first (see the module docstring)."""
     tiers: list[StoreTier] = [CpuTier(config.cpu_capacity_bytes)]
@@ -244,6 +293,7 @@ def build_service(config: KvStoreConfig) -> GrpcService:
     if config.events_endpoint and not config.events_model:
         raise ValueError("--events-endpoint needs --events-model (the model whose blocks are published)")
     check_tier_paths(config)
+    check_mooncake(config)
     sink = EventSink()
     store = BlockStore(
         build_tiers(config), write_through=config.write_through, promote_on_hit=config.promote_on_hit,

@@ -301,3 +301,41 @@ def test_interrupted_while_the_first_call_waits_on_a_silent_address_exits_130(
     assert text.rstrip().endswith(want), text  # the last line
     for noise in ("Traceback", "never retrieved", "KeyboardInterrupt", "Aborted", "Exception ignored"):
         assert noise not in text, text
+
+
+def test_up_reaches_ready_when_the_router_requires_an_api_key(tmp_path: Path) -> None:
+    """Wave-11 fresh user: with ``KVMESH_ROUTER_REQUIRE_API_KEY=true`` the readiness probe's keyless
+    ``GET /v1/models`` got 401 for 2 minutes and ``up`` gave up. Now it sends a tenant's key and reaches ready."""
+    env = {**ENV, "PYTHONPATH": str(REPO), "KVMESH_ROUTER_REQUIRE_API_KEY": "true",
+           "KVMESH_ROUTER_TENANTS": '[{"name":"acme","api_keys":["sk-acme-1234"]}]'}
+    proc = subprocess.Popen(kvmesh("up", "--engines", "1"), cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    out = OutputLines(proc)
+    try:
+        wait_until(lambda: "kvmesh ready: router " in out.text() or proc.poll() is not None, 120,
+                   "mesh ready in API-key mode", interval=0.3)
+        assert "kvmesh ready: router " in out.text(), out.text()
+        assert "still waiting for router" not in out.text(), out.text()
+        match = re.search(r"kvmesh ready: router (http://\S+)", out.text())
+        assert match, out.text()
+        url = match.group(1).rstrip(",;")
+        assert httpx.get(f"{url}/v1/models", timeout=5).status_code == 401  # the router does require a key
+        models = httpx.get(f"{url}/v1/models", headers={"authorization": "Bearer sk-acme-1234"}, timeout=5)
+        assert models.status_code == 200 and models.json()["data"], models.text
+        # kvmesh replay against it: without a key, one line saying a key is needed; with --api-key, it runs
+        base = {k: v for k, v in env.items() if not k.startswith("KVMESH_")}
+        keyless = subprocess.run(kvmesh("replay", "--router", url, "--requests", "4"), cwd=tmp_path, env=base,
+                                 capture_output=True, text=True, timeout=60)
+        assert keyless.returncode == 1, keyless.stdout + keyless.stderr
+        assert "HTTP 401: it requires an API key; pass --api-key KEY" in keyless.stdout + keyless.stderr
+        keyed = subprocess.run(kvmesh("replay", "--router", url, "--requests", "4", "--api-key", "sk-acme-1234"),
+                               cwd=tmp_path, env=base, capture_output=True, text=True, timeout=120)
+        assert keyed.returncode == 0, keyed.stdout + keyed.stderr
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    assert proc.returncode == 0, out.text()

@@ -43,9 +43,9 @@ def test_precedence_flags_over_env_over_file(tmp_path: Path, monkeypatch: pytest
 @pytest.mark.parametrize(
     ("argv", "fragment"),
     [
-        (["--queue-ttl-seconds", "-1"], "greater than 0"),
-        (["--grpc-port", "70000"], "less than or equal to 65535"),
-        (["--log-level", "LOUD"], "log_level"),
+        (["--queue-ttl-seconds", "-1"], "--queue-ttl-seconds -1: must be > 0"),
+        (["--grpc-port", "70000"], "--grpc-port 70000: must be <= 65535"),
+        (["--log-level", "LOUD"], "--log-level LOUD: must be one of"),
         (["--no-such-flag", "1"], "unrecognized arguments"),
         (["--weights", "{bad"], "weights"),
         (["--etcd-endpoints", "garbage"], "is not host:port"),

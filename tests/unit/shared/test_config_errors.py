@@ -1,0 +1,119 @@
+"""A bad config value is one stderr line per error naming the flag, env var or file key and the constraint.
+
+Exit 2, no argparse usage dump, no pydantic traceback or errors.pydantic.dev URL (fresh-user report, wave 11).
+The subprocess cases run the real ``python -m services.<svc>`` entry points.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from kvmesh.config import GrpcServiceConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+class DemoConfig(GrpcServiceConfig):
+    """Demo service configuration."""
+
+    model_config = SettingsConfigDict(env_prefix="KVMESH_DEMO_")
+
+    ratio: float = Field(0.5, ge=0, le=1)
+    """A fraction."""
+    mapping: dict[str, int] = Field(default_factory=dict)
+    """A mapping."""
+
+
+def _err_lines(capsys: pytest.CaptureFixture[str]) -> list[str]:
+    return capsys.readouterr().err.strip().splitlines()
+
+
+def test_flag_error_is_one_line_naming_flag_and_bound(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc_info:
+        load_config(DemoConfig, ["--grpc-port", "99999"], prog="python -m services.demo")
+    assert exc_info.value.code == 2
+    assert _err_lines(capsys) == ["demo: --grpc-port 99999: must be <= 65535"]
+
+
+def test_env_var_error_names_the_env_var(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("KVMESH_DEMO_RATIO", "lots")
+    with pytest.raises(SystemExit) as exc_info:
+        load_config(DemoConfig, [], prog="python -m services.demo")
+    assert exc_info.value.code == 2
+    assert _err_lines(capsys) == ["demo: KVMESH_DEMO_RATIO=lots: must be a number"]
+
+
+def test_env_mapping_that_is_not_json(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("KVMESH_DEMO_MAPPING", "{nope")
+    with pytest.raises(SystemExit) as exc_info:
+        load_config(DemoConfig, [], prog="python -m services.demo")
+    assert exc_info.value.code == 2
+    assert _err_lines(capsys) == ["demo: KVMESH_DEMO_MAPPING={nope: not valid JSON"]
+
+
+def test_yaml_key_errors_one_line_each(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "demo.yaml"
+    path.write_text("ratio: 2\nlog_level: LOUD\nbogus: 1\n")
+    with pytest.raises(SystemExit) as exc_info:
+        load_config(DemoConfig, ["--config", str(path)], prog="python -m services.demo")
+    assert exc_info.value.code == 2
+    lines = _err_lines(capsys)
+    assert sorted(lines) == sorted([
+        f"demo: --config {path}: ratio 2: must be <= 1.0",
+        f"demo: --config {path}: log_level LOUD: must be one of 'DEBUG', 'INFO', 'WARNING' or 'ERROR'",
+        f"demo: --config {path}: bogus 1: is not a known option",
+    ])
+
+
+def test_unknown_flag_is_one_line_without_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc_info:
+        load_config(DemoConfig, ["--port", "99999"], prog="python -m services.demo")
+    assert exc_info.value.code == 2
+    assert _err_lines(capsys) == ["demo: unrecognized arguments: --port 99999 (see --help)"]
+
+
+def _run(module: str, *args: str, env: dict[str, str] | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.parametrize(
+    ("module", "args", "env", "expected"),
+    [
+        ("services.router", ["--http-port", "99999"], {}, "router: --http-port 99999: must be <= 65535"),
+        ("services.router", [], {"KVMESH_ROUTER_HTTP_PORT": "abc"}, "router: KVMESH_ROUTER_HTTP_PORT=abc: must be an integer"),
+        ("services.epp", ["--log-level", "LOUD"], {},
+         "epp: --log-level LOUD: must be one of 'DEBUG', 'INFO', 'WARNING' or 'ERROR'"),
+        ("services.kv_store", ["--lease-ttl-seconds", "1"], {}, "kv_store: --lease-ttl-seconds 1: must be >= 2"),
+        ("services.router", ["--port", "99999"], {}, "router: unrecognized arguments: --port 99999 (see --help)"),
+    ],
+    ids=["router-flag", "router-env", "epp-enum", "kv_store-bound", "router-unknown-flag"],
+)
+def test_service_entry_points_print_one_line(module: str, args: list[str], env: dict[str, str], expected: str) -> None:
+    proc = _run(module, *args, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [expected]
+    assert "pydantic.dev" not in proc.stderr and "usage:" not in proc.stderr
+
+
+def test_service_yaml_key_error(tmp_path: Path) -> None:
+    path = tmp_path / "router.yaml"
+    path.write_text("http_port: 70000\n")
+    proc = _run("services.router", "--config", str(path))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"router: --config {path}: http_port 70000: must be <= 65535"]
+
+
+def test_a_check_of_two_fields_together_is_its_own_message() -> None:
+    proc = _run("engine_simulator", "--max-model-len", "256", "--long-prefill-token-threshold", "257")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "engine_simulator: long_prefill_token_threshold (257) cannot be greater than the max_model_len (256)."]
