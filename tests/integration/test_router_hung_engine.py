@@ -594,6 +594,8 @@ def _held_open(http: str, first: bytes, drip: bytes) -> tuple[bytes, float, bool
                 continue
             except TimeoutError:
                 pass
+            except ConnectionResetError:  # closed with a dripped byte unread: the kernel answers RST, not FIN
+                return received, time.monotonic() - started, True
             try:
                 if i < len(drip):
                     sock.sendall(drip[i:i + 1])
