@@ -693,7 +693,8 @@ class Mesh:
         except TimeoutError:
             return False
 
-    def _epp_sees_all_engines(self, _member: Member) -> bool:
+    def _epp_endpoints(self) -> list[Any] | None:
+        """epp's ``ListEndpoints`` (its endpoint states), None when epp does not answer within 2 s."""
         from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
 
         with grpc.insecure_channel(self.epp_address) as channel:
@@ -701,8 +702,14 @@ class Mesh:
                 reply = epp_pb2_grpc.EndpointPickerStub(channel).ListEndpoints(
                     epp_pb2.ListEndpointsRequest(), timeout=2.0)
             except grpc.RpcError:
-                return False
-        urls = {state.endpoint.url for state in reply.endpoints}
+                return None
+        return list(reply.endpoints)
+
+    def _epp_sees_all_engines(self, _member: Member) -> bool:
+        endpoints = self._epp_endpoints()
+        if endpoints is None:
+            return False
+        urls = {state.endpoint.url for state in endpoints}
         return all(u in urls for u in self.engine_urls)
 
     def router_api_key(self) -> str | None:
@@ -710,15 +717,8 @@ class Mesh:
         return tenant_api_key(self.spec.extra_env)
 
     def _epp_lists_model(self) -> bool:
-        from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
-
-        with grpc.insecure_channel(self.epp_address) as channel:
-            try:
-                reply = epp_pb2_grpc.EndpointPickerStub(channel).ListEndpoints(
-                    epp_pb2.ListEndpointsRequest(), timeout=2.0)
-            except grpc.RpcError:
-                return False
-        return any(state.endpoint.model == self.spec.model for state in reply.endpoints)
+        endpoints = self._epp_endpoints()
+        return endpoints is not None and any(state.endpoint.model == self.spec.model for state in endpoints)
 
     def _router_lists_model(self, _member: Member) -> bool:
         """The router serves the model: its ``/v1/models`` lists it.

@@ -122,6 +122,20 @@ def take_pending(pending: dict[str, bytes], victims: Sequence[tuple[str, bytes]]
     return released
 
 
+def forget_replaced(pending: dict[str, bytes], index: OrderedDict[str, int], key: str,
+                    victims: Sequence[str]) -> int:
+    """A tier's bookkeeping once ``key``'s new value is written: drop the key's old entry (or a pending
+    victim of that key: the write replaced it) and the victims' entries from the LRU ``index`` (key ->
+    size; a victim a concurrent get already dropped is skipped). Returns the bytes those entries held,
+    for the caller to take off its used bytes. No I/O."""
+    pending.pop(key, None)
+    freed = index.pop(key, 0)
+    for victim in victims:
+        if victim in index:
+            freed += index.pop(victim)
+    return freed
+
+
 def reinstate_pending(
     pending: dict[str, bytes], index: OrderedDict[str, int], victims: Sequence[tuple[str, bytes]]
 ) -> tuple[list[bool], int]:

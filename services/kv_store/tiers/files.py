@@ -106,6 +106,7 @@ from services.kv_store.tiers.base import (
     PutResult,
     ReleaseFailed,
     TierStats,
+    forget_replaced,
     reinstate_pending,
     run_to_end,
     take_pending,
@@ -367,13 +368,7 @@ class FileTier:
             self._available = False
             raise TierUnavailable(f"{self.name} tier at {self.root} cannot store {key!r}: {exc}") from exc
         # stored: the new file replaced the old value (or a pending victim) of this key
-        self._pending.pop(key, None)
-        prior = self._index.pop(key, None)
-        if prior is not None:
-            self._used_bytes -= prior
-        for victim in victims:
-            if victim in self._index:  # a concurrent get may have dropped a vanished one
-                self._used_bytes -= self._index.pop(victim)
+        self._used_bytes -= forget_replaced(self._pending, self._index, key, victims)
         self._evictions += len(victims)
         self._pending.update(kept)
         self._index[key] = size

@@ -60,6 +60,7 @@ from services.kv_store.tiers.base import (
     PutResult,
     ReleaseFailed,
     TierStats,
+    forget_replaced,
     reinstate_pending,
     run_to_end,
     take_pending,
@@ -160,13 +161,7 @@ class MooncakeTier:
         parts = (frame, meta, value) if meta else (frame, value)
         code = await self._call("put", self._client.upsert_parts, self._key(key), *parts)
         self._check("put", code)  # raises before any victim is touched: they all stay
-        self._pending.pop(key, None)  # the upsert replaced a pending victim of this key
-        prior = self._index.pop(key, None)
-        if prior is not None:
-            self._used_bytes -= prior
-        for victim in victims:
-            if victim in self._index:  # a concurrent get may have dropped a vanished one
-                self._used_bytes -= self._index.pop(victim)
+        self._used_bytes -= forget_replaced(self._pending, self._index, key, victims)  # the upsert replaced them
         self._evictions += len(victims)
         self._pending.update(kept)
         held = {victim for victim, _ in kept}
