@@ -115,6 +115,7 @@ class EngineSimulator:
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 long_prefill_token_threshold_adaptive=config.long_prefill_token_threshold_adaptive,
                 scheduler_reserve_full_isl=config.scheduler_reserve_full_isl,
+                sampled_token_ids=renderer.printable_token_ids(),
             ),
             cache,
         )

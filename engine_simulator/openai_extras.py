@@ -4,7 +4,8 @@
 | piece | vLLM 0.32 behaviour held here |
 | --- | --- |
 | :func:`split_batch` | completions ``prompt`` as ``list[str]`` or ``list[list[int]]``: one engine request per prompt |
-| :func:`choices_per_prompt` | ``n`` an integer >= 1 (vLLM's ``CompletionRequest.n`` / ``ChatCompletionRequest.n``) |
+| :func:`choices_per_prompt` | ``n`` an integer >= 1 (vLLM's ``CompletionRequest.n`` / ``ChatCompletionRequest.n``); ``n > 1`` with ``temperature: 0`` is vLLM's 400 ``n must be 1 when using greedy sampling, got N.`` (``SamplingParams._verify_greedy_sampling``); ``best_of`` is no field of vLLM 0.32's requests (ignored, as any unknown field) |
+| :func:`chat_echo` | chat's ``echo`` (``ChatCompletionRequest.echo``): the answer is prepended with the last message's content when that message has the answer's role (``assistant``, or the last message's own role with ``add_generation_prompt: false``) |
 | :func:`read_generation_fields` | scalar fields read as vLLM's pydantic models read them (lax: ``"5"`` is 5, ``"false"`` is False), its type errors as its 400 (``"N validation error(s): ..."``, ``type`` "Bad Request"); ``stop`` a string or at most 4 strings, ``seed`` an int64; ``SamplingParams``' range checks (``temperature`` in [0, 2], ``top_p`` in (0, 1], ...) and ``logprobs`` at most ``MAX_LOGPROBS`` (20) with vLLM's messages (``BadRequestError``, ``param``) |
 | :func:`simulated_logprobs` | ``logprobs: k`` (chat: ``logprobs: true`` + ``top_logprobs: k``) answers a logprobs object in vLLM's completion/chat shape, simulated values |
 | :class:`ApiKeyMiddleware` | ``--api-key``: paths under ``/v1`` need ``Authorization: Bearer <key>``, else 401 ``{"error": "Unauthorized"}``; ``/health``, ``/metrics``, ``/tokenize``, ``/detokenize`` stay open (``AuthenticationMiddleware``) |
@@ -59,6 +60,19 @@ def split_batch(body: dict[str, Any], chat: bool) -> list[dict[str, Any]]:
     if len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         return [{**body, "prompt": p} for p in prompt]
     return [body]
+
+
+def chat_echo(body: dict[str, Any]) -> tuple[str, str]:
+    """``(role, echoed text)`` of a chat body (vLLM 0.32 ``chat_completion/serving.py``: ``get_chat_request_role``
+    and the ``request.echo`` blocks): the role is ``assistant`` unless ``add_generation_prompt`` is false (then the
+    last message's role); the text is the last message's content when ``echo`` is set and that message has the
+    role (list content: its text parts joined with ``"\n"``), else ""."""
+    messages = body.get("messages")
+    last = messages[-1] if isinstance(messages, list) and messages and isinstance(messages[-1], dict) else {}
+    role = "assistant" if body.get("add_generation_prompt", True) is not False else str(last.get("role", ""))
+    if not body.get("echo") or last.get("role") != role:
+        return role, ""
+    return role, _text_of(last.get("content"))
 
 
 def choices_per_prompt(body: dict[str, Any]) -> int:
@@ -349,6 +363,8 @@ class ExtraRoutes:
 
 # -- request fields as vLLM 0.32's pydantic models read them -----------------------------------------
 
+_SAMPLING_EPS = 1e-5
+"""``sampling_params._SAMPLING_EPS``: a temperature below it is greedy sampling."""
 MAX_LOGPROBS = 20
 """vLLM 0.32's ``--max-logprobs`` default (``config/model.py`` ``ModelConfig.max_logprobs``)."""
 MAX_STOP_STRINGS = 4
@@ -406,11 +422,15 @@ class _GenerationFields(BaseModel):
     min_p: float | None = None
     min_tokens: int = 0
     priority: int = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
+    use_beam_search: bool = False
 
     @model_validator(mode="before")
     @classmethod
     def _check_logprobs(cls, data: Any) -> Any:
         if isinstance(data, dict):
+            if data.get("use_beam_search") and data.get("echo") and data.get("logprobs") is not None:
+                raise FieldError("`echo` with `logprobs` is not supported with beam search because beam search does "
+                                 "not compute prompt logprobs.", "echo")
             _number_or_none(data, ("prompt_logprobs", "logprobs"))
             logprobs = data.get("logprobs")
             if logprobs is not None and logprobs < 0 and logprobs != -1:
@@ -520,6 +540,8 @@ def _check_sampling(fields: _GenerationFields, vocab_size: int) -> None:
     stop = [fields.stop] if isinstance(fields.stop, str) else fields.stop or []
     if any(not s for s in stop):
         raise _sampling_error("stop cannot contain an empty string.")
+    if temperature < _SAMPLING_EPS and n > 1 and not fields.use_beam_search:  # _verify_greedy_sampling
+        raise _sampling_error(f"n must be 1 when using greedy sampling, got {n}.")
 
 
 def check_max_logprobs(k: int | None, vocab_size: int) -> None:
@@ -556,8 +578,8 @@ def read_generation_fields(body: dict[str, Any], chat: bool, vocab_size: int) ->
     except FieldError as exc:
         raise _sampling_error(exc.message, exc.parameter, exc.value) from None
     _check_sampling(fields, vocab_size)
-    coerced: dict[str, Any] = {name: getattr(fields, name) for name in ("n", "stream", "ignore_eos", "max_tokens", "echo")
-               if name in body}
+    read = ("n", "stream", "ignore_eos", "max_tokens", "echo", "use_beam_search")
+    coerced: dict[str, Any] = {name: getattr(fields, name) for name in read if name in body}
     if isinstance(fields, _ChatFields) and "max_completion_tokens" in body:
         coerced["max_completion_tokens"] = fields.max_completion_tokens
     return {**body, **coerced}, fields.num_logprobs()
@@ -571,22 +593,29 @@ def _first_wins(pairs: list[tuple[str, float]]) -> dict[str, float]:
     return out
 
 
-def simulated_logprobs(token_ids: list[int], token_text: Any, k: int, chat: bool, text_offset: int = 0) -> dict[str, Any]:
+def simulated_logprob(token_id: int, rank: int) -> float:
+    """The simulated logprob of ``token_id`` ranked ``rank`` (0: the most likely): deterministic, <= 0."""
+    return -round(0.01 + (token_id % 50) / 100 + rank * 0.75, 4)
+
+
+def simulated_logprobs(token_ids: list[int], token_text: Any, k: int, chat: bool, text_offset: int = 0,
+                       first_unscored: bool = False, alternatives: Any = None) -> dict[str, Any]:
     """A logprobs object in vLLM 0.32's shape for sampled ``token_ids`` with ``k`` alternatives each.
 
     Completions (``CompletionLogProbs``): ``{"text_offset", "token_logprobs", "tokens", "top_logprobs"}``, each
     step's ``top_logprobs`` a ``{token: logprob}`` dict holding the sampled token and the top ``k``. Chat
     (``ChatCompletionLogProbs``): ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [k entries]}]}``.
-    Values are simulated (deterministic in the token id, <= 0, the sampled token the most likely); tokens are
-    the tokenizer's own strings (``token_text(id)``).
+    Values are simulated (:func:`simulated_logprob`, the sampled token the most likely); tokens are the
+    tokenizer's own strings (``token_text(id)``). ``first_unscored`` (completions, ``echo``: the ids start with
+    the prompt): the first token's logprob and top_logprobs are None, as vLLM's first prompt logprob.
+    ``alternatives(token_id, k)``: the ``k`` ranked ids of a step, the token first (default: the ids after it).
     """
-    def logprob(token_id: int, rank: int) -> float:
-        return -round(0.01 + (token_id % 50) / 100 + rank * 0.75, 4)
-
+    logprob = simulated_logprob
+    ranked = alternatives or (lambda tid, count: [tid + r for r in range(count)])
     steps = []
     for tid in token_ids:
-        alternatives = [(tid, logprob(tid, 0))] + [(tid + r, logprob(tid + r, r)) for r in range(1, k)]
-        steps.append((token_text(tid), logprob(tid, 0), [(token_text(a), lp) for a, lp in alternatives[:k]]))
+        top = [(a, logprob(a, r)) for r, a in enumerate(ranked(tid, k))]
+        steps.append((token_text(tid), logprob(tid, 0), [(token_text(a), lp) for a, lp in top[:k]]))
     if chat:
         def entry(token: str, lp: float) -> dict[str, Any]:
             return {"token": token, "logprob": lp, "bytes": list(token.encode("utf-8", errors="replace"))}
@@ -596,9 +625,13 @@ def simulated_logprobs(token_ids: list[int], token_text: Any, k: int, chat: bool
     for tok, _, _ in steps:
         offsets.append(position)
         position += len(tok)
+    token_logprobs: list[float | None] = [lp for _, lp, _ in steps]
+    top_logprobs: list[dict[str, float] | None] = [_first_wins([(tok, lp), *top]) for tok, lp, top in steps]
+    if first_unscored and steps:
+        token_logprobs[0] = top_logprobs[0] = None
     return {
         "text_offset": offsets,
-        "token_logprobs": [lp for _, lp, _ in steps],
+        "token_logprobs": token_logprobs,
         "tokens": [tok for tok, _, _ in steps],
-        "top_logprobs": [_first_wins([(tok, lp), *top]) for tok, lp, top in steps],
+        "top_logprobs": top_logprobs,
     }

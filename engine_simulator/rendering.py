@@ -11,7 +11,13 @@
   the template's own ``<s>`` is the only one), then ``truncate_prompt_tokens`` keeps the last k.
   Media content parts are a 400 (a text-only model).
 * Output text is the concatenation of each token's own decoded string (a table built once), so
-  streamed chunks concatenate to the non-streamed text.
+  streamed chunks concatenate to the non-streamed text. :meth:`Renderer.printable_token_ids` are the
+  tokens generation draws from: those whose own text is whole (no lone UTF-8 byte, which decodes to
+  U+FFFD) and free of control characters other than newline and tab, special tokens excluded, so the
+  simulated output is text a real model would plausibly write (the byte tokens ``\x00``..``\x1f`` exist in
+  the vocabulary but are never sampled).
+* An ``echo`` of a token-id prompt is :meth:`Renderer.decode` of the ids (vLLM 0.32 detokenizes such a
+  prompt with the tokenizer's ``decode``, special tokens kept: ``<s>`` shows).
 * Encoding goes through ``encode_batch``, which releases the GIL while the Rust tokenizer works (the
   single ``encode`` holds it), so a long prompt encoded in a worker thread does not stall the event
   loop or the lease keepalive thread. :meth:`Renderer.min_tokens` is a sound lower bound on a text's
@@ -161,6 +167,20 @@ class Renderer:
         if with_special and ids and ids[0] == BOS_ID:
             return [BOS_ID, *ids[len(ids) - max(k - 1, 0):]][:k] if k > 0 else []
         return ids[len(ids) - k:] if k > 0 else []
+
+    def printable_token_ids(self) -> tuple[int, ...]:
+        """Ids whose own text is non-empty, holds no U+FFFD and no control character but newline and tab, and
+        is not a special token (:data:`SPECIAL_TOKENS`); ascending."""
+        special = set(SPECIAL_TOKENS.values())
+        return tuple(
+            i for i, text in enumerate(self._token_text)
+            if text and text not in special and "\ufffd" not in text
+            and not any((ord(ch) < 32 and ch not in "\n\t") or 127 <= ord(ch) < 160 for ch in text)
+        )
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The tokenizer's decode of a whole sequence, special tokens kept (HF ``decode`` default)."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         table = self._token_text

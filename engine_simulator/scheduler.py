@@ -26,7 +26,14 @@ outside cannot tell (KV events, cached-token counts, queueing):
   generated tokens alike; the events of a step are published after the step.
 * Generated tokens are pseudo-random, fixed by the prompt (like greedy decoding: an identical
   prompt produces identical tokens, so its generated blocks hash identically). A token equal to
-  EOS (id 2, probability ~1/2046 per token) ends the request unless ``ignore_eos``.
+  EOS (id 2, probability 1/(tokens drawn from + 1) per token: ~1/1887 behind the server) ends the
+  request unless ``ignore_eos``. The other tokens are drawn from :attr:`SchedulerConfig.sampled_token_ids` when given (the server passes the
+  tokenizer's printable tokens, so no control character or lone UTF-8 byte is generated), else from
+  every id above EOS. The ``i``-th of ``n`` parallel samples (``Request.sample_index``, ``i > 0``)
+  draws its own sequence (vLLM's child requests sample independently); sample 0 is the request alone.
+* ``Request.skip_reading_prefix_cache`` (vLLM: a request with ``prompt_logprobs``, e.g. ``echo`` with
+  ``logprobs``) looks up no prefix hit, GPU or offloaded, and is not counted in the prefix-cache
+  queries; its blocks are still cached.
 
 Block hashes of a request are computed once per block and kept on the request (incremental over
 generated tokens), so long prompts are hashed once even when rescheduled.
@@ -86,6 +93,9 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     long_prefill_token_threshold_adaptive: bool = False
     scheduler_reserve_full_isl: bool = True
+    sampled_token_ids: tuple[int, ...] = ()
+    """Token ids generation draws from besides EOS (e.g. ``Renderer.printable_token_ids()``); empty: every id in
+    ``(EOS_ID, vocab_size)``."""
 
     def __post_init__(self) -> None:
         check_long_prefill_token_threshold(self.long_prefill_token_threshold, self.max_model_len)
@@ -137,6 +147,10 @@ class Request:
     """The LoRA adapter the request runs under (None: the base model)."""
     cache_salt: str | None = None
     """vLLM's ``cache_salt``: isolates this request's prefix cache from other salts."""
+    sample_index: int = 0
+    """Which of ``n`` parallel samples of one prompt this is (vLLM's child ``index``): > 0 draws its own tokens."""
+    skip_reading_prefix_cache: bool = False
+    """vLLM's ``SamplingParams.skip_reading_prefix_cache`` (set when ``prompt_logprobs`` are asked): no prefix hit."""
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
@@ -214,18 +228,25 @@ class Request:
             out.append(None if keys is None else tuple(k[1] for k in keys))  # type: ignore[index]
         return out
 
-    def next_token(self, vocab_size: int) -> int:
-        """The next generated token: pseudo-random in ``[EOS_ID, vocab_size)``, seeded by the prompt."""
+    def next_token(self, vocab_size: int, sampled: Sequence[int] = ()) -> int:
+        """The next generated token, seeded by the prompt (and :attr:`sample_index` when > 0): EOS or one of
+        ``sampled`` (empty: an id in ``(EOS_ID, vocab_size)``), each equally likely."""
+        choices = len(sampled) + 1 if sampled else vocab_size - EOS_ID
         if self._rng is None:
-            seed = hashlib.blake2b(array("q", self.prompt_token_ids).tobytes(), digest_size=8).digest()
+            key = array("q", self.prompt_token_ids).tobytes()
+            if self.sample_index:
+                key += b"sample:%d" % self.sample_index
+            seed = hashlib.blake2b(key, digest_size=8).digest()
             self._rng = random.Random(int.from_bytes(seed, "little"))
             # a preempted request regenerates nothing: skip what it already produced
             for _ in self.output_token_ids:
-                self._rng.randrange(EOS_ID, vocab_size)
-        tok = self._rng.randrange(EOS_ID, vocab_size)
-        if tok == EOS_ID and self.ignore_eos:
-            tok = EOS_ID + 1
-        return tok
+                self._rng.randrange(choices)
+        draw = self._rng.randrange(choices)
+        if draw == 0 and not self.ignore_eos:
+            return EOS_ID
+        if not sampled:
+            return EOS_ID + max(draw, 1)
+        return sampled[max(draw, 1) - 1]
 
 
 @dataclass(slots=True)
@@ -393,7 +414,7 @@ class EngineCore:
 
     def _computed_blocks(self, req: Request) -> list[int]:
         """Prefix-hit blocks, capped so the last token is always computed (vLLM)."""
-        if not self.cache.enable_caching:
+        if not self.cache.enable_caching or req.skip_reading_prefix_cache:
             return []
         max_blocks = (req.num_tokens - 1) // self.block_size
         if max_blocks <= 0:
@@ -488,7 +509,7 @@ class EngineCore:
         fit in the free blocks less what every in-flight prefill still needs. The request then joins the
         in-flight prefills, so later loads leave its remaining blocks free."""
         offload = self.cache.offload
-        if offload is None or not self.cache.enable_caching:
+        if offload is None or not self.cache.enable_caching or req.skip_reading_prefix_cache:
             return None
         max_blocks = (req.num_tokens - 1) // self.block_size
         hashes = req.block_hashes(max_blocks, self.block_size) if max_blocks > 0 else []
@@ -639,9 +660,10 @@ class EngineCore:
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = hit_tokens
                     req.first_scheduled_time = now
-                    self.prefix_queries_tokens += req.num_tokens
-                    self.prefix_hits_tokens += hit_tokens
-                    if self.cache.offload is not None and self.cache.enable_caching:
+                    if not req.skip_reading_prefix_cache:  # vLLM's record_prefix_cache_stats skips it
+                        self.prefix_queries_tokens += req.num_tokens
+                        self.prefix_hits_tokens += hit_tokens
+                    if self.cache.offload is not None and self.cache.enable_caching and not req.skip_reading_prefix_cache:
                         self.external_queries_tokens += req.num_tokens - hit_tokens
                 self.running.append(req)
                 step.scheduled.append((req, n))
@@ -666,7 +688,7 @@ class EngineCore:
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a prefill chunk: nothing sampled yet
             req.inflight_prefill = False  # prefill complete (vLLM's _update_after_schedule)
-            tok = req.next_token(cfg.vocab_size)
+            tok = req.next_token(cfg.vocab_size, cfg.sampled_token_ids)
             req.output_token_ids.append(tok)
             done = None
             if tok == EOS_ID and not req.ignore_eos:

@@ -2,8 +2,8 @@
 
 | route | what |
 | --- | --- |
-| ``POST /v1/completions`` | ``prompt`` text or token ids; ``stream`` (SSE, ``data: [DONE]``) or not |
-| ``POST /v1/chat/completions`` | ``messages`` through the documented template (``rendering.py``) |
+| ``POST /v1/completions`` | ``prompt`` text or token ids (or a batch); ``stream`` (SSE, ``data: [DONE]``) or not; ``n``, ``echo``, ``use_beam_search`` as vLLM 0.32 (``engine_simulator/README.md``) |
+| ``POST /v1/chat/completions`` | ``messages`` through the documented template (``rendering.py``); ``n``, ``echo``, ``use_beam_search`` likewise |
 | ``POST /v1/embeddings`` (``--runner pooling``), ``POST /v1/responses``, ``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``, ``POST /detokenize`` | ``engine_simulator/openai_extras.py`` |
 | ``POST /tokenize`` | ``{"model","prompt"}`` or ``{"model","messages","add_generation_prompt"}`` -> ``{"count","max_model_len","tokens","token_strs"}`` |
 | ``POST /v1/completions/render``, ``POST /v1/chat/completions/render`` | token ids the engine would run, without running |
@@ -43,19 +43,23 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from engine_simulator.beam_search import beam_search, candidates
 from engine_simulator.engine import AsyncEngine
 from engine_simulator.openai_extras import (
     ApiKeyMiddleware,
     ExtraRoutes,
     VllmValidationError,
+    chat_echo,
     check_max_logprobs,
     choices_per_prompt,
     read_generation_fields,
+    simulated_logprob,
     simulated_logprobs,
     split_batch,
 )
 from engine_simulator.rendering import Renderer
-from engine_simulator.scheduler import LoraAdapter, Request, RequestOutput
+from engine_simulator.scheduler import FinishReason, LoraAdapter, Request, RequestOutput
+from engine_simulator.tokenizer import EOS_ID
 from kvmesh.errors import InvalidRequest, UnknownModel
 
 logger = logging.getLogger(__name__)
@@ -170,18 +174,41 @@ def _max_tokens(state: ServerState, body: dict[str, Any], n_prompt: int, chat: b
     return min(value, state.max_model_len - n_prompt)  # vLLM 0.32's get_max_tokens clamps to the room left
 
 
-def summed_usage(reqs: list[Request], n: int = 1) -> dict[str, Any]:
-    """vLLM's usage over a request's choices: each prompt's tokens (and cached tokens) once, the
-    outputs of every choice summed (``reqs`` are prompt-major, ``n`` per prompt)."""
+def summed_usage(reqs: list[Request], n: int = 1, cached_tokens: int | None = None) -> dict[str, Any]:
+    """vLLM 0.32's usage over a request's choices (``serving.py`` of completion and chat): each prompt's tokens
+    once, the generated tokens of every choice summed (``reqs`` are prompt-major, ``n`` per prompt; an echoed
+    prompt is not counted as generated). ``cached_tokens`` is one ``RequestOutput``'s ``num_cached_tokens``, not a
+    sum: the last prompt's (its last choice to finish) in a plain answer, the first output's in a stream; None
+    takes the last prompt's first choice."""
     prompts = reqs[::n]
     n_prompt = sum(req.num_prompt_tokens for req in prompts)
     n_out = sum(len(req.output_token_ids) for req in reqs)
+    cached = prompts[-1].num_cached_tokens if cached_tokens is None else cached_tokens
     return {
         "prompt_tokens": n_prompt,
         "total_tokens": n_prompt + n_out,
         "completion_tokens": n_out,
-        "prompt_tokens_details": {"cached_tokens": sum(max(req.num_cached_tokens, 0) for req in prompts)},
+        "prompt_tokens_details": {"cached_tokens": max(cached, 0)},
     }
+
+
+@dataclass
+class _Shape:
+    """How a completions/chat request's choices are written (vLLM 0.32 ``completion/serving.py``,
+    ``chat_completion/serving.py``)."""
+
+    chat: bool
+    n: int
+    """Choices per prompt."""
+    k: int | None
+    """Logprobs per token (None: no logprobs)."""
+    echo: bool = False
+    echo_only: bool = False
+    """Completions' ``echo`` with ``max_tokens: 0``: each choice is the prompt alone (the engine ran one token)."""
+    echo_texts: list[str] = field(default_factory=list)
+    """Per prompt, the text ``echo`` prepends (completions: the prompt's text; chat: the echoed message or "")."""
+    role: str = "assistant"
+    """Chat: the answer's role (vLLM's ``get_chat_request_role``)."""
 
 
 async def _wait_disconnect(request: HttpRequest) -> None:
@@ -319,7 +346,7 @@ class EngineHttpApi:
 
         Raises:
             UnknownModel: ``model`` names another model.
-            InvalidRequest: no prompt, ``n`` != 1, or a length/``max_tokens`` vLLM would refuse.
+            InvalidRequest: no prompt, or a length/``max_tokens`` vLLM would refuse.
         """
         _check_model(self._state, body)
         ids = self._renderer.chat_request_ids(body) if chat else self._renderer.completion_request_ids(body)
@@ -333,21 +360,47 @@ class EngineHttpApi:
 
     async def _generate(self, request: HttpRequest, chat: bool) -> Response:
         """One completions/chat request: every prompt of a batch times ``n`` choices (vLLM 0.32's shapes:
-        choice ``index`` = ``prompt_index * n + i``; usage summed, a prompt's tokens counted once)."""
+        choice ``index`` = ``prompt_index * n + i``; usage summed, a prompt's tokens counted once), with
+        ``echo`` (:class:`_Shape`).
+
+        Raises:
+            InvalidRequest: what vLLM 0.32 refuses with a 400 before running: a streamed completions request
+                with ``use_beam_search`` (``Streaming is not currently supported with beam search``), a bad
+                prompt, a length over ``max_model_len``, ``max_tokens < 1`` (0 is allowed with completions'
+                ``echo``: the prompt alone); the sampling checks are :func:`read_generation_fields`'.
+        """
         body, logprobs = read_generation_fields(await _json_body(request), chat, self._renderer.vocab_size)
         streamed = bool(body.get("stream"))
+        if streamed and not chat and body.get("use_beam_search"):  # serving.py _create_completion, before rendering
+            raise InvalidRequest("Streaming is not currently supported with beam search")
+        n = choices_per_prompt(body)
         try:
             check_max_logprobs(logprobs, self._renderer.vocab_size)
+            if body.get("use_beam_search"):  # each round's requests ask logprobs=2 * width (beam_search/online.py)
+                check_max_logprobs(2 * n, self._renderer.vocab_size)
         except VllmValidationError as exc:
             if not streamed:
                 raise
             return StreamingResponse(iter([f"data: {_dumps(exc.body)}\n\n", "data: [DONE]\n\n"]),
                                      media_type="text/event-stream", headers=_SSE_HEADERS)
-        n = choices_per_prompt(body)
-        prepared = [await self._prepare_bounded(sub, chat) for sub in split_batch(body, chat)]
+        echo = bool(body.get("echo"))
+        # completions: echo with max_tokens 0 returns the prompt alone; the engine still runs one token
+        echo_only = echo and not chat and body.get("max_tokens") == 0
+        subs = split_batch({**body, "max_tokens": 1} if echo_only else body, chat)
+        prepared = [await self._prepare_bounded(sub, chat) for sub in subs]
+        shape = _Shape(chat, n, logprobs, echo, echo_only)
+        if chat:
+            shape.role, echo_text = chat_echo(body)
+            shape.echo_texts = [echo_text]
+        elif echo:
+            shape.echo_texts = [self._prompt_text(sub, ids) for sub, (ids, _) in zip(subs, prepared, strict=True)]
+        # vLLM sets prompt_logprobs (so skip_reading_prefix_cache) for echo: completions' logprobs, chat's top_logprobs
+        skip_cache = echo and (chat or logprobs is not None)
         prefix = "chatcmpl-" if chat else "cmpl-"
         rid = prefix + uuid.uuid4().hex
         lora, salt = request_scope(self._state, body)
+        if body.get("use_beam_search"):
+            return await self._beam_answer(request, rid, prepared, shape, body, streamed)
         reqs: list[Request] = []
         queues: list[asyncio.Queue[RequestOutput]] = []
         try:
@@ -355,7 +408,7 @@ class EngineHttpApi:
                 for j in range(n):
                     sub_id = rid if len(prepared) * n == 1 else f"{rid}-{p_idx}-{j}"
                     req = Request(sub_id, ids, max_tokens, ignore_eos=bool(body.get("ignore_eos", False)), lora=lora,
-                                  cache_salt=salt)
+                                  cache_salt=salt, sample_index=j, skip_reading_prefix_cache=skip_cache)
                     queues.append(self._engine.submit(req))
                     reqs.append(req)
         except ValueError as exc:
@@ -367,11 +420,18 @@ class EngineHttpApi:
             opts = body.get("stream_options") or {}
             include_usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
             return StreamingResponse(
-                self._stream(rid, reqs, queues, chat, created, include_usage, n, logprobs),
+                self._stream(rid, reqs, queues, shape, created, include_usage),
                 media_type="text/event-stream",
                 headers=_SSE_HEADERS,
             )
-        waiter: asyncio.Future[list[None]] = asyncio.ensure_future(asyncio.gather(*(_collect(q) for q in queues)))
+        finish_order: list[int] = []
+
+        async def collect(index: int, queue: asyncio.Queue[RequestOutput]) -> None:
+            await _collect(queue)
+            finish_order.append(index)
+
+        waiter: asyncio.Future[list[None]] = asyncio.ensure_future(
+            asyncio.gather(*(collect(i, q) for i, q in enumerate(queues))))
         disconnect = asyncio.create_task(_wait_disconnect(request))
         try:
             await asyncio.wait([waiter, disconnect], return_when=asyncio.FIRST_COMPLETED)  # type: ignore[type-var]
@@ -385,26 +445,136 @@ class EngineHttpApi:
         if not waiter.done() or waiter.cancelled():
             logger.info("client disconnected request_id=%s: request aborted", rid)
             return Response(status_code=499)
-        return JSONResponse(self._completion_body(rid, reqs, chat, created, n, logprobs))
+        # vLLM reports the last prompt's RequestOutput, built when its last choice finished
+        last_prompt = [i for i in finish_order if i // n == len(prepared) - 1]
+        cached = reqs[last_prompt[-1]].num_cached_tokens
+        return JSONResponse(self._completion_body(rid, reqs, shape, created, cached))
 
-    def _logprobs(self, ids: list[int], k: int | None, chat: bool, text_offset: int = 0) -> dict[str, Any] | None:
-        """vLLM's logprobs object for ``ids`` when the request asked for it (``k`` not None), else None."""
+    async def _beam_answer(self, request: HttpRequest, rid: str, prepared: list[tuple[list[int], int]], shape: _Shape,
+                           body: dict[str, Any], streamed: bool) -> Response:
+        """``use_beam_search`` (:mod:`engine_simulator.beam_search`): each prompt's ``n`` best beams as its
+        choices, one prompt after another as vLLM's merged generators; usage counts the beams' tokens (the
+        rounds' engine requests are not counted), cached tokens 0 (vLLM's beam output carries none). A streamed
+        chat request gets the whole answer at once, one chunk per choice (vLLM streams the single final output)."""
+        lora, salt = request_scope(self._state, body)
+        table = self._engine.core.config.sampled_token_ids
+        penalty = body.get("length_penalty", 1.0)
+        penalty = float(penalty) if isinstance(penalty, (int, float)) and not isinstance(penalty, bool) else 1.0
+
+        async def run_prompt(ids: list[int], max_tokens: int) -> list[Request]:
+            async def step(prefixes: list[list[int]]) -> list[int]:
+                batch = f"{rid}-{uuid.uuid4().hex[:16]}"
+                reqs = [Request(f"{batch}-beam-{i}", ids + p, 1, lora=lora, cache_salt=salt)
+                        for i, p in enumerate(prefixes)]
+                queues = []
+                try:
+                    for req in reqs:
+                        queues.append(self._engine.submit(req))
+                    for queue in queues:
+                        await _collect(queue)
+                finally:
+                    for req in reqs[:len(queues)]:
+                        if req.finish_reason is None:
+                            self._engine.abort(req.request_id)
+                return [req.output_token_ids[0] for req in reqs]
+
+            beams = await beam_search(len(ids), shape.n, max_tokens, step, table, EOS_ID,
+                                      bool(body.get("ignore_eos", False)), penalty)
+            out = []
+            for beam in beams:
+                req = Request(rid, ids, max_tokens, num_cached_tokens=0,
+                              finish_reason=FinishReason.STOP if beam.finish_reason else FinishReason.LENGTH)
+                req.output_token_ids = beam.tokens
+                out.append(req)
+            return out
+
+        async def run_all() -> list[Request]:
+            reqs: list[Request] = []
+            for ids, max_tokens in prepared:
+                reqs += await run_prompt(ids, max_tokens)
+            return reqs
+
+        task = asyncio.ensure_future(run_all())
+        disconnect = asyncio.create_task(_wait_disconnect(request))
+        try:
+            await asyncio.wait([task, disconnect], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            disconnect.cancel()
+            if not task.done():
+                task.cancel()
+            task.add_done_callback(_retrieve)
+        if task.cancelled() or not task.done():
+            logger.info("client disconnected request_id=%s: beam search aborted", rid)
+            return Response(status_code=499)
+        try:
+            reqs = task.result()
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        created = int(time.time())
+        answer = self._completion_body(rid, reqs, shape, created, 0)
+        if not streamed:
+            return JSONResponse(answer)
+        opts = body.get("stream_options") or {}
+        include_usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self._state.model}
+        chunks = [{**head, "choices": [{"index": i, "delta": {"role": shape.role, "content": ""}, "logprobs": None,
+                                        "finish_reason": None}]} for i in range(len(reqs))]
+        chunks += [{**head, "choices": [{"index": c["index"], "delta": {"content": c["message"]["content"]},
+                                         "logprobs": c["logprobs"], "finish_reason": c["finish_reason"],
+                                         "stop_reason": None}]} for c in answer["choices"]]
+        if include_usage:
+            chunks.append({**head, "choices": [], "usage": answer["usage"]})
+        lines = [f"data: {_dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
+        return StreamingResponse(iter(lines), media_type="text/event-stream", headers=_SSE_HEADERS)
+
+    def _prompt_text(self, body: dict[str, Any], ids: list[int]) -> str:
+        """The text completions' ``echo`` prepends: the prompt string as sent, or the tokenizer's decode of a
+        token-id prompt (vLLM 0.32 ``renderers/base.py`` ``_detokenize_prompt``, before truncation: the ids sent)."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return prompt
+        return self._renderer.decode(prompt if isinstance(prompt, list) else ids)
+
+    def _logprobs(self, ids: list[int], k: int | None, chat: bool, text_offset: int = 0,
+                  first_unscored: bool = False) -> dict[str, Any] | None:
+        """vLLM's logprobs object for ``ids`` when the request asked for it (``k`` not None), else None;
+        ``first_unscored``: ``ids`` start with an echoed prompt, whose first token has no logprob."""
         if k is None:
             return None
         vocab = self._renderer.vocab_size
         count = vocab if k == -1 else k
-        return simulated_logprobs(ids, lambda t: self._renderer.detokenize([t % vocab]), count, chat, text_offset)
+        return simulated_logprobs(ids, lambda t: self._renderer.detokenize([t % vocab]), count, chat, text_offset,
+                                  first_unscored, self._alternatives)
 
-    def _choice(self, req: Request, index: int, chat: bool, k: int | None = None) -> dict[str, Any]:
+    def _alternatives(self, token_id: int, count: int) -> list[int]:
+        """A step's ``count`` ranked candidate ids, ``token_id`` first, the others sampleable (printable) tokens."""
+        return candidates(token_id, count, self._engine.core.config.sampled_token_ids)
+
+    def _prompt_logprobs(self, ids: list[int], k: int) -> list[dict[str, dict[str, Any]] | None]:
+        """A completions choice's ``prompt_logprobs`` (echo with logprobs: vLLM's ``prompt_logprobs = logprobs``):
+        None for the first token, then ``{token_id: {"logprob", "rank", "decoded_token"}}`` holding the prompt
+        token and the top ``k`` (vLLM's ``Logprob``), simulated as :func:`simulated_logprobs` (the prompt token
+        the most likely, so ``max(k, 1)`` entries)."""
+        vocab = self._renderer.vocab_size
+        count = max(vocab if k == -1 else k, 1)
+        out: list[dict[str, dict[str, Any]] | None] = [None]
+        for tid in ids[1:]:
+            out.append({str(a): {"logprob": simulated_logprob(a, r), "rank": r + 1,
+                                 "decoded_token": self._renderer.detokenize([a])}
+                        for r, a in enumerate(self._alternatives(tid, count))})
+        return out
+
+    def _choice(self, req: Request, index: int, shape: _Shape) -> dict[str, Any]:
         text = self._renderer.detokenize(req.output_token_ids)
-        logprobs = self._logprobs(list(req.output_token_ids), k, chat)
         finish = str(req.finish_reason)
-        if chat:
+        if shape.chat:
             return {
                 "index": index,
                 "message": {
-                    "role": "assistant",
-                    "content": text,
+                    "role": shape.role,
+                    "content": shape.echo_texts[0] + text if shape.echo else text,
                     "refusal": None,
                     "annotations": None,
                     "audio": None,
@@ -412,30 +582,37 @@ class EngineHttpApi:
                     "tool_calls": [],
                     "reasoning_content": None,
                 },
-                "logprobs": logprobs,
+                "logprobs": self._logprobs(list(req.output_token_ids), shape.k, True),
                 "finish_reason": finish,
                 "stop_reason": None,
             }
+        ids = list(req.output_token_ids)
+        prompt_logprobs = None
+        if shape.echo:  # serving.py request_output_to_completion_response
+            prompt_ids = list(req.prompt_token_ids)
+            prompt_text = shape.echo_texts[index // shape.n]
+            text, ids = (prompt_text, prompt_ids) if shape.echo_only else (prompt_text + text, prompt_ids + ids)
+            if shape.k is not None:
+                prompt_logprobs = self._prompt_logprobs(prompt_ids, shape.k)
         return {
             "index": index,
             "text": text,
-            "logprobs": logprobs,
+            "logprobs": self._logprobs(ids, shape.k, False, first_unscored=shape.echo),
             "finish_reason": finish,
             "stop_reason": None,
-            "prompt_logprobs": None,
+            "prompt_logprobs": prompt_logprobs,
         }
 
-    def _completion_body(
-        self, rid: str, reqs: list[Request], chat: bool, created: int, n: int, k: int | None = None
-    ) -> dict[str, Any]:
+    def _completion_body(self, rid: str, reqs: list[Request], shape: _Shape, created: int,
+                         cached_tokens: int) -> dict[str, Any]:
         """The non-streaming answer of finished requests (vLLM 0.32's field set)."""
         return {
             "id": rid,
-            "object": "chat.completion" if chat else "text_completion",
+            "object": "chat.completion" if shape.chat else "text_completion",
             "created": created,
             "model": self._state.model,
-            "choices": [self._choice(req, i, chat, k) for i, req in enumerate(reqs)],
-            "usage": summed_usage(reqs, n),
+            "choices": [self._choice(req, i, shape) for i, req in enumerate(reqs)],
+            "usage": summed_usage(reqs, shape.n, cached_tokens),
             "kv_transfer_params": None,
         }
 
@@ -444,14 +621,15 @@ class EngineHttpApi:
         rid: str,
         reqs: list[Request],
         queues: list[asyncio.Queue[RequestOutput]],
-        chat: bool,
+        shape: _Shape,
         created: int,
         include_usage: bool,
-        n: int,
-        k: int | None = None,
     ) -> AsyncIterator[str]:
-        """SSE chunks as vLLM writes them, one choice per chunk (its ``index``), the usage chunk summed;
-        a client gone before the end aborts every unfinished choice."""
+        """SSE chunks as vLLM writes them, one choice per chunk (its ``index``), the usage chunk summed (cached
+        tokens: the first output's, as vLLM's stream generators); a client gone before the end aborts every
+        unfinished choice. ``echo``: completions prepend the prompt to each choice's first chunk; chat sends,
+        after the role chunks, one chunk per choice with the echoed message."""
+        chat = shape.chat
         obj = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": rid, "object": obj, "created": created, "model": self._state.model}
         merged: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
@@ -466,22 +644,43 @@ class EngineHttpApi:
         pumps = [asyncio.create_task(pump(i, q)) for i, q in enumerate(queues)]
         open_choices = len(queues)
         offsets = [0] * len(queues)
+        echoed = [False] * len(queues)
+        cached: int | None = None
         try:
             if chat:
                 for i in range(len(reqs)):
                     first = {**head, "choices": [
-                        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                        {"index": i, "delta": {"role": shape.role, "content": ""}, "logprobs": None, "finish_reason": None}
                     ]}
                     yield f"data: {_dumps(first)}\n\n"
+                if shape.echo and shape.echo_texts[0]:
+                    for i in range(len(reqs)):
+                        echo_chunk = {**head, "choices": [
+                            {"index": i, "delta": {"content": shape.echo_texts[0]}, "logprobs": None,
+                             "finish_reason": None}
+                        ]}
+                        yield f"data: {_dumps(echo_chunk)}\n\n"
             while open_choices:
                 index, out = await merged.get()
                 req = reqs[index]
+                if cached is None:
+                    cached = req.num_cached_tokens
                 if out.finished:
                     open_choices -= 1
                 text = self._renderer.detokenize(out.new_token_ids)
+                ids = list(out.new_token_ids)
                 reason = str(req.finish_reason) if out.finished else None
-                logprobs = self._logprobs(list(out.new_token_ids), k, chat, offsets[index])
-                offsets[index] += len(text)
+                first_unscored = False
+                if not chat and shape.echo and not echoed[index]:  # serving.py completion_stream_generator
+                    echoed[index] = first_unscored = True
+                    prompt_text = shape.echo_texts[index // shape.n]
+                    prompt_ids = list(req.prompt_token_ids)
+                    text, ids = (prompt_text, prompt_ids) if shape.echo_only else (prompt_text + text, prompt_ids + ids)
+                logprobs = self._logprobs(ids, shape.k, chat, offsets[index], first_unscored)
+                if logprobs is not None and not chat:
+                    offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                else:
+                    offsets[index] += len(text)
                 choice: dict[str, Any]
                 if chat:
                     choice = {"index": index, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": reason}
@@ -492,7 +691,8 @@ class EngineHttpApi:
                               "stop_reason": None}
                 yield f"data: {_dumps({**head, 'choices': [choice]})}\n\n"
             if include_usage:
-                yield f"data: {_dumps({**head, 'choices': [], 'usage': summed_usage(reqs, n)})}\n\n"
+                usage = summed_usage(reqs, shape.n, cached or 0)
+                yield f"data: {_dumps({**head, 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             for task in pumps:

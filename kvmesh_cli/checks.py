@@ -74,6 +74,13 @@ def check_router_url(value: str) -> str:
     return value.rstrip("/")
 
 
+def api_key_refusal(url: str, status: int, api_key: str | None) -> str:
+    """The one line for a router that answered ``GET /v1/models`` with 401/403: it needs a key (none was
+    sent: how to give one), or it refused the one sent."""
+    return (f"router {url} answered GET /v1/models with HTTP {status}: it requires an API key; "
+            + ("--api-key was refused" if api_key else "pass --api-key KEY (or set KVMESH_API_KEY)"))
+
+
 def probe_router(url: str, timeout_s: float = 10.0, api_key: str | None = None) -> None:
     """Fail (exit 1) unless ``GET <url>/v1/models`` answers 200 (with ``api_key`` as a bearer token when given)."""
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
@@ -82,8 +89,7 @@ def probe_router(url: str, timeout_s: float = 10.0, api_key: str | None = None) 
     except httpx.HTTPError as exc:
         fail(f"router {url} is unreachable: {exc or type(exc).__name__}")
     if reply.status_code in (401, 403):
-        fail(f"router {url} answered GET /v1/models with HTTP {reply.status_code}: it requires an API key; "
-             + ("--api-key was refused" if api_key else "pass --api-key KEY (or set KVMESH_API_KEY)"))
+        fail(api_key_refusal(url, reply.status_code, api_key))
     if reply.status_code != 200:
         fail(f"router {url} answered GET /v1/models with HTTP {reply.status_code}; is it a kvmesh router?")
 

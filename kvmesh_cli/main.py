@@ -51,6 +51,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvmesh_cli.checks import (
+    api_key_refusal,
     check_dir_option,
     check_output_file,
     check_router_url,
@@ -63,10 +64,11 @@ from kvmesh_cli.checks import (
     resolve_policy,
 )
 from kvmesh_cli.discovery import DiscoveryError, find_engines, split_host_port
-from kvmesh_cli.mesh import DEFAULT_MODEL, Mesh, MeshSpec, exit_on_signals, run_interruptible, tenant_api_key
+from kvmesh_cli.mesh import DEFAULT_MODEL, Mesh, MeshSpec, exit_on_signals, run_interruptible
 from kvmesh_cli.options import (
     MAX_BLOCK_SIZE_TOKENS,
     SIMULATOR_DEFAULTS,
+    ApiKeyOpt,
     AutoBlocksOpt,
     BlockSizeOpt,
     BlocksOpt,
@@ -117,6 +119,7 @@ from kvmesh_cli.report import (
     ttft_breakdown,
     usage_cached_fraction,
 )
+from kvmesh_cli.rundir import sweep_stale_etcd_data
 from kvmesh_cli.timeline import EngineSampler, timeline_line, timeline_summary, write_timeline
 from kvmesh_cli.workloads import (
     DEFAULT_AGENTIC_ARCHIVE,
@@ -285,12 +288,21 @@ console = Console()
 
 def _run_dir(run_dir: Path | None, command: str) -> Path:
     """``--run-dir`` made and checked writable, else a fresh ``.run/<command>-<time>-<pid>`` of this run alone
-    (:func:`~kvmesh_cli.checks.new_run_dir`); absolute either way.
+    (:func:`~kvmesh_cli.checks.new_run_dir`); absolute either way. With the default, the etcd data earlier
+    runs under ``.run/`` left when they were killed is deleted (:func:`~kvmesh_cli.rundir.sweep_stale_etcd_data`;
+    never a running mesh's), and a line says so.
 
     Raises:
         typer.BadParameter: the folder cannot be made or written (a file in its place, a read-only filesystem).
     """
-    return check_dir_option(run_dir, "--run-dir", create=True) if run_dir is not None else new_run_dir(command).resolve()
+    if run_dir is not None:
+        return check_dir_option(run_dir, "--run-dir", create=True)
+    path = new_run_dir(command).resolve()
+    swept = sweep_stale_etcd_data(path.parent)
+    if swept:
+        console.print(f"deleted the etcd data that {len(swept)} killed earlier run(s) left in {path.parent} "
+                      f"({', '.join(d.parent.name for d in swept)})", soft_wrap=True, markup=False, highlight=False)
+    return path
 
 
 def _package_version() -> str:
@@ -413,6 +425,11 @@ def _run_replay(
         except KeyboardInterrupt as exc:  # Ctrl-C: how far it got, for the interrupted line
             exc.add_note(f"{done} of {len(wl.requests)} requests finished, {errors} failed")
             raise
+        except httpx.HTTPStatusError as exc:  # discovering the model: a router in API-key mode, without a key
+            progress.stop()
+            status = exc.response.status_code
+            fail(api_key_refusal(router_url, status, api_key) if status in (401, 403)
+                 else f"router {router_url} answered GET /v1/models with HTTP {status}")
         except httpx.HTTPError as exc:  # discovering the model; requests themselves never raise
             progress.stop()
             fail(f"router {router_url}: {type(exc).__name__}: {exc}")
@@ -623,10 +640,7 @@ def replay_cmd(
     long_prefill_token_threshold: LongPrefillOpt = None,
     long_prefill_token_threshold_adaptive: LongPrefillAdaptiveOpt = False,
     scheduler_reserve_full_isl: ReserveFullIslOpt = None,
-    api_key: Annotated[str | None, typer.Option(
-        "--api-key", envvar="KVMESH_API_KEY",
-        help="Client API key sent to the router (Authorization: Bearer) when it requires one (tenants with "
-             "require_api_key); default: $KVMESH_API_KEY, or for its own mesh a key from $KVMESH_ROUTER_TENANTS.")] = None,
+    api_key: ApiKeyOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
     """Send a workload through the router and report TTFT, latency, throughput and prefix-cache hits.
@@ -701,14 +715,13 @@ def replay_cmd(
                         time_scale=time_scale, num_gpu_blocks=num_gpu_blocks, etcd=etcd,
                         long_prefill_token_threshold=long_prefill_token_threshold,
                         long_prefill_token_threshold_adaptive=long_prefill_token_threshold_adaptive,
-                        scheduler_reserve_full_isl=scheduler_reserve_full_isl)
+                        scheduler_reserve_full_isl=scheduler_reserve_full_isl, router_api_key=api_key)
         if scheduler_settings is not None and (extra := engine_scheduler_label(scheduler_settings)):
             console.print(f"engines: {extra.removeprefix(', ')}", soft_wrap=True, markup=False)
         with (_replay_interrupted(json_out, mesh_dir), exit_on_signals(then_ignore=True), mesh_errors(),
               Mesh(spec) as mesh):
             outcome = _run_replay(wl, mesh.router_url, mesh.engine_urls, time_scale, concurrency_limit, model, label,
-                                  sessions=sessions, prompt_format=prompt_format,
-                                  api_key=api_key or tenant_api_key(spec.extra_env))
+                                  sessions=sessions, prompt_format=prompt_format, api_key=mesh.router_api_key())
         column = policy
     summary = _summary(outcome, time_scale)
     _first_errors(outcome)
@@ -784,6 +797,9 @@ class RunSettings:
     """Every engine's ``--long-prefill-token-threshold-adaptive``."""
     scheduler_reserve_full_isl: bool | None = None
     """Every engine's ``--[no-]scheduler-reserve-full-isl`` (None: the engine's default)."""
+    api_key: str | None = None
+    """Client API key for kvmesh's router (``compare --api-key``): its readiness check and the replay send it;
+    None: the first key of ``KVMESH_ROUTER_TENANTS``, if any (:meth:`Mesh.router_api_key`). Peers get none."""
 
 
 def _run_one(wl: Workload, rs: RunSettings, run_dir: Path, name: str, policy: str | None, peer: str | None,
@@ -796,7 +812,7 @@ def _run_one(wl: Workload, rs: RunSettings, run_dir: Path, name: str, policy: st
         num_gpu_blocks=rs.num_gpu_blocks, block_size_tokens=rs.block_size_tokens, max_num_seqs=rs.max_num_seqs,
         etcd=rs.etcd, offload=offload, long_prefill_token_threshold=rs.long_prefill_token_threshold,
         long_prefill_token_threshold_adaptive=rs.long_prefill_token_threshold_adaptive,
-        scheduler_reserve_full_isl=rs.scheduler_reserve_full_isl,
+        scheduler_reserve_full_isl=rs.scheduler_reserve_full_isl, router_api_key=rs.api_key,
     )
     t0 = time.monotonic()
     sampler: EngineSampler | None = None
@@ -811,7 +827,8 @@ def _run_one(wl: Workload, rs: RunSettings, run_dir: Path, name: str, policy: st
             outcome = _run_replay(wl, mesh.router_url, mesh.engine_urls, rs.time_scale, rs.concurrency, None, label,
                                   sessions=rs.sessions, sampler=sampler, show_progress=not rs.parallel,
                                   router_metrics_url=metrics_urls.get("router"),
-                                  flow_control_metrics_url=metrics_urls.get("flow_control"))
+                                  flow_control_metrics_url=metrics_urls.get("flow_control"),
+                                  api_key=mesh.router_api_key())
         else:
             from engine_simulator.tokenizer import ensure_tokenizer
             from kvmesh_cli.peers import PeerRouter
@@ -930,6 +947,7 @@ def compare(
     long_prefill_token_threshold: LongPrefillOpt = None,
     long_prefill_token_threshold_adaptive: LongPrefillAdaptiveOpt = False,
     scheduler_reserve_full_isl: ReserveFullIslOpt = None,
+    api_key: ApiKeyOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
     """Replay one workload against a fresh mesh per routing policy (and peer router) and print them side by side."""
@@ -948,7 +966,8 @@ def compare(
         sessions = DEFAULT_AGENTIC_SESSIONS_PER_ENGINE * engines
     rs = RunSettings(engines, num_gpu_blocks or default_num_gpu_blocks(trace, workload), block_size_tokens,
                      max_num_seqs, time_scale, concurrency_limit, sessions, slo_ttft, etcd, parallel,
-                     long_prefill_token_threshold, long_prefill_token_threshold_adaptive, scheduler_reserve_full_isl)
+                     long_prefill_token_threshold, long_prefill_token_threshold_adaptive, scheduler_reserve_full_isl,
+                     api_key)
     bs = block_size_tokens or SIMULATOR_DEFAULTS.block_size_tokens
     scheduler_settings = engine_scheduler(long_prefill_token_threshold, long_prefill_token_threshold_adaptive,
                                           min(SIMULATOR_DEFAULTS.max_model_len, (rs.num_gpu_blocks - 1) * bs),

@@ -6,6 +6,11 @@
     with Mesh(MeshSpec(engines=2, policy="precise-prefix", run_dir=tmp)) as mesh:
         httpx.post(f"{mesh.router_url}/v1/completions", json={...})
 
+A mesh owns its run folder while it runs (:class:`~kvmesh_cli.rundir.RunDirLock`, a ``flock`` on
+``<run_dir>/mesh.lock``): a second mesh started there is refused, and etcd data a SIGKILLed mesh left
+there (its registrations on leases a restarted etcd would renew, its old revisions) is deleted before the
+new mesh's etcd starts (:func:`~kvmesh_cli.rundir.clear_stale_etcd_data`); a clean stop deletes it too.
+
 Start order (output in ``<run_dir>/<name>.log``): etcd (unless ``spec.etcd`` names one) ->
 kv_indexer (binds the ZMQ SUB socket the engines connect to) -> kv_store, flow_control, epp and
 the engines -> the router (given flow_control's and epp's addresses), then all awaited in parallel:
@@ -65,6 +70,7 @@ from kvmesh_cli.launcher import (
     wait_http_ok,
     wait_ports_file,
 )
+from kvmesh_cli.rundir import LOCK_WAIT_S, RunDirBusy, RunDirLock, clear_stale_etcd_data
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +97,8 @@ class MeshSpec:
     """
 
     run_dir: Path
-    """Logs, etcd data and the tokenizer's default location live here."""
+    """Logs, etcd data and the tokenizer's default location live here; one running mesh at a time
+    (``<run_dir>/mesh.lock``), and etcd data found there at start, left by a mesh that did not stop, is deleted."""
     engines: int = 4
     policy: str = "precise-prefix"
     """epp ``--scheduling-config``: ``round-robin``, ``load-only``, ``precise-prefix`` or a YAML path."""
@@ -142,6 +149,10 @@ class MeshSpec:
     """vLLM's ``--api-key`` for every engine (simulated or real); the pool's engine key is then given to
     the router and epp (``--engine-api-key``) and to each vLLM registration sidecar, so kvmesh's own calls
     authenticate (``docs/openai-compat.md``, "Headers and keys"). None: engines are open."""
+    router_api_key: str | None = None
+    """A client API key the router accepts (``--api-key`` of ``replay``/``compare``), sent by the readiness
+    probe as ``Authorization: Bearer``; a refusal (401/403) fails the start at once. None: the first key
+    of ``KVMESH_ROUTER_TENANTS`` (:func:`tenant_api_key`), if any."""
 
 
 @dataclass
@@ -358,6 +369,8 @@ class Mesh:
         self.events_bind_endpoint = ""
         """kv_indexer's bound ZMQ SUB endpoint (where engines publish unless told otherwise)."""
         self._stopped = False
+        self._lock = RunDirLock(spec.run_dir)
+        self._previous_owner: int | None = None  # the pid that held the run folder and died without stopping
         self._router_refusal = ""  # why the router's /v1/models probe last failed (for the time-out message)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -373,11 +386,16 @@ class Mesh:
         """Start everything and wait until the mesh serves; stops what started on failure.
 
         Raises:
-            MeshStartError: when a member exits or is not ready within ``start_timeout_seconds``.
+            MeshStartError: when a member exits or is not ready within ``start_timeout_seconds``, or the
+                run folder belongs to a running mesh (nothing is started or deleted then).
             FileNotFoundError: when no etcd is given and the ``etcd`` binary is missing.
         """
         spec = self.spec
         spec.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._previous_owner = self._lock.acquire(LOCK_WAIT_S)
+        except RunDirBusy as exc:
+            raise MeshStartError(str(exc)) from None
         _RUNNING.add(self)
         t0 = time.monotonic()
         try:
@@ -392,6 +410,13 @@ class Mesh:
     def _start(self, spec: MeshSpec) -> None:
         deadline = time.monotonic() + spec.start_timeout_seconds
         if spec.etcd is None:
+            try:
+                stale = clear_stale_etcd_data(spec.run_dir)
+            except RunDirBusy as exc:
+                raise MeshStartError(str(exc)) from None
+            if stale:
+                owner = f" (pid {self._previous_owner})" if self._previous_owner else ""
+                self._progress(f"deleted the etcd data a mesh that did not stop{owner} left in {spec.run_dir}")
             proc, self.etcd_address = start_etcd(spec.run_dir, die_with_parent=True)
             self.members.append(Member("etcd", proc, grpc=self.etcd_address, http=f"http://{self.etcd_address}"))
             self._progress(f"etcd listening on {self.etcd_address}")
@@ -490,6 +515,7 @@ class Mesh:
             # The etcd this mesh started holds only its leases and registrations, dead with it; its WAL
             # preallocates ~123 MB (two 61 MiB WAL segments), left behind by every `kvmesh up`/`compare` run. The logs stay.
             shutil.rmtree(self.spec.run_dir / "etcd", ignore_errors=True)
+        self._lock.release()  # last: the folder is free once its etcd data is gone
 
     def pids(self) -> list[int]:
         return [m.process.pid for m in self.members if m.process.proc is not None]
@@ -713,8 +739,9 @@ class Mesh:
         return all(u in urls for u in self.engine_urls)
 
     def router_api_key(self) -> str | None:
-        """A client API key this mesh's router accepts (:func:`tenant_api_key` of ``spec.extra_env``)."""
-        return tenant_api_key(self.spec.extra_env)
+        """A client API key this mesh's router accepts: ``spec.router_api_key``, else
+        :func:`tenant_api_key` of ``spec.extra_env``; None when neither names one."""
+        return self.spec.router_api_key or tenant_api_key(self.spec.extra_env)
 
     def _epp_lists_model(self) -> bool:
         endpoints = self._epp_endpoints()
@@ -723,10 +750,14 @@ class Mesh:
     def _router_lists_model(self, _member: Member) -> bool:
         """The router serves the model: its ``/v1/models`` lists it.
 
-        In API-key mode (``require_api_key``) the probe sends a configured tenant's key; when it
+        In API-key mode (``require_api_key``) the probe sends :meth:`router_api_key`; when it
         has none to send and gets 401, the router counts as ready once its ``/health`` answers 200
         and epp (the router's source of endpoints) lists an endpoint serving the model. The last
         refusal is kept in ``self._router_refusal`` for the time-out message.
+
+        Raises:
+            MeshStartError: the router refused the key it was sent (401/403; its tenants are fixed
+                at its start, so waiting cannot help).
         """
         key = self.router_api_key()
         headers = {"authorization": f"Bearer {key}"} if key else {}
@@ -736,12 +767,13 @@ class Mesh:
             self._router_refusal = f"GET /v1/models failed: {exc}"
             return False
         if reply.status_code in (401, 403):
-            self._router_refusal = (
-                f"GET /v1/models answered HTTP {reply.status_code} "
-                + ("to the key from KVMESH_ROUTER_TENANTS" if key else "(API-key mode; no key in KVMESH_ROUTER_TENANTS)")
-            )
             if key:
-                return False
+                source = "the given API key (--api-key or KVMESH_API_KEY)" if self.spec.router_api_key else \
+                    "the key from KVMESH_ROUTER_TENANTS"
+                raise MeshStartError(f"router {self.router_url} answered GET /v1/models with HTTP "
+                                     f"{reply.status_code} to {source}: it does not accept that key")
+            self._router_refusal = (f"GET /v1/models answered HTTP {reply.status_code} "
+                                    "(API-key mode; no key in KVMESH_ROUTER_TENANTS)")
             try:
                 health = httpx.get(f"{self.router_url}/health", timeout=2.0)
             except httpx.HTTPError:

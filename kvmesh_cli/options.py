@@ -155,3 +155,9 @@ ReserveFullIslOpt = Annotated[
                  help="vLLM's --scheduler-reserve-full-isl for every engine: admit a waiting request only when the KV "
                       "blocks of its whole prompt are free, not only its first chunk's (default: the engine's; vLLM "
                       f"0.32: on, the simulator: {'on' if SIMULATOR_DEFAULTS.scheduler_reserve_full_isl else 'off'}).")]
+ApiKeyOpt = Annotated[
+    str | None,
+    typer.Option("--api-key", envvar="KVMESH_API_KEY",
+                 help="Client API key sent to the router (Authorization: Bearer) when it requires one (tenants with "
+                      "require_api_key), by the readiness check and the replay; default: $KVMESH_API_KEY, or for a "
+                      "mesh the command starts a key from $KVMESH_ROUTER_TENANTS.")]

@@ -15,6 +15,18 @@ A ``PickRequest`` may carry its token ids packed (``prompt_token_ids_packed``: l
 uint32 bytes, handed to the scheduler as :class:`~kvmesh.prefix_index.PackedTokenIds` without
 decoding) and ask for a lean response (``max_endpoints``, ``omit_breakdown``): the router sends all
 three; ``PickerInfo.packed_token_ids`` tells callers this epp reads the packed form.
+
+Request ids: epp counts a pick's load (its pending and unprefilled counts, its active prompt tokens)
+under ``PickRequest.request_id`` until the ``CompletedRequest`` with that id frees it. The proto makes
+the id optional (grpcurl, a GIE-style client), so a pick without one is counted under an id epp makes
+unique (:func:`pick_id`: the call's ``x-request-id``, ``~``, a suffix unique to this process, as
+:func:`kvmesh.types.pick_request_id` builds the router's), never under ``""`` shared by every such
+client; a unary ``Pick`` returns the made-up id in the trailing metadata ``kvmesh-pick-request-id``
+(the id a ``Completed`` for it names), a ``PickMany`` entry cannot (its load is then released by the
+engines' scrapes and TTLs). A ``CompletedRequest`` without a ``request_id`` frees nothing and is refused
+(``Completed``: ``INVALID_ARGUMENT`` naming the entry, nothing of the batch applied; riding a
+``PickMany`` batch, which answers nothing for completions: skipped, counted unmatched, logged). An id
+longer than :data:`MAX_REQUEST_ID_CHARS` is ``INVALID_ARGUMENT`` in both.
 """
 
 from __future__ import annotations
@@ -37,10 +49,10 @@ from kvmesh._proto.kvmesh.epp.v1 import epp_pb2, epp_pb2_grpc
 from kvmesh.chat_messages import chat_messages, chat_role
 from kvmesh.errors import InvalidRequest, mapping_for
 from kvmesh.hashing import DEFAULT_SCOPE, KeyScope
-from kvmesh.interceptors import translate
+from kvmesh.interceptors import current_request_id, translate
 from kvmesh.prefix_index import PackedTokenIds
 from kvmesh.streams import stop_stream_writer
-from kvmesh.types import CompletionOutcome
+from kvmesh.types import CompletionOutcome, pick_request_id
 from kvmesh.wire import completion_from_proto, endpoint_to_proto
 from services.epp.framework.interfaces import ChatMessage, SchedulingRequest
 from services.epp.metrics import record_completions
@@ -115,6 +127,45 @@ def check_timeout_seconds(value: float) -> float:
     return value
 
 
+MAX_REQUEST_ID_CHARS = 1024
+"""Longest ``PickRequest.request_id`` / ``CompletedRequest.request_id`` accepted: the router's ids are its
+client's ``x-request-id`` (at most 256 characters) plus a ~20-character suffix; epp keeps up to 65,536
+in-flight ids, so an unbounded one is memory a caller could fill."""
+
+PICK_REQUEST_ID_TRAILER = "kvmesh-pick-request-id"
+"""Trailing-metadata key of a unary ``Pick`` that came without a ``request_id``: the id epp counted it
+under (:func:`pick_id`), for the ``CompletedRequest`` that frees its load."""
+
+
+def _check_request_id(request_id: str, field: str) -> None:
+    """Raises InvalidRequest when ``request_id`` is longer than :data:`MAX_REQUEST_ID_CHARS`."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(f"'{field}' is {len(request_id)} characters: at most {MAX_REQUEST_ID_CHARS}")
+
+
+def pick_id(request_id: str) -> str:
+    """The id a pick is counted under: ``request_id`` as sent, or for ``""`` one unique to this pick
+    (the call's ``x-request-id`` or the interceptor's id for it, ``~``, a process-unique suffix:
+    :func:`kvmesh.types.pick_request_id`), so id-less picks of different clients never share one.
+
+    Raises: InvalidRequest for an id longer than :data:`MAX_REQUEST_ID_CHARS`."""
+    if not request_id:
+        return pick_request_id(current_request_id() or "pick")
+    _check_request_id(request_id, "request_id")
+    return request_id
+
+
+def check_completion(message: epp_pb2.CompletedRequest, field: str) -> None:
+    """Raises InvalidRequest when ``message`` (named ``field`` in the error, e.g. ``requests[2]``) has no
+    ``request_id`` (it names the ``PickRequest.request_id`` it ends: without one it frees nothing) or
+    one longer than :data:`MAX_REQUEST_ID_CHARS`."""
+    if not message.request_id:
+        raise InvalidRequest(
+            f"'{field}.request_id' is empty: a completion names the PickRequest.request_id it ends "
+            "(a Pick sent without one answers the id epp gave it in the trailer " + PICK_REQUEST_ID_TRAILER + ")")
+    _check_request_id(message.request_id, f"{field}.request_id")
+
+
 _NO_IDS: frozenset[str] = frozenset()
 
 
@@ -129,16 +180,20 @@ def _messages(request: epp_pb2.PickRequest, render: dict[str, Any]) -> tuple[Cha
 
 
 def request_from_proto(request: epp_pb2.PickRequest) -> SchedulingRequest:
-    """Raises: InvalidRequest when ``render_json`` is not a JSON object, more than one prompt form
-    is set (:func:`_check_prompt_forms`), the token ids are malformed (both forms set, a packed
-    length not a multiple of 4), or a chat message breaks the router's rule (a role that is not a
-    non-empty string: any such role is taken, as vLLM 0.32 takes it; malformed content parts:
-    :func:`_messages`, :mod:`kvmesh.chat_messages`), with the router's words."""
+    """The scheduler's request; its ``request_id`` is :func:`pick_id`'s (an empty one made unique).
+
+    Raises: InvalidRequest when ``request_id`` is over :data:`MAX_REQUEST_ID_CHARS`, ``render_json``
+    is not a JSON object, more than one prompt form is set (:func:`_check_prompt_forms`), the token
+    ids are malformed (both forms set, a packed length not a multiple of 4), or a chat message breaks
+    the router's rule (a role that is not a non-empty string: any such role is taken, as vLLM 0.32
+    takes it; malformed content parts: :func:`_messages`, :mod:`kvmesh.chat_messages`), with the
+    router's words."""
+    request_id = pick_id(request.request_id)
     _check_prompt_forms(request)
     render = _render_fields(request.render_json)
     return SchedulingRequest(
         model=request.model,
-        request_id=request.request_id,
+        request_id=request_id,
         token_ids=_token_ids(request),
         prompt=request.prompt,
         messages=_messages(request, render),
@@ -154,8 +209,13 @@ class EndpointPickerServicer(epp_pb2_grpc.EndpointPickerServicer):
         self._scheduler = scheduler
 
     async def Pick(self, request: epp_pb2.PickRequest, context: grpc.aio.ServicerContext) -> epp_pb2.PickResponse:
-        decision = await self._scheduler.pick(request_from_proto(request))
-        _annotate_pick(request, decision)
+        """One pick (:meth:`Scheduler.pick`). A request without ``request_id`` is counted under
+        :func:`pick_id`'s id, returned in the trailer ``kvmesh-pick-request-id``."""
+        scheduling = request_from_proto(request)
+        decision = await self._scheduler.pick(scheduling)
+        _annotate_pick(scheduling, decision)
+        if not request.request_id:
+            context.set_trailing_metadata(((PICK_REQUEST_ID_TRAILER, scheduling.request_id),))
         return response_to_proto(decision, request)
 
     async def PickMany(
@@ -176,15 +236,27 @@ class EndpointPickerServicer(epp_pb2_grpc.EndpointPickerServicer):
             await session.close()
 
     def _note_completed(self, requests: Iterable[epp_pb2.CompletedRequest]) -> int:
-        """Free each ended request's pick load in the datastore at once (no I/O); returns how many matched."""
+        """Free each ended request's pick load in the datastore at once (no I/O); returns how many matched.
+
+        A ``PickMany`` batch's completions (nothing is answered for them): one that
+        :func:`check_completion` refuses is skipped (counted unmatched, one warning per batch)."""
         datastore = self._scheduler.datastore
         matched = total = 0
-        for message in requests:
+        refused: list[str] = []
+        for i, message in enumerate(requests):
+            try:
+                check_completion(message, f"completed[{i}]")
+            except InvalidRequest as exc:
+                refused.append(str(exc))
+                total += 1
+                continue
             done = completion_from_proto(message)
             matched += datastore.note_completed(done.request_id, done.endpoint_id,
                                                 dispatched=done.outcome is not CompletionOutcome.NOT_DISPATCHED)
             total += 1
         record_completions(matched, total - matched)
+        if refused:
+            logger.warning("completions skipped (they free nothing) count=%d first=%s", len(refused), refused[0])
         return matched
 
     async def ListEndpoints(
@@ -206,7 +278,13 @@ class EndpointPickerServicer(epp_pb2_grpc.EndpointPickerServicer):
     async def Completed(
         self, request: epp_pb2.CompletedBatch, context: grpc.aio.ServicerContext
     ) -> epp_pb2.CompletedReply:
-        """The router's completions: each frees its pick's load in the datastore at once (no I/O)."""
+        """The router's completions: each frees its pick's load in the datastore at once (no I/O).
+
+        Raises: InvalidRequest (nothing of the batch applied) when an entry has no ``request_id`` or
+        one over :data:`MAX_REQUEST_ID_CHARS` (:func:`check_completion`, the entry named
+        ``requests[i]``)."""
+        for i, message in enumerate(request.requests):
+            check_completion(message, f"requests[{i}]")
         return epp_pb2.CompletedReply(matched=self._note_completed(request.requests))
 
     async def GetPickerInfo(
@@ -276,7 +354,9 @@ class _PickSession:
     (on two cores, work epp does right after its write delays the router's receipt by as much).
     A malformed entry (zero or duplicate id,
     a negative or non-finite ``timeout_seconds``, a request ``Pick`` refuses: more than one prompt
-    form, ``render_json`` that is not a JSON object) is answered ``INVALID_ARGUMENT`` for that id alone;
+    form, ``render_json`` that is not a JSON object, a ``request_id`` over ``MAX_REQUEST_ID_CHARS``)
+    is answered ``INVALID_ARGUMENT`` for that id alone; an entry's request without ``request_id`` is
+    counted under one of :func:`pick_id`'s (unique; not returned: nothing can complete it);
     a ``cancel`` entry stops its pick and nothing is answered for it. The session's end cancels
     every pick still running. An entry whose id is still in flight is refused and the pick in flight
     under that id is cancelled too: the ``INVALID_ARGUMENT`` is that id's one answer, no result follows
@@ -291,7 +371,7 @@ class _PickSession:
         self._outbox: list[epp_pb2.PickResult] = []
         self._wake = asyncio.Event()
         self._closing = False
-        self._after_write: list[tuple[trace.Span, epp_pb2.PickRequest, PickDecision, int]] = []
+        self._after_write: list[tuple[trace.Span, SchedulingRequest, PickDecision, int]] = []
         """Picks' spans to annotate and end (at the recorded time, ns) after their results are written."""
         self._writer = asyncio.create_task(self._write(), name="epp-pick-many-writer")
 
@@ -342,7 +422,7 @@ class _PickSession:
         self._running.pop(key, None)
         self._answer(epp_pb2.PickResult(id=key, response=response_to_proto(decision, entry.request)))
         if span is not None:  # annotated and ended after the result's write: off the pick's path
-            self._after_write.append((span, entry.request, decision, ended))
+            self._after_write.append((span, request, decision, ended))
 
     def _answer(self, result: epp_pb2.PickResult) -> None:
         self._outbox.append(result)
@@ -390,7 +470,7 @@ class _PickSession:
             logger.info("pick-many stream ended picks_stopped=%d", len(running))
 
 
-def _end_spans(spans: list[tuple[trace.Span, epp_pb2.PickRequest, PickDecision, int]]) -> None:
+def _end_spans(spans: list[tuple[trace.Span, SchedulingRequest, PickDecision, int]]) -> None:
     """Annotate (:func:`_annotate_pick`) and end each pick's span at its recorded end time (ns)."""
     for span, request, decision, ended in spans:
         _annotate_pick(request, decision, span)
@@ -418,8 +498,9 @@ def _enter_trace(entry: epp_pb2.PickEntry) -> trace.Span | None:
     return span
 
 
-def _annotate_pick(request: epp_pb2.PickRequest, decision: object, span: trace.Span | None = None) -> None:
-    """Trace attributes on the Pick span (issue 11; ``span``, else the current one): request id, model, the
+def _annotate_pick(request: SchedulingRequest, decision: object, span: trace.Span | None = None) -> None:
+    """Trace attributes on the Pick span (issue 11; ``span``, else the current one): request id (the one
+    the pick is counted under: :func:`pick_id`), model, the
     chosen endpoint, its fallbacks, the profile, the prompt's token count and each scorer's score for the winner."""
     if span is None:
         span = trace.get_current_span()

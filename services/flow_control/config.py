@@ -70,7 +70,9 @@ class FlowControlConfig(GrpcServiceConfig):
     """Window of each flow's served-token share and Jain's index (metrics, Stats)."""
     max_flow_labels: int = Field(1000, ge=1, le=100_000)
     """Distinct fairness ids given their own ``flow`` metric label; later ones share ``_other``. Also the
-    most ``(band, flow)`` label pairs at once, all bands together: a pair past it is ``(band, _other)``."""
+    most ``(band, flow)`` label pairs at once, all bands together: a pair past it is ``(band, _other)``.
+    A label costs about 3 lines of ``/metrics`` (the wait's count and sum), up to 8 while the flow is
+    active; histograms are per band only (docs/flow-control.md, "Observability")."""
     max_dynamic_bands: int = Field(16, ge=0, le=10_000)
     """Bands created on first use of a priority not in ``bands`` that may exist at once (configured bands
     never count). Priorities are client input (``x-kvmesh-priority``, the gRPC ``priority`` field): past

@@ -32,12 +32,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvmesh.errors import UnknownEndpoint, quoted
 from kvmesh.hashing import DEFAULT_SCOPE, KeyScope
 from kvmesh.prefix_index import ReplicaEndpoint
 from kvmesh.types import Endpoint, EndpointId
 from services.kv_indexer import metrics
 from services.kv_indexer.events.pool import EndpointState, EventPool, IngestStats
-from services.kv_indexer.index.base import BlockLocation, IndexStats, KVBlockIndex, ScoreResult
+from services.kv_indexer.index.base import BlockLocation, EngineBlockHash, IndexStats, KVBlockIndex, ScoreResult
 from services.kv_indexer.index.residency import ResidencyLog
 from services.kv_indexer.parity import ParityMonitor
 from services.kv_indexer.reach import build_reach, fold_lookup, fold_scores, is_source
@@ -316,6 +317,22 @@ class BlockIndexer:
             )
             for e, ep in sorted(self.index.registered().items())
         ]
+
+    def endpoint_blocks(self, endpoint_id: EndpointId) -> tuple[list[EngineBlockHash], str]:
+        """The engine block hashes the index holds for ``endpoint_id`` (any medium, orphans included,
+        ascending) and its state as Score treats it (``live``, ``recovering``, ``departed``).
+
+        Raises:
+            UnknownEndpoint: the index does not know ``endpoint_id``: never registered (or not yet:
+                kv_indexer learns membership from etcd), or purged after its departed retention.
+        """
+        if not self.index.is_registered(endpoint_id):
+            warming = "" if self.ready else "; the index is still warming up"
+            raise UnknownEndpoint(
+                f"endpoint {quoted(endpoint_id)!r} is not in the index (never registered, not yet seen in etcd, or purged "
+                f"{self._retention:.0f}s after it departed){warming}")
+        state = DEPARTED if endpoint_id in self._departed else str(self.pool.states().get(endpoint_id, EndpointState.LIVE))
+        return sorted(self.index.held_blocks(endpoint_id)), state
 
     def load_only_models(self) -> list[str]:
         models = {ep.model for ep in self.index.registered().values()}

@@ -43,7 +43,12 @@ class KVIndexerServicer(kv_indexer_pb2_grpc.KVIndexerServicer):
         """Watch streams' log positions (the log keeps only what the slowest has not read)."""
 
     async def Watch(self, request: pb.WatchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WatchResponse]:
-        """Snapshot, then ordered residency deltas, endpoint-state changes and heartbeats (see the proto)."""
+        """Snapshot, then ordered residency deltas, endpoint-state changes and heartbeats (see the proto).
+        A model in ``models`` the index does not know yet is watched (its endpoints appear when they
+        register). Raises InvalidRequest for an empty ``models`` entry (it would filter out everything)."""
+        for i, model in enumerate(request.models):
+            if not model.strip():
+                raise InvalidRequest(f"'models[{i}]' is empty: name a model, or send no models for every model")
         log = self._indexer.open_residency()
         if log is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this index backend cannot feed replicas")
@@ -111,9 +116,13 @@ class KVIndexerServicer(kv_indexer_pb2_grpc.KVIndexerServicer):
         """Per-endpoint prefix matches. A model the index holds nothing for (no registered endpoint,
         or no event yet) is ``INDEX_STATE_READY`` with no scores, not ``NOT_FOUND``: epp picks for
         models it learnt from etcd on its own, and must not count a degraded Score for one kv_indexer
-        has not seen yet or that has no cached block. Raises InvalidRequest for an empty model."""
-        if not request.model:
-            raise InvalidRequest("model is required")
+        has not seen yet or that has no cached block; likewise an ``endpoint_ids`` entry the index does
+        not know is not scored (epp learns endpoints from etcd on its own). Raises InvalidRequest for an
+        empty (or blank) model or an empty ``endpoint_ids`` entry."""
+        _check_model(request.model)
+        if "" in request.endpoint_ids:  # one C-level scan: Score is on epp's pick path
+            i = list(request.endpoint_ids).index("")
+            raise InvalidRequest(f"'endpoint_ids[{i}]' is empty: name an endpoint, or send no endpoint_ids for all")
         endpoint_ids = [EndpointId(e) for e in request.endpoint_ids] or None
         scope = KeyScope(request.lora_name or None, request.cache_salt or None)
         answer = self._indexer.score(request.model, request.token_ids, endpoint_ids, scope)
@@ -136,8 +145,9 @@ class KVIndexerServicer(kv_indexer_pb2_grpc.KVIndexerServicer):
         )
 
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
-        if not request.model:
-            raise InvalidRequest("model is required")
+        """Holders of each block of the prompt. A model with no registered endpoint answers no blocks
+        (as Score). Raises InvalidRequest for an empty (or blank) model."""
+        _check_model(request.model)
         locations = self._indexer.lookup(
             request.model, request.token_ids, KeyScope(request.lora_name or None, request.cache_salt or None)
         )
@@ -182,13 +192,21 @@ class KVIndexerServicer(kv_indexer_pb2_grpc.KVIndexerServicer):
     async def EndpointBlocks(
         self, request: pb.EndpointBlocksRequest, context: grpc.aio.ServicerContext
     ) -> pb.EndpointBlocksResponse:
-        if not request.endpoint_id:
+        """The engine block hashes the index holds for one endpoint, ascending, and its state.
+
+        Raises: InvalidRequest for an empty ``endpoint_id``; UnknownEndpoint (``NOT_FOUND``, the id
+        named) for one the index does not know (:meth:`BlockIndexer.endpoint_blocks`): an endpoint the
+        index knows but holds nothing for answers no hashes and its state."""
+        if not request.endpoint_id.strip():
             raise InvalidRequest("endpoint_id is required")
-        endpoint_id = EndpointId(request.endpoint_id)
-        held = self._indexer.index.held_blocks(endpoint_id)
-        return pb.EndpointBlocksResponse(
-            block_hashes=sorted(held), state=self._indexer.stats().states.get(endpoint_id, "")
-        )
+        held, state = self._indexer.endpoint_blocks(EndpointId(request.endpoint_id))
+        return pb.EndpointBlocksResponse(block_hashes=held, state=state)
+
+
+def _check_model(model: str) -> None:
+    """Raises InvalidRequest for an empty or blank ``model`` (Score and Lookup are per model)."""
+    if not model.strip():
+        raise InvalidRequest("model is required")
 
 
 _STATES = {

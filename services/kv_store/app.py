@@ -297,7 +297,7 @@ def build_service(config: KvStoreConfig) -> GrpcService:
     sink = EventSink()
     store = BlockStore(
         build_tiers(config), write_through=config.write_through, promote_on_hit=config.promote_on_hit,
-        on_events=sink if config.events_endpoint else None,
+        on_events=sink if config.events_endpoint else None, tier_timeout_s=config.tier_timeout_s,
     )
     register_metrics(store)
     servicer = KVStoreServicer(
@@ -357,6 +357,8 @@ def build_service(config: KvStoreConfig) -> GrpcService:
         if lmcache is not None:
             await lmcache.stop()
         await servicer.detached.drain(5.0)  # moves of calls cancelled at shutdown land before the tiers close
+        if store.abandoned:  # timed-out tier operations that just ended are settled (a hung one is left)
+            await store.drain(1.0)
 
     async def start_rescan() -> None:
         if config.mooncake_master and config.mooncake_master_http:

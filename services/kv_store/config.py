@@ -83,6 +83,13 @@ class KvStoreConfig(GrpcServiceConfig):
     """Slower tiers (``disk``, ``sharedfs``, ``mooncake``) that receive every put synchronously."""
     promote_on_hit: bool = True
     """Copy a value found in a slower tier into the first (CPU) tier."""
+    tier_timeout_s: float = Field(10.0, gt=0)
+    """Longest wait for one operation of a tier below CPU (disk, shared filesystem, Mooncake: a put,
+    get, contains, evict or release). On expiry the tier counts as unavailable (the degraded path: a
+    demotion goes on to the next tier or is lost, a write-through is dropped, a read misses;
+    ``kvmesh_kv_store_tier_timeouts_total``) and stays so while the operation runs (a hung mount):
+    a put whose victims must move through it returns. The operation runs to its end; what it did
+    is settled then."""
     lmcache_port: int | None = Field(None, ge=0, le=65535)
     """LMCache's ``lm://`` remote-server protocol (lmcache 0.5.6) on ``host:lmcache_port``, served from
     the same tiers (services/kv_store/lmcache_server.py). None: off; 0: a free port, reported as

@@ -19,7 +19,9 @@ open; one more is accepted and closed at once (``too_many_connections``). Reques
 are served in order, one at a time (reading pauses while the store works), as the LMCache client
 expects (it holds a lock across each exchange); the store operation runs in its own task
 (:class:`~services.kv_store.flow.Detached`), so a request cancelled at shutdown never cuts a tier
-move short. Replies have write back-pressure: while the transport buffers more than
+move short. A ``GET`` the first (CPU) tier holds is answered at once in the read callback
+(:meth:`~services.kv_store.store.BlockStore.get_nowait`: no task, nothing to move or wait for).
+Replies have write back-pressure: while the transport buffers more than
 :data:`WRITE_HIGH_WATER_BYTES` (``pause_writing``) the connection reads no request, so a client that
 pipelines ``GET``s and never reads cannot grow the server. Replies
 are written with ``TCP_NODELAY`` set (asyncio's default, set again explicitly); a hit's header
@@ -74,6 +76,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvmesh.errors import KvmeshError
 from kvmesh.logging import RateLimitedLog
 from services.kv_store.errors import KeyNotFound, StorageFull, TierUnavailable, ValueTooLarge
 from services.kv_store.flow import ByteBudget, Detached
@@ -93,7 +96,7 @@ from services.kv_store.lmcache_protocol import (
     request_framing,
     split_envelope,
 )
-from services.kv_store.store import LATENCY_BUCKETS_S, BlockStore, Histogram
+from services.kv_store.store import LATENCY_BUCKETS_S, BlockStore, Histogram, StoredValue
 
 log = logging.getLogger(__name__)
 SEND_BUFFER_BYTES = 4 * 1024 * 1024
@@ -435,6 +438,8 @@ class _Connection(asyncio.BufferedProtocol):
 
     def _dispatch(self, request: LmRequest, value: bytes, held: int) -> None:
         assert self._transport is not None
+        if request.command is LmCommand.GET and self._task is None and self._get_now(request):
+            return
         self._transport.pause_reading()  # one request at a time, in order
         self._task = asyncio.get_running_loop().create_task(self._serve(request, value, held))
 
@@ -496,14 +501,7 @@ class _Connection(asyncio.BufferedProtocol):
                 self._stats.count(command, "miss")
                 self._send(transport, encode_reply(LmReturnCode.FAIL))
                 return
-            meta, payload = split_envelope(stored.value)
-            self._stats.count(command, "hit")
-            header = encode_reply(LmReturnCode.SUCCESS, meta)
-            if len(payload) <= SMALL_REPLY_BYTES:
-                self._send(transport, header + payload)
-            else:  # one vectored write under uvloop (header and the stored bytes, no copy)
-                transport.writelines([header, payload])
-                self._stats.bytes_sent += len(header) + len(payload)
+            self._reply_value(stored, transport)
         elif command is LmCommand.EXIST:
             (present,) = await self._store.contains([key])
             self._stats.count(command, "hit" if present else "miss")
@@ -515,6 +513,31 @@ class _Connection(asyncio.BufferedProtocol):
             listing = list_reply_payload(self._store.keys(KEY_PREFIX))
             self._stats.count(command, "ok")
             self._send(transport, encode_reply(LmReturnCode.SUCCESS, replace(MISS_META, length=len(listing))) + listing)
+
+    def _get_now(self, request: LmRequest) -> bool:
+        """Answer a ``GET`` that the first tier holds at once, with no task and no read pause (a CPU
+        hit: nothing to move or wait for); ``False`` leaves it to :meth:`_serve`."""
+        start = self._server.clock()
+        try:
+            stored = self._store.get_nowait(request.key.store_key())
+        except KvmeshError:
+            return False  # a bad key: _serve answers it as every other request
+        if stored is None:
+            return False
+        assert self._transport is not None
+        self._reply_value(stored, self._transport)
+        self._stats.observe(LmCommand.GET, self._server.clock() - start)
+        return True
+
+    def _reply_value(self, stored: StoredValue, transport: asyncio.Transport) -> None:
+        meta, payload = split_envelope(stored.value)
+        self._stats.count(LmCommand.GET, "hit")
+        header = encode_reply(LmReturnCode.SUCCESS, meta)
+        if len(payload) <= SMALL_REPLY_BYTES:
+            self._send(transport, header + payload)
+        else:  # one vectored write under uvloop (header and the stored bytes, no copy)
+            transport.writelines([header, payload])
+            self._stats.bytes_sent += len(header) + len(payload)
 
     def _send(self, transport: asyncio.Transport, data: bytes | memoryview) -> None:
         transport.write(data)

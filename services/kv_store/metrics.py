@@ -17,6 +17,7 @@
 | ``kvmesh_kv_store_promotions_undone_total`` | counter | (promotions rolled back: a value they evicted found no tier) |
 | ``kvmesh_kv_store_promotions_superseded_total`` | counter | (promotions dropped: a put or delete of the key ran meanwhile) |
 | ``kvmesh_kv_store_settle_timeouts_total`` | counter | (puts / deletes that stopped waiting for a move of their key: a hung tier) |
+| ``kvmesh_kv_store_tier_timeouts_total`` | counter | ``tier`` (operations not done within ``tier_timeout_s``: the tier counted unavailable) |
 | ``kvmesh_kv_store_operation_seconds`` | histogram | ``tier``, ``op`` (put, get, contains, evict) |
 
 ``tier`` is the tier's kind (``cpu``, ``disk``, ``sharedfs``, ``mooncake``); ``medium`` is vLLM's
@@ -117,6 +118,14 @@ class KvStoreCollector(Collector):
         )
         settle.add_metric([], metrics.settle_timeouts)
         yield settle
+        timeouts = CounterMetricFamily(
+            "kvmesh_kv_store_tier_timeouts",
+            "Tier operations not done within tier_timeout_s (the tier counted unavailable while they ran).",
+            labels=["tier"],
+        )
+        for tier in stats:
+            timeouts.add_metric([tier.name], metrics.timeouts.get(tier.name, 0))
+        yield timeouts
         latency = HistogramMetricFamily(
             "kvmesh_kv_store_operation_seconds", "Latency of tier operations in seconds.", labels=["tier", "op"]
         )

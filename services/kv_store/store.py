@@ -15,8 +15,13 @@ medium, spill the least recently used downwards):
   evicted from a slower tier) and its sweep keeps the copies of its own value those moves landed;
   a move of the key begun during a sweep waits for it and lands only the swept value. These waits
   are bounded (:data:`SETTLE_TIMEOUT_S`); a move a write stopped waiting for is superseded (its
-  copy removed where it lands). A stale copy of the key in a slower tier is
-  removed, unless ``write_through`` names that tier, which then receives the same value
+  copy removed where it lands, unless a newer move's put of the key into that tier is queued
+  behind it), and a sweep that finds a move of the key putting into the tier
+  it is about to clear waits for that put first (a move of the put's own value still lands).
+  Every operation of a tier below the first is bounded too (:data:`TIER_TIMEOUT_S`): one that
+  times out counts as the tier unavailable (the degraded path below), and the tier stays so
+  while the operation runs (a hung medium); what it did is settled when it ends. A stale copy
+  of the key in a slower tier is removed, unless ``write_through`` names that tier, which then receives the same value
   synchronously (a shared tier written through makes a value visible to every instance at once;
   its own victims are demoted below it, or evicted from the last tier, as any put's).
   A cascade cut short (cancelled, failed) leaves nothing pending: a tier that survives a restart
@@ -24,7 +29,8 @@ medium, spill the least recently used downwards):
   and counts them lost.
 * ``get`` searches the tiers in order. A hit in a slower tier is **promoted** to the first tier
   (``promote_on_hit``); it leaves a private tier (local tiers are exclusive, so one copy per
-  instance) and stays in a shared one (other instances read it too). A promotion is a **swap**:
+  instance) and stays in a shared one (other instances read it too) or one written through. A
+  promotion is a **swap**:
   the key is stored in the first tier first (readable there at once: a concurrent get of the same
   key, the usual case for a popular prefix block, never misses it), then its private slower copy
   is removed, then the first tier's victims are demoted into the room that leaves (a full disk,
@@ -37,7 +43,9 @@ medium, spill the least recently used downwards):
   begun before the promotion's first-tier write, drops it; one begun after that write is ordered
   after it on the first tier and removes the slower copies itself (``promotions_superseded``
   counts both). A promotion of a victim pending on its way down removes that pending copy; the
-  copy its move then lands is removed too (one copy per instance in the private tiers). A put whose first-tier write fails stored nothing and takes its count back (a
+  copy its move then lands is removed too when it lands in a private tier (one copy per instance),
+  and stays when it lands in a shared or written-through tier (the block is then on both media).
+  A put whose first-tier write fails stored nothing and takes its count back (a
   promotion that checks before the failure steps aside having removed nothing; one that checks
   after goes on). A get that missed everywhere while another get promoted its key looks
   again (:data:`MISS_RESCANS`).
@@ -82,9 +90,9 @@ import asyncio
 import bisect
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvmesh.errors import InvalidRequest
 from kvmesh.kv_events import BlockStored, KVEvent
@@ -116,8 +124,28 @@ SETTLE_TIMEOUT_S = 30.0
 move: a file write on a stalled mount, a Mooncake transfer). On expiry the write goes on (counted in
 ``settle_timeouts``, logged at WARNING) and the moves it stopped waiting for are *superseded*: a
 copy they land later is removed where it lands, so no stale value stays below a newer one and no
-deleted key comes back. The store's tier operations have no timeout of their own (kv_store's
-config has none); 30 s is the slowest tier operation the latency histograms bound (3 s) ten times."""
+deleted key comes back. Each tier operation under the move is bounded too (:data:`TIER_TIMEOUT_S`);
+30 s is the slowest tier operation the latency histograms bound (3 s) ten times."""
+
+TIER_TIMEOUT_S = 10.0
+"""Longest wait of the store for one operation of a tier below the first (a put, get, contains,
+evict or release on the disk, shared filesystem or Mooncake tier; ``tier_timeout_s`` in kv_store's
+config). On expiry the operation counts as :class:`TierUnavailable` (``timeouts`` and ``failures``,
+the degraded path: a demotion goes on to the next tier or is lost, a write-through is dropped, a
+read is a miss) and the caller goes on; the operation itself runs to its end (a thread blocked in
+a hung filesystem cannot be stopped) and the store settles what it did then (:meth:`BlockStore._abandon`).
+While a timed-out operation of a tier is still running, the tier's puts, gets and contains fail at
+once (it is hung: no caller waits for it again); its evictions and releases are issued without
+being awaited (they queue behind the hung one, run when it ends and are settled then; at most
+:data:`MAX_HUNG_QUEUE`). The first tier (in memory) is not bounded: it never suspends. 10 s: the
+slowest tier operation the latency histograms bound (3 s), three times, and a third of
+:data:`SETTLE_TIMEOUT_S` (a move down crosses up to three slower tiers)."""
+FAIL_FAST_VERBS = frozenset({"put", "get", "contains"})
+"""Tier operations refused at once while a timed-out one of the tier still runs (see :data:`TIER_TIMEOUT_S`)."""
+MAX_HUNG_QUEUE = 1024
+"""Most operations of a hung tier the store has running at once (the timed-out ones and the evictions
+and releases queued behind them); beyond it those are refused too (a sweep then leaves a copy there,
+as when the tier is unavailable), so a long hang under a stream of puts holds bounded memory."""
 
 ERROR_LOG_INTERVAL_S = 10.0
 """At most one ERROR line per failing tier this often (the count of suppressed lines follows)."""
@@ -182,6 +210,9 @@ class StoreMetrics:
     """Promotions dropped because a put or delete of the key ran meanwhile (the read value was stale)."""
     settle_timeouts: int = 0
     """Puts and deletes that stopped waiting for a move down of their key after :data:`SETTLE_TIMEOUT_S`."""
+    timeouts: dict[str, int] = field(default_factory=dict)
+    """tier -> operations the store stopped waiting for after :data:`TIER_TIMEOUT_S` (each also in
+    ``failures``: the tier was treated as unavailable)."""
 
 
 @dataclass(slots=True)
@@ -245,6 +276,8 @@ class BlockStore:
             empty list. None: residency is still tracked, events are dropped.
         settle_timeout_s: longest wait of a put or delete for the moves down of its key
             (:data:`SETTLE_TIMEOUT_S`).
+        tier_timeout_s: longest wait for one operation of a tier below the first
+            (:data:`TIER_TIMEOUT_S`); ``None``: unbounded.
     """
 
     def __init__(
@@ -256,6 +289,7 @@ class BlockStore:
         clock: Callable[[], float] = time.perf_counter,
         on_events: Callable[[list[KVEvent]], None] | None = None,
         settle_timeout_s: float = SETTLE_TIMEOUT_S,
+        tier_timeout_s: float | None = TIER_TIMEOUT_S,
     ) -> None:
         if not tiers:
             raise ValueError("a BlockStore needs at least one tier")
@@ -277,9 +311,23 @@ class BlockStore:
         """key -> its moves down in flight (start number, set when the victim was released)."""
         self._move_seq = 0
         self._superseded_moves: set[int] = set()
-        """Moves whose value is stale by the time they land (a promotion took their source copy, a
-        write stopped waiting for them): the copy they land is removed at once."""
+        """Moves whose value is stale by the time they land (a write stopped waiting for them): the
+        copy they land is removed at once, wherever it lands."""
+        self._duplicate_moves: set[int] = set()
+        """Moves whose source copy a promotion removed (the value is in the first tier now): the copy
+        they land in a private tier is removed at once (one copy per instance); in a shared or
+        written-through tier it stays (the block is then on both media, as after a promotion out
+        of that tier). Writes of the key wait for them as for any move."""
+        self._storing: dict[str, list[tuple[int, int, asyncio.Event]]] = {}
+        """key -> (move number, tier index, set once stored and recorded) of each move of the key
+        whose put into a slower tier is in flight: a sweep waits for those into the tier it is about
+        to clear (:meth:`_sweep`)."""
         self.settle_timeout_s = settle_timeout_s
+        self.tier_timeout_s = tier_timeout_s
+        self._hung: dict[str, int] = {}
+        """tier -> its operations that timed out and still run (see :data:`TIER_TIMEOUT_S`)."""
+        self._abandoned: set[asyncio.Future[Any]] = set()
+        """Timed-out tier operations and the work settling them, kept referenced until done."""
         self._moved_up = 0
         """Promotions that stored a key in the first tier (a contains that missed meanwhile looks again)."""
         self._watched: dict[str, _KeyWatch] = {}
@@ -338,15 +386,187 @@ class BlockStore:
 
     # -- instrumentation -------------------------------------------------------------------
 
-    async def _timed(self, tier: StoreTier, verb: str, op: Awaitable[T]) -> T:
+    async def _timed(
+        self, tier: StoreTier, verb: str, op: Coroutine[object, object, T], late: Callable[[T], None] | None = None
+    ) -> T:
+        """Await the tier operation ``op`` (its latency observed), bounded by :attr:`tier_timeout_s`
+        below the first tier (see :data:`TIER_TIMEOUT_S`); ``late`` settles what a timed-out
+        operation did once it ends (given its result).
+
+        Raises what ``op`` raises; TierUnavailable when it timed out, or when the tier is hung and
+        ``verb`` is one of :data:`FAIL_FAST_VERBS` (``op`` is then never run).
+        """
         start = self._clock()
         try:
-            return await op
+            if self.tier_timeout_s is None or tier is self.tiers[0]:
+                return await op
+            return await self._bounded(tier, verb, op, late)
         finally:
             hist = self.metrics.latency.get((tier.name, verb))
             if hist is None:
                 hist = self.metrics.latency[(tier.name, verb)] = Histogram()
             hist.observe(self._clock() - start)
+
+    async def _bounded(
+        self, tier: StoreTier, verb: str, op: Coroutine[object, object, T], late: Callable[[T], None] | None
+    ) -> T:
+        """:meth:`_timed`'s bound: ``op`` runs in its own task, awaited at most :attr:`tier_timeout_s`.
+
+        While the tier is hung (a timed-out operation of it still runs) a put, get or contains is
+        refused and an eviction or release is issued but not awaited (it queues behind the hung
+        one and is settled when it ends; refused too beyond :data:`MAX_HUNG_QUEUE`): both raise
+        TierUnavailable at once.
+
+        A cancelled caller cancels ``op`` too and waits (at most the bound again) for it to end, as
+        an unbounded await would (a file tier's mutation runs to its end first); one still running
+        then is abandoned as a timed-out one.
+        """
+        hung = self._hung.get(tier.name, 0)
+        why = f"{tier.name} tier is hung: {hung} operation(s) timed out after {self.tier_timeout_s} s and still run"
+        if hung and (verb in FAIL_FAST_VERBS or hung >= MAX_HUNG_QUEUE):
+            op.close()
+            raise TierUnavailable(why)
+        assert self.tier_timeout_s is not None
+        task = asyncio.ensure_future(op)
+        if hung:
+            self._abandon(tier, verb, task, late, timed_out=False)
+            raise TierUnavailable(why)
+        try:
+            done, _ = await asyncio.wait((task,), timeout=self.tier_timeout_s)
+        except asyncio.CancelledError:
+            task.cancel()
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.tier_timeout_s
+            while not task.done() and loop.time() < deadline:
+                try:
+                    await asyncio.wait((task,), timeout=max(0.0, deadline - loop.time()))
+                except asyncio.CancelledError:
+                    continue
+            if task.done():
+                if not task.cancelled():
+                    task.exception()  # retrieved: the caller sees its cancellation
+            else:
+                self._abandon(tier, verb, task, None, timed_out=True)
+            raise
+        if done:
+            return task.result()
+        self._abandon(tier, verb, task, late, timed_out=True)
+        raise TierUnavailable(
+            f"{tier.name} tier: {verb} did not finish within {self.tier_timeout_s} s (a hung medium?)"
+        )
+
+    def _abandon(
+        self, tier: StoreTier, verb: str, task: asyncio.Future[T], late: Callable[[T], None] | None,
+        *, timed_out: bool,
+    ) -> None:
+        """The store does not wait for ``task`` (a ``verb`` of ``tier``; ``timed_out``: counted in
+        ``timeouts``, else issued to a hung tier): the tier is hung until it ends, and what it did
+        then is settled by ``late`` (given its result)."""
+        self._hung[tier.name] = self._hung.get(tier.name, 0) + 1
+        self._abandoned.add(task)
+        if timed_out:
+            self.metrics.timeouts[tier.name] = self.metrics.timeouts.get(tier.name, 0) + 1
+            self._error_log.log(
+                logging.ERROR, f"timeout:{tier.name}",
+                "tier %s: %s still running after %.1f s (a hung medium?); the tier counts as unavailable"
+                " until it ends", tier.name, verb, self.tier_timeout_s,
+            )
+
+        def ended(task: asyncio.Future[T]) -> None:
+            self._abandoned.discard(task)
+            left = self._hung.get(tier.name, 0) - 1
+            if left > 0:
+                self._hung[tier.name] = left
+            else:
+                self._hung.pop(tier.name, None)
+            if task.cancelled():
+                return
+            exc = task.exception()
+            if exc is not None:
+                log.info("tier %s: the timed-out %s ended with %s: %s", tier.name, verb, type(exc).__name__, exc)
+            elif late is not None:
+                late(task.result())
+            if left <= 0 and timed_out:
+                log.info("tier %s: the timed-out %s ended; the tier is used again", tier.name, verb)
+
+        task.add_done_callback(ended)
+
+    def _spawn(self, work: Coroutine[object, object, object]) -> None:
+        """Run ``work`` (settling a timed-out operation) in its own task, kept referenced; its errors logged."""
+        task = asyncio.ensure_future(work)
+        self._abandoned.add(task)
+
+        def ended(task: asyncio.Future[object]) -> None:
+            self._abandoned.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                log.error("settling a timed-out tier operation failed", exc_info=task.exception())
+
+        task.add_done_callback(ended)
+
+    async def _evict(self, tier: StoreTier, key: str) -> bool:
+        """Remove ``key`` from ``tier`` (its residency too); ``True`` when the tier held it. An
+        eviction that timed out and removes the key later marks it removed then.
+
+        Raises TierUnavailable / StorageFull (callers count them as a degraded operation).
+        """
+
+        def late(removed: bool) -> None:
+            if removed:
+                self.residency.removed(key, tier.name)
+                self._flush()
+
+        removed = await self._timed(tier, "evict", tier.evict(key), late)
+        if removed:
+            self.residency.removed(key, tier.name)
+        return removed
+
+    def _late_put(
+        self, index: int, key: str, value: bytes, reason: str, move: int | None = None
+    ) -> Callable[[PutResult], None]:
+        """What settles a timed-out put of ``key`` into ``tiers[index]`` that stored the value after all.
+
+        The store counted that put a failure and went on: a demotion or restore placed the value
+        further down or counted it lost, so the copy landed late is removed (one copy per
+        instance, nothing counted twice), unless another move of the key (not ``move``, the one
+        this put was part of) or a write of it is in flight by then: that one may have written a
+        newer value there, which a removal would take, and its own sweep or landing settles the
+        tier, so the copy is kept (and published). A late write-through is kept and published
+        (the tier's lock orders it before any later write or delete of the key there). Either way
+        the victims the late put handed out are demoted on down (or released and counted lost),
+        as any put's.
+        """
+        tier = self.tiers[index]
+
+        def late(result: PutResult) -> None:
+            watch = self._watched.get(key)
+            busy = any(seq != move for seq, _ in self._moving.get(key, ())) or (
+                watch is not None and watch.writing > 0
+            )
+            keep = reason == "write_through" or busy
+            if keep:  # the tier holds it: so does its residency (whoever removes it later says so)
+                self._moved(tier, reason, len(value))
+                self.residency.added(key, tier.name)
+                self._flush()
+            self._spawn(self._settle_late_put(index, key, not keep, result))
+
+        return late
+
+    async def _settle_late_put(self, index: int, key: str, remove: bool, result: PutResult) -> None:
+        tier = self.tiers[index]
+        try:
+            if remove:
+                try:
+                    await self._evict(tier, key)
+                except (TierUnavailable, StorageFull) as exc:
+                    self._failed(tier, "evict", exc)
+            await self._cascade(index, result, None)
+        finally:
+            self._flush()
+
+    def _shares(self, tier: StoreTier) -> bool:
+        """Whether a promotion out of ``tier`` leaves its copy there: a shared tier (other instances
+        read it) or one written through (it holds every put's value by design)."""
+        return tier.shared or tier.name in self.write_through
 
     def _moved(self, tier: StoreTier, reason: str, size: int) -> None:
         key = (tier.name, reason)
@@ -377,13 +597,18 @@ class BlockStore:
 
     # -- placement ---------------------------------------------------------------------------
 
-    async def _store(self, index: int, key: str, value: bytes, reason: str) -> PutResult:
+    async def _store(self, index: int, key: str, value: bytes, reason: str, move: int | None = None) -> PutResult:
         """Put into ``tiers[index]`` alone (its victims kept when a slower tier exists); the key is
-        readable there once this returns. Raises what ``tiers[index].put`` raises."""
+        readable there once this returns. ``move``: the number of the move down this put is part of.
+        Raises what ``tiers[index].put`` raises (TierUnavailable when it timed out: see
+        :meth:`_late_put` for what settles it)."""
         tier = self.tiers[index]
         last = index + 1 >= len(self.tiers)
         meta = self.residency.encoded(key)  # kept by tiers that survive a restart
-        result = await self._timed(tier, "put", tier.put(key, value, keep_victims=not last, meta=meta))
+        result = await self._timed(
+            tier, "put", tier.put(key, value, keep_victims=not last, meta=meta),
+            self._late_put(index, key, value, reason, move),
+        )
         self._moved(tier, reason, len(value))
         self.residency.added(key, tier.name)
         return result
@@ -444,21 +669,19 @@ class BlockStore:
     def _start_move(self, key: str) -> tuple[int, asyncio.Event]:
         """A victim of ``key`` is pending in its tier and moving down (until :meth:`_end_move`).
 
-        Older moves of the key still in flight are no longer dropped where they land (superseded):
-        this newer copy may land in the same tier, and a duplicate is safe where a removal is not.
+        Older superseded moves of the key still in flight stay superseded: what they land is removed
+        where it lands, unless this newer move's put into that same tier is queued behind theirs
+        (it then replaces the stale copy, which a removal would take with it; :meth:`_landed`).
         """
         self._move_seq += 1
         move = (self._move_seq, asyncio.Event())
-        moves = self._moving.setdefault(key, [])
-        if self._superseded_moves:
-            for seq, _ in moves:
-                self._superseded_moves.discard(seq)
-        moves.append(move)
+        self._moving.setdefault(key, []).append(move)
         return move
 
     def _end_move(self, key: str, move: tuple[int, asyncio.Event]) -> None:
         move[1].set()
         self._superseded_moves.discard(move[0])
+        self._duplicate_moves.discard(move[0])
         moves = self._moving.get(key)
         if moves is not None and move in moves:
             moves.remove(move)
@@ -471,7 +694,8 @@ class BlockStore:
         A put or delete waits so that an older value of its key, pending in a tier and on its way
         down, lands before the write (which then replaces or sweeps it) instead of after it (a
         stale copy below a newer value, or a deleted key back). Moves wait only for a write's
-        sweep (:meth:`_sweep`), which waits for nothing. On expiry (a hung tier) the wait ends
+        sweep (:meth:`_sweep`), which waits for no write (only for moves' tier puts in flight,
+        each bounded). On expiry (a hung tier) the wait ends
         (``settle_timeouts``, a WARNING) and the moves still in flight numbered up to
         ``stale_up_to`` (``None``: all) are superseded: what they land is removed where it lands.
         Superseded moves are not waited for. ``deadline`` (``loop.time()``): one budget for the
@@ -548,6 +772,8 @@ class BlockStore:
         a value the sweep superseded (not the swept put's value, or a deleted key) lands nowhere
         (0: not a loss). Where a move lands is recorded while a write of the key is in flight (the
         put's sweep keeps it, :meth:`_sweep`); a superseded move's copy is removed where it lands.
+        While a move's put into a tier is in flight, a sweep of the key waits for it before it
+        clears that tier (:meth:`_begin_store`).
         """
         if move is not None:
             watch = self._watched.get(key)
@@ -563,15 +789,20 @@ class BlockStore:
             if tier.name in self.write_through and (await self._safe_contains(tier, [key]))[0]:
                 self.residency.added(key, tier.name)
                 return 0  # already there: written through at put time
+            storing = None if move is None else self._begin_store(key, move, tier_index)
             try:
-                result = await self._store(tier_index, key, value, "demote")
-            except (TierUnavailable, StorageFull, ValueTooLarge) as exc:
-                self._dropped(tier, "demote", key, exc)
-                continue
-            if stored is not None:
-                stored[0] = True
-            if move is not None:
-                await self._landed(key, move, tier_index, value)
+                try:
+                    result = await self._store(tier_index, key, value, "demote", None if move is None else move[0])
+                except (TierUnavailable, StorageFull, ValueTooLarge) as exc:
+                    self._dropped(tier, "demote", key, exc)
+                    continue
+                if stored is not None:
+                    stored[0] = True
+                if move is not None:
+                    await self._landed(key, move, tier_index, value)
+            finally:
+                if storing is not None:
+                    self._end_store(key, storing)
             return await self._cascade(tier_index, result, unplaced)
         if unplaced is not None and move is not None:
             unplaced.append((index - 1, key, value, move))
@@ -579,14 +810,46 @@ class BlockStore:
         self._lost(self.tiers[index - 1].name, key, len(value))
         return 1
 
+    def _begin_store(self, key: str, move: tuple[int, asyncio.Event], index: int) -> tuple[int, int, asyncio.Event]:
+        """A move of ``key`` is about to put its value into ``tiers[index]`` (until :meth:`_end_store`,
+        once stored and recorded by :meth:`_landed`, or refused)."""
+        storing = (move[0], index, asyncio.Event())
+        self._storing.setdefault(key, []).append(storing)
+        return storing
+
+    def _end_store(self, key: str, storing: tuple[int, int, asyncio.Event]) -> None:
+        storing[2].set()
+        entries = self._storing.get(key)
+        if entries is not None and storing in entries:
+            entries.remove(storing)
+            if not entries:
+                del self._storing[key]
+
+    async def _stores_into(self, key: str, index: int) -> None:
+        """Wait until no move of ``key`` is putting its value into ``tiers[index]`` (each such put is
+        bounded by :attr:`tier_timeout_s`; the wait, by :attr:`settle_timeout_s` in all)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settle_timeout_s
+        while True:
+            pending = [done for _, at, done in self._storing.get(key, ()) if at == index]
+            if not pending:
+                return
+            try:
+                await asyncio.wait_for(pending[0].wait(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                return
+
     async def _landed(self, key: str, move: tuple[int, asyncio.Event], index: int, value: bytes) -> None:
         """A move of ``key`` stored ``value`` in ``tiers[index]``: recorded for a write of the key
-        in flight; removed there at once when the move was superseded (see ``_superseded_moves``)."""
-        if move[0] in self._superseded_moves:
-            tier = self.tiers[index]
+        in flight; removed there at once when the move was superseded (see ``_superseded_moves``),
+        or when a promotion took its source and the tier is private (``_duplicate_moves``: a
+        shared or written-through tier keeps it, and the block is on both media)."""
+        tier = self.tiers[index]
+        if move[0] in self._superseded_moves or (move[0] in self._duplicate_moves and not self._shares(tier)):
+            if any(seq != move[0] and at == index for seq, at, _ in self._storing.get(key, ())):
+                return  # a newer move's put there is queued behind this one: it replaces this copy
             try:
-                if await self._timed(tier, "evict", tier.evict(key)):
-                    self.residency.removed(key, tier.name)
+                await self._evict(tier, key)
             except (TierUnavailable, StorageFull) as exc:
                 self._failed(tier, "evict", exc)
             return
@@ -653,6 +916,30 @@ class BlockStore:
             self._flush()
         return PutOutcome(self.tiers[0].medium, evicted, lost)
 
+    def get_nowait(self, key: str) -> StoredValue | None:
+        """A first-tier hit served without suspending, or ``None``: then :meth:`get` (which also
+        finds the key in slower tiers and promotes it). Only a first tier that can answer at once
+        (the CPU tier's ``get_nowait``) answers here; the hit is counted and timed as ``get``'s.
+        For the ``lm://`` and gRPC read paths, where a CPU hit needs no task of its own.
+
+        Raises:
+            InvalidRequest: bad key.
+        """
+        tier = self.tiers[0]
+        peek = getattr(tier, "get_nowait", None)
+        if peek is None:
+            return None
+        validate_key(key)
+        start = self._clock()
+        value = peek(key)
+        if value is None:
+            return None
+        hist = self.metrics.latency.get((tier.name, "get"))
+        if hist is None:
+            hist = self.metrics.latency[(tier.name, "get")] = Histogram()
+        hist.observe(self._clock() - start)
+        return StoredValue(value, tier.medium, tier.name)
+
     async def get(self, key: str) -> StoredValue:
         """The value from the fastest tier holding it, promoted to the first tier on a slower hit.
 
@@ -699,24 +986,32 @@ class BlockStore:
         (the put's own value, evicted from the first tier and moved down during the put).
 
         Called with no move of ``key`` in flight (after :meth:`_settled`, no suspension between):
-        a move of ``key`` begun during the sweep waits for it, then lands only ``value``. ``True``
-        when any tier held the key (removed)."""
+        a move of ``key`` begun during the sweep waits for it, then lands only ``value``. After a
+        settle timeout moves of ``key`` may still be in flight: before it clears a tier the sweep
+        waits for a move's put into that tier in flight (:meth:`_stores_into`, bounded), then keeps
+        the copy when it is ``value`` (a move of the put's own value landing there during the sweep
+        is never removed by it). ``True`` when any tier held the key (removed)."""
         event = asyncio.Event()
         watch.sweep = (event, value)
         removed = False
-        keep = (
-            set()
-            if value is None
-            else {index for seq, index, landed in watch.landed if seq > stored_at and (landed is value or landed == value)}
-        )
+
+        def kept(index: int) -> bool:  # a copy of the put's own value landed there during the put
+            return value is not None and any(
+                at == index and seq > stored_at and (landed is value or landed == value)
+                for seq, at, landed in watch.landed
+            )
+
         try:
             for index, tier in enumerate(self.tiers):
-                if (value is not None and (index == 0 or tier.name in self.write_through)) or index in keep:
+                if value is not None and (index == 0 or tier.name in self.write_through):
+                    continue
+                if index > 0 and key in self._storing:  # a move landing there now: see what it lands first
+                    await self._stores_into(key, index)
+                if kept(index):
                     continue
                 try:
-                    if await self._timed(tier, "evict", tier.evict(key)):
+                    if await self._evict(tier, key):
                         removed = True
-                        self.residency.removed(key, tier.name)
                 except (TierUnavailable, StorageFull) as exc:
                     self._failed(tier, "delete" if value is None else "evict", exc)
         finally:
@@ -788,16 +1083,15 @@ class BlockStore:
         else:
             for tier_index in range(1, index + 1):
                 tier = self.tiers[tier_index]
-                if tier.shared:
+                if self._shares(tier):
                     continue
                 try:
-                    if await self._timed(tier, "evict", tier.evict(key)):
+                    if await self._evict(tier, key):
                         freed.append(tier_index)
-                        self.residency.removed(key, tier.name)
                 except (TierUnavailable, StorageFull) as exc:
                     self._failed(tier, "evict", exc)
             if freed:  # a pending copy on its way down lost its source: what it lands is a second copy
-                self._superseded_moves.update(seq for seq, _ in self._moving.get(key, ()))
+                self._duplicate_moves.update(seq for seq, _ in self._moving.get(key, ()))
         unplaced: list[Unplaced] = []
         try:
             await self._cascade(0, result, unplaced)
@@ -834,11 +1128,10 @@ class BlockStore:
         first = self.tiers[0]
         back = True
         if not superseded():
-            back = await self._put_back(freed[0], key, value) if freed else self.tiers[index].shared
+            back = await self._put_back(freed[0], key, value) if freed else self._shares(self.tiers[index])
             if back and not superseded():
                 try:
-                    if await self._timed(first, "evict", first.evict(key)):
-                        self.residency.removed(key, first.name)
+                    await self._evict(first, key)
                 except (TierUnavailable, StorageFull) as exc:
                     self._failed(first, "evict", exc)
         for source, victim, victim_value, move in unplaced:  # back into the room the promoted value took
@@ -939,6 +1232,21 @@ class BlockStore:
             self._end_write(key, watch)
             self._flush()
         return deleted
+
+    @property
+    def abandoned(self) -> int:
+        """Tier operations the store stopped waiting for that still run, and the work settling those
+        that ended (see :data:`TIER_TIMEOUT_S`)."""
+        return len(self._abandoned)
+
+    async def drain(self, timeout: float) -> int:
+        """Wait up to ``timeout`` seconds for the :attr:`abandoned` work to end (each is settled as it
+        ends); returns how much still runs."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._abandoned and loop.time() < deadline:
+            await asyncio.wait(set(self._abandoned), timeout=max(0.0, deadline - loop.time()))
+        return len(self._abandoned)
 
     def keys(self, prefix: str = "") -> list[str]:
         """Every key starting with ``prefix`` that some tier's view holds, each once, sorted.

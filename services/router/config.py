@@ -129,7 +129,10 @@ class RouterConfig(GrpcServiceConfig):
     dependency_breaker_cool_down_seconds: float = Field(5.0, ge=0, le=600)
     """Circuit breaker of the per-request dependencies (epp's Pick, flow_control's admission): after a
     call to one **timed out** (``pick_timeout_seconds`` / ``admission_timeout_seconds`` with no
-    answer: a hung dependency), for this long requests do not wait on it: they take the path of an
+    answer) while the dependency showed no sign of life (a hung dependency: for epp, no other Pick
+    answered during the wait; for flow_control, no admission answered within the last second and no
+    answer to a health check within ``health_check_timeout_seconds``, so a request merely queued
+    past the timeout opens nothing), for this long requests do not wait on it: they take the path of an
     unreachable one (the local pick; local admission, fail-open with its cap); after it, one probe
     call at a time is let through (the others still do not wait), whose answer closes the breaker
     at once and whose timeout renews the cool-down (docs/degraded-modes.md). Env
@@ -185,7 +188,8 @@ class RouterConfig(GrpcServiceConfig):
     """Largest accepted request body (from ``content-length``, and counted while reading a chunked
     body); larger ones get 413 with an OpenAI error body."""
     health_check_timeout_seconds: float = Field(0.5, gt=0, le=30)
-    """Deadline of the grpc.health.v1 checks of flow_control and epp behind ``GET /health``."""
+    """Deadline of the grpc.health.v1 checks of flow_control and epp behind ``GET /health``, and of the
+    check that tells a busy flow_control from a hung one after an admission timeout (the breaker)."""
     health_cache_seconds: float = Field(1.0, ge=0, le=60)
     """How long a ``GET /health`` result is reused, so probes stay cheap (0 checks every time)."""
     max_tokens_limit: int = Field(1_048_576, ge=1)

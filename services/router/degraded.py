@@ -9,7 +9,9 @@ See ``docs/degraded-modes.md`` for every dependency's mode. The two the router i
   not turn into unbounded load on the engines); past the cap, 503 with ``retry-after``. With
   ``flow_control_failure_mode = "closed"`` every such request is the 503. A *hung* flow_control
   (no answer) is not this mode: that request waits for the admission timeout (504), since queueing
-  is flow_control's job and a slow answer is indistinguishable from a long queue.
+  is flow_control's job and one call's silence looks like a long queue; :class:`DependencyBreaker`
+  then tells the two apart by whether flow_control answers anything else (other decisions, a health
+  check), and only a silent one sends the next requests here.
 * **epp unreachable** (``Pick`` fails with ``UNAVAILABLE``, ``DEADLINE_EXCEEDED``, ``UNKNOWN`` or
   ``INTERNAL``): :class:`LocalPicker` orders the model's live endpoints from the router's own etcd
   membership view by the router's own in-flight requests per endpoint (least first; ties by
@@ -137,17 +139,25 @@ class DegradedLog:
 class DependencyBreaker:
     """A circuit breaker for one per-request dependency (``"epp"`` Pick, ``"flow_control"`` admission).
 
-    Closed: every request calls the dependency. A call that **timed out** (a hung dependency: the
-    connection is open but no answer came within the request's wait) opens it: for
+    Closed: every request calls the dependency. A call that **timed out while the dependency was
+    unresponsive** (a hung dependency: the connection is open but nothing comes back) opens it: for
     ``cool_down_seconds`` :meth:`admit` answers ``"skip"`` (the request takes the path it takes when
     the dependency is unreachable: the local pick, local admission); once the cool-down has passed
     (half-open) **one probe at a time** is let through (``"probe"``), the other requests still skip.
     The probe's answer (any answer, a rejection too) closes the breaker at once; its timeout renews
     the cool-down; any other failure (refused, reset: fast) or abandonment just ends the probe (the
     next request probes). An answer to a call made before the opening (the dependency woke up)
-    closes it too; a health check that says ``SERVING`` ends the cool-down early (:meth:`seen_serving`). ``cool_down_seconds`` 0: never opens. Pure: no I/O; the request flow reports
-    outcomes (:meth:`answered`, :meth:`timed_out`, :meth:`failed`); ``on_change(open)`` is called on
-    each transition (metrics, log).
+    closes it too; a health check that says ``SERVING`` ends the cool-down early (:meth:`seen_serving`).
+    ``cool_down_seconds`` 0: never opens.
+
+    A timeout alone is not a hang: a **busy** dependency answers other calls (flow_control queues a
+    request for as long as its band's TTL allows, which may exceed the router's wait; epp's picks slow
+    down under load). The request flow reports a timeout with :meth:`timed_out` only when the
+    dependency showed no sign of life during the wait (:meth:`heard_since`: no call answered since
+    the timed-out call was sent, nor a liveness check, :meth:`heard`), else with :meth:`busy`, which
+    never opens it. Pure: no I/O; the request flow reports outcomes (:meth:`answered`,
+    :meth:`timed_out`, :meth:`busy`, :meth:`failed`); ``on_change(open)`` is called on each
+    transition (metrics, log).
     """
 
     def __init__(self, name: str, cool_down_seconds: float, clock: Callable[[], float],
@@ -158,6 +168,7 @@ class DependencyBreaker:
         self._on_change = on_change
         self._open_until: float | None = None
         self._probing = False
+        self._heard_at = float("-inf")
 
     def is_open(self) -> bool:
         """Whether requests skip the dependency (open or half-open: not every request calls it)."""
@@ -175,13 +186,32 @@ class DependencyBreaker:
 
     def answered(self, probe: bool) -> None:
         """The dependency answered (any answer, a rejection too): closes the breaker."""
+        self.heard()
         if probe:
             self._probing = False
         if self._open_until is not None:
             self._set(None)
 
+    def heard(self) -> None:
+        """The dependency showed a sign of life now (a call answered, a liveness check answered)."""
+        self._heard_at = self._clock()
+
+    def heard_since(self, since: float) -> bool:
+        """Whether the dependency showed a sign of life at or after ``since`` (this breaker's clock)."""
+        return self._heard_at >= since
+
+    def busy(self, probe: bool) -> None:
+        """The call passed its deadline, but the dependency is answering (:meth:`heard_since`): it is
+        busy (a long queue, slow picks), not hung. Never opens; a probe's ends, closing the breaker
+        (the dependency is responsive)."""
+        if probe:
+            self._probing = False
+            if self._open_until is not None:
+                self._set(None)
+
     def timed_out(self, probe: bool) -> None:
-        """The call passed its deadline with no answer: opens the breaker, or renews its cool-down."""
+        """The call passed its deadline and the dependency showed no sign of life meanwhile (hung):
+        opens the breaker, or renews its cool-down."""
         if probe:
             self._probing = False
         if self.cool_down_seconds > 0:

@@ -356,6 +356,51 @@ class SupportsPick(Protocol):
     async def pick(self, query: PickQuery) -> PickReply: ...
 
 
+LIVENESS_FRESH_SECONDS = 1.0
+"""How recent a sign of life must be to tell a busy flow_control from a hung one without asking it
+(an answered admission call, or a liveness check's verdict, within this long before a timeout)."""
+
+ANSWERED_HEALTH = frozenset({"SERVING", "NOT_SERVING", "SERVICE_UNKNOWN", "UNIMPLEMENTED"})
+"""grpc.health.v1 ``Check`` results that the server itself gave (it is responsive, whatever it says);
+the others (``DEADLINE_EXCEEDED``, ``UNAVAILABLE``, ``NOT_CONNECTED``...) mean nothing came back."""
+
+
+class _Liveness:
+    """Is a dependency responsive? One grpc.health.v1 ``Check`` at a time (``check(timeout_seconds)``
+    -> a status name, never raising: :func:`services.router.clients.check_health`), shared by every
+    request that asks while it runs; its verdict is reused for :data:`LIVENESS_FRESH_SECONDS`.
+    ``alive()`` -> True when the server answered the check (:data:`ANSWERED_HEALTH`) within
+    ``timeout_seconds``; False when nothing came back (a SIGSTOPped or wedged process)."""
+
+    def __init__(self, check: Callable[[float], Awaitable[str]], timeout_seconds: float,
+                 clock: Callable[[], float]) -> None:
+        self._check = check
+        self._timeout = timeout_seconds
+        self._clock = clock
+        self._running: asyncio.Future[bool] | None = None
+        self._verdict: tuple[float, bool] | None = None
+
+    async def alive(self) -> bool:
+        if self._verdict is not None and self._clock() - self._verdict[0] <= LIVENESS_FRESH_SECONDS:
+            return self._verdict[1]
+        if self._running is None or self._running.done():
+            self._running = asyncio.ensure_future(self._run())
+        return await asyncio.shield(self._running)  # a request that leaves does not cancel the others' check
+
+    async def _run(self) -> bool:
+        try:
+            status = await self._check(self._timeout)
+        except Exception:  # a check that failed is no sign of life
+            status = "UNKNOWN"
+        alive = status in ANSWERED_HEALTH
+        self._verdict = (self._clock(), alive)
+        return alive
+
+    def cancel(self) -> None:
+        if self._running is not None:
+            self._running.cancel()
+
+
 @dataclass(frozen=True, slots=True)
 class RequestMeta:
     """Who is asking: request id, flow (fairness id), priority band, and the caller's trace context.
@@ -743,6 +788,10 @@ class RequestFlow:
             for name, timeout in (("epp", config.pick_timeout_seconds), ("flow_control", config.admission_timeout_seconds))
         }
         """Circuit breakers of the per-request dependencies (docs/degraded-modes.md, "hung")."""
+        health = getattr(admission, "health", None)
+        self._flow_control_liveness = (_Liveness(health, config.health_check_timeout_seconds, clock)
+                                       if health is not None else None)
+        """Asked when an admission call timed out with no recent answer from flow_control: busy or hung?"""
         self._admitting_at_once = True
         """Whether the last admission dispatched without queueing (or was rejected): early picks go on."""
         self._watches: set[_EngineWatch] = set()
@@ -1049,6 +1098,8 @@ class RequestFlow:
             if probe.task is not None:
                 probe.task.cancel()
         self._probes.clear()
+        if self._flow_control_liveness is not None:
+            self._flow_control_liveness.cancel()
         if self._probe_http is not None and self._own_probe_http:
             await self._probe_http.aclose()
             self._probe_http = None
@@ -1058,8 +1109,8 @@ class RequestFlow:
             metrics.record_breaker(name, is_open)
             if is_open:
                 self._degraded_log.warn(
-                    name, "action=breaker_open reason=a call got no answer within %gs; for %gs requests do not wait "
-                    "on it, then one probe call at a time", timeout, self._config.dependency_breaker_cool_down_seconds,
+                    name, "action=breaker_open reason=a call got no answer within %gs and nothing else came back; "
+                    "for %gs requests do not wait on it, then one probe call at a time", timeout, self._config.dependency_breaker_cool_down_seconds,
                     cause="breaker_open")
             else:
                 logger.info("degraded mode dependency=%s action=breaker_closed", name)
@@ -1076,19 +1127,28 @@ class RequestFlow:
         """Dependencies whose breaker is open now (``/health`` lists them as degraded)."""
         return [name for name, breaker in self.breakers.items() if breaker.is_open()]
 
-    async def _admit(self, request: RouterRequest, meta: RequestMeta) -> Ticket:
+    def _on_credit(self, meta: RequestMeta) -> bool:
+        """Whether the admission client would admit this request on a lent credit right now (no round
+        trip, so no answer from flow_control: :meth:`_admit` then has no evidence either way)."""
+        at_once = getattr(self._admission, "admits_at_once", None)
+        return bool(at_once is not None and at_once(meta.priority, meta.admit_options))
+
+    async def _admit(self, request: RouterRequest, meta: RequestMeta, on_credit: bool | None = None) -> Ticket:
         """flow_control's decision; when it is unreachable, or its breaker is open (it timed out
-        recently: its cool-down, or another request is the probe), the degraded mode's (a local slot or 503)."""
+        recently: its cool-down, or another request is the probe), the degraded mode's (a local slot or 503).
+        ``on_credit``: :meth:`_on_credit`, asked just before with no suspension since (None: asked here)."""
         breaker = self.breakers["flow_control"]
         route = breaker.admit()
         if route == "skip":
             return self._admit_locally(FlowControlUnreachable(
                 "flow_control suspect: a recent admission call got no decision in time (breaker open)"))
         probe = route == "probe"
-        # a probe admitted on a lent credit gets no answer from flow_control: no evidence either way
-        at_once = getattr(self._admission, "admits_at_once", None) if probe else None
-        on_credit = bool(at_once is not None and at_once(meta.priority, meta.admit_options))
+        # a request admitted on a lent credit gets no answer from flow_control: no evidence either way
+        # (neither a probe's answer nor a sign of life)
+        if on_credit is None:
+            on_credit = self._on_credit(meta)
         answered = False
+        sent_at = self._clock()
         try:
             ticket = await self._admission.admit(
                 AdmitQuery(
@@ -1103,12 +1163,20 @@ class RequestFlow:
             )
             answered = not on_credit
             return ticket
-        except AdmissionTimedOut as exc:  # a hung flow_control: the client gets 504; say so, and count it
-            breaker.timed_out(probe)
+        except AdmissionTimedOut as exc:  # no decision in time: the client gets 504; say so, and count it
+            # Queued past the router's wait by a flow_control that is answering (a band TTL above
+            # admission_timeout_seconds, a long queue under saturation) is its job, not a hang: only a
+            # flow_control that shows no sign of life opens the breaker (the client's 504 is the same).
+            hung = not await self._flow_control_alive(sent_at)
+            if hung:
+                breaker.timed_out(probe)
+            else:
+                breaker.busy(probe)
             probe = False
             metrics.record_degraded("flow_control", "timed_out")
-            self._degraded_log.warn("flow_control", "action=timed_out status=504 request_id=%s flow=%s model=%s error=%s",
-                                    meta.request_id, meta.flow_id, request.model, exc, cause="timed_out")
+            self._degraded_log.warn("flow_control", "action=timed_out status=504 request_id=%s flow=%s model=%s "
+                                    "flow_control=%s error=%s", meta.request_id, meta.flow_id, request.model,
+                                    "unresponsive" if hung else "answering (queued, not hung)", exc, cause="timed_out")
             raise
         except FlowControlUnreachable as exc:
             return self._admit_locally(exc)
@@ -1120,6 +1188,21 @@ class RequestFlow:
                 breaker.answered(probe)
             else:
                 breaker.failed(probe)
+
+    async def _flow_control_alive(self, since: float) -> bool:
+        """Whether flow_control is responsive after an admission call sent at ``since`` (clock) timed out:
+        it answered a call since then and within :data:`LIVENESS_FRESH_SECONDS`, or it answers a
+        health check now (one at a time, shared; ``health_check_timeout_seconds``). Without a health
+        check (an admission client that has none), only the answers count."""
+        breaker = self.breakers["flow_control"]
+        if breaker.heard_since(max(since, self._clock() - LIVENESS_FRESH_SECONDS)):
+            return True
+        if self._flow_control_liveness is None:
+            return False
+        alive = await self._flow_control_liveness.alive()
+        if alive:
+            breaker.heard()
+        return alive
 
     def _admit_locally(self, exc: FlowControlUnreachable) -> Ticket:
         """The fail-open path: a local slot while under the cap, else ``exc`` (503)."""
@@ -1166,6 +1249,7 @@ class RequestFlow:
             return self._pick_locally(request, tried, PickerUnreachable(
                 "endpoint picker suspect: a recent Pick got no answer in time (breaker open)"))
         probe = route == "probe"
+        sent_at = self._clock()
         try:
             reply = await self._picker.pick(query)
         except asyncio.CancelledError:
@@ -1184,7 +1268,13 @@ class RequestFlow:
             raise ModelUnavailable(f"model '{request.model}' has no live endpoint right now ({exc})") from exc
         except PickerUnreachable as exc:
             if isinstance(exc, PickerTimedOut):
-                breaker.timed_out(probe)
+                # epp's Pick does not queue: it is hung when no pick at all was answered during this
+                # one's wait; a slow pick while others are answered is a busy epp (this request still
+                # picks locally, the breaker stays closed)
+                if breaker.heard_since(sent_at):
+                    breaker.busy(probe)
+                else:
+                    breaker.timed_out(probe)
             else:
                 breaker.failed(probe)
             if life is not None and isinstance(exc, PickerTimedOut):  # epp had it: it may have counted it
@@ -1262,9 +1352,10 @@ class RequestFlow:
         life.on_completed = getattr(self._picker, "report_completed", None)
         try:
             with trace.use_span(life.span, end_on_exit=False):
-                early_pick = self._start_early_pick(request, meta, life)
+                on_credit = self._on_credit(meta)
+                early_pick = self._start_early_pick(request, meta, life, on_credit)
                 try:
-                    life.ticket = await self._admit(request, meta)
+                    life.ticket = await self._admit(request, meta, on_credit)
                 except BaseException as exc:
                     if isinstance(exc, errors.KvmeshError):  # rejected: no early picks until one is dispatched at once
                         self._admitting_at_once = False
@@ -1305,16 +1396,14 @@ class RequestFlow:
             await life.close()
 
     def _start_early_pick(
-        self, request: RouterRequest, meta: RequestMeta, life: _Lifetime | None = None
+        self, request: RouterRequest, meta: RequestMeta, life: _Lifetime | None = None, on_credit: bool = False
     ) -> asyncio.Task[PickReply] | None:
         """The Pick, started beside admission while flow_control has been admitting at once
         (``early_pick``; see :meth:`_keep_early_pick`); None when not speculating, or when the
         admission client holds a credit for the request (admitted without a round trip: the pick
-        then runs inline after it, without a task and its two event-loop hand-offs)."""
-        if not self._config.early_pick or not self._admitting_at_once:
-            return None
-        at_once = getattr(self._admission, "admits_at_once", None)
-        if at_once is not None and at_once(meta.priority, meta.admit_options):
+        then runs inline after it, without a task and its two event-loop hand-offs: ``on_credit``,
+        :meth:`_on_credit`)."""
+        if not self._config.early_pick or not self._admitting_at_once or on_credit:
             return None
         return asyncio.ensure_future(self._timed_pick(request, meta, [], life))
 

@@ -339,3 +339,163 @@ def test_up_reaches_ready_when_the_router_requires_an_api_key(tmp_path: Path) ->
         except subprocess.TimeoutExpired:
             proc.kill()
     assert proc.returncode == 0, out.text()
+
+
+TENANTS = '[{"name":"acme","api_keys":["sk-acme-1234"]}]'
+
+
+def _keyed_env_the_cli_cannot_read() -> dict[str, str]:
+    """A router in API-key mode whose tenants the CLI cannot see: the router reads its environment without
+    regard to case (pydantic-settings), ``tenant_api_key`` looks for ``KVMESH_ROUTER_TENANTS`` only."""
+    from kvmesh_cli.mesh import tenant_api_key
+
+    base = {k: v for k, v in ENV.items() if not k.upper().startswith("KVMESH_")}
+    env = {**base, "PYTHONPATH": str(REPO), "KVMESH_ROUTER_REQUIRE_API_KEY": "true", "kvmesh_router_tenants": TENANTS}
+    keyless = {k: v for k, v in os.environ.items() if k != "KVMESH_ROUTER_TENANTS"}
+    assert tenant_api_key({**keyless, **env}) is None  # the premise: `kvmesh up` has no key to send
+    return env
+
+
+def test_up_without_a_key_to_send_is_ready_once_health_and_epp_say_so(tmp_path: Path) -> None:
+    """The keyless readiness fallback on a real mesh: the router answers 401 to the probe's ``/v1/models``, so
+    ``kvmesh up`` waits for the router's ``/health`` and epp's endpoints instead, and the mesh then serves."""
+    proc = subprocess.Popen(kvmesh("up", "--engines", "1", "--time-scale", "20"), cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_keyed_env_the_cli_cannot_read())
+    out = OutputLines(proc)
+    try:
+        wait_until(lambda: "kvmesh ready: router " in out.text() or proc.poll() is not None, 120,
+                   "mesh ready in API-key mode with no key to send", interval=0.3)
+        match = re.search(r"kvmesh ready: router (http://\S+)", out.text())
+        assert match, out.text()
+        url = match.group(1)
+        assert httpx.get(f"{url}/v1/models", timeout=5).status_code == 401  # the probe's path was refused
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+        served = httpx.post(f"{url}/v1/completions", headers={"authorization": "Bearer sk-acme-1234"}, timeout=30,
+                            json={"model": "sim-llama-3.1-8b", "prompt": "hello", "max_tokens": 2})
+        assert served.status_code == 200, served.text  # ready meant serving
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    assert proc.returncode == 0, out.text()
+
+
+def test_compare_sends_api_key_to_its_meshs_router_and_a_401_is_one_line(tmp_path: Path) -> None:
+    """``compare --api-key``: the key reaches the readiness check and the replay of the mesh it starts. Without
+    one (and none the CLI can read) the mesh gets ready through ``/health`` and the replay's first 401 is one
+    error line, exit 1."""
+    env = _keyed_env_the_cli_cannot_read()
+    args = ("compare", "--policies", "round-robin", "--engines", "1", "--requests", "4", "--workload", "multi-turn",
+            "--time-scale", "20")
+    keyed = subprocess.run(kvmesh(*args, "--api-key", "sk-acme-1234", "--run-dir", str(tmp_path / "keyed")),
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert keyed.returncode == 0, keyed.stdout + keyed.stderr
+    assert "round-robin" in keyed.stdout and "request 0 failed" not in keyed.stdout, keyed.stdout
+    keyless = subprocess.run(kvmesh(*args, "--run-dir", str(tmp_path / "keyless")), cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=180)
+    assert keyless.returncode == 1, keyless.stdout + keyless.stderr
+    errors = [line for line in keyless.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and re.fullmatch(
+        r"error: router http://127\.0\.0\.1:\d+ answered GET /v1/models with HTTP 401: it requires an API key; "
+        r"pass --api-key KEY \(or set KVMESH_API_KEY\)", errors[0]), keyless.stderr
+    assert "Traceback" not in keyless.stdout + keyless.stderr
+
+
+def _etcd(address: str, put: tuple[bytes, bytes] | None = None) -> dict[bytes, bytes]:
+    """Every key under ``/`` of the etcd at ``address`` (after writing ``put``, without a lease, if given)."""
+    import asyncio
+
+    import aetcd
+
+    async def go() -> dict[bytes, bytes]:
+        host, port = address.rsplit(":", 1)
+        async with aetcd.Client(host=host, port=int(port)) as client:
+            if put is not None:
+                await client.put(*put)
+            return {kv.key: kv.value for kv in await client.get_prefix(b"/")}
+
+    return asyncio.run(go())
+
+
+def test_up_after_a_sigkilled_up_in_the_same_run_dir_starts_its_etcd_empty(tmp_path: Path) -> None:
+    """A SIGKILLed ``kvmesh up`` leaves its etcd data in its run folder; before, the next ``up --run-dir`` there
+    started etcd on it (the old registrations on leases a restarted etcd renews, the old revisions). Now the
+    next one deletes it first, and a second ``up`` while the first runs is refused and deletes nothing."""
+    from tests.integration.test_cli import children_of, survivors
+
+    run = tmp_path / "run"
+    env = {**ENV, "PYTHONPATH": str(REPO)}
+    argv = kvmesh("up", "--engines", "1", "--time-scale", "20", "--run-dir", str(run))
+
+    started: list[subprocess.Popen[str]] = []
+
+    def start() -> tuple[subprocess.Popen[str], OutputLines, str]:
+        # its own process group (a shell job's): SIGKILL to the group is `kill -9 %1`
+        proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=env, start_new_session=True)
+        started.append(proc)
+        out = OutputLines(proc)
+        wait_until(lambda: "kvmesh ready: router " in out.text() or proc.poll() is not None, 120, "mesh ready",
+                   interval=0.3)
+        match = re.search(r"kvmesh ready: .* etcd (\S+) ", out.text())
+        assert match, out.text()
+        return proc, out, match.group(1)
+
+    try:
+        first, _, etcd1 = start()
+        before = _etcd(etcd1, put=(b"/kvmesh-test/marker", b"first mesh"))
+        assert any(k.startswith(b"/kvmesh/v1/services/") for k in before), before
+        busy = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        assert busy.returncode == 1, busy.stdout + busy.stderr
+        assert f"{run} is in use by a running mesh (pid {first.pid})" in busy.stderr, busy.stderr
+        assert _etcd(etcd1)[b"/kvmesh-test/marker"] == b"first mesh"  # the running mesh's data is untouched
+
+        children = children_of(first.pid)
+        assert len(children) >= 7, children  # etcd, 5 services, the engine
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(10)
+        wait_until(lambda: survivors(children) == [], 15, "the killed mesh's processes gone (PDEATHSIG)")
+        assert (run / "etcd" / "member").is_dir()  # what the killed run left
+        assert (run / "mesh.lock").read_text().strip() == str(first.pid)
+
+        second, out2, etcd2 = start()
+        after = _etcd(etcd2)
+        assert b"/kvmesh-test/marker" not in after, after
+        assert not {k for k, v in before.items() if after.get(k) == v}, (before, after)  # no old registration
+        assert f"deleted the etcd data a mesh that did not stop (pid {first.pid}) left in {run}" in out2.text()
+        second.send_signal(signal.SIGTERM)
+        second.wait(60)
+        assert second.returncode == 0, out2.text()
+        assert not (run / "etcd").exists() and (run / "mesh.lock").read_text() == ""  # a clean stop
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+def test_etcd_data_a_running_etcd_holds_is_never_deleted(tmp_path: Path) -> None:
+    """The second guard, on a real etcd: its WAL lock keeps its data from the start-up clean-up and from the
+    ``.run/`` sweep even when no mesh holds the folder's lock (an etcd no kvmesh lock names); once it is gone,
+    the sweep deletes the data."""
+    from kvmesh_cli.launcher import start_etcd
+    from kvmesh_cli.rundir import LOCK_NAME, RunDirBusy, clear_stale_etcd_data, etcd_wal_in_use, sweep_stale_etcd_data
+
+    run = tmp_path / ".run" / "up-1-1"
+    run.mkdir(parents=True)
+    (run / LOCK_NAME).write_text("")  # a lock file nobody holds
+    proc, _ = start_etcd(run)
+    try:
+        assert etcd_wal_in_use(run / "etcd")
+        with pytest.raises(RunDirBusy, match="an etcd still runs on"):
+            clear_stale_etcd_data(run, wait_s=0.2)
+        assert sweep_stale_etcd_data(tmp_path / ".run") == []
+        assert (run / "etcd" / "member").is_dir()
+    finally:
+        proc.kill()
+    assert sweep_stale_etcd_data(tmp_path / ".run") == [run / "etcd"]
+    assert not (run / "etcd").exists()

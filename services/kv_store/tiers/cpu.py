@@ -68,14 +68,20 @@ class CpuTier:
         return PutResult(tuple(evicted), tuple(victims))
 
     async def get(self, key: str) -> bytes | None:
+        value = self.get_nowait(key)
+        if value is None:
+            self._misses += 1
+        return value
+
+    def get_nowait(self, key: str) -> bytes | None:
+        """``get`` without suspending: the value (LRU-touched, a hit counted) or ``None`` (no miss
+        counted: the caller falls back to :meth:`get`)."""
         value = self._values.get(key)
         if value is None:
             value = self._pending.get(key)  # moving down: still served here
             if value is not None:
                 self._hits += 1
-                return value
-            self._misses += 1
-            return None
+            return value
         self._hits += 1
         self._values.move_to_end(key)
         return value

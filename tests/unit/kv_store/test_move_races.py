@@ -309,7 +309,11 @@ async def test_a_failed_release_marks_removed_only_the_victims_still_pending(
     assert (await store.get("a")).value == b"A" * 10
 
 
-async def test_a_promoted_pending_victim_leaves_no_second_copy_where_its_move_lands(tmp_path: Path) -> None:
+async def test_a_promoted_pending_victim_keeps_the_copy_its_move_lands_in_a_shared_tier(tmp_path: Path) -> None:
+    """a, pending on the disk on its way to the shared tier, is promoted (its disk copy removed); the
+    copy its move lands in the shared tier stays (another instance may read it: shared tiers are
+    for sharing), so a is on CPU and SHARED. The private-tier case (the landed copy removed, one
+    copy per instance) is in test_shared_copies.py."""
     (tmp_path / "shared").mkdir()
     shared = SharedFsTier(tmp_path / "shared", 1000)
     store = BlockStore([CpuTier(20), DiskTier(tmp_path / "nvme", 20), shared])
@@ -321,7 +325,7 @@ async def test_a_promoted_pending_victim_leaves_no_second_copy_where_its_move_la
         get = asyncio.create_task(store.get("a"))  # promotes a, removing its pending disk copy
         await asyncio.sleep(0.05)
     await asyncio.wait_for(asyncio.gather(put, get), 5)
-    assert where(store, "a") == ["cpu"]
+    assert where(store, "a") == ["cpu", "sharedfs"]
     assert store.metrics.lost == {}
     for key in "abcde":
         assert (await store.get(key)).value == key.encode() * 10
