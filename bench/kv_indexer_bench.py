@@ -411,7 +411,12 @@ async def etcd_pause_bench(engines: int, pause: float, lease_ttl: int, requests:
             async def exact() -> bool:
                 for port in ports:
                     body = (await client.get(f"http://127.0.0.1:{port}/debug/kv_cache")).json()
-                    reply = await stub.EndpointBlocks(pb.EndpointBlocksRequest(endpoint_id=f"127.0.0.1:{port}"), timeout=5)
+                    try:
+                        reply = await stub.EndpointBlocks(pb.EndpointBlocksRequest(endpoint_id=f"127.0.0.1:{port}"), timeout=5)
+                    except grpc.aio.AioRpcError as err:
+                        if err.code() == grpc.StatusCode.NOT_FOUND:  # the indexer has not met it yet
+                            return False
+                        raise
                     if list(reply.block_hashes) != body["block_hashes"] or reply.state != "live":
                         return False
                 return True

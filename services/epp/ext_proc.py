@@ -444,9 +444,9 @@ class ExternalProcessorServicer(ext_grpc.ExternalProcessorServicer):
         return []  # FULL_DUPLEX_STREAMED: the headers response waits for the pick
 
     async def _pick_reply(self, stream: _Stream, in_body_response: bool) -> ext_pb2.ProcessingResponse:
-        request_id = stream.headers.get("x-request-id", "")
-        if request_id:  # one id per downstream request: two sharing an x-request-id are two picks to the datastore
-            request_id = pick_request_id(request_id)
+        # One id per downstream request: two sharing an x-request-id (or sending none, when Envoy is set
+        # not to generate one) are two picks to the datastore.
+        request_id = pick_request_id(stream.headers.get("x-request-id", "") or "ext_proc")
         endpoints = self._scheduler.datastore.endpoints()
         request = scheduling_request(bytes(stream.body), request_id, endpoints)
         if stream.subset is not None:

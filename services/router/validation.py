@@ -16,7 +16,7 @@ OpenAI body built from its protobuf. Checks, in order (the first failure wins):
 | embeddings: ``input`` a string, token ids, or a list of either; responses: ``input`` a string or a list of items | InvalidRequest (400) |
 | no ``NaN`` / ``Infinity`` / float-overflowing number anywhere (kvmesh's one tightening over vLLM 0.32) | InvalidRequest (400) naming its path (``param``) |
 | typed fields (:data:`SCALAR_FIELDS`, ``stream_options.*``, ``logit_bias``) read exactly as vLLM 0.32's pydantic models read them (lax: ``"yes"`` / ``1`` is a boolean, ``"5"`` / ``true`` / ``5.0`` an integer), float fields finite; ranges of penalties, ``min_p``, ``top_k``, logprobs, ``logit_bias`` keys as vLLM 0.32 | InvalidRequest (400) naming the field (``param``) |
-| ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens``: in [1, min(max_model_len, max_tokens_limit)] | InvalidRequest (400) |
+| ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens``: in [1, min(max_model_len, max_tokens_limit)]; 0 only as completions' ``echo`` of the prompt (vLLM 0.32's ``echo_without_generation``) | InvalidRequest (400) |
 | ``temperature`` in [0, 2]; ``top_p`` in (0, 1]; ``n`` in [1, ``max_n``] (vLLM 0.32 ``sampling_params.py`` 46-58, 653-675) | InvalidRequest (400) |
 | prompt (+ max_tokens) over the model's context | InvalidRequest (400) |
 
@@ -653,7 +653,9 @@ def validate_request(
         value = fields.get(name)
         if value is None:
             continue
-        if value < 1:  # vLLM 0.32 sampling_params.py:688 (SamplingParams._verify_args)
+        if value == 0 and name == "max_tokens" and kind is RequestKind.COMPLETION and fields.get("echo"):
+            pass  # the prompt echoed, nothing generated: vLLM 0.32 protocol.py (echo_without_generation)
+        elif value < 1:  # vLLM 0.32 sampling_params.py:688 (SamplingParams._verify_args)
             raise InvalidRequest(f"'{name}' must be at least 1, got {value}")
         cap = min(max_tokens_limit, info.max_model_len or max_tokens_limit)
         if value > cap:

@@ -153,7 +153,14 @@ async def engine_state(engine: Engine) -> tuple[list[int], int]:
 
 
 async def index_state(stub: kv_indexer_pb2_grpc.KVIndexerStub, endpoint_id: str) -> tuple[list[int], str]:
-    reply = await stub.EndpointBlocks(pb.EndpointBlocksRequest(endpoint_id=endpoint_id), timeout=5)
+    """The index's hashes and stream state for ``endpoint_id``; ``([], "unknown")`` while the indexer
+    has not met it (``EndpointBlocks`` answers NOT_FOUND for an endpoint it does not know)."""
+    try:
+        reply = await stub.EndpointBlocks(pb.EndpointBlocksRequest(endpoint_id=endpoint_id), timeout=5)
+    except grpc.aio.AioRpcError as err:
+        if err.code() == grpc.StatusCode.NOT_FOUND:
+            return [], "unknown"
+        raise
     return list(reply.block_hashes), reply.state
 
 

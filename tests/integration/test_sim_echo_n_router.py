@@ -123,8 +123,6 @@ def test_generated_text_is_printable_through_the_router(mesh: Mesh) -> None:
         assert all(unicodedata.category(ch) != "Cc" or ch in "\n\t" for ch in text), repr(text)
 
 
-@pytest.mark.xfail(strict=True, reason="the router refuses max_tokens 0 (validation.py), which vLLM 0.32 accepts "
-                                       "with completions' echo (the prompt alone)")
 def test_echo_with_max_tokens_0_through_the_router(mesh: Mesh) -> None:
     body = {"model": MODEL, "prompt": "prompt only", "echo": True, "max_tokens": 0}
     assert _post(mesh.engine + "/v1/completions", body).json()["choices"][0]["text"] == "prompt only"

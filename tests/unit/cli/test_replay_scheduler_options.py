@@ -101,6 +101,9 @@ def test_replay_json_records_the_engines_scheduler(monkeypatch: pytest.MonkeyPat
             self.router_url = "http://127.0.0.1:1"
             self.engine_urls: list[str] = []
 
+        def router_api_key(self) -> str | None:
+            return None
+
         def __enter__(self) -> FakeMesh:
             return self
 

@@ -48,6 +48,11 @@ BAD_CASES: list[tuple[str, RequestKind, dict[str, Any], type[errors.KvmeshError]
     ("prompt-dict", C, {"model": "tiny", "prompt": {"a": 1}}, errors.InvalidRequest, "'prompt' must be"),
     ("negative-token-id", C, {"model": "tiny", "prompt": [1, -2]}, errors.InvalidRequest, "token ids"),
     ("max-tokens-zero", C, {"model": "tiny", "prompt": "hi", "max_tokens": 0}, errors.InvalidRequest, "'max_tokens' must be at least 1"),
+    # vLLM 0.32 accepts max_tokens 0 only as completions' echo of the prompt (echo_without_generation).
+    ("max-tokens-zero-echo-false", C, {"model": "tiny", "prompt": "hi", "max_tokens": 0, "echo": False}, errors.InvalidRequest, "at least 1"),
+    ("max-tokens-negative-echo", C, {"model": "tiny", "prompt": "hi", "max_tokens": -1, "echo": True}, errors.InvalidRequest, "at least 1"),
+    ("chat-max-tokens-zero-echo", CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0, "echo": True}, errors.InvalidRequest, "at least 1"),
+    ("chat-max-completion-tokens-zero-echo", CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0, "echo": True}, errors.InvalidRequest, "at least 1"),
     ("max-tokens-negative", C, {"model": "tiny", "prompt": "hi", "max_tokens": -5}, errors.InvalidRequest, "at least 1"),
     ("max-tokens-string", C, {"model": "tiny", "prompt": "hi", "max_tokens": "10.5"}, errors.InvalidRequest, "must be an integer"),
     ("max-tokens-bool-string", C, {"model": "tiny", "prompt": "hi", "max_tokens": "true"}, errors.InvalidRequest, "must be an integer"),
@@ -95,6 +100,7 @@ GOOD_CASES = [
     ("chat-stream", CHAT, {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "stream": True}, True, None),
     ("unlabelled-model", C, {"model": "other", "prompt": list(range(5000)), "max_tokens": 5000}, False, 5000),
     ("temperature-zero", C, {"model": "tiny", "prompt": "x", "temperature": 0.0, "stream": False}, False, None),
+    ("echo-without-generation", C, {"model": "tiny", "prompt": "x", "echo": True, "max_tokens": 0}, False, 0),
 ]
 
 
