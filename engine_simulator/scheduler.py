@@ -625,7 +625,8 @@ class EngineCore:
                         break
                     del self.loading[k]
                     if req.first_scheduled_time is None:  # vLLM 0.32 records SCHEDULED (the end of
-                        req.first_scheduled_time = now  # vllm:request_queue_time_seconds) here, after its load
+                        # vllm:request_queue_time_seconds) here, after its load; never before its arrival
+                        req.first_scheduled_time = max(now, req.arrival_time)
                 else:
                     if j >= len(self.waiting):
                         break
@@ -659,7 +660,9 @@ class EngineCore:
                     req.inflight_prefill = True
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = hit_tokens
-                    req.first_scheduled_time = now
+                    # A step on a schedule running late starts (in model time) before a request that arrived
+                    # while the loop caught up: it was scheduled no earlier than it arrived (queue time >= 0).
+                    req.first_scheduled_time = max(now, req.arrival_time)
                     if not req.skip_reading_prefix_cache:  # vLLM's record_prefix_cache_stats skips it
                         self.prefix_queries_tokens += req.num_tokens
                         self.prefix_hits_tokens += hit_tokens

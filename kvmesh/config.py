@@ -236,7 +236,7 @@ def load_config(cls: type[C], argv: list[str] | None = None, prog: str | None = 
     short = _short_name(prog)
     # allow_abbrev=False: `--port 8123` must not silently mean `--ports-file 8123` (argparse matches prefixes)
     parser = _OneLineParser(
-        prog=prog, description=(cls.__doc__ or "").strip().splitlines()[0], allow_abbrev=False, short_name=short
+        prog=prog, description=(cls.__doc__ or "").strip().splitlines()[0], allow_abbrev=False, short_name=short,
     )
     parser.add_argument("--config", type=Path, help="YAML file with any of the fields below")
     parser.add_argument("--print-config", action="store_true", help="print the effective config and exit")
@@ -251,7 +251,8 @@ def load_config(cls: type[C], argv: list[str] | None = None, prog: str | None = 
             dest=name,
             default=argparse.SUPPRESS,
             metavar=name.upper(),
-            help=f"{info.description or ''} (default: {default!r})",
+            # argparse %-formats help strings: a literal "%" in a docstring ("~80 %") must be doubled
+            help=f"{info.description or ''} (default: {default!r})".replace("%", "%%"),
         )
     ns = vars(parser.parse_args(argv))
     config_path = ns.pop("config")

@@ -117,3 +117,30 @@ def test_a_check_of_two_fields_together_is_its_own_message() -> None:
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "engine_simulator: long_prefill_token_threshold (257) cannot be greater than the max_model_len (256)."]
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["services.router", "services.epp", "services.kv_indexer", "services.kv_store", "services.flow_control",
+     "engine_simulator", "services.registration_sidecar"],
+)
+def test_every_entry_point_prints_its_help(module: str) -> None:
+    """``--help`` lists every field (argparse %-formats help text: a docstring's "80 %" once crashed it)."""
+    proc = _run(module, "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "--config" in proc.stdout and "--print-config" in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_a_percent_sign_in_a_docstring_is_printed_as_is(capsys: pytest.CaptureFixture[str]) -> None:
+    class Pct(GrpcServiceConfig):
+        """Demo at 50 % load."""
+
+        model_config = SettingsConfigDict(env_prefix="KVMESH_PCT_")
+        share: float = Field(0.8, gt=0)
+        """Fraction of the link (~80 %), 100% at most."""
+
+    with pytest.raises(SystemExit) as exit_info:
+        load_config(Pct, ["--help"], prog="pct")
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "Demo at 50 % load." in out and "(~80 %), 100% at most" in out
