@@ -34,7 +34,7 @@ class Mesh:
     engine: str
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def mesh(start_service: Any, etcd: str, run_dir: Path) -> Iterator[Mesh]:
     port = free_port()
     proc = ManagedProcess(
