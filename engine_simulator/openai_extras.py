@@ -7,6 +7,7 @@
 | :func:`choices_per_prompt` | ``n`` an integer >= 1 (vLLM's ``CompletionRequest.n`` / ``ChatCompletionRequest.n``); ``n > 1`` with ``temperature: 0`` is vLLM's 400 ``n must be 1 when using greedy sampling, got N.`` (``SamplingParams._verify_greedy_sampling``); ``best_of`` is no field of vLLM 0.32's requests (ignored, as any unknown field) |
 | :func:`chat_echo` | chat's ``echo`` (``ChatCompletionRequest.echo``): the answer is prepended with the last message's content when that message has the answer's role (``assistant``, or the last message's own role with ``add_generation_prompt: false``) |
 | :func:`read_generation_fields` | scalar fields read as vLLM's pydantic models read them (lax: ``"5"`` is 5, ``"false"`` is False), its type errors as its 400 (``"N validation error(s): ..."``, ``type`` "Bad Request"); ``stop`` a string or at most 4 strings, ``seed`` an int64; ``SamplingParams``' range checks (``temperature`` in [0, 2], ``top_p`` in (0, 1], ...) and ``logprobs`` at most ``MAX_LOGPROBS`` (20) with vLLM's messages (``BadRequestError``, ``param``) |
+| :func:`stop_params`, :func:`check_stop_token_ids`, :func:`check_min_tokens` | ``stop``, ``stop_token_ids`` (``list[int]``, each in the vocabulary), ``include_stop_str_in_output``, ``min_tokens`` (at most the ``max_tokens`` the request runs with), ``skip_special_tokens``, applied by :mod:`engine_simulator.stopping` |
 | :func:`simulated_logprobs` | ``logprobs: k`` (chat: ``logprobs: true`` + ``top_logprobs: k``) answers a logprobs object in vLLM's completion/chat shape, simulated values |
 | :class:`ApiKeyMiddleware` | ``--api-key``: paths under ``/v1`` need ``Authorization: Bearer <key>``, else 401 ``{"error": "Unauthorized"}``; ``/health``, ``/metrics``, ``/tokenize``, ``/detokenize`` stay open (``AuthenticationMiddleware``) |
 | :meth:`ExtraRoutes.embeddings` | served only by the pooling runner (``--runner pooling``): ``input`` text, token ids or a batch -> ``{"object": "list", "data": [{"index", "object": "embedding", "embedding"}], "usage"}``; ``encoding_format`` float or base64 (little-endian float32) |
@@ -36,6 +37,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from engine_simulator.stopping import StopParams
 from kvmesh.errors import InvalidRequest
 
 if TYPE_CHECKING:
@@ -287,7 +289,8 @@ class ExtraRoutes:
         async for new_ids, step_req in self._run(ids, max_tokens, body):
             text_ids += new_ids
             req = step_req
-        answer = self._response_object(rid, created, "completed", self._state.renderer.detokenize(text_ids), req, body)
+        text = self._state.renderer.detokenize(text_ids, skip_special_tokens=True)  # EOS: "" (vLLM's default)
+        answer = self._response_object(rid, created, "completed", text, req, body)
         if store:
             self.store.keep(answer, messages)
         return JSONResponse(answer)
@@ -349,7 +352,7 @@ class ExtraRoutes:
         item_id = "msg_" + rid.removeprefix("resp_")
         async for new_ids, step_req in self._run(ids, max_tokens, body):
             req = step_req
-            delta = self._state.renderer.detokenize(new_ids)
+            delta = self._state.renderer.detokenize(new_ids, skip_special_tokens=True)  # EOS: "" (vLLM's default)
             text += delta
             if delta:
                 yield event("response.output_text.delta", item_id=item_id, output_index=0, content_index=0, delta=delta,
@@ -421,6 +424,9 @@ class _GenerationFields(BaseModel):
     top_k: int | None = None
     min_p: float | None = None
     min_tokens: int = 0
+    stop_token_ids: list[int] | None = []
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     priority: int = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
     use_beam_search: bool = False
 
@@ -559,6 +565,47 @@ def check_max_logprobs(k: int | None, vocab_size: int) -> None:
                                   f"{MAX_LOGPROBS}", "logprobs", requested)
 
 
+def stop_params(body: dict[str, Any]) -> StopParams:
+    """The stop fields of a body :func:`read_generation_fields` returned (values already read and checked):
+    ``stop`` (a string or a list), ``stop_token_ids`` (duplicates dropped, as ``SamplingParams``),
+    ``include_stop_str_in_output``, ``min_tokens``, ``skip_special_tokens``."""
+    stop = body.get("stop")
+    return StopParams(
+        stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+        stop_token_ids=frozenset(body.get("stop_token_ids") or ()),
+        include_stop_str_in_output=bool(body.get("include_stop_str_in_output", False)),
+        min_tokens=int(body.get("min_tokens") or 0),
+        skip_special_tokens=body.get("skip_special_tokens", True) is not False,
+    )
+
+
+def check_stop_token_ids(stop_token_ids: list[int] | None, vocab_size: int) -> None:
+    """``SamplingParams._validate_stop_token_ids`` (vLLM 0.32 ``sampling_params.py`` 1047-1070): every id in
+    ``[0, vocab_size)``. Run in the engine's input processing like :func:`check_max_logprobs` (a streamed
+    request gets it in-stream).
+
+    Raises:
+        VllmValidationError: ``token_id(s) [..] in stop_token_ids contain out-of-vocab token ids. Vocabulary
+            size: V``, ``param`` ``stop_token_ids``.
+    """
+    invalid = [t for t in stop_token_ids or () if t < 0 or t >= vocab_size]
+    if invalid:
+        raise _sampling_error(f"token_id(s) {invalid} in stop_token_ids contain out-of-vocab token ids. "
+                              f"Vocabulary size: {vocab_size}", "stop_token_ids", invalid)
+
+
+def check_min_tokens(min_tokens: int, max_tokens: int) -> None:
+    """``SamplingParams._verify_args`` (vLLM 0.32 ``sampling_params.py`` 698-702) against the ``max_tokens`` the
+    request runs with (vLLM's ``get_max_tokens``: the one asked for, or the room left in the context, or 1 for
+    completions' ``echo`` with ``max_tokens: 0``). Checked in ``to_sampling_params``, before any answer starts.
+
+    Raises:
+        VllmValidationError: ``min_tokens must be less than or equal to max_tokens=M, got N.``
+    """
+    if min_tokens > max_tokens:
+        raise _sampling_error(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.")
+
+
 def read_generation_fields(body: dict[str, Any], chat: bool, vocab_size: int) -> tuple[dict[str, Any], int | None]:
     """Validate a completions/chat body's scalar fields as vLLM 0.32 does and coerce them.
 
@@ -578,7 +625,8 @@ def read_generation_fields(body: dict[str, Any], chat: bool, vocab_size: int) ->
     except FieldError as exc:
         raise _sampling_error(exc.message, exc.parameter, exc.value) from None
     _check_sampling(fields, vocab_size)
-    read = ("n", "stream", "ignore_eos", "max_tokens", "echo", "use_beam_search")
+    read = ("n", "stream", "ignore_eos", "max_tokens", "echo", "use_beam_search", "stop", "stop_token_ids",
+            "include_stop_str_in_output", "min_tokens", "skip_special_tokens")
     coerced: dict[str, Any] = {name: getattr(fields, name) for name in read if name in body}
     if isinstance(fields, _ChatFields) and "max_completion_tokens" in body:
         coerced["max_completion_tokens"] = fields.max_completion_tokens

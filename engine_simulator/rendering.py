@@ -72,6 +72,11 @@ class Renderer:
         self.trust_request_chat_template = trust_request_chat_template
         self.vocab_size = tokenizer.get_vocab_size()
         self._token_text = [tokenizer.decode([i], skip_special_tokens=False) for i in range(self.vocab_size)]
+        self.token_table: tuple[str, ...] = tuple(self._token_text)
+        """Each token id's own text (special tokens as written, ``</s>``): output text is their concatenation."""
+        self.special_token_ids = frozenset(
+            i for i in (tokenizer.token_to_id(t) for t in SPECIAL_TOKENS.values()) if i is not None)
+        """Ids of the special tokens (``<unk>``, ``<s>``, ``</s>``): "" in output text with ``skip_special_tokens``."""
         self.max_token_chars = max(len(tokenizer.id_to_token(i) or "") for i in range(self.vocab_size)) or 1
         """Most characters one token covers (its byte-level form: one character per byte, so also per text character)."""
 
@@ -182,8 +187,11 @@ class Renderer:
         """The tokenizer's decode of a whole sequence, special tokens kept (HF ``decode`` default)."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
-    def detokenize(self, ids: Sequence[int]) -> str:
+    def detokenize(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """The concatenation of each token's own text; ``skip_special_tokens``: special tokens read as ""."""
         table = self._token_text
+        if skip_special_tokens:
+            return "".join(table[i] for i in ids if i not in self.special_token_ids)
         return "".join(table[i] for i in ids)
 
     def token_strs(self, ids: Sequence[int]) -> list[str]:

@@ -31,6 +31,11 @@ outside cannot tell (KV events, cached-token counts, queueing):
   tokenizer's printable tokens, so no control character or lone UTF-8 byte is generated), else from
   every id above EOS. The ``i``-th of ``n`` parallel samples (``Request.sample_index``, ``i > 0``)
   draws its own sequence (vLLM's child requests sample independently); sample 0 is the request alone.
+* Stop conditions as vLLM 0.32 (:mod:`engine_simulator.stopping`): EOS, then ``stop_token_ids``
+  (``Request.stop_reason`` = the id), then length (``check_stop``); before ``min_tokens`` output tokens EOS
+  and the stop token ids are never sampled; a request with ``Request.output_text`` also ends when a stop
+  string appears in its text, in the step that completes it (vLLM's detokenizer, then an abort of the
+  engine request: the same step here).
 * ``Request.skip_reading_prefix_cache`` (vLLM: a request with ``prompt_logprobs``, e.g. ``echo`` with
   ``logprobs``) looks up no prefix hit, GPU or offloaded, and is not counted in the prefix-cache
   queries; its blocks are still cached.
@@ -52,6 +57,7 @@ from dataclasses import dataclass, field
 
 from engine_simulator.offload import LoadPlan
 from engine_simulator.prefix_cache import PrefixCache
+from engine_simulator.stopping import OutputText, StopParams, suppressed_token_ids
 from engine_simulator.tokenizer import EOS_ID
 from kvmesh.hashing import external_hash_to_int, sha256_cbor_block_hashes
 from kvmesh.kv_events import BlockStored
@@ -151,6 +157,13 @@ class Request:
     """Which of ``n`` parallel samples of one prompt this is (vLLM's child ``index``): > 0 draws its own tokens."""
     skip_reading_prefix_cache: bool = False
     """vLLM's ``SamplingParams.skip_reading_prefix_cache`` (set when ``prompt_logprobs`` are asked): no prefix hit."""
+    stop: StopParams = field(default_factory=StopParams)
+    """``stop_token_ids`` and ``min_tokens`` act here (:meth:`EngineCore.update`, :meth:`next_token`); the stop
+    strings through :attr:`output_text` (:mod:`engine_simulator.stopping`)."""
+    output_text: OutputText | None = None
+    """The output text with stop-string matching (the server attaches one; None: no text is tracked)."""
+    stop_reason: int | str | None = None
+    """vLLM's ``stop_reason``: the stop string or stop token id that finished the request (None for EOS/length)."""
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
@@ -230,7 +243,23 @@ class Request:
 
     def next_token(self, vocab_size: int, sampled: Sequence[int] = ()) -> int:
         """The next generated token, seeded by the prompt (and :attr:`sample_index` when > 0): EOS or one of
-        ``sampled`` (empty: an id in ``(EOS_ID, vocab_size)``), each equally likely."""
+        ``sampled`` (empty: an id in ``(EOS_ID, vocab_size)``), each equally likely. Before ``min_tokens`` output
+        tokens, EOS and ``stop_token_ids`` are masked (vLLM's ``MinTokensLogitsProcessor``): a masked draw takes
+        the next allowed token of the table instead (one draw per token either way, so a preempted request
+        replays the same tokens)."""
+        token = self._draw(vocab_size, sampled)
+        banned = suppressed_token_ids(len(self.output_token_ids), self.stop, EOS_ID)
+        if token not in banned:
+            return token
+        table: Sequence[int] = sampled or range(EOS_ID + 1, vocab_size)
+        start = table.index(token) + 1 if token in table else 0
+        for k in range(len(table)):
+            candidate = table[(start + k) % len(table)]
+            if candidate not in banned:
+                return candidate
+        return token  # every token masked: nothing allowed to fall back to
+
+    def _draw(self, vocab_size: int, sampled: Sequence[int]) -> int:
         choices = len(sampled) + 1 if sampled else vocab_size - EOS_ID
         if self._rng is None:
             key = array("q", self.prompt_token_ids).tobytes()
@@ -271,6 +300,9 @@ class RequestOutput:
     request: Request
     new_token_ids: list[int]
     finished: bool
+    text: str | None = None
+    """The output text this step adds, held back near a possible stop string while unfinished (vLLM's DELTA
+    output); None when the request tracks no text (:attr:`Request.output_text`)."""
 
 
 class EngineCore:
@@ -694,14 +726,25 @@ class EngineCore:
             tok = req.next_token(cfg.vocab_size, cfg.sampled_token_ids)
             req.output_token_ids.append(tok)
             done = None
+            # vLLM 0.32 check_stop (vllm/v1/core/sched/utils.py): EOS, stop token ids, then length
             if tok == EOS_ID and not req.ignore_eos:
                 done = FinishReason.STOP
+            elif tok in req.stop.stop_token_ids:
+                done = FinishReason.STOP
+                req.stop_reason = tok
             elif len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= cfg.max_model_len:
                 done = FinishReason.LENGTH
+            text = None
+            if req.output_text is not None:  # vLLM's detokenizer: stop strings end the request too
+                stop_string = req.output_text.update([tok], done is FinishReason.STOP)
+                if stop_string is not None:
+                    done = FinishReason.STOP
+                    req.stop_reason = stop_string
+                text = req.output_text.delta(finished=done is not None)
             if done is not None:
                 req.finish_reason = done
                 finished.append(req)
-            outputs.append(RequestOutput(req, [tok], done is not None))
+            outputs.append(RequestOutput(req, [tok], done is not None, text))
         for req in finished:
             self.running.remove(req)
             self._by_id.pop(req.request_id, None)

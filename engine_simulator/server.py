@@ -2,8 +2,8 @@
 
 | route | what |
 | --- | --- |
-| ``POST /v1/completions`` | ``prompt`` text or token ids (or a batch); ``stream`` (SSE, ``data: [DONE]``) or not; ``n``, ``echo``, ``use_beam_search`` as vLLM 0.32 (``engine_simulator/README.md``) |
-| ``POST /v1/chat/completions`` | ``messages`` through the documented template (``rendering.py``); ``n``, ``echo``, ``use_beam_search`` likewise |
+| ``POST /v1/completions`` | ``prompt`` text or token ids (or a batch); ``stream`` (SSE, ``data: [DONE]``) or not; ``n``, ``echo``, ``use_beam_search``, the stop fields (``stop``, ``stop_token_ids``, ``include_stop_str_in_output``, ``min_tokens``: ``engine_simulator/stopping.py``) as vLLM 0.32 (``engine_simulator/README.md``) |
+| ``POST /v1/chat/completions`` | ``messages`` through the documented template (``rendering.py``); ``n``, ``echo``, ``use_beam_search``, the stop fields likewise |
 | ``POST /v1/embeddings`` (``--runner pooling``), ``POST /v1/responses``, ``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``, ``POST /detokenize`` | ``engine_simulator/openai_extras.py`` |
 | ``POST /tokenize`` | ``{"model","prompt"}`` or ``{"model","messages","add_generation_prompt"}`` -> ``{"count","max_model_len","tokens","token_strs"}`` |
 | ``POST /v1/completions/render``, ``POST /v1/chat/completions/render`` | token ids the engine would run, without running |
@@ -51,14 +51,18 @@ from engine_simulator.openai_extras import (
     VllmValidationError,
     chat_echo,
     check_max_logprobs,
+    check_min_tokens,
+    check_stop_token_ids,
     choices_per_prompt,
     read_generation_fields,
     simulated_logprob,
     simulated_logprobs,
     split_batch,
+    stop_params,
 )
 from engine_simulator.rendering import Renderer
 from engine_simulator.scheduler import FinishReason, LoraAdapter, Request, RequestOutput
+from engine_simulator.stopping import OutputText, StopParams
 from engine_simulator.tokenizer import EOS_ID
 from kvmesh.errors import InvalidRequest, UnknownModel
 
@@ -378,6 +382,7 @@ class EngineHttpApi:
             check_max_logprobs(logprobs, self._renderer.vocab_size)
             if body.get("use_beam_search"):  # each round's requests ask logprobs=2 * width (beam_search/online.py)
                 check_max_logprobs(2 * n, self._renderer.vocab_size)
+            check_stop_token_ids(body.get("stop_token_ids"), self._renderer.vocab_size)
         except VllmValidationError as exc:
             if not streamed:
                 raise
@@ -388,6 +393,10 @@ class EngineHttpApi:
         echo_only = echo and not chat and body.get("max_tokens") == 0
         subs = split_batch({**body, "max_tokens": 1} if echo_only else body, chat)
         prepared = [await self._prepare_bounded(sub, chat) for sub in subs]
+        stops = stop_params(body)
+        if not body.get("use_beam_search"):  # to_sampling_params, per prompt (beam search takes no min_tokens)
+            for _, max_tokens in prepared:
+                check_min_tokens(stops.min_tokens, max_tokens)
         shape = _Shape(chat, n, logprobs, echo, echo_only)
         if chat:
             shape.role, echo_text = chat_echo(body)
@@ -408,7 +417,8 @@ class EngineHttpApi:
                 for j in range(n):
                     sub_id = rid if len(prepared) * n == 1 else f"{rid}-{p_idx}-{j}"
                     req = Request(sub_id, ids, max_tokens, ignore_eos=bool(body.get("ignore_eos", False)), lora=lora,
-                                  cache_salt=salt, sample_index=j, skip_reading_prefix_cache=skip_cache)
+                                  cache_salt=salt, sample_index=j, skip_reading_prefix_cache=skip_cache,
+                                  stop=stops, output_text=self._output_text(stops))
                     queues.append(self._engine.submit(req))
                     reqs.append(req)
         except ValueError as exc:
@@ -485,6 +495,7 @@ class EngineHttpApi:
                 req = Request(rid, ids, max_tokens, num_cached_tokens=0,
                               finish_reason=FinishReason.STOP if beam.finish_reason else FinishReason.LENGTH)
                 req.output_token_ids = beam.tokens
+                req.stop_reason = EOS_ID if beam.finish_reason else None  # online.py: stop_reason=eos_token_id
                 out.append(req)
             return out
 
@@ -521,11 +532,22 @@ class EngineHttpApi:
                                         "finish_reason": None}]} for i in range(len(reqs))]
         chunks += [{**head, "choices": [{"index": c["index"], "delta": {"content": c["message"]["content"]},
                                          "logprobs": c["logprobs"], "finish_reason": c["finish_reason"],
-                                         "stop_reason": None}]} for c in answer["choices"]]
+                                         "stop_reason": c["stop_reason"]}]} for c in answer["choices"]]
         if include_usage:
             chunks.append({**head, "choices": [], "usage": answer["usage"]})
         lines = [f"data: {_dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
         return StreamingResponse(iter(lines), media_type="text/event-stream", headers=_SSE_HEADERS)
+
+    def _output_text(self, params: StopParams) -> OutputText:
+        """A request's output text with stop-string matching (vLLM's detokenizer, :mod:`engine_simulator.stopping`)."""
+        return OutputText(params, self._renderer.token_table, self._renderer.special_token_ids)
+
+    def _text(self, req: Request) -> str:
+        """A finished request's output text: its tracked text (stop strings applied, a terminating EOS or stop
+        token left out) or, for requests without one (beam search), the decode of its tokens."""
+        if req.output_text is not None:
+            return req.output_text.text
+        return self._renderer.detokenize(req.output_token_ids)
 
     def _prompt_text(self, body: dict[str, Any], ids: list[int]) -> str:
         """The text completions' ``echo`` prepends: the prompt string as sent, or the tokenizer's decode of a
@@ -567,7 +589,7 @@ class EngineHttpApi:
         return out
 
     def _choice(self, req: Request, index: int, shape: _Shape) -> dict[str, Any]:
-        text = self._renderer.detokenize(req.output_token_ids)
+        text = self._text(req)
         finish = str(req.finish_reason)
         if shape.chat:
             return {
@@ -584,7 +606,7 @@ class EngineHttpApi:
                 },
                 "logprobs": self._logprobs(list(req.output_token_ids), shape.k, True),
                 "finish_reason": finish,
-                "stop_reason": None,
+                "stop_reason": req.stop_reason,
             }
         ids = list(req.output_token_ids)
         prompt_logprobs = None
@@ -599,7 +621,7 @@ class EngineHttpApi:
             "text": text,
             "logprobs": self._logprobs(ids, shape.k, False, first_unscored=shape.echo),
             "finish_reason": finish,
-            "stop_reason": None,
+            "stop_reason": req.stop_reason,
             "prompt_logprobs": prompt_logprobs,
         }
 
@@ -667,9 +689,10 @@ class EngineHttpApi:
                     cached = req.num_cached_tokens
                 if out.finished:
                     open_choices -= 1
-                text = self._renderer.detokenize(out.new_token_ids)
+                text = out.text if out.text is not None else self._renderer.detokenize(out.new_token_ids)
                 ids = list(out.new_token_ids)
                 reason = str(req.finish_reason) if out.finished else None
+                stop_reason = req.stop_reason if out.finished else None
                 first_unscored = False
                 if not chat and shape.echo and not echoed[index]:  # serving.py completion_stream_generator
                     echoed[index] = first_unscored = True
@@ -685,10 +708,10 @@ class EngineHttpApi:
                 if chat:
                     choice = {"index": index, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": reason}
                     if out.finished:
-                        choice["stop_reason"] = None
+                        choice["stop_reason"] = stop_reason
                 else:
                     choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
-                              "stop_reason": None}
+                              "stop_reason": stop_reason}
                 yield f"data: {_dumps({**head, 'choices': [choice]})}\n\n"
             if include_usage:
                 usage = summed_usage(reqs, shape.n, cached or 0)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextvars
+import difflib
 import enum
 import os
 import re
@@ -77,6 +78,9 @@ class ProcessConfig(BaseSettings):
         validation_alias=AliasChoices("otlp_endpoint", "OTEL_EXPORTER_OTLP_ENDPOINT"),
     )
     """OTLP/gRPC collector URL (standard env var OTEL_EXPORTER_OTLP_ENDPOINT); unset disables export."""
+    otlp_shutdown_timeout_seconds: float = Field(1.0, ge=0, le=60)
+    """On stop, how long the last spans may take to reach the OTLP collector; what is not sent by then
+    is dropped (one WARNING says how many), so an unreachable collector does not hold the exit."""
 
     @field_validator("etcd_endpoints")
     @classmethod
@@ -222,10 +226,43 @@ def _validation_lines(
     return lines
 
 
+READ_ELSEWHERE = frozenset({"KVMESH_EPP_PORT", "KVMESH_FLOW_CONTROL_PORT", "KVMESH_KV_INDEXER_PORT", "KVMESH_KV_STORE_PORT"})
+"""Environment variables that share a service's prefix but are no setting of it, read by something else
+(``compose/docker-compose.yml``'s published host ports, ``docs/compose.md``): :func:`unknown_env_lines`
+leaves them alone."""
+
+
+def unknown_env_lines(cls: type[ProcessConfig], environ: typing.Mapping[str, str] | None = None) -> list[str]:
+    """One line per environment variable that starts with ``cls``'s ``env_prefix`` (case-insensitively, as
+    pydantic-settings reads them) but sets no field of it, so it would be silently ignored (a typo:
+    ``KVMESH_ROUTER_HTTP_PROT``): ``KVMESH_ROUTER_HTTP_PROT is not a setting (did you mean
+    KVMESH_ROUTER_HTTP_PORT?); ignored``, the suggestion being the closest field (:mod:`difflib`), if any
+    is close. Names in :data:`READ_ELSEWHERE` are skipped, and so is every name when the prefix is empty
+    or the bare ``KVMESH_`` (shared by every process)."""
+    prefix = str(cls.model_config.get("env_prefix", "")).upper()
+    if prefix in ("", "KVMESH_"):
+        return []
+    # pydantic-settings reads prefix + field name for every field (aliased ones too: populate_by_name)
+    fields = {name.upper() for name in cls.model_fields}
+    lines = []
+    for key in sorted(os.environ if environ is None else environ):
+        upper = key.upper()
+        if not upper.startswith(prefix) or upper[len(prefix):] in fields or upper in READ_ELSEWHERE:
+            continue
+        close = difflib.get_close_matches(upper[len(prefix):], sorted(fields), n=1)
+        hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+        lines.append(f"{key} is not a setting{hint}; ignored")
+    return lines
+
+
 def load_config(cls: type[C], argv: list[str] | None = None, prog: str | None = None) -> C:
     """Parse flags, environment and ``--config FILE`` into ``cls``.
 
     ``--print-config`` prints the resulting configuration as YAML and exits 0.
+
+    An environment variable with ``cls``'s prefix that names no field is ignored, with one stderr line
+    each, written before validation (logging is not set up yet): ``<name>: KVMESH_ROUTER_HTTP_PROT is
+    not a setting (did you mean KVMESH_ROUTER_HTTP_PORT?); ignored`` (:func:`unknown_env_lines`).
 
     Raises:
         SystemExit: 2 on an unknown flag or a value that fails validation. Each error is one
@@ -255,6 +292,7 @@ def load_config(cls: type[C], argv: list[str] | None = None, prog: str | None = 
             help=f"{info.description or ''} (default: {default!r})".replace("%", "%%"),
         )
     ns = vars(parser.parse_args(argv))
+    sys.stderr.write("".join(f"{short}: {line}\n" for line in unknown_env_lines(cls)))
     config_path = ns.pop("config")
     print_config = ns.pop("print_config")
     file_keys: set[str] = set()

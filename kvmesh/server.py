@@ -8,7 +8,8 @@ writes the bound ports to ``ports_file`` when configured (:func:`write_ports_fil
 service's background tasks, registers the instance in
 etcd and only then marks health SERVING. ``run()`` is ``start()`` plus waiting for
 SIGTERM/SIGINT, then the drain in ``stop()``: health NOT_SERVING, lease revoked,
-``server.stop(grace)``, background tasks cancelled and awaited, hooks run, traces flushed.
+``server.stop(grace)``, background tasks cancelled and awaited, hooks run, traces flushed (within
+``otlp_shutdown_timeout_seconds``: a dead collector does not hold the exit).
 
 :func:`main` is every process's entry point (``python -m services.<svc>``, ``python -m
 engine_simulator``): each ``__main__.py`` is ``main(<Svc>Config, build_service, prog=..., name=...)``
@@ -123,7 +124,7 @@ class GrpcService:
         return f"{self.config.host}:{self.grpc_port}"
 
     async def start(self) -> None:
-        setup_tracing(f"kvmesh-{self.spec.name}", self.config.otlp_endpoint)
+        setup_tracing(f"kvmesh-{self.spec.name}", self.config.otlp_endpoint, self.config.otlp_shutdown_timeout_seconds)
         for hook in self.spec.on_start:
             await hook()
         # No SO_REUSEPORT: with it (grpc's default) a second server silently shares a taken port.

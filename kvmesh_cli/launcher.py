@@ -3,7 +3,9 @@
 Shared by ``kvmesh up``/``kvmesh compare`` and the integration-test fixtures, so tests boot
 the mesh exactly as users do. Every process listens on 127.0.0.1; each one's output goes to
 ``<run_dir>/<name>.log``. ``stop()`` sends SIGTERM, waits, then SIGKILLs the process group,
-so no orphan survives a crash of the caller.
+so no orphan survives a crash of the caller; :func:`stop_all` does that for many processes at once
+(SIGTERM to all, one shared deadline, SIGKILL to what is left). A process that ended is described by
+:meth:`ManagedProcess.exit_reason` (``exit code 1``, ``killed by SIGKILL``) and its log path.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,7 +119,8 @@ def wait_ports_file(path: Path, process: ManagedProcess, timeout_seconds: float)
         except FileNotFoundError:
             pass
         if not process.alive():
-            raise RuntimeError(f"{process.name} exited before reporting its ports:\n{process.log_tail()}")
+            raise RuntimeError(f"{process.name} exited before reporting its ports: {process.exit_note()}\n"
+                               f"{process.log_tail()}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"{process.name} did not report its ports in {timeout_seconds:g}s:\n{process.log_tail()}")
         time.sleep(0.02)
@@ -179,9 +182,29 @@ class ManagedProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def check_alive(self) -> None:
-        """Raise RuntimeError with the log's tail if the process has exited."""
+        """Raise RuntimeError with how it ended and the log's tail if the process has exited."""
         if not self.alive():
-            raise RuntimeError(f"{self.name} exited (rc={self.proc and self.proc.returncode}):\n{self.log_tail()}")
+            raise RuntimeError(f"{self.name} exited: {self.exit_note()}\n{self.log_tail()}")
+
+    def exit_reason(self) -> str:
+        """How the process ended: ``exit code 3``, ``killed by SIGKILL`` (a negative return code: the signal's
+        name, ``signal 64`` for one without a name); ``still running`` or ``never started`` otherwise."""
+        if self.proc is None:
+            return "never started"
+        rc = self.proc.poll()
+        if rc is None:
+            return "still running"
+        if rc < 0:
+            try:
+                return f"killed by {signal.Signals(-rc).name}"
+            except ValueError:
+                return f"killed by signal {-rc}"
+        return f"exit code {rc}"
+
+    def exit_note(self) -> str:
+        """:meth:`exit_reason` and where its output went: ``killed by SIGKILL; log /run/engine-1.log``
+        (the log only when the file exists)."""
+        return self.exit_reason() + (f"; log {self.log_path}" if self.log_path.is_file() else "")
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -190,17 +213,16 @@ class ManagedProcess:
             return ""
 
     def stop(self, timeout_seconds: float = 10.0) -> None:
-        """SIGTERM the process group, wait, then SIGKILL it."""
+        """SIGTERM the process group, wait, then SIGKILL it (:func:`stop_all` of this one)."""
+        stop_all([self], timeout_seconds)
+
+    def terminate(self) -> bool:
+        """SIGTERM the process group without waiting; False when it is not running."""
         if self.proc is None or self.proc.poll() is not None:
-            return
+            return False
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_seconds)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(5)
+        return True
 
     def kill(self) -> None:
         """SIGKILL at once (a crash, for fault tests)."""
@@ -208,6 +230,31 @@ class ManagedProcess:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(5)
+
+
+def stop_all(processes: Iterable[ManagedProcess], timeout_seconds: float = 10.0) -> list[ManagedProcess]:
+    """Stop many processes in parallel: SIGTERM every running one's process group at once, wait for them all
+    until one shared deadline (``timeout_seconds`` from now), then SIGKILL the groups still running and reap
+    them (up to 5 s more). The whole takes about as long as the slowest process's own shutdown, not the sum.
+
+    Returns the processes that had to be SIGKILLed (none when all stopped on SIGTERM in time).
+    """
+    running = [p for p in processes if p.terminate()]
+    deadline = time.monotonic() + timeout_seconds
+    killed: list[ManagedProcess] = []
+    for p in running:
+        assert p.proc is not None
+        try:
+            p.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            killed.append(p)
+    for p in killed:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+    for p in killed:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.proc.wait(5)  # type: ignore[union-attr]
+    return killed
 
 
 def etcd_binary() -> str:
@@ -244,7 +291,7 @@ def start_etcd(
             return proc, address
         if "address already in use" not in proc.log_tail():
             break
-    raise RuntimeError(f"etcd did not start:\n{proc.log_tail()}")
+    raise RuntimeError(f"etcd did not start: {proc.exit_note()}\n{proc.log_tail()}")
 
 
 def _start_etcd_once(run_dir: Path, client_port: int, peer_port: int, die_with_parent: bool) -> tuple[ManagedProcess, str]:

@@ -33,14 +33,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import json
 import logging
+import shlex
+import signal
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, ParamSpec, TypeVar
 
 import grpc
 import httpx
@@ -49,6 +52,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from kvmesh_cli.checks import (
     api_key_refusal,
@@ -64,7 +68,16 @@ from kvmesh_cli.checks import (
     resolve_policy,
 )
 from kvmesh_cli.discovery import DiscoveryError, find_engines, split_host_port
-from kvmesh_cli.mesh import DEFAULT_MODEL, Mesh, MeshSpec, exit_on_signals, run_interruptible
+from kvmesh_cli.mesh import (
+    DEFAULT_MODEL,
+    Member,
+    Mesh,
+    MeshSpec,
+    configured_ports,
+    exit_on_signals,
+    port_clash,
+    run_interruptible,
+)
 from kvmesh_cli.options import (
     MAX_BLOCK_SIZE_TOKENS,
     SIMULATOR_DEFAULTS,
@@ -93,6 +106,7 @@ from kvmesh_cli.options import (
     SloTtftOpt,
     TimeScaleOpt,
     TraceOpt,
+    UpApiKeyOpt,
     VerboseOpt,
     WorkloadOpt,
     check_model_name,
@@ -284,6 +298,42 @@ app = typer.Typer(
     rich_markup_mode=None,  # click's help layout: every option name whole at 80 columns (rich's table truncates)
 )
 console = Console()
+
+INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""What stops a command (:func:`~kvmesh_cli.mesh.exit_on_signals`); Ctrl-C is SIGINT."""
+EXIT_INTERRUPTED = 130
+"""Exit status of a command stopped by Ctrl-C (128 + SIGINT, as a shell reports it); every command."""
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _ignore_signals() -> None:
+    """On the way out of an interrupted command: a further Ctrl-C (or SIGTERM/SIGHUP) changes nothing (no
+    traceback, no click "Aborted!" with exit 1 in place of 130). Main thread only (elsewhere a no-op)."""
+    for s in INTERRUPT_SIGNALS:
+        with contextlib.suppress(ValueError):
+            signal.signal(s, signal.SIG_IGN)
+
+
+def exits_130_when_interrupted(command: Callable[_P, _R]) -> Callable[_P, _R]:
+    """A ``kvmesh`` command whose KeyboardInterrupt, wherever it lands (loading a workload, making its run folder,
+    printing the results: the stretches outside the command's own guarded blocks), ends in one
+    ``interrupted (...)`` line on stderr and exit 130, never click's "Aborted!" and exit 1. What the command
+    started is stopped by its own ``with`` blocks on the way out."""
+    name = command.__name__.removesuffix("_cmd")
+
+    @functools.wraps(command)
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return command(*args, **kwargs)
+        except KeyboardInterrupt as exc:
+            _ignore_signals()
+            err_console.print(f"interrupted ({_how_interrupted(exc)}): kvmesh {name} stopped", markup=False,
+                              highlight=False, soft_wrap=True)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+
+    return run
 
 
 def _run_dir(run_dir: Path | None, command: str) -> Path:
@@ -510,20 +560,47 @@ def print_table(out: Console, table: Table) -> None:
         out.width = width
 
 
-def ready_lines(mesh: Mesh) -> list[str]:
-    """The ``kvmesh ready`` line (router URL is its 4th word) and how to replay against this mesh."""
+KEY_PLACEHOLDER = "KEY"
+"""What the printed commands carry for a key the router requires when the CLI knows none."""
+
+
+def _key_for_hints(api_key: str | None, key_required: bool) -> str | None:
+    return api_key or (KEY_PLACEHOLDER if key_required else None)
+
+
+def ready_lines(mesh: Mesh, api_key: str | None = None, key_required: bool = False) -> list[str]:
+    """The ``kvmesh ready`` line (router URL is its 4th word), how to replay against this mesh and how to see its
+    admission state. ``api_key``: a client key the router accepts (:meth:`Mesh.router_api_key`), put in the replay
+    command as ``--api-key``; ``key_required`` without one (the router refused the keyless readiness probe):
+    ``--api-key KEY``, a placeholder for one of its tenants' keys. Pasted, the command is not refused (401)."""
     grpc_of = {m.name: m.grpc for m in mesh.members if m.grpc}
     others = " ".join(f"{name} {grpc_of[name]}" for name in ("flow_control", "kv_indexer", "kv_store") if name in grpc_of)
+    key = _key_for_hints(api_key, key_required)
     return [
         (f"kvmesh ready: router {mesh.router_url} model {mesh.spec.model} epp {mesh.epp_address} "
          f"etcd {mesh.etcd_address} {others} (Ctrl-C to stop)"),
         (f"replay against it: kvmesh replay --router {mesh.router_url} --epp {mesh.epp_address}"
+         + (f" --api-key {shlex.quote(key)}" if key else "")
          + (f" --time-scale {mesh.spec.time_scale:g}" if mesh.spec.time_scale not in (None, 1.0) else "")),
         f"admission state: kvmesh flows --etcd {mesh.etcd_address}",
     ]
 
 
+def request_hint(mesh: Mesh, api_key: str | None = None, key_required: bool = False) -> str:
+    """A ``curl`` command sending one completion to this mesh's router, with ``Authorization: Bearer <api_key>``
+    when a key is in use (``KEY`` when the router requires one the CLI does not know; see :func:`ready_lines`)."""
+    key = _key_for_hints(api_key, key_required)
+    body = json.dumps({"model": mesh.spec.model, "prompt": "Hello", "max_tokens": 16})
+    auth = f" -H {shlex.quote(f'authorization: Bearer {key}')}" if key else ""
+    line = (f"send a request: curl -s {mesh.router_url}/v1/completions -H 'content-type: application/json'{auth} "
+            f"-d {shlex.quote(body)}")
+    if key == KEY_PLACEHOLDER:
+        line += "  (the router requires an API key: put one of its tenants' keys for KEY)"
+    return line
+
+
 @app.command()
+@exits_130_when_interrupted
 def up(
     engines: EnginesOpt = DEFAULT_ENGINES,
     policy: Annotated[str, typer.Option("--policy", help="epp scheduling config: round-robin, load-only, "
@@ -552,10 +629,22 @@ def up(
     long_prefill_token_threshold: LongPrefillOpt = None,
     long_prefill_token_threshold_adaptive: LongPrefillAdaptiveOpt = False,
     scheduler_reserve_full_isl: ReserveFullIslOpt = None,
+    api_key: UpApiKeyOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
-    """Start etcd, the five services and N engines (simulated, or real vLLM) in the foreground; Ctrl-C stops all."""
+    """Start etcd, the five services and N engines (simulated, or real vLLM) in the foreground; Ctrl-C stops all.
+
+    Exit status: 130 on Ctrl-C (SIGINT) at any stage, and on any stop signal before the mesh is ready, once what
+    had started is stopped; 0 when SIGTERM or SIGHUP stops a ready mesh (a service manager's normal stop); 1 when
+    the mesh does not start; 2 for bad options (two of its ports the same among them).
+    """
     _setup_logging(verbose)
+    flag_of = {"router_http_port": "--router-port", "router_grpc_port": "--router-grpc-port", "etcd": "--etcd"}
+    clash = port_clash(configured_ports(MeshSpec(run_dir=Path(), etcd=etcd, router_http_port=router_port,
+                                                 router_grpc_port=router_grpc_port)), flag_of.__getitem__)
+    if clash:
+        free = "" if "--etcd" in clash else " (leave one out and a free one is chosen)"
+        raise typer.BadParameter(f"both are {clash[2]}; give each its own port{free}", param_hint=[clash[0], clash[1]])
     extra: dict[str, object] = {}
     if engine == "vllm":
         from kvmesh_cli.vllm_engine import VLLM_BLOCK_SIZE_TOKENS, VLLM_MODEL, vllm_missing_reason
@@ -583,33 +672,77 @@ def up(
         router_http_port=router_port, router_grpc_port=router_grpc_port, offload=offload,
         long_prefill_token_threshold=long_prefill_token_threshold,
         long_prefill_token_threshold_adaptive=long_prefill_token_threshold_adaptive,
-        scheduler_reserve_full_isl=scheduler_reserve_full_isl,
+        scheduler_reserve_full_isl=scheduler_reserve_full_isl, router_api_key=api_key,
         **extra,  # type: ignore[arg-type]
     )
     console.print(f"starting mesh in {spec.run_dir} ...", soft_wrap=True)
-    with exit_on_signals(), mesh_errors():
-        try:
-            with Mesh(spec, progress=lambda line: console.print(f"  {line}", soft_wrap=True, markup=False,
-                                                                 highlight=False)) as mesh:
-                print_table(console, mesh_table(mesh))
-                for line in ready_lines(mesh):
-                    console.print(line, soft_wrap=True, markup=False, highlight=False)
-                dead: set[str] = set()
-                while True:
-                    time.sleep(0.5)
-                    for m in mesh.members:
-                        if m.name not in dead and not m.process.alive():
-                            dead.add(m.name)
-                            console.print(f"[red]{m.name} exited[/red]; log {m.log_path}", soft_wrap=True)
-        except KeyboardInterrupt:
-            console.print("stopping mesh ...")
+
+    def progress(line: str) -> None:
+        console.print(f"  {line}", soft_wrap=True, markup=False, highlight=False)
+
+    ready = False
+    stopped_by: KeyboardInterrupt | None = None  # the signal that stopped the ready mesh
+    try:
+        with exit_on_signals(INTERRUPT_SIGNALS), mesh_errors(), Mesh(spec, progress=progress) as mesh:
+            ready = True
+            try:
+                _serve(mesh)
+            except KeyboardInterrupt as exc:
+                stopped_by = exc
+                console.print("stopping mesh ...")
+            # leaving the block stops the mesh (in parallel); a second signal cuts that short (SIGKILL)
+    except KeyboardInterrupt as exc:  # during start-up (what had started is stopped), or a second one while stopping
+        _ignore_signals()
+        what = ("while the mesh stopped: what was left was killed" if ready
+                else "during start-up: what had started is stopped")
+        err_console.print(f"interrupted ({_how_interrupted(exc)}) {what}; logs in {spec.run_dir}", markup=False,
+                          highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    if stopped_by is not None:
+        _ignore_signals()
     console.print("kvmesh stopped")
+    if stopped_by is not None and _signal_of(stopped_by) == signal.SIGINT:
+        raise typer.Exit(EXIT_INTERRUPTED)
+
+
+def _signal_of(exc: KeyboardInterrupt) -> int:
+    """The signal an interrupt came from: N of :func:`~kvmesh_cli.mesh.exit_on_signals`' ``"signal N"``, else
+    SIGINT (Python's own KeyboardInterrupt is Ctrl-C)."""
+    signum = str(exc).removeprefix("signal ")
+    return int(signum) if signum.isdigit() else int(signal.SIGINT)
+
+
+def _serve(mesh: Mesh) -> None:
+    """``kvmesh up`` once the mesh is ready: print where everything listens and how to use it, then watch the
+    members until interrupted, saying how each one that dies ended (exit code or signal) and where its log is."""
+    api_key = mesh.router_api_key()
+    print_table(console, mesh_table(mesh))
+    for line in [*ready_lines(mesh, api_key, mesh.router_requires_key),
+                 request_hint(mesh, api_key, mesh.router_requires_key)]:
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
+    dead: set[str] = set()
+    while True:
+        time.sleep(0.5)
+        for line in exit_lines(mesh.members, dead):
+            console.print(Text(line, style="red"), soft_wrap=True, highlight=False)
+
+
+def exit_lines(members: list[Member], seen: set[str]) -> list[str]:
+    """One line per member that has died since the last call (``seen``: the names said already, updated): how it
+    ended and where its log is, ``engine-1 exited: killed by SIGKILL; log /run/engine-1.log``."""
+    lines = []
+    for m in members:
+        if m.name not in seen and not m.process.alive():
+            seen.add(m.name)
+            lines.append(f"{m.name} exited: {m.process.exit_note()}")
+    return lines
 
 
 # --- replay -----------------------------------------------------------------------------------
 
 
 @app.command("replay")
+@exits_130_when_interrupted
 def replay_cmd(
     router: Annotated[str | None, typer.Option("--router", help="Router base URL, e.g. http://127.0.0.1:8000; "
                                                "default: start a mesh for this replay.")] = None,
@@ -900,6 +1033,7 @@ def _compare_interrupted(summaries: dict[str, dict[str, object]], total_runs: in
 
 
 @app.command()
+@exits_130_when_interrupted
 def compare(
     policies: Annotated[str, typer.Option("--policies", help="Comma-separated epp scheduling configs, each "
                                           "optionally NAME+OFFLOAD to give that column its own engines' offload "
@@ -1045,33 +1179,105 @@ def compare(
         raise typer.Exit(1)
 
 
-def flows_tables(stats: object) -> list[Table]:
-    """Rich tables of a flow_control ``StatsResponse``: summary, bands, flows (``kvmesh flows``)."""
+@dataclass(frozen=True)
+class _Col:
+    """A column of a ``kvmesh flows`` table: its header, and when it goes on a narrow terminal (0: never; the
+    highest first)."""
+
+    header: str
+    drop: int = 0
+    short: str | None = None
+    """The header on a narrow terminal (tried before any column is dropped); None: ``header``."""
+    numeric: bool = True
+    fold: bool = False
+    """The one column that may fold over lines (a fairness id): shown whole, never cut with an ellipsis."""
+
+
+def _fitted(title: str, columns: list[_Col], rows: list[list[str]], width: int | None,
+            caption: str | None = None) -> Table:
+    """A table of ``rows`` whose natural width fits ``width`` columns (None: all columns, as wide as it needs):
+    first the short headers, then the droppable columns go, highest ``drop`` first, until it fits; headers never
+    wrap and no cell is cut (a fairness id longer than the whole width folds)."""
+    keep = list(range(len(columns)))
+    measure = Console(width=10_000, file=io.StringIO())
+
+    def build(short: bool) -> Table:
+        table = Table(title=title, caption=caption, caption_justify="left")
+        for i in keep:
+            col = columns[i]
+            table.add_column((col.short or col.header) if short else col.header,
+                             justify="right" if col.numeric else "left", no_wrap=not col.fold, overflow="fold")
+        for row in rows:
+            table.add_row(*(row[i] for i in keep))
+        return table
+
+    def fits(table: Table) -> bool:
+        return width is None or Measurement.get(measure, measure.options, table).maximum <= width
+
+    table = build(short=False)
+    if fits(table):
+        return table
+    table = build(short=True)
+    while not fits(table):
+        droppable = [i for i in keep if columns[i].drop]
+        if not droppable:
+            if len(rows) == 1:  # one row (the summary): "header value" lines, every column, fit any width
+                table = Table(title=title, caption=caption, caption_justify="left", show_header=False)
+                table.add_column(no_wrap=True)
+                table.add_column(justify="right", overflow="fold")
+                for col, value in zip(columns, rows[0], strict=True):
+                    table.add_row(col.header, value)
+            break
+        keep.remove(max(droppable, key=lambda i: columns[i].drop))
+        table = build(short=True)
+    return table
+
+
+def _pool_state(sat: object) -> tuple[str, str]:
+    """flow_control's pool signal (a ``Saturation``) as a short cell (``0.93 SATURATED``, ``STALE``, ``off``) and
+    the sentence that explains it (the table's caption)."""
+    s = sat  # kvmesh.flow_control.v1.Saturation
+    if not s.enabled:  # type: ignore[attr-defined]
+        return "off", "pool: no saturation signal (max_in_flight only)"
+    if s.stale:  # type: ignore[attr-defined]
+        age = "none yet" if s.metrics_age_seconds > 1e9 else f"{s.metrics_age_seconds:.1f} s old"  # type: ignore[attr-defined]
+        return "STALE", f"pool: STALE metrics ({age}): failing open"
+    cell = f"{s.saturation:.2f}{' SATURATED' if s.saturated else ''}"  # type: ignore[attr-defined]
+    return cell, f"pool: saturation {cell} (headroom {s.headroom:.0f}, unseen dispatches {s.unseen_dispatches})"  # type: ignore[attr-defined]
+
+
+def flows_tables(stats: object, width: int | None = None) -> list[Table]:
+    """Rich tables of a flow_control ``StatsResponse``: summary (the pool signal explained in its caption), bands,
+    flows (``kvmesh flows``). ``width``: fit each in that many columns (a terminal's width), dropping the
+    columns of least use first (queued bytes, dispatched; in a flow: served tokens, oldest wait, in flight);
+    None: every column."""
     st = stats  # kvmesh.flow_control.v1.StatsResponse
-    sat = st.saturation  # type: ignore[attr-defined]
-    summary = Table(title="flow_control")
-    for col in ("in flight", "queued", "queued bytes", "dispatched", "rejected", "saturation", f"Jain ({st.fairness_window_seconds:g} s)"):  # type: ignore[attr-defined]
-        summary.add_column(col)
-    if not sat.enabled:
-        pool = "no pool signal (max_in_flight only)"
-    elif sat.stale:
-        age = "none yet" if sat.metrics_age_seconds > 1e9 else f"{sat.metrics_age_seconds:.1f} s old"
-        pool = f"STALE metrics ({age}): failing open"
-    else:
-        pool = f"{sat.saturation:.2f}{' SATURATED' if sat.saturated else ''} (headroom {sat.headroom:.0f}, unseen {sat.unseen_dispatches})"
-    summary.add_row(f"{st.in_flight}/{st.max_in_flight}", str(st.queued), str(st.queued_bytes), str(st.dispatched_total),  # type: ignore[attr-defined]
-                    str(st.rejected_total), pool, f"{st.jain_index:.3f}")  # type: ignore[attr-defined]
-    bands = Table(title="bands (highest first)")
-    for col in ("priority", "name", "queued", "queued bytes", "in flight", "flows"):
-        bands.add_column(col)
-    for b in st.bands:  # type: ignore[attr-defined]
-        bands.add_row(str(b.priority), b.name, str(b.queued), str(b.queued_bytes), str(b.in_flight), str(b.flows))
-    flows = Table(title="flows")
-    for col in ("fairness id", "priority", "queued", "in flight", "oldest wait s", "served tokens", "share"):
-        flows.add_column(col)
-    for f in sorted(st.flows, key=lambda f: (-f.priority, -f.served_tokens, f.flow_id)):  # type: ignore[attr-defined]
-        flows.add_row(f.flow_id, str(f.priority), str(f.queued), str(f.in_flight), f"{f.oldest_wait_seconds:.2f}",
-                      str(f.served_tokens), f"{f.share:.1%}")
+    cell, pool = _pool_state(st.saturation)  # type: ignore[attr-defined]
+    summary = _fitted(
+        "flow_control",
+        [_Col("in flight"), _Col("queued"), _Col("queued bytes", drop=2, short="q bytes"),
+         _Col("dispatched", drop=1, short="disp."),
+         _Col("rejected"), _Col("saturation", numeric=False), _Col(f"Jain ({st.fairness_window_seconds:g} s)")],  # type: ignore[attr-defined]
+        [[f"{st.in_flight}/{st.max_in_flight}", str(st.queued), str(st.queued_bytes), str(st.dispatched_total),  # type: ignore[attr-defined]
+          str(st.rejected_total), cell, f"{st.jain_index:.3f}"]],  # type: ignore[attr-defined]
+        width, caption=pool)
+    bands = _fitted(
+        "bands (highest first)",
+        [_Col("priority", short="prio"), _Col("name", numeric=False, fold=True), _Col("queued"),
+         _Col("queued bytes", drop=2, short="q bytes"),
+         _Col("in flight"), _Col("flows", drop=1)],
+        [[str(b.priority), b.name, str(b.queued), str(b.queued_bytes), str(b.in_flight), str(b.flows)]
+         for b in st.bands],  # type: ignore[attr-defined]
+        width)
+    flows = _fitted(
+        "flows",
+        [_Col("fairness id", numeric=False, fold=True), _Col("priority", short="prio"), _Col("queued"),
+         _Col("in flight", drop=1), _Col("oldest wait s", drop=2, short="wait s"),
+         _Col("served tokens", drop=3, short="tokens"), _Col("share")],
+        [[f.flow_id, str(f.priority), str(f.queued), str(f.in_flight), f"{f.oldest_wait_seconds:.2f}",
+          str(f.served_tokens), f"{f.share:.1%}"]
+         for f in sorted(st.flows, key=lambda f: (-f.priority, -f.served_tokens, f.flow_id))],  # type: ignore[attr-defined]
+        width)
     return [summary, bands, flows]
 
 
@@ -1134,6 +1340,7 @@ def flow_control_address(flow_control: str | None, etcd: str | None) -> str:
 
 
 @app.command()
+@exits_130_when_interrupted
 def flows(
     flow_control: Annotated[str | None, typer.Option(
         "--flow-control", help=f"host:port of flow_control's gRPC API (default: the one registered in --etcd, "
@@ -1153,19 +1360,23 @@ def flows(
                                              "--flow-control from its `kvmesh ready` line)")
     address, first = "", None
 
+    def width() -> int | None:
+        """A terminal's width, read at each refresh (a resized window); piped: None (every column, unwrapped)."""
+        return console.width if console.is_terminal else None
+
     def fetch() -> object:
         try:
             return run_interruptible(_flow_stats(address, 5.0))
         except grpc.RpcError as exc:
             fail(flow_stats_error(address, exc, hint))
 
-    def watched() -> RenderableType:
+    def watched() -> list[RenderableType]:
         """The tables, or (flow_control down or restarting) a line saying so: a watch keeps watching."""
         try:
-            return Group(*flows_tables(run_interruptible(_flow_stats(address, min(5.0, max(watch, 1.0))))))
+            return [*flows_tables(run_interruptible(_flow_stats(address, min(5.0, max(watch, 1.0)))), width())]
         except grpc.RpcError as exc:
-            return Text(f"{time.strftime('%H:%M:%S')} DOWN: {flow_stats_error(address, exc)}; retrying every "
-                        f"{watch:g} s (Ctrl-C to stop)", style="bold red")
+            return [Text(f"{time.strftime('%H:%M:%S')} DOWN: {flow_stats_error(address, exc)}; retrying every "
+                         f"{watch:g} s (Ctrl-C to stop)", style="bold red")]
 
     # Ctrl-C (or SIGTERM/SIGHUP) ends it wherever it lands, exit 130 as replay and compare: finding flow_control
     # in etcd, the first fetch (up to 5 s on an address that never answers), a sleep or a later fetch. In a
@@ -1179,19 +1390,21 @@ def flows(
                 console.print_json(json.dumps(MessageToDict(first, always_print_fields_with_no_presence=True)))
                 return
             if not watch:
-                for table in flows_tables(first):
-                    console.print(table)
+                for table in flows_tables(first, width()):
+                    print_table(console, table)
                 return
             if not console.is_terminal:  # piped or logged: one snapshot after another (a Live shows only its last)
-                shown: RenderableType = Group(*flows_tables(first))
+                shown: list[RenderableType] = [*flows_tables(first, width())]
                 while True:
-                    console.print(Text(time.strftime("%H:%M:%S"), style="dim"), shown)
+                    console.print(Text(time.strftime("%H:%M:%S"), style="dim"))
+                    for part in shown:  # a table whole, unwrapped (a log is read later, at any width)
+                        print_table(console, part) if isinstance(part, Table) else console.print(part)
                     time.sleep(watch)
                     shown = watched()
-            with Live(Group(*flows_tables(first)), console=console, refresh_per_second=4) as live:
+            with Live(Group(*flows_tables(first, width())), console=console, refresh_per_second=4) as live:
                 while True:
                     time.sleep(watch)
-                    live.update(watched())
+                    live.update(Group(*watched()))
     except KeyboardInterrupt as exc:
         how = _how_interrupted(exc)
         what = ("the watch stopped" if watch else "stopped while printing" if first is not None

@@ -26,8 +26,14 @@ before starting anyone who needs the address. Only etcd, kv_indexer's ZMQ port a
 port (they cannot report one); each fails loudly when it is taken, and etcd and kv_indexer are then
 started again on fresh ports. :meth:`Mesh.restart` brings a killed member back on the ports it had.
 
-Stop order is the reverse (router, engines, epp, flow_control and kv_store, kv_indexer, etcd):
-SIGTERM to each process group, SIGKILL after a grace period. Orphans are prevented three ways:
+Ports the spec fixes (``router_http_port``, ``router_grpc_port``, and a local ``--etcd``'s port) must
+differ: two equal ones are refused before anything starts (:func:`port_clash`), not left to a late bind error.
+
+Stop: SIGTERM to every member's process group but etcd's at once, one shared deadline
+(``stop_timeout_seconds``), SIGKILL to what is left (:func:`~kvmesh_cli.launcher.stop_all`); then etcd, the
+one order that matters (each service revokes its etcd lease on its way out; with etcd gone first each waits
+out the revoke's time-out). About as long as the slowest member's own shutdown, not the sum of them all.
+A stop interrupted (a second Ctrl-C) SIGKILLs what is left at once. Orphans are prevented three ways:
 ``stop()`` from ``__exit__``; an ``atexit`` hook for meshes still running when the interpreter
 exits (the CLI turns SIGTERM/SIGHUP into a normal exit, see :func:`exit_on_signals`); and on Linux
 every child gets ``PR_SET_PDEATHSIG=SIGKILL``, so even a SIGKILLed caller leaves nothing behind.
@@ -49,7 +55,7 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -66,6 +72,7 @@ from kvmesh_cli.launcher import (
     free_port,
     python_module,
     start_etcd,
+    stop_all,
     wait_grpc_healthy,
     wait_http_ok,
     wait_ports_file,
@@ -307,6 +314,36 @@ class MeshStartError(RuntimeError):
     """A member did not come up; the message carries its log tail."""
 
 
+LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "0.0.0.0", "::"})
+"""Hosts whose ports are this machine's: an external ``--etcd`` there holds its port."""
+
+
+def configured_ports(spec: MeshSpec) -> dict[str, int]:
+    """The ports ``spec`` fixes, by field name (``router_http_port``, ``router_grpc_port``; ``etcd`` for an
+    external etcd on this machine); the others are chosen by the kernel (port 0) and cannot collide."""
+    ports = {name: port for name in ("router_http_port", "router_grpc_port")
+             if (port := getattr(spec, name))}
+    if spec.etcd:
+        from kvmesh_cli.discovery import split_host_port
+
+        with contextlib.suppress(ValueError):  # a malformed --etcd is check_etcd's to report
+            host, port = split_host_port(spec.etcd)
+            if host in LOCAL_HOSTS:
+                ports["etcd"] = port
+    return ports
+
+
+def port_clash(ports: Mapping[str, int], label: Callable[[str], str] = str) -> tuple[str, str, int] | None:
+    """The first two names in ``ports`` given the same port, as ``(first, second, port)`` (through ``label``:
+    the CLI's option names); None when all differ."""
+    seen: dict[int, str] = {}
+    for name, port in ports.items():
+        if port in seen:
+            return label(seen[port]), label(name), port
+        seen[port] = name
+    return None
+
+
 PROGRESS_EVERY_SECONDS = 5.0
 """How often a long start-up wait reports what it still waits for."""
 ETCD_CHECK_TIMEOUT_S = 5.0
@@ -372,6 +409,9 @@ class Mesh:
         self._lock = RunDirLock(spec.run_dir)
         self._previous_owner: int | None = None  # the pid that held the run folder and died without stopping
         self._router_refusal = ""  # why the router's /v1/models probe last failed (for the time-out message)
+        self.router_requires_key = False
+        """The router refused the readiness probe's keyless ``GET /v1/models`` (API-key mode, and no key to send:
+        :meth:`router_api_key` is None); a client must send one of its tenants' keys."""
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -391,6 +431,9 @@ class Mesh:
             FileNotFoundError: when no etcd is given and the ``etcd`` binary is missing.
         """
         spec = self.spec
+        clash = port_clash(configured_ports(spec))
+        if clash:
+            raise MeshStartError(f"{clash[0]} and {clash[1]} are both {clash[2]}: each needs its own port")
         spec.run_dir.mkdir(parents=True, exist_ok=True)
         try:
             self._previous_owner = self._lock.acquire(LOCK_WAIT_S)
@@ -484,33 +527,27 @@ class Mesh:
             self._wait_until(deadline, "router to list the model", [router], self._router_lists_model)
 
     def stop(self) -> None:
-        """Stop every member in reverse start order (idempotent)."""
+        """Stop every member (idempotent): all but etcd in parallel (SIGTERM at once, one shared deadline of
+        ``stop_timeout_seconds``, then SIGKILL), then etcd (the services revoke their leases there on the way out).
+        Interrupted (a KeyboardInterrupt: a second Ctrl-C), it SIGKILLs what is left at once and re-raises."""
         if self._stopped:
             return
         self._stopped = True
         _RUNNING.discard(self)
-        order = ["router", "engine", "epp", "flow_control|kv_store", "kv_indexer", "etcd"]
-        groups: list[list[Member]] = []
-        for names in order:
-            group = [m for m in self.members if any(m.name.startswith(n) for n in names.split("|"))]
-            if group:
-                groups.append(group)
-        rest = [m for m in self.members if not any(m in g for g in groups)]
-        if rest:
-            groups.insert(0, rest)
+        t0 = time.monotonic()
         timeout = self.spec.stop_timeout_seconds
-        for group in groups:
-            if len(group) == 1:
-                group[0].process.stop(timeout)
-                continue
-            # SIGTERM the whole group first so they drain in parallel.
-            threads = [threading.Thread(target=m.process.stop, args=(timeout,)) for m in group]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        for m in self.members:  # belt and braces
-            m.process.kill()
+        try:
+            stop_all([m.process for m in self.members if m.name != "etcd"], timeout)
+            stop_all([m.process for m in self.members if m.name == "etcd"], timeout)
+        finally:
+            self._finish_stop()
+        logger.info("mesh stopped in %.1fs", time.monotonic() - t0)
+
+    def _finish_stop(self) -> None:
+        """SIGKILL whatever still runs (nothing after a whole stop), delete the etcd data, free the run folder."""
+        for m in self.members:  # belt and braces; after an interrupted stop, the rest at once
+            with contextlib.suppress(Exception):
+                m.process.kill()
         if self.spec.etcd is None and any(m.name == "etcd" for m in self.members):
             # The etcd this mesh started holds only its leases and registrations, dead with it; its WAL
             # preallocates ~123 MB (two 61 MiB WAL segments), left behind by every `kvmesh up`/`compare` run. The logs stay.
@@ -563,7 +600,8 @@ class Mesh:
             ports = wait_ports_file(member.ports_file, member.process, max(0.1, deadline - time.monotonic()))
         except RuntimeError:  # a port in use is named by the flag of this CLI, not the service's own
             tail = rename_port_flags(member.process.log_tail(), _PORT_FLAGS.get(member.name, {}))
-            raise MeshStartError(f"{member.name} exited during start-up:\n{tail}") from None
+            raise MeshStartError(f"{member.name} exited during start-up: {member.process.exit_note()}\n"
+                                 f"{tail}") from None
         except TimeoutError:
             raise MeshStartError(f"{member.name} not ready in time:\n{member.process.log_tail()}") from None
         member.ports = ports
@@ -774,6 +812,7 @@ class Mesh:
                                      f"{reply.status_code} to {source}: it does not accept that key")
             self._router_refusal = (f"GET /v1/models answered HTTP {reply.status_code} "
                                     "(API-key mode; no key in KVMESH_ROUTER_TENANTS)")
+            self.router_requires_key = True
             try:
                 health = httpx.get(f"{self.router_url}/health", timeout=2.0)
             except httpx.HTTPError:
@@ -793,7 +832,8 @@ class Mesh:
         while True:
             for m in members:
                 if not m.process.alive():
-                    raise MeshStartError(f"{m.name} exited while waiting for {what}:\n{m.process.log_tail()}")
+                    raise MeshStartError(f"{m.name} exited while waiting for {what}: {m.process.exit_note()}\n"
+                                         f"{m.process.log_tail()}")
             if probe(members[0]):
                 return
             now = time.monotonic()
@@ -813,7 +853,8 @@ class Mesh:
         def one(m: Member) -> None:
             while True:
                 if not m.process.alive():
-                    raise MeshStartError(f"{m.name} exited during start-up:\n{m.process.log_tail()}")
+                    raise MeshStartError(f"{m.name} exited during start-up: {m.process.exit_note()}\n"
+                                         f"{m.process.log_tail()}")
                 if probe(m):
                     return
                 if time.monotonic() > deadline:

@@ -161,3 +161,9 @@ ApiKeyOpt = Annotated[
                  help="Client API key sent to the router (Authorization: Bearer) when it requires one (tenants with "
                       "require_api_key), by the readiness check and the replay; default: $KVMESH_API_KEY, or for a "
                       "mesh the command starts a key from $KVMESH_ROUTER_TENANTS.")]
+UpApiKeyOpt = Annotated[
+    str | None,
+    typer.Option("--api-key", envvar="KVMESH_API_KEY",
+                 help="Client API key the router accepts (tenants with require_api_key): sent by the readiness check "
+                      "and put in the printed curl and replay commands (Authorization: Bearer); default: "
+                      "$KVMESH_API_KEY, else the first key of $KVMESH_ROUTER_TENANTS.")]

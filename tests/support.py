@@ -14,10 +14,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import os
 import queue
+import socket
 import subprocess
 import threading
 import time
@@ -252,3 +254,39 @@ class OutputLines:
         """Everything printed, once the process has exited (its pipe drained)."""
         time.sleep(0.2)
         return self.text()
+
+
+class SilentServer:
+    """A TCP server on 127.0.0.1 that accepts, reads what it is sent and never answers (a black-holed
+    address as a client sees it: connected, then nothing until its deadline). ``spoken`` is set once a
+    client has sent its first bytes (gRPC: the HTTP/2 preface), so the client is then waiting for a reply."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0), backlog=16)
+        self._listener.settimeout(0.2)
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self.spoken = threading.Event()
+        self._open: list[socket.socket] = []
+        self._stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:  # the accept timed out (or the listener closed)
+                continue
+            self._open.append(conn)
+            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+
+    def _read(self, conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while conn.recv(65536):
+                self.spoken.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._listener.close()
+        for conn in self._open:
+            with contextlib.suppress(OSError):
+                conn.close()

@@ -5,17 +5,14 @@ flow_control that dies, Ctrl-C while a command's first call waits on an address 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +21,7 @@ import httpx
 import pytest
 
 from kvmesh_cli.launcher import ManagedProcess, free_port, python_module, wait_http_ok
-from tests.support import OutputLines, wait_until
+from tests.support import OutputLines, SilentServer, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -215,42 +212,6 @@ def test_flows_watch_shows_flow_control_down_and_keeps_watching(tmp_path: Path, 
     other = subprocess.run(kvmesh("flows", "--flow-control", etcd), capture_output=True, text=True, timeout=60,
                            env=ENV, check=False)
     assert other.returncode == 1 and f"{etcd} is a gRPC server but not a flow_control" in other.stderr, other.stderr
-
-
-class SilentServer:
-    """A TCP server on 127.0.0.1 that accepts, reads what it is sent and never answers (a black-holed
-    address as a client sees it: connected, then nothing until its deadline). ``spoken`` is set once a
-    client has sent its first bytes (gRPC: the HTTP/2 preface), so the client is then waiting for a reply."""
-
-    def __init__(self) -> None:
-        self._listener = socket.create_server(("127.0.0.1", 0), backlog=16)
-        self._listener.settimeout(0.2)
-        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
-        self.spoken = threading.Event()
-        self._open: list[socket.socket] = []
-        self._stop = threading.Event()
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:  # the accept timed out (or the listener closed)
-                continue
-            self._open.append(conn)
-            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
-
-    def _read(self, conn: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while conn.recv(65536):
-                self.spoken.set()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._listener.close()
-        for conn in self._open:
-            with contextlib.suppress(OSError):
-                conn.close()
 
 
 @pytest.fixture
@@ -499,3 +460,104 @@ def test_etcd_data_a_running_etcd_holds_is_never_deleted(tmp_path: Path) -> None
         proc.kill()
     assert sweep_stale_etcd_data(tmp_path / ".run") == [run / "etcd"]
     assert not (run / "etcd").exists()
+
+
+# --- wave 13: the fresh user's `kvmesh up` on a real mesh ---------------------------------------------------------
+
+
+def _table_pid(text: str, service: str) -> int:
+    """The pid in ``kvmesh up``'s table row of ``service``."""
+    row = next(line for line in text.splitlines() if line.startswith("│") and line.split("│")[1].strip() == service)
+    return int(row.split("│")[2])
+
+
+def test_up_in_api_key_mode_hints_work_pasted_deaths_say_how_and_ctrl_c_stops_all_fast_with_130(
+    tmp_path: Path,
+) -> None:
+    """One real mesh in API-key mode (tenants in the environment, as a user sets them):
+
+    * the printed curl command and ``kvmesh replay`` command, pasted, are served (before: no key in them, 401);
+    * ``kvmesh flows`` on an 80-column terminal: no line longer than 80;
+    * an engine SIGKILLed: ``engine-1 exited: killed by SIGKILL; log <its log>`` (before: ``engine-1 exited``);
+    * Ctrl-C after ready: every process gone, exit 130 (before: 0), the stop in parallel (before: ~12 s)."""
+    import shlex
+
+    from tests.integration.test_cli import ChildSampler, children_of, survivors
+
+    env = {**ENV, "PYTHONPATH": str(REPO), "KVMESH_ROUTER_REQUIRE_API_KEY": "true", "KVMESH_ROUTER_TENANTS": TENANTS}
+    proc = subprocess.Popen(kvmesh("up", "--engines", "2", "--time-scale", "20", "--run-dir", str(tmp_path / "run")),
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    out = OutputLines(proc)
+    sampler = ChildSampler(proc.pid)
+    try:
+        wait_until(lambda: "send a request: " in out.text() or proc.poll() is not None, 120, "mesh ready",
+                   interval=0.3)
+        text = out.text()
+        curl = next(line for line in text.splitlines() if line.startswith("send a request: curl "))
+        assert "authorization: Bearer sk-acme-1234" in curl, curl
+        served = subprocess.run(["bash", "-c", curl.removeprefix("send a request: ") + " -w '\\n%{http_code}'"],
+                                capture_output=True, text=True, timeout=60, check=True)
+        assert served.stdout.rsplit("\n", 1)[-1] == "200", served.stdout
+        replay = next(line for line in text.splitlines() if line.startswith("replay against it: "))
+        assert " --api-key sk-acme-1234" in replay, replay
+        base = {k: v for k, v in env.items() if not k.startswith("KVMESH_")}  # the pasted command alone carries the key
+        pasted = subprocess.run(shlex.split(replay.removeprefix("replay against it: ").replace(
+            "kvmesh ", f"{shlex.quote(sys.executable)} -m kvmesh_cli.main ", 1)) + ["--requests", "3"],
+            cwd=tmp_path, env=base, capture_output=True, text=True, timeout=120)
+        assert pasted.returncode == 0, pasted.stdout + pasted.stderr
+        etcd = re.search(r"admission state: kvmesh flows --etcd (\S+)", text)
+        assert etcd, text
+        flows = subprocess.run(kvmesh("flows", "--etcd", etcd.group(1)), capture_output=True, text=True, timeout=60,
+                               env={**base, "COLUMNS": "80", "TTY_COMPATIBLE": "1", "NO_COLOR": "1"})
+        assert flows.returncode == 0 and "bands (highest first)" in flows.stdout, flows.stdout + flows.stderr
+        shown = re.sub(r"\x1b\[[0-9;]*m", "", flows.stdout)  # a terminal's styles (bold headers) take no column
+        assert max(len(line) for line in shown.splitlines()) <= 80, shown
+        assert "…" not in shown, shown
+
+        os.kill(_table_pid(text, "engine-1"), signal.SIGKILL)
+        said = f"engine-1 exited: killed by SIGKILL; log {tmp_path / 'run' / 'engine-1.log'}"
+        wait_until(lambda: said in out.text(), 10, "the engine's death, with its signal and log", interval=0.2)
+
+        seen = sampler.stop() | children_of(proc.pid)
+        assert len(seen) >= 8, seen  # etcd, 5 services, 2 engines
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+        stop_s = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    text = out.rest()
+    assert proc.returncode == 130, text[-3000:]
+    assert "stopping mesh ..." in text and text.rstrip().endswith("kvmesh stopped"), text[-3000:]
+    assert "Traceback" not in text, text
+    assert survivors(seen) == []
+    assert stop_s < 8.0, stop_s  # in parallel, ~2-3 s on an idle host (one service after another: ~12 s)
+
+
+def test_up_interrupted_while_its_services_start_stops_them_and_exits_130(tmp_path: Path) -> None:
+    """Ctrl-C once the services are started but before ready: what started is stopped (no process left), one
+    ``interrupted (signal 2) during start-up`` line, exit 130. Before: "kvmesh stopped" and exit 0."""
+    from tests.integration.test_cli import ChildSampler, survivors
+
+    proc = subprocess.Popen(kvmesh("up", "--engines", "4", "--run-dir", str(tmp_path / "run")), cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**ENV, "PYTHONPATH": str(REPO)})
+    out = OutputLines(proc)
+    sampler = ChildSampler(proc.pid)
+    try:
+        out.wait_for("services started; waiting", 120)
+        proc.send_signal(signal.SIGINT)  # at once: 4 engines' health takes seconds more
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    seen = sampler.stop()
+    text = out.rest()
+    assert proc.returncode == 130, text
+    assert f"interrupted (signal 2) during start-up: what had started is stopped; logs in {tmp_path / 'run'}" in text
+    assert "kvmesh ready" not in text and "Traceback" not in text, text
+    assert len(seen) >= 6, seen
+    assert survivors(seen) == []

@@ -144,3 +144,75 @@ def test_a_percent_sign_in_a_docstring_is_printed_as_is(capsys: pytest.CaptureFi
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "Demo at 50 % load." in out and "(~80 %), 100% at most" in out
+
+
+# An env var with a service's prefix that names no setting (wave 13's fresh user: a typo did nothing, silently).
+
+
+def test_a_mistyped_env_var_is_named_with_the_closest_setting() -> None:
+    proc = _run("services.router", "--print-config", env={"KVMESH_ROUTER_HTTP_PROT": "9000"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "router: KVMESH_ROUTER_HTTP_PROT is not a setting (did you mean KVMESH_ROUTER_HTTP_PORT?); ignored"]
+    assert "http_port: 0\n" in proc.stdout  # ignored indeed: the default port
+
+
+def test_unknown_env_vars_one_line_each_as_written_even_without_a_close_setting() -> None:
+    # pydantic-settings reads env names case-insensitively: a lower-case one with the prefix is checked too
+    proc = _run("services.epp", "--print-config", env={"kvmesh_epp_log_levle": "DEBUG", "KVMESH_EPP_ZZZ": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "epp: KVMESH_EPP_ZZZ is not a setting; ignored",
+        "epp: kvmesh_epp_log_levle is not a setting (did you mean KVMESH_EPP_LOG_LEVEL?); ignored",
+    ]
+    assert "log_level: INFO\n" in proc.stdout
+
+
+def test_the_warning_comes_before_a_validation_error() -> None:
+    proc = _run("services.router", env={"KVMESH_ROUTER_HTTP_PROT": "9000", "KVMESH_ROUTER_HTTP_PORT": "abc"})
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "router: KVMESH_ROUTER_HTTP_PROT is not a setting (did you mean KVMESH_ROUTER_HTTP_PORT?); ignored",
+        "router: KVMESH_ROUTER_HTTP_PORT=abc: must be an integer",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("module", "env"),
+    [
+        # fields, in any case; the otlp field's prefixed name (populate_by_name) and its standard alias
+        ("services.router", {"KVMESH_ROUTER_TENANTS": "[]", "kvmesh_router_http_port": "0",
+                             "KVMESH_ROUTER_OTLP_ENDPOINT": "", "OTEL_EXPORTER_OTLP_ENDPOINT": "",
+                             "KVMESH_EPP_GRPC_PROT": "1"}),  # another service's prefix: not the router's business
+        # compose/docker-compose.yml's published host ports share the prefix; compose reads them, not epp
+        ("services.epp", {"KVMESH_EPP_PORT": "60052", "KVMESH_FLOW_CONTROL_PORT": "60054"}),
+        ("services.flow_control", {"KVMESH_FLOW_CONTROL_PORT": "60054"}),
+    ],
+    ids=["router-fields", "epp-compose-port", "flow_control-compose-port"],
+)
+def test_settings_and_names_read_elsewhere_do_not_warn(module: str, env: dict[str, str]) -> None:
+    proc = _run(module, "--print-config", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+
+
+def test_every_prefixed_name_the_repository_mentions_is_a_setting_or_read_elsewhere() -> None:
+    """The docs, compose, k8s manifests, benches and CLI name env vars; none with a service's prefix may make
+    that service warn (a documented name that warned would be a stale doc, or belongs in READ_ELSEWHERE)."""
+    import importlib
+    import re
+
+    from kvmesh.config import unknown_env_lines
+
+    files = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "services").glob("*/README.md"),
+             *(ROOT / "services").glob("*/*.py"), *(ROOT / "compose").rglob("*.y*ml"), *(ROOT / "deploy").rglob("*.yaml"),
+             *(ROOT / "bench").glob("*.py"), *(ROOT / "kvmesh_cli").glob("*.py")]
+    names = {name for path in files for name in re.findall(r"\bKVMESH_[A-Z0-9_]*[A-Z0-9]\b", path.read_text())}
+    assert "KVMESH_ROUTER_TENANTS" in names and "KVMESH_EPP_PORT" in names  # the scan sees what it should
+    configs = [("services.router.config", "RouterConfig"), ("services.epp.config", "EppConfig"),
+               ("services.kv_indexer.config", "KvIndexerConfig"), ("services.kv_store.config", "KvStoreConfig"),
+               ("services.flow_control.config", "FlowControlConfig"),
+               ("services.registration_sidecar.config", "SidecarConfig"), ("engine_simulator.config", "SimulatorConfig")]
+    for module, name in configs:
+        cls = getattr(importlib.import_module(module), name)
+        assert unknown_env_lines(cls, dict.fromkeys(names, "1")) == [], name
