@@ -17,6 +17,13 @@ engine is on schedule again, so a late wake-up delays tokens but does not cost t
 ``kvmesh_sim_step_lost_seconds_total``, and ``kvmesh_sim_step_lag_seconds`` is the current lag
 (issue 9: at ``--time-scale 2`` on a loaded 2-core host, engines that re-read the clock each step ran
 38-57 % of their model time late, and the policy whose run met more load lost throughput for it).
+
+A failing step (an exception out of the core's ``schedule``/``update``, the publisher or the metrics: a bug,
+a request in a state it should not reach) kills the engine as vLLM 0.32's engine core dies: the failure is
+logged once with its traceback, every in-flight request ends at once with an error output
+(:attr:`RequestOutput.error`: the HTTP layer answers 500 / streams the error event and ``[DONE]``),
+:attr:`AsyncEngine.dead` is set (``/health`` 503) and every later :meth:`AsyncEngine.submit` raises
+:class:`EngineDeadError` (500). Before, the loop task died silently and every request hung.
 """
 
 from __future__ import annotations
@@ -33,8 +40,18 @@ from kvmesh.clock import Clock
 
 logger = logging.getLogger(__name__)
 
+ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+"""vLLM 0.32's ``EngineDeadError`` message (``vllm/v1/engine/exceptions.py``), the 500's and the stream's error."""
+
 MAX_CATCH_UP_SECONDS = 5.0
 """Most model seconds a busy engine may run behind its schedule and still catch up (module docstring)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop died on an exception (vLLM's ``EngineDeadError``): the request cannot run (HTTP 500)."""
+
+    def __init__(self, message: str = ENGINE_DEAD_MESSAGE) -> None:
+        super().__init__(message)
 
 
 class AsyncEngine:
@@ -62,9 +79,13 @@ class AsyncEngine:
         self.publisher = publisher
         self.metrics = metrics
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._requests: dict[str, Request] = {}
+        """The request behind each queue (its error output when the loop dies)."""
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.num_steps = 0
+        self.dead: BaseException | None = None
+        """The exception that killed the loop (None while it runs): ``/health`` 503, :meth:`submit` refused."""
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -85,17 +106,24 @@ class AsyncEngine:
 
         Raises:
             ValueError: from :meth:`EngineCore.add_request` (bad request).
+            EngineDeadError: the loop died (:attr:`dead`).
         """
+        if self.dead is not None:
+            raise EngineDeadError()
         request.arrival_time = self.clock.now()
         self.core.add_request(request)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request.request_id] = queue
+        self._requests[request.request_id] = request
         self._wake.set()
         return queue
 
     def abort(self, request_id: str) -> None:
         """Client gone: free the request's slot and blocks (no-op when already finished)."""
         self._queues.pop(request_id, None)
+        self._requests.pop(request_id, None)
+        if self.dead is not None:  # the core's state is unknown after the failure: leave it alone
+            return
         req = self.core.abort_request(request_id)
         if req is not None:
             logger.debug("aborted request_id=%s", request_id)
@@ -115,6 +143,25 @@ class AsyncEngine:
 
     # -- the loop ----------------------------------------------------------------------
     async def _run(self) -> None:
+        try:
+            await self._loop()
+        except Exception as exc:  # any step failure kills the engine (module docstring)
+            self._die(exc)
+
+    def _die(self, exc: Exception) -> None:
+        """The loop failed: log it with its traceback, end every in-flight request with an error output."""
+        self.dead = exc
+        failed = list(self._queues.items())
+        logger.error("engine core failed: %d in-flight request(s) end with an error; /health answers 503 from now "
+                     "on (restart the engine)", len(failed), exc_info=exc)
+        for rid, queue in failed:
+            req = self._requests.get(rid)
+            if req is not None:
+                queue.put_nowait(RequestOutput(req, [], True, error=ENGINE_DEAD_MESSAGE))
+        self._queues.clear()
+        self._requests.clear()
+
+    async def _loop(self) -> None:
         core, clock, latency = self.core, self.clock, self.latency
         scheduled_end: float | None = None  # modelled end of the last step while busy; None after idling
         while True:
@@ -186,6 +233,7 @@ class AsyncEngine:
             queue.put_nowait(out)
             if out.finished:
                 del self._queues[req.request_id]
+                self._requests.pop(req.request_id, None)
 
     def _record_step(self, step_tokens: int, preemptions: int, generated: int) -> None:
         if self.metrics is not None:

@@ -37,6 +37,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from engine_simulator.engine import EngineDeadError
 from engine_simulator.stopping import StopParams
 from kvmesh.errors import InvalidRequest
 
@@ -350,13 +351,17 @@ class ExtraRoutes:
         text = ""
         req = None
         item_id = "msg_" + rid.removeprefix("resp_")
-        async for new_ids, step_req in self._run(ids, max_tokens, body):
-            req = step_req
-            delta = self._state.renderer.detokenize(new_ids, skip_special_tokens=True)  # EOS: "" (vLLM's default)
-            text += delta
-            if delta:
-                yield event("response.output_text.delta", item_id=item_id, output_index=0, content_index=0, delta=delta,
-                            logprobs=[])
+        try:
+            async for new_ids, step_req in self._run(ids, max_tokens, body):
+                req = step_req
+                delta = self._state.renderer.detokenize(new_ids, skip_special_tokens=True)  # EOS: "" (vLLM's default)
+                text += delta
+                if delta:
+                    yield event("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
+                                delta=delta, logprobs=[])
+        except EngineDeadError as exc:  # the engine died under the stream: the Responses API's error event ends it
+            yield event("error", code="InternalServerError", message=str(exc), param=None)
+            return
         yield event("response.output_text.done", item_id=item_id, output_index=0, content_index=0, text=text, logprobs=[])
         completed = self._response_object(rid, created, "completed", text, req, body)
         if stored_messages is not None:

@@ -303,6 +303,8 @@ class RequestOutput:
     text: str | None = None
     """The output text this step adds, held back near a possible stop string while unfinished (vLLM's DELTA
     output); None when the request tracks no text (:attr:`Request.output_text`)."""
+    error: str | None = None
+    """Set (with ``finished``) when the engine died (``engine.py``): the request ends with this error, not an answer."""
 
 
 class EngineCore:

@@ -44,7 +44,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine_simulator.beam_search import beam_search, candidates
-from engine_simulator.engine import AsyncEngine
+from engine_simulator.engine import AsyncEngine, EngineDeadError
 from engine_simulator.openai_extras import (
     ApiKeyMiddleware,
     ExtraRoutes,
@@ -110,10 +110,9 @@ class ServerState:
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
-    return JSONResponse(
-        {"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status
-    )
+    body = error_body(message, status)
+    body["error"]["param"] = param
+    return JSONResponse(body, status_code=status)
 
 
 async def _json_body(request: HttpRequest) -> dict[str, Any]:
@@ -228,9 +227,28 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
+def error_body(message: str, status: int = 500) -> dict[str, Any]:
+    """vLLM's OpenAI error object (``{"error": {"message","type","param","code"}}``) for ``status``."""
+    kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+def engine_dead_event() -> str:
+    """The SSE event a stream ends with when the engine died under it (then ``data: [DONE]``), as vLLM's
+    ``create_streaming_error_response`` writes an ``EngineDeadError``."""
+    return f"data: {_dumps(error_body(str(EngineDeadError())))}\n\n"
+
+
 async def _collect(queue: asyncio.Queue[RequestOutput]) -> None:
+    """Wait for a request's last output.
+
+    Raises:
+        EngineDeadError: the engine died before the request finished (its error output).
+    """
     while True:
         out = await queue.get()
+        if out.error is not None:
+            raise EngineDeadError(out.error)
         if out.finished:
             return
 
@@ -274,6 +292,7 @@ class EngineHttpApi:
                 Route("/debug/kv_events/drop", self.debug_drop_events, methods=["POST"]),
             ],
             exception_handlers={InvalidRequest: self._invalid_request, UnknownModel: self._unknown_model,
+                                EngineDeadError: self._engine_dead,
                                 VllmValidationError: self._vllm_validation, ClientDisconnect: self._client_disconnected},
             middleware=[Middleware(ApiKeyMiddleware, api_key=self._state.api_key)] if self._state.api_key else None,
         )
@@ -291,6 +310,8 @@ class EngineHttpApi:
         try:
             while not finished:
                 out = await queue.get()
+                if out.error is not None:
+                    raise EngineDeadError(out.error)
                 finished = out.finished
                 yield list(out.new_token_ids), req
         finally:
@@ -303,6 +324,10 @@ class EngineHttpApi:
         """The client went away while sending its request: logged as such, nothing answered (499)."""
         logger.info("client disconnected while sending the request path=%s", request.url.path)
         return Response(status_code=499)
+
+    async def _engine_dead(self, request: HttpRequest, exc: Exception) -> Response:
+        """The engine died (before or while running the request): vLLM's 500 for an ``EngineDeadError``."""
+        return _error(500, str(exc))
 
     async def _invalid_request(self, request: HttpRequest, exc: Exception) -> Response:
         return _error(400, str(exc))
@@ -455,6 +480,7 @@ class EngineHttpApi:
         if not waiter.done() or waiter.cancelled():
             logger.info("client disconnected request_id=%s: request aborted", rid)
             return Response(status_code=499)
+        waiter.result()  # EngineDeadError: the engine died under the request (500)
         # vLLM reports the last prompt's RequestOutput, built when its last choice finished
         last_prompt = [i for i in finish_order if i // n == len(prepared) - 1]
         cached = reqs[last_prompt[-1]].num_cached_tokens
@@ -684,6 +710,11 @@ class EngineHttpApi:
                         yield f"data: {_dumps(echo_chunk)}\n\n"
             while open_choices:
                 index, out = await merged.get()
+                if out.error is not None:  # the engine died: vLLM's error event, then [DONE]
+                    open_choices = 0  # nothing left to abort
+                    yield engine_dead_event()
+                    yield "data: [DONE]\n\n"
+                    return
                 req = reqs[index]
                 if cached is None:
                     cached = req.num_cached_tokens
@@ -803,7 +834,8 @@ class EngineHttpApi:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(self, request: HttpRequest) -> Response:
-        return Response(status_code=200)
+        """200, or 503 once the engine loop died (vLLM: ``check_health`` raises ``EngineDeadError``)."""
+        return Response(status_code=503 if self._engine.dead is not None else 200)
 
     async def metrics(self, request: HttpRequest) -> Response:
         assert self._engine.metrics is not None

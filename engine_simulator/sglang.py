@@ -5,10 +5,14 @@ Read from SGLang 0.5.23's source (the ``sglang`` wheel on PyPI; it does not run 
 ``docs/engines.md``):
 
 * HTTP (``sglang/srt/entrypoints/http_server.py``): ``POST /generate`` (native:
-  ``{"text" | "input_ids", "sampling_params": {"max_new_tokens", "ignore_eos"}, "stream",
+  ``{"text" | "input_ids", "sampling_params": {"max_new_tokens", "ignore_eos", "skip_special_tokens",
+  "no_stop_trim"}, "stream",
   "lora_path", "cache_salt"}`` -> ``{"text", "output_ids", "meta_info": {"id", "finish_reason",
   "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency"}}``; streamed as SSE
-  ``data: {...}`` chunks with the cumulative text, then ``data: [DONE]``), ``GET /server_info``
+  ``data: {...}`` chunks with the cumulative text, then ``data: [DONE]``; the text of an EOS-ended answer
+  leaves the EOS out (SGLang's detokenizer ``trim_matched_stop``, unless ``no_stop_trim``) and special tokens
+  read "" (``skip_special_tokens``, default True), so it never ends with ``</s>`` by default; ``output_ids``
+  keep the EOS id), ``GET /server_info``
   (and the deprecated ``/get_server_info``: the resolved server args, ``kv_events``, ``version``),
   ``GET /model_info``, ``GET|POST /flush_cache``; the OpenAI routes, ``/tokenize``, ``/health`` and
   ``/v1/models`` are shared with the vLLM personality.
@@ -36,6 +40,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -46,8 +51,15 @@ from starlette.routing import Route
 
 from engine_simulator.metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, EngineMetrics
 from engine_simulator.publisher import ZmqEventPublisher
-from engine_simulator.scheduler import Request, RequestOutput
-from engine_simulator.server import EngineHttpApi, _collect, _json_body, _wait_disconnect, request_scope
+from engine_simulator.scheduler import FinishReason, Request, RequestOutput
+from engine_simulator.server import (
+    EngineHttpApi,
+    _collect,
+    _json_body,
+    _wait_disconnect,
+    engine_dead_event,
+    request_scope,
+)
 from kvmesh.errors import InvalidRequest, UnknownModel
 from kvmesh.kv_events import KVEvent, encode_sglang_batch
 
@@ -166,6 +178,16 @@ class SGLangMetrics(EngineMetrics):
         return generate_latest(self.sglang_registry)
 
 
+@dataclass(frozen=True, slots=True)
+class _TextOptions:
+    """How a ``/generate`` answer's text is written (SGLang 0.5.23 ``SamplingParams``)."""
+
+    skip_special_tokens: bool = True
+    """Special tokens (``<s>``, ``</s>``) read "" (SGLang's default)."""
+    no_stop_trim: bool = False
+    """Keep the matched stop token (the EOS that ended the request) in the text."""
+
+
 def _finish_reason(req: Request) -> dict[str, Any] | None:
     if req.finish_reason is None:
         return None
@@ -196,11 +218,12 @@ class SGLangHttpApi(EngineHttpApi):
             app.router.routes.append(route)
         return app
 
-    def _generate_request(self, body: dict[str, Any]) -> Request:
-        """A simulator request from a ``/generate`` body.
+    def _generate_request(self, body: dict[str, Any]) -> tuple[Request, _TextOptions]:
+        """A simulator request from a ``/generate`` body, and how its text is written.
 
         Raises:
-            InvalidRequest: no ``text``/``input_ids``, a batch, bad ``sampling_params``.
+            InvalidRequest: no ``text``/``input_ids``, a batch, bad ``sampling_params`` (``skip_special_tokens``,
+                ``no_stop_trim`` not booleans too).
             UnknownModel: ``lora_path`` names no served adapter.
         """
         state = self._state
@@ -227,12 +250,24 @@ class SGLangHttpApi(EngineHttpApi):
             raise UnknownModel(f"LoRA adapter {lora_path!r} is not loaded.")
         _, salt = request_scope(state, {"cache_salt": body.get("cache_salt")})
         lora = state.lora_adapters.get(lora_path) if lora_path else None
-        return Request(str(body.get("rid") or uuid.uuid4().hex), ids, max_new,
-                       ignore_eos=bool(params.get("ignore_eos", False)), lora=lora, cache_salt=salt)
+        text_options = []
+        for name, default in (("skip_special_tokens", True), ("no_stop_trim", False)):
+            value = params.get(name, default)
+            if not isinstance(value, bool):
+                raise InvalidRequest(f"{name} must be a boolean")
+            text_options.append(value)
+        req = Request(str(body.get("rid") or uuid.uuid4().hex), ids, max_new,
+                      ignore_eos=bool(params.get("ignore_eos", False)), lora=lora, cache_salt=salt)
+        return req, _TextOptions(*text_options)
 
-    def _generate_body(self, req: Request, started: float) -> dict[str, Any]:
+    def _generate_body(self, req: Request, started: float, options: _TextOptions) -> dict[str, Any]:
+        """SGLang's ``/generate`` answer so far: ``text`` the output's detokenization (:class:`_TextOptions`: a
+        terminating EOS left out, special tokens ""), ``output_ids`` every id (the EOS too)."""
+        ids: list[int] = req.output_token_ids
+        if req.finish_reason == FinishReason.STOP and not options.no_stop_trim and ids:
+            ids = ids[:-1]  # trim_matched_stop: the matched stop token is not decoded
         return {
-            "text": self._renderer.detokenize(req.output_token_ids),
+            "text": self._renderer.detokenize(ids, skip_special_tokens=options.skip_special_tokens),
             "output_ids": list(req.output_token_ids),
             "meta_info": {
                 "id": req.request_id,
@@ -246,14 +281,14 @@ class SGLangHttpApi(EngineHttpApi):
 
     async def generate(self, request: HttpRequest) -> Response:
         body = await _json_body(request)
-        req = self._generate_request(body)
+        req, options = self._generate_request(body)
         started = time.monotonic()
         try:
             queue = self._engine.submit(req)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
         if body.get("stream"):
-            return StreamingResponse(self._stream_generate(req, queue, started), media_type="text/event-stream")
+            return StreamingResponse(self._stream_generate(req, queue, started, options), media_type="text/event-stream")
         waiter = asyncio.create_task(_collect(queue))
         disconnect = asyncio.create_task(_wait_disconnect(request))
         try:
@@ -265,15 +300,19 @@ class SGLangHttpApi(EngineHttpApi):
                 self._engine.abort(req.request_id)
         if not waiter.done() or waiter.cancelled():
             return Response(status_code=499)
-        return JSONResponse(self._generate_body(req, started))
+        waiter.result()  # EngineDeadError: the engine died under the request (500)
+        return JSONResponse(self._generate_body(req, started, options))
 
     async def _stream_generate(
-        self, req: Request, queue: asyncio.Queue[RequestOutput], started: float
+        self, req: Request, queue: asyncio.Queue[RequestOutput], started: float, options: _TextOptions
     ) -> AsyncIterator[bytes]:
         try:
             while True:
                 out = await queue.get()
-                yield b"data: " + json.dumps(self._generate_body(req, started)).encode() + b"\n\n"
+                if out.error is not None:  # the engine died: the error event, then [DONE]
+                    yield engine_dead_event().encode()
+                    break
+                yield b"data: " + json.dumps(self._generate_body(req, started, options)).encode() + b"\n\n"
                 if out.finished:
                     break
             yield b"data: [DONE]\n\n"

@@ -29,7 +29,7 @@ import contextvars
 import inspect
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -212,7 +212,45 @@ class _SkipInfrastructure(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         if handler_call_details.method.startswith(self._SKIP):
             return await continuation(handler_call_details)
-        return await self._inner.intercept_service(continuation, handler_call_details)
+        return closed_in_task(await self._inner.intercept_service(continuation, handler_call_details))
+
+
+def _written(stream: Callable[..., AsyncGenerator[Any, None]]) -> Callable[..., Awaitable[None]]:
+    """``stream`` (an async-generator behaviour) as a coroutine that sends with ``context.write`` and closes the
+    generator in its own task however the RPC ends (:func:`closed_in_task`)."""
+
+    async def behaviour(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        responses = stream(request_or_iterator, context)
+        try:
+            async for response in responses:
+                await context.write(response)
+        finally:
+            await responses.aclose()  # the RPC's own task and Context: the span's context detaches cleanly
+
+    return behaviour
+
+
+def closed_in_task(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | None:
+    """``handler`` with each response-streaming behaviour closed in the RPC's own task.
+
+    OpenTelemetry's aio server interceptor (opentelemetry-instrumentation-grpc 0.66b2) wraps a response stream in an
+    async generator that attaches the caller's trace context and detaches it when the generator ends. grpcio
+    iterates the generator in the RPC's task; when the client cancels (or the server stops) while the generator
+    waits at ``yield``, grpcio cancels that task outside the generator and leaves it unclosed, so Python's
+    async-generator finalizer closes it later in a new task, whose ``Context`` is not the one the token was made in:
+    ``detach`` fails and ``opentelemetry.context`` logs "Failed to detach context" with a traceback (a CI run:
+    kv_indexer's ``Watch`` at mesh stop). Sending with ``context.write`` from a coroutine instead keeps the
+    cancellation inside this code, which closes the generator at once, in the same task and Context.
+    """
+    if handler is None or not handler.response_streaming:
+        return handler
+    kwargs = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+    if handler.unary_stream and inspect.isasyncgenfunction(handler.unary_stream):
+        return grpc.unary_stream_rpc_method_handler(_written(handler.unary_stream), **kwargs)
+    if handler.stream_stream and inspect.isasyncgenfunction(handler.stream_stream):
+        return grpc.stream_stream_rpc_method_handler(_written(handler.stream_stream), **kwargs)
+    return handler
 
 
 def server_interceptors() -> list[grpc.aio.ServerInterceptor]:

@@ -290,3 +290,25 @@ class SilentServer:
         for conn in self._open:
             with contextlib.suppress(OSError):
                 conn.close()
+
+
+def eos_prompt(sim: Any, within: int = 12) -> tuple[list[int], list[int]]:
+    """A token-id prompt whose generation on the simulator ``sim`` (an ``EngineSimulator``) samples EOS within
+    ``within`` tokens (after the second), and its output ids up to and with that EOS (about 1 prompt in 160 does).
+
+    Raises:
+        AssertionError: no prompt among 20,000 does.
+    """
+    from engine_simulator.scheduler import Request
+    from engine_simulator.tokenizer import EOS_ID
+
+    cfg = sim.core.config
+    for i in range(20000):
+        prompt = [1, 3 + i % 1800, 5 + i // 1800, 7]
+        req = Request("probe", prompt, within)
+        for _ in range(within):
+            req.output_token_ids.append(req.next_token(cfg.vocab_size, cfg.sampled_token_ids))
+        out = list(req.output_token_ids)
+        if EOS_ID in out[2:]:
+            return prompt, out[:out.index(EOS_ID) + 1]
+    raise AssertionError("no prompt samples EOS early")

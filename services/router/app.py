@@ -36,8 +36,9 @@ from services.router.catalog import ModelCatalog, ModelMemory
 from services.router.clients import AdmissionClient, PickerClient
 from services.router.config import RouterConfig
 from services.router.http_app import RouterHttpApi
+from services.router.metrics import record_dependency_check
 from services.router.passthrough import Passthrough
-from services.router.readiness import ReadinessProbe, served_around
+from services.router.readiness import HealthCheck, ReadinessProbe, StartupDependency, served_around, watch_startup
 from services.router.request_flow import RequestFlow, build_http_client, build_passthrough_client
 from services.router.servicer import SERVICE_NAME, InferenceServicer
 
@@ -103,6 +104,27 @@ class WatchedCatalog:
         return sum(info.endpoints for info in self._catalog.models.values())
 
 
+def startup_dependencies(config: RouterConfig, flow_control_check: HealthCheck,
+                         epp_check: HealthCheck) -> list[StartupDependency]:
+    """flow_control and epp as :func:`~services.router.readiness.watch_startup` checks them, each with what
+    requests get while it does not answer in this configuration (``docs/degraded-modes.md``)."""
+    if config.flow_control_failure_mode == "open" and config.degraded_max_in_flight > 0:
+        admission = (f"requests are admitted locally (fail-open, at most {config.degraded_max_in_flight} at once, "
+                     "then 503); /health says degraded")
+    else:
+        admission = "requests are refused with 503 (flow_control_failure_mode closed or degraded_max_in_flight 0) " \
+                    "and /health says 503"
+    if config.epp_failure_mode == "open":
+        pick = "requests are picked locally (least-request over the router's own endpoint view); /health says degraded"
+    else:
+        pick = "requests are refused with 503 (epp_failure_mode closed) and /health says 503"
+    return [
+        StartupDependency("flow_control", config.flow_control_address, "flow_control_address", admission,
+                          flow_control_check),
+        StartupDependency("epp", config.epp_address, "epp_address", pick, epp_check),
+    ]
+
+
 def build_service(config: RouterConfig) -> GrpcService:
     """The router as a GrpcService: catalog watcher, clients, flow, HTTP app and servicer."""
     watcher = EndpointWatcher(config.etcd_endpoints) if config.etcd_endpoints else None
@@ -118,6 +140,12 @@ def build_service(config: RouterConfig) -> GrpcService:
     http_client = build_http_client(config)
     flow = RequestFlow(config, catalog, admission, picker, http_client,
                        endpoints=lambda model: watcher.snapshot().values() if watcher is not None else ())
+    def dependency_checked(name: str, status: str) -> None:
+        """A grpc.health.v1 check's result (``/health`` or the start-up watch): the metric, the breaker."""
+        if name in ("flow_control", "epp"):
+            record_dependency_check(name, status)
+        flow.dependency_checked(name, status)
+
     readiness = ReadinessProbe(
         {"flow_control": admission.health, "epp": picker.health,
          # etcd unreachable: served from the last known membership, so "degraded", never unready
@@ -132,7 +160,7 @@ def build_service(config: RouterConfig) -> GrpcService:
                        epp_failure_mode=config.epp_failure_mode, etcd=bool(config.etcd_endpoints),
                        breaker=config.dependency_breaker_cool_down_seconds > 0),
         breakers_open=flow.open_breakers,
-        on_checked=flow.dependency_checked,
+        on_checked=dependency_checked,
     )
     passthrough_http = build_passthrough_client(config)  # /tokenize, /detokenize: off the hot path
     passthrough = Passthrough(config, passthrough_http,
@@ -150,6 +178,18 @@ def build_service(config: RouterConfig) -> GrpcService:
     async def start_clients() -> None:
         await admission.connect()
         await picker.connect()
+
+    startup_watch: list[asyncio.Task[None]] = []
+
+    async def watch_dependencies() -> None:
+        """flow_control and epp checked beside the start, never delaying it (``readiness.watch_startup``)."""
+        startup_watch.append(asyncio.create_task(watch_startup(
+            startup_dependencies(config, admission.health, picker.health), config.health_check_timeout_seconds,
+            dependency_checked), name="router-startup-dependency-watch"))
+
+    async def stop_watch() -> None:
+        for task in startup_watch:
+            task.cancel()
 
     def on_membership(joined: dict[EndpointId, Endpoint], left: dict[EndpointId, Endpoint]) -> None:
         if watcher is not None and left:  # an endpoint gone (not just re-labelled): requests hung on it end
@@ -210,8 +250,8 @@ def build_service(config: RouterConfig) -> GrpcService:
             name="router",
             service_names=[SERVICE_NAME],
             add_servicers=add_servicers,
-            on_start=[start_clients, start_watcher, start_http],
-            on_stop=[stop_http, close_clients],
+            on_start=[start_clients, watch_dependencies, start_watcher, start_http],
+            on_stop=[stop_watch, stop_http, close_clients],
         ),
         drain=drain,
     )

@@ -155,6 +155,17 @@ BREAKER_TRANSITIONS = Counter(
 for _dependency in ("epp", "flow_control"):
     BREAKER_OPEN.labels(dependency=_dependency).set(0)
 
+DEPENDENCY_UP = Gauge(
+    "kvmesh_router_dependency_up",
+    "1 when the last grpc.health.v1 check of a dependency (flow_control, epp) answered SERVING, else 0 (refused, "
+    "unreachable, hung, not serving): checked at start-up until it answers, then at each /health evaluation.",
+    ["dependency"],
+)
+
+
+def record_dependency_check(dependency: str, status: str) -> None:
+    DEPENDENCY_UP.labels(dependency=dependency).set(1 if status == "SERVING" else 0)
+
 
 def record_breaker(dependency: str, is_open: bool) -> None:
     BREAKER_OPEN.labels(dependency=dependency).set(1 if is_open else 0)

@@ -35,13 +35,25 @@ kv_indexer is not checked here: epp serves around it (prefix scores unknown).
 Both gRPC checks run concurrently; one result is reused for ``health_cache_seconds`` (1 s by
 default), and concurrent probes share one in-flight check, so a load balancer probing often costs
 at most one pair of health RPCs per second.
+
+At start-up (:func:`watch_startup`, run beside the router's start, never delaying it) flow_control and
+epp are checked the same way: one that has not answered ``SERVING`` within
+:data:`STARTUP_GRACE_SECONDS` gets one WARNING naming its address, the config field, flag and env var
+that set it, and what requests get meanwhile (its degraded mode); it is then checked every
+:data:`STARTUP_RETRY_SECONDS` until it answers (one INFO line then). Every check, at start-up and
+behind ``/health``, sets ``kvmesh_router_dependency_up{dependency}`` (1 ``SERVING``, else 0). Before,
+a router started with the default addresses and nothing listening there said nothing at all.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
 
 SERVING = "SERVING"
 UNREACHABLE = frozenset({"UNAVAILABLE", "NOT_CONNECTED"})
@@ -190,3 +202,62 @@ class ReadinessProbe:
                            self._hang_tolerant, breakers_open=frozenset(self._breakers_open()))
         self._last, self._last_at = result, self._clock()
         return result
+
+
+STARTUP_GRACE_SECONDS = 2.0
+"""How long after start-up a dependency may take to answer ``SERVING`` before the WARNING (it may be starting
+beside the router, as ``kvmesh up`` and compose start them)."""
+STARTUP_RETRY_SECONDS = 2.0
+"""Checks of a dependency that has not answered yet: every 0.25 s within the grace, then this often."""
+
+
+@dataclass(frozen=True, slots=True)
+class StartupDependency:
+    """A dependency :func:`watch_startup` checks: its ``name`` (``flow_control``, ``epp``), the ``address`` the
+    router dials, the config ``field`` that sets it (``flow_control_address``; flag and ``KVMESH_ROUTER_*`` env
+    var derived from it), what requests get while it does not answer (``meanwhile``, a phrase) and its check."""
+
+    name: str
+    address: str
+    field: str
+    meanwhile: str
+    check: HealthCheck
+
+
+def unanswered_warning(dep: StartupDependency, status: str, waited_seconds: float) -> str:
+    """The one WARNING line for a dependency that did not answer at start-up."""
+    return (f"{dep.name} at {dep.address} did not answer within {waited_seconds:.1f}s of start-up ({status}): "
+            f"set {dep.field} (--{dep.field.replace('_', '-')}, env KVMESH_ROUTER_{dep.field.upper()}) to where "
+            f"{dep.name} listens; until it answers {dep.meanwhile} (docs/degraded-modes.md)")
+
+
+async def watch_startup(
+    deps: Iterable[StartupDependency],
+    timeout_seconds: float,
+    on_checked: Callable[[str, str], None],
+    *,
+    grace_seconds: float = STARTUP_GRACE_SECONDS,
+    retry_seconds: float = STARTUP_RETRY_SECONDS,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> None:
+    """Check each dependency until it answers ``SERVING`` (module docstring); ``on_checked(name, status)`` after
+    every check (the metric). Returns once all answered; meant to run as a task the router cancels at stop."""
+
+    async def watch(dep: StartupDependency) -> None:
+        started = clock()
+        warned = False
+        while True:
+            status = await dep.check(timeout_seconds)
+            on_checked(dep.name, status)
+            waited = clock() - started
+            if status == SERVING:
+                if warned:
+                    logger.info("%s at %s answers now (%.1fs after start-up)", dep.name, dep.address, waited)
+                return
+            if not warned and waited >= grace_seconds:
+                logger.warning(unanswered_warning(dep, status, waited))
+                warned = True
+            await sleep(retry_seconds if warned else min(0.25, grace_seconds))
+
+    await asyncio.gather(*(watch(dep) for dep in deps))

@@ -3,7 +3,10 @@
 A ``CompletionRequest`` becomes the equivalent OpenAI body (``prompt`` text or token ids for
 ``/v1/completions``, ``messages`` for ``/v1/chat/completions``) and goes through the same
 validation and :class:`~services.router.request_flow.RequestFlow` as HTTP, each RPC inside one
-``flow.session``. Domain errors propagate to the shared interceptor (one table). An engine error
+``flow.session``. Every field of the message has a place: :data:`BODY_FIELDS` go into the engine's body
+with their HTTP meaning (a float's value as written: 0.7, not its float32 expansion), :data:`METADATA_FIELDS`
+stand for headers; a set field in neither (the proto grew one this module does not know) is refused with
+``INVALID_ARGUMENT`` naming it, never dropped. Domain errors propagate to the shared interceptor (one table). An engine error
 answer becomes the matching domain error (an in-stream error event too: vLLM streams refused sampling
 parameters as 200 + ``data: {"error": ...}``); an engine failing mid-answer is ``UNAVAILABLE``.
 A cancelled RPC (or a stream its client closed) ends the session as cancelled: the engine
@@ -36,6 +39,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import struct
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -66,13 +71,52 @@ from services.router.validation import RequestKind, RouterRequest, validate_requ
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 
 
-def openai_body(request: router_pb2.CompletionRequest, stream: bool) -> tuple[RequestKind, dict[str, Any]]:
-    """The OpenAI body equivalent to ``request``; a stream asks for ``stream_options.include_usage``
-    (the engine's usage-only chunk before ``[DONE]``, folded into the last ``CompletionChunk``).
+BODY_FIELDS = frozenset({"model", "prompt", "prompt_token_ids", "messages", "max_tokens", "temperature", "stop",
+                         "ignore_eos"})
+"""``CompletionRequest`` fields :func:`openai_body` writes into the engine's OpenAI body, each with the meaning the
+HTTP front door's body field of the same name has (``max_tokens`` 0: not sent, the engine's default)."""
+METADATA_FIELDS = frozenset({"flow_id", "priority"})
+"""``CompletionRequest`` fields that stand for request headers (:func:`metadata_headers`), not body fields."""
+
+
+def _refuse_unforwarded(request: router_pb2.CompletionRequest) -> None:
+    """Refuse a set field this servicer does not carry to the engine (the proto gained one, the servicer did
+    not learn it): never dropped silently. ``tests/unit/router/test_grpc_fields.py`` holds the two tables to
+    the proto's field list.
 
     Raises:
-        InvalidRequest: unless exactly one of prompt, prompt_token_ids, messages is set.
+        InvalidRequest: naming the field (``INVALID_ARGUMENT``).
     """
+    for field, _ in request.ListFields():
+        if field.name not in BODY_FIELDS and field.name not in METADATA_FIELDS:
+            raise errors.InvalidRequest(
+                f"'{field.name}' is not supported by the router's gRPC front door (it cannot be passed to the "
+                "engine); leave it unset or use the HTTP front door")
+
+
+def _float32(value: float) -> float:
+    """A proto ``float`` as the decimal its sender wrote (0.7, not 0.699999988079071): the shortest decimal that
+    is the same 32-bit float, as the HTTP front door reads the JSON number."""
+    if not math.isfinite(value):
+        return value
+    packed = struct.pack("<f", value)
+    for digits in range(1, 10):
+        candidate = float(f"{value:.{digits}g}")
+        if struct.pack("<f", candidate) == packed:
+            return candidate
+    return value
+
+
+def openai_body(request: router_pb2.CompletionRequest, stream: bool) -> tuple[RequestKind, dict[str, Any]]:
+    """The OpenAI body equivalent to ``request`` (:data:`BODY_FIELDS`); a stream asks for
+    ``stream_options.include_usage`` (the engine's usage-only chunk before ``[DONE]``, folded into the last
+    ``CompletionChunk``).
+
+    Raises:
+        InvalidRequest: unless exactly one of prompt, prompt_token_ids, messages is set; a set field the
+            servicer cannot carry to the engine (:func:`_refuse_unforwarded`).
+    """
+    _refuse_unforwarded(request)
     forms = sum((bool(request.prompt), bool(request.prompt_token_ids), bool(request.messages)))
     if forms != 1:
         raise errors.InvalidRequest("exactly one of 'prompt', 'prompt_token_ids', 'messages' must be set")
@@ -88,7 +132,7 @@ def openai_body(request: router_pb2.CompletionRequest, stream: bool) -> tuple[Re
     if request.max_tokens:
         body["max_tokens"] = request.max_tokens
     if request.HasField("temperature"):
-        body["temperature"] = request.temperature
+        body["temperature"] = _float32(request.temperature)
     if request.stop:
         body["stop"] = list(request.stop)
     if request.ignore_eos:

@@ -6,13 +6,16 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import grpc
+import pytest
 
+from engine_simulator.app import EngineSimulator, build_service
+from engine_simulator.config import SimulatorConfig
 from kvmesh._proto.kvmesh.router.v1 import router_pb2_grpc
 from kvmesh.interceptors import server_interceptors
 from services.router.config import RouterConfig
 from services.router.request_flow import RequestFlow
 from services.router.servicer import InferenceServicer
-from tests.unit.router.fakes import CATALOG
+from tests.unit.router.fakes import CATALOG, MODEL
 
 
 @asynccontextmanager
@@ -29,3 +32,12 @@ async def inference_stub(config: RouterConfig, flow: RequestFlow) -> AsyncIterat
             yield router_pb2_grpc.InferenceStub(channel)
     finally:
         await server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def sim(tmp_path_factory: pytest.TempPathFactory) -> EngineSimulator:
+    """(fixture, imported by ``conftest.py``) A simulator core for :data:`MODEL` (``max_model_len`` 512, time scale 10,000, no etcd) served in-process by
+    the tests that compare the router's gRPC answer with the engine's own HTTP answer."""
+    config = SimulatorConfig(model=MODEL, max_model_len=512, time_scale=10000.0,
+                             tokenizer_path=str(tmp_path_factory.mktemp("tok")), etcd_endpoints=[])
+    return build_service(config)

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from engine_simulator.app import EngineSimulator, build_service
-from engine_simulator.config import SimulatorConfig
+from engine_simulator.app import EngineSimulator
 from engine_simulator.engine import AsyncEngine
 from engine_simulator.publisher import NullEventPublisher
 from engine_simulator.server import EngineHttpApi, ServerState
@@ -30,13 +29,6 @@ from tests.unit.router._support import inference_stub
 from tests.unit.router.fakes import CATALOG, MODEL, FakeAdmission, FakePicker
 
 IDS = list(range(1, 131))  # 130 token ids: two whole 64-token blocks, so a repeat hits the prefix cache
-
-
-@pytest.fixture(scope="module")
-def sim(tmp_path_factory: pytest.TempPathFactory) -> EngineSimulator:
-    config = SimulatorConfig(model=MODEL, max_model_len=512, time_scale=10000.0,
-                             tokenizer_path=str(tmp_path_factory.mktemp("tok")), etcd_endpoints=[])
-    return build_service(config)
 
 
 @dataclass
