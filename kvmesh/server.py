@@ -89,6 +89,8 @@ class ServiceSpec:
             :data:`_HOOK_CANCEL_SECONDS` after its cancel (it swallowed the cancellation) is logged and left
             behind, running; the stop goes on to the next hook either way (one that fails is logged too).
         ready: when set, health stays NOT_SERVING after start until it returns (warm-up gating).
+        max_receive_message_bytes: the largest request message the gRPC server accepts (bytes); a larger one
+            gets ``RESOURCE_EXHAUSTED`` from grpcio before any servicer code runs. None: grpcio's 4 MiB default.
     """
 
     name: str
@@ -99,6 +101,7 @@ class ServiceSpec:
     on_stop: Sequence[Hook] = ()
     register_in_etcd: bool = True
     ready: Hook | None = None
+    max_receive_message_bytes: int | None = None
 
 
 @dataclass
@@ -128,7 +131,10 @@ class GrpcService:
         for hook in self.spec.on_start:
             await hook()
         # No SO_REUSEPORT: with it (grpc's default) a second server silently shares a taken port.
-        server = grpc.aio.server(interceptors=server_interceptors(), options=[("grpc.so_reuseport", 0)])
+        options: list[tuple[str, Any]] = [("grpc.so_reuseport", 0)]
+        if self.spec.max_receive_message_bytes is not None:
+            options.append(("grpc.max_receive_message_length", self.spec.max_receive_message_bytes))
+        server = grpc.aio.server(interceptors=server_interceptors(), options=options)
         self.spec.add_servicers(server)
         self._health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

@@ -252,6 +252,9 @@ def build_service(config: RouterConfig) -> GrpcService:
             add_servicers=add_servicers,
             on_start=[start_clients, watch_dependencies, start_watcher, start_http],
             on_stop=[stop_watch, stop_http, close_clients],
+            # one bound for both front doors: a CompletionRequest as large as the largest HTTP body is served
+            # (grpcio's own 4 MiB default refused prompts the HTTP front door takes); beyond it RESOURCE_EXHAUSTED
+            max_receive_message_bytes=config.max_request_body_bytes,
         ),
         drain=drain,
     )

@@ -186,7 +186,8 @@ class RouterConfig(GrpcServiceConfig):
     """Value of the ``retry-after`` header on 429 answers."""
     max_request_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, le=1024**3)
     """Largest accepted request body (from ``content-length``, and counted while reading a chunked
-    body); larger ones get 413 with an OpenAI error body."""
+    body); larger ones get 413 with an OpenAI error body. The gRPC front door's bound on a request message
+    too (larger: ``RESOURCE_EXHAUSTED``, gRPC's status for a message over the receiver's limit)."""
     health_check_timeout_seconds: float = Field(0.5, gt=0, le=30)
     """Deadline of the grpc.health.v1 checks of flow_control and epp behind ``GET /health``, and of the
     check that tells a busy flow_control from a hung one after an admission timeout (the breaker)."""

@@ -176,3 +176,26 @@ def test_router_grpc_front_door_maps_bad_requests(mesh: Mesh) -> None:
             with pytest.raises(grpc.RpcError) as info:
                 stub.Complete(request, timeout=10)
             assert info.value.code() == expected, (request, info.value.code())
+
+
+def test_router_front_doors_share_one_size_bound(mesh: Mesh) -> None:
+    """A prompt over grpcio's 4 MiB default but under ``max_request_body_bytes`` (32 MiB) is read by both front
+    doors and answered alike (the engine's context-length 400 / INVALID_ARGUMENT); one over the bound is HTTP 413
+    and gRPC RESOURCE_EXHAUSTED (before: gRPC refused anything over 4 MiB the HTTP front door took)."""
+    from kvmesh._proto.kvmesh.router.v1 import router_pb2, router_pb2_grpc
+
+    router = mesh.member("router")
+    big = "hello " * (5 * 1024 * 1024 // 6)  # ~5 MiB of text: far past the model's context
+    http = httpx.post(f"{router.http}/v1/completions", json={"model": MODEL, "prompt": big, "max_tokens": 1},
+                      timeout=60)
+    assert http.status_code == 400, http.text
+    huge = "x" * (33 * 1024 * 1024)
+    assert httpx.post(f"{router.http}/v1/completions", json={"model": MODEL, "prompt": huge},
+                      timeout=60).status_code == 413
+    options = [("grpc.max_send_message_length", 64 * 1024 * 1024)]
+    with grpc.insecure_channel(router.grpc or "", options=options) as channel:
+        stub = router_pb2_grpc.InferenceStub(channel)
+        for prompt, expected in ((big, grpc.StatusCode.INVALID_ARGUMENT), (huge, grpc.StatusCode.RESOURCE_EXHAUSTED)):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Complete(router_pb2.CompletionRequest(model=MODEL, prompt=prompt, max_tokens=1), timeout=60)
+            assert info.value.code() == expected, info.value.details()
