@@ -188,7 +188,7 @@ class EngineSimulator:
             uploader.start()
         state = ServerState(engine, self.renderer, config.model, config.max_model_len, self.tokenizer_dir,
                             int(time.time()), metrics_delay_seconds=config.fault_metrics_delay_seconds,
-                            lora_adapters=self.lora_adapters, api_key=config.api_key, runner=config.runner)
+                            lora_adapters=self.lora_adapters, api_key=config.api_key.get_secret_value(), runner=config.runner)
         api = EngineHttpApi(state)
         if config.personality == "sglang":
             api = SGLangHttpApi(state, sglang_server_args(

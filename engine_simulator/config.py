@@ -11,7 +11,7 @@ included, is on ``--port``).
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from engine_simulator.scheduler import check_long_prefill_token_threshold
@@ -79,8 +79,9 @@ class SimulatorConfig(ProcessConfig):
     personality: str = Field("vllm", pattern="^(vllm|sglang)$")
     """Which engine to stand in for: ``vllm`` (0.32) or ``sglang`` (0.5.23: ``/generate``,
     ``/server_info``, ``sglang:*`` metrics, SGLang's KV-event shape; ``engine_simulator/sglang.py``)."""
-    api_key: str = ""
-    """vLLM's ``--api-key``: requests to ``/v1/*`` need ``Authorization: Bearer <key>`` (401 otherwise); empty: open."""
+    api_key: SecretStr = SecretStr("")
+    """vLLM's ``--api-key``: requests to ``/v1/*`` need ``Authorization: Bearer <key>`` (401 otherwise); empty: open.
+    Shown as ``**********`` in ``--print-config`` and the start-up config log line."""
     runner: str = Field("generate", pattern="^(generate|pooling)$")
     """vLLM's ``--runner``: ``generate`` (completions, chat, responses) or ``pooling`` (``/v1/embeddings`` only)."""
     offload: str = Field("off", pattern=r"^(off|cpu|cpu\+kv_store)$")

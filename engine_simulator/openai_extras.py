@@ -448,6 +448,15 @@ class _GenerationFields(BaseModel):
                 raise FieldError("`logprobs` must be a positive value or -1.", "logprobs", logprobs)
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _check_stream_options(cls, data: Any) -> Any:
+        """vLLM 0.32's ``validate_stream_options`` (``CompletionRequest`` and ``ChatCompletionRequest``): truthy
+        ``stream_options`` with a falsy ``stream``, as the JSON holds them, is a ``VLLMValidationError``."""
+        if isinstance(data, dict) and data.get("stream_options") and not data.get("stream"):
+            raise FieldError("Stream options can only be defined when `stream=True`.", "stream_options")
+        return data
+
     def num_logprobs(self) -> int | None:
         return self.logprobs
 

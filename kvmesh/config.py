@@ -7,9 +7,10 @@ one ``<Svc>Config`` on the right base that sets only its ``env_prefix``; its fie
 unit in their name, a bound and an attribute docstring (which becomes the flag's help).
 :func:`load_config` builds the command line from the fields, so a field ``grpc_port`` is set by
 ``--grpc-port``, by ``KVMESH_<SVC>_GRPC_PORT`` or by ``grpc_port:`` in the file named by
-``--config``. Lists take comma-separated values on the command line; mappings and nested models
-take YAML/JSON. Config classes are the only readers of the environment (the standard
-``OTEL_EXPORTER_OTLP_ENDPOINT`` included).
+``--config``. Lists of scalars (``etcd_endpoints``) take comma-separated values on the command line
+and in the environment (``a:1,b:2``; an env value that starts with ``[`` is read as a JSON list);
+lists of objects, mappings and nested models take YAML/JSON (JSON only in the environment). Config
+classes are the only readers of the environment (the standard ``OTEL_EXPORTER_OTLP_ENDPOINT`` included).
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import AliasChoices, Field, ValidationError, field_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
+    EnvSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     SettingsError,
@@ -38,6 +41,56 @@ from pydantic_settings import (
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar("kvmesh_config_file", default=None)
+
+
+_SCALARS = (str, int, float, bool)
+
+
+def _optional_inner(annotation: Any) -> Any:
+    """``X | None`` -> ``X``; anything else as given."""
+    origin = typing.get_origin(annotation)
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if (origin is typing.Union or str(origin) == "<class 'types.UnionType'>") and len(args) == 1:
+        return args[0]
+    return annotation
+
+
+def _is_scalar(annotation: Any) -> bool:
+    annotation = _optional_inner(annotation)
+    if typing.get_origin(annotation) is Literal:
+        return True
+    return isinstance(annotation, type) and issubclass(annotation, (*_SCALARS, enum.Enum))
+
+
+def _list_kind(annotation: Any) -> Literal["scalars", "objects", None]:
+    """Whether a field's type is a list (tuple, set) of scalars (``list[str]``), of anything else
+    (``list[TenantSpec]``), or no list at all; ``X | None`` is looked through."""
+    annotation = _optional_inner(annotation)
+    if typing.get_origin(annotation) not in (list, tuple, set, frozenset):
+        return None
+    args = [a for a in typing.get_args(annotation) if a is not Ellipsis]
+    return "scalars" if all(_is_scalar(arg) for arg in args or [str]) else "objects"
+
+
+def _split_list(raw: str) -> list[str]:
+    """``"a:1, b:2,"`` -> ``["a:1", "b:2"]`` (the plain form of a list of scalars; empty -> ``[]``)."""
+    return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+class _EnvSource(EnvSettingsSource):
+    """pydantic-settings' environment source, except that a list-of-scalars field also takes the plain
+    comma-separated form (``KVMESH_ROUTER_ETCD_ENDPOINTS=a:2379,b:2379``), as its flag does; a value that
+    starts with ``[`` is still a JSON list. Lists of objects, mappings and models stay JSON."""
+
+    def decode_complex_value(self, field_name: str, field: FieldInfo, value: Any) -> Any:
+        if (
+            isinstance(value, str)
+            and not value.lstrip().startswith("[")
+            and field is not None
+            and _list_kind(field.annotation) == "scalars"
+        ):
+            return _split_list(value)
+        return super().decode_complex_value(field_name, field, value)
 
 
 class ProcessConfig(BaseSettings):
@@ -100,7 +153,8 @@ class ProcessConfig(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        # the env source is rebuilt as _EnvSource (same settings: it reads them from settings_cls's model_config)
+        sources: list[PydanticBaseSettingsSource] = [init_settings, _EnvSource(settings_cls)]
         path = _config_file.get()
         if path is not None:
             sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
@@ -124,14 +178,12 @@ C = TypeVar("C", bound=ProcessConfig)
 
 
 def _flag_parser(annotation: Any) -> typing.Callable[[str], Any]:
+    annotation = _optional_inner(annotation)
     origin = typing.get_origin(annotation)
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if (origin is typing.Union or str(origin) == "<class 'types.UnionType'>") and len(args) == 1:
-        return _flag_parser(args[0])
-    if origin in (list, tuple, set):
-        inner = args[0] if args else str
-        if inner in (str, int, float):
-            return lambda raw: [item.strip() for item in raw.split(",") if item.strip()]
+    kind = _list_kind(annotation)
+    if kind == "scalars":
+        return _split_list
+    if kind == "objects":
         return yaml.safe_load
     if origin is dict or (isinstance(annotation, type) and issubclass(annotation, (dict,))):
         return yaml.safe_load
@@ -327,7 +379,12 @@ def load_config(cls: type[C], argv: list[str] | None = None, prog: str | None = 
         match = re.search(r'field "(\w+)"', str(exc))
         field = match.group(1) if match else ""
         where = _origin(cls, field, {}, {}, set(), None) if field else str(exc)
-        sys.stderr.write(f"{short}: {where}: not valid JSON\n")
+        field_info = cls.model_fields.get(field)
+        # a list of scalars never gets here unless it starts with "[" (else it is split on commas)
+        expected = {"objects": "; expected a JSON list of objects ([{...}, ...])",
+                    "scalars": "; expected a JSON list ([...]) or comma-separated values"}
+        hint = expected.get(str(_list_kind(field_info.annotation)), "") if field_info is not None else ""
+        sys.stderr.write(f"{short}: {where}: not valid JSON{hint}\n")
         raise SystemExit(2) from None
     except ValueError as exc:
         parser.error(str(exc).splitlines()[0])

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
@@ -24,7 +26,8 @@ from rich.text import Text
 from kvmesh_cli.mesh import MeshStartError
 
 EPP_CONFIGS_DIR = Path(__file__).resolve().parents[1] / "services" / "epp" / "configs"
-"""Named epp scheduling configs: ``<name>.yaml`` here (read as files; epp itself is not imported)."""
+"""Named epp scheduling configs: ``<name>.yaml`` here (epp's loader is imported only to check one:
+:func:`check_scheduling_config`)."""
 
 err_console = Console(stderr=True, highlight=False)
 
@@ -44,21 +47,68 @@ def resolve_policy(value: str, param_hint: str = "--policy", configs_dir: Path =
     """A named config as is, or an existing YAML file as an absolute path (epp runs elsewhere).
 
     Mirrors epp's ``resolve_scheduling_config``: a value without ``/`` naming ``<configs_dir>/<value>.yaml``
-    is a named config; otherwise it must be a file. The file's content is checked by epp at start.
+    is a named config; otherwise it must be a file. Either is then loaded as epp loads it at start
+    (:func:`check_scheduling_config`), so a config epp would refuse is refused here, before anything starts.
 
     Raises:
-        typer.BadParameter: neither; the message lists the named configs.
+        typer.BadParameter: neither (the message lists the named configs), or a config epp would refuse.
     """
     if value and "/" not in value and (configs_dir / f"{value}.yaml").is_file():
+        check_scheduling_config(configs_dir / f"{value}.yaml", param_hint)
         return value
     path = Path(value).expanduser()
     if value and path.is_file():
+        check_scheduling_config(path.resolve(), param_hint)
         return str(path.resolve())
     raise typer.BadParameter(
         f"{value!r} is neither a named scheduling config ({', '.join(known_policies(configs_dir))}) "
         "nor an existing YAML file",
         param_hint=param_hint,
     )
+
+
+def _one_line(message: str) -> str:
+    """A multi-line message (epp's for a YAML error) as one line: PyYAML's source excerpt and ``^`` after each
+    ``line N, column M:`` dropped, ``in "<unicode string>",`` said as ``at``."""
+    out: list[str] = []
+    in_excerpt = False
+    for line in message.splitlines():
+        text = line.strip()
+        if in_excerpt:
+            in_excerpt = not text.endswith("^")
+            continue
+        if not text:
+            continue
+        if re.search(r"line \d+, column \d+:$", text):
+            text, in_excerpt = text[:-1], True
+        out.append(text.replace('in "<unicode string>", ', "at "))
+    return " ".join(out)
+
+
+def check_scheduling_config(path: Path, param_hint: str = "--policy") -> None:
+    """Load the scheduling config file ``path`` with epp's own loader (``resolve_scheduling_config`` and
+    ``build_profile`` with every shipped plugin), as epp does at start: every error epp would raise (not
+    YAML, not a mapping, an unknown key or plugin type, bad parameters, a missing prepare step) is raised
+    here instead, before etcd or a service starts.
+
+    Raises:
+        typer.BadParameter: one line, epp's :class:`ConfigError` message (it names the file and the entry).
+    """
+    from services.epp.framework.interfaces import ConfigError, PluginHandle, PrefixIndex, Tokenizer
+    from services.epp.framework.loader import build_profile, resolve_scheduling_config
+    from services.epp.plugins import default_registry
+
+    # the mesh's epp always has kv_indexer and a tokenizer; the plugins built here are never run, so
+    # stand-ins do (with None, plugins that need them would refuse as an epp without kv_indexer does)
+    handle = PluginHandle(prefix_index=typing.cast(PrefixIndex, object()), tokenizer=typing.cast(Tokenizer, object()))
+    try:
+        source, data = resolve_scheduling_config(str(path))
+        build_profile(data, default_registry(), handle, source=source)
+    except ConfigError as exc:
+        raise typer.BadParameter(_one_line(str(exc)), param_hint=param_hint) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = os_error_text(exc) if isinstance(exc, OSError) else f"{path}: not UTF-8 text ({exc.reason})"
+        raise typer.BadParameter(reason, param_hint=param_hint) from None
 
 
 def check_router_url(value: str) -> str:

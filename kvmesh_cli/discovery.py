@@ -51,8 +51,12 @@ def split_host_port(address: str) -> tuple[str, int]:
     if "://" in address:
         raise ValueError(f"{address!r} is a URL; expected host:port")
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{address!r} is not host:port")
+    if not sep or not host:
+        raise ValueError(f"{address!r} is not host:port (e.g. 127.0.0.1:2379)")
+    if not port.isdigit():
+        raise ValueError(f"{address!r} is not host:port: the port {port!r} is not an integer")
+    if not 0 < int(port) < 65536:
+        raise ValueError(f"{address!r} is not host:port: the port {port} is not in 1-65535")
     return host.strip("[]"), int(port)
 
 

@@ -109,6 +109,7 @@ from kvmesh_cli.options import (
     UpApiKeyOpt,
     VerboseOpt,
     WorkloadOpt,
+    check_etcd_address,
     check_model_name,
 )
 from kvmesh_cli.peers import PEERS, peer_missing_reason
@@ -636,7 +637,8 @@ def up(
 
     Exit status: 130 on Ctrl-C (SIGINT) at any stage, and on any stop signal before the mesh is ready, once what
     had started is stopped; 0 when SIGTERM or SIGHUP stops a ready mesh (a service manager's normal stop); 1 when
-    the mesh does not start; 2 for bad options (two of its ports the same among them).
+    the mesh does not start; 2 for bad options (two of its ports the same among them, a --policy file epp would
+    refuse, an --etcd that is not host:port), before anything starts.
     """
     _setup_logging(verbose)
     flag_of = {"router_http_port": "--router-port", "router_grpc_port": "--router-grpc-port", "etcd": "--etcd"}
@@ -1015,18 +1017,27 @@ def _parse_scales(value: str | None) -> list[float]:
 
 @contextlib.contextmanager
 def _compare_interrupted(summaries: dict[str, dict[str, object]], total_runs: int, base: Path,
-                         json_out: Path | None, plot: Path | None) -> Iterator[None]:
+                         json_out: Path | None, plot: Path | None,
+                         show_finished: Callable[[], None] | None = None) -> Iterator[None]:
     """Ctrl-C (or SIGTERM/SIGHUP) during ``compare``: the meshes are already stopped by their ``with``;
-    say so, say what was and was not written, exit 130 (128 + SIGINT, as a shell reports it). Further
-    signals are ignored by then (``exit_on_signals(then_ignore=True)``)."""
+    the finished runs' table is printed (``show_finished``, when any run finished), then what was and was not
+    written, exit 130 (128 + SIGINT, as a shell reports it). Further signals are ignored by then
+    (``exit_on_signals(then_ignore=True)``)."""
     try:
         yield
     except KeyboardInterrupt as exc:
         how = _how_interrupted(exc)
         unwritten = [str(p) for p in (json_out, plot) if p is not None]
+        shown = False
+        if summaries and show_finished is not None:
+            try:
+                show_finished()
+                shown = True
+            except Exception:  # a partial table is a courtesy: never hide the interrupt behind its failure
+                logging.getLogger(__name__).debug("the finished runs' table could not be printed", exc_info=True)
         err_console.print(
             f"interrupted ({how}): {len(summaries)} of {total_runs} runs finished ({', '.join(summaries) or 'none'}), "
-            f"every mesh stopped; no table printed"
+            f"every mesh stopped; " + ("their table is above (not the comparison)" if shown else "no table printed")
             + (f", nothing written to {' or '.join(unwritten)}" if unwritten else "")
             + f"; the runs' logs are in {base}", soft_wrap=True, markup=False, highlight=False)
         raise typer.Exit(130) from None
@@ -1121,8 +1132,14 @@ def compare(
     summaries: dict[str, dict[str, object]] = {}
     curves: dict[str, list[SweepPoint]] = {}
     total_runs = len(scales or [rate_scale]) * len(columns)
-    with (_compare_interrupted(summaries, total_runs, base, json_out, plot), exit_on_signals(then_ignore=True),
-          mesh_errors()):
+    def show_finished() -> None:
+        """The finished runs' table (an interrupted compare): what was measured is not thrown away."""
+        doc = compare_document(label, engines, len(base_wl.requests), summaries)
+        print_table(console, summary_table(doc["policies"],  # type: ignore[arg-type]
+                                           f"{label}: finished runs only (interrupted)"))
+
+    with (_compare_interrupted(summaries, total_runs, base, json_out, plot, show_finished),
+          exit_on_signals(then_ignore=True), mesh_errors()):
         for k, scale in enumerate(scales or [rate_scale]):
             wl = scale_load(base_wl, scale)
             runs: list[tuple[str, str, Callable[[], dict[str, object]]]] = []
@@ -1134,17 +1151,23 @@ def compare(
                 runs.append((name, tag, functools.partial(
                     _run_one, wl, rs, base / run_name, tag, col.policy, col.peer, tag, col.offload,
                     timeline=None if timeline is None else timeline / f"{run_name}.jsonl")))
-            if parallel:
-                with ThreadPoolExecutor(len(runs)) as pool:
-                    futures = [pool.submit(run) for _, _, run in runs]
-                    done = [f.result() for f in futures]
-            else:
-                done = [run() for _, _, run in runs]
-            for (name, tag, _), summary in zip(runs, done, strict=True):
+
+            def record(name: str, tag: str, summary: dict[str, object], scale: float = scale) -> None:
+                """A finished run's column, kept at once: an interrupt later still shows it."""
                 summaries[tag if scales else name] = summary
                 curves.setdefault(name, []).append(SweepPoint(
                     scale, float(summary.get("requests_per_s") or 0.0), summary.get("ttft_p90_s"),  # type: ignore[arg-type]
                     summary.get("ttft_p50_s"), summary.get("output_tokens_per_s")))  # type: ignore[arg-type]
+
+            if parallel:
+                with ThreadPoolExecutor(len(runs)) as pool:
+                    futures = [pool.submit(run) for _, _, run in runs]
+                    done = [f.result() for f in futures]
+                for (name, tag, _), summary in zip(runs, done, strict=True):
+                    record(name, tag, summary)
+            else:
+                for name, tag, run in runs:
+                    record(name, tag, run())
     extra: dict[str, object] = {"rate_scale": rate_scale, "sessions": sessions, "slo_ttft_s": slo_ttft,
                                 "offload": {c.name: c.offload for c in columns},
                                 "engine_scheduler": scheduler_settings}
@@ -1346,7 +1369,8 @@ def flows(
         "--flow-control", help=f"host:port of flow_control's gRPC API (default: the one registered in --etcd, "
         f"else {DEFAULT_FLOW_CONTROL}, compose's; `kvmesh up` prints its own on the `kvmesh ready` line).")] = None,
     etcd: Annotated[str | None, typer.Option(
-        "--etcd", help="host:port of the mesh's etcd: find flow_control registered there.")] = None,
+        "--etcd", callback=check_etcd_address,
+        help="host:port of the mesh's etcd: find flow_control registered there.")] = None,
     watch: Annotated[float, typer.Option("--watch", help="Refresh every SECONDS (0: print once).", min=0)] = 0.0,
     json_out: Annotated[bool, typer.Option("--json", help="Print the Stats reply as JSON.")] = False,
 ) -> None:

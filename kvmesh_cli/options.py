@@ -53,9 +53,28 @@ def check_model_name(value: str | None) -> str | None:
     return value
 
 
+def check_etcd_address(value: str | None) -> str | None:
+    """``--etcd``: None (unset) or ``host:port`` with a port 1-65535, checked as the option is parsed, so a
+    malformed one is a usage error (exit 2) before anything starts (no run folder, no etcd).
+
+    Raises:
+        typer.BadParameter: not ``host:port`` (a URL, no port, a port that is no integer or out of range).
+    """
+    if value is None:
+        return None
+    from kvmesh_cli.discovery import split_host_port  # grpc: imported only when the option is given
+
+    try:
+        split_host_port(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--etcd") from None
+    return value
+
+
 EnginesOpt = Annotated[int, typer.Option("--engines", min=1, help="Number of simulated engines.")]
 EtcdOpt = Annotated[
-    str | None, typer.Option("--etcd", help="host:port of an existing etcd; default: start a local one.")
+    str | None, typer.Option("--etcd", callback=check_etcd_address,
+                             help="host:port of an existing etcd; default: start a local one.")
 ]
 TimeScaleOpt = Annotated[
     float,

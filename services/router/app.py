@@ -146,11 +146,19 @@ def build_service(config: RouterConfig) -> GrpcService:
             record_dependency_check(name, status)
         flow.dependency_checked(name, status)
 
+    def refused_live() -> list[str]:
+        """Registered endpoints whose last connect was refused (a killed engine, its lease still alive)."""
+        live = watcher.snapshot() if watcher is not None else {}
+        return sorted(endpoint_id for endpoint_id in flow.refused_endpoints() if endpoint_id in live)
+
+    def live_endpoints() -> int:
+        return max(0, catalog.endpoint_count() - len(refused_live()))
+
     readiness = ReadinessProbe(
         {"flow_control": admission.health, "epp": picker.health,
          # etcd unreachable: served from the last known membership, so "degraded", never unready
          **({"etcd": etcd_health} if config.etcd_endpoints else {})},
-        catalog.endpoint_count,
+        live_endpoints,
         config.health_check_timeout_seconds,
         config.health_cache_seconds,
         time.monotonic,
@@ -161,6 +169,8 @@ def build_service(config: RouterConfig) -> GrpcService:
                        breaker=config.dependency_breaker_cool_down_seconds > 0),
         breakers_open=flow.open_breakers,
         on_checked=dependency_checked,
+        unreachable_endpoints=refused_live,
+        refresh=flow.recheck_refused,
     )
     passthrough_http = build_passthrough_client(config)  # /tokenize, /detokenize: off the hot path
     passthrough = Passthrough(config, passthrough_http,
@@ -192,6 +202,7 @@ def build_service(config: RouterConfig) -> GrpcService:
             task.cancel()
 
     def on_membership(joined: dict[EndpointId, Endpoint], left: dict[EndpointId, Endpoint]) -> None:
+        flow.forget_refused([*joined, *left])  # registered again (restarted) or gone: an old refusal says nothing
         if watcher is not None and left:  # an endpoint gone (not just re-labelled): requests hung on it end
             live = watcher.snapshot()
             gone = [endpoint_id for endpoint_id in left if endpoint_id not in live]

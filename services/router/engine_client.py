@@ -22,6 +22,7 @@ SGLang abort on disconnect).
 
 from __future__ import annotations
 
+import errno
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Protocol
 
@@ -30,7 +31,46 @@ import httpx
 
 
 class EngineUnreachable(Exception):
-    """No response headers from the engine (transport error before the first byte); ``__cause__`` says why."""
+    """No response headers from the engine (transport error before the first byte); ``__cause__`` says why.
+
+    The message is what the engine did, in words a client may read ("refused the connection"; the
+    request flow prefixes ``engine <id> at <url>``): the HTTP client's own text (its exception class,
+    aiohttp's ``ssl:default``) stays in ``__cause__`` for the log line. ``refused``: the connect was
+    refused (nothing listens there: a dead engine), as opposed to a reset or a timeout."""
+
+    def __init__(self, message: str, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
+
+
+def _is_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it wraps) is a refused TCP connect (``ECONNREFUSED``)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, ConnectionRefusedError) or (
+                isinstance(current, OSError) and current.errno == errno.ECONNREFUSED):
+            return True
+        if isinstance(current, aiohttp.ClientConnectorError) and _is_refused(current.os_error):
+            return True
+        if isinstance(current, httpx.ConnectError) and "refused" in str(current).lower():
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def unreachable(exc: BaseException) -> EngineUnreachable:
+    """The :class:`EngineUnreachable` for the transport error ``exc`` (raise it ``from exc``)."""
+    if _is_refused(exc):
+        return EngineUnreachable("refused the connection", refused=True)
+    if isinstance(exc, aiohttp.ConnectionTimeoutError | httpx.ConnectTimeout):
+        return EngineUnreachable("did not accept the connection in time (connect_timeout_seconds)")
+    if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError | httpx.TimeoutException):
+        return EngineUnreachable("did not answer in time")
+    if isinstance(exc, aiohttp.ClientConnectorError | httpx.ConnectError):
+        return EngineUnreachable("could not be connected to")
+    return EngineUnreachable("closed or reset the connection before answering")
 
 
 class EngineResponse(Protocol):
@@ -98,7 +138,7 @@ class HttpxEngineClient:
         try:
             response = await self.client.send(self.client.build_request("POST", url, content=body, headers=headers), stream=True)
         except httpx.TransportError as exc:
-            raise EngineUnreachable(f"{type(exc).__name__}: {exc}") from exc
+            raise unreachable(exc) from exc
         return _HttpxResponse(response)
 
     async def aclose(self) -> None:
@@ -159,7 +199,7 @@ class AiohttpEngineClient:
         try:
             response = await session.post(url, data=body, headers=list(headers))
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise EngineUnreachable(f"{type(exc).__name__}: {exc}") from exc
+            raise unreachable(exc) from exc
         return _AiohttpResponse(response)
 
     async def aclose(self) -> None:

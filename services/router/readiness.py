@@ -6,7 +6,7 @@ Ready means all of:
 | --- | --- | --- |
 | ``flow_control`` | grpc.health.v1 ``Check("")`` within ``health_check_timeout_seconds`` | its status or the failed call's code: ``NOT_SERVING``, ``UNAVAILABLE``, ``DEADLINE_EXCEEDED`` |
 | ``epp`` | same | same |
-| ``endpoints`` | at least one live endpoint (etcd) serves a model | ``0`` |
+| ``endpoints`` | at least one live endpoint (etcd) serves a model, not counting those whose last connect was refused (a killed engine whose lease lives on: ``unreachable_endpoints``, listed in the body; degraded while others remain) | ``0`` |
 | ``etcd`` (with etcd configured) | :func:`kvmesh.membership.etcd_health`: this process's etcd clients, no I/O | ``UNAVAILABLE``: always degraded, never unready (the last known membership serves) |
 | ``shutting_down`` | :meth:`ReadinessProbe.stop` was called (the router's ``on_stop``) | always unready from then on |
 
@@ -32,6 +32,10 @@ breaker still open while the check already says ``SERVING`` closes on the next r
 ``NOT_SERVING`` (a dependency starting or draining) and ``UNIMPLEMENTED`` are never served around.
 kv_indexer is not checked here: epp serves around it (prefix scores unknown).
 
+The endpoint count is read on every call (no I/O: a refused connect counts at once); the refused
+endpoints' own ``GET /health`` (``refresh``, the request flow's :meth:`recheck_refused`) runs beside the
+gRPC checks, so an engine back on its address counts again at the next evaluation.
+
 Both gRPC checks run concurrently; one result is reused for ``health_cache_seconds`` (1 s by
 default), and concurrent probes share one in-flight check, so a load balancer probing often costs
 at most one pair of health RPCs per second.
@@ -51,7 +55,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 logger = logging.getLogger(__name__)
 
@@ -97,14 +101,19 @@ class Readiness:
     stopping: bool = False
     breakers_open: frozenset[str] = frozenset()
     """Dependencies whose circuit breaker is open (a call timed out): served around, so degraded."""
+    unreachable_endpoints: tuple[str, ...] = ()
+    """Registered endpoints left out of ``endpoints``: their last connect was refused (a dead engine)."""
 
     @property
     def degraded(self) -> list[str]:
         """Failing dependencies the router serves without (their degraded mode is on): unreachable, or
         hung for those in ``hang_tolerant``, or with their breaker open."""
-        return [name for name, status in self.dependencies.items()
-                if name in self.degradable and (status in UNREACHABLE or (status == HUNG and name in self.hang_tolerant)
-                                                or (status != SERVING and name in self.breakers_open))]
+        names = [name for name, status in self.dependencies.items()
+                 if name in self.degradable and (status in UNREACHABLE or (status == HUNG and name in self.hang_tolerant)
+                                                 or (status != SERVING and name in self.breakers_open))]
+        if self.unreachable_endpoints and self.endpoints > 0:  # some engines refuse, the others serve
+            names.append("endpoints")
+        return names
 
     @property
     def failing(self) -> list[str]:
@@ -132,9 +141,14 @@ class Readiness:
         }
         if self.degraded:
             out["degraded"] = self.degraded
+        if self.unreachable_endpoints:
+            out["unreachable_endpoints"] = list(self.unreachable_endpoints)
         if not self.ready:
             reasons = [
-                "no live endpoint serves any model" if name == "endpoints"
+                ("no live endpoint serves any model" + (
+                    f" (registered but refusing connections: {', '.join(self.unreachable_endpoints)})"
+                    if self.unreachable_endpoints else ""))
+                if name == "endpoints"
                 else "the router is shutting down" if name == SHUTTING_DOWN
                 else f"{name} is {self.dependencies[name]}"
                 for name in self.failing
@@ -157,7 +171,14 @@ class ReadinessProbe:
         hang_tolerant: frozenset[str] = frozenset(),
         breakers_open: Callable[[], Iterable[str]] = lambda: (),
         on_checked: Callable[[str, str], None] = lambda name, status: None,
+        unreachable_endpoints: Callable[[], Iterable[str]] = lambda: (),
+        refresh: Callable[[float], Awaitable[None]] | None = None,
     ) -> None:
+        """``endpoints``: the live endpoint count, ``unreachable_endpoints``: the registered ones it leaves
+        out (refused connects), both read on every call; ``refresh(timeout)`` runs beside the checks of
+        each evaluation (re-checks those endpoints)."""
+        self._unreachable = unreachable_endpoints
+        self._refresh = refresh
         self._on_checked = on_checked
         self._breakers_open = breakers_open
         self._degradable = degradable
@@ -183,7 +204,11 @@ class ReadinessProbe:
             return Readiness(dict(last.dependencies) if last else {}, last.endpoints if last else self._endpoints(),
                              self._degradable, self._hang_tolerant, stopping=True)
         if self._last is not None and self._clock() - self._last_at < self._cache:
-            return self._last
+            last = self._last
+            endpoints, unreachable = self._endpoints(), tuple(self._unreachable())
+            if (endpoints, unreachable) != (last.endpoints, last.unreachable_endpoints):  # cheap, read now
+                return replace(last, endpoints=endpoints, unreachable_endpoints=unreachable)
+            return last
         if self._pending is None:
             self._pending = asyncio.ensure_future(self._evaluate())
         pending = self._pending
@@ -195,11 +220,14 @@ class ReadinessProbe:
 
     async def _evaluate(self) -> Readiness:
         names = list(self._checks)
-        statuses = await asyncio.gather(*(self._checks[n](self._timeout) for n in names))
+        checks = asyncio.gather(*(self._checks[n](self._timeout) for n in names))
+        refresh = self._refresh(self._timeout) if self._refresh is not None else asyncio.sleep(0)
+        statuses, _ = await asyncio.gather(checks, refresh)
         for name, status in zip(names, statuses, strict=True):
             self._on_checked(name, status)
         result = Readiness(dict(zip(names, statuses, strict=True)), self._endpoints(), self._degradable,
-                           self._hang_tolerant, breakers_open=frozenset(self._breakers_open()))
+                           self._hang_tolerant, breakers_open=frozenset(self._breakers_open()),
+                           unreachable_endpoints=tuple(self._unreachable()))
         self._last, self._last_at = result, self._clock()
         return result
 

@@ -795,6 +795,9 @@ class RequestFlow:
         self._admitting_at_once = True
         """Whether the last admission dispatched without queueing (or was rejected): early picks go on."""
         self._watches: set[_EngineWatch] = set()
+        self._refused: dict[str, str] = {}
+        """Endpoints whose last connect was refused (id -> base URL): a dead engine whose lease lives on
+        (:meth:`refused_endpoints`; ``/health`` does not count them as live)."""
         self._reaper: asyncio.Task[None] | None = None
         self._probes: dict[str, _Probe] = {}
         """Liveness of the endpoints that requests wait on past the probe threshold (endpoint id ->)."""
@@ -992,6 +995,7 @@ class RequestFlow:
             health = "alive"  # a request to it received a byte meanwhile: it serves, whatever /health says
         if health == "alive":
             probe.alive, probe.slow_since = True, None
+            self._refused.pop(endpoint_id, None)
         elif health == "dead":
             probe.alive, probe.slow_since = False, None
         else:  # unanswered for the whole limit: the run goes on into the next GET (_answers sends it)
@@ -1058,6 +1062,33 @@ class RequestFlow:
         except Exception:
             return "dead"
         return "alive" if response.is_success else "dead"
+
+    # -- engines that refuse connections (docs/degraded-modes.md, "an engine refuses") -------------
+
+    def refused_endpoints(self) -> dict[str, str]:
+        """The endpoints whose last connect was refused, id -> base URL (a killed engine, its lease
+        alive until it expires): excluded from ``/health``'s live endpoints until one answers again
+        (a request's response headers, a ``/health`` GET's 2xx: :meth:`recheck_refused`) or its
+        membership changes (:meth:`forget_refused`)."""
+        return dict(self._refused)
+
+    def forget_refused(self, endpoint_ids: Iterable[str]) -> None:
+        """Membership changed for these endpoints (registered again, e.g. restarted; or left): their
+        refusal says nothing of the new registration."""
+        for endpoint_id in endpoint_ids:
+            self._refused.pop(endpoint_id, None)
+
+    async def recheck_refused(self, timeout_seconds: float) -> None:
+        """``GET /health`` each refused endpoint (at once, within ``timeout_seconds``): a 2xx ends its
+        refusal (the engine is back on the same address; ``/health``'s evaluation calls this)."""
+        refused = list(self._refused.items())
+        if not refused:
+            return
+        verdicts = await asyncio.gather(*(self._health_of(url, timeout_seconds) for _, url in refused))
+        for (endpoint_id, url), verdict in zip(refused, verdicts, strict=True):
+            if verdict == "alive" and self._refused.get(endpoint_id) == url:
+                del self._refused[endpoint_id]
+                logger.info("engine answers again endpoint=%s url=%s", endpoint_id, url)
 
     def endpoints_left(self, endpoint_ids: Iterable[str]) -> int:
         """Membership says these endpoints left (lease expired or deregistered): a request waiting on
@@ -1469,9 +1500,14 @@ class RequestFlow:
                     except EngineUnreachable as exc:
                         self._unwatch(watch)
                         last_error = exc
+                        if exc.refused:  # nothing listens there: not a live endpoint for /health meanwhile
+                            self._refused[endpoint.id] = endpoint.url
+                        if not isinstance(exc, EngineStall):  # its own message names the engine already
+                            last_error = EngineUnreachable(f"engine {endpoint.id} at {endpoint.url} {exc}", exc.refused)
+                            last_error.__cause__ = exc.__cause__
                         logger.warning(
-                            "engine failed before first byte request_id=%s endpoint=%s attempt=%d error=%r",
-                            meta.request_id, endpoint.id, len(tried), exc,
+                            "engine failed before first byte request_id=%s endpoint=%s attempt=%d error=%s cause=%r",
+                            meta.request_id, endpoint.id, len(tried), last_error, exc.__cause__,
                         )
                     except BaseException:
                         self._unwatch(watch)
@@ -1504,6 +1540,8 @@ class RequestFlow:
         try:
             response, span = await self._send(request, meta, endpoint, attempt)
             watch.heard()
+            if self._refused:
+                self._refused.pop(endpoint.id, None)  # it answers again
             # headers arrived: the engine holds the request (queued or in prefill) for the local
             # least-request pick from now on, not only once its first byte comes
             self.local_picker.note_start(endpoint.id)
@@ -1538,7 +1576,7 @@ class RequestFlow:
             watch.since = None
             self._abandoned(endpoint, response)
             await _abandon(response, span)
-            raise EngineUnreachable(f"{type(exc).__name__} before the first byte: {exc}") from exc
+            raise EngineUnreachable("failed before the first byte of its answer") from exc
         finally:
             watch.since = None
 

@@ -32,7 +32,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from kvmesh import errors
 
@@ -46,7 +46,8 @@ class TenantSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=128)
-    api_keys: list[str] = Field(min_length=1)
+    api_keys: list[SecretStr] = Field(min_length=1)
+    """Shown as ``**********`` in ``--print-config`` and the start-up config log line (as ``engine_api_key``)."""
     fairness_id: str = Field("", max_length=256)
     max_priority: int = Field(0, ge=INT32_MIN, le=INT32_MAX)
     default_priority: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX)
@@ -125,7 +126,8 @@ class TenantDirectory:
                 raise ValueError(f"tenant {spec.name!r}: default_priority {default} > max_priority {spec.max_priority}")
             tenant = Tenant(spec.name, spec.fairness_id or spec.name, spec.max_priority, default,
                             spec.rate_per_second, spec.burst, spec.max_concurrency)
-            for key in spec.api_keys:
+            for secret in spec.api_keys:
+                key = secret.get_secret_value()
                 if not _KEY.fullmatch(key):
                     raise ValueError(f"tenant {spec.name!r}: an API key is not 8-256 printable ASCII characters")
                 digest = _digest(key)

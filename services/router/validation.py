@@ -409,6 +409,18 @@ def _check_logit_bias(value: Any) -> None:
                                  "kvmesh refuses NaN and infinities")
 
 
+STREAM_OPTIONS_WITHOUT_STREAM = "Stream options can only be defined when `stream=True`."
+"""vLLM 0.32's ``validate_stream_options`` (a ``mode="before"`` model validator of ``CompletionRequest`` and
+``ChatCompletionRequest``, ``vllm/entrypoints/openai/protocol.py``): a truthy ``stream_options`` with a falsy
+``stream``, both as the JSON holds them (``{}`` passes; ``"stream": "false"``, a non-empty string, passes too)."""
+
+
+def _stream_options_without_stream() -> InvalidRequest:
+    exc = InvalidRequest(STREAM_OPTIONS_WITHOUT_STREAM)
+    exc.param = "stream_options"  # type: ignore[attr-defined]  # vLLM's VLLMValidationError(parameter=...)
+    return exc
+
+
 def coerce_fields(kind: RequestKind, body: dict[str, Any]) -> dict[str, Any]:
     """The scalar fields of :data:`SCALAR_FIELDS` present in ``body``, read as vLLM 0.32's pydantic models read
     them (``{"max_tokens": "5"}`` -> ``{"max_tokens": 5}``, ``{"stream": "yes"}`` -> ``{"stream": True}``);
@@ -423,6 +435,9 @@ def coerce_fields(kind: RequestKind, body: dict[str, Any]) -> dict[str, Any]:
             with the field's name (``'stream' must be a boolean or null, got a string ("maybe")``), which
             becomes the error's ``param``.
     """
+    if (kind is RequestKind.COMPLETION or kind is RequestKind.CHAT) and body.get("stream_options") \
+            and not body.get("stream"):
+        raise _stream_options_without_stream()
     out: dict[str, Any] = {}
     fields = SCALAR_FIELDS[kind]
     numeric_only = _NUMERIC_ONLY.get(kind, frozenset())

@@ -292,12 +292,11 @@ def test_up_with_an_unreachable_etcd_fails_at_once_naming_it(tmp_path: Path) -> 
 
 
 def test_up_member_start_failure_is_one_clean_error_and_no_orphans(tmp_path: Path) -> None:
-    """epp rejects a scheduling config that exists but is invalid: exit 1, its log tail, no traceback."""
-    policy = tmp_path / "bad-policy.yaml"
-    policy.write_text("plugins: []\nprofiles: []\n")
+    """epp refuses its environment at start (a bad ``--policy`` file is refused before anything starts,
+    ``tests/unit/cli/test_up_preflight.py``; epp's own env vars are not): exit 1, its log tail, no traceback."""
     proc = subprocess.Popen(
-        kvmesh("up", "--engines", "1", "--policy", str(policy), "--run-dir", str(tmp_path / "run")),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=PIPED_ENV,
+        kvmesh("up", "--engines", "1", "--run-dir", str(tmp_path / "run")),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**PIPED_ENV, "KVMESH_EPP_LOG_LEVEL": "LOUD"},
     )
     sampler = ChildSampler(proc.pid)
     try:
@@ -309,25 +308,20 @@ def test_up_member_start_failure_is_one_clean_error_and_no_orphans(tmp_path: Pat
     text = output.decode(errors="replace")
     assert proc.returncode == 1, text
     assert "error: the mesh did not start: epp exited during start-up:" in text, text
-    assert "bad-policy.yaml: plugins: List should have at least 1 item" in text, text  # epp's log tail
+    assert "KVMESH_EPP_LOG_LEVEL=LOUD: must be one of" in text, text  # epp's log tail
     assert "Traceback" not in text, text
     assert len(seen) >= 2, "expected etcd and kv_indexer at least"
     assert survivors(seen) == []
 
 
-def test_compare_interrupted_says_so_writes_nothing_and_exits_130(tmp_path: Path) -> None:
-    """SIGINT (Ctrl-C) while a column's mesh runs: one line saying it was interrupted, how many runs
-    finished and that --json-out was not written; exit status 130; every process it started gone."""
-    out, run = tmp_path / "never.json", tmp_path / "run"
-    proc = subprocess.Popen(
-        kvmesh("compare", "--workload", "agentic-synthetic", "--policies", "round-robin,precise-prefix",
-               "--engines", "1", "--requests", "400", "--json-out", str(out), "--run-dir", str(run)),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV,
-    )
+def _interrupt_compare(run: Path, out: Path, args: list[str], ready: str, what: str) -> str:
+    """``kvmesh compare ARGS --json-out OUT --run-dir RUN``, SIGINT once ``RUN/<ready>`` exists; its output,
+    having checked exit 130, no traceback, nothing written to ``out`` and no process of it left."""
+    proc = subprocess.Popen(kvmesh("compare", *args, "--json-out", str(out), "--run-dir", str(run)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV)
     sampler = ChildSampler(proc.pid)
     try:
-        wait_until(lambda: next(run.glob("*/router.ports.json"), None), 120, "the first column's router up",
-                   interval=0.2)
+        wait_until(lambda: next(run.glob(ready), None), 180, what, interval=0.2)
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=60)
     finally:
@@ -336,7 +330,29 @@ def test_compare_interrupted_says_so_writes_nothing_and_exits_130(tmp_path: Path
             proc.kill()
     text = output.decode(errors="replace")
     assert proc.returncode == 130, text
-    assert "interrupted (signal 2): 0 of 2 runs finished (none), every mesh stopped; no table printed, " \
-           f"nothing written to {out}" in text, text
     assert not out.exists() and "Traceback" not in text, text
     assert survivors(seen) == []
+    return text
+
+
+def test_compare_interrupted_says_so_writes_nothing_and_exits_130(tmp_path: Path) -> None:
+    """SIGINT (Ctrl-C) while a column's mesh runs: one line saying it was interrupted, how many runs
+    finished and that --json-out was not written; exit status 130; every process it started gone."""
+    out = tmp_path / "never.json"
+    text = _interrupt_compare(tmp_path / "run", out, ["--workload", "agentic-synthetic", "--policies",
+                              "round-robin,precise-prefix", "--engines", "1", "--requests", "400"],
+                              "*/router.ports.json", "the first column's router up")
+    assert "interrupted (signal 2): 0 of 2 runs finished (none), every mesh stopped; no table printed, " \
+           f"nothing written to {out}" in text, text
+
+
+def test_compare_interrupted_after_a_finished_run_shows_its_table(tmp_path: Path) -> None:
+    """SIGINT once the first column finished, while the second's mesh runs: the finished column's table is
+    printed (a fresh user lost a finished run's figures to "0 of 2 runs finished"), nothing written, exit 130."""
+    out = tmp_path / "never.json"
+    text = _interrupt_compare(tmp_path / "run", out, ["--policies", "round-robin,precise-prefix", "--engines", "1",
+                              "--requests", "20"], "0-1-*/router.ports.json", "the second column's router up")
+    assert "interrupted (signal 2): 1 of 2 runs finished (round-robin), every mesh stopped; their table is above " \
+           f"(not the comparison), nothing written to {out}" in text, text
+    table = text.split("finished runs only", 1)[-1]  # the title (it may wrap), then the finished column
+    assert "finished runs only" in text and "round-robin" in table and "precise-prefix" not in table, text

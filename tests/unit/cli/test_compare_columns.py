@@ -12,6 +12,7 @@ import typer
 from typer.testing import CliRunner
 
 import kvmesh_cli.main as main
+from kvmesh_cli.checks import EPP_CONFIGS_DIR
 from kvmesh_cli.main import Column, app, column_label, compare_columns, split_offload
 from kvmesh_cli.report import (
     compare_document,
@@ -79,7 +80,7 @@ def test_columns_errors() -> None:
 
 def test_yaml_path_with_plus_is_kept_whole(tmp_path: Path) -> None:
     cfg = tmp_path / "mine+cpu.yaml"
-    cfg.write_text("plugins: []\n")
+    cfg.write_text((EPP_CONFIGS_DIR / "round-robin.yaml").read_text())  # a config epp accepts
     (col,) = compare_columns(str(cfg), "", "off")
     assert (col.policy, col.offload) == (str(cfg.resolve()), "off")
     (col,) = compare_columns(f"{cfg}+cpu", "", "off")

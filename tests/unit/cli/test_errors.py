@@ -35,7 +35,7 @@ def test_known_policies_are_the_config_files() -> None:
 
 def test_resolve_policy_name_or_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_policy("round-robin") == "round-robin"
-    (tmp_path / "mine.yaml").write_text("plugins: []\n")
+    (tmp_path / "mine.yaml").write_text((EPP_CONFIGS_DIR / "round-robin.yaml").read_text())  # epp must accept it
     monkeypatch.chdir(tmp_path)
     assert resolve_policy("mine.yaml") == str(tmp_path / "mine.yaml")  # absolute: epp runs elsewhere
     with pytest.raises(typer.BadParameter, match="neither a named scheduling config"):

@@ -28,6 +28,9 @@ VLLM_032_BODIES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ('chat', {'n': 'x'}, {"message": "1 validation error:\n  {'type': 'int_parsing', 'loc': 'body.n', 'msg': 'Input should be a valid integer, unable to parse string as an integer', 'input': 'x'}", "type": "Bad Request", "param": "body.n", "code": 400}),
     ('cmpl', {'seed': 18446744073709551616}, {"message": "1 validation error:\n  {'type': 'less_than_equal', 'loc': 'body.seed', 'msg': 'Input should be less than or equal to 9223372036854775807', 'input': '18446744073709551616', 'ctx': {'le': 9223372036854775807}}", "type": "Bad Request", "param": "body.seed", "code": 400}),
     ('cmpl', {'logprobs': -2}, {"message": "`logprobs` must be a positive value or -1. (parameter=logprobs, value=-2)", "type": "BadRequestError", "param": "logprobs", "code": 400}),
+    # validate_stream_options (CompletionRequest and ChatCompletionRequest): truthy stream_options, falsy stream
+    ('cmpl', {'stream': False, 'stream_options': {'include_usage': True}}, {"message": "Stream options can only be defined when `stream=True`. (parameter=stream_options)", "type": "BadRequestError", "param": "stream_options", "code": 400}),
+    ('chat', {'stream_options': {'include_usage': True}}, {"message": "Stream options can only be defined when `stream=True`. (parameter=stream_options)", "type": "BadRequestError", "param": "stream_options", "code": 400}),
 ]
 
 
@@ -76,6 +79,7 @@ async def test_sampling_params_refusals(
     ("chat", {"logprobs": "true", "top_logprobs": 20}), ("chat", {"logprobs": False, "top_logprobs": 0}),
     ("chat", {"top_logprobs": None}), ("cmpl", {"temperature": "2"}), ("cmpl", {"temperature": 0}),
     ("chat", {"ignore_eos": "yes"}), ("chat", {"n": None}), ("cmpl", {"echo": None}),
+    ("cmpl", {"stream_options": {}}), ("chat", {"stream": False, "stream_options": None}),
 ])
 async def test_vllm_accepts(client: httpx.AsyncClient, kind: str, fields: dict[str, Any]) -> None:
     path, base = _path(kind)

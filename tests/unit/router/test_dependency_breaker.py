@@ -289,7 +289,7 @@ async def test_the_client_message_of_failed_attempts_holds_the_error_text_not_it
     finally:
         await flow.aclose()
     message = str(raised.value)
-    assert "attempt(s): " in message and "connection refused" in message
+    assert "attempt(s): " in message and "engine b:1 at http://b:1 refused the connection" in message, message
     assert "Error(" not in message and "Unreachable(" not in message and "Stall(" not in message, message
 
 

@@ -194,17 +194,40 @@ def test_coerced_values(name: str, value: Any, expected: Any) -> None:
 
 
 @pytest.mark.parametrize(("kind", "body", "param"), [  # vLLM 0.32 StreamOptions: a model, members bool | None
-    ("chat", {"stream_options": "include_usage"}, "stream_options"),
-    ("cmpl", {"stream_options": [True]}, "stream_options"),
-    ("cmpl", {"stream_options": 5}, "stream_options"),
-    ("chat", {"stream_options": {"include_usage": "maybe"}}, "stream_options.include_usage"),
-    ("cmpl", {"stream_options": {"continuous_usage_stats": 2}}, "stream_options.continuous_usage_stats"),
+    ("chat", {"stream": True, "stream_options": "include_usage"}, "stream_options"),
+    ("cmpl", {"stream": True, "stream_options": [True]}, "stream_options"),
+    ("cmpl", {"stream": True, "stream_options": 5}, "stream_options"),
+    ("chat", {"stream": True, "stream_options": {"include_usage": "maybe"}}, "stream_options.include_usage"),
+    ("cmpl", {"stream": True, "stream_options": {"continuous_usage_stats": 2}}, "stream_options.continuous_usage_stats"),
     ("chat", {"user": 5}, "user"), ("cmpl", {"suffix": True}, "suffix"),
 ])
 def test_nested_and_string_fields(kind: str, body: dict[str, Any], param: str) -> None:
     with pytest.raises(errors.InvalidRequest) as caught:
         coerce_fields(KINDS[kind], body)
     assert http_error(caught.value).body["error"]["param"] == param
+
+
+@pytest.mark.parametrize("kind", ["cmpl", "chat"])
+@pytest.mark.parametrize("body", [  # vLLM 0.32 validate_stream_options: truthy stream_options, falsy stream (raw JSON)
+    {"stream": False, "stream_options": {"include_usage": True}}, {"stream_options": {"include_usage": True}},
+    {"stream": None, "stream_options": {"continuous_usage_stats": False}}, {"stream": 0, "stream_options": 5},
+    {"stream_options": {"include_usage": "maybe"}},  # the model validator runs before the members are read
+])
+def test_stream_options_without_stream_refused_as_vllm_refuses(kind: str, body: dict[str, Any]) -> None:
+    with pytest.raises(errors.InvalidRequest) as caught:
+        coerce_fields(KINDS[kind], body)
+    error = http_error(caught.value).body["error"]
+    assert error["message"] == "Stream options can only be defined when `stream=True`."
+    assert error["param"] == "stream_options"
+
+
+@pytest.mark.parametrize("kind", ["cmpl", "chat"])
+@pytest.mark.parametrize("body", [  # falsy stream_options, or a truthy raw stream ("false" is a non-empty string)
+    {"stream": False, "stream_options": {}}, {"stream_options": None}, {"stream": "false", "stream_options": {}},
+    {"stream": "false", "stream_options": {"include_usage": True}}, {"stream": 1, "stream_options": {"include_usage": 1}},
+])
+def test_stream_options_without_stream_accepted_as_vllm_accepts(kind: str, body: dict[str, Any]) -> None:
+    coerce_fields(KINDS[kind], body)
 
 
 def test_stream_options_accepted_as_vllm_accepts() -> None:
