@@ -117,8 +117,11 @@ class SimulatorConfig(ProcessConfig):
                 f"({self.max_num_seqs})"
             )
         capacity = (self.num_gpu_blocks - 1) * self.block_size_tokens
+        if capacity < 2:  # one prompt token and one output token: the least any request needs
+            raise ValueError(f"num_gpu_blocks {self.num_gpu_blocks} x block_size_tokens {self.block_size_tokens} holds "
+                             f"{capacity} token(s) (the null block excluded): too small to serve any request (2 tokens)")
         if "max_model_len" not in self.model_fields_set and self.max_model_len > capacity:
-            self.max_model_len = max(2, capacity)
+            self.max_model_len = capacity
         check_long_prefill_token_threshold(self.long_prefill_token_threshold, self.max_model_len)
         if self.offload == "cpu+kv_store" and not self.kv_stores.strip():
             raise ValueError("--offload cpu+kv_store needs --kv-stores (kv_store gRPC addresses)")

@@ -43,6 +43,7 @@ from kvmesh.types import Endpoint
 from services.router import metrics
 from services.router.config import RouterConfig
 from services.router.degraded import LocalPicker
+from services.router.engine_client import unreachable
 from services.router.headers import engine_authorization
 from services.router.request_flow import REQUEST_ID_HEADER, EngineStall
 from services.router.response_affinity import StoredResponseGone
@@ -132,7 +133,8 @@ class Passthrough:
                 return PassedAnswer(reply.status_code, reply.content, reply.headers.get("content-type", "application/json"),
                                     endpoint.id)
             raise errors.NoEndpointsAvailable(
-                f"no endpoint answered {path} for model '{model}' after {len(tried)} attempt(s): {str(last_error) or type(last_error).__name__}")
+                f"no endpoint answered {path} for model '{model}' after {len(tried)} attempt(s): "
+                f"{_in_words(tried[-1] if tried else '?', last_error)}")
         finally:
             if isinstance(last_error, EngineStall):  # no attempt followed it: the client gets 503 (or went away)
                 metrics.record_engine_stalled(last_error.reason, "abandoned")
@@ -161,7 +163,8 @@ class Passthrough:
         except (httpx.TransportError, EngineStall) as exc:
             if isinstance(exc, EngineStall):  # no byte reached the client, and no other endpoint holds it: 503
                 metrics.record_engine_stalled(exc.reason, "abandoned")
-            raise errors.NoEndpointsAvailable(f"endpoint {endpoint.id} did not answer {method} {path}: {str(exc) or type(exc).__name__}") from exc
+            raise errors.NoEndpointsAvailable(
+                f"endpoint {endpoint.id} did not answer {method} {path}: {_in_words(endpoint.id, exc)}") from exc
         finally:
             self._picker.note_end(endpoint.id)
         return PassedAnswer(reply.status_code, reply.content, reply.headers.get("content-type", "application/json"),
@@ -173,3 +176,13 @@ def _moved_on(failed: Exception) -> None:
     metrics.record_retry()
     if isinstance(failed, EngineStall):
         metrics.record_engine_stalled(failed.reason, "redispatched")
+
+
+def _in_words(endpoint_id: str, exc: BaseException | None) -> str:
+    """What the engine did, for the client's 503 (the HTTP client's own text stays in the WARNING line): a stall's
+    message, else the transport error's (``engine_client.unreachable``: "refused the connection", ...)."""
+    if isinstance(exc, EngineStall):
+        return str(exc) or type(exc).__name__
+    if exc is None:
+        return "no attempt was made"
+    return f"engine {endpoint_id} {unreachable(exc)}"

@@ -178,3 +178,26 @@ async def test_a_client_leaving_during_the_resent_attempt_counts_the_stall_once(
     assert _stalled("health_probe_timed_out", "redispatched") == moved + 1
     assert _stalled("health_probe_timed_out", "abandoned") == abandoned
     await flow.aclose()
+
+
+async def test_a_refused_engine_is_said_in_words_not_the_http_clients_text() -> None:
+    """A dead engine (nothing listens at its port): the 503 says it refused the connection, naming it, and not
+    httpx's exception class or text (a fresh user found ``ClientConnectorError ... ssl:default`` in a 503)."""
+    import socket
+
+    from kvmesh.types import Endpoint, EndpointId
+
+    with socket.socket() as probe:  # a port nothing listens on once closed
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dead = Endpoint(id=EndpointId(f"127.0.0.1:{port}"), url=f"http://127.0.0.1:{port}", model=A.model, labels={})
+    async with httpx.AsyncClient() as http:
+        flow = RequestFlow(CONFIG, lambda: CATALOG, FakeAdmission(), FakePicker(), http)
+        passthrough = Passthrough(CONFIG, http, lambda model: (dead,), LocalPicker(), flow.await_engine)
+        for call in (passthrough.forward("/tokenize", A.model, {"model": A.model, "prompt": "hi"}, "r1"),
+                     passthrough.to_endpoint("GET", "/v1/responses/resp_1", A.model, dead.id, "r2")):
+            with pytest.raises(errors.NoEndpointsAvailable) as caught:
+                await call
+            message = str(caught.value)
+            assert f"engine {dead.id} refused the connection" in message, message
+            assert "ConnectError" not in message and "Errno" not in message, message
