@@ -254,8 +254,11 @@ class StartupDependency:
 
 def unanswered_warning(dep: StartupDependency, status: str, waited_seconds: float) -> str:
     """The one WARNING line for a dependency that did not answer at start-up."""
+    from services.router.config import RouterConfig  # the env prefix from the one place that sets it
+
+    env = f"{RouterConfig.model_config.get('env_prefix', '')}{dep.field}".upper()
     return (f"{dep.name} at {dep.address} did not answer within {waited_seconds:.1f}s of start-up ({status}): "
-            f"set {dep.field} (--{dep.field.replace('_', '-')}, env KVMESH_ROUTER_{dep.field.upper()}) to where "
+            f"set {dep.field} (--{dep.field.replace('_', '-')}, env {env}) to where "
             f"{dep.name} listens; until it answers {dep.meanwhile} (docs/degraded-modes.md)")
 
 
