@@ -29,7 +29,7 @@ import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from starlette.datastructures import URL, Headers
@@ -410,6 +410,48 @@ def _number_or_none(data: dict[str, Any], names: tuple[str, ...]) -> None:
             raise FieldError(f"`{name}` must be an integer.", name, value)
 
 
+class _JsonSchemaFormat(BaseModel):
+    """vLLM 0.32 ``JsonSchemaResponseFormat``: ``name``, ``description``, ``schema`` (its ``json_schema``), ``strict``."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class _ResponseFormat(BaseModel):
+    """vLLM 0.32 ``ResponseFormat``: ``type`` one of ``text``, ``json_object``, ``json_schema``."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: _JsonSchemaFormat | None = None
+
+
+class _StructuralTag(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    begin: str
+    structural_tag_schema: dict[str, Any] | None = Field(None, alias="schema")
+    end: str
+
+
+class _LegacyStructuralTagFormat(BaseModel):
+    """vLLM 0.32 ``LegacyStructuralTagResponseFormat``."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["structural_tag"]
+    structures: list[_StructuralTag]
+    triggers: list[str]
+
+
+class _StructuralTagFormat(BaseModel):
+    """vLLM 0.32 ``StructuralTagResponseFormat``."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["structural_tag"]
+    format: Any
+
+
 class _GenerationFields(BaseModel):
     """The scalar fields of vLLM 0.32's ``CompletionRequest`` the simulator reads, same types (lax pydantic v2),
     same ``Field`` bounds, same ``check_logprobs`` before-validator (``completion/protocol.py`` 59-136, 503-575)."""
@@ -428,12 +470,18 @@ class _GenerationFields(BaseModel):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    repetition_penalty: float | None = None
     min_tokens: int = 0
     stop_token_ids: list[int] | None = []
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
     use_beam_search: bool = False
+    response_format: _ResponseFormat | _StructuralTagFormat | _LegacyStructuralTagFormat | None = None
+    """vLLM 0.32's ``AnyResponseFormat``: its shape is checked (a 400 as vLLM's for an unknown ``type``); the
+    simulated text does not follow the format (no grammar is simulated)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -539,6 +587,16 @@ def _check_sampling(fields: _GenerationFields, vocab_size: int) -> None:
     n = 1 if fields.n is None else fields.n
     if n < 1:
         raise _sampling_error(f"n must be at least 1, got {n}.")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(fields, name)
+        value = 0.0 if value is None else value
+        if not -2.0 <= value <= 2.0:
+            raise _sampling_error(f"{name} must be in [-2, 2], got {value}.")
+    repetition = 1.0 if fields.repetition_penalty is None else fields.repetition_penalty
+    if not math.isfinite(repetition):
+        raise _sampling_error(f"repetition_penalty must be a finite number, got {repetition}.")
+    if repetition <= 0.0:
+        raise _sampling_error(f"repetition_penalty must be greater than zero, got {repetition}.")
     temperature = 1.0 if fields.temperature is None else fields.temperature
     if not math.isfinite(temperature):
         raise _sampling_error(f"temperature must be a finite number, got {temperature}.", "temperature", temperature)

@@ -73,6 +73,18 @@ def unreachable(exc: BaseException) -> EngineUnreachable:
     return EngineUnreachable("closed or reset the connection before answering")
 
 
+def mid_answer_failure(exc: BaseException) -> str:
+    """What happened to an answer that had started, in words a client can act on (no HTTP client's class
+    names): ``"closed the connection mid-stream"`` (the engine closed, reset or truncated the body),
+    ``"timed out mid-stream"``, else ``"failed mid-stream"``."""
+    if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError | httpx.TimeoutException):
+        return "timed out mid-stream"
+    if isinstance(exc, ConnectionError | aiohttp.ClientPayloadError | aiohttp.ClientConnectionError
+                  | httpx.RemoteProtocolError | httpx.ReadError):
+        return "closed the connection mid-stream"
+    return "failed mid-stream"
+
+
 class EngineResponse(Protocol):
     """An engine's answer whose headers arrived; the body is streamed."""
 

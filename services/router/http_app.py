@@ -579,10 +579,7 @@ def _error_event(session: FlowSession, exc: EngineFailed) -> bytes:
     if isinstance(exc, EngineStalled | ShuttingDown):  # its own words: a hung engine, the router stopping
         err = http_error(exc)
     else:
-        cause = exc.__cause__ or exc
-        err = http_error(errors.NoEndpointsAvailable(
-            f"engine {session.endpoint.id} failed mid-stream ({type(cause).__name__}); the answer is incomplete"
-        ))
+        err = http_error(errors.NoEndpointsAvailable(f"{exc}; the answer is incomplete"))
     return sse_event(render_json(err.body)) + DONE_EVENT
 
 

@@ -80,6 +80,7 @@ from services.router.engine_client import (
     EngineResponse,
     EngineUnreachable,
     HttpxEngineClient,
+    mid_answer_failure,
 )
 from services.router.headers import AUTHORIZATION, engine_authorization
 from services.router.metrics import RequestOutcome
@@ -115,6 +116,7 @@ class EngineStalled(EngineFailed):
 
 
 SHUTDOWN_MESSAGE = "the server is shutting down; retry the request"
+
 
 
 class ShuttingDown(EngineFailed):
@@ -547,7 +549,7 @@ class FlowSession:
                         break
                     logger.warning("engine failed mid-answer request_id=%s endpoint=%s error=%r",
                                    self.meta.request_id, self.endpoint.id, exc)
-                    raise EngineFailed(f"engine {self.endpoint.id} failed mid-response") from exc
+                    raise EngineFailed(f"engine {self.endpoint.id} {mid_answer_failure(exc)}") from exc
                 finally:
                     if watch is not None:
                         watch.since = None

@@ -71,8 +71,12 @@ from services.router.validation import RequestKind, RouterRequest, validate_requ
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 
 
-BODY_FIELDS = frozenset({"model", "prompt", "prompt_token_ids", "messages", "max_tokens", "temperature", "stop",
-                         "ignore_eos"})
+FLOAT_SAMPLING_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+"""``optional float`` fields passed as the decimal their sender wrote (:func:`_float32`) when set."""
+INT_SAMPLING_FIELDS = ("top_k", "seed", "min_tokens")
+"""``optional`` integer fields passed as they are when set."""
+BODY_FIELDS = frozenset({"model", "prompt", "prompt_token_ids", "messages", "max_tokens", "stop", "ignore_eos",
+                         *FLOAT_SAMPLING_FIELDS, *INT_SAMPLING_FIELDS})
 """``CompletionRequest`` fields :func:`openai_body` writes into the engine's OpenAI body, each with the meaning the
 HTTP front door's body field of the same name has (``max_tokens`` 0: not sent, the engine's default)."""
 METADATA_FIELDS = frozenset({"flow_id", "priority"})
@@ -131,8 +135,12 @@ def openai_body(request: router_pb2.CompletionRequest, stream: bool) -> tuple[Re
         body["prompt"] = request.prompt or list(request.prompt_token_ids)
     if request.max_tokens:
         body["max_tokens"] = request.max_tokens
-    if request.HasField("temperature"):
-        body["temperature"] = _float32(request.temperature)
+    for name in FLOAT_SAMPLING_FIELDS:
+        if request.HasField(name):
+            body[name] = _float32(getattr(request, name))
+    for name in INT_SAMPLING_FIELDS:
+        if request.HasField(name):
+            body[name] = getattr(request, name)
     if request.stop:
         body["stop"] = list(request.stop)
     if request.ignore_eos:

@@ -61,6 +61,13 @@ async def test_refusals_are_vllm_032_bodies(
     ("cmpl", {"stop": ["a", ""]}, "stop cannot contain an empty string.", None),
     ("cmpl", {"min_tokens": -1}, "min_tokens must be greater than or equal to 0", None),
     ("cmpl", {"n": "0"}, "n must be at least 1, got 0.", None),
+    # vLLM 0.32 SamplingParams._verify_args: the penalties, in its order (presence, frequency, repetition)
+    ("cmpl", {"presence_penalty": 2.1}, "presence_penalty must be in [-2, 2], got 2.1.", None),
+    ("chat", {"frequency_penalty": -2.1}, "frequency_penalty must be in [-2, 2], got -2.1.", None),
+    ("cmpl", {"repetition_penalty": 0}, "repetition_penalty must be greater than zero, got 0.0.", None),
+    ("chat", {"repetition_penalty": -1.5}, "repetition_penalty must be greater than zero, got -1.5.", None),
+    ("cmpl", {"repetition_penalty": "inf"}, "repetition_penalty must be a finite number, got inf.", None),
+    ("cmpl", {"presence_penalty": 3, "repetition_penalty": 0}, "presence_penalty must be in [-2, 2], got 3.0.", None),
 ])
 async def test_sampling_params_refusals(
     client: httpx.AsyncClient, kind: str, fields: dict[str, Any], fragment: str, param: str | None
@@ -73,6 +80,22 @@ async def test_sampling_params_refusals(
 
 
 @pytest.mark.parametrize(("kind", "fields"), [
+    ("chat", {"response_format": {"type": "nonsense"}}), ("cmpl", {"response_format": {"type": "json"}}),
+    ("chat", {"response_format": {}}), ("chat", {"response_format": "json_object"}),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}),  # no name
+    ("chat", {"response_format": {"type": "structural_tag"}}),
+])
+async def test_response_format_shapes_vllm_refuses(client: httpx.AsyncClient, kind: str, fields: dict[str, Any]) -> None:
+    """A ``response_format`` none of vLLM 0.32's ``AnyResponseFormat`` shapes reads is its pydantic 400 naming
+    the field; nothing is generated (was: accepted and ignored)."""
+    path, base = _path(kind)
+    reply = await client.post(path, json={**base, "max_tokens": 2, **fields})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["type"] == "Bad Request" and "response_format" in error["message"], error
+
+
+@pytest.mark.parametrize(("kind", "fields"), [
     ("cmpl", {"stop": "x"}), ("cmpl", {"stop": ["a", "b", "c", "d"]}), ("cmpl", {"stop": None}),
     ("cmpl", {"seed": "7"}), ("cmpl", {"seed": 7.0}), ("cmpl", {"seed": None}), ("chat", {"seed": -(2**63)}),
     ("cmpl", {"logprobs": 20}), ("cmpl", {"logprobs": 0}), ("cmpl", {"logprobs": None}),
@@ -80,6 +103,15 @@ async def test_sampling_params_refusals(
     ("chat", {"top_logprobs": None}), ("cmpl", {"temperature": "2"}), ("cmpl", {"temperature": 0}),
     ("chat", {"ignore_eos": "yes"}), ("chat", {"n": None}), ("cmpl", {"echo": None}),
     ("cmpl", {"stream_options": {}}), ("chat", {"stream": False, "stream_options": None}),
+    ("cmpl", {"presence_penalty": -2, "frequency_penalty": 2.0, "repetition_penalty": 1.2}),
+    # vLLM 0.32 AnyResponseFormat: each of its shapes is accepted (the simulated text follows no grammar)
+    ("chat", {"response_format": {"type": "text"}}), ("chat", {"response_format": {"type": "json_object"}}),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}),
+    ("cmpl", {"response_format": {"type": "structural_tag", "format": {"type": "any_text"}}}),
+    ("chat", {"response_format": {"type": "structural_tag", "structures": [{"begin": "<a>", "end": "</a>"}],
+                                  "triggers": ["<a>"]}}),
+    ("chat", {"response_format": None}),
+    ("chat", {"presence_penalty": None, "frequency_penalty": None, "repetition_penalty": None}),
 ])
 async def test_vllm_accepts(client: httpx.AsyncClient, kind: str, fields: dict[str, Any]) -> None:
     path, base = _path(kind)

@@ -9,10 +9,12 @@ import contextlib
 import socket
 from collections.abc import AsyncIterator
 
+import aiohttp
+import httpx
 import pytest
 from aiohttp import web
 
-from services.router.engine_client import AiohttpEngineClient, EngineUnreachable
+from services.router.engine_client import AiohttpEngineClient, EngineUnreachable, mid_answer_failure
 
 
 @contextlib.asynccontextmanager
@@ -89,3 +91,22 @@ async def test_closing_an_unfinished_answer_disconnects_the_engine() -> None:
         assert isinstance(disconnected, asyncio.Event)
         await asyncio.wait_for(disconnected.wait(), 5)
     await client.aclose()
+
+
+@pytest.mark.parametrize(("exc", "words"), [
+    (aiohttp.ClientPayloadError("Response payload is not completed"), "closed the connection mid-stream"),
+    (aiohttp.ServerDisconnectedError(), "closed the connection mid-stream"),
+    (ConnectionResetError(104, "Connection reset by peer"), "closed the connection mid-stream"),
+    (httpx.ReadError("peer closed connection"), "closed the connection mid-stream"),
+    (httpx.RemoteProtocolError("incomplete chunked read"), "closed the connection mid-stream"),
+    (TimeoutError(), "timed out mid-stream"),
+    (aiohttp.SocketTimeoutError(), "timed out mid-stream"),
+    (httpx.ReadTimeout("read timed out"), "timed out mid-stream"),
+    (ValueError("odd bytes"), "failed mid-stream"),
+])
+def test_mid_answer_failure_is_said_in_plain_words(exc: BaseException, words: str) -> None:
+    """An answer that broke after it started is described by what happened, never by the HTTP client's class
+    name (a user read ``failed mid-stream (ClientPayloadError)``), for both HTTP clients the router can use."""
+    said = mid_answer_failure(exc)
+    assert said == words
+    assert type(exc).__name__ not in said

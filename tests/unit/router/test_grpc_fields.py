@@ -137,7 +137,9 @@ async def test_a_field_the_servicer_cannot_carry_is_refused_by_name(
     """The proto grew a field the servicer does not forward (simulated: the field taken out of the table): a request
     setting it is ``INVALID_ARGUMENT`` naming it, unary and streamed, and the engine is not asked."""
     monkeypatch.setattr(servicer, "BODY_FIELDS", BODY_FIELDS - {field})
-    values: dict[str, Any] = {"max_tokens": 4, "temperature": 0.5, "stop": ["."], "ignore_eos": True}
+    values: dict[str, Any] = {"max_tokens": 4, "temperature": 0.5, "stop": ["."], "ignore_eos": True, "top_p": 0.9,
+                              "top_k": 5, "seed": 7, "presence_penalty": 0.5, "frequency_penalty": 0.5,
+                              "repetition_penalty": 1.1, "min_tokens": 1}
     request = router_pb2.CompletionRequest(model=MODEL, prompt="hello", **{field: values[field]})
     for call in ("Complete", "CompleteStream"):
         with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -155,6 +157,30 @@ async def test_a_field_the_servicer_cannot_carry_is_refused_by_name(
 
 
 def test_float32_fields_read_as_written() -> None:
-    for value in (0.7, 0.1, 1.3, 2.0, 0.0, 1e-05, 0.123456):
-        request = router_pb2.CompletionRequest(model=MODEL, prompt="p", temperature=value)
-        assert openai_body(request, stream=False)[1]["temperature"] == value
+    for name in servicer.FLOAT_SAMPLING_FIELDS:
+        for value in (0.7, 0.1, 1.3, 2.0, 0.0, 1e-05, 0.123456):
+            request = router_pb2.CompletionRequest(model=MODEL, prompt="p", **{name: value})
+            assert openai_body(request, stream=False)[1][name] == value
+
+
+async def test_sampling_fields_reach_the_engine_as_the_http_body_sends_them(router: Router) -> None:
+    """``top_p``, ``top_k``, ``seed``, the penalties and ``min_tokens``: set, each is in the engine's body with the
+    value written (0 included: proto3 ``optional`` tells set from unset); unset, none is sent. The engine's range
+    checks (vLLM 0.32's ``SamplingParams``) answer a bad value as for the HTTP front door: ``INVALID_ARGUMENT``."""
+    fields: dict[str, Any] = {"top_p": 0.9, "top_k": 5, "seed": 123456789012, "presence_penalty": -0.5,
+                              "frequency_penalty": 0.0, "repetition_penalty": 1.1, "min_tokens": 2}
+    answer = await router.stub.Complete(router_pb2.CompletionRequest(
+        model=MODEL, prompt="hello there", max_tokens=4, **fields), timeout=10)
+    assert answer.usage.completion_tokens >= 2
+    assert _without_stream(router.bodies[-1]) == {"model": MODEL, "prompt": "hello there", "max_tokens": 4, **fields}
+    direct = await _direct(router, "/v1/completions", {"model": MODEL, "prompt": "hello there", "max_tokens": 4,
+                                                        **fields})
+    assert answer.text == direct["choices"][0]["text"]  # same seed, same body: the same answer
+    await router.stub.Complete(router_pb2.CompletionRequest(model=MODEL, prompt="hello", max_tokens=2), timeout=10)
+    assert not set(fields) & set(router.bodies[-1])
+    for bad in ({"top_p": 1.5}, {"top_k": -2}, {"repetition_penalty": 0.0}, {"min_tokens": 9}):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await router.stub.Complete(router_pb2.CompletionRequest(model=MODEL, prompt="hello", max_tokens=4, **bad),
+                                       timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+        assert f"{next(iter(bad))}" in (refused.value.details() or ""), (bad, refused.value.details())

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmesh._proto.kvmesh.common.v1 import common_pb2 as kvmesh_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvmesh/router/v1/router.proto\x12\x10kvmesh.router.v1\x1a\x1dkvmesh/common/v1/common.proto\"\x80\x02\n\x11\x43ompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12/\n\x08messages\x18\x04 \x03(\x0b\x32\x1d.kvmesh.common.v1.ChatMessage\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x0f\n\x07\x66low_id\x18\t \x01(\t\x12\x10\n\x08priority\x18\n \x01(\x05\x42\x0e\n\x0c_temperature\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x91\x01\n\x12\x43ompletionResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12&\n\x05usage\x18\x05 \x01(\x0b\x32\x17.kvmesh.router.v1.Usage\x12\x13\n\x0b\x65ndpoint_id\x18\x06 \x01(\t\"\x7f\n\x0f\x43ompletionChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12&\n\x05usage\x18\x04 \x01(\x0b\x32\x17.kvmesh.router.v1.Usage\x12\x13\n\x0b\x65ndpoint_id\x18\x05 \x01(\t\"\x13\n\x11ListModelsRequest\"$\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t2\x97\x02\n\tInference\x12U\n\x08\x43omplete\x12#.kvmesh.router.v1.CompletionRequest\x1a$.kvmesh.router.v1.CompletionResponse\x12Z\n\x0e\x43ompleteStream\x12#.kvmesh.router.v1.CompletionRequest\x1a!.kvmesh.router.v1.CompletionChunk0\x01\x12W\n\nListModels\x12#.kvmesh.router.v1.ListModelsRequest\x1a$.kvmesh.router.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvmesh/router/v1/router.proto\x12\x10kvmesh.router.v1\x1a\x1dkvmesh/common/v1/common.proto\"\xa2\x04\n\x11\x43ompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12/\n\x08messages\x18\x04 \x03(\x0b\x32\x1d.kvmesh.common.v1.ChatMessage\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x0f\n\x07\x66low_id\x18\t \x01(\t\x12\x10\n\x08priority\x18\n \x01(\x05\x12\x12\n\x05top_p\x18\x0b \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x0c \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\r \x01(\x03H\x03\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0e \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0f \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x10 \x01(\x02H\x06\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x11 \x01(\rH\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokens\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x91\x01\n\x12\x43ompletionResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12&\n\x05usage\x18\x05 \x01(\x0b\x32\x17.kvmesh.router.v1.Usage\x12\x13\n\x0b\x65ndpoint_id\x18\x06 \x01(\t\"\x7f\n\x0f\x43ompletionChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12&\n\x05usage\x18\x04 \x01(\x0b\x32\x17.kvmesh.router.v1.Usage\x12\x13\n\x0b\x65ndpoint_id\x18\x05 \x01(\t\"\x13\n\x11ListModelsRequest\"$\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t2\x97\x02\n\tInference\x12U\n\x08\x43omplete\x12#.kvmesh.router.v1.CompletionRequest\x1a$.kvmesh.router.v1.CompletionResponse\x12Z\n\x0e\x43ompleteStream\x12#.kvmesh.router.v1.CompletionRequest\x1a!.kvmesh.router.v1.CompletionChunk0\x01\x12W\n\nListModels\x12#.kvmesh.router.v1.ListModelsRequest\x1a$.kvmesh.router.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.router.v1.router_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_COMPLETIONREQUEST']._serialized_start=83
-  _globals['_COMPLETIONREQUEST']._serialized_end=339
-  _globals['_USAGE']._serialized_start=341
-  _globals['_USAGE']._serialized_end=421
-  _globals['_COMPLETIONRESPONSE']._serialized_start=424
-  _globals['_COMPLETIONRESPONSE']._serialized_end=569
-  _globals['_COMPLETIONCHUNK']._serialized_start=571
-  _globals['_COMPLETIONCHUNK']._serialized_end=698
-  _globals['_LISTMODELSREQUEST']._serialized_start=700
-  _globals['_LISTMODELSREQUEST']._serialized_end=719
-  _globals['_LISTMODELSRESPONSE']._serialized_start=721
-  _globals['_LISTMODELSRESPONSE']._serialized_end=757
-  _globals['_INFERENCE']._serialized_start=760
-  _globals['_INFERENCE']._serialized_end=1039
+  _globals['_COMPLETIONREQUEST']._serialized_end=629
+  _globals['_USAGE']._serialized_start=631
+  _globals['_USAGE']._serialized_end=711
+  _globals['_COMPLETIONRESPONSE']._serialized_start=714
+  _globals['_COMPLETIONRESPONSE']._serialized_end=859
+  _globals['_COMPLETIONCHUNK']._serialized_start=861
+  _globals['_COMPLETIONCHUNK']._serialized_end=988
+  _globals['_LISTMODELSREQUEST']._serialized_start=990
+  _globals['_LISTMODELSREQUEST']._serialized_end=1009
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1011
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1047
+  _globals['_INFERENCE']._serialized_start=1050
+  _globals['_INFERENCE']._serialized_end=1329
 # @@protoc_insertion_point(module_scope)
