@@ -49,6 +49,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import shutil
 import signal
@@ -371,8 +372,10 @@ def check_etcd(address: str, timeout_s: float = ETCD_CHECK_TIMEOUT_S) -> None:
 def tenant_api_key(extra_env: dict[str, str]) -> str | None:
     """A client API key a mesh's router accepts, when the CLI can see its tenants (``KVMESH_ROUTER_TENANTS``).
 
-    The router inherits this process's environment plus ``extra_env`` (``MeshSpec.extra_env``); the
-    first key of the first tenant that has one is used (``Authorization: Bearer <key>``). None in open
+    The router inherits this process's environment plus ``extra_env`` (``MeshSpec.extra_env``). Of the tenants
+    with a key, the one that limits a replay least is chosen: no rate limit before any (then the highest
+    ``rate_per_second``), then no concurrency cap before any (then the highest ``max_concurrency``), then the
+    highest ``max_priority``; the first on a tie; its first key (``Authorization: Bearer <key>``). None in open
     mode or when the value cannot be read (JSON or YAML, as the router takes it).
     """
     raw = {**os.environ, **extra_env}.get("KVMESH_ROUTER_TENANTS")
@@ -382,11 +385,24 @@ def tenant_api_key(extra_env: dict[str, str]) -> str | None:
         tenants = yaml.safe_load(raw)  # JSON is YAML
     except yaml.YAMLError:
         return None
+
+    def number(tenant: dict[str, Any], name: str) -> float:
+        value = tenant.get(name, 0)
+        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+
+    def openness(tenant: dict[str, Any]) -> tuple[float, float, float]:
+        rate, concurrency = number(tenant, "rate_per_second"), number(tenant, "max_concurrency")
+        return (math.inf if rate <= 0 else rate, math.inf if concurrency <= 0 else concurrency,
+                number(tenant, "max_priority"))
+
+    best: tuple[tuple[float, float, float], str] | None = None
     for tenant in tenants if isinstance(tenants, list) else []:
         keys = tenant.get("api_keys") if isinstance(tenant, dict) else None
         if isinstance(keys, list) and keys and isinstance(keys[0], str):
-            return keys[0]
-    return None
+            rank = openness(tenant)
+            if best is None or rank > best[0]:
+                best = (rank, keys[0])
+    return None if best is None else best[1]
 
 
 class Mesh:
