@@ -122,11 +122,13 @@ from kvmesh_cli.report import (
     fmt,
     hit_rate,
     load_split,
+    median_summary,
     offload_hit_rate,
     per_engine,
     percentile,
     slo_crossed,
     slo_throughput,
+    spread_table,
     stage_means,
     summarize,
     summary_table,
@@ -1086,6 +1088,11 @@ def compare(
                                                   f"usage / preemptions every {TIMELINE_INTERVAL_S:g} wall s during "
                                                   "each run; print a summary line per run and write the samples as "
                                                   "JSON lines into this folder.")] = None,
+    repeat: Annotated[int, typer.Option("--repeat", min=1, max=20, help="Run every column this many times, the "
+                                        "columns interleaved and their order rotated each round; the table shows "
+                                        "each metric's median over the rounds, a second table its range, and the "
+                                        "JSON keeps every round under 'rounds' (one run says little where runs of "
+                                        "one column differ by more than the columns do). Not with --sweep.")] = 1,
     parallel: Annotated[bool, typer.Option("--parallel", help="Run each rate's columns at the same time, each on its "
                                            "own mesh, so they share whatever else loads the host (a fair A/B on a "
                                            "busy machine; each column gets a share of the CPU).")] = False,
@@ -1104,6 +1111,9 @@ def compare(
     run_dir = None if run_dir is None else check_dir_option(run_dir, "--run-dir")
     columns = compare_columns(policies, peers, _offload_mode(offload))
     scales = _parse_scales(sweep)
+    if scales and repeat > 1:
+        raise typer.BadParameter("--repeat cannot be combined with --sweep (run the sweep again instead)",
+                                 param_hint="--repeat")
     agentic = AgenticParams(block_tokens=block_tokens, session_gap_s=session_gap, max_think_s=max_think)
     base_wl = build_workload(trace, workload, requests, seed, max_input_tokens, max_output_tokens, agentic)
     label = base_wl.name if trace is None else trace.name
@@ -1130,8 +1140,9 @@ def compare(
                   f"{f', {sessions} sessions' if sessions else ''}{engine_scheduler_label(scheduler_settings)}, "
                   f"logs in {base}", soft_wrap=True)
     summaries: dict[str, dict[str, object]] = {}
+    rounds: dict[str, list[dict[str, object]]] = {}
     curves: dict[str, list[SweepPoint]] = {}
-    total_runs = len(scales or [rate_scale]) * len(columns)
+    total_runs = len(scales or [rate_scale]) * len(columns) * repeat
     def show_finished() -> None:
         """The finished runs' table (an interrupted compare): what was measured is not thrown away."""
         doc = compare_document(label, engines, len(base_wl.requests), summaries)
@@ -1142,42 +1153,58 @@ def compare(
           exit_on_signals(then_ignore=True), mesh_errors()):
         for k, scale in enumerate(scales or [rate_scale]):
             wl = scale_load(base_wl, scale)
-            runs: list[tuple[str, str, Callable[[], dict[str, object]]]] = []
-            for i, col in enumerate(columns):
-                name = col.name
-                tag = f"{name} x{scale:g}" if scales else name
-                stem = Path(col.policy or col.peer or name).stem
-                run_name = f"{k}-{i}-{column_label(stem, col.offload)}"
-                runs.append((name, tag, functools.partial(
-                    _run_one, wl, rs, base / run_name, tag, col.policy, col.peer, tag, col.offload,
-                    timeline=None if timeline is None else timeline / f"{run_name}.jsonl")))
+            for rnd in range(repeat):
+                runs: list[tuple[str, str, Callable[[], dict[str, object]]]] = []
+                order = columns[rnd % len(columns):] + columns[:rnd % len(columns)]  # rotated: no column always first
+                for col in order:
+                    i = columns.index(col)
+                    name = col.name
+                    tag = f"{name} x{scale:g}" if scales else name
+                    stem = Path(col.policy or col.peer or name).stem
+                    run_name = f"{k}-{i}-{column_label(stem, col.offload)}" + (f"-r{rnd + 1}" if repeat > 1 else "")
+                    run_tag = f"{tag} (round {rnd + 1}/{repeat})" if repeat > 1 else tag
+                    runs.append((name, tag, functools.partial(
+                        _run_one, wl, rs, base / run_name, run_tag, col.policy, col.peer, run_tag, col.offload,
+                        timeline=None if timeline is None else timeline / f"{run_name}.jsonl")))
 
-            def record(name: str, tag: str, summary: dict[str, object], scale: float = scale) -> None:
-                """A finished run's column, kept at once: an interrupt later still shows it."""
-                summaries[tag if scales else name] = summary
-                curves.setdefault(name, []).append(SweepPoint(
-                    scale, float(summary.get("requests_per_s") or 0.0), summary.get("ttft_p90_s"),  # type: ignore[arg-type]
-                    summary.get("ttft_p50_s"), summary.get("output_tokens_per_s")))  # type: ignore[arg-type]
+                def record(name: str, tag: str, summary: dict[str, object], scale: float = scale) -> None:
+                    """A finished run's column, kept at once: an interrupt later still shows it (with --repeat,
+                    the median of the rounds finished so far)."""
+                    key = tag if scales else name
+                    rounds.setdefault(key, []).append(summary)
+                    summaries[key] = median_summary(rounds[key]) if repeat > 1 else summary
+                    if repeat == 1:
+                        curves.setdefault(name, []).append(SweepPoint(
+                            scale, float(summary.get("requests_per_s") or 0.0), summary.get("ttft_p90_s"),  # type: ignore[arg-type]
+                            summary.get("ttft_p50_s"), summary.get("output_tokens_per_s")))  # type: ignore[arg-type]
 
-            if parallel:
-                with ThreadPoolExecutor(len(runs)) as pool:
-                    futures = [pool.submit(run) for _, _, run in runs]
-                    done = [f.result() for f in futures]
-                for (name, tag, _), summary in zip(runs, done, strict=True):
-                    record(name, tag, summary)
-            else:
-                for name, tag, run in runs:
-                    record(name, tag, run())
+                if parallel:
+                    with ThreadPoolExecutor(len(runs)) as pool:
+                        futures = [pool.submit(run) for _, _, run in runs]
+                        done = [f.result() for f in futures]
+                    for (name, tag, _), summary in zip(runs, done, strict=True):
+                        record(name, tag, summary)
+                else:
+                    for name, tag, run in runs:
+                        record(name, tag, run())
+        summaries = {c.name: summaries[c.name] for c in columns} if not scales else summaries  # columns' order
     extra: dict[str, object] = {"rate_scale": rate_scale, "sessions": sessions, "slo_ttft_s": slo_ttft,
                                 "offload": {c.name: c.offload for c in columns},
                                 "engine_scheduler": scheduler_settings}
+    if repeat > 1:
+        extra["repeat"] = repeat
+        extra["rounds"] = {name: [compare_document(label, engines, len(base_wl.requests), {name: r})["policies"][name]  # type: ignore[index]
+                                  for r in per_round] for name, per_round in rounds.items()}
     if scales:
         extra["sweep"] = {name: {"points": [p.__dict__ for p in pts], "goodput_rps": slo_throughput(pts, slo_ttft),
                                  "slo_crossed": slo_crossed(pts, slo_ttft)}
                           for name, pts in curves.items()}
     doc = compare_document(label, engines, len(base_wl.requests), summaries, **extra)
     title = f"{label}: {len(base_wl.requests)} requests, {engines} engines{engine_scheduler_label(scheduler_settings)}"
-    print_table(console, summary_table(doc["policies"], title))  # type: ignore[arg-type]
+    print_table(console, summary_table(doc["policies"], f"{title}: median of {repeat} rounds" if repeat > 1 else title))  # type: ignore[arg-type]
+    if repeat > 1:
+        print_table(console, spread_table({name: rounds[name] for name in summaries}, f"{title}: over {repeat} rounds",
+                                          slo_ttft))
     if scales:
         print_table(console, sweep_table(curves, slo_ttft, f"{title}: load sweep"))
     ok = True

@@ -15,6 +15,7 @@ prompt tokens, so GPU + offload is the share of prompt tokens not recomputed.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -518,6 +519,53 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("load imbalance (max/mean prefill)", "load_imbalance", "x"),
     ("requests per engine", "engine_requests", "list"),
 )
+
+
+SPREAD_KEYS = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_first_call_p50_s", "ttft_follow_up_p50_s",
+               "goodput_rps", "prefix_hit_rate", "oracle_fraction_total", "load_imbalance")
+"""The metrics ``compare --repeat`` shows with their range over the rounds (:func:`spread_table`)."""
+
+
+def median_summary(rounds: Sequence[Mapping[str, object]]) -> dict[str, object]:
+    """One column's summary over repeated rounds of the same run (``compare --repeat``).
+
+    Every number is the median of the rounds that measured it (``statistics.median``: the mean of the middle
+    two for an even count); a key no round measured stays None; anything else (lists, strings, buckets) is the
+    first round's. ``rounds`` must not be empty (ValueError)."""
+    if not rounds:
+        raise ValueError("median_summary needs at least one round")
+    out: dict[str, object] = dict(rounds[0])
+    for key in {k for r in rounds for k in r}:
+        values = [r.get(key) for r in rounds]
+        numbers = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+        if numbers:
+            out[key] = statistics.median(numbers)
+        elif key not in out:
+            out[key] = next((v for v in values if v is not None), None)
+    return out
+
+
+def spread_table(columns: Mapping[str, Sequence[Mapping[str, object]]], title: str,
+                 slo_ttft_s: float | None = None) -> Table:
+    """``median (min-max)`` over each column's rounds for :data:`SPREAD_KEYS`, the row labels and units of
+    :func:`summary_table` (goodput's with ``slo_ttft_s``); a metric no round of any column measured is left out."""
+    table = Table(title=title)
+    table.add_column("metric (model time), median (min-max)")
+    for name in columns:
+        table.add_column(name, justify="right")
+    rows = {key: (label, kind) for label, key, kind in _ROWS}
+    for key in SPREAD_KEYS:
+        label, kind = rows[key]
+        if key == "goodput_rps" and slo_ttft_s is not None:
+            label = f"goodput (req/s, TTFT <= {slo_ttft_s:g} s)"
+        cells = []
+        for rounds in columns.values():
+            values = [v for r in rounds if isinstance(v := r.get(key), int | float) and not isinstance(v, bool)]
+            cells.append("-" if not values else
+                         f"{fmt(statistics.median(values), kind)} ({fmt(min(values), kind)}-{fmt(max(values), kind)})")
+        if any(c != "-" for c in cells):
+            table.add_row(label, *cells)
+    return table
 
 
 def fmt(value: object, kind: str) -> str:

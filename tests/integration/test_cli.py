@@ -163,6 +163,31 @@ def test_compare_tiny_writes_json_and_leaves_no_process(tmp_path: Path) -> None:
     assert "engine queue mean / p50" in text and "mesh before dispatch" in text
 
 
+def test_compare_repeat_runs_every_column_each_round_and_reports_medians(tmp_path: Path) -> None:
+    """``--repeat 2``: each column runs twice on fresh meshes (run dirs ``-r1``/``-r2``), the JSON keeps the
+    rounds, each column's figures are their medians, and a second table gives each metric's range."""
+    out = tmp_path / "compare.json"
+    done = subprocess.run(
+        kvmesh("compare", "--workload", "multi-turn", "--engines", "1", "--requests", "10", "--num-gpu-blocks", "256",
+               "--time-scale", "2", "--policies", "round-robin,precise-prefix", "--repeat", "2", "--json-out", str(out),
+               "--run-dir", str(tmp_path / "run")),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, timeout=300, check=False,
+    )
+    text = done.stdout.decode(errors="replace")
+    assert done.returncode == 0, text[-4000:]
+    doc = json.loads(out.read_text())
+    assert doc["repeat"] == 2 and list(doc["policies"]) == ["round-robin", "precise-prefix"]
+    for name, rounds in doc["rounds"].items():
+        assert len(rounds) == 2 and all(r["requests"] == 10 and r["errors"] == 0 for r in rounds), name
+        p50s = sorted(r["ttft_p50_s"] for r in rounds)
+        assert doc["policies"][name]["ttft_p50_s"] == pytest.approx(sum(p50s) / 2), name  # the median of two
+    for run in ("0-0-round-robin-r1", "0-0-round-robin-r2", "0-1-precise-prefix-r1", "0-1-precise-prefix-r2"):
+        assert (tmp_path / "run" / run / "engine-0.log").is_file(), run
+    assert "over 2 rounds" in text and "median (min-max)" in text
+    # round 2 starts with the other column (rotated order): its first mesh is precise-prefix's
+    assert text.index("precise-prefix (round 2/2)") < text.index("round-robin (round 2/2)")
+
+
 def test_compare_sweep_agentic_with_peer_tiny(tmp_path: Path) -> None:
     """A load sweep of closed-loop agentic sessions: two rate scales, kvmesh's round-robin and (when
     ``make peers-env`` installed it) vllm-router in front of the same simulated engines; JSON, table, PNG."""
