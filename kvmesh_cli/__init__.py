@@ -1,1 +1,1 @@
-"""The ``kvmesh`` command line: ``up``, ``replay``, ``compare`` (entry point ``kvmesh_cli.main:app``)."""
+"""The ``kvmesh`` command line: ``up``, ``replay``, ``compare`` (console script ``kvmesh_cli.entry:main``, which runs ``kvmesh_cli.main:app``)."""

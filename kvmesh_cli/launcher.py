@@ -314,16 +314,19 @@ def _start_etcd_once(run_dir: Path, client_port: int, peer_port: int, die_with_p
         die_with_parent=die_with_parent,
     ).start()
     deadline = time.monotonic() + 20.0
-    while True:
-        if not proc.alive():  # e.g. a port taken in the meantime: the caller may retry
-            return proc, f"{LOOPBACK}:{client_port}"
-        try:
-            wait_http_ok(f"{client_url}/health", 0.5)
-            return proc, f"{LOOPBACK}:{client_port}"
-        except TimeoutError:
-            if time.monotonic() > deadline:
-                proc.stop()
-                raise
+    try:
+        while True:
+            if not proc.alive():  # e.g. a port taken in the meantime: the caller may retry
+                return proc, f"{LOOPBACK}:{client_port}"
+            try:
+                wait_http_ok(f"{client_url}/health", 0.5)
+                return proc, f"{LOOPBACK}:{client_port}"
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise
+    except BaseException:  # not healthy in time, or interrupted (Ctrl-C) while waiting: no etcd left behind
+        proc.kill()
+        raise
 
 
 def python_module(module: str, *args: str) -> list[str]:

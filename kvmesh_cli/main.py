@@ -541,7 +541,7 @@ def _first_errors(outcome: ReplayOutcome, n: int = 3) -> None:
 
 def mesh_table(mesh: Mesh) -> Table:
     """Where each member listens; addresses never wrap (only the log path folds, on a narrow terminal)."""
-    table = Table(title=f"kvmesh: {mesh.spec.engines} engines, policy {mesh.spec.policy}")
+    table = Table(title=f"kvmesh: {_count(mesh.spec.engines, 'engine')}, policy {mesh.spec.policy}")
     for col in ("service", "pid", "gRPC", "HTTP", "metrics"):
         table.add_column(col, no_wrap=True)
     table.add_column("log", overflow="fold")
@@ -561,6 +561,11 @@ def print_table(out: Console, table: Table) -> None:
         out.print(table, crop=False)
     finally:
         out.width = width
+
+
+def _count(n: int, noun: str) -> str:
+    """``"1 engine"``, ``"4 engines"``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 KEY_PLACEHOLDER = "KEY"
@@ -1134,7 +1139,7 @@ def compare(
             f"{rs.num_gpu_blocks - 1}: raise it or lower --max-input-tokens", param_hint="--num-gpu-blocks")
     base = _run_dir(run_dir, "compare")
     console.print(_workload_line(base_wl, label, None if trace else workload), soft_wrap=True, markup=False)
-    console.print(f"{engines} engines x {rs.num_gpu_blocks} blocks of "
+    console.print(f"{_count(engines, 'engine')} x {rs.num_gpu_blocks} blocks of "
                   f"{block_size_tokens or SIMULATOR_DEFAULTS.block_size_tokens} tokens, time scale "
                   f"{time_scale}, rate scale {sweep if scales else rate_scale}"
                   f"{f', {sessions} sessions' if sessions else ''}{engine_scheduler_label(scheduler_settings)}, "
@@ -1200,7 +1205,8 @@ def compare(
                                  "slo_crossed": slo_crossed(pts, slo_ttft)}
                           for name, pts in curves.items()}
     doc = compare_document(label, engines, len(base_wl.requests), summaries, **extra)
-    title = f"{label}: {len(base_wl.requests)} requests, {engines} engines{engine_scheduler_label(scheduler_settings)}"
+    title = (f"{label}: {_count(len(base_wl.requests), 'request')}, {_count(engines, 'engine')}"
+             f"{engine_scheduler_label(scheduler_settings)}")
     print_table(console, summary_table(doc["policies"], f"{title}: median of {repeat} rounds" if repeat > 1 else title))  # type: ignore[arg-type]
     if repeat > 1:
         print_table(console, spread_table({name: rounds[name] for name in summaries}, f"{title}: over {repeat} rounds",

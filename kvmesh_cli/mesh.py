@@ -564,7 +564,8 @@ class Mesh:
         for m in self.members:  # belt and braces; after an interrupted stop, the rest at once
             with contextlib.suppress(Exception):
                 m.process.kill()
-        if self.spec.etcd is None and any(m.name == "etcd" for m in self.members):
+        if self.spec.etcd is None and self._lock.held:  # ours (its lock), also when start-up was interrupted
+            # before etcd joined the members
             # The etcd this mesh started holds only its leases and registrations, dead with it; its WAL
             # preallocates ~123 MB (two 61 MiB WAL segments), left behind by every `kvmesh up`/`compare` run. The logs stay.
             shutil.rmtree(self.spec.run_dir / "etcd", ignore_errors=True)

@@ -54,6 +54,11 @@ class RunDirLock:
         self._fd: int | None = None
         self._owner = False
 
+    @property
+    def held(self) -> bool:
+        """Whether this object holds the folder's lock now."""
+        return self._fd is not None
+
     def acquire(self, wait_s: float = 0.0, *, owner: bool = True) -> int | None:
         """Take the lock, retrying for up to ``wait_s`` seconds; as the ``owner`` (a mesh), write this
         process's pid into the file (a sweep leaves the file as it is).

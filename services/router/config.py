@@ -124,6 +124,15 @@ class RouterConfig(GrpcServiceConfig):
     admission_timeout_seconds: float = Field(35.0, gt=0, le=86400)
     """Longest wait for flow_control's dispatch decision, then 504. A few seconds above flow_control's
     default queue TTL (30 s), which normally fires first; this one bounds a hung flow_control."""
+    admission_liveness_check_seconds: float = Field(2.0, ge=0, le=3600)
+    """While an admission call waits on flow_control with no decision, every this many seconds the router asks
+    whether flow_control is alive (it answered any call meanwhile, else its health check within
+    ``health_check_timeout_seconds``). A hung one (neither) opens the breaker at once and the request is
+    admitted locally (fail-open with its cap) instead of waiting out ``admission_timeout_seconds``: a client
+    whose own timeout is shorter (30 s is common) no longer sees a full outage for as long as flow_control
+    hangs. A queued request on a live flow_control keeps waiting. Not for requests admitted on a lent credit
+    (no wait). 0, or a value not below ``admission_timeout_seconds``: off (a hang is found only at the
+    admission timeout)."""
     pick_timeout_seconds: float = Field(5.0, gt=0, le=120)
     """Deadline of one epp Pick call."""
     dependency_breaker_cool_down_seconds: float = Field(5.0, ge=0, le=600)

@@ -41,6 +41,12 @@ class FlowControlUnreachable(errors.NotReady):
     not admitted locally)."""
 
 
+class FlowControlHung(FlowControlUnreachable):
+    """An admission call got no decision for ``admission_liveness_check_seconds`` and flow_control showed no
+    sign of life meanwhile (no call answered, its health check unanswered): the call is given up and the
+    request takes the unreachable path (local admission)."""
+
+
 class AdmissionTimedOut(errors.QueueTTLExpired):
     """flow_control gave no decision within ``admission_timeout_seconds`` (hung, or far behind): 504,
     logged (rate-limited) and counted as ``kvmesh_router_degraded_total{dependency="flow_control",

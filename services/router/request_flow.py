@@ -41,7 +41,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import httpx
 import msgspec
@@ -68,6 +68,7 @@ from services.router.degraded import (
     AdmissionTimedOut,
     DegradedLog,
     DependencyBreaker,
+    FlowControlHung,
     FlowControlUnreachable,
     LocalAdmission,
     LocalPicker,
@@ -94,6 +95,12 @@ _T = TypeVar("_T")
 
 REQUEST_ID_HEADER = "x-request-id"
 ENDPOINT_HEADER = "x-kvmesh-endpoint"
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """Done callback of a task given up on: its outcome is read, so none is logged as never retrieved."""
+    if not task.cancelled():
+        task.exception()
 
 
 class ClientGone(Exception):
@@ -1183,7 +1190,7 @@ class RequestFlow:
         answered = False
         sent_at = self._clock()
         try:
-            ticket = await self._admission.admit(
+            call = self._admission.admit(
                 AdmitQuery(
                     request_id=meta.request_id,
                     flow_id=meta.flow_id,
@@ -1194,8 +1201,18 @@ class RequestFlow:
                     options=meta.admit_options,
                 )
             )
+            check_every = self._config.admission_liveness_check_seconds
+            if (on_credit or check_every <= 0 or check_every >= self._config.admission_timeout_seconds
+                    or self._flow_control_liveness is None):
+                ticket = await call
+            else:
+                ticket = await self._admission_watched(call, sent_at, check_every)
             answered = not on_credit
             return ticket
+        except FlowControlHung as exc:  # no decision and no sign of life: do not wait out the admission timeout
+            breaker.timed_out(probe)
+            probe = False
+            return self._admit_locally(exc)
         except AdmissionTimedOut as exc:  # no decision in time: the client gets 504; say so, and count it
             # Queued past the router's wait by a flow_control that is answering (a band TTL above
             # admission_timeout_seconds, a long queue under saturation) is its job, not a hang: only a
@@ -1221,6 +1238,25 @@ class RequestFlow:
                 breaker.answered(probe)
             else:
                 breaker.failed(probe)
+
+    async def _admission_watched(self, call: Awaitable[Ticket], sent_at: float, check_every: float) -> Ticket:
+        """Await the admission ``call``; each ``check_every`` seconds without a decision, ask whether
+        flow_control is alive (:meth:`_flow_control_alive`): keep waiting if so (queued), else cancel the call
+        (its Enqueue is released on the stream) and raise :class:`FlowControlHung`."""
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait((task,), timeout=check_every)
+                if done:
+                    return task.result()
+                if not await self._flow_control_alive(sent_at):
+                    waited = self._clock() - sent_at
+                    raise FlowControlHung(f"flow_control unresponsive: no admission decision in {waited:.1f}s and "
+                                          "no answer to its health check")
+        finally:
+            if not task.done():
+                task.cancel()
+                task.add_done_callback(_retrieved)
 
     async def _flow_control_alive(self, since: float) -> bool:
         """Whether flow_control is responsive after an admission call sent at ``since`` (clock) timed out:

@@ -169,6 +169,8 @@ def metadata_headers(
             if len(request.flow_id) > MAX_FLOW_ID_CHARS:  # named as the caller sent it, not as the header it becomes
                 raise errors.InvalidRequest(
                     f"'flow_id' is {len(request.flow_id)} characters (at most {MAX_FLOW_ID_CHARS})")
+            if not request.flow_id.isprintable():  # the same rule as the header's, in the field's name
+                raise errors.InvalidRequest("'flow_id' must be printable text (no control characters)")
             headers[GIE_FAIRNESS_HEADER] = request.flow_id
         if request.priority and not any(n in headers for n in (PRIORITY_HEADER, GIE_OBJECTIVE_HEADER, OBJECTIVE_HEADER)):
             headers[PRIORITY_HEADER] = str(request.priority)

@@ -58,9 +58,9 @@ def _answering(request: httpx.Request) -> httpx.Response:
     return httpx.Response(200, headers={"content-type": "application/json"}, content=JSON_BODY)
 
 
-async def _flow(address: str, cool_down: float) -> tuple[RequestFlow, AdmissionClient]:
-    config = RouterConfig(etcd_endpoints=[], early_pick=False, admission_timeout_seconds=ADMISSION_TIMEOUT,
-                          dependency_breaker_cool_down_seconds=cool_down)
+async def _flow(address: str, cool_down: float, **settings: float) -> tuple[RequestFlow, AdmissionClient]:
+    config = RouterConfig(etcd_endpoints=[], early_pick=False, **({"admission_timeout_seconds": ADMISSION_TIMEOUT}
+                          | settings), dependency_breaker_cool_down_seconds=cool_down)
     client = AdmissionClient(address, config.admission_timeout_seconds, config.admission_close_timeout_seconds,
                              credits=config.admission_credits)
     await client.connect()
@@ -149,6 +149,29 @@ async def test_a_sigstopped_flow_control_still_opens_the_breaker(flow_control, h
             assert flow.open_breakers() == ["flow_control"]  # nothing came back, not even the health check
             took, how = await _serve(flow, "local")
             assert took < ADMISSION_TIMEOUT / 2 and how in (A.id, B.id)  # admitted locally at once
+        finally:
+            os.killpg(proc.pid, signal.SIGCONT)
+    finally:
+        await flow.aclose()
+        await client.close()
+
+
+async def test_a_sigstopped_flow_control_is_found_at_the_liveness_check_not_the_admission_timeout(
+        flow_control, holder) -> None:
+    """``admission_liveness_check_seconds`` (0.3 s here) under a 3 s admission timeout, against the real
+    flow_control: a request queued on it (live: its health check answers) still waits out the timeout and
+    leaves the breaker closed; SIGSTOPped, a request is admitted locally after about one check (not 3 s)."""
+    proc, address = flow_control
+    flow, client = await _flow(address, cool_down=5.0, admission_timeout_seconds=3.0,
+                               admission_liveness_check_seconds=0.3)
+    try:
+        took, how = await _serve(flow, "queued")
+        assert how == "AdmissionTimedOut" and took >= 3.0 and flow.open_breakers() == []
+        os.killpg(proc.pid, signal.SIGSTOP)
+        try:
+            took, how = await _serve(flow, "hung")
+            assert how in (A.id, B.id) and took < 2.5, (took, how)  # the check (0.3 s) + the health check (0.5 s)
+            assert flow.open_breakers() == ["flow_control"]
         finally:
             os.killpg(proc.pid, signal.SIGCONT)
     finally:

@@ -303,3 +303,52 @@ async def test_a_real_epp_slow_on_one_pick_while_answering_the_others_is_not_hun
         await flow.aclose()
         await picker.close()
         await server.stop(0)
+
+
+@dataclass
+class _WaitsLong(_QueueingAdmission):
+    """flow_control with no decision for ``wait`` s (far past the liveness check interval, short of the router's
+    admission timeout); its health check answers ``status``. ``released``: calls given up (cancelled)."""
+
+    wait: float = 30.0
+    released: int = 0
+
+    async def admit(self, request: AdmitQuery) -> FakeTicket:
+        self.calls += 1
+        try:
+            await asyncio.sleep(self.wait)
+        except asyncio.CancelledError:
+            self.released += 1
+            raise
+        return FakeTicket()
+
+
+async def test_a_hung_flow_control_is_found_within_the_liveness_interval_not_the_admission_timeout() -> None:
+    """A fresh-user trial: SIGSTOP on flow_control, clients with a 30 s timeout (under the router's 35 s
+    admission timeout): no request was served for as long as the hang lasted, as the breaker opened only at
+    the admission timeout. Now each waiting call checks flow_control's liveness every
+    ``admission_liveness_check_seconds``: hung, the call is given up (released), the breaker opens, and the
+    request and those after it are admitted locally."""
+    admission = _WaitsLong(status="DEADLINE_EXCEEDED")
+    flow = _flow(admission, _SlowPicks(delay=0.0), admission_liveness_check_seconds=0.2, admission_timeout_seconds=35)
+    try:
+        results = await asyncio.gather(*(_serve(flow, f"h{i}") for i in range(3)))
+        assert all(how in (A.id, B.id) for _, how in results), results  # served, locally admitted
+        assert all(took < 2.0 for took, _ in results), results  # ~ the interval + one health check (0.2 s)
+        assert flow.open_breakers() == ["flow_control"] and admission.released == 3
+        took, how = await _serve(flow, "next")
+        assert took < 0.2 and how in (A.id, B.id) and admission.calls == 3  # breaker open: not asked
+        assert flow.local_admission.in_flight == 0
+    finally:
+        await flow.aclose()
+
+
+async def test_a_long_queue_on_a_live_flow_control_keeps_waiting_past_the_liveness_checks() -> None:
+    admission = _WaitsLong(status="SERVING", wait=0.7)
+    flow = _flow(admission, _SlowPicks(delay=0.0), admission_liveness_check_seconds=0.1, admission_timeout_seconds=35)
+    try:
+        took, how = await _serve(flow, "queued")
+        assert how in (A.id, B.id) and took >= 0.7  # its decision, after checks that found it alive
+        assert admission.checks >= 1 and admission.released == 0 and flow.open_breakers() == []  # (a verdict is reused 1 s)
+    finally:
+        await flow.aclose()

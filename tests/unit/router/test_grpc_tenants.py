@@ -268,3 +268,13 @@ def test_a_long_flow_id_is_refused_by_its_field_name() -> None:
         metadata_headers((), router_pb2.CompletionRequest(model=MODEL, prompt="x", flow_id="f" * 1000))
     assert metadata_headers((), router_pb2.CompletionRequest(model=MODEL, prompt="x", flow_id="f" * 256))[
         "x-gateway-inference-fairness-id"] == "f" * 256
+
+
+@pytest.mark.parametrize("flow_id", ["\x00\n\u2603", "tab\there", "bell\x07", "line\nbreak", "\u200b\u2028"])
+def test_a_flow_id_with_control_characters_is_refused_by_its_field_name(flow_id: str) -> None:
+    """The sibling of the length check (a fresh-user trial: ``flow_id="\\x00\\n☃"`` got "'x-gateway-inference-fairness-id'
+    header must be printable text"): the error names the field; printable text, non-ASCII included, passes."""
+    with pytest.raises(errors.InvalidRequest, match=r"^'flow_id' must be printable text \(no control characters\)$"):
+        metadata_headers((), router_pb2.CompletionRequest(model=MODEL, prompt="x", flow_id=flow_id))
+    assert metadata_headers((), router_pb2.CompletionRequest(model=MODEL, prompt="x", flow_id="équipe ☃"))[
+        "x-gateway-inference-fairness-id"] == "équipe ☃"
