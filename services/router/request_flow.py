@@ -125,7 +125,6 @@ class EngineStalled(EngineFailed):
 SHUTDOWN_MESSAGE = "the server is shutting down; retry the request"
 
 
-
 class ShuttingDown(EngineFailed):
     """The router is stopping and the request was still waiting on its engine (503 + ``retry-after``,
     or the in-stream error event when the answer had started)."""

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -36,42 +37,38 @@ def _ignore_sigint() -> None:  # as a shell starts a background job
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def test_sigint_during_the_cli_import_ends_a_background_kvmesh_up(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
+def _interrupted_up(run_dir: Path, when: Callable[[subprocess.Popen[bytes]], bool], what: str) -> tuple[int, str]:
+    """Start ``kvmesh up`` as a background job (SIGINT ignored), send SIGINT once ``when(proc)`` holds (polled
+    every 2 ms, at most 60 s), and return its exit code and output."""
     proc = subprocess.Popen([str(KVMESH), "up", "--engines", "1", "--run-dir", str(run_dir)], preexec_fn=_ignore_sigint,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 20
-        while not _catches(proc.pid, signal.SIGINT) and proc.poll() is None and time.monotonic() < deadline:
+        deadline = time.monotonic() + 60
+        while not when(proc) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.002)
-        assert proc.poll() is None, "exited before catching SIGINT"
-        proc.send_signal(signal.SIGINT)  # the CLI is still importing (it takes ~0.5 s)
+        assert proc.poll() is None and when(proc), what
+        proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    text = out.decode(errors="replace")
-    assert proc.returncode == 130, text
+    return proc.returncode, out.decode(errors="replace")
+
+
+def test_sigint_during_the_cli_import_ends_a_background_kvmesh_up(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    # the CLI is still importing when its handler appears (the import takes ~0.5 s)
+    code, text = _interrupted_up(run_dir, lambda proc: _catches(proc.pid, signal.SIGINT), "exited before catching SIGINT")
+    assert code == 130, text
     assert "interrupted (signal 2)" in text and "Traceback" not in text, text
     assert "kvmesh ready" not in text and not (run_dir / "etcd").exists(), text
 
 
 def test_sigint_while_etcd_starts_leaves_no_etcd_and_no_data(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([str(KVMESH), "up", "--engines", "1", "--run-dir", str(run_dir)], preexec_fn=_ignore_sigint,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while not (run_dir / "etcd").exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.002)
-        assert (run_dir / "etcd").exists(), "etcd never started"
-        proc.send_signal(signal.SIGINT)  # etcd has its data folder, and is not yet answering (or just is)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = out.decode(errors="replace")
-    assert proc.returncode == 130, text
+    # etcd has its data folder, and is not yet answering (or just is)
+    code, text = _interrupted_up(run_dir, lambda proc: (run_dir / "etcd").exists(), "etcd never started")
+    assert code == 130, text
     assert "interrupted (signal 2)" in text and "Traceback" not in text, text
     assert not (run_dir / "etcd").exists(), (sorted(p.name for p in run_dir.iterdir()), text)
     etcds = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline_has(p, str(run_dir / "etcd"))]
