@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -526,6 +526,11 @@ SPREAD_KEYS = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_first_call_p50_s"
 """The metrics ``compare --repeat`` shows with their range over the rounds (:func:`spread_table`)."""
 
 
+def _numbers(values: Iterable[object]) -> list[float]:
+    """The numbers among ``values`` (bools and None left out)."""
+    return [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+
+
 def median_summary(rounds: Sequence[Mapping[str, object]]) -> dict[str, object]:
     """One column's summary over repeated rounds of the same run (``compare --repeat``).
 
@@ -537,7 +542,7 @@ def median_summary(rounds: Sequence[Mapping[str, object]]) -> dict[str, object]:
     out: dict[str, object] = dict(rounds[0])
     for key in {k for r in rounds for k in r}:
         values = [r.get(key) for r in rounds]
-        numbers = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+        numbers = _numbers(values)
         if numbers:
             out[key] = statistics.median(numbers)
         elif key not in out:
@@ -560,7 +565,7 @@ def spread_table(columns: Mapping[str, Sequence[Mapping[str, object]]], title: s
             label = f"goodput (req/s, TTFT <= {slo_ttft_s:g} s)"
         cells = []
         for rounds in columns.values():
-            values = [v for r in rounds if isinstance(v := r.get(key), int | float) and not isinstance(v, bool)]
+            values = _numbers(r.get(key) for r in rounds)
             cells.append("-" if not values else
                          f"{fmt(statistics.median(values), kind)} ({fmt(min(values), kind)}-{fmt(max(values), kind)})")
         if any(c != "-" for c in cells):

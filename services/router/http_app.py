@@ -514,7 +514,7 @@ class _ProxiedAnswer(Response):
                     await send({"type": "http.response.body", "body": chunk.raw, "more_body": True})
             except EngineFailed as exc:
                 if session.content_type.startswith("text/event-stream"):
-                    await send({"type": "http.response.body", "body": _error_event(session, exc), "more_body": True})
+                    await send({"type": "http.response.body", "body": _error_event(exc), "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 raise
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -574,7 +574,7 @@ def _retry_after(engine_value: str | None, default_seconds: int) -> str:
     return str(default_seconds)
 
 
-def _error_event(session: FlowSession, exc: EngineFailed) -> bytes:
+def _error_event(exc: EngineFailed) -> bytes:
     """The in-stream error (vLLM's convention): ``data: {"error": {...}}`` then ``data: [DONE]``."""
     if isinstance(exc, EngineStalled | ShuttingDown):  # its own words: a hung engine, the router stopping
         err = http_error(exc)
