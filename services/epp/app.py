@@ -69,7 +69,7 @@ def build_service(config: EppConfig) -> GrpcService:
         tokenizer=tokenizer,
     )
     profile = build_profile(data, default_registry(), handle, source=source)
-    datastore = Datastore()
+    datastore = Datastore(routed_half_life_seconds=config.routed_half_life_seconds)
     live_filter = LiveEndpointFilter(
         "live-endpoints",
         LiveEndpointFilterParams(

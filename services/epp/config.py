@@ -42,6 +42,9 @@ class EppConfig(GrpcServiceConfig):
     """An endpoint whose last good scrape is older than this is not a candidate. The age counts only the
     time epp's own event loop could run (its stalls are measured and not held against the engines;
     services/epp/datastore.py, "Freshness net of epp's own lag")."""
+    routed_half_life_seconds: float = Field(300.0, gt=0, le=86_400)
+    """Half-life of each pick's uncached prompt tokens in an endpoint's routed prefill, which
+    ``routed-prefill-scorer`` spreads new sessions by (services/epp/datastore.py, "Routed prefill")."""
     max_consecutive_scrape_failures: int = Field(3, ge=1, le=1000)
     """An endpoint whose scrape failed this many times in a row is not a candidate."""
     tokenize_timeout_seconds: float = Field(2.0, gt=0, le=60)

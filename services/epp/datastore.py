@@ -54,6 +54,15 @@ epp did not pick are not counted. Only picks with a request id count (a completi
 ``ceil(running + waiting) + pending`` of them count, so a lost completion cannot hold load for long
 while the engine shows fewer requests.
 
+Routed prefill (``routed_prefill_tokens``, issue 9): the uncached prompt tokens of epp's picks to an
+endpoint, each decaying with a half-life of ``routed_half_life_seconds`` (300 s) from its pick:
+``routed(e, t) = sum_i tokens_i * 2 ** (-(t - t_i) / half_life)``. It is the content epp has placed on an
+endpoint lately, the counterpart of the tree size by which SGLang's and vLLM's router ``cache_aware``
+place a request that matches no worker (``smallest tree``): an engine's agent sessions between calls
+(thinking, running tools) leave its queue empty but will come back to it, so the queue alone says
+nothing of them. Kept as one decayed sum per endpoint (O(1) per pick and read); a pick dropped as
+never delivered or superseded by a re-pick takes its tokens back (decayed as they were).
+
 Freshness net of epp's own lag (``age_seconds``): an endpoint's metrics age is the time since its last
 good scrape *minus the time epp's own event loop could not run* since then, so metrics that are old only
 because epp could not run its scrapes (a long synchronous stretch such as tokenizing big prompts, a GC
@@ -129,6 +138,9 @@ DEFAULT_PREFILL_TTL_SECONDS = 120.0
 DEFAULT_ACTIVE_TTL_SECONDS = 600.0
 """An in-flight pick whose completion never came stops counting as active after this long (the router's
 default ``request_timeout_seconds``: no request it sends lives longer)."""
+DEFAULT_ROUTED_HALF_LIFE_SECONDS = 300.0
+"""``EppConfig.routed_half_life_seconds``' default. Half-life of a pick's tokens in ``routed_prefill_tokens`` (module docstring, "Routed prefill"): a few
+times an agent session's think time, so the sessions placed on an endpoint over the last minutes count."""
 _PICK_HISTORY = 4096
 """Most picks remembered per endpoint (for their prefill tokens)."""
 _IN_FLIGHT_IDS = 65536
@@ -239,6 +251,9 @@ class _EndpointState:
     """Request id -> (clock time, whole prompt tokens) of epp's picks here not yet reported completed, oldest first."""
     active_tokens: int = 0
     """Sum of ``active``'s prompt tokens."""
+    routed: float = 0.0
+    """Decayed uncached prompt tokens of the picks here, as of ``routed_at`` (module docstring, "Routed prefill")."""
+    routed_at: float = 0.0
     snapshot: Candidate | None = None
     """The last :class:`Candidate` built; dropped by every change of this state (scrape, pick)."""
     snapshot_at: float = 0.0
@@ -263,8 +278,12 @@ class Datastore:
     def __init__(self, clock: Clock | None = None,
                  pending_pick_ttl_seconds: float = DEFAULT_PENDING_PICK_TTL_SECONDS,
                  prefill_ttl_seconds: float = DEFAULT_PREFILL_TTL_SECONDS,
-                 active_ttl_seconds: float = DEFAULT_ACTIVE_TTL_SECONDS) -> None:
+                 active_ttl_seconds: float = DEFAULT_ACTIVE_TTL_SECONDS,
+                 routed_half_life_seconds: float = DEFAULT_ROUTED_HALF_LIFE_SECONDS) -> None:
+        if not routed_half_life_seconds > 0:
+            raise ValueError(f"routed_half_life_seconds must be > 0, got {routed_half_life_seconds}")
         self._clock = clock or SystemClock()
+        self._routed_half_life = routed_half_life_seconds
         self._pending_ttl = pending_pick_ttl_seconds
         self._prefill_ttl = prefill_ttl_seconds
         self._active_ttl = active_ttl_seconds
@@ -450,6 +469,7 @@ class Datastore:
                 if earlier is not None:
                     self._drop_pick(earlier, request_id)
             state.picks.append((now, max(0, prefill_tokens), request_id))
+            self._add_routed(state, now, max(0, prefill_tokens), now)
             if request_id and prompt_tokens > 0:
                 active = state.active
                 previous = active.pop(request_id, None)
@@ -514,8 +534,17 @@ class Datastore:
             served.completions.append(self._clock.now())
         return found
 
-    @staticmethod
-    def _drop_pick(state: _EndpointState, request_id: str) -> bool:
+    def _add_routed(self, state: _EndpointState, at: float, tokens: float, now: float) -> None:
+        """Add ``tokens`` picked at ``at`` (negative: take them back) to ``state``'s decayed routed prefill,
+        decaying what it held to ``now`` first; never below 0 (rounding)."""
+        if tokens == 0:
+            return
+        h = self._routed_half_life
+        held = state.routed * 2.0 ** (-(now - state.routed_at) / h) if state.routed else 0.0
+        state.routed = max(0.0, held + tokens * 2.0 ** (-(now - at) / h))
+        state.routed_at = now
+
+    def _drop_pick(self, state: _EndpointState, request_id: str) -> bool:
         """Forget ``request_id``'s latest pick to ``state``'s endpoint as one the engine never held:
         out of ``picks`` and ``picks_total`` (a scrape then reconciles the engine's counts without it;
         should the engine have received it after all, the reconcile clamps at 0), out of the pending
@@ -528,6 +557,8 @@ class Datastore:
                 found = after
                 break
         if found >= 0:
+            at, tokens, _ = picks[len(picks) - 1 - found]
+            self._add_routed(state, at, -tokens, self._clock.now())
             del picks[len(picks) - 1 - found]
             state.picks_total -= 1
             if state.pending_picks > found:
@@ -598,6 +629,8 @@ class Datastore:
             known_unprefilled_requests=known,
             queued_prefill_tokens=queued_tokens,
             active_prompt_tokens=active_tokens,
+            routed_prefill_tokens=(state.routed * 2.0 ** (-(now - state.routed_at) / self._routed_half_life)
+                                   if state.routed else 0.0),
         )
         candidate = state.snapshot = Candidate(state.endpoint, metrics)
         state.snapshot_at = now

@@ -83,6 +83,7 @@ class GrpcPrefixIndex:
             reply.total_blocks,
             {s.endpoint_id: s.matched_blocks for s in reply.scores},
             {s.endpoint_id: dict(s.matched_blocks_by_medium) for s in reply.scores if s.matched_blocks_by_medium},
+            {s.endpoint_id: s.reached_blocks for s in reply.scores if s.reached_blocks},
         )
 
     async def close(self) -> None:

@@ -24,6 +24,7 @@ here the feed is only the :class:`EventFeed` port. Everything runs on one asynci
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import time
@@ -227,7 +228,8 @@ class BlockIndexer:
             for folded in fold_scores(locations, reach, allowed, result.block_size_tokens):
                 own = engines.get(folded.endpoint_id)
                 if own is None or folded.matched_blocks >= own.matched_blocks:
-                    engines[folded.endpoint_id] = folded
+                    held = own.matched_blocks if own is not None else 0
+                    engines[folded.endpoint_id] = dataclasses.replace(folded, reached_blocks=folded.matched_blocks - held)
         scores = sorted(engines.values(), key=lambda s: (-s.matched_blocks, s.endpoint_id))
         return IndexerScore(ScoreResult(scores, result.total_blocks, result.block_size_tokens), answer.state, answer.unknown)
 

@@ -137,6 +137,7 @@ class KVIndexerServicer(kv_indexer_pb2_grpc.KVIndexerServicer):
                     matched_blocks=s.matched_blocks,
                     matched_tokens=s.matched_tokens,
                     matched_blocks_by_medium={str(m): n for m, n in s.matched_blocks_by_medium.items()},
+                    reached_blocks=s.reached_blocks,
                 )
                 for s in result.scores
             ],

@@ -24,6 +24,7 @@ from kvmesh.kv_events import BlockStored
 from kvmesh.membership import LeaseRegistration, endpoint_key
 from kvmesh.types import KV_STORES_LABEL, Endpoint, EndpointId
 from kvmesh_cli.launcher import free_port
+from services.epp.kv_indexer_client import GrpcPrefixIndex
 from tests.support import wait_until_async
 
 MODEL = "tiny"
@@ -94,6 +95,15 @@ async def test_kv_store_residency_reaches_scores_per_medium(start_service, etcd:
         assert e3.id not in got  # reaches no kv_store
         # E2's kv_store B mounts the same shared path: block 0 (SHARED) is reachable, block 1 is not
         assert got[e2.id] == (1, {"SHARED": 1})
+        # the engines hold none of it themselves: every matched block is one only a kv_store holds
+        response = await index.Score(ipb.ScoreRequest(model=MODEL, token_ids=TOKENS))
+        assert {s.endpoint_id: s.reached_blocks for s in response.scores} == {e1.id: BLOCKS, e2.id: 1}
+        epp_view = GrpcPrefixIndex(indexer_address, 5.0)  # epp's reading of it
+        try:
+            match = await epp_view.score(MODEL, TOKENS, [])
+        finally:
+            await epp_view.close()
+        assert match.reached_blocks == {e1.id: BLOCKS, e2.id: 1} and match.held(e1.id) == 0
 
         lookup = await index.Lookup(ipb.LookupRequest(model=MODEL, token_ids=TOKENS))
         assert {h.endpoint_id for h in lookup.blocks[0].holders} == {e1.id, e2.id}

@@ -108,6 +108,8 @@ class EndpointMetrics:
         queued_prefill_tokens: prompt tokens (uncached at pick time) of those known requests (tokens).
         active_prompt_tokens: whole prompts of epp's picks here not yet completed (tokens; Dynamo's
             active blocks, services/epp/datastore.py "Active prompt tokens").
+        routed_prefill_tokens: uncached prompt tokens of epp's picks here, each decayed by its age with the
+            datastore's half-life (tokens; services/epp/datastore.py "Routed prefill").
     """
 
     num_requests_waiting: float = 0.0
@@ -121,6 +123,7 @@ class EndpointMetrics:
     known_unprefilled_requests: int = 0
     queued_prefill_tokens: int = 0
     active_prompt_tokens: int = 0
+    routed_prefill_tokens: float = 0.0
 
     @property
     def queue_depth(self) -> float:
@@ -317,11 +320,23 @@ class PrefixMatch:
     (``"GPU"``, ``"CPU"``, ``"DISK"``, ``"SHARED"``; a block on two media counts in both: kv_indexer's
     ``EndpointScore.matched_blocks_by_medium``). Empty when the index does not say (then every matched
     block is taken to be on GPU).
+
+    ``reached_blocks``: per endpoint, of its matched blocks how many lie past its own longest run: blocks it
+    can only load from a kv_store it reaches (kv_indexer's ``EndpointScore.reached_blocks``; absent: 0).
+    :meth:`held` is what the endpoint itself holds: the match that says where a session's history *is*
+    (``session-affinity-scorer``, ``precise-prefix-cache-scorer``), while every endpoint reaching one
+    kv_store can load the same history.
     """
 
     total_blocks: int
     matched_blocks: dict[str, int]
     matched_blocks_by_medium: dict[str, dict[str, int]] = field(default_factory=dict)
+    reached_blocks: dict[str, int] = field(default_factory=dict)
+
+    def held(self, endpoint_id: str) -> int:
+        """Matched blocks ``endpoint_id`` holds itself (its own GPU/CPU/DISK copies), >= 0."""
+        matched = self.matched_blocks.get(endpoint_id, 0)
+        return matched - self.reached_blocks.get(endpoint_id, 0) if self.reached_blocks else matched
 
 
 class PrefixIndex(Protocol):

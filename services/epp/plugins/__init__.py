@@ -11,13 +11,14 @@ from services.epp.plugins.scorers import (
     precise_prefix_cache,
     prefill_cost,
     queue,
+    routed_prefill,
     session_affinity,
     tier_cost,
 )
 
 _MODULES = (
     prefix_match, live_endpoint, queue, kv_cache_utilization, precise_prefix_cache, prefill_cost, tier_cost, max_score,
-    random_picker, round_robin, session_affinity,
+    random_picker, round_robin, session_affinity, routed_prefill,
 )
 
 

@@ -83,12 +83,15 @@ class EndpointScore:
         matched_tokens: ``matched_blocks * block_size_tokens`` of that endpoint.
         matched_blocks_by_medium: of the matched blocks, how many it holds on each medium (a block
             on two media counts in both).
+        reached_blocks: of ``matched_blocks``, how many lie past the endpoint's own longest run: blocks it
+            can only load from a kv_store it reaches (folded by the indexer; 0 when nothing is folded).
     """
 
     endpoint_id: EndpointId
     matched_blocks: int
     matched_tokens: int
     matched_blocks_by_medium: Mapping[Medium, int] = field(default_factory=dict)
+    reached_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)

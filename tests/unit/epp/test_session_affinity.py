@@ -107,3 +107,23 @@ def test_profile_keeps_the_session_against_a_lighter_queue_then_sheds_it() -> No
         state.set(PREFIX_MATCH, PrefixMatch(32, {h.id: 19}))  # 19/32 = 0.59
         ranked = profile.run(state, SchedulingRequest(model="m", token_ids=PROMPT), [h, idle]).ranked
         assert ranked[0].id == (h.id if stays else idle.id), queued
+
+
+def test_a_history_every_endpoint_can_load_from_a_kv_store_keeps_its_own_holder() -> None:
+    """The case (measured with ``+cpu+kv_store`` engines: 2 % GPU hits, sessions everywhere): kv_indexer
+    folds a kv_store's blocks into every engine reaching it, so every engine "matches" the whole history.
+    Only the engine holding it itself (``matched - reached``) is the session's holder; the siblings:
+    the precise prefix share counts held blocks only, and the same without folding is unchanged."""
+    from services.epp.plugins.scorers.precise_prefix_cache import PrecisePrefixCacheScorer
+
+    scorer = SessionAffinityScorer("s")
+    a, b, c = _cand(1), _cand(2), _cand(3)
+    folded = PrefixMatch(32, {a.id: 32, b.id: 32, c.id: 32}, reached_blocks={b.id: 32, c.id: 20})
+    assert _score(scorer, folded, [a, b, c]) == {a.id: 1.0, b.id: 0.0, c.id: 0.0}  # c holds 12 < 16
+    assert folded.held(a.id) == 32 and folded.held(b.id) == 0 and folded.held(c.id) == 12
+    state = CycleState()
+    state.set(PREFIX_MATCH, folded)
+    prefix = PrecisePrefixCacheScorer("p").score(state, SchedulingRequest(model="m", token_ids=PROMPT), [a, b, c])
+    assert prefix == {a.id: 1.0, b.id: 0.0, c.id: 12 / 32}
+    plain = PrefixMatch(32, {a.id: 32, c.id: 12})
+    assert _score(scorer, plain, [a, b, c]) == {a.id: 1.0, b.id: 0.0, c.id: 0.0}

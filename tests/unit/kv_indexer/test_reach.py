@@ -150,3 +150,21 @@ def test_parity_monitor_takes_offload_placeholders_for_what_they_are() -> None:
     parity.check(E3, BlockStored(block_hashes=[8], parent_block_hash=None, token_ids=[1] * (B * 2), block_size=B * 2,
                                  medium="GPU"))
     assert set(parity.mismatches()) == {E3}
+
+
+def reached(indexer: BlockIndexer) -> dict[EndpointId, int]:
+    return {s.endpoint_id: s.reached_blocks for s in indexer.score("m", TOKENS).result.scores}
+
+
+async def test_reached_blocks_say_how_much_of_a_match_only_a_kv_store_holds() -> None:
+    """A folded match says which part the engine holds itself: E1 holds blocks 0-1 and reaches 0-3 in S1,
+    E2 and E1 reach 0-4 through the shared namespace, E3 holds 0-2 and reaches nothing. Routing keeps
+    a session where its history is (the engine's own copy), not wherever a kv_store could load it."""
+    indexer, pool, seqs = await setup()
+    await send(pool, seqs, E1, blocks(0, 2))
+    await send(pool, seqs, E3, blocks(0, 3))
+    await send(pool, seqs, S1, blocks(0, 4, "CPU"))
+    assert reached(indexer) == {E1: 2, E3: 0}
+    await send(pool, seqs, S2, blocks(0, 5, "SHARED"))
+    assert reached(indexer) == {E1: 3, E2: 5, E3: 0}  # E1: 5 matched (own 0-1, S1's CPU 2-3, shared 4)
+    await pool.shutdown()

@@ -9,8 +9,11 @@ Inputs consumed:
     (which tokenizes the prompt when needed and asks kv_indexer); a profile with this scorer and no
     ``prefix-match`` step is refused at config load.
 Math:
-    ``score(e) = matched_blocks(e) / total_blocks``, with ``total_blocks`` the prompt's full blocks;
-    0 for every endpoint when the prompt has no full block or there is no match.
+    ``score(e) = held(e) / total_blocks``, with ``total_blocks`` the prompt's full blocks and ``held(e)``
+    the matched blocks the endpoint holds itself (``matched_blocks - reached_blocks``: blocks it could only
+    load from a kv_store it reaches do not count, since every endpoint reaching that kv_store could; llm-d's
+    scorer reads engines' own KV events only); 0 for every endpoint when the prompt has no full block or
+    there is no match.
 Parameters:
     none (tokenization is the ``prefix-match`` step's ``tokenize``).
 Example YAML::
@@ -66,8 +69,11 @@ class PrecisePrefixCacheScorer(Scorer):
             return dict.fromkeys([c.id for c in candidates], 0.0)
         total = match.total_blocks
         scores = dict.fromkeys([c.id for c in candidates], 0.0)
+        reached = match.reached_blocks
         for endpoint_id, blocks in match.matched_blocks.items():  # only the endpoints holding a prefix
             key = EndpointId(endpoint_id)
             if key in scores:
+                if reached:  # what it holds itself: every endpoint reaching one kv_store could load the rest
+                    blocks -= reached.get(endpoint_id, 0)
                 scores[key] = blocks / total  # > 1 is a kv_indexer bug: rejected
         return scores

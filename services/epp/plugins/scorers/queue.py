@@ -45,6 +45,16 @@ def factory(name: str, params: Mapping[str, Any], handle: PluginHandle) -> Queue
     return QueueScorer(name)
 
 
+def min_max_least(ids: Sequence[EndpointId], values: Sequence[float]) -> dict[EndpointId, float]:
+    """``(max - v) / (max - min)`` per id (the least value scores 1, the most 0); all 1 when the values are
+    equal. ``ids`` and ``values`` pair up and are non-empty. Pure."""
+    low, high = min(values), max(values)
+    if high == low:
+        return dict.fromkeys(ids, 1.0)
+    span = high - low
+    return dict(zip(ids, [(high - v) / span for v in values], strict=True))
+
+
 class QueueScorer(Scorer):
     type_name = TYPE
     category = ScorerCategory.DISTRIBUTION
@@ -54,9 +64,4 @@ class QueueScorer(Scorer):
     ) -> dict[EndpointId, float]:
         # metrics.queue_depth, inlined (one pass over 100 candidates per pick, no property calls)
         queues = [m.num_requests_waiting + m.num_requests_running + m.pending_picks for m in map(_metrics, candidates)]
-        low, high = min(queues), max(queues)
-        ids = [c.id for c in candidates]
-        if high == low:
-            return dict.fromkeys(ids, 1.0)
-        span = high - low
-        return dict(zip(ids, [(high - q) / span for q in queues], strict=True))
+        return min_max_least([c.id for c in candidates], queues)

@@ -14,7 +14,9 @@ Inputs consumed:
     ``queued_prefill_tokens`` / ``unprefilled_requests`` / ``known_unprefilled_requests`` (epp's picks
     there without a first token yet, with their uncached tokens; pending picks included, freed when
     the router reports a completion) and ``block_size_tokens``.
-Math (``m(e)`` matched blocks, ``T`` the prompt's full blocks, ``b`` block size, ``P`` prompt tokens)::
+Math (``m(e)`` matched blocks the endpoint holds itself: ``PrefixMatch.held``, without blocks it could only
+load from a kv_store it reaches, which every endpoint reaching that kv_store could; ``T`` the prompt's full
+blocks, ``b`` block size, ``P`` prompt tokens)::
 
     holder(e)   = m(e) >= min_match_fraction * T  and  m(e) > 0
     queued(e)   = queued_prefill_tokens(e) + unknown(e) * guess(e)         (as prefill-cost-scorer)
@@ -114,7 +116,11 @@ class SessionAffinityScorer(Scorer):
             return scores
         p = self.params
         need = p.min_match_fraction * match.total_blocks
-        holders = [(c, n) for c in candidates if (n := match.matched_blocks.get(c.id, 0)) > 0 and n >= need]
+        held = match.matched_blocks
+        if match.reached_blocks:  # PrefixMatch.held for every endpoint, in one pass
+            reached = match.reached_blocks
+            held = {e: n - reached.get(e, 0) for e, n in held.items()}
+        holders = [(c, n) for c in candidates if (n := held.get(c.id, 0)) > 0 and n >= need]
         if not holders:
             return scores
         prompt = len(prompt_token_ids(state, request))

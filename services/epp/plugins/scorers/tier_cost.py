@@ -28,7 +28,10 @@ Math (seconds; ``P`` = prompt tokens, ``b`` = block size of ``e``, ``m`` = match
     steps(e)    = max(1, ceil(work(e) / max_num_batched_tokens))
     ttft(e)     = work(e) * prefill_seconds_per_token
                   + steps(e) * (step_base_seconds + running(e) * decode_seconds_per_seq) + load(e)
-    dup(e)      = (max_c m(c) - m) * b                                (the history e would newly hold)
+    dup(e)      = (max_c h(c) - h(e)) * b                             (the history e would newly hold; h = held,
+                                                                       PrefixMatch.held: m less the blocks only
+                                                                       reachable in a kv_store, which e still
+                                                                       loads into its own pool)
     occ(e)      = clamp(max(kv_cache_usage_perc(e), occupancy_floor), 0, 1)
     evict(e)    = eviction_weight * occ(e) * dup(e) * prefill_seconds_per_token
     cost(e)     = ttft(e) + evict(e)
@@ -204,7 +207,7 @@ class TierCostModel:
         duplicate (``longest`` = the most blocks any candidate matched); 0 on the endpoint holding it."""
         if self.eviction_weight <= 0 or match is None or match.total_blocks <= 0:
             return 0.0
-        dup_blocks = longest - match.matched_blocks.get(candidate.id, 0)
+        dup_blocks = longest - match.held(candidate.id)
         if dup_blocks <= 0:
             return 0.0
         m = candidate.metrics
@@ -227,7 +230,7 @@ def tier_costs(candidates: Sequence[Candidate], prompt_tokens: int, match: Prefi
     """``cost(e)`` (expected TTFT + the eviction a move causes) in seconds per candidate; pure."""
     longest = 0
     if match is not None and match.total_blocks > 0:
-        longest = max((match.matched_blocks.get(c.id, 0) for c in candidates), default=0)
+        longest = max((match.held(c.id) for c in candidates), default=0)
     return {c.id: model.cost_seconds(c, prompt_tokens, match, longest) for c in candidates}
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmesh._proto.kvmesh.common.v1 import common_pb2 as kvmesh_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%kvmesh/kv_indexer/v1/kv_indexer.proto\x12\x14kvmesh.kv_indexer.v1\x1a\x1dkvmesh/common/v1/common.proto\"m\n\x0cScoreRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x14\n\x0c\x65ndpoint_ids\x18\x03 \x03(\t\x12\x11\n\tlora_name\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\xf4\x01\n\rEndpointScore\x12\x13\n\x0b\x65ndpoint_id\x18\x01 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x02 \x01(\r\x12\x16\n\x0ematched_tokens\x18\x03 \x01(\r\x12`\n\x18matched_blocks_by_medium\x18\x04 \x03(\x0b\x32>.kvmesh.kv_indexer.v1.EndpointScore.MatchedBlocksByMediumEntry\x1a<\n\x1aMatchedBlocksByMediumEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\xc4\x01\n\rScoreResponse\x12\x33\n\x06scores\x18\x01 \x03(\x0b\x32#.kvmesh.kv_indexer.v1.EndpointScore\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\r\x12\x19\n\x11\x62lock_size_tokens\x18\x03 \x01(\r\x12/\n\x05state\x18\x04 \x01(\x0e\x32 .kvmesh.kv_indexer.v1.IndexState\x12\x1c\n\x14unknown_endpoint_ids\x18\x05 \x03(\t\"X\n\rLookupRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tlora_name\x18\x03 \x01(\t\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"L\n\x0b\x42lockHolder\x12\x13\n\x0b\x65ndpoint_id\x18\x01 \x01(\t\x12(\n\x06medium\x18\x02 \x01(\x0e\x32\x18.kvmesh.common.v1.Medium\"V\n\rBlockLocation\x12\x11\n\tblock_key\x18\x01 \x01(\x04\x12\x32\n\x07holders\x18\x02 \x03(\x0b\x32!.kvmesh.kv_indexer.v1.BlockHolder\"E\n\x0eLookupResponse\x12\x33\n\x06\x62locks\x18\x01 \x03(\x0b\x32#.kvmesh.kv_indexer.v1.BlockLocation\"\x0e\n\x0cStatsRequest\"\x87\x01\n\x12\x45ndpointIndexStats\x12\x13\n\x0b\x65ndpoint_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\x16\n\x0e\x65vents_applied\x18\x03 \x01(\x04\x12\x10\n\x08last_seq\x18\x04 \x01(\x04\x12\r\n\x05state\x18\x05 \x01(\t\x12\x13\n\x0binstance_id\x18\x06 \x01(\t\"\xc1\x02\n\rStatsResponse\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x04\x12\x11\n\tendpoints\x18\x02 \x01(\x04\x12\x16\n\x0e\x65vents_applied\x18\x03 \x01(\x04\x12\x17\n\x0f\x62\x61tches_dropped\x18\x04 \x01(\x04\x12>\n\x0cper_endpoint\x18\x05 \x03(\x0b\x32(.kvmesh.kv_indexer.v1.EndpointIndexStats\x12\r\n\x05ready\x18\x06 \x01(\x08\x12T\n\x11parity_mismatches\x18\x07 \x03(\x0b\x32\x39.kvmesh.kv_indexer.v1.StatsResponse.ParityMismatchesEntry\x1a\x37\n\x15ParityMismatchesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\",\n\x15\x45ndpointBlocksRequest\x12\x13\n\x0b\x65ndpoint_id\x18\x01 \x01(\t\"=\n\x16\x45ndpointBlocksResponse\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\r\n\x05state\x18\x02 \x01(\t\"\x1e\n\x0cWatchRequest\x12\x0e\n\x06models\x18\x01 \x03(\t\"p\n\x0eResidencyDelta\x12\x13\n\x0b\x65ndpoint_id\x18\x01 \x01(\t\x12\x0e\n\x06medium\x18\x02 \x01(\t\x12\x0f\n\x07\x63leared\x18\x03 \x01(\x08\x12\x12\n\nadded_keys\x18\x04 \x03(\x06\x12\x14\n\x0cremoved_keys\x18\x05 \x03(\x06\"r\n\x0fWatchedEndpoint\x12\x13\n\x0b\x65ndpoint_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x19\n\x11\x62lock_size_tokens\x18\x03 \x01(\r\x12\r\n\x05state\x18\x04 \x01(\t\x12\x11\n\tkv_source\x18\x05 \x01(\x08\"\x81\x02\n\rWatchResponse\x12\x10\n\x08prev_seq\x18\x01 \x01(\x04\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\r\n\x05reset\x18\x03 \x01(\x08\x12\x0e\n\x06synced\x18\x04 \x01(\x08\x12\x34\n\x06\x64\x65ltas\x18\x05 \x03(\x0b\x32$.kvmesh.kv_indexer.v1.ResidencyDelta\x12\x19\n\x11\x65ndpoints_changed\x18\x06 \x01(\x08\x12\x38\n\tendpoints\x18\x07 \x03(\x0b\x32%.kvmesh.kv_indexer.v1.WatchedEndpoint\x12\r\n\x05ready\x18\x08 \x01(\x08\x12\x18\n\x10load_only_models\x18\t \x03(\t*t\n\nIndexState\x12\x1b\n\x17INDEX_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11INDEX_STATE_READY\x10\x01\x12\x17\n\x13INDEX_STATE_WARMING\x10\x02\x12\x19\n\x15INDEX_STATE_LOAD_ONLY\x10\x03\x32\xc5\x03\n\tKVIndexer\x12P\n\x05Score\x12\".kvmesh.kv_indexer.v1.ScoreRequest\x1a#.kvmesh.kv_indexer.v1.ScoreResponse\x12S\n\x06Lookup\x12#.kvmesh.kv_indexer.v1.LookupRequest\x1a$.kvmesh.kv_indexer.v1.LookupResponse\x12P\n\x05Stats\x12\".kvmesh.kv_indexer.v1.StatsRequest\x1a#.kvmesh.kv_indexer.v1.StatsResponse\x12k\n\x0e\x45ndpointBlocks\x12+.kvmesh.kv_indexer.v1.EndpointBlocksRequest\x1a,.kvmesh.kv_indexer.v1.EndpointBlocksResponse\x12R\n\x05Watch\x12\".kvmesh.kv_indexer.v1.WatchRequest\x1a#.kvmesh.kv_indexer.v1.WatchResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%kvmesh/kv_indexer/v1/kv_indexer.proto\x12\x14kvmesh.kv_indexer.v1\x1a\x1dkvmesh/common/v1/common.proto\"m\n\x0cScoreRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x14\n\x0c\x65ndpoint_ids\x18\x03 \x03(\t\x12\x11\n\tlora_name\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\x8c\x02\n\rEndpointScore\x12\x13\n\x0b\x65ndpoint_id\x18\x01 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x02 \x01(\r\x12\x16\n\x0ematched_tokens\x18\x03 \x01(\r\x12`\n\x18matched_blocks_by_medium\x18\x04 \x03(\x0b\x32>.kvmesh.kv_indexer.v1.EndpointScore.MatchedBlocksByMediumEntry\x12\x16\n\x0ereached_blocks\x18\x05 \x01(\r\x1a<\n\x1aMatchedBlocksByMediumEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\xc4\x01\n\rScoreResponse\x12\x33\n\x06scores\x18\x01 \x03(\x0b\x32#.kvmesh.kv_indexer.v1.EndpointScore\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\r\x12\x19\n\x11\x62lock_size_tokens\x18\x03 \x01(\r\x12/\n\x05state\x18\x04 \x01(\x0e\x32 .kvmesh.kv_indexer.v1.IndexState\x12\x1c\n\x14unknown_endpoint_ids\x18\x05 \x03(\t\"X\n\rLookupRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tlora_name\x18\x03 \x01(\t\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"L\n\x0b\x42lockHolder\x12\x13\n\x0b\x65ndpoint_id\x18\x01 \x01(\t\x12(\n\x06medium\x18\x02 \x01(\x0e\x32\x18.kvmesh.common.v1.Medium\"V\n\rBlockLocation\x12\x11\n\tblock_key\x18\x01 \x01(\x04\x12\x32\n\x07holders\x18\x02 \x03(\x0b\x32!.kvmesh.kv_indexer.v1.BlockHolder\"E\n\x0eLookupResponse\x12\x33\n\x06\x62locks\x18\x01 \x03(\x0b\x32#.kvmesh.kv_indexer.v1.BlockLocation\"\x0e\n\x0cStatsRequest\"\x87\x01\n\x12\x45ndpointIndexStats\x12\x13\n\x0b\x65ndpoint_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\x16\n\x0e\x65vents_applied\x18\x03 \x01(\x04\x12\x10\n\x08last_seq\x18\x04 \x01(\x04\x12\r\n\x05state\x18\x05 \x01(\t\x12\x13\n\x0binstance_id\x18\x06 \x01(\t\"\xc1\x02\n\rStatsResponse\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x04\x12\x11\n\tendpoints\x18\x02 \x01(\x04\x12\x16\n\x0e\x65vents_applied\x18\x03 \x01(\x04\x12\x17\n\x0f\x62\x61tches_dropped\x18\x04 \x01(\x04\x12>\n\x0cper_endpoint\x18\x05 \x03(\x0b\x32(.kvmesh.kv_indexer.v1.EndpointIndexStats\x12\r\n\x05ready\x18\x06 \x01(\x08\x12T\n\x11parity_mismatches\x18\x07 \x03(\x0b\x32\x39.kvmesh.kv_indexer.v1.StatsResponse.ParityMismatchesEntry\x1a\x37\n\x15ParityMismatchesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\",\n\x15\x45ndpointBlocksRequest\x12\x13\n\x0b\x65ndpoint_id\x18\x01 \x01(\t\"=\n\x16\x45ndpointBlocksResponse\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\r\n\x05state\x18\x02 \x01(\t\"\x1e\n\x0cWatchRequest\x12\x0e\n\x06models\x18\x01 \x03(\t\"p\n\x0eResidencyDelta\x12\x13\n\x0b\x65ndpoint_id\x18\x01 \x01(\t\x12\x0e\n\x06medium\x18\x02 \x01(\t\x12\x0f\n\x07\x63leared\x18\x03 \x01(\x08\x12\x12\n\nadded_keys\x18\x04 \x03(\x06\x12\x14\n\x0cremoved_keys\x18\x05 \x03(\x06\"r\n\x0fWatchedEndpoint\x12\x13\n\x0b\x65ndpoint_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x19\n\x11\x62lock_size_tokens\x18\x03 \x01(\r\x12\r\n\x05state\x18\x04 \x01(\t\x12\x11\n\tkv_source\x18\x05 \x01(\x08\"\x81\x02\n\rWatchResponse\x12\x10\n\x08prev_seq\x18\x01 \x01(\x04\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\r\n\x05reset\x18\x03 \x01(\x08\x12\x0e\n\x06synced\x18\x04 \x01(\x08\x12\x34\n\x06\x64\x65ltas\x18\x05 \x03(\x0b\x32$.kvmesh.kv_indexer.v1.ResidencyDelta\x12\x19\n\x11\x65ndpoints_changed\x18\x06 \x01(\x08\x12\x38\n\tendpoints\x18\x07 \x03(\x0b\x32%.kvmesh.kv_indexer.v1.WatchedEndpoint\x12\r\n\x05ready\x18\x08 \x01(\x08\x12\x18\n\x10load_only_models\x18\t \x03(\t*t\n\nIndexState\x12\x1b\n\x17INDEX_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11INDEX_STATE_READY\x10\x01\x12\x17\n\x13INDEX_STATE_WARMING\x10\x02\x12\x19\n\x15INDEX_STATE_LOAD_ONLY\x10\x03\x32\xc5\x03\n\tKVIndexer\x12P\n\x05Score\x12\".kvmesh.kv_indexer.v1.ScoreRequest\x1a#.kvmesh.kv_indexer.v1.ScoreResponse\x12S\n\x06Lookup\x12#.kvmesh.kv_indexer.v1.LookupRequest\x1a$.kvmesh.kv_indexer.v1.LookupResponse\x12P\n\x05Stats\x12\".kvmesh.kv_indexer.v1.StatsRequest\x1a#.kvmesh.kv_indexer.v1.StatsResponse\x12k\n\x0e\x45ndpointBlocks\x12+.kvmesh.kv_indexer.v1.EndpointBlocksRequest\x1a,.kvmesh.kv_indexer.v1.EndpointBlocksResponse\x12R\n\x05Watch\x12\".kvmesh.kv_indexer.v1.WatchRequest\x1a#.kvmesh.kv_indexer.v1.WatchResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,44 +36,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENDPOINTSCORE_MATCHEDBLOCKSBYMEDIUMENTRY']._serialized_options = b'8\001'
   _globals['_STATSRESPONSE_PARITYMISMATCHESENTRY']._loaded_options = None
   _globals['_STATSRESPONSE_PARITYMISMATCHESENTRY']._serialized_options = b'8\001'
-  _globals['_INDEXSTATE']._serialized_start=2087
-  _globals['_INDEXSTATE']._serialized_end=2203
+  _globals['_INDEXSTATE']._serialized_start=2111
+  _globals['_INDEXSTATE']._serialized_end=2227
   _globals['_SCOREREQUEST']._serialized_start=94
   _globals['_SCOREREQUEST']._serialized_end=203
   _globals['_ENDPOINTSCORE']._serialized_start=206
-  _globals['_ENDPOINTSCORE']._serialized_end=450
-  _globals['_ENDPOINTSCORE_MATCHEDBLOCKSBYMEDIUMENTRY']._serialized_start=390
-  _globals['_ENDPOINTSCORE_MATCHEDBLOCKSBYMEDIUMENTRY']._serialized_end=450
-  _globals['_SCORERESPONSE']._serialized_start=453
-  _globals['_SCORERESPONSE']._serialized_end=649
-  _globals['_LOOKUPREQUEST']._serialized_start=651
-  _globals['_LOOKUPREQUEST']._serialized_end=739
-  _globals['_BLOCKHOLDER']._serialized_start=741
-  _globals['_BLOCKHOLDER']._serialized_end=817
-  _globals['_BLOCKLOCATION']._serialized_start=819
-  _globals['_BLOCKLOCATION']._serialized_end=905
-  _globals['_LOOKUPRESPONSE']._serialized_start=907
-  _globals['_LOOKUPRESPONSE']._serialized_end=976
-  _globals['_STATSREQUEST']._serialized_start=978
-  _globals['_STATSREQUEST']._serialized_end=992
-  _globals['_ENDPOINTINDEXSTATS']._serialized_start=995
-  _globals['_ENDPOINTINDEXSTATS']._serialized_end=1130
-  _globals['_STATSRESPONSE']._serialized_start=1133
-  _globals['_STATSRESPONSE']._serialized_end=1454
-  _globals['_STATSRESPONSE_PARITYMISMATCHESENTRY']._serialized_start=1399
-  _globals['_STATSRESPONSE_PARITYMISMATCHESENTRY']._serialized_end=1454
-  _globals['_ENDPOINTBLOCKSREQUEST']._serialized_start=1456
-  _globals['_ENDPOINTBLOCKSREQUEST']._serialized_end=1500
-  _globals['_ENDPOINTBLOCKSRESPONSE']._serialized_start=1502
-  _globals['_ENDPOINTBLOCKSRESPONSE']._serialized_end=1563
-  _globals['_WATCHREQUEST']._serialized_start=1565
-  _globals['_WATCHREQUEST']._serialized_end=1595
-  _globals['_RESIDENCYDELTA']._serialized_start=1597
-  _globals['_RESIDENCYDELTA']._serialized_end=1709
-  _globals['_WATCHEDENDPOINT']._serialized_start=1711
-  _globals['_WATCHEDENDPOINT']._serialized_end=1825
-  _globals['_WATCHRESPONSE']._serialized_start=1828
-  _globals['_WATCHRESPONSE']._serialized_end=2085
-  _globals['_KVINDEXER']._serialized_start=2206
-  _globals['_KVINDEXER']._serialized_end=2659
+  _globals['_ENDPOINTSCORE']._serialized_end=474
+  _globals['_ENDPOINTSCORE_MATCHEDBLOCKSBYMEDIUMENTRY']._serialized_start=414
+  _globals['_ENDPOINTSCORE_MATCHEDBLOCKSBYMEDIUMENTRY']._serialized_end=474
+  _globals['_SCORERESPONSE']._serialized_start=477
+  _globals['_SCORERESPONSE']._serialized_end=673
+  _globals['_LOOKUPREQUEST']._serialized_start=675
+  _globals['_LOOKUPREQUEST']._serialized_end=763
+  _globals['_BLOCKHOLDER']._serialized_start=765
+  _globals['_BLOCKHOLDER']._serialized_end=841
+  _globals['_BLOCKLOCATION']._serialized_start=843
+  _globals['_BLOCKLOCATION']._serialized_end=929
+  _globals['_LOOKUPRESPONSE']._serialized_start=931
+  _globals['_LOOKUPRESPONSE']._serialized_end=1000
+  _globals['_STATSREQUEST']._serialized_start=1002
+  _globals['_STATSREQUEST']._serialized_end=1016
+  _globals['_ENDPOINTINDEXSTATS']._serialized_start=1019
+  _globals['_ENDPOINTINDEXSTATS']._serialized_end=1154
+  _globals['_STATSRESPONSE']._serialized_start=1157
+  _globals['_STATSRESPONSE']._serialized_end=1478
+  _globals['_STATSRESPONSE_PARITYMISMATCHESENTRY']._serialized_start=1423
+  _globals['_STATSRESPONSE_PARITYMISMATCHESENTRY']._serialized_end=1478
+  _globals['_ENDPOINTBLOCKSREQUEST']._serialized_start=1480
+  _globals['_ENDPOINTBLOCKSREQUEST']._serialized_end=1524
+  _globals['_ENDPOINTBLOCKSRESPONSE']._serialized_start=1526
+  _globals['_ENDPOINTBLOCKSRESPONSE']._serialized_end=1587
+  _globals['_WATCHREQUEST']._serialized_start=1589
+  _globals['_WATCHREQUEST']._serialized_end=1619
+  _globals['_RESIDENCYDELTA']._serialized_start=1621
+  _globals['_RESIDENCYDELTA']._serialized_end=1733
+  _globals['_WATCHEDENDPOINT']._serialized_start=1735
+  _globals['_WATCHEDENDPOINT']._serialized_end=1849
+  _globals['_WATCHRESPONSE']._serialized_start=1852
+  _globals['_WATCHRESPONSE']._serialized_end=2109
+  _globals['_KVINDEXER']._serialized_start=2230
+  _globals['_KVINDEXER']._serialized_end=2683
 # @@protoc_insertion_point(module_scope)

@@ -34,7 +34,7 @@ class ScoreRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., endpoint_ids: _Optional[_Iterable[str]] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class EndpointScore(_message.Message):
-    __slots__ = ("endpoint_id", "matched_blocks", "matched_tokens", "matched_blocks_by_medium")
+    __slots__ = ("endpoint_id", "matched_blocks", "matched_tokens", "matched_blocks_by_medium", "reached_blocks")
     class MatchedBlocksByMediumEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -46,11 +46,13 @@ class EndpointScore(_message.Message):
     MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MATCHED_BLOCKS_BY_MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    REACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     endpoint_id: str
     matched_blocks: int
     matched_tokens: int
     matched_blocks_by_medium: _containers.ScalarMap[str, int]
-    def __init__(self, endpoint_id: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., matched_blocks_by_medium: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    reached_blocks: int
+    def __init__(self, endpoint_id: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., matched_blocks_by_medium: _Optional[_Mapping[str, int]] = ..., reached_blocks: _Optional[int] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
     __slots__ = ("scores", "total_blocks", "block_size_tokens", "state", "unknown_endpoint_ids")
