@@ -18,10 +18,12 @@ from collections import Counter, OrderedDict
 from collections.abc import Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
-from operator import itemgetter
+from operator import itemgetter, methodcaller, or_
 from typing import Any, TypeVar, overload
 
 from kvmesh.hashing import DEFAULT_SCOPE, KeyScope, PrefixKeyCache, TokenIds
+from kvmesh.kv_reach import Reach, build_reach
+from kvmesh.types import Medium
 
 LIVE = "live"
 """The state of an endpoint whose entries are scored (kv_indexer's recovery state ``live``)."""
@@ -104,14 +106,21 @@ _NONE: Mapping[Any, int] = {}
 
 @dataclass(frozen=True, slots=True)
 class ReplicaEndpoint:
-    """An endpoint as the replica knows it (``WatchedEndpoint``): only ``state == "live"`` is scored;
-    a model with a ``kv_source`` endpoint is left to kv_indexer's Score (it folds sources' blocks)."""
+    """An endpoint as the replica knows it (``WatchedEndpoint``): only ``state == "live"`` is scored.
+
+    ``kv_source``: a kv_store, never scored; its blocks count for the engines that reach it
+    (:mod:`kvmesh.kv_reach`): an engine's ``kv_stores`` (source ids), a source's ``shared_domains``.
+    ``reach_listed``: those two are filled (a kv_indexer from before them sends neither); a model with
+    a source some endpoint of which is not ``reach_listed`` is left to kv_indexer's Score."""
 
     endpoint_id: str
     model: str
     block_size_tokens: int
     state: str = LIVE
     kv_source: bool = False
+    kv_stores: tuple[str, ...] = ()
+    shared_domains: tuple[str, ...] = ()
+    reach_listed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +134,9 @@ class ReplicaScore:
     block_size_tokens: int
     matched_blocks: dict[str, int]
     matched_blocks_by_medium: dict[str, dict[str, int]] = field(default_factory=dict)
+    reached_blocks: dict[str, int] = field(default_factory=dict)
+    """Per endpoint whose match a kv_store extends: the matched blocks past its own run (kv_indexer's
+    ``EndpointScore.reached_blocks``); endpoints without any are absent."""
 
 
 class PackedTokenIds(Sequence[int]):
@@ -280,6 +292,8 @@ class PrefixReplica:
         self._held: dict[str, dict[int, int]] = {}
         self._sizes: dict[str, list[int]] = {}
         self._deferred: set[str] = set()
+        self._reach: dict[str, Reach[str]] = {}
+        """Per model with a live kv_store source some engine reaches: the reach (folded by :meth:`score`)."""
         self._not_live: frozenset[str] = frozenset()
         """Listed endpoints whose state is not ``live`` (not scored)."""
         self.seq = 0
@@ -313,11 +327,24 @@ class PrefixReplica:
         self._space = {e.endpoint_id: (e.model, e.block_size_tokens) for e in new.values()}
         by_model: dict[str, dict[int, int]] = {}
         deferred: set[str] = set()
+        with_sources: set[str] = set()
         for e in new.values():
             sizes = by_model.setdefault(e.model, {})
             sizes[e.block_size_tokens] = sizes.get(e.block_size_tokens, 0) + 1
             if e.kv_source:
-                deferred.add(e.model)
+                with_sources.add(e.model)
+        for e in new.values():
+            if e.model in with_sources and not e.reach_listed:
+                deferred.add(e.model)  # a kv_indexer that does not list the reach: its Score folds
+        self._reach = {}
+        for model in with_sources - deferred:
+            of_model = [e for e in new.values() if e.model == model]
+            reach = build_reach(
+                {e.endpoint_id: e.kv_stores for e in of_model if not e.kv_source},
+                {e.endpoint_id: e.shared_domains for e in of_model if e.kv_source and e.state == LIVE},
+            )
+            if reach.direct:
+                self._reach[model] = reach
         # most common block size first, ties smallest (kv_indexer's InMemoryIndex._block_sizes)
         self._sizes = {m: sorted(s, key=lambda size: (-s[size], size)) for m, s in by_model.items()}
         self._deferred = deferred
@@ -409,7 +436,8 @@ class PrefixReplica:
     # -- queries ----------------------------------------------------------------------------
 
     def defers(self, model: str) -> bool:
-        """Whether ``model``'s scores need kv_indexer itself (kv_store sources fold into engines' scores)."""
+        """Whether ``model``'s scores need kv_indexer itself: it has kv_store sources and the feed did not
+        list the reach (an older kv_indexer), so only ``Score`` can fold their blocks."""
         return model in self._deferred
 
     def score(
@@ -425,7 +453,8 @@ class PrefixReplica:
         Returns the prompt's total blocks, per endpoint its matched leading blocks and their split
         per medium name (:class:`ReplicaScore`). Cost: the prompt's keys (cached per prefix) + the
         walk over matched blocks, + one pass over its matched blocks per endpoint holding keys on
-        more than one medium.
+        more than one medium; for a model with kv_store sources, per engine reaching one, its folded
+        blocks (:meth:`_fold`: the sources' run read once per reach group, C-level passes per engine).
         """
         if not self.ready or model in self.load_only:
             return ReplicaScore(0, 0, {})
@@ -438,6 +467,7 @@ class PrefixReplica:
         allowed = [e for e in candidates if e not in not_live] if not_live else candidates
         matched: dict[str, int] = {}
         by_medium: dict[str, dict[str, int]] = {}
+        reached: dict[str, int] = {}
         total = 0
         source = packed_or_ids(token_ids)  # the prompt's bytes when the tokenizer kept them: no conversion
         for size in sizes:
@@ -453,7 +483,75 @@ class PrefixReplica:
                 if endpoints[endpoint_id].block_size_tokens == size:
                     matched[endpoint_id] = blocks
                     by_medium[endpoint_id] = self._media_counts(keys, blocks, table, endpoint_id)
-        return ReplicaScore(total, sizes[0], matched, by_medium)
+            reach = self._reach.get(model)
+            if reach is not None:
+                self._fold(keys, table, reach, [e for e in allowed if endpoints[e].block_size_tokens == size],
+                           matched, by_medium, reached)
+        return ReplicaScore(total, sizes[0], matched, by_medium, reached)
+
+    def _fold(self, keys: Sequence[int], table: Mapping[int, Mapping[str, int]], reach: Reach[str],
+              engines: Sequence[str], matched: dict[str, int], by_medium: dict[str, dict[str, int]],
+              reached: dict[str, int]) -> None:
+        """Extend ``matched`` / ``by_medium`` of the ``engines`` reaching a source over the blocks they reach
+        (kv_indexer's fold, ``services/kv_indexer/reach.py``: the longest run from block 0 of blocks the
+        engine holds *or* reaches; each block counted once per medium it is available on), writing the
+        blocks past an engine's own run to ``reached``. Per group of engines with the same reach, the
+        sources' media are read once per block; per engine, C-level passes over its folded blocks."""
+        shared_bit = self._media.get(Medium.SHARED.value, 0)
+        groups: dict[tuple[frozenset[str], frozenset[str]], list[int]] = {}
+        n = len(keys)
+
+        def source_mask(direct: frozenset[str], shared: frozenset[str], i: int) -> int:
+            holders = table.get(keys[i])
+            if not holders:
+                return 0
+            mask = 0
+            for sid in direct:
+                mask |= holders.get(sid, 0)
+            if shared_bit:
+                for sid in shared:
+                    if holders.get(sid, 0) & shared_bit:
+                        mask |= shared_bit
+                        break
+            return mask
+
+        for engine in engines:
+            direct = reach.direct.get(engine)
+            if not direct:
+                continue
+            shared = reach.shared.get(engine, frozenset())
+            group = (direct, shared)
+            masks = groups.get(group)
+            if masks is None:  # the sources' run from block 0, with each block's media
+                masks = groups[group] = []
+                while len(masks) < n and (mask := source_mask(direct, shared, len(masks))):
+                    masks.append(mask)
+            own = matched.get(engine, 0)
+            end = max(own, len(masks))
+            extra: list[int] = []  # the sources' media past their run, where the union goes on
+            while end < n:  # past both runs: on while the engine or a source holds the next block
+                holders = table.get(keys[end])
+                their_mask = source_mask(direct, shared, end)
+                if not (holders.get(engine, 0) if holders else 0) | their_mask:
+                    break
+                extra.append(their_mask)
+                end += 1
+            if end == 0:
+                continue
+            theirs = masks[:end]
+            if len(theirs) < end:  # inside the engine's own run past the sources' run, then the extension
+                theirs += [source_mask(direct, shared, i) for i in range(len(masks), end - len(extra))]
+                theirs += extra
+            mine = map(methodcaller("get", engine, 0), map(table.__getitem__, keys[:end]))
+            counts: dict[str, int] = {}
+            for mask, count in Counter(map(or_, mine, theirs)).items():
+                for bit, name in self._names.items():
+                    if mask & bit:
+                        counts[name] = counts.get(name, 0) + count
+            matched[engine] = end
+            by_medium[engine] = counts
+            if end > own:
+                reached[engine] = end - own
 
     def _matches(self, space: tuple[str, int], keys: Sequence[int], table: Mapping[int, Mapping[str, int]],
                  allowed: Collection[str]) -> dict[str, int]:

@@ -7,8 +7,8 @@ Two modes (``EppConfig.prefix_index_mode``):
   ``KVIndexer/Watch`` (snapshot, then ordered residency deltas) scores in process, so a precise pick
   makes no kv_indexer call (llm-d's EPP embeds its kv-cache indexer the same way). While the stream
   is down, resyncing or stale (no message for ``stale_seconds``; the server heartbeats every 1 s),
-  and for models with kv_store sources (kv_indexer folds their blocks into engines' scores), it
-  calls ``Score`` as the ``rpc`` mode does; when that fails too, the pick degrades as before
+  and for models with kv_store sources whose reach the kv_indexer does not list (one from before
+  ``WatchedEndpoint.reach_listed``; otherwise the replica folds their blocks itself), it calls ``Score`` as the ``rpc`` mode does; when that fails too, the pick degrades as before
   (``docs/degraded-modes.md``).
 
 Both return per-endpoint per-medium match counts (``PrefixMatch.matched_blocks_by_medium``, what
@@ -128,7 +128,7 @@ class ReplicaPrefixIndex:
         self._watch_log = RateLimitedLog(logger, 10.0, clock)
 
     def usable(self, model: str) -> bool:
-        """Whether a pick for ``model`` is scored on the replica (synced, fresh, no kv_store sources)."""
+        """Whether a pick for ``model`` is scored on the replica (synced, fresh, any kv_store sources folded)."""
         return (
             self.replica.synced
             and self._clock() - self._last_message <= self._stale
@@ -146,7 +146,8 @@ class ReplicaPrefixIndex:
             self.local_scores += 1
             record_prefix_index_score(PrefixIndexPath.REPLICA)
             result = self.replica.score(model, token_ids, endpoint_ids, scope)
-            return PrefixMatch(result.total_blocks, result.matched_blocks, result.matched_blocks_by_medium)
+            return PrefixMatch(result.total_blocks, result.matched_blocks, result.matched_blocks_by_medium,
+                               result.reached_blocks)
         self.rpc_scores += 1
         return await self.rpc.score_scoped(model, token_ids, endpoint_ids, scope)
 
@@ -160,7 +161,8 @@ class ReplicaPrefixIndex:
             replica.check_sequence(message.prev_seq)
         if message.endpoints_changed:
             replica.set_endpoints(
-                ReplicaEndpoint(e.endpoint_id, e.model, e.block_size_tokens, e.state, e.kv_source)
+                ReplicaEndpoint(e.endpoint_id, e.model, e.block_size_tokens, e.state, e.kv_source,
+                                tuple(e.kv_stores), tuple(e.shared_domains), e.reach_listed)
                 for e in message.endpoints
             )
         replica.set_status(message.ready, message.load_only_models)

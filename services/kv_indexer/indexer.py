@@ -35,8 +35,9 @@ from typing import Protocol
 
 from kvmesh.errors import UnknownEndpoint, quoted
 from kvmesh.hashing import DEFAULT_SCOPE, KeyScope
+from kvmesh.kv_reach import split_label
 from kvmesh.prefix_index import ReplicaEndpoint
-from kvmesh.types import Endpoint, EndpointId
+from kvmesh.types import KV_STORES_LABEL, SHARED_DOMAINS_LABEL, Endpoint, EndpointId
 from services.kv_indexer import metrics
 from services.kv_indexer.events.pool import EndpointState, EventPool, IngestStats
 from services.kv_indexer.index.base import BlockLocation, EngineBlockHash, IndexStats, KVBlockIndex, ScoreResult
@@ -316,6 +317,9 @@ class BlockIndexer:
             ReplicaEndpoint(
                 e, ep.model, ep.block_size_tokens,
                 DEPARTED if e in self._departed else str(states.get(e, EndpointState.LIVE)), is_source(ep),
+                kv_stores=tuple(split_label(ep.labels.get(KV_STORES_LABEL, ""))),
+                shared_domains=tuple(split_label(ep.labels.get(SHARED_DOMAINS_LABEL, ""))),
+                reach_listed=True,
             )
             for e, ep in sorted(self.index.registered().items())
         ]

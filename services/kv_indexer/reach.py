@@ -26,8 +26,9 @@ folded (an unknown stream never adds claims). Cost: one ``Lookup`` walk over the
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
 
+from kvmesh import kv_reach
+from kvmesh.kv_reach import Reach, split_label
 from kvmesh.types import KV_SOURCE_LABEL, KV_STORES_LABEL, SHARED_DOMAINS_LABEL, Endpoint, EndpointId, Medium
 from services.kv_indexer.index.base import BlockLocation, EndpointScore
 
@@ -37,43 +38,18 @@ def is_source(endpoint: Endpoint) -> bool:
     return bool(endpoint.labels.get(KV_SOURCE_LABEL))
 
 
-def _split(value: str) -> list[str]:
-    return [item.strip() for item in value.split(",") if item.strip()]
-
-
-@dataclass(frozen=True, slots=True)
-class Reach:
-    """Per engine: sources whose every medium it reaches, and sources whose ``SHARED`` blocks it reaches."""
-
-    direct: Mapping[EndpointId, frozenset[EndpointId]]
-    shared: Mapping[EndpointId, frozenset[EndpointId]]
-
-    def reaches_any(self, engines: Collection[EndpointId]) -> bool:
-        return any(self.direct.get(e) or self.shared.get(e) for e in engines)
-
-
-def build_reach(registered: Mapping[EndpointId, Endpoint], live_sources: Collection[EndpointId]) -> Reach:
-    """The reach of every engine in ``registered`` over the ``live_sources`` (ids of registered sources)."""
-    sources = {sid: registered[sid] for sid in live_sources if sid in registered}
-    by_domain: dict[str, set[EndpointId]] = {}
-    for sid, source in sources.items():
-        for domain in _split(source.labels.get(SHARED_DOMAINS_LABEL, "")):
-            by_domain.setdefault(domain, set()).add(sid)
-    direct: dict[EndpointId, frozenset[EndpointId]] = {}
-    shared: dict[EndpointId, frozenset[EndpointId]] = {}
-    for eid, endpoint in registered.items():
-        if is_source(endpoint):
-            continue
-        named = frozenset(EndpointId(s) for s in _split(endpoint.labels.get(KV_STORES_LABEL, "")) if s in sources)
-        if not named:
-            continue
-        direct[eid] = named
-        siblings: set[EndpointId] = set()
-        for sid in named:
-            for domain in _split(sources[sid].labels.get(SHARED_DOMAINS_LABEL, "")):
-                siblings |= by_domain.get(domain, set())
-        shared[eid] = frozenset(siblings - named)
-    return Reach(direct, shared)
+def build_reach(registered: Mapping[EndpointId, Endpoint], live_sources: Collection[EndpointId]) -> Reach[EndpointId]:
+    """The reach of every engine in ``registered`` over the ``live_sources`` (ids of registered sources),
+    from their labels (:func:`kvmesh.kv_reach.build_reach`)."""
+    sources = {
+        sid: split_label(registered[sid].labels.get(SHARED_DOMAINS_LABEL, ""))
+        for sid in live_sources if sid in registered
+    }
+    engines = {
+        eid: [EndpointId(s) for s in split_label(endpoint.labels.get(KV_STORES_LABEL, ""))]
+        for eid, endpoint in registered.items() if not is_source(endpoint)
+    }
+    return kv_reach.build_reach(engines, sources)
 
 
 def _reachable_media(engine: EndpointId, holders: Mapping[EndpointId, frozenset[Medium]], reach: Reach) -> set[Medium]:

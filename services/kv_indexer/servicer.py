@@ -245,7 +245,8 @@ def _annotate_score(model: str, result: object) -> None:
 def _watched(endpoint: ReplicaEndpoint) -> pb.WatchedEndpoint:
     return pb.WatchedEndpoint(
         endpoint_id=endpoint.endpoint_id, model=endpoint.model, block_size_tokens=endpoint.block_size_tokens,
-        state=endpoint.state, kv_source=endpoint.kv_source,
+        state=endpoint.state, kv_source=endpoint.kv_source, kv_stores=endpoint.kv_stores,
+        shared_domains=endpoint.shared_domains, reach_listed=endpoint.reach_listed,
     )
 
 

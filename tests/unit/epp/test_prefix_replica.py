@@ -20,7 +20,7 @@ from kvmesh.channels import insecure_channel
 from kvmesh.hashing import KeyScope, block_keys
 from kvmesh.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent, encode_batch
 from kvmesh.prefix_index import PrefixReplica, ReplicaEndpoint, ReplicaGap
-from kvmesh.types import Endpoint, EndpointId
+from kvmesh.types import KV_SOURCE_LABEL, KV_STORES_LABEL, SHARED_DOMAINS_LABEL, Endpoint, EndpointId
 from services.epp.framework.interfaces import PrefixMatch
 from services.epp.kv_indexer_client import GrpcPrefixIndex, ReplicaPrefixIndex
 from services.kv_indexer.events.pool import EventPool, RawMessage
@@ -237,7 +237,9 @@ def test_replica_refuses_a_message_out_of_sequence() -> None:
         replica.check_sequence(7)
 
 
-def test_models_with_kv_store_sources_are_left_to_score() -> None:
+def test_models_with_kv_store_sources_are_left_to_score_only_when_the_reach_is_not_listed() -> None:
+    """A kv_indexer from before ``WatchedEndpoint.reach_listed`` sends no reach: the replica cannot fold
+    the sources' blocks, so that model is scored by ``Score``; one that lists it is scored locally."""
     replica = ReplicaPrefixIndex("127.0.0.1:1", 0.2)
     replica.replica.set_endpoints([
         ReplicaEndpoint("e", "m", BS), ReplicaEndpoint("store", "m", BS, kv_source=True), ReplicaEndpoint("f", "n", BS),
@@ -245,6 +247,87 @@ def test_models_with_kv_store_sources_are_left_to_score() -> None:
     replica.replica.advance(0, True)
     replica._last_message = replica._clock()
     assert not replica.usable("m") and replica.usable("n")
+    replica.replica.set_endpoints([
+        ReplicaEndpoint("e", "m", BS, kv_stores=("store",), reach_listed=True),
+        ReplicaEndpoint("store", "m", BS, kv_source=True, reach_listed=True),
+    ])
+    assert replica.usable("m")
+
+
+def source_endpoint(eid: str, domains: str) -> Endpoint:
+    labels = {KV_SOURCE_LABEL: "kv_store", SHARED_DOMAINS_LABEL: domains}
+    return Endpoint(id=EndpointId(eid), url=f"grpc://{eid}", model="m", block_size_tokens=BS, labels=labels)
+
+
+def engine_endpoint(eid: str, stores: str) -> Endpoint:
+    return Endpoint(id=EndpointId(eid), url=f"http://{eid}", model="m", block_size_tokens=BS,
+                    labels={KV_STORES_LABEL: stores} if stores else {})
+
+
+async def wire_score_reached(address: str, tokens: list[int] = PROMPT) -> dict[str, tuple[int, dict[str, int], int]]:
+    async with insecure_channel(address) as channel:
+        reply = await kv_indexer_pb2_grpc.KVIndexerStub(channel).Score(
+            kv_indexer_pb2.ScoreRequest(model="m", token_ids=tokens), timeout=5.0)
+    return {s.endpoint_id: (s.matched_blocks, dict(s.matched_blocks_by_medium), s.reached_blocks) for s in reply.scores}
+
+
+async def test_replica_folds_kv_store_blocks_as_score_does(rig: Rig) -> None:
+    """kv_store sources in the replica: an engine's match runs over the blocks it holds *or* reaches
+    (its named kv_store's every medium, SHARED blocks of any source on the same shared domain), each
+    block counted on every medium it is available on, and the blocks past its own run are its
+    ``reached_blocks``, all equal to kv_indexer's ``Score`` (``services/kv_indexer/reach.py``), scored
+    locally (no RPC). E holds blocks 0-1 and names S1; F names S2; G reaches nothing; S1 and S2 mount
+    one shared domain."""
+    e, f, g = "127.0.0.1:9101", "127.0.0.1:9102", "127.0.0.1:9103"
+    s1, s2 = "127.0.0.1:7101", "127.0.0.1:7102"
+    members = [engine_endpoint(e, s1), engine_endpoint(f, s2), engine_endpoint(g, ""),
+               source_endpoint(s1, "sharedfs:/lustre/kv"), source_endpoint(s2, "sharedfs:/lustre/kv")]
+    rig.indexer.on_membership({EndpointId(m.id): m for m in members}, {})
+    rig.indexer.ready = True
+    keys = hashes(5, 8)
+
+    def stored(first: int, last: int, medium: str = "GPU") -> KVEvent:
+        return BlockStored(block_hashes=keys[first:last], parent_block_hash=keys[first - 1] if first else None,
+                           token_ids=PROMPT[first * BS:last * BS], block_size=BS, medium=medium)
+
+    await rig.send(e, stored(0, 2))
+    await rig.send(g, stored(0, 3))
+    await rig.send(s1, stored(0, 4, "CPU"))
+    replica = ReplicaPrefixIndex(rig.address, 1.0)
+    task = asyncio.create_task(replica.run())
+    log = rig.indexer.open_residency()
+    assert log is not None
+
+    async def converge() -> dict[str, tuple[int, dict[str, int], int]]:
+        await until(lambda: replica.replica.synced and replica.replica.seq == rig.indexer.open_residency().seq)  # type: ignore[union-attr]
+        await asyncio.sleep(0.06)
+        truth = await wire_score_reached(rig.address)
+        before = replica.rpc_scores
+        match = await replica.score_scoped("m", PROMPT, [], KeyScope())
+        assert replica.rpc_scores == before, "scored through the RPC, not the replica"
+        local = {x: (n, match.matched_blocks_by_medium.get(x, {}), match.reached_blocks.get(x, 0))
+                 for x, n in match.matched_blocks.items()}
+        assert local == truth
+        return truth
+
+    try:
+        assert await converge() == {e: (4, {"GPU": 2, "CPU": 4}, 2), g: (3, {"GPU": 3}, 0)}
+        # S2 writes blocks 0-4 through to the shared namespace: F reaches them, and E through S1's domain
+        await rig.send(s2, stored(0, 5, "SHARED"))
+        assert await converge() == {
+            e: (5, {"GPU": 2, "CPU": 4, "SHARED": 5}, 3), f: (5, {"SHARED": 5}, 5), g: (3, {"GPU": 3}, 0)}
+        # E holds blocks 0-6 itself: its own run is longer, the sources' copies still count per medium
+        await rig.send(e, stored(2, 7))
+        assert await converge() == {
+            e: (7, {"GPU": 7, "CPU": 4, "SHARED": 5}, 0), f: (5, {"SHARED": 5}, 5), g: (3, {"GPU": 3}, 0)}
+        # S1 departs (its stream ends): E keeps its own run and the shared copies it reaches through
+        # S1's domain no longer count (S1 is gone; F still reaches S2)
+        rig.indexer.on_membership({}, {EndpointId(s1): source_endpoint(s1, "sharedfs:/lustre/kv")})
+        assert await converge() == {e: (7, {"GPU": 7}, 0), f: (5, {"SHARED": 5}, 5), g: (3, {"GPU": 3}, 0)}
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await replica.close()
 
 
 

@@ -182,18 +182,24 @@ class ResidencyDelta(_message.Message):
     def __init__(self, endpoint_id: _Optional[str] = ..., medium: _Optional[str] = ..., cleared: _Optional[bool] = ..., added_keys: _Optional[_Iterable[int]] = ..., removed_keys: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WatchedEndpoint(_message.Message):
-    __slots__ = ("endpoint_id", "model", "block_size_tokens", "state", "kv_source")
+    __slots__ = ("endpoint_id", "model", "block_size_tokens", "state", "kv_source", "kv_stores", "shared_domains", "reach_listed")
     ENDPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    KV_STORES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_DOMAINS_FIELD_NUMBER: _ClassVar[int]
+    REACH_LISTED_FIELD_NUMBER: _ClassVar[int]
     endpoint_id: str
     model: str
     block_size_tokens: int
     state: str
     kv_source: bool
-    def __init__(self, endpoint_id: _Optional[str] = ..., model: _Optional[str] = ..., block_size_tokens: _Optional[int] = ..., state: _Optional[str] = ..., kv_source: _Optional[bool] = ...) -> None: ...
+    kv_stores: _containers.RepeatedScalarFieldContainer[str]
+    shared_domains: _containers.RepeatedScalarFieldContainer[str]
+    reach_listed: bool
+    def __init__(self, endpoint_id: _Optional[str] = ..., model: _Optional[str] = ..., block_size_tokens: _Optional[int] = ..., state: _Optional[str] = ..., kv_source: _Optional[bool] = ..., kv_stores: _Optional[_Iterable[str]] = ..., shared_domains: _Optional[_Iterable[str]] = ..., reach_listed: _Optional[bool] = ...) -> None: ...
 
 class WatchResponse(_message.Message):
     __slots__ = ("prev_seq", "seq", "reset", "synced", "deltas", "endpoints_changed", "endpoints", "ready", "load_only_models")
