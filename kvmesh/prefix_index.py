@@ -17,7 +17,7 @@ from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import groupby
+from itertools import groupby, repeat, takewhile
 from operator import itemgetter, methodcaller, or_
 from typing import Any, TypeVar, overload
 
@@ -499,6 +499,7 @@ class PrefixReplica:
         sources' media are read once per block; per engine, C-level passes over its folded blocks."""
         shared_bit = self._media.get(Medium.SHARED.value, 0)
         groups: dict[tuple[frozenset[str], frozenset[str]], list[int]] = {}
+        group_counts: dict[tuple[frozenset[str], frozenset[str]], dict[str, int]] = {}
         n = len(keys)
 
         def source_mask(direct: frozenset[str], shared: frozenset[str], i: int) -> int:
@@ -523,9 +524,14 @@ class PrefixReplica:
             group = (direct, shared)
             masks = groups.get(group)
             if masks is None:  # the sources' run from block 0, with each block's media
-                masks = groups[group] = []
-                while len(masks) < n and (mask := source_mask(direct, shared, len(masks))):
-                    masks.append(mask)
+                if len(direct) == 1 and not (shared_bit and shared):  # one kv_store: in C
+                    get = methodcaller("get", next(iter(direct)), 0)
+                    masks = list(takewhile(bool, map(get, map(table.get, keys, repeat(_NONE)))))
+                else:
+                    masks = []
+                    while len(masks) < n and (mask := source_mask(direct, shared, len(masks))):
+                        masks.append(mask)
+                groups[group] = masks
             own = matched.get(engine, 0)
             end = max(own, len(masks))
             extra: list[int] = []  # the sources' media past their run, where the union goes on
@@ -538,20 +544,32 @@ class PrefixReplica:
                 end += 1
             if end == 0:
                 continue
+            if own == 0 and not extra:  # the sources' run alone (most engines): one count per reach group
+                counts = group_counts.get(group)
+                if counts is None:
+                    counts = group_counts[group] = self._mask_counts(Counter(masks))
+                matched[engine] = end
+                by_medium[engine] = dict(counts)
+                reached[engine] = end
+                continue
             theirs = masks[:end]
             if len(theirs) < end:  # inside the engine's own run past the sources' run, then the extension
                 theirs += [source_mask(direct, shared, i) for i in range(len(masks), end - len(extra))]
                 theirs += extra
             mine = map(methodcaller("get", engine, 0), map(table.__getitem__, keys[:end]))
-            counts: dict[str, int] = {}
-            for mask, count in Counter(map(or_, mine, theirs)).items():
-                for bit, name in self._names.items():
-                    if mask & bit:
-                        counts[name] = counts.get(name, 0) + count
             matched[engine] = end
-            by_medium[engine] = counts
+            by_medium[engine] = self._mask_counts(Counter(map(or_, mine, theirs)))
             if end > own:
                 reached[engine] = end - own
+
+    def _mask_counts(self, masks: Counter[int]) -> dict[str, int]:
+        """Per medium name, how many blocks carry it, from a count of blocks per media mask."""
+        counts: dict[str, int] = {}
+        for mask, count in masks.items():
+            for bit, name in self._names.items():
+                if mask & bit:
+                    counts[name] = counts.get(name, 0) + count
+        return counts
 
     def _matches(self, space: tuple[str, int], keys: Sequence[int], table: Mapping[int, Mapping[str, int]],
                  allowed: Collection[str]) -> dict[str, int]:
