@@ -77,6 +77,7 @@ from kvmesh_cli.mesh import (
     exit_on_signals,
     port_clash,
     run_interruptible,
+    taken_port,
 )
 from kvmesh_cli.options import (
     MAX_BLOCK_SIZE_TOKENS,
@@ -644,8 +645,9 @@ def up(
 
     Exit status: 130 on Ctrl-C (SIGINT) at any stage, and on any stop signal before the mesh is ready, once what
     had started is stopped; 0 when SIGTERM or SIGHUP stops a ready mesh (a service manager's normal stop); 1 when
-    the mesh does not start; 2 for bad options (two of its ports the same among them, a --policy file epp would
-    refuse, an --etcd that is not host:port), before anything starts.
+    the mesh does not start; 2 for bad options (two of its ports the same among them, a --router-port or
+    --router-grpc-port another process listens on, a --policy file epp would refuse, an --etcd that is not
+    host:port), before anything starts.
     """
     _setup_logging(verbose)
     flag_of = {"router_http_port": "--router-port", "router_grpc_port": "--router-grpc-port", "etcd": "--etcd"}
@@ -654,6 +656,10 @@ def up(
     if clash:
         free = "" if "--etcd" in clash else " (leave one out and a free one is chosen)"
         raise typer.BadParameter(f"both are {clash[2]}; give each its own port{free}", param_hint=[clash[0], clash[1]])
+    taken = taken_port({"router_http_port": router_port or 0, "router_grpc_port": router_grpc_port or 0})
+    if taken:
+        raise typer.BadParameter(f"{taken[1]}; another process listens there: choose another port, or leave the "
+                                 "option out for a free one", param_hint=flag_of[taken[0]])
     extra: dict[str, object] = {}
     if engine == "vllm":
         from kvmesh_cli.vllm_engine import VLLM_BLOCK_SIZE_TOKENS, VLLM_MODEL, vllm_missing_reason

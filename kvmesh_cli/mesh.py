@@ -66,7 +66,7 @@ import grpc
 import httpx
 import yaml
 
-from kvmesh.listen import rename_port_flags
+from kvmesh.listen import ListenError, bind_tcp, rename_port_flags
 from kvmesh_cli.launcher import (
     LOOPBACK,
     ManagedProcess,
@@ -342,6 +342,23 @@ def port_clash(ports: Mapping[str, int], label: Callable[[str], str] = str) -> t
         if port in seen:
             return label(seen[port]), label(name), port
         seen[port] = name
+    return None
+
+
+def taken_port(ports: Mapping[str, int], host: str = LOOPBACK) -> tuple[str, ListenError] | None:
+    """The first of the router's fixed ports (``router_http_port``, ``router_grpc_port`` in ``ports``, by field
+    name; others are skipped) that another process listens on, with the error its listener would raise:
+    found before anything starts instead of after the whole mesh came up. Binds each once with
+    ``SO_REUSEADDR`` (as the router does: a port in TIME_WAIT is free) and releases it at once; a race
+    with another process binding it meanwhile is still caught by the router's own start-up."""
+    for name, what in (("router_http_port", "http"), ("router_grpc_port", "grpc")):
+        port = ports.get(name)
+        if not port:
+            continue
+        try:
+            bind_tcp(host, port).close()
+        except OSError as exc:
+            return name, ListenError(what, host, port, exc.strerror or str(exc))
     return None
 
 
