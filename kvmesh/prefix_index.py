@@ -613,13 +613,7 @@ class PrefixReplica:
         if held is not None and len(held) == 1:
             return {self._names[next(iter(held))]: blocks}
         # per distinct media mask, how many matched blocks carry it (the iteration and counting run in C)
-        masks = Counter(map(itemgetter(endpoint_id), map(table.__getitem__, keys[:blocks])))
-        counts: dict[str, int] = {}
-        for mask, n in masks.items():
-            for bit, name in self._names.items():
-                if mask & bit:
-                    counts[name] = counts.get(name, 0) + n
-        return counts
+        return self._mask_counts(Counter(map(itemgetter(endpoint_id), map(table.__getitem__, keys[:blocks]))))
 
     def block_count(self) -> int:
         return sum(len(t) for t in self.tables.values())
