@@ -139,8 +139,9 @@ DEFAULT_ACTIVE_TTL_SECONDS = 600.0
 """An in-flight pick whose completion never came stops counting as active after this long (the router's
 default ``request_timeout_seconds``: no request it sends lives longer)."""
 DEFAULT_ROUTED_HALF_LIFE_SECONDS = 300.0
-"""``EppConfig.routed_half_life_seconds``' default. Half-life of a pick's tokens in ``routed_prefill_tokens`` (module docstring, "Routed prefill"): a few
-times an agent session's think time, so the sessions placed on an endpoint over the last minutes count."""
+"""``EppConfig.routed_half_life_seconds``' default: the half-life of a pick's tokens in ``routed_prefill_tokens``
+(module docstring, "Routed prefill"), a few times an agent session's think time, so the sessions placed on an
+endpoint over the last minutes count."""
 _PICK_HISTORY = 4096
 """Most picks remembered per endpoint (for their prefill tokens)."""
 _IN_FLIGHT_IDS = 65536
@@ -539,10 +540,13 @@ class Datastore:
         decaying what it held to ``now`` first; never below 0 (rounding)."""
         if tokens == 0:
             return
-        h = self._routed_half_life
-        held = state.routed * 2.0 ** (-(now - state.routed_at) / h) if state.routed else 0.0
-        state.routed = max(0.0, held + tokens * 2.0 ** (-(now - at) / h))
+        state.routed = max(0.0, self._routed_now(state, now)
+                           + tokens * 2.0 ** (-(now - at) / self._routed_half_life))
         state.routed_at = now
+
+    def _routed_now(self, state: _EndpointState, now: float) -> float:
+        """``state``'s routed prefill tokens decayed to ``now``."""
+        return state.routed * 2.0 ** (-(now - state.routed_at) / self._routed_half_life) if state.routed else 0.0
 
     def _drop_pick(self, state: _EndpointState, request_id: str) -> bool:
         """Forget ``request_id``'s latest pick to ``state``'s endpoint as one the engine never held:
@@ -629,8 +633,7 @@ class Datastore:
             known_unprefilled_requests=known,
             queued_prefill_tokens=queued_tokens,
             active_prompt_tokens=active_tokens,
-            routed_prefill_tokens=(state.routed * 2.0 ** (-(now - state.routed_at) / self._routed_half_life)
-                                   if state.routed else 0.0),
+            routed_prefill_tokens=self._routed_now(state, now),
         )
         candidate = state.snapshot = Candidate(state.endpoint, metrics)
         state.snapshot_at = now
