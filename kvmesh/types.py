@@ -216,6 +216,7 @@ class RequestCompletion:
         prompt_tokens: prompt tokens (the engine's usage when reported, else the router's estimate).
         cached_tokens: of those, the ones the engine found cached (0: unknown).
         outcome: how it ended.
+        completion_tokens: output tokens generated (the engine's usage, else the streamed chunks; 0: unknown).
     """
 
     request_id: str
@@ -223,3 +224,4 @@ class RequestCompletion:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     outcome: CompletionOutcome = CompletionOutcome.SUCCESS
+    completion_tokens: int = 0

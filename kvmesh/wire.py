@@ -98,6 +98,7 @@ def completion_to_proto(completion: RequestCompletion) -> epp_pb2.CompletedReque
         prompt_tokens=min(max(0, completion.prompt_tokens), 0xFFFFFFFF),
         cached_tokens=min(max(0, completion.cached_tokens), 0xFFFFFFFF),
         outcome=_OUTCOME_TO_PB[completion.outcome],  # type: ignore[arg-type]
+        completion_tokens=min(max(0, completion.completion_tokens), 0xFFFFFFFF),
     )
 
 
@@ -110,4 +111,5 @@ def completion_from_proto(message: epp_pb2.CompletedRequest) -> RequestCompletio
         prompt_tokens=message.prompt_tokens,
         cached_tokens=message.cached_tokens,
         outcome=_OUTCOME_FROM_PB.get(message.outcome, CompletionOutcome.ERROR),
+        completion_tokens=message.completion_tokens,
     )

@@ -85,7 +85,7 @@ time to drop (as many scrape rounds as an idle loop would give it).
 :func:`parse_vllm_metrics` reads the Prometheus text of vLLM's ``/metrics`` (names as in vLLM 0.32,
 ``vllm/v1/metrics/loggers.py``): ``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
 ``vllm:kv_cache_usage_perc`` (summed / averaged over the ``engine`` label of data-parallel ranks) and
-the ``block_size`` label of ``vllm:cache_config_info``.
+the ``block_size`` and ``num_gpu_blocks`` labels of ``vllm:cache_config_info``.
 """
 
 from __future__ import annotations
@@ -117,6 +117,8 @@ SGLANG_RUNNING = "sglang:num_running_reqs"
 SGLANG_KV_USAGE = "sglang:token_usage"
 """A fraction in [0, 1], as ``vllm:kv_cache_usage_perc``."""
 SGLANG_PAGE_SIZE = "sglang:page_size"
+SGLANG_MAX_TOKENS = "sglang:max_total_num_tokens"
+"""SGLang's KV pool size in tokens (the counterpart of vLLM's ``num_gpu_blocks`` label)."""
 SGLANG_FINISHED = "sglang:num_requests"
 """Family name as parsed; the sample is ``sglang:num_requests_total`` (requests finished, by ``is_streaming``)."""
 SGLANG_FIRST_TOKENS = "sglang:time_to_first_token_seconds"
@@ -130,7 +132,7 @@ SGLANG_NAMES = {
 """SGLang 0.5.23's sample names (``sglang/srt/observability/metrics_collector.py``) -> the vLLM ones they stand for."""
 _WANTED = (
     WAITING, RUNNING, KV_USAGE, CACHE_CONFIG, FINISHED + "_total", FIRST_TOKENS + "_count",
-    SGLANG_WAITING, SGLANG_RUNNING, SGLANG_KV_USAGE, SGLANG_PAGE_SIZE, SGLANG_FINISHED + "_total",
+    SGLANG_WAITING, SGLANG_RUNNING, SGLANG_KV_USAGE, SGLANG_PAGE_SIZE, SGLANG_MAX_TOKENS, SGLANG_FINISHED + "_total",
     SGLANG_FIRST_TOKENS + "_count",
 )
 DEFAULT_PENDING_PICK_TTL_SECONDS = 5.0
@@ -156,6 +158,7 @@ _SAMPLE_LINE = re.compile(
 are matched with this instead of ``prometheus_client``'s parser: ~0.10 ms against ~0.39 ms per scrape
 of the simulator's 34 KB exposition (idle cost, issue 10); HELP/TYPE lines are not needed."""
 _BLOCK_SIZE_LABEL = re.compile(r'[{,]block_size="([0-9]+)"')
+_NUM_GPU_BLOCKS_LABEL = re.compile(r'[{,]num_gpu_blocks="([0-9]+)"')
 _SKIPPED_PREFIXES = tuple(f"{n}{suffix}" for n in (FIRST_TOKENS, SGLANG_FIRST_TOKENS) for suffix in ("_bucket", "_sum", "_created"))
 """Of the TTFT histogram only ``_count`` is read: its bucket lines are most of the text to parse (idle cost, issue 10)."""
 
@@ -172,6 +175,9 @@ class ScrapeSample:
     """``vllm:request_success_total`` summed over labels (requests); None when absent."""
     num_first_tokens: float | None = None
     """``vllm:time_to_first_token_seconds_count`` summed over labels (requests); None when absent."""
+    kv_capacity_tokens: int | None = None
+    """Tokens the KV pool holds: vLLM's ``(num_gpu_blocks - 1) * block_size`` (its block 0 is the null block,
+    ``vllm/v1/core/block_pool.py``), or SGLang's ``sglang:max_total_num_tokens``; None when absent."""
 
 
 def parse_vllm_metrics(text: str) -> ScrapeSample:
@@ -189,15 +195,21 @@ def parse_vllm_metrics(text: str) -> ScrapeSample:
         ValueError: a required gauge is missing, not finite, negative, or usage outside [0, 1].
     """
     block_size: int | None = None
+    gpu_pools: int | None = None
+    capacity: int | None = None
     values: dict[str, list[float]] = {WAITING: [], RUNNING: [], KV_USAGE: []}
     finished: float | None = None
     first_tokens: float | None = None
     for line in text.splitlines():
         if not line.startswith(_WANTED_SAMPLES) or line.startswith(_SKIPPED_PREFIXES):
             continue
-        if line.startswith(CACHE_CONFIG):  # ~40 labels; only block_size is read
-            if block_size is None and (label := _BLOCK_SIZE_LABEL.search(line)) is not None:
-                block_size = int(label.group(1))
+        if line.startswith(CACHE_CONFIG):  # ~40 labels; only block_size and num_gpu_blocks are read
+            size = _BLOCK_SIZE_LABEL.search(line)
+            if block_size is None and size is not None:
+                block_size = int(size.group(1))
+            if size is not None and (blocks := _NUM_GPU_BLOCKS_LABEL.search(line)) is not None:
+                pool = max(0, int(blocks.group(1)) - 1) * int(size.group(1))  # one rank's pool, less its null block
+                gpu_pools = (gpu_pools or 0) + pool  # summed over data-parallel ranks
             continue
         if (parsed := _SAMPLE_LINE.match(line)) is None:
             raise ValueError(f"unparsable /metrics line: {line[:200]!r}")
@@ -205,6 +217,8 @@ def parse_vllm_metrics(text: str) -> ScrapeSample:
         name = SGLANG_NAMES.get(name, name)
         if name == SGLANG_PAGE_SIZE and block_size is None and math.isfinite(value) and value > 0:
             block_size = int(value)
+        elif name == SGLANG_MAX_TOKENS and math.isfinite(value) and value > 0:
+            capacity = (capacity or 0) + int(value)
         elif name in values:
             values[name].append(value)
         elif name == FINISHED + "_total" and math.isfinite(value) and value >= 0:
@@ -219,7 +233,10 @@ def parse_vllm_metrics(text: str) -> ScrapeSample:
     usage = sum(values[KV_USAGE]) / len(values[KV_USAGE])
     if usage > 1.0:
         raise ValueError(f"{KV_USAGE}={usage} outside [0, 1]")
-    return ScrapeSample(sum(values[WAITING]), sum(values[RUNNING]), usage, block_size, finished, first_tokens)
+    if capacity is None:
+        capacity = gpu_pools
+    return ScrapeSample(sum(values[WAITING]), sum(values[RUNNING]), usage, block_size, finished, first_tokens,
+                        capacity)
 
 
 @dataclass(slots=True)
@@ -266,6 +283,9 @@ can be stale, by at most this much (against ``max_metrics_age_seconds`` of 2 s).
 snapshots per pick was half of a pick's decision time at 100 endpoints (issue 10)."""
 
 
+OUTPUT_TOKENS_EWMA_ALPHA = 0.05
+"""Weight of the newest completion in a model's mean output tokens (``mean_output_tokens``): about the last
+20 requests' worth, so the mean follows a change of traffic within a few dozen requests."""
 LOOP_LAG_SLACK_SECONDS = 0.01
 """A loop-lag tick later than this past its due time credits its whole lateness as epp's own lag;
 within it (timer resolution, ordinary scheduling) nothing is credited."""
@@ -293,6 +313,8 @@ class Datastore:
         """Per model (None: all), the states sorted by id; rebuilt after a membership change."""
         self._in_flight: OrderedDict[str, EndpointId] = OrderedDict()
         """Request id -> the endpoint it was picked to, until its completion (bounded, oldest dropped)."""
+        self._output_mean: dict[str, float] = {}
+        """Per model, the exponentially weighted mean output tokens of successful completions the router reported."""
         self._activity: list[Callable[[EndpointId | None], None]] = []
         """Called with the endpoint on every pick, with None after a membership change (the scraper's wake-up)."""
         self._lag_total = 0.0
@@ -488,7 +510,8 @@ class Datastore:
             for listener in self._activity:
                 listener(endpoint_id)
 
-    def note_completed(self, request_id: str, endpoint_id: str = "", dispatched: bool = True) -> bool:
+    def note_completed(self, request_id: str, endpoint_id: str = "", dispatched: bool = True,
+                       output_tokens: int = 0) -> bool:
         """The router says request ``request_id`` ended on ``endpoint_id`` (any outcome); O(picks after it).
 
         Frees the pick where epp counted it (its pending and unprefilled counts, and those of the
@@ -503,6 +526,9 @@ class Datastore:
         prompt tokens, its pending and unprefilled counts, and from ``picks_total``, so the engine's
         received count is reconciled without it); the picks before it are not taken as delivered
         and no engine's running count changes (no engine counted it finished).
+
+        ``output_tokens`` > 0 (a success's generated tokens) enters the served endpoint's model's mean output
+        tokens (``EndpointMetrics.mean_output_tokens``, weight ``OUTPUT_TOKENS_EWMA_ALPHA``).
         """
         if not dispatched:
             picked_to = self._in_flight.pop(request_id, None) if request_id else None
@@ -529,6 +555,11 @@ class Datastore:
         served_id = EndpointId(endpoint_id) if endpoint_id else picked_to
         served = self._states.get(served_id) if served_id is not None else None
         if served is not None:
+            if output_tokens > 0:
+                model = served.endpoint.model
+                mean = self._output_mean.get(model)
+                self._output_mean[model] = float(output_tokens) if mean is None else (
+                    mean + OUTPUT_TOKENS_EWMA_ALPHA * (output_tokens - mean))
             served.snapshot = None
             served.completed_total += 1
             served.unseen_completions += 1
@@ -625,6 +656,7 @@ class Datastore:
             num_requests_running=max(0.0, running),
             kv_cache_usage_perc=sample.kv_cache_usage_perc if sample is not None else 0.0,
             block_size_tokens=sample.block_size_tokens if sample is not None else None,
+            kv_capacity_tokens=sample.kv_capacity_tokens if sample is not None else None,
             age_seconds=None if state.scraped_at is None else max(
                 0.0, now - state.scraped_at - (lag - state.lag_at_scrape)),
             pending_picks=pending,
@@ -634,6 +666,7 @@ class Datastore:
             queued_prefill_tokens=queued_tokens,
             active_prompt_tokens=active_tokens,
             routed_prefill_tokens=self._routed_now(state, now),
+            mean_output_tokens=self._output_mean.get(state.endpoint.model),
         )
         candidate = state.snapshot = Candidate(state.endpoint, metrics)
         state.snapshot_at = now

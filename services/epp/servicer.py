@@ -251,8 +251,9 @@ class EndpointPickerServicer(epp_pb2_grpc.EndpointPickerServicer):
                 total += 1
                 continue
             done = completion_from_proto(message)
-            matched += datastore.note_completed(done.request_id, done.endpoint_id,
-                                                dispatched=done.outcome is not CompletionOutcome.NOT_DISPATCHED)
+            matched += datastore.note_completed(
+                done.request_id, done.endpoint_id, dispatched=done.outcome is not CompletionOutcome.NOT_DISPATCHED,
+                output_tokens=done.completion_tokens if done.outcome is CompletionOutcome.SUCCESS else 0)
             total += 1
         record_completions(matched, total - matched)
         if refused:

@@ -745,7 +745,8 @@ class _Lifetime:
                 self.on_completed(RequestCompletion(
                     self.meta.epp_request_id, session.endpoint.id, report.prompt_tokens, usage.cached_tokens,
                     CompletionOutcome.SUCCESS if success else
-                    CompletionOutcome.CANCELLED if self.client_gone else CompletionOutcome.ERROR))
+                    CompletionOutcome.CANCELLED if self.client_gone else CompletionOutcome.ERROR,
+                    report.completion_tokens))
             if self.span is not None:  # what an operator looks for on the request's root span (issue 11)
                 self.span.set_attributes({
                     "kvmesh.ttft_seconds": session.ttft_seconds, "kvmesh.e2e_seconds": e2e,

@@ -97,6 +97,8 @@ class EndpointMetrics:
         num_requests_running: ``vllm:num_requests_running`` (requests).
         kv_cache_usage_perc: ``vllm:kv_cache_usage_perc``, a fraction in [0, 1] despite the name.
         block_size_tokens: ``block_size`` label of ``vllm:cache_config_info`` (None when absent).
+        kv_capacity_tokens: tokens the engine's KV pool holds, ``(num_gpu_blocks - 1) * block_size`` from
+            ``vllm:cache_config_info`` (SGLang: ``sglang:max_total_num_tokens``; None when absent).
         age_seconds: seconds since the last successful scrape when this snapshot was taken, less the
             time epp's own event loop lagged meanwhile (services/epp/datastore.py, "Freshness net of
             epp's own lag"; None when never scraped).
@@ -110,12 +112,15 @@ class EndpointMetrics:
             active blocks, services/epp/datastore.py "Active prompt tokens").
         routed_prefill_tokens: uncached prompt tokens of epp's picks here, each decayed by its age with the
             datastore's half-life (tokens; services/epp/datastore.py "Routed prefill").
+        mean_output_tokens: the endpoint's model's mean output tokens per request, exponentially weighted over
+            the successful completions the router reported (tokens; None before the first).
     """
 
     num_requests_waiting: float = 0.0
     num_requests_running: float = 0.0
     kv_cache_usage_perc: float = 0.0
     block_size_tokens: int | None = None
+    kv_capacity_tokens: int | None = None
     age_seconds: float | None = None
     pending_picks: int = 0
     consecutive_failures: int = 0
@@ -124,6 +129,7 @@ class EndpointMetrics:
     queued_prefill_tokens: int = 0
     active_prompt_tokens: int = 0
     routed_prefill_tokens: float = 0.0
+    mean_output_tokens: float | None = None
 
     @property
     def queue_depth(self) -> float:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import random
 
+from kvmesh._proto.kvmesh.epp.v1 import epp_pb2
 from kvmesh.clock import ManualClock
-from kvmesh.types import Endpoint, EndpointId
-from services.epp.datastore import Datastore, ScrapeSample
+from kvmesh.types import CompletionOutcome, Endpoint, EndpointId, RequestCompletion
+from kvmesh.wire import completion_from_proto, completion_to_proto
+from services.epp.datastore import OUTPUT_TOKENS_EWMA_ALPHA, Datastore, ScrapeSample
 from services.epp.framework.interfaces import Candidate, EndpointMetrics, PluginHandle, PrefixMatch, SchedulingRequest
 from services.epp.framework.loader import build_profile, resolve_scheduling_config
 from services.epp.plugins import default_registry
@@ -127,3 +129,38 @@ def test_a_re_pick_elsewhere_moves_the_active_tokens() -> None:
     assert ds.note_completed("r1")
     clock.advance(1.0)
     assert (_metrics(ds, A).active_prompt_tokens, _metrics(ds, B).active_prompt_tokens) == (0, 0)
+
+
+def test_mean_output_tokens_follow_the_routers_successful_completions() -> None:
+    """The router's completions carry the output tokens (``CompletedRequest.completion_tokens``); epp keeps
+    their exponentially weighted mean per model, for tier-cost's admission term. Failures, requests never
+    dispatched and unknown counts (0) do not enter it; an endpoint of another model has its own. (Snapshots
+    are reused for ``SNAPSHOT_REUSE_SECONDS``, hence the clock steps.)"""
+    other = Endpoint(id=EndpointId("127.0.0.1:3"), url="http://127.0.0.1:3", model="other")
+    clock, ds = _store(A, B, other)
+    assert _metrics(ds).mean_output_tokens is None  # before the first completion: the scorer's prior
+    ds.note_pick(A.id, 0, "r1", prompt_tokens=100)
+    ds.note_completed("r1", output_tokens=64)
+    clock.advance(0.01)
+    assert _metrics(ds).mean_output_tokens == 64.0
+    assert _metrics(ds, B).mean_output_tokens == 64.0  # the model's traffic, not one endpoint's
+    ds.note_completed("r2", endpoint_id=str(B.id), output_tokens=264)
+    clock.advance(0.01)
+    assert _metrics(ds).mean_output_tokens == 64.0 + OUTPUT_TOKENS_EWMA_ALPHA * 200
+    before = _metrics(ds).mean_output_tokens
+    ds.note_completed("r3", endpoint_id=str(A.id), output_tokens=0)  # unknown
+    ds.note_completed("r4", endpoint_id=str(A.id), dispatched=False, output_tokens=999)  # never dispatched
+    clock.advance(0.01)
+    assert _metrics(ds).mean_output_tokens == before
+    assert next(c.metrics for c in ds.candidates("other")).mean_output_tokens is None
+
+
+def test_completion_tokens_cross_the_wire() -> None:
+    """``CompletedRequest.completion_tokens`` (field 6) round-trips, clamped to uint32; a message from a router
+    before the field reads 0 (unknown)."""
+    completion = RequestCompletion("r", "127.0.0.1:1", 100, 40, CompletionOutcome.SUCCESS, 64)
+    message = completion_to_proto(completion)
+    assert message.completion_tokens == 64
+    assert completion_from_proto(epp_pb2.CompletedRequest.FromString(message.SerializeToString())) == completion
+    assert completion_to_proto(RequestCompletion("r", "", completion_tokens=2**40)).completion_tokens == 0xFFFFFFFF
+    assert completion_from_proto(epp_pb2.CompletedRequest(request_id="r")).completion_tokens == 0

@@ -53,14 +53,16 @@ def vllm_metrics(waiting: float, running: float, usage: float, block_size: int =
 def test_parse_real_vllm_exposition() -> None:
     """vLLM 0.32 CPU /metrics (``metrics_exposition.txt`` in the vendored recordings)."""
     sample = parse_vllm_metrics(recording("metrics_exposition.txt").read_text())
-    assert sample == ScrapeSample(0.0, 0.0, 0.0, 32, 17.0, 17.0)  # 17 requests finished (and first tokens)
+    # 17 requests finished (and first tokens); num_gpu_blocks="16384" of 32 tokens, less vLLM's null block
+    assert sample == ScrapeSample(0.0, 0.0, 0.0, 32, 17.0, 17.0, (16384 - 1) * 32)
 
 
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        (vllm_metrics(3, 2, 0.5), ScrapeSample(3.0, 2.0, 0.5, 64)),
-        (vllm_metrics(3, 2, 0.5, engines=2), ScrapeSample(6.0, 4.0, 0.5, 64)),
+        (vllm_metrics(3, 2, 0.5), ScrapeSample(3.0, 2.0, 0.5, 64, kv_capacity_tokens=99 * 64)),
+        # each rank's pool (num_gpu_blocks="100", one null block) summed
+        (vllm_metrics(3, 2, 0.5, engines=2), ScrapeSample(6.0, 4.0, 0.5, 64, kv_capacity_tokens=2 * 99 * 64)),
     ],
     ids=["one-engine", "two-dp-ranks"],
 )

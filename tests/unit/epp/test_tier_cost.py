@@ -250,6 +250,48 @@ def test_params_take_eviction_knobs() -> None:
             parse_params(TierCostParams, "tier-cost-scorer", "t", bad)
 
 
+def _pool(port: int, *, capacity: int | None, active: int = 0, usage: float = 0.0, running: float = 0) -> Candidate:
+    cand = _cand(port, running=running)
+    return Candidate(cand.endpoint, dataclasses.replace(
+        cand.metrics, kv_capacity_tokens=capacity, active_prompt_tokens=active, kv_cache_usage_perc=usage))
+
+
+def test_admission_waits_for_kv_room_under_full_prompt_admission() -> None:
+    """vLLM 0.32 admits a request only when its whole prompt fits the pool. A 65,472-token pool (1,024 blocks of
+    64, less the null block) with 56,000 tokens held by 3 in-flight requests has no room for a 16,000-token
+    prompt: 6,528 tokens must be freed first, 6,528 / 56,000 of a residency (64 decode steps of 6 ms + 3
+    running decodes). An engine with room, or with the term off, or with no known capacity, pays nothing."""
+    admit = TierCostModel.from_params(TierCostParams(admission_wait_weight=1.0, output_tokens_per_request=64))
+    full = _pool(1, capacity=65_472, active=56_000, running=3)
+    room = _pool(2, capacity=65_472, active=40_000, running=3)
+    step = 6e-3 + 3 * 3.25e-5
+    assert admit.admission_seconds(full, 16_000) == pytest.approx((6528 / 56_000) * 64 * step)
+    assert admit.admission_seconds(room, 16_000) == 0.0
+    # the engine's own usage counts when it is higher than epp's picks (requests another router sent)
+    busy = _pool(3, capacity=65_472, active=0, usage=0.9)
+    over = 0.9 * 65_472 + 16_000 - 65_472
+    assert admit.admission_seconds(busy, 16_000) == pytest.approx(over / (0.9 * 65_472) * 64 * (6e-3 + 3.25e-5))
+    # near one residency when nearly all that is held must be freed (at most one: over <= held as P <= capacity)
+    assert admit.admission_seconds(_pool(4, capacity=65_472, active=65_000, running=3), 65_472) == pytest.approx(
+        64 * step)
+    for cand in (_pool(5, capacity=None, active=56_000), _pool(6, capacity=10_000, active=5_000)):
+        assert admit.admission_seconds(cand, 16_000) == 0.0  # capacity unknown; a prompt that can never fit
+    assert MODEL.admission_seconds(full, 16_000) == 0.0  # off by default
+    # in the cost: a first call (no match anywhere) goes where it can start, not to the full engine
+    costs = tier_costs([full, room], 16_000, None, admit)
+    assert costs[full.id] - costs[room.id] == pytest.approx((6528 / 56_000) * 64 * step)
+    assert tier_costs([full, room], 16_000, None, MODEL)[full.id] == pytest.approx(costs[room.id])
+
+
+def test_params_take_admission_knobs() -> None:
+    parsed = parse_params(TierCostParams, "tier-cost-scorer", "t",
+                          {"admission_wait_weight": 0.5, "output_tokens_per_request": 128})
+    assert (parsed.admission_wait_weight, parsed.output_tokens_per_request) == (0.5, 128)
+    for bad in ({"admission_wait_weight": -1}, {"output_tokens_per_request": 0}):
+        with pytest.raises(ValueError):
+            parse_params(TierCostParams, "tier-cost-scorer", "t", bad)
+
+
 def _saturated_split(rate: float, requests: int, seed: int = 0, abandoned: float = 0.0) -> tuple[list[int], list[int]]:
     """A model-time mesh: 4 of the engine simulator's own cores (``EngineCore`` + ``PrefixCache``, 512 blocks
     of 64 tokens, ``llama-3.1-8b-h100`` step times) behind epp's real ``Datastore`` (scraped every 0.1 model

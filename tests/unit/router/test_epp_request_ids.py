@@ -212,6 +212,7 @@ async def test_a_locally_picked_request_an_engine_answered_is_always_reported(fa
     assert [(c.request_id, c.endpoint_id, c.outcome) for c in picker.completed] == [
         (meta.epp_request_id, c.endpoint_id, CompletionOutcome.SUCCESS) for c in picker.completed]
     assert len(picker.completed) == 1 and picker.completed[0].endpoint_id in (A.id, B.id)
+    assert picker.completed[0].completion_tokens == 2  # the engine's usage (fakes.JSON_BODY), for epp's output mean
 
 
 async def test_a_pinned_follow_up_an_engine_answered_is_reported_on_its_endpoint() -> None:

@@ -34,7 +34,13 @@ Math (seconds; ``P`` = prompt tokens, ``b`` = block size of ``e``, ``m`` = match
                                                                        loads into its own pool)
     occ(e)      = clamp(max(kv_cache_usage_perc(e), occupancy_floor), 0, 1)
     evict(e)    = eviction_weight * occ(e) * dup(e) * prefill_seconds_per_token
-    cost(e)     = ttft(e) + evict(e)
+    held(e)     = max(active_prompt_tokens(e), kv_cache_usage_perc(e) * cap(e))    (cap = kv_capacity_tokens)
+    over(e)     = held(e) + P - cap(e)                               (tokens to free before P fits)
+    admit(e)    = admission_wait_weight * over(e) / held(e)          (over <= held as P <= cap: at most one residency)
+                  * outputs * (step_base_seconds + max(1, running(e)) * decode_seconds_per_seq)
+    outputs     = mean_output_tokens (the router's completions) or output_tokens_per_request before the first
+                  (0 when over(e) <= 0, when P > cap(e) or when the capacity is unknown)
+    cost(e)     = ttft(e) + evict(e) + admit(e)
     score(e)    = 1 - cost(e) / max_e cost(e)                         (1 for all when every cost is 0)
 
     ``evict`` prices the eviction a move causes: sending the request away from the endpoint holding the
@@ -43,6 +49,15 @@ Math (seconds; ``P`` = prompt tokens, ``b`` = block size of ``e``, ``m`` = match
     cached prefixes, which they will recompute. The endpoint with the longest match pays nothing, so a
     session moves only when its engine's queue costs more than its recompute elsewhere *plus* the
     recompute it forces on others there (issue 9: sessions stay put until their engine is really busy).
+
+    ``admit`` prices vLLM 0.32's admission rule (``scheduler_reserve_full_isl``, its default): a waiting
+    request starts only when KV blocks for its whole prompt are free, cached blocks included (a cached
+    block nobody runs sits in the free queue and is taken out of it). Blocks held or claimed by the
+    endpoint's requests in flight (``held``: epp's picks not yet completed, or the engine's own usage
+    when that is higher) are freed as those requests finish; with ``held`` tokens spread over requests
+    that each finish after about one residency (``outputs`` decode steps), freeing
+    ``over`` of them takes about ``over / held`` of a residency. The queue term cannot see this: an
+    engine whose requests are all decoding has no queued prefill, yet its pool may have no room.
 
     ``unknown(e) = unprefilled_requests - known_unprefilled_requests``; ``guess(e)`` = the larger of the
     known ones' mean and ``P``. Each step of a chunked prefill also advances every running request by
@@ -64,6 +79,10 @@ benchmark runs, so the scorer and the engines agree):
     does not say which CPU it is, so CPU is priced as the local host tier.
     ``queued_weight`` (default 1.0) and ``recompute_weight`` (default 1.0): relative weight of the
     queue ahead and of this request's recompute (1/1 is the plain expected TTFT).
+    ``admission_wait_weight`` (default 0.0: off) and ``output_tokens_per_request`` (default 256, a chat
+    answer's order: the prior until the router has reported a completion with its output tokens, after
+    which epp's mean of them is used): the ``admit`` term. Needs the engines'
+    ``vllm:cache_config_info`` ``num_gpu_blocks`` label (``EndpointMetrics.kv_capacity_tokens``).
     ``eviction_weight`` (default 1.0; 0 turns ``evict`` off): the others' recompute a duplicated history
     forces, as a fraction of a recompute now. ``occupancy_floor`` (default 0.0): the least occupancy assumed
     (vLLM's ``kv_cache_usage_perc`` counts blocks held by requests, not the cached prefixes of idle
@@ -129,6 +148,8 @@ class TierCostParams(pydantic.BaseModel):
     recompute_weight: float = pydantic.Field(default=1.0, gt=0, le=1000)
     eviction_weight: float = pydantic.Field(default=1.0, ge=0, le=1000)
     occupancy_floor: float = pydantic.Field(default=0.0, ge=0, le=1)
+    admission_wait_weight: float = pydantic.Field(default=0.0, ge=0, le=1000)
+    output_tokens_per_request: int = pydantic.Field(default=256, ge=1)
 
     @pydantic.field_validator("bandwidth_bytes_per_second", "latency_seconds")
     @classmethod
@@ -156,13 +177,15 @@ class TierCostModel:
     recompute_weight: float = 1.0
     eviction_weight: float = 1.0
     occupancy_floor: float = 0.0
+    admission_wait_weight: float = 0.0
+    output_tokens_per_request: int = 256
 
     @classmethod
     def from_params(cls, p: TierCostParams) -> TierCostModel:
         return cls(p.prefill_seconds_per_token, p.step_base_seconds, p.decode_seconds_per_seq,
                    p.max_num_batched_tokens, p.kv_bytes_per_token, dict(p.bandwidth_bytes_per_second),
                    dict(p.latency_seconds), p.queued_weight, p.recompute_weight, p.eviction_weight,
-                   p.occupancy_floor)
+                   p.occupancy_floor, p.admission_wait_weight, p.output_tokens_per_request)
 
     def tier_order(self) -> list[str]:
         """Offload tiers with a bandwidth, cheapest load per block first."""
@@ -215,10 +238,26 @@ class TierCostModel:
         occupancy = min(1.0, max(m.kv_cache_usage_perc, self.occupancy_floor, 0.0))
         return self.eviction_weight * occupancy * dup_blocks * block * self.prefill_seconds_per_token
 
+    def admission_seconds(self, candidate: Candidate, prompt_tokens: int) -> float:
+        """``admit(e)`` of the module docstring: the expected wait for KV room under vLLM's full-prompt
+        admission (seconds); 0 with ``admission_wait_weight`` 0, room to spare, or no known capacity."""
+        m = candidate.metrics
+        capacity = m.kv_capacity_tokens
+        if self.admission_wait_weight <= 0 or not capacity or prompt_tokens > capacity:
+            return 0.0
+        held = max(float(m.active_prompt_tokens), m.kv_cache_usage_perc * capacity)
+        over = held + prompt_tokens - capacity
+        if over <= 0 or held <= 0:
+            return 0.0
+        step = self.step_base_seconds + max(1.0, m.num_requests_running) * self.decode_seconds_per_seq
+        outputs = m.mean_output_tokens or self.output_tokens_per_request
+        return self.admission_wait_weight * over / held * outputs * step
+
     def cost_seconds(self, candidate: Candidate, prompt_tokens: int, match: PrefixMatch | None,
                      longest: int = 0) -> float:
-        """``cost(e)`` = :meth:`ttft_seconds` + :meth:`eviction_seconds` (seconds)."""
-        return self.ttft_seconds(candidate, prompt_tokens, match) + self.eviction_seconds(candidate, match, longest)
+        """``cost(e)`` = :meth:`ttft_seconds` + :meth:`eviction_seconds` + :meth:`admission_seconds` (seconds)."""
+        return (self.ttft_seconds(candidate, prompt_tokens, match) + self.eviction_seconds(candidate, match, longest)
+                + self.admission_seconds(candidate, prompt_tokens))
 
 
 def factory(name: str, params: Mapping[str, Any], handle: PluginHandle) -> TierCostScorer:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmesh._proto.kvmesh.common.v1 import common_pb2 as kvmesh_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/epp/v1/epp.proto\x12\rkvmesh.epp.v1\x1a\x1dkvmesh/common/v1/common.proto\"\xb5\x02\n\x0bPickRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12/\n\x08messages\x18\x05 \x03(\x0b\x32\x1d.kvmesh.common.v1.ChatMessage\x12\x1c\n\x14\x65xclude_endpoint_ids\x18\x06 \x03(\t\x12\x11\n\tlora_name\x18\x07 \x01(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x13\n\x0brender_json\x18\t \x01(\x0c\x12\x1f\n\x17prompt_token_ids_packed\x18\n \x01(\x0c\x12\x15\n\rmax_endpoints\x18\x0b \x01(\r\x12\x16\n\x0eomit_breakdown\x18\x0c \x01(\x08\"\x9e\x01\n\x0eScoreBreakdown\x12\x13\n\x0b\x65ndpoint_id\x18\x01 \x01(\t\x12\x39\n\x06scores\x18\x02 \x03(\x0b\x32).kvmesh.epp.v1.ScoreBreakdown.ScoresEntry\x12\r\n\x05total\x18\x03 \x01(\x01\x1a-\n\x0bScoresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xc3\x01\n\x0cPickResponse\x12*\n\x06target\x18\x01 \x01(\x0b\x32\x1a.kvmesh.common.v1.Endpoint\x12-\n\tfallbacks\x18\x02 \x03(\x0b\x32\x1a.kvmesh.common.v1.Endpoint\x12\x30\n\tbreakdown\x18\x03 \x03(\x0b\x32\x1d.kvmesh.epp.v1.ScoreBreakdown\x12\x0f\n\x07profile\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\"\x16\n\x14ListEndpointsRequest\"\xb3\x01\n\rEndpointState\x12,\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32\x1a.kvmesh.common.v1.Endpoint\x12\x1c\n\x14num_requests_waiting\x18\x02 \x01(\x01\x12\x1c\n\x14num_requests_running\x18\x03 \x01(\x01\x12\x1b\n\x13kv_cache_usage_perc\x18\x04 \x01(\x01\x12\x1b\n\x13metrics_age_seconds\x18\x05 \x01(\x01\"H\n\x15ListEndpointsResponse\x12/\n\tendpoints\x18\x01 \x03(\x0b\x32\x1c.kvmesh.epp.v1.EndpointState\"\x16\n\x14GetPickerInfoRequest\"N\n\nPickerInfo\x12\x14\n\x0cneeds_prompt\x18\x01 \x01(\x08\x12\x10\n\x08profiles\x18\x02 \x03(\t\x12\x18\n\x10packed_token_ids\x18\x03 \x01(\x08\"\x9c\x01\n\x10\x43ompletedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x65ndpoint_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x31\n\x07outcome\x18\x05 \x01(\x0e\x32 .kvmesh.epp.v1.CompletionOutcome\"C\n\x0e\x43ompletedBatch\x12\x31\n\x08requests\x18\x01 \x03(\x0b\x32\x1f.kvmesh.epp.v1.CompletedRequest\"!\n\x0e\x43ompletedReply\x12\x0f\n\x07matched\x18\x01 \x01(\r\"\x96\x01\n\tPickEntry\x12\n\n\x02id\x18\x01 \x01(\x04\x12+\n\x07request\x18\x02 \x01(\x0b\x32\x1a.kvmesh.epp.v1.PickRequest\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\x12\x12\n\ntracestate\x18\x04 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\x12\x0e\n\x06\x63\x61ncel\x18\x06 \x01(\x08\"j\n\tPickBatch\x12)\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x18.kvmesh.epp.v1.PickEntry\x12\x32\n\tcompleted\x18\x02 \x03(\x0b\x32\x1f.kvmesh.epp.v1.CompletedRequest\"?\n\tPickError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x13\n\x0b\x65rror_class\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x7f\n\nPickResult\x12\n\n\x02id\x18\x01 \x01(\x04\x12/\n\x08response\x18\x02 \x01(\x0b\x32\x1b.kvmesh.epp.v1.PickResponseH\x00\x12)\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x18.kvmesh.epp.v1.PickErrorH\x00\x42\t\n\x07outcome\"9\n\x0bPickResults\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.kvmesh.epp.v1.PickResult*\xbe\x01\n\x11\x43ompletionOutcome\x12\"\n\x1e\x43OMPLETION_OUTCOME_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x43OMPLETION_OUTCOME_SUCCESS\x10\x01\x12\x1c\n\x18\x43OMPLETION_OUTCOME_ERROR\x10\x02\x12 \n\x1c\x43OMPLETION_OUTCOME_CANCELLED\x10\x03\x12%\n!COMPLETION_OUTCOME_NOT_DISPATCHED\x10\x04\x32\x8f\x03\n\x0e\x45ndpointPicker\x12?\n\x04Pick\x12\x1a.kvmesh.epp.v1.PickRequest\x1a\x1b.kvmesh.epp.v1.PickResponse\x12Z\n\rListEndpoints\x12#.kvmesh.epp.v1.ListEndpointsRequest\x1a$.kvmesh.epp.v1.ListEndpointsResponse\x12O\n\rGetPickerInfo\x12#.kvmesh.epp.v1.GetPickerInfoRequest\x1a\x19.kvmesh.epp.v1.PickerInfo\x12I\n\tCompleted\x12\x1d.kvmesh.epp.v1.CompletedBatch\x1a\x1d.kvmesh.epp.v1.CompletedReply\x12\x44\n\x08PickMany\x12\x18.kvmesh.epp.v1.PickBatch\x1a\x1a.kvmesh.epp.v1.PickResults(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/epp/v1/epp.proto\x12\rkvmesh.epp.v1\x1a\x1dkvmesh/common/v1/common.proto\"\xb5\x02\n\x0bPickRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12/\n\x08messages\x18\x05 \x03(\x0b\x32\x1d.kvmesh.common.v1.ChatMessage\x12\x1c\n\x14\x65xclude_endpoint_ids\x18\x06 \x03(\t\x12\x11\n\tlora_name\x18\x07 \x01(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x13\n\x0brender_json\x18\t \x01(\x0c\x12\x1f\n\x17prompt_token_ids_packed\x18\n \x01(\x0c\x12\x15\n\rmax_endpoints\x18\x0b \x01(\r\x12\x16\n\x0eomit_breakdown\x18\x0c \x01(\x08\"\x9e\x01\n\x0eScoreBreakdown\x12\x13\n\x0b\x65ndpoint_id\x18\x01 \x01(\t\x12\x39\n\x06scores\x18\x02 \x03(\x0b\x32).kvmesh.epp.v1.ScoreBreakdown.ScoresEntry\x12\r\n\x05total\x18\x03 \x01(\x01\x1a-\n\x0bScoresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xc3\x01\n\x0cPickResponse\x12*\n\x06target\x18\x01 \x01(\x0b\x32\x1a.kvmesh.common.v1.Endpoint\x12-\n\tfallbacks\x18\x02 \x03(\x0b\x32\x1a.kvmesh.common.v1.Endpoint\x12\x30\n\tbreakdown\x18\x03 \x03(\x0b\x32\x1d.kvmesh.epp.v1.ScoreBreakdown\x12\x0f\n\x07profile\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\"\x16\n\x14ListEndpointsRequest\"\xb3\x01\n\rEndpointState\x12,\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32\x1a.kvmesh.common.v1.Endpoint\x12\x1c\n\x14num_requests_waiting\x18\x02 \x01(\x01\x12\x1c\n\x14num_requests_running\x18\x03 \x01(\x01\x12\x1b\n\x13kv_cache_usage_perc\x18\x04 \x01(\x01\x12\x1b\n\x13metrics_age_seconds\x18\x05 \x01(\x01\"H\n\x15ListEndpointsResponse\x12/\n\tendpoints\x18\x01 \x03(\x0b\x32\x1c.kvmesh.epp.v1.EndpointState\"\x16\n\x14GetPickerInfoRequest\"N\n\nPickerInfo\x12\x14\n\x0cneeds_prompt\x18\x01 \x01(\x08\x12\x10\n\x08profiles\x18\x02 \x03(\t\x12\x18\n\x10packed_token_ids\x18\x03 \x01(\x08\"\xb7\x01\n\x10\x43ompletedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x65ndpoint_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x31\n\x07outcome\x18\x05 \x01(\x0e\x32 .kvmesh.epp.v1.CompletionOutcome\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\"C\n\x0e\x43ompletedBatch\x12\x31\n\x08requests\x18\x01 \x03(\x0b\x32\x1f.kvmesh.epp.v1.CompletedRequest\"!\n\x0e\x43ompletedReply\x12\x0f\n\x07matched\x18\x01 \x01(\r\"\x96\x01\n\tPickEntry\x12\n\n\x02id\x18\x01 \x01(\x04\x12+\n\x07request\x18\x02 \x01(\x0b\x32\x1a.kvmesh.epp.v1.PickRequest\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\x12\x12\n\ntracestate\x18\x04 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\x12\x0e\n\x06\x63\x61ncel\x18\x06 \x01(\x08\"j\n\tPickBatch\x12)\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x18.kvmesh.epp.v1.PickEntry\x12\x32\n\tcompleted\x18\x02 \x03(\x0b\x32\x1f.kvmesh.epp.v1.CompletedRequest\"?\n\tPickError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x13\n\x0b\x65rror_class\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x7f\n\nPickResult\x12\n\n\x02id\x18\x01 \x01(\x04\x12/\n\x08response\x18\x02 \x01(\x0b\x32\x1b.kvmesh.epp.v1.PickResponseH\x00\x12)\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x18.kvmesh.epp.v1.PickErrorH\x00\x42\t\n\x07outcome\"9\n\x0bPickResults\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.kvmesh.epp.v1.PickResult*\xbe\x01\n\x11\x43ompletionOutcome\x12\"\n\x1e\x43OMPLETION_OUTCOME_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x43OMPLETION_OUTCOME_SUCCESS\x10\x01\x12\x1c\n\x18\x43OMPLETION_OUTCOME_ERROR\x10\x02\x12 \n\x1c\x43OMPLETION_OUTCOME_CANCELLED\x10\x03\x12%\n!COMPLETION_OUTCOME_NOT_DISPATCHED\x10\x04\x32\x8f\x03\n\x0e\x45ndpointPicker\x12?\n\x04Pick\x12\x1a.kvmesh.epp.v1.PickRequest\x1a\x1b.kvmesh.epp.v1.PickResponse\x12Z\n\rListEndpoints\x12#.kvmesh.epp.v1.ListEndpointsRequest\x1a$.kvmesh.epp.v1.ListEndpointsResponse\x12O\n\rGetPickerInfo\x12#.kvmesh.epp.v1.GetPickerInfoRequest\x1a\x19.kvmesh.epp.v1.PickerInfo\x12I\n\tCompleted\x12\x1d.kvmesh.epp.v1.CompletedBatch\x1a\x1d.kvmesh.epp.v1.CompletedReply\x12\x44\n\x08PickMany\x12\x18.kvmesh.epp.v1.PickBatch\x1a\x1a.kvmesh.epp.v1.PickResults(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SCOREBREAKDOWN_SCORESENTRY']._loaded_options = None
   _globals['_SCOREBREAKDOWN_SCORESENTRY']._serialized_options = b'8\001'
-  _globals['_COMPLETIONOUTCOME']._serialized_start=1906
-  _globals['_COMPLETIONOUTCOME']._serialized_end=2096
+  _globals['_COMPLETIONOUTCOME']._serialized_start=1933
+  _globals['_COMPLETIONOUTCOME']._serialized_end=2123
   _globals['_PICKREQUEST']._serialized_start=74
   _globals['_PICKREQUEST']._serialized_end=383
   _globals['_SCOREBREAKDOWN']._serialized_start=386
@@ -55,21 +55,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PICKERINFO']._serialized_start=1048
   _globals['_PICKERINFO']._serialized_end=1126
   _globals['_COMPLETEDREQUEST']._serialized_start=1129
-  _globals['_COMPLETEDREQUEST']._serialized_end=1285
-  _globals['_COMPLETEDBATCH']._serialized_start=1287
-  _globals['_COMPLETEDBATCH']._serialized_end=1354
-  _globals['_COMPLETEDREPLY']._serialized_start=1356
-  _globals['_COMPLETEDREPLY']._serialized_end=1389
-  _globals['_PICKENTRY']._serialized_start=1392
-  _globals['_PICKENTRY']._serialized_end=1542
-  _globals['_PICKBATCH']._serialized_start=1544
-  _globals['_PICKBATCH']._serialized_end=1650
-  _globals['_PICKERROR']._serialized_start=1652
-  _globals['_PICKERROR']._serialized_end=1715
-  _globals['_PICKRESULT']._serialized_start=1717
-  _globals['_PICKRESULT']._serialized_end=1844
-  _globals['_PICKRESULTS']._serialized_start=1846
-  _globals['_PICKRESULTS']._serialized_end=1903
-  _globals['_ENDPOINTPICKER']._serialized_start=2099
-  _globals['_ENDPOINTPICKER']._serialized_end=2498
+  _globals['_COMPLETEDREQUEST']._serialized_end=1312
+  _globals['_COMPLETEDBATCH']._serialized_start=1314
+  _globals['_COMPLETEDBATCH']._serialized_end=1381
+  _globals['_COMPLETEDREPLY']._serialized_start=1383
+  _globals['_COMPLETEDREPLY']._serialized_end=1416
+  _globals['_PICKENTRY']._serialized_start=1419
+  _globals['_PICKENTRY']._serialized_end=1569
+  _globals['_PICKBATCH']._serialized_start=1571
+  _globals['_PICKBATCH']._serialized_end=1677
+  _globals['_PICKERROR']._serialized_start=1679
+  _globals['_PICKERROR']._serialized_end=1742
+  _globals['_PICKRESULT']._serialized_start=1744
+  _globals['_PICKRESULT']._serialized_end=1871
+  _globals['_PICKRESULTS']._serialized_start=1873
+  _globals['_PICKRESULTS']._serialized_end=1930
+  _globals['_ENDPOINTPICKER']._serialized_start=2126
+  _globals['_ENDPOINTPICKER']._serialized_end=2525
 # @@protoc_insertion_point(module_scope)

@@ -119,18 +119,20 @@ class PickerInfo(_message.Message):
     def __init__(self, needs_prompt: _Optional[bool] = ..., profiles: _Optional[_Iterable[str]] = ..., packed_token_ids: _Optional[bool] = ...) -> None: ...
 
 class CompletedRequest(_message.Message):
-    __slots__ = ("request_id", "endpoint_id", "prompt_tokens", "cached_tokens", "outcome")
+    __slots__ = ("request_id", "endpoint_id", "prompt_tokens", "cached_tokens", "outcome", "completion_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     endpoint_id: str
     prompt_tokens: int
     cached_tokens: int
     outcome: CompletionOutcome
-    def __init__(self, request_id: _Optional[str] = ..., endpoint_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., outcome: _Optional[_Union[CompletionOutcome, str]] = ...) -> None: ...
+    completion_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., endpoint_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., outcome: _Optional[_Union[CompletionOutcome, str]] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class CompletedBatch(_message.Message):
     __slots__ = ("requests",)
