@@ -614,7 +614,7 @@ def up(
     engines: EnginesOpt = DEFAULT_ENGINES,
     policy: Annotated[str, typer.Option("--policy", help="epp scheduling config: round-robin, load-only, "
                                         "precise-prefix, llm-d-blend, prefill-cost, dynamo-cost, tier-cost (services/epp/configs/) "
-                                        "or a YAML path.")] = "precise-prefix",
+                                        "or a YAML path.")] = "tier-cost",
     etcd: EtcdOpt = None,
     time_scale: TimeScaleOpt = 1.0,
     run_dir: RunDirOpt = None,
@@ -782,7 +782,7 @@ def replay_cmd(
                                               help="Model name; default: the router's first.")] = None,
     engines: EnginesOpt = DEFAULT_ENGINES,
     policy: Annotated[str, typer.Option("--policy", help="Policy of the mesh started without --router.")] =
-        "precise-prefix",
+        "tier-cost",
     num_gpu_blocks: AutoBlocksOpt = None,
     run_dir: RunDirOpt = None,
     long_prefill_token_threshold: LongPrefillOpt = None,
@@ -1063,7 +1063,7 @@ def compare(
                                           "optionally NAME+OFFLOAD to give that column its own engines' offload "
                                           "(precise-prefix+cpu, tier-cost+cpu+kv_store, round-robin+off); plain "
                                           "names take --offload. The column is labelled NAME+OFFLOAD unless off."
-                                          )] = "round-robin,precise-prefix",
+                                          )] = "round-robin,tier-cost",
     trace: TraceOpt = None,
     workload: WorkloadOpt = DEFAULT_WORKLOAD,
     requests: RequestsOpt = DEFAULT_REQUESTS,

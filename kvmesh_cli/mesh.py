@@ -108,8 +108,9 @@ class MeshSpec:
     """Logs, etcd data and the tokenizer's default location live here; one running mesh at a time
     (``<run_dir>/mesh.lock``), and etcd data found there at start, left by a mesh that did not stop, is deleted."""
     engines: int = 4
-    policy: str = "precise-prefix"
-    """epp ``--scheduling-config``: ``round-robin``, ``load-only``, ``precise-prefix`` or a YAML path."""
+    policy: str = "tier-cost"
+    """epp ``--scheduling-config``: a named config of ``services/epp/configs/`` (``tier-cost``, the default precise
+    profile; ``precise-prefix``, ``round-robin``, ...) or a YAML path."""
     time_scale: float | None = None
     """Engine ``--time-scale``: simulated time runs this many times faster than wall time."""
     model: str = DEFAULT_MODEL
