@@ -104,3 +104,6 @@ async def test_generate_server_info_and_metrics(client: httpx.AsyncClient) -> No
     sample = parse_vllm_metrics(text)  # epp reads SGLang's names
     assert sample.block_size_tokens == BLOCK and sample.num_requests_finished == 5.0
     assert 0.0 <= sample.kv_cache_usage_perc <= 1.0 and sample.num_first_tokens == 5.0
+    pool = next(s.value for f in text_string_to_metric_families(text) if f.name == "sglang:max_total_num_tokens"
+                for s in f.samples)
+    assert pool > 0 and sample.kv_capacity_tokens == int(pool)  # SGLang's pool size, for tier-cost's admission term
