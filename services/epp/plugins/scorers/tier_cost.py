@@ -38,8 +38,8 @@ Math (seconds; ``P`` = prompt tokens, ``b`` = block size of ``e``, ``m`` = match
     over(e)     = held(e) + P - cap(e)                               (tokens to free before P fits)
     admit(e)    = admission_wait_weight * over(e) / held(e)          (over <= held as P <= cap: at most one residency)
                   * outputs * (step_base_seconds + max(1, running(e)) * decode_seconds_per_seq)
-    outputs     = mean_output_tokens (the router's completions) or output_tokens_per_request before the first
                   (0 when over(e) <= 0, when P > cap(e) or when the capacity is unknown)
+    outputs     = mean_output_tokens (the router's completions) or output_tokens_per_request before the first
     cost(e)     = ttft(e) + evict(e) + admit(e)
     score(e)    = 1 - cost(e) / max_e cost(e)                         (1 for all when every cost is 0)
 
